@@ -1,0 +1,34 @@
+"""hapd: automatic SPMD training for PyTorch on heterogeneous GPU clusters.
+
+Heavy entry points (they import torch) load on first use, so light modules such as
+``hapd.errors`` and ``hapd.client`` stay cheap to import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from hapd.errors import HapdError
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "export": "hapd.frontend",
+    "lower": "hapd.ir",
+    "GraphIR": "hapd.ir",
+    "inspect_graph": "hapd.inspect",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hapd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = ["HapdError", "__version__", *_LAZY]

@@ -1,0 +1,82 @@
+"""hapd's one exception hierarchy.
+
+Every error hapd raises on bad input is a :class:`HapdError`. Errors from the Rust
+core arrive as the class named by the core (``GraphFormatError``, ``ShapeError``, …)
+and carry the offending ``node`` and ``field`` when there is one, so a caller can
+point at the problem without parsing the message.
+"""
+
+from __future__ import annotations
+
+
+class HapdError(Exception):
+    """Base class of every hapd error."""
+
+    def __init__(self, message: str, *, node: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.node = node
+        self.field = field
+
+
+class GraphError(HapdError):
+    """A graph (exported program or graph IR) cannot be used."""
+
+
+class GraphFormatError(GraphError):
+    """The bytes are not a graph IR document (truncated, garbage, wrong format)."""
+
+
+class GraphVersionError(GraphError):
+    """The graph IR declares a version this hapd does not read."""
+
+
+class GraphValidationError(GraphError):
+    """A node or field of the graph IR is inconsistent (dangling reference, bad field)."""
+
+
+class ShapeError(GraphValidationError):
+    """An op's operand shapes do not agree with the op."""
+
+
+class ExportError(GraphError):
+    """A module could not be exported or lowered to the graph IR."""
+
+
+class UnsupportedOpError(GraphError):
+    """An op cannot be handled where it was asked to be (names the op and node)."""
+
+    def __init__(self, message: str, *, op: str | None = None, node: str | None = None, field: str | None = None):
+        super().__init__(message, node=node, field=field)
+        self.op = op
+
+
+class ProfileError(HapdError):
+    """A cluster profile is missing a field or has a bad value."""
+
+
+class SynthesisError(HapdError):
+    """No program could be synthesized, or the sharding-ratio LP failed."""
+
+
+class OptionsError(HapdError):
+    """Compiler or command options are inconsistent."""
+
+
+class PlanError(HapdError):
+    """A plan file cannot be read or does not match the graph it is applied to."""
+
+
+class ProtocolError(HapdError):
+    """A control message is malformed or of an unknown version."""
+
+
+class AuthError(ProtocolError):
+    """A control message failed authentication."""
+
+
+class RemoteError(HapdError):
+    """A daemon answered a request with an error."""
+
+
+__all__ = [name for name, value in list(globals().items()) if isinstance(value, type) and issubclass(value, HapdError)]

@@ -1,0 +1,89 @@
+"""Front end: a module and example inputs → a ``torch.export`` program (``.pt2``)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.export import ExportedProgram
+
+from hapd.errors import ExportError
+from hapd.ir import EXTRA_FILE
+
+
+def export(
+    model: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    path: str | Path | None = None,
+    batch_dims: Sequence[int | None] | None = None,
+    name: str | None = None,
+) -> ExportedProgram:
+    """Export ``model`` (whose forward returns the scalar loss) in training mode.
+
+    ``batch_dims[i]`` is the batch dim of ``example_inputs[i]`` (default 0 for every
+    input). With ``path`` the program is saved with ``torch.export.save``, together with
+    the model name and batch dims, so that dropping the file into a watched folder is
+    enough for hapd to compile it.
+    """
+    example_inputs = tuple(example_inputs)
+    if batch_dims is None:
+        batch_dims = [0 if t.dim() > 0 else None for t in example_inputs]
+    if len(batch_dims) != len(example_inputs):
+        raise ExportError(f"{len(batch_dims)} batch dims for {len(example_inputs)} example inputs")
+    model.train()
+    try:
+        program = torch.export.export(model, example_inputs, strict=False)
+    except Exception as exc:
+        raise ExportError(f"torch.export failed for {type(model).__name__}: {type(exc).__name__}: {exc}") from exc
+    if path is not None:
+        names = user_input_names(program)
+        meta = {"name": name or type(model).__name__, "batch_dims": dict(zip(names, batch_dims))}
+        path = Path(path)
+        tmp = path.with_name(f".{path.stem}.tmp{path.suffix or '.pt2'}")
+        torch.export.save(program, tmp, extra_files={EXTRA_FILE: json.dumps(meta, sort_keys=True)})
+        tmp.replace(path)
+    return program
+
+
+def user_input_names(program: ExportedProgram) -> list[str]:
+    """Placeholder names of the user inputs, in call order."""
+    from torch.export.graph_signature import InputKind
+
+    return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """Resolve ``package.module:callable``."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ExportError(f"{spec!r} is not MODULE:FACTORY")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ExportError(f"cannot import {module_name!r}: {exc}") from exc
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ExportError(f"{module_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise ExportError(f"{spec} is not callable")
+    return factory
+
+
+def call_factory(factory: Callable[..., Any], batch: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """A factory is called with ``batch=`` (when it takes it) and returns
+    ``(module, example_inputs)``."""
+    takes_batch = "batch" in inspect.signature(factory).parameters
+    result = factory(batch=batch) if takes_batch else factory()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
+        raise ExportError("a factory must return (module, example_inputs)")
+    model, inputs = result
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    return model, tuple(inputs)

@@ -1,0 +1,406 @@
+//! The graph IR (`.hapg`, `docs/formats.md`): what hapd lowers an exported PyTorch
+//! program to. Decoding checks the header first (format, version), then each node on
+//! its own so that an error names the node; [`crate::validate`] checks references and
+//! shapes afterwards.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// `format` of a graph file.
+pub const GRAPH_FORMAT: &str = "hapd.graph";
+/// The graph IR version this build reads and writes.
+pub const GRAPH_VERSION: u32 = 1;
+
+/// A reference to result `output` of node `node`; written as `[node, output]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TensorRef(pub u32, pub u32);
+
+impl TensorRef {
+    pub fn node(self) -> usize {
+        self.0 as usize
+    }
+    pub fn output(self) -> usize {
+        self.1 as usize
+    }
+}
+
+/// What a node stands for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeKind {
+    /// A user input (a batch of data or labels).
+    Input,
+    /// A trainable (or frozen) parameter of the module.
+    Parameter,
+    /// A buffer of the module: state without gradient.
+    Buffer,
+    /// A tensor constant lifted out of the module.
+    Constant,
+    /// An ATen op.
+    Op,
+}
+
+impl NodeKind {
+    /// Sources have no inputs and exactly one result.
+    pub fn is_source(self) -> bool {
+        !matches!(self, NodeKind::Op)
+    }
+}
+
+/// A schema argument value; tensors are indices into the node's `inputs`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Value {
+    #[serde(rename = "t")]
+    Tensor(u32),
+    #[serde(rename = "i")]
+    Int(i64),
+    #[serde(rename = "f")]
+    Float(f64),
+    #[serde(rename = "b")]
+    Bool(bool),
+    #[serde(rename = "s")]
+    Str(String),
+    #[serde(rename = "l")]
+    List(Vec<Value>),
+    #[serde(rename = "n")]
+    None(()),
+}
+
+impl Value {
+    pub fn as_int(&self) -> Option<i64> {
+        match self {
+            Value::Int(i) => Some(*i),
+            _ => None,
+        }
+    }
+    pub fn as_float(&self) -> Option<f64> {
+        match self {
+            Value::Float(f) => Some(*f),
+            Value::Int(i) => Some(*i as f64),
+            _ => None,
+        }
+    }
+    pub fn as_bool(&self) -> Option<bool> {
+        match self {
+            Value::Bool(b) => Some(*b),
+            _ => None,
+        }
+    }
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+    pub fn as_ints(&self) -> Option<Vec<i64>> {
+        match self {
+            Value::List(items) => items.iter().map(Value::as_int).collect(),
+            _ => None,
+        }
+    }
+    pub fn is_none(&self) -> bool {
+        matches!(self, Value::None(()))
+    }
+}
+
+/// One named schema argument.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Arg {
+    pub name: String,
+    pub value: Value,
+}
+
+/// Element types, with their size in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F64,
+    F32,
+    F16,
+    BF16,
+    I64,
+    I32,
+    I16,
+    I8,
+    U8,
+    Bool,
+    /// Complex and other exotic types: carried, never sharded by size.
+    Other,
+    /// The result is not a tensor (an int, a None in a tuple).
+    NotATensor,
+}
+
+impl DType {
+    pub fn parse(name: &str) -> DType {
+        match name {
+            "float64" => DType::F64,
+            "float32" => DType::F32,
+            "float16" => DType::F16,
+            "bfloat16" => DType::BF16,
+            "int64" => DType::I64,
+            "int32" => DType::I32,
+            "int16" => DType::I16,
+            "int8" => DType::I8,
+            "uint8" => DType::U8,
+            "bool" => DType::Bool,
+            "none" => DType::NotATensor,
+            _ => DType::Other,
+        }
+    }
+
+    /// Bytes per element (8 for the unknown kinds: an upper bound for costs).
+    pub fn size(self) -> usize {
+        match self {
+            DType::F64 | DType::I64 | DType::Other => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 | DType::I16 => 2,
+            DType::I8 | DType::U8 | DType::Bool => 1,
+            DType::NotATensor => 0,
+        }
+    }
+
+    /// Floating-point tensors carry gradients; integer ones never do.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
+    }
+}
+
+/// Shape, dtype and fx name of one result, as written in the file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorMetaFile {
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub dtype: String,
+}
+
+/// One node as written in the file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeFile {
+    pub name: String,
+    pub kind: NodeKind,
+    #[serde(default)]
+    pub op: String,
+    #[serde(default)]
+    pub target: String,
+    #[serde(default)]
+    pub inputs: Vec<TensorRef>,
+    #[serde(default)]
+    pub args: Vec<Arg>,
+    pub outputs: Vec<TensorMetaFile>,
+    #[serde(default)]
+    pub requires_grad: bool,
+    #[serde(default)]
+    pub batch_dim: Option<i64>,
+}
+
+/// A result of a node, after validation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorMeta {
+    /// fx node holding this result.
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+}
+
+impl TensorMeta {
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn bytes(&self) -> usize {
+        self.numel() * self.dtype.size()
+    }
+}
+
+/// A node after decoding: the file's node with typed shapes and dtypes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    pub name: String,
+    pub kind: NodeKind,
+    pub op: String,
+    pub target: String,
+    pub inputs: Vec<TensorRef>,
+    pub args: Vec<Arg>,
+    pub outputs: Vec<TensorMeta>,
+    pub requires_grad: bool,
+    pub batch_dim: Option<usize>,
+}
+
+impl Node {
+    /// The value of the schema argument `name`, if present.
+    pub fn arg(&self, name: &str) -> Option<&Value> {
+        self.args.iter().find(|a| a.name == name).map(|a| &a.value)
+    }
+
+    /// The tensor operand passed as schema argument `name`, if it is a tensor.
+    pub fn tensor_arg(&self, name: &str) -> Option<TensorRef> {
+        match self.arg(name) {
+            Some(Value::Tensor(k)) => self.inputs.get(*k as usize).copied(),
+            _ => None,
+        }
+    }
+}
+
+/// How the loss reduces over the batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LossReduction {
+    Sum,
+    Mean,
+    Unknown,
+}
+
+/// A decoded graph. [`crate::validate::validate`] turns it into a checked one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Graph {
+    pub name: String,
+    pub nodes: Vec<Node>,
+    pub loss: TensorRef,
+    pub loss_reduction: LossReduction,
+}
+
+impl Graph {
+    /// Shape, dtype and name of a tensor; the reference must be valid.
+    pub fn meta(&self, t: TensorRef) -> &TensorMeta {
+        &self.nodes[t.node()].outputs[t.output()]
+    }
+
+    /// Decode and validate a `.hapg` document.
+    pub fn from_msgpack(bytes: &[u8]) -> Result<Graph> {
+        let graph = decode(bytes)?;
+        crate::validate::validate(&graph)?;
+        Ok(graph)
+    }
+
+    /// Ops that appear in the graph, with how many times.
+    pub fn op_counts(&self) -> Vec<(String, usize)> {
+        let mut counts = std::collections::BTreeMap::<&str, usize>::new();
+        for node in self.nodes.iter().filter(|n| n.kind == NodeKind::Op) {
+            *counts.entry(node.op.as_str()).or_default() += 1;
+        }
+        counts.into_iter().map(|(op, n)| (op.to_string(), n)).collect()
+    }
+}
+
+fn decode_error(message: impl ToString) -> Error {
+    Error::Decode { what: "graph", message: message.to_string() }
+}
+
+/// The value under `key` in a msgpack map.
+fn get<'a>(map: &'a [(rmpv::Value, rmpv::Value)], key: &str) -> Option<&'a rmpv::Value> {
+    map.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
+}
+
+fn graph_field(field: &str, message: impl Into<String>) -> Error {
+    Error::InvalidGraph { field: field.to_string(), message: message.into() }
+}
+
+/// Decode a graph file without validating references or shapes.
+pub fn decode(bytes: &[u8]) -> Result<Graph> {
+    if bytes.is_empty() {
+        return Err(decode_error("the file is empty"));
+    }
+    let mut reader = bytes;
+    let root = rmpv::decode::read_value(&mut reader).map_err(decode_error)?;
+    if !reader.is_empty() {
+        return Err(decode_error(format!("{} trailing bytes after the document", reader.len())));
+    }
+    let map = root.as_map().ok_or_else(|| decode_error("the document is not a map"))?;
+
+    let format = get(map, "format").and_then(rmpv::Value::as_str);
+    match format {
+        Some(GRAPH_FORMAT) => {}
+        Some(other) => {
+            return Err(Error::UnknownFormat { found: other.to_string(), expected: GRAPH_FORMAT })
+        }
+        None => return Err(Error::UnknownFormat { found: "<missing>".into(), expected: GRAPH_FORMAT }),
+    }
+    let version = get(map, "version")
+        .and_then(rmpv::Value::as_i64)
+        .ok_or_else(|| graph_field("version", "missing or not an integer"))?;
+    if version != GRAPH_VERSION as i64 {
+        return Err(Error::UnsupportedVersion { format: GRAPH_FORMAT, found: version, supported: GRAPH_VERSION });
+    }
+
+    let name = get(map, "name").and_then(rmpv::Value::as_str).unwrap_or("").to_string();
+    let nodes_value = get(map, "nodes").ok_or_else(|| graph_field("nodes", "missing"))?;
+    let raw_nodes = nodes_value.as_array().ok_or_else(|| graph_field("nodes", "not a list"))?;
+    let mut nodes = Vec::with_capacity(raw_nodes.len());
+    for (index, raw) in raw_nodes.iter().enumerate() {
+        nodes.push(decode_node(index, raw)?);
+    }
+
+    let loss_value = get(map, "loss").ok_or_else(|| graph_field("loss", "missing"))?;
+    let loss: TensorRef = rmpv::ext::from_value(loss_value.clone())
+        .map_err(|e| graph_field("loss", format!("not a tensor reference [node, output]: {e}")))?;
+    let loss_reduction = match get(map, "loss_reduction").and_then(rmpv::Value::as_str) {
+        Some("sum") => LossReduction::Sum,
+        Some("mean") => LossReduction::Mean,
+        Some("unknown") | None => LossReduction::Unknown,
+        Some(other) => {
+            return Err(graph_field("loss_reduction", format!("{other:?} is not one of sum, mean, unknown")))
+        }
+    };
+    Ok(Graph { name, nodes, loss, loss_reduction })
+}
+
+fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
+    let name = raw
+        .as_map()
+        .and_then(|m| get(m, "name"))
+        .and_then(rmpv::Value::as_str)
+        .unwrap_or("<unnamed>")
+        .to_string();
+    if raw.as_map().is_none() {
+        return Err(Error::node_field(index, &name, "<node>", "not a map"));
+    }
+    // rmp-serde (not rmpv's value deserializer) reads enums as hapd writes them:
+    // unit variants as strings, others as one-key maps.
+    let mut buf = Vec::new();
+    rmpv::encode::write_value(&mut buf, raw).map_err(decode_error)?;
+    let file: NodeFile = rmp_serde::from_slice(&buf)
+        .map_err(|e| Error::node_field(index, &name, field_of(&e.to_string()), e.to_string()))?;
+    let mut outputs = Vec::with_capacity(file.outputs.len());
+    for (k, out) in file.outputs.iter().enumerate() {
+        let mut shape = Vec::with_capacity(out.shape.len());
+        for &d in &out.shape {
+            if d < 0 {
+                return Err(Error::node_field(
+                    index,
+                    &name,
+                    format!("outputs[{k}].shape"),
+                    format!("negative dimension {d} in {:?}", out.shape),
+                ));
+            }
+            shape.push(d as usize);
+        }
+        outputs.push(TensorMeta { name: out.name.clone(), shape, dtype: DType::parse(&out.dtype) });
+    }
+    let batch_dim = match file.batch_dim {
+        None => None,
+        Some(d) if d >= 0 => Some(d as usize),
+        Some(d) => return Err(Error::node_field(index, &name, "batch_dim", format!("negative ({d})"))),
+    };
+    Ok(Node {
+        name: file.name,
+        kind: file.kind,
+        op: file.op,
+        target: file.target,
+        inputs: file.inputs,
+        args: file.args,
+        outputs,
+        requires_grad: file.requires_grad,
+        batch_dim,
+    })
+}
+
+/// serde names the field in messages like "missing field `shape`"; pull it out.
+fn field_of(message: &str) -> String {
+    message
+        .split('`')
+        .nth(1)
+        .filter(|f| !f.is_empty())
+        .map(str::to_string)
+        .unwrap_or_else(|| "<node>".to_string())
+}
