@@ -6,8 +6,14 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hapd_core::problem::{Mode, Options};
 use hapd_core::summary::Summary;
-use hapd_core::{Error, Graph};
+use hapd_core::{Error, Graph, Limits};
 
 /// Raise a core error as the `hapd.errors` class it names, carrying node and field.
 fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
@@ -46,6 +52,72 @@ fn summary_dict<'py>(py: Python<'py>, s: &Summary) -> PyResult<Bound<'py, PyDict
     Ok(d)
 }
 
+/// Search for the cheapest program of `graph` on `profile` under `ratios`.
+///
+/// `options`: `mode` ("auto" | "data_parallel"), `force` ({node: rule}), `zero` (bool),
+/// `max_states` (int), `max_seconds` (float). Returns the program as msgpack bytes.
+/// The search runs on a worker thread while this thread polls for signals, so Ctrl-C
+/// cancels it (it raises KeyboardInterrupt).
+#[pyfunction]
+#[pyo3(signature = (graph, profile, ratios, options=None))]
+fn synthesize<'py>(
+    py: Python<'py>,
+    graph: &Bound<'py, PyBytes>,
+    profile: &Bound<'py, PyBytes>,
+    ratios: Vec<f64>,
+    options: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let (opts, limits) = parse_options(py, options)?;
+    let graph = graph.as_bytes().to_vec();
+    let profile = profile.as_bytes().to_vec();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&cancel);
+    let worker = std::thread::spawn(move || {
+        hapd_core::synthesize(&graph, &profile, &ratios, opts, limits, Some(&flag))
+            .and_then(|p| rmp_serde::to_vec_named(&p).map_err(|e| Error::Synthesis { message: e.to_string() }))
+    });
+    loop {
+        if worker.is_finished() {
+            break;
+        }
+        py.detach(|| std::thread::sleep(Duration::from_millis(2)));
+        if let Err(interrupt) = py.check_signals() {
+            cancel.store(true, Ordering::Relaxed);
+            let _ = py.detach(|| worker.join());
+            return Err(interrupt);
+        }
+    }
+    let result = worker.join().map_err(|_| PyRuntimeError::new_err("hapd core: the search thread panicked (a bug)"))?;
+    let bytes = result.map_err(|e| to_py_err(py, e))?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+fn parse_options(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyResult<(Options, Limits)> {
+    let mut opts = Options::default();
+    let mut limits = Limits::default();
+    let Some(options) = options else { return Ok((opts, limits)) };
+    let bad = |field: &str, message: String| to_py_err(py, Error::InvalidOption { field: field.into(), message });
+    for (key, value) in options.iter() {
+        let key: String = key.extract()?;
+        match key.as_str() {
+            "mode" => {
+                let mode: String = value.extract()?;
+                opts.mode = match mode.as_str() {
+                    "auto" => Mode::Auto,
+                    "data_parallel" => Mode::DataParallel,
+                    other => return Err(bad("mode", format!("{other:?} is not auto or data_parallel"))),
+                };
+            }
+            "force" => opts.force = value.extract::<BTreeMap<String, String>>()?,
+            "zero" => opts.zero = value.extract()?,
+            "max_states" => limits.max_states = value.extract()?,
+            "max_seconds" => limits.max_seconds = value.extract()?,
+            other => return Err(bad(other, "unknown option".into())),
+        }
+    }
+    Ok((opts, limits))
+}
+
 /// The graph IR version this core reads.
 #[pyfunction]
 fn graph_version() -> u32 {
@@ -57,5 +129,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(load_graph, m)?)?;
     m.add_function(wrap_pyfunction!(graph_version, m)?)?;
+    m.add_function(wrap_pyfunction!(synthesize, m)?)?;
     Ok(())
 }

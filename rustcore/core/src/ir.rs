@@ -148,6 +148,24 @@ impl DType {
         }
     }
 
+    /// The torch name without its prefix (`float32`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F64 => "float64",
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::I64 => "int64",
+            DType::I32 => "int32",
+            DType::I16 => "int16",
+            DType::I8 => "int8",
+            DType::U8 => "uint8",
+            DType::Bool => "bool",
+            DType::Other => "other",
+            DType::NotATensor => "none",
+        }
+    }
+
     /// Bytes per element (8 for the unknown kinds: an upper bound for costs).
     pub fn size(self) -> usize {
         match self {
@@ -283,6 +301,15 @@ impl Graph {
     }
 }
 
+/// How deep msgpack values may nest (rmpv counts about two levels per list or map). A
+/// graph needs about ten; the bound keeps the recursive decoders well inside a thread's
+/// stack on any input (rmpv's default of 1024 overflows a 2 MiB stack in debug builds).
+const MAX_DEPTH: usize = 128;
+
+/// The most elements a tensor may have (about 2.8e14, far above any real tensor), so
+/// that element and byte counts, and sums of them, never overflow.
+const MAX_ELEMENTS: u64 = 1 << 48;
+
 fn decode_error(message: impl ToString) -> Error {
     Error::Decode { what: "graph", message: message.to_string() }
 }
@@ -302,7 +329,7 @@ pub fn decode(bytes: &[u8]) -> Result<Graph> {
         return Err(decode_error("the file is empty"));
     }
     let mut reader = bytes;
-    let root = rmpv::decode::read_value(&mut reader).map_err(decode_error)?;
+    let root = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH).map_err(decode_error)?;
     if !reader.is_empty() {
         return Err(decode_error(format!("{} trailing bytes after the document", reader.len())));
     }
@@ -359,8 +386,11 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
     // unit variants as strings, others as one-key maps.
     let mut buf = Vec::new();
     rmpv::encode::write_value(&mut buf, raw).map_err(decode_error)?;
-    let file: NodeFile = rmp_serde::from_slice(&buf)
-        .map_err(|e| Error::node_field(index, &name, field_of(&e.to_string()), e.to_string()))?;
+    let file: NodeFile = rmp_serde::from_slice(&buf).map_err(|e| {
+        let message = e.to_string();
+        let field = raw.as_map().map_or_else(|| "<node>".to_string(), |m| failing_field(m, &message));
+        Error::node_field(index, &name, field, message)
+    })?;
     let mut outputs = Vec::with_capacity(file.outputs.len());
     for (k, out) in file.outputs.iter().enumerate() {
         let mut shape = Vec::with_capacity(out.shape.len());
@@ -374,6 +404,15 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
                 ));
             }
             shape.push(d as usize);
+        }
+        let elements = out.shape.iter().try_fold(1_u64, |n, &d| n.checked_mul(d as u64));
+        if elements.is_none_or(|n| n > MAX_ELEMENTS) {
+            return Err(Error::node_field(
+                index,
+                &name,
+                format!("outputs[{k}].shape"),
+                format!("{:?} has more than 2^48 elements", out.shape),
+            ));
         }
         outputs.push(TensorMeta { name: out.name.clone(), shape, dtype: DType::parse(&out.dtype) });
     }
@@ -395,12 +434,36 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
     })
 }
 
-/// serde names the field in messages like "missing field `shape`"; pull it out.
-fn field_of(message: &str) -> String {
+/// The node field a decode error is about. serde's own message names a value, not
+/// the field, for most errors ("unknown variant `weird`"), so each present field is
+/// decoded on its own and the first that fails is the culprit; when all present ones
+/// decode, a required field is missing and serde's "missing field `kind`" names it.
+fn failing_field(map: &[(rmpv::Value, rmpv::Value)], message: &str) -> String {
+    for (key, value) in map {
+        let Some(key) = key.as_str() else { continue };
+        let fits = match key {
+            "name" | "op" | "target" => fits::<String>(value),
+            "kind" => fits::<NodeKind>(value),
+            "inputs" => fits::<Vec<TensorRef>>(value),
+            "args" => fits::<Vec<Arg>>(value),
+            "outputs" => fits::<Vec<TensorMetaFile>>(value),
+            "requires_grad" => fits::<bool>(value),
+            "batch_dim" => fits::<Option<i64>>(value),
+            _ => true,
+        };
+        if !fits {
+            return key.to_string();
+        }
+    }
     message
-        .split('`')
-        .nth(1)
+        .split_once("missing field `")
+        .and_then(|(_, rest)| rest.split('`').next())
         .filter(|f| !f.is_empty())
-        .map(str::to_string)
-        .unwrap_or_else(|| "<node>".to_string())
+        .map_or_else(|| "<node>".to_string(), str::to_string)
+}
+
+/// Whether `value` decodes as a `T` (the way [`decode_node`] decodes a whole node).
+fn fits<T: serde::de::DeserializeOwned>(value: &rmpv::Value) -> bool {
+    let mut buf = Vec::new();
+    rmpv::encode::write_value(&mut buf, value).is_ok() && rmp_serde::from_slice::<T>(&buf).is_ok()
 }

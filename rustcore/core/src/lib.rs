@@ -22,11 +22,54 @@
 //! - **plan** — the chosen steps, their layouts and collectives, the ratios and the
 //!   cost estimate: what the runtime applies to a module for each rank.
 
+pub mod comm;
+pub mod cost;
 pub mod error;
 pub mod ir;
+pub mod layout;
+pub mod plan;
+pub mod problem;
+pub mod profile;
 pub mod rules;
+pub mod search;
 pub mod summary;
 pub mod validate;
 
 pub use error::{Error, Result};
 pub use ir::Graph;
+
+/// Limits of one search.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    pub max_states: usize,
+    pub max_seconds: Option<f64>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_states: 2_000_000, max_seconds: None }
+    }
+}
+
+/// Decode a graph and a profile, search under `ratios`, and return the program.
+pub fn synthesize(
+    graph: &[u8],
+    profile: &[u8],
+    ratios: &[f64],
+    options: problem::Options,
+    limits: Limits,
+    cancel: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<plan::ProgramOut> {
+    let graph = Graph::from_msgpack(graph)?;
+    let profile = profile::Profile::from_msgpack(profile)?;
+    let problem = problem::Problem::new(&graph, &profile, options)?;
+    let mut search = search::Search::new(&problem, ratios)?.with_state_limit(limits.max_states);
+    if let Some(seconds) = limits.max_seconds {
+        search = search.with_time_limit(std::time::Duration::from_secs_f64(seconds.max(0.0)));
+    }
+    if let Some(flag) = cancel {
+        search = search.with_cancel(flag);
+    }
+    let outcome = search.run()?;
+    Ok(plan::program(&problem, &outcome))
+}

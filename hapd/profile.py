@@ -1,0 +1,248 @@
+"""Cluster profiles: devices and collective costs (DESIGN.md §3).
+
+A profile is a JSON file (``profiles/*.json``)::
+
+    {"format": "hapd.profile", "version": 1, "name": "...", "description": "...",
+     "devices": [{"rank": 0, "host": "v1", "model": "V100", "flops": 3.86e12,
+                  "memory": 17179869184}, ...],
+     "collectives": {"all_gather": {"inter": {"alpha": 3e-5, "beta": 8.2e8},
+                                    "intra": {...}}, ...}}
+
+Units: seconds, bytes, bytes/s (bandwidth counts bytes of the full tensor per second),
+FLOP/s. ``flops`` is the achieved rate on matmul-heavy work; ``elementwise_flops``
+(optional) the rate on element-wise work. ``intra`` (optional) is the cost within one
+host; ``inter`` across hosts. The **profile id** is the sha256 of the canonical form of
+the devices and collectives: names, descriptions, key order and formatting do not
+change it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import msgpack
+
+from hapd.errors import ProfileError
+
+PROFILE_FORMAT = "hapd.profile"
+PROFILE_VERSION = 1
+
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_grouped",
+    "reduce_scatter",
+    "reduce_scatter_grouped",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+)
+"""Every collective the cost model prices; a profile must give each one."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """α-β cost of one collective on one kind of link."""
+
+    alpha: float
+    """Latency in seconds (≥ 0)."""
+    beta: float
+    """Bandwidth in bytes of the full tensor per second (> 0)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One device (one rank)."""
+
+    rank: int
+    """Global rank, equal to the device's position in the list."""
+    host: str
+    """Machine the device is in; collectives across hosts use ``inter`` links."""
+    model: str
+    """Device model, for people (``V100``, ``cpu``)."""
+    flops: float
+    """Achieved FLOP/s on matmul-heavy work."""
+    memory: float
+    """Memory in bytes."""
+    elementwise_flops: float | None = None
+    """Achieved FLOP/s on element-wise work (default: ``flops``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """A validated cluster profile."""
+
+    name: str
+    """Short name (``paper-8``)."""
+    devices: tuple[Device, ...]
+    """Devices in rank order."""
+    collectives: Mapping[str, Mapping[str, Link]]
+    """Collective name → {"inter": Link, "intra": Link (optional)}."""
+    description: str = ""
+    """Where the numbers come from."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Informational fields kept as written (measured when, on what)."""
+
+    @property
+    def world(self) -> int:
+        return len(self.devices)
+
+    @property
+    def hosts(self) -> list[str]:
+        """Hosts in order of first appearance."""
+        return list(dict.fromkeys(d.host for d in self.devices))
+
+    def canonical(self) -> dict[str, Any]:
+        """The fields that define the cluster, in a canonical form."""
+        devices = [
+            {
+                "rank": d.rank,
+                "host": d.host,
+                "model": d.model,
+                "flops": float(d.flops),
+                "memory": float(d.memory),
+                **({"elementwise_flops": float(d.elementwise_flops)} if d.elementwise_flops is not None else {}),
+            }
+            for d in self.devices
+        ]
+        collectives = {
+            name: {kind: {"alpha": float(link.alpha), "beta": float(link.beta)} for kind, link in sorted(links.items())}
+            for name, links in sorted(self.collectives.items())
+        }
+        return {"devices": devices, "collectives": collectives}
+
+    @property
+    def profile_id(self) -> str:
+        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def core_bytes(self) -> bytes:
+        """The msgpack map the Rust core reads."""
+        return msgpack.packb({"name": self.name, **self.canonical()}, use_bin_type=True)
+
+    def flops_ratios(self) -> list[float]:
+        """Sharding ratios proportional to each device's FLOP/s (DP-CP)."""
+        total = sum(d.flops for d in self.devices)
+        return [d.flops / total for d in self.devices]
+
+    def to_json(self) -> str:
+        doc = {
+            "format": PROFILE_FORMAT,
+            "version": PROFILE_VERSION,
+            "name": self.name,
+            "description": self.description,
+            **dict(self.extra),
+            **self.canonical(),
+        }
+        return json.dumps(doc, indent=1, sort_keys=False) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+        return path
+
+
+def _number(doc: Mapping[str, Any], key: str, where: str, *, positive: bool) -> float:
+    value = doc.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"{where}.{key}: expected a number, got {value!r}", field=f"{where}.{key}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        need = "> 0" if positive else "≥ 0"
+        raise ProfileError(f"{where}.{key}: {value} is not {need}", field=f"{where}.{key}")
+    return value
+
+
+def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
+    """Validate a decoded profile document; errors name the offending field."""
+    if not isinstance(doc, Mapping):
+        raise ProfileError("a profile is a JSON object", field="<document>")
+    if doc.get("format") != PROFILE_FORMAT:
+        raise ProfileError(f"format {doc.get('format')!r} is not {PROFILE_FORMAT!r}", field="format")
+    if doc.get("version") != PROFILE_VERSION:
+        raise ProfileError(f"version {doc.get('version')!r} is not {PROFILE_VERSION}", field="version")
+    raw_devices = doc.get("devices")
+    if not isinstance(raw_devices, list) or not raw_devices:
+        raise ProfileError("devices: expected a non-empty list", field="devices")
+    devices = []
+    for i, d in enumerate(raw_devices):
+        where = f"devices[{i}]"
+        if not isinstance(d, Mapping):
+            raise ProfileError(f"{where}: expected an object", field=where)
+        if d.get("rank") != i:
+            raise ProfileError(f"{where}.rank: {d.get('rank')!r} but devices are listed in rank order", field=f"{where}.rank")
+        host = d.get("host")
+        if not isinstance(host, str) or not host:
+            raise ProfileError(f"{where}.host: expected a host name", field=f"{where}.host")
+        ew = d.get("elementwise_flops")
+        devices.append(
+            Device(
+                rank=i,
+                host=host,
+                model=str(d.get("model", "")),
+                flops=_number(d, "flops", where, positive=True),
+                memory=_number(d, "memory", where, positive=True),
+                elementwise_flops=None if ew is None else _number(d, "elementwise_flops", where, positive=True),
+            )
+        )
+    if world_size is not None and world_size != len(devices):
+        raise ProfileError(f"devices: the profile has {len(devices)} devices but the job has {world_size} ranks", field="devices")
+    raw = doc.get("collectives")
+    if not isinstance(raw, Mapping):
+        raise ProfileError("collectives: expected an object", field="collectives")
+    unknown = sorted(set(raw) - set(COLLECTIVES))
+    if unknown:
+        raise ProfileError(f"collectives: unknown collective {unknown[0]!r}", field=f"collectives.{unknown[0]}")
+    collectives: dict[str, dict[str, Link]] = {}
+    for name in COLLECTIVES:
+        entry = raw.get(name)
+        if not isinstance(entry, Mapping) or "inter" not in entry:
+            raise ProfileError(f"collectives.{name}: missing (needs at least an 'inter' link)", field=f"collectives.{name}")
+        links = {}
+        for kind in ("inter", "intra"):
+            if kind not in entry:
+                continue
+            where = f"collectives.{name}.{kind}"
+            if not isinstance(entry[kind], Mapping):
+                raise ProfileError(f"{where}: expected {{alpha, beta}}", field=where)
+            links[kind] = Link(
+                alpha=_number(entry[kind], "alpha", where, positive=False),
+                beta=_number(entry[kind], "beta", where, positive=True),
+            )
+        collectives[name] = links
+    known = {"format", "version", "name", "description", "devices", "collectives"}
+    return Profile(
+        name=str(doc.get("name", "")),
+        description=str(doc.get("description", "")),
+        devices=tuple(devices),
+        collectives=collectives,
+        extra={k: v for k, v in doc.items() if k not in known},
+    )
+
+
+def load_profile(source: str | Path | Mapping[str, Any] | Profile, *, world_size: int | None = None) -> Profile:
+    """A profile from a path, a decoded document or a Profile; validated."""
+    if isinstance(source, Profile):
+        if world_size is not None and world_size != source.world:
+            raise ProfileError(f"the profile has {source.world} devices but the job has {world_size} ranks", field="devices")
+        return source
+    if isinstance(source, Mapping):
+        return profile_from_dict(source, world_size=world_size)
+    path = Path(source)
+    if not path.is_file():
+        bundled = Path(__file__).resolve().parent.parent / "profiles" / f"{path.name}.json"
+        if path.suffix == "" and bundled.is_file():
+            path = bundled
+        else:
+            raise ProfileError(f"{source}: no such profile file", field="<file>")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ProfileError(f"{path}: not a JSON profile ({exc})", field="<document>") from exc
+    return profile_from_dict(doc, world_size=world_size)

@@ -1,0 +1,71 @@
+"""Writes the paper-cluster profiles from HAP's profiled numbers.
+
+HAP's evaluation cluster: 2 machines of 8×V100 and 6 machines of 8×P100 on ~10 Gbit/s
+Ethernet. Device FLOP/s are HAP's measured V100 = 3,858,755,112,937 and
+P100 = 2,149,250,936,815. Inter-host bandwidths are HAP's measurements on that
+heterogeneous cluster (bytes of the full tensor per second); intra-host bandwidths are
+its measurements within one machine. HAP modelled no latency; the α values here
+(30 µs across hosts, 10 µs within one) are hapd's estimates, stated as such.
+
+    python profiles/make_paper.py   # rewrites profiles/paper-{8,16,64}.json
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hapd.profile import Device, Link, Profile
+
+V100, P100 = 3_858_755_112_937.0, 2_149_250_936_815.0
+MEMORY = 16 * 2**30
+
+INTER = {
+    "all_gather": 815_418_707,
+    "all_gather_grouped": 549_828_906,
+    "all_reduce": 476_774_816,
+    "reduce_scatter": 876_490_907,
+    "reduce_scatter_grouped": 512_358_434,
+    "all_to_all": 7_504_501_871,
+    "broadcast": 549_828_906,
+}
+INTRA = {
+    "all_gather": 9_463_184_466,
+    "all_gather_grouped": 9_146_232_360,
+    "all_reduce": 5_906_161_310,
+    "reduce_scatter": 9_740_459_122,
+    "reduce_scatter_grouped": 8_756_865_799,
+    "all_to_all": 24_588_140_722,
+    "broadcast": 9_146_232_360,
+}
+
+
+def paper_profile(world: int) -> Profile:
+    """`world` devices of the paper cluster: a quarter V100, the rest P100, spread over
+    8 hosts (world / 8 devices per host)."""
+    per_host = max(1, world // 8)
+    devices = []
+    for rank in range(world):
+        host = rank // per_host
+        model = "V100" if host < 2 else "P100"
+        devices.append(
+            Device(rank=rank, host=f"{model.lower()}-{host}", model=model,
+                   flops=V100 if model == "V100" else P100, memory=MEMORY)
+        )
+    collectives = {
+        name: {"inter": Link(alpha=30e-6, beta=float(INTER[name])), "intra": Link(alpha=10e-6, beta=float(INTRA[name]))}
+        for name in INTER
+    }
+    return Profile(
+        name=f"paper-{world}",
+        description=f"HAP's V100/P100 cluster, {world} devices on 8 hosts ({per_host} per host); "
+        "FLOP/s and bandwidths from HAP's profiler, α estimated by hapd",
+        devices=tuple(devices),
+        collectives=collectives,
+        extra={"units": {"time": "s", "size": "bytes", "bandwidth": "bytes/s", "speed": "FLOP/s"}},
+    )
+
+
+if __name__ == "__main__":
+    here = Path(__file__).resolve().parent
+    for world in (8, 16, 64):
+        print(paper_profile(world).save(here / f"paper-{world}.json"))

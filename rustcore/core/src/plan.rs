@@ -1,0 +1,347 @@
+//! The program as data: what the core hands to Python after a search. Python adds the
+//! sharding ratios from the LP, the integer lengths and the estimates, and writes the
+//! `.hplan` file.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::cost::{Row, Work};
+use crate::ir::NodeKind;
+use crate::layout::Layout;
+use crate::problem::{Problem, TensorId};
+use crate::search::Outcome;
+
+/// A cost row on the wire: per device `constant[d] + coef[d] · r[d]` seconds (or bytes).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RowOut {
+    pub constant: Vec<f64>,
+    pub coef: Vec<f64>,
+}
+
+impl From<&Row> for RowOut {
+    fn from(row: &Row) -> Self {
+        RowOut { constant: row.constant.clone(), coef: row.coef.clone() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayoutOut {
+    pub tensor: String,
+    pub layout: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CommOut {
+    pub tensor: String,
+    pub from: String,
+    pub to: String,
+    pub collective: String,
+    pub bytes: f64,
+    /// Whether the backward pass runs the dual collective.
+    pub grad: bool,
+    pub cost: RowOut,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SourceOut {
+    pub tensor: String,
+    /// `input`, `parameter`, `buffer` or `constant`.
+    pub kind: String,
+    pub target: String,
+    pub layout: String,
+    pub bytes: f64,
+    /// Whether a replicated trainable parameter all-reduces its gradient.
+    pub grad_sync: bool,
+    pub cost: RowOut,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepOut {
+    pub node: String,
+    pub op: String,
+    pub rule: String,
+    /// `sharded`, `full` or `free`.
+    pub work: String,
+    pub flops: f64,
+    pub sources: Vec<SourceOut>,
+    pub comms: Vec<CommOut>,
+    pub inputs: Vec<LayoutOut>,
+    pub outputs: Vec<LayoutOut>,
+    pub comp: RowOut,
+    pub comm: RowOut,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TensorOut {
+    pub name: String,
+    pub node: String,
+    pub output: u32,
+    pub kind: String,
+    pub target: String,
+    pub shape: Vec<usize>,
+    pub dtype: String,
+    pub requires_grad: bool,
+    pub layouts: Vec<String>,
+}
+
+/// Tensor dims split by one partition: their per-rank lengths are
+/// `L[d] · size / units` with `L` the integer split of `units` by the ratios.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SplitOut {
+    pub units: usize,
+    /// (tensor, dim, size)
+    pub members: Vec<(String, usize, usize)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StatsOut {
+    pub stop_reason: String,
+    pub expanded: usize,
+    pub generated: usize,
+    pub seconds: f64,
+}
+
+/// What one synthesis returns.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProgramOut {
+    pub graph: String,
+    pub devices: usize,
+    pub steps: Vec<StepOut>,
+    pub tensors: Vec<TensorOut>,
+    pub splits: Vec<SplitOut>,
+    pub loss: String,
+    /// Bytes per device (parameters with gradient and Adam state, saved activations).
+    pub memory: RowOut,
+    /// Cost under the ratios the search ran with.
+    pub cost: f64,
+    pub stats: StatsOut,
+}
+
+fn kind_name(kind: NodeKind) -> &'static str {
+    match kind {
+        NodeKind::Input => "input",
+        NodeKind::Parameter => "parameter",
+        NodeKind::Buffer => "buffer",
+        NodeKind::Constant => "constant",
+        NodeKind::Op => "op",
+    }
+}
+
+fn work_name(work: Work) -> &'static str {
+    match work {
+        Work::Sharded => "sharded",
+        Work::Full => "full",
+        Work::Free => "free",
+    }
+}
+
+/// Union-find over (tensor, dim) keys of Gather layouts.
+#[derive(Default)]
+struct Splits {
+    index: BTreeMap<(TensorId, usize), usize>,
+    parent: Vec<usize>,
+}
+
+impl Splits {
+    fn id(&mut self, key: (TensorId, usize)) -> usize {
+        let next = self.parent.len();
+        let id = *self.index.entry(key).or_insert(next);
+        if id == next {
+            self.parent.push(next);
+        }
+        id
+    }
+    fn find(&mut self, mut x: usize) -> usize {
+        while self.parent[x] != x {
+            self.parent[x] = self.parent[self.parent[x]];
+            x = self.parent[x];
+        }
+        x
+    }
+    fn union(&mut self, a: usize, b: usize) {
+        let (a, b) = (self.find(a), self.find(b));
+        if a != b {
+            self.parent[a.max(b)] = a.min(b);
+        }
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Turn a search outcome into the program the runtime applies.
+pub fn program(problem: &Problem, outcome: &Outcome) -> ProgramOut {
+    let graph = problem.graph;
+    let n = problem.profile.world();
+    let name = |t: TensorId| problem.tensor(t).meta.name.clone();
+    let mut splits = Splits::default();
+    let mut steps = Vec::with_capacity(outcome.steps.len());
+    for chosen in &outcome.steps {
+        let step = &problem.steps[chosen.step];
+        let rule = &step.rules[chosen.rule];
+        let node = &graph.nodes[step.node];
+        // every Gather operand of a rule shares one partition
+        let mut keys = Vec::new();
+        for (slot, &t) in step.inputs.iter().enumerate() {
+            if let Some(d) = rule.inputs[slot].gather_dim() {
+                keys.push((t, d));
+            }
+        }
+        for (k, out) in step.outputs.iter().enumerate() {
+            if let (Some(t), Some(d)) = (out, rule.outputs[k].gather_dim()) {
+                keys.push((*t, d));
+            }
+        }
+        let ids: Vec<usize> = keys.iter().map(|k| splits.id(*k)).collect();
+        for w in ids.windows(2) {
+            splits.union(w[0], w[1]);
+        }
+        for s in &chosen.sources {
+            if let Some(d) = s.layout.gather_dim() {
+                splits.id((s.tensor, d));
+            }
+        }
+        for c in &chosen.comms {
+            for l in [c.from, c.to] {
+                if let Some(d) = l.gather_dim() {
+                    splits.id((c.tensor, d));
+                }
+            }
+        }
+        let layout_list = |pairs: Vec<(TensorId, Layout)>| {
+            pairs.into_iter().map(|(t, l)| LayoutOut { tensor: name(t), layout: l.to_string() }).collect()
+        };
+        steps.push(StepOut {
+            node: node.name.clone(),
+            op: node.op.clone(),
+            rule: rule.name.to_string(),
+            work: work_name(rule.work).to_string(),
+            flops: step.flops,
+            sources: chosen
+                .sources
+                .iter()
+                .map(|s| {
+                    let t = problem.tensor(s.tensor);
+                    SourceOut {
+                        tensor: name(s.tensor),
+                        kind: kind_name(t.kind).to_string(),
+                        target: t.target.clone(),
+                        layout: s.layout.to_string(),
+                        bytes: t.bytes(),
+                        grad_sync: !s.row.is_zero(),
+                        cost: (&s.row).into(),
+                    }
+                })
+                .collect(),
+            comms: chosen
+                .comms
+                .iter()
+                .map(|c| CommOut {
+                    tensor: name(c.tensor),
+                    from: c.from.to_string(),
+                    to: c.to.to_string(),
+                    collective: c.collective.name().to_string(),
+                    bytes: problem.tensor(c.tensor).bytes(),
+                    grad: problem.tensor(c.tensor).requires_grad && c.collective.backward().is_some(),
+                    cost: (&c.row).into(),
+                })
+                .collect(),
+            inputs: layout_list(step.inputs.iter().copied().zip(rule.inputs.iter().copied()).collect()),
+            outputs: layout_list(
+                step.outputs
+                    .iter()
+                    .zip(&rule.outputs)
+                    .filter_map(|(t, l)| t.map(|t| (t, *l)))
+                    .collect(),
+            ),
+            comp: (&chosen.comp).into(),
+            comm: (&chosen.comm).into(),
+        });
+    }
+
+    // split classes: units = gcd of the member sizes
+    let mut classes: BTreeMap<usize, Vec<(TensorId, usize)>> = BTreeMap::new();
+    let keys: Vec<(TensorId, usize)> = splits.index.keys().copied().collect();
+    for key in keys {
+        let id = splits.index[&key];
+        let root = splits.find(id);
+        classes.entry(root).or_default().push(key);
+    }
+    let split_out = classes
+        .into_values()
+        .map(|members| {
+            let sizes: Vec<usize> = members.iter().map(|&(t, d)| problem.tensor(t).meta.shape[d]).collect();
+            let units = sizes.iter().copied().fold(0, gcd).max(1);
+            SplitOut {
+                units,
+                members: members.iter().zip(&sizes).map(|(&(t, d), &s)| (name(t), d, s)).collect(),
+            }
+        })
+        .collect();
+
+    // memory: parameters ×4 (value, gradient, two Adam moments) when they train, plus
+    // activations kept for the backward pass
+    let mut memory = Row::zeros(n);
+    for (id, t) in problem.tensors.iter().enumerate() {
+        let held = outcome.held[id];
+        if held.is_empty() {
+            continue;
+        }
+        let factor = match t.kind {
+            NodeKind::Parameter if t.requires_grad => 4.0,
+            NodeKind::Op if t.requires_grad => 1.0,
+            NodeKind::Op => 0.0,
+            _ => 1.0,
+        };
+        let bytes = factor * t.bytes();
+        for l in held.iter() {
+            for d in 0..n {
+                match l {
+                    Layout::Gather(_) => memory.coef[d] += bytes,
+                    _ => memory.constant[d] += bytes,
+                }
+            }
+        }
+    }
+
+    let tensors = problem
+        .tensors
+        .iter()
+        .enumerate()
+        .filter(|(id, _)| !outcome.held[*id].is_empty())
+        .map(|(id, t)| TensorOut {
+            name: t.meta.name.clone(),
+            node: graph.nodes[t.r.node()].name.clone(),
+            output: t.r.1,
+            kind: kind_name(t.kind).to_string(),
+            target: t.target.clone(),
+            shape: t.meta.shape.clone(),
+            dtype: t.meta.dtype.name().to_string(),
+            requires_grad: t.requires_grad,
+            layouts: outcome.held[id].iter().map(|l| l.to_string()).collect(),
+        })
+        .collect();
+
+    ProgramOut {
+        graph: graph.name.clone(),
+        devices: n,
+        steps,
+        tensors,
+        splits: split_out,
+        loss: name(problem.loss),
+        memory: (&memory).into(),
+        cost: outcome.cost,
+        stats: StatsOut {
+            stop_reason: outcome.stop.name().to_string(),
+            expanded: outcome.expanded,
+            generated: outcome.generated,
+            seconds: outcome.seconds,
+        },
+    }
+}

@@ -1,0 +1,249 @@
+//! The search problem built from a graph and a profile: the ops that lead to the loss
+//! in program order, the tensors live between them, every op's rules with their
+//! compute rows, and the options that restrict the search.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::comm::Collective;
+use crate::cost::{compute_row, Row};
+use crate::error::{Error, Result};
+use crate::ir::{Graph, NodeKind, TensorMeta, TensorRef};
+use crate::layout::Layout;
+use crate::profile::Profile;
+use crate::rules::{rules_for, Rule};
+
+/// Dense id of a tensor that matters to the program.
+pub type TensorId = u32;
+
+/// Which programs the search may return.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Any program the rules allow.
+    #[default]
+    Auto,
+    /// The data-parallel baseline: inputs split on their batch dim, parameters and
+    /// buffers replicated, no all-to-all or reduce-scatter.
+    DataParallel,
+}
+
+/// Options of one synthesis.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Options {
+    pub mode: Mode,
+    /// Restrict an op (by fx node name) to one rule (by rule name).
+    pub force: BTreeMap<String, String>,
+    /// Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use).
+    pub zero: bool,
+}
+
+/// A tensor of the program.
+#[derive(Debug, Clone)]
+pub struct Tensor {
+    pub r: TensorRef,
+    pub meta: TensorMeta,
+    pub kind: NodeKind,
+    /// Fully qualified name for parameters/buffers, input name for inputs.
+    pub target: String,
+    /// Whether a gradient flows through it (parameters that train, and what they touch).
+    pub requires_grad: bool,
+    pub batch_dim: Option<usize>,
+    /// Step that produces it; for sources, the step of its first use.
+    pub first: usize,
+    /// Last step that reads it (`steps.len()` for the loss).
+    pub last: usize,
+}
+
+impl Tensor {
+    pub fn is_source(&self) -> bool {
+        self.kind.is_source()
+    }
+    pub fn bytes(&self) -> f64 {
+        self.meta.bytes() as f64
+    }
+}
+
+/// One op of the program with its candidate rules.
+#[derive(Debug, Clone)]
+pub struct Step {
+    pub node: usize,
+    /// Tensor of each input slot.
+    pub inputs: Vec<TensorId>,
+    /// Tensor of each output (`None` for results nobody reads or that are not tensors).
+    pub outputs: Vec<Option<TensorId>>,
+    pub rules: Vec<Rule>,
+    /// Compute row of each rule.
+    pub comp: Vec<Row>,
+    pub flops: f64,
+}
+
+/// Everything the search needs, independent of the sharding ratios.
+#[derive(Debug, Clone)]
+pub struct Problem<'a> {
+    pub graph: &'a Graph,
+    pub profile: &'a Profile,
+    pub options: Options,
+    pub tensors: Vec<Tensor>,
+    pub steps: Vec<Step>,
+    /// Tensors live before step `i` (sorted); `live[steps.len()]` holds the loss.
+    pub live: Vec<Vec<TensorId>>,
+    pub loss: TensorId,
+}
+
+impl<'a> Problem<'a> {
+    pub fn new(graph: &'a Graph, profile: &'a Profile, options: Options) -> Result<Problem<'a>> {
+        let needed = ancestors_of_loss(graph);
+        let op_nodes: Vec<usize> =
+            (0..graph.nodes.len()).filter(|&i| needed[i] && graph.nodes[i].kind == NodeKind::Op).collect();
+        let step_of: HashMap<usize, usize> = op_nodes.iter().enumerate().map(|(s, &n)| (n, s)).collect();
+
+        // tensors in order of first appearance
+        let mut ids: HashMap<TensorRef, TensorId> = HashMap::new();
+        let mut tensors: Vec<Tensor> = Vec::new();
+        let mut steps = Vec::with_capacity(op_nodes.len());
+        for (s, &n) in op_nodes.iter().enumerate() {
+            let node = &graph.nodes[n];
+            let mut inputs = Vec::with_capacity(node.inputs.len());
+            for r in &node.inputs {
+                let id = *ids.entry(*r).or_insert_with(|| {
+                    let producer = &graph.nodes[r.node()];
+                    tensors.push(Tensor {
+                        r: *r,
+                        meta: graph.meta(*r).clone(),
+                        kind: producer.kind,
+                        target: producer.target.clone(),
+                        requires_grad: producer.kind == NodeKind::Parameter
+                            && producer.requires_grad
+                            && graph.meta(*r).dtype.is_float(),
+                        batch_dim: producer.batch_dim,
+                        first: s,
+                        last: s,
+                    });
+                    (tensors.len() - 1) as TensorId
+                });
+                tensors[id as usize].last = s;
+                inputs.push(id);
+            }
+            let grad_in = inputs.iter().any(|&t| tensors[t as usize].requires_grad);
+            let mut outputs = Vec::with_capacity(node.outputs.len());
+            for (k, meta) in node.outputs.iter().enumerate() {
+                let r = TensorRef(n as u32, k as u32);
+                if meta.dtype == crate::ir::DType::NotATensor {
+                    outputs.push(None);
+                    continue;
+                }
+                tensors.push(Tensor {
+                    r,
+                    meta: meta.clone(),
+                    kind: NodeKind::Op,
+                    target: String::new(),
+                    requires_grad: grad_in && meta.dtype.is_float(),
+                    batch_dim: None,
+                    first: s,
+                    last: s,
+                });
+                let id = (tensors.len() - 1) as TensorId;
+                ids.insert(r, id);
+                outputs.push(Some(id));
+            }
+            let op = rules_for(graph, node);
+            let mut rules = op.rules;
+            if let Some(forced) = options.force.get(&node.name) {
+                rules.retain(|r| r.name == forced);
+                if rules.is_empty() {
+                    return Err(Error::InvalidOption {
+                        field: format!("force.{}", node.name),
+                        message: format!("{} has no rule named {forced:?}", node.op),
+                    });
+                }
+            }
+            let comp = rules
+                .iter()
+                .map(|r| compute_row(profile, op.flops, op.class, r.work, grad_in))
+                .collect();
+            steps.push(Step { node: n, inputs, outputs, rules, comp, flops: op.flops });
+        }
+        let loss = *ids.get(&graph.loss).ok_or_else(|| Error::InvalidGraph {
+            field: "loss".into(),
+            message: "the loss is not computed by any op".into(),
+        })?;
+        tensors[loss as usize].last = steps.len();
+        // forced rules name nodes that must exist
+        for name in options.force.keys() {
+            if !op_nodes.iter().any(|&n| &graph.nodes[n].name == name) {
+                return Err(Error::InvalidOption {
+                    field: format!("force.{name}"),
+                    message: "no op of that name leads to the loss".into(),
+                });
+            }
+        }
+        let _ = step_of;
+
+        let mut live = vec![Vec::new(); steps.len() + 1];
+        for (id, t) in tensors.iter().enumerate() {
+            // a source is live from its first use on; a result from the step after its producer
+            let from = if t.is_source() { t.first + 1 } else { t.first + 1 };
+            for slot in live.iter_mut().take(t.last + 1).skip(from) {
+                slot.push(id as TensorId);
+            }
+        }
+        Ok(Problem { graph, profile, options, tensors, steps, live, loss })
+    }
+
+    pub fn tensor(&self, t: TensorId) -> &Tensor {
+        &self.tensors[t as usize]
+    }
+
+    /// Layouts a source can be created in for a consumer that needs `need`, with the
+    /// communication that follows (ZeRO: stored split on dim 0, all-gathered).
+    pub fn source_options(&self, t: TensorId, need: Layout) -> Vec<(Layout, Option<Layout>)> {
+        let tensor = self.tensor(t);
+        let forced = match (self.options.mode, tensor.kind) {
+            (Mode::DataParallel, NodeKind::Input) => Some(tensor.batch_dim.map_or(Layout::Identity, |d| {
+                crate::rules::gather(d).unwrap_or(Layout::Identity)
+            })),
+            (Mode::DataParallel, _) => Some(Layout::Identity),
+            _ => None,
+        };
+        if let Some(layout) = forced {
+            return vec![(layout, (layout != need).then_some(need))];
+        }
+        let mut options = Vec::with_capacity(2);
+        match need {
+            Layout::Reduce => options.push((Layout::Identity, Some(Layout::Reduce))),
+            _ => options.push((need, None)),
+        }
+        let zero_ok = self.options.zero
+            && need == Layout::Identity
+            && tensor.requires_grad
+            && tensor.meta.shape.first().is_some_and(|&s| s > 1);
+        if zero_ok {
+            options.push((Layout::Gather(0), Some(Layout::Identity)));
+        }
+        options
+    }
+
+    /// Whether the mode allows a collective.
+    pub fn allows(&self, collective: Collective) -> bool {
+        match self.options.mode {
+            Mode::Auto => true,
+            Mode::DataParallel => !matches!(
+                collective,
+                Collective::AllToAll | Collective::ReduceScatter | Collective::ReduceScatterGrouped
+            ),
+        }
+    }
+}
+
+/// Nodes the loss depends on.
+fn ancestors_of_loss(graph: &Graph) -> Vec<bool> {
+    let mut needed = vec![false; graph.nodes.len()];
+    needed[graph.loss.node()] = true;
+    for i in (0..graph.nodes.len()).rev() {
+        if needed[i] {
+            for r in &graph.nodes[i].inputs {
+                needed[r.node()] = true;
+            }
+        }
+    }
+    needed
+}

@@ -1,0 +1,180 @@
+//! `scaled_dot_product_attention(query, key, value, attn_mask?, …)` on `[B, H, S, D]`
+//! (or any `[…, S, D]`) operands.
+//!
+//! - `"data-parallel"` (rank ≥ 3): split the batch (dim 0) of query, key and value (and of the mask
+//!   when its dim 0 is not broadcast) → output split on dim 0.
+//! - `"head-parallel"` (rank-4 operands): split the heads (dim 1) the same way → output
+//!   split on dim 1.
+//! - `"query-split"`: split the query sequence (dim `rank-2`) with key and value
+//!   replicated → output split on that dim. Only without a mask and when not causal: a
+//!   causal or masked slice of queries would need its row offset into the mask.
+//!
+//! A key/value operand whose split dim has size 1 where the query's does not is
+//! broadcast, so it stays replicated; any other size mismatch (grouped-query attention
+//! with fewer key/value heads than query heads) is not split, since a rank's query heads
+//! would not line up with its key/value heads. Attention is not linear in its
+//! operands: no partial-sum rules.
+
+use super::norm::by_name;
+use super::{gather, OpCtx, Rule};
+use crate::cost::Work;
+use crate::layout::Layout;
+
+const I: Layout = Layout::Identity;
+
+/// The dim of an operand of `shape` (aligned from the right with a rank-`rank` tensor)
+/// matching dim `d` of size `size`; `Ok(None)` when it is broadcast there (missing or
+/// size 1), `Err` when it has another size.
+fn aligned(shape: &[usize], rank: usize, d: usize, size: usize) -> Result<Option<usize>, ()> {
+    let offset = rank.checked_sub(shape.len()).ok_or(())?;
+    if d < offset {
+        return Ok(None);
+    }
+    match shape[d - offset] {
+        s if s == size => Ok(Some(d - offset)),
+        1 => Ok(None),
+        _ => Err(()),
+    }
+}
+
+/// The layout of an operand for a split of dim `d` of size `size`.
+fn layout_for(shape: &[usize], rank: usize, d: usize, size: usize) -> Option<Layout> {
+    match aligned(shape, rank, d, size).ok()? {
+        Some(dk) => gather(dk),
+        None => Some(I),
+    }
+}
+
+pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+    let (Some(qi), Some(ki), Some(vi)) = (ctx.input_index("query"), ctx.input_index("key"), ctx.input_index("value"))
+    else {
+        return Vec::new();
+    };
+    let (q, k, v) = (ctx.in_shape(qi), ctx.in_shape(ki), ctx.in_shape(vi));
+    let rank = q.len();
+    if rank < 2 || k.len() != rank || v.len() != rank || ctx.out_shape(0).len() != rank {
+        return Vec::new();
+    }
+    let mask = ctx.input_index("attn_mask").map(|m| ctx.in_shape(m));
+    let is_causal = ctx.bool_arg("is_causal").unwrap_or(false);
+
+    let mut rules = Vec::new();
+    let mut split = |name: &'static str, d: usize| {
+        let n = q[d];
+        let (Some(gq), Some(lk), Some(lv)) = (gather(d), layout_for(k, rank, d, n), layout_for(v, rank, d, n)) else {
+            return;
+        };
+        let mut named = vec![("query", gq), ("key", lk), ("value", lv)];
+        if let Some(m) = mask {
+            let Some(lm) = layout_for(m, rank, d, n) else { return };
+            named.push(("attn_mask", lm));
+        }
+        rules.push(Rule { name, inputs: by_name(ctx, &named, I), outputs: vec![gq], work: Work::Sharded });
+    };
+    if rank >= 3 {
+        split("data-parallel", 0);
+    }
+    if rank == 4 {
+        split("head-parallel", 1);
+    }
+    if !is_causal && mask.is_none() {
+        if let Some(g) = gather(rank - 2) {
+            rules.push(Rule {
+                name: "query-split",
+                inputs: by_name(ctx, &[("query", g)], I),
+                outputs: vec![g],
+                work: Work::Sharded,
+            });
+        }
+    }
+    rules
+}
+
+/// `Q·Kᵀ` and `P·V` (2 FLOPs per multiply-add each) plus scale, mask and softmax
+/// (about 5 per score): `2·L·Sq·Sk·(D + Dv) + 5·L·Sq·Sk` with `L` the product of the
+/// leading (batch, head) dims of the output; `4·B·H·Sq·Sk·D + 5·B·H·Sq·Sk` when
+/// `D = Dv`.
+pub fn flops(ctx: &OpCtx) -> f64 {
+    let (Some(qi), Some(ki), Some(vi)) = (ctx.input_index("query"), ctx.input_index("key"), ctx.input_index("value"))
+    else {
+        return ctx.out_numel();
+    };
+    let (q, k, v, out) = (ctx.in_shape(qi), ctx.in_shape(ki), ctx.in_shape(vi), ctx.out_shape(0));
+    let rank = q.len();
+    if rank < 2 || k.len() < 2 || v.is_empty() || out.len() < 2 {
+        return ctx.out_numel();
+    }
+    let lead = out[..out.len() - 2].iter().product::<usize>() as f64;
+    let (sq, sk) = (q[rank - 2] as f64, k[k.len() - 2] as f64);
+    let (d, dv) = (q[rank - 1] as f64, v[v.len() - 1] as f64);
+    2.0 * lead * sq * sk * (d + dv) + 5.0 * lead * sq * sk
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::norm::testkit::{assert_rules, boolean, float, none, rules, A, A::T};
+    use crate::rules::OpRules;
+
+    fn sdpa(q: &'static [usize], kv: &'static [usize], mask: A, causal: bool) -> OpRules {
+        let args = vec![
+            ("query", T(q)),
+            ("key", T(kv)),
+            ("value", T(kv)),
+            ("attn_mask", mask),
+            ("dropout_p", float(0.0)),
+            ("is_causal", boolean(causal)),
+            ("scale", none()),
+            ("enable_gqa", boolean(false)),
+        ];
+        rules("aten.scaled_dot_product_attention", args, &[q])
+    }
+
+    const QKV: &[usize] = &[2, 4, 16, 8];
+
+    #[test]
+    fn batch_heads_and_queries() {
+        let dp = "data-parallel G0,G0,G0 -> G0 sharded";
+        let hp = "head-parallel G1,G1,G1 -> G1 sharded";
+        assert_rules(&sdpa(QKV, QKV, none(), false), &[dp, hp, "query-split G2,I,I -> G2 sharded"]);
+        assert_rules(&sdpa(QKV, QKV, none(), true), &[dp, hp]);
+        // rank 3: no heads
+        let qkv3: &'static [usize] = &[2, 16, 8];
+        let qkv2: &'static [usize] = &[16, 8];
+        assert_rules(&sdpa(qkv2, qkv2, none(), false), &["query-split G0,I,I -> G0 sharded"]);
+        assert_rules(
+            &sdpa(qkv3, qkv3, none(), false),
+            &["data-parallel G0,G0,G0 -> G0 sharded", "query-split G1,I,I -> G1 sharded"],
+        );
+    }
+
+    #[test]
+    fn masks() {
+        let cases: &[(&'static [usize], &[&str])] = &[
+            // a per-batch mask broadcast over the heads
+            (&[2, 1, 16, 16], &["data-parallel G0,G0,G0,G0 -> G0 sharded", "head-parallel G1,G1,G1,I -> G1 sharded"]),
+            (&[2, 4, 16, 16], &["data-parallel G0,G0,G0,G0 -> G0 sharded", "head-parallel G1,G1,G1,G1 -> G1 sharded"]),
+            // one mask for everything
+            (&[16, 16], &["data-parallel G0,G0,G0,I -> G0 sharded", "head-parallel G1,G1,G1,I -> G1 sharded"]),
+        ];
+        for (mask, expected) in cases {
+            assert_rules(&sdpa(QKV, QKV, T(mask), false), expected);
+        }
+    }
+
+    #[test]
+    fn grouped_query_attention_keeps_heads_whole() {
+        let got = sdpa(QKV, &[2, 2, 16, 8], none(), true);
+        assert_rules(&got, &["data-parallel G0,G0,G0 -> G0 sharded"]);
+        // one key/value head is broadcast: replicate it
+        let got = sdpa(QKV, &[2, 1, 16, 8], none(), true);
+        assert_rules(&got, &["data-parallel G0,G0,G0 -> G0 sharded", "head-parallel G1,I,I -> G1 sharded"]);
+    }
+
+    #[test]
+    fn flops_formula() {
+        let got = sdpa(QKV, &[2, 4, 32, 8], none(), false);
+        let (bh, sq, sk, d) = (8.0, 16.0, 32.0, 8.0);
+        assert_eq!(got.flops, 4.0 * bh * sq * sk * d + 5.0 * bh * sq * sk);
+        assert_eq!(got.class, crate::cost::WorkClass::Matmul);
+    }
+}

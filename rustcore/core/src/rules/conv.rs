@@ -1,0 +1,165 @@
+//! `conv2d(input [N, C, H, W], weight [O, C/groups, kh, kw], bias?)`, `max_pool2d` and
+//! `adaptive_avg_pool2d` on batched (rank-4) inputs; unbatched (rank-3) inputs get
+//! only the replicated rule.
+//!
+//! conv2d:
+//! - `"data-parallel"`: split the batch, weight and bias replicated → output split on
+//!   dim 0.
+//! - `"column-parallel"` (`groups == 1`): split the output channels (weight and bias
+//!   dim 0), input replicated → output split on dim 1.
+//! - `"row-parallel"` (`groups == 1`): split the input channels (input dim 1, weight
+//!   dim 1) → partial sums; the bias is added on rank 0 only.
+//!
+//! With `groups > 1` a rank's slice of channels would not line up with whole groups of
+//! the grouped convolution it runs locally, so channel splits are left out.
+//!
+//! Pools act per sample and per channel: batch and channel splits (`"sharded"`), and an
+//! average pool is linear, so it also keeps partial sums partial (`"partial"`).
+
+use super::norm::by_name;
+use super::{gather, OpCtx, Rule};
+use crate::cost::{Work, WorkClass};
+use crate::layout::Layout;
+
+const I: Layout = Layout::Identity;
+
+pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+    match ctx.op() {
+        "aten.conv2d" => conv2d(ctx),
+        "aten.max_pool2d" | "aten.adaptive_avg_pool2d" => pool(ctx),
+        _ => Vec::new(),
+    }
+}
+
+fn conv2d(ctx: &OpCtx) -> Vec<Rule> {
+    let (Some(xi), Some(wi)) = (ctx.input_index("input"), ctx.input_index("weight")) else { return Vec::new() };
+    if ctx.in_shape(xi).len() != 4 || ctx.in_shape(wi).len() != 4 || ctx.out_shape(0).len() != 4 {
+        return Vec::new();
+    }
+    let (Some(g0), Some(g1)) = (gather(0), gather(1)) else { return Vec::new() };
+    let rule = |name, named: &[(&str, Layout)], out| Rule {
+        name,
+        inputs: by_name(ctx, named, I),
+        outputs: vec![out],
+        work: Work::Sharded,
+    };
+    let mut rules = vec![rule("data-parallel", &[("input", g0)], g0)];
+    if ctx.int_arg("groups").unwrap_or(1) == 1 {
+        rules.push(rule("column-parallel", &[("input", I), ("weight", g0), ("bias", g0)], g1));
+        rules.push(rule("row-parallel", &[("input", g1), ("weight", g1), ("bias", I)], Layout::Reduce));
+    }
+    rules
+}
+
+fn pool(ctx: &OpCtx) -> Vec<Rule> {
+    if ctx.n_inputs() != 1 || ctx.in_shape(0).len() != 4 || ctx.out_shape(0).len() != 4 {
+        return Vec::new();
+    }
+    let mut rules: Vec<Rule> = (0..2).filter_map(gather).map(|g| ctx.uniform("sharded", g, g, Work::Sharded)).collect();
+    if ctx.op() == "aten.adaptive_avg_pool2d" {
+        rules.push(ctx.uniform("partial", Layout::Reduce, Layout::Reduce, Work::Full));
+    }
+    rules
+}
+
+/// conv2d: a multiply-add per output element and weight tap,
+/// `2·numel(out)·(C/groups)·kh·kw`; pools: one op per input element.
+pub fn flops(ctx: &OpCtx) -> f64 {
+    if ctx.op() == "aten.conv2d" {
+        let w = ctx.input_index("weight").map_or(&[][..], |k| ctx.in_shape(k));
+        if w.len() == 4 {
+            return 2.0 * ctx.out_numel() * (w[1] * w[2] * w[3]) as f64;
+        }
+        return ctx.out_numel();
+    }
+    ctx.in_shape(0).iter().product::<usize>() as f64
+}
+
+pub fn class(ctx: &OpCtx) -> WorkClass {
+    if ctx.op() == "aten.conv2d" {
+        WorkClass::Matmul
+    } else {
+        WorkClass::Elementwise
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::norm::testkit::{assert_rules, boolean, int, ints, none, rules, A, A::T};
+    use crate::cost::WorkClass;
+    use crate::rules::OpRules;
+
+    fn conv(x: &'static [usize], w: &'static [usize], bias: A, groups: i64, out: &[usize]) -> OpRules {
+        let args = vec![
+            ("input", T(x)),
+            ("weight", T(w)),
+            ("bias", bias),
+            ("stride", ints(&[1, 1])),
+            ("padding", ints(&[1, 1])),
+            ("dilation", ints(&[1, 1])),
+            ("groups", int(groups)),
+        ];
+        rules("aten.conv2d", args, &[out])
+    }
+
+    #[test]
+    fn conv2d_splits() {
+        let got = conv(&[2, 3, 32, 32], &[4, 3, 3, 3], T(&[4]), 1, &[2, 4, 32, 32]);
+        assert_rules(
+            &got,
+            &[
+                "data-parallel G0,I,I -> G0 sharded",
+                "column-parallel I,G0,G0 -> G1 sharded",
+                "row-parallel G1,G1,I -> R sharded",
+            ],
+        );
+        assert_eq!(got.flops, 2.0 * (2 * 4 * 32 * 32) as f64 * (3 * 3 * 3) as f64);
+        assert_eq!(got.class, WorkClass::Matmul);
+        // no bias
+        let got = conv(&[2, 3, 32, 32], &[4, 3, 3, 3], none(), 1, &[2, 4, 32, 32]);
+        assert_rules(
+            &got,
+            &[
+                "data-parallel G0,I -> G0 sharded",
+                "column-parallel I,G0 -> G1 sharded",
+                "row-parallel G1,G1 -> R sharded",
+            ],
+        );
+    }
+
+    #[test]
+    fn grouped_and_unbatched_conv() {
+        let got = conv(&[2, 4, 8, 8], &[4, 1, 3, 3], T(&[4]), 4, &[2, 4, 8, 8]);
+        assert_rules(&got, &["data-parallel G0,I,I -> G0 sharded"]);
+        assert_eq!(got.flops, 2.0 * (2 * 4 * 8 * 8) as f64 * 9.0);
+        let got = conv(&[3, 32, 32], &[4, 3, 3, 3], T(&[4]), 1, &[4, 32, 32]);
+        assert_rules(&got, &[]);
+    }
+
+    #[test]
+    fn pools() {
+        let max = |x: &'static [usize], out: &[usize]| {
+            let args = vec![
+                ("self", T(x)),
+                ("kernel_size", ints(&[2, 2])),
+                ("stride", ints(&[2, 2])),
+                ("padding", ints(&[0, 0])),
+                ("dilation", ints(&[1, 1])),
+                ("ceil_mode", boolean(false)),
+            ];
+            rules("aten.max_pool2d", args, &[out])
+        };
+        let got = max(&[2, 4, 32, 32], &[2, 4, 16, 16]);
+        assert_rules(&got, &["sharded G0 -> G0 sharded", "sharded G1 -> G1 sharded"]);
+        assert_eq!(got.flops, (2 * 4 * 32 * 32) as f64);
+        assert_eq!(got.class, WorkClass::Elementwise);
+        assert_rules(&max(&[4, 32, 32], &[4, 16, 16]), &[]);
+
+        let got = rules(
+            "aten.adaptive_avg_pool2d",
+            vec![("self", T(&[2, 8, 7, 7])), ("output_size", ints(&[1, 1]))],
+            &[&[2, 8, 1, 1]],
+        );
+        assert_rules(&got, &["sharded G0 -> G0 sharded", "sharded G1 -> G1 sharded", "partial R -> R full"]);
+    }
+}

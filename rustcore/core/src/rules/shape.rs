@@ -1,0 +1,113 @@
+//! Views, reshapes, permutes, concatenation and slicing: free ops that map a split dim
+//! of the input onto a split dim of the output (and keep partial sums partial).
+
+use super::{gather, OpCtx, Rule};
+use crate::cost::Work;
+use crate::layout::Layout;
+
+pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+    let x = ctx.in_shape(0);
+    let mapping: Vec<(usize, usize)> = match ctx.op() {
+        "aten.view" | "aten.reshape" | "aten._unsafe_view" | "aten.flatten.using_ints" => {
+            reshape_map(x, ctx.out_shape(0))
+        }
+        "aten.transpose.int" => {
+            let rank = x.len();
+            let dims = (ctx.int_arg("dim0"), ctx.int_arg("dim1"));
+            let (Some(a), Some(b)) = dims else { return Vec::new() };
+            let (Some(a), Some(b)) = (OpCtx::norm_dim(a, rank), OpCtx::norm_dim(b, rank)) else { return Vec::new() };
+            (0..rank).map(|d| (d, if d == a { b } else if d == b { a } else { d })).collect()
+        }
+        "aten.t" => (0..x.len()).map(|d| (d, x.len() - 1 - d)).collect(),
+        "aten.permute" => {
+            let Some(dims) = ctx.ints_arg("dims") else { return Vec::new() };
+            dims.iter()
+                .enumerate()
+                .filter_map(|(o, &i)| OpCtx::norm_dim(i, x.len()).map(|i| (i, o)))
+                .collect()
+        }
+        "aten.unsqueeze" => {
+            let Some(dim) = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len() + 1)) else { return Vec::new() };
+            (0..x.len()).map(|d| (d, if d < dim { d } else { d + 1 })).collect()
+        }
+        "aten.squeeze.dim" => {
+            let Some(dim) = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len())) else { return Vec::new() };
+            if x[dim] != 1 {
+                (0..x.len()).map(|d| (d, d)).collect()
+            } else {
+                (0..x.len()).filter(|&d| d != dim).map(|d| (d, if d < dim { d } else { d - 1 })).collect()
+            }
+        }
+        "aten.expand" => {
+            let out = ctx.out_shape(0);
+            let offset = out.len().saturating_sub(x.len());
+            (0..x.len()).filter(|&d| x[d] == out[d + offset] && x[d] != 1).map(|d| (d, d + offset)).collect()
+        }
+        "aten.cat" | "aten.slice.Tensor" | "aten.chunk" | "aten.split.Tensor" => {
+            let Some(dim) = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len())) else { return Vec::new() };
+            (0..x.len()).filter(|&d| d != dim).map(|d| (d, d)).collect()
+        }
+        "aten.select.int" => {
+            let Some(dim) = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len())) else { return Vec::new() };
+            (0..x.len()).filter(|&d| d != dim).map(|d| (d, if d < dim { d } else { d - 1 })).collect()
+        }
+        _ => Vec::new(),
+    };
+    let mut rules: Vec<Rule> = mapping
+        .into_iter()
+        .filter(|&(i, _)| x.get(i).is_some_and(|&s| s > 1))
+        .filter_map(|(i, o)| Some(ctx.uniform("sharded", gather(i)?, gather(o)?, Work::Free)))
+        .collect();
+    rules.push(ctx.uniform("partial", Layout::Reduce, Layout::Reduce, Work::Free));
+    rules
+}
+
+/// For a reshape from `a` to `b`: pairs (dim of a, dim of b) where a split of the
+/// first non-trivial dim of a group of `a` is exactly a split of the first non-trivial
+/// dim of the matching group of `b` (groups: runs of dims with equal products).
+pub fn reshape_map(a: &[usize], b: &[usize]) -> Vec<(usize, usize)> {
+    let mut pairs = Vec::new();
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        // skip size-1 dims at a group start: they hold nothing to split
+        if a[i] == 1 {
+            i += 1;
+            continue;
+        }
+        if b[j] == 1 {
+            j += 1;
+            continue;
+        }
+        let (start_a, start_b) = (i, j);
+        let (mut pa, mut pb) = (a[i], b[j]);
+        i += 1;
+        j += 1;
+        while pa != pb {
+            if pa < pb {
+                let Some(&s) = a.get(i) else { return pairs };
+                pa *= s;
+                i += 1;
+            } else {
+                let Some(&s) = b.get(j) else { return pairs };
+                pb *= s;
+                j += 1;
+            }
+        }
+        pairs.push((start_a, start_b));
+    }
+    pairs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reshape_map;
+
+    #[test]
+    fn reshape_groups() {
+        assert_eq!(reshape_map(&[4, 8, 768], &[4, 8, 12, 64]), vec![(0, 0), (1, 1), (2, 2)]);
+        assert_eq!(reshape_map(&[4, 8, 50], &[32, 50]), vec![(0, 0), (2, 1)]);
+        assert_eq!(reshape_map(&[32], &[4, 8]), vec![(0, 0)]);
+        assert_eq!(reshape_map(&[2, 1, 6], &[2, 6]), vec![(0, 0), (2, 1)]);
+        assert_eq!(reshape_map(&[6, 4], &[4, 6]), vec![(0, 0)]);
+    }
+}

@@ -1,0 +1,506 @@
+//! Best-first (A*) search for the cheapest program.
+//!
+//! Ops are taken in program order; a **state** is the position plus the set of layouts
+//! each live tensor is held in. Expanding a state picks a rule for the next op, brings
+//! each of its inputs into the layout the rule needs (creating sources, or the
+//! cheapest communication from a layout already held), and adds the step's cost
+//! `max_d comp + max_d comm`. The heuristic — the sum over the remaining ops of their
+//! cheapest compute — never overestimates (every op must still run, and communication
+//! costs ≥ 0), so the first goal popped is optimal. Each state stores only its parent and
+//! its choice: an expansion costs O(live tensors), not O(program length).
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::comm::{collective_row, conversions, Collective};
+use crate::cost::Row;
+use crate::error::{Error, Result};
+use crate::ir::NodeKind;
+use crate::layout::{Layout, LayoutSet};
+use crate::problem::{Problem, TensorId};
+
+/// Why the search stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The returned program is optimal under the cost model.
+    Optimal,
+    /// The state budget ran out; the program was completed greedily.
+    StateLimit,
+    /// The time budget ran out; the program was completed greedily.
+    TimeLimit,
+    /// Cancelled by the caller; the program was completed greedily.
+    Cancelled,
+}
+
+impl StopReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            StopReason::Optimal => "optimal",
+            StopReason::StateLimit => "state_limit",
+            StopReason::TimeLimit => "time_limit",
+            StopReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// A communication inserted before a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Comm {
+    pub tensor: TensorId,
+    pub from: Layout,
+    pub to: Layout,
+    pub collective: Collective,
+    /// Forward + backward cost.
+    pub row: Row,
+}
+
+/// A source created for a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Source {
+    pub tensor: TensorId,
+    pub layout: Layout,
+    /// Gradient synchronization of a replicated trainable parameter.
+    pub row: Row,
+}
+
+/// One step of a found program.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChosenStep {
+    pub step: usize,
+    pub rule: usize,
+    pub sources: Vec<Source>,
+    pub comms: Vec<Comm>,
+    pub comp: Row,
+    pub comm: Row,
+}
+
+/// A found program and how the search went.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub steps: Vec<ChosenStep>,
+    /// Layouts each tensor is held in over the program.
+    pub held: Vec<LayoutSet>,
+    /// Cost under the ratios the search ran with.
+    pub cost: f64,
+    pub stop: StopReason,
+    pub expanded: usize,
+    pub generated: usize,
+    pub seconds: f64,
+}
+
+/// Search limits and cancellation, set with a builder.
+pub struct Search<'p, 'a> {
+    problem: &'p Problem<'a>,
+    ratios: Vec<f64>,
+    max_states: usize,
+    time_limit: Option<Duration>,
+    cancel: Option<&'p AtomicBool>,
+}
+
+struct Entry {
+    parent: u32,
+    pos: u32,
+    rule: u16,
+    choice: u16,
+    g: f64,
+    held: Box<[LayoutSet]>,
+}
+
+/// The outcome of applying one rule at one state.
+struct Transition {
+    held: Box<[LayoutSet]>,
+    cost: f64,
+    choice: u16,
+}
+
+/// Memo of the cheapest communication for (tensor, from set, to).
+type CommMemo = HashMap<(TensorId, LayoutSet, Layout), Option<(Layout, Collective, Vec<f64>)>>;
+
+impl<'p, 'a> Search<'p, 'a> {
+    pub fn new(problem: &'p Problem<'a>, ratios: &[f64]) -> Result<Self> {
+        let n = problem.profile.world();
+        if ratios.len() != n || ratios.iter().any(|r| !r.is_finite() || *r < 0.0) {
+            return Err(Error::InvalidOption {
+                field: "ratios".into(),
+                message: format!("need {n} finite non-negative sharding ratios, got {ratios:?}"),
+            });
+        }
+        Ok(Search { problem, ratios: ratios.to_vec(), max_states: 2_000_000, time_limit: None, cancel: None })
+    }
+
+    pub fn with_state_limit(mut self, states: usize) -> Self {
+        self.max_states = states.max(1);
+        self
+    }
+
+    pub fn with_time_limit(mut self, limit: Duration) -> Self {
+        self.time_limit = Some(limit);
+        self
+    }
+
+    pub fn with_cancel(mut self, flag: &'p AtomicBool) -> Self {
+        self.cancel = Some(flag);
+        self
+    }
+
+    fn max(&self, row: &Row) -> f64 {
+        row.max(&self.ratios)
+    }
+
+    fn add_values(acc: &mut [f64], values: &[f64]) {
+        for (a, v) in acc.iter_mut().zip(values) {
+            *a += v;
+        }
+    }
+
+    /// Run the search to the end or to a limit.
+    pub fn run(&self) -> Result<Outcome> {
+        let start = Instant::now();
+        let p = self.problem;
+        let n_steps = p.steps.len();
+        let comp_values: Vec<Vec<f64>> = p
+            .steps
+            .iter()
+            .map(|s| s.comp.iter().map(|row| self.max(row)).collect())
+            .collect();
+        let mut heuristic = vec![0.0; n_steps + 1];
+        for i in (0..n_steps).rev() {
+            let cheapest = comp_values[i].iter().copied().fold(f64::INFINITY, f64::min);
+            heuristic[i] = heuristic[i + 1] + if cheapest.is_finite() { cheapest } else { 0.0 };
+        }
+        let mut memo: CommMemo = HashMap::new();
+        let mut arena: Vec<Entry> = vec![Entry {
+            parent: u32::MAX,
+            pos: 0,
+            rule: 0,
+            choice: 0,
+            g: 0.0,
+            held: vec![LayoutSet::default(); p.live[0].len()].into_boxed_slice(),
+        }];
+        let mut best: HashMap<(u32, Box<[LayoutSet]>), f64> = HashMap::new();
+        let mut heap = BinaryHeap::new();
+        heap.push((Reverse(key(heuristic[0])), 0u32, Reverse(0u32)));
+        let mut expanded = 0usize;
+        let mut deepest = 0u32;
+        let mut stop = None;
+        let mut goal = None;
+
+        while let Some((_, _, Reverse(idx))) = heap.pop() {
+            let (pos, g) = (arena[idx as usize].pos, arena[idx as usize].g);
+            if let Some(&b) = best.get(&(pos, arena[idx as usize].held.clone())) {
+                if b < g {
+                    continue; // superseded
+                }
+            }
+            if pos as usize == n_steps {
+                goal = Some(idx);
+                break;
+            }
+            if arena[deepest as usize].pos < pos {
+                deepest = idx;
+            }
+            expanded += 1;
+            if expanded % 1024 == 0 {
+                if self.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                    stop = Some(StopReason::Cancelled);
+                } else if self.time_limit.is_some_and(|t| start.elapsed() > t) {
+                    stop = Some(StopReason::TimeLimit);
+                }
+            }
+            if arena.len() >= self.max_states {
+                stop = Some(StopReason::StateLimit);
+            }
+            if stop.is_some() {
+                break;
+            }
+            for rule in 0..p.steps[pos as usize].rules.len() {
+                for t in self.transitions(pos as usize, rule, &arena[idx as usize].held, &comp_values, &mut memo) {
+                    let g2 = g + t.cost;
+                    let k = (pos + 1, t.held);
+                    if best.get(&k).is_some_and(|&b| b <= g2) {
+                        continue;
+                    }
+                    best.insert(k.clone(), g2);
+                    arena.push(Entry { parent: idx, pos: pos + 1, rule: rule as u16, choice: t.choice, g: g2, held: k.1 });
+                    let child = (arena.len() - 1) as u32;
+                    heap.push((Reverse(key(g2 + heuristic[pos as usize + 1])), pos + 1, Reverse(child)));
+                }
+            }
+        }
+        let generated = arena.len();
+        let (last, stop) = match goal {
+            Some(idx) => (idx, StopReason::Optimal),
+            None => {
+                let from = if stop.is_some() { deepest } else { 0 };
+                (self.complete_greedily(&mut arena, from, &comp_values, &mut memo), stop.unwrap_or(StopReason::StateLimit))
+            }
+        };
+        let mut choices = Vec::with_capacity(n_steps);
+        let mut cur = last;
+        while arena[cur as usize].parent != u32::MAX {
+            let e = &arena[cur as usize];
+            choices.push((e.rule as usize, e.choice));
+            cur = e.parent;
+        }
+        choices.reverse();
+        let (steps, held, cost) = self.replay(&choices)?;
+        Ok(Outcome {
+            steps,
+            held,
+            cost,
+            stop,
+            expanded,
+            generated,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Finish a program from `from` taking the cheapest next step each time.
+    fn complete_greedily(
+        &self,
+        arena: &mut Vec<Entry>,
+        from: u32,
+        comp_values: &[Vec<f64>],
+        memo: &mut CommMemo,
+    ) -> u32 {
+        let mut cur = from;
+        while (arena[cur as usize].pos as usize) < self.problem.steps.len() {
+            let pos = arena[cur as usize].pos as usize;
+            let mut pick: Option<(f64, usize, Transition)> = None;
+            for rule in 0..self.problem.steps[pos].rules.len() {
+                for t in self.transitions(pos, rule, &arena[cur as usize].held, comp_values, memo) {
+                    if pick.as_ref().is_none_or(|(c, _, _)| t.cost < *c) {
+                        pick = Some((t.cost, rule, t));
+                    }
+                }
+            }
+            let Some((cost, rule, t)) = pick else { break };
+            let g = arena[cur as usize].g + cost;
+            arena.push(Entry { parent: cur, pos: pos as u32 + 1, rule: rule as u16, choice: t.choice, g, held: t.held });
+            cur = (arena.len() - 1) as u32;
+        }
+        cur
+    }
+
+    /// The cheapest single communication giving `to` from any layout in `held`.
+    fn cheapest_comm(
+        &self,
+        t: TensorId,
+        held: LayoutSet,
+        to: Layout,
+        memo: &mut CommMemo,
+    ) -> Option<(Layout, Collective, Vec<f64>)> {
+        memo.entry((t, held, to))
+            .or_insert_with(|| {
+                let tensor = self.problem.tensor(t);
+                let mut best: Option<(f64, Layout, Collective, Vec<f64>)> = None;
+                for from in held.iter() {
+                    for &c in conversions(from, to) {
+                        if !self.problem.allows(c) {
+                            continue;
+                        }
+                        let row = collective_row(self.problem.profile, c, tensor.bytes(), tensor.requires_grad);
+                        let values = row.values(&self.ratios);
+                        let m = values.iter().copied().fold(0.0, f64::max);
+                        if best.as_ref().is_none_or(|b| m < b.0) {
+                            best = Some((m, from, c, values));
+                        }
+                    }
+                }
+                best.map(|(_, from, c, v)| (from, c, v))
+            })
+            .clone()
+    }
+
+    /// Every way to apply `rule` of step `pos` at a state holding `held` (one per choice
+    /// of how new sources are created).
+    fn transitions(
+        &self,
+        pos: usize,
+        rule_index: usize,
+        held: &[LayoutSet],
+        comp_values: &[Vec<f64>],
+        memo: &mut CommMemo,
+    ) -> Vec<Transition> {
+        let p = self.problem;
+        let step = &p.steps[pos];
+        let rule = &step.rules[rule_index];
+        let live = &p.live[pos];
+        // sources first used here: which input slots they fill
+        let mut new_sources: Vec<TensorId> = Vec::new();
+        for &t in &step.inputs {
+            if p.tensor(t).is_source() && p.tensor(t).first == pos && !new_sources.contains(&t) {
+                new_sources.push(t);
+            }
+        }
+        let options: Vec<Vec<(Layout, Option<Layout>)>> = new_sources
+            .iter()
+            .map(|&t| {
+                let slot = step.inputs.iter().position(|&x| x == t).unwrap_or(0);
+                p.source_options(t, rule.inputs[slot])
+            })
+            .collect();
+        let combos: usize = options.iter().map(Vec::len).product();
+        let n = p.profile.world();
+        let mut out = Vec::with_capacity(combos);
+        'combo: for choice in 0..combos {
+            let mut local: Vec<(TensorId, LayoutSet)> = Vec::with_capacity(step.inputs.len());
+            let mut comm = vec![0.0; n];
+            let mut c = choice;
+            for (k, &t) in new_sources.iter().enumerate() {
+                let (created, _) = options[k][c % options[k].len()];
+                c /= options[k].len();
+                local.push((t, LayoutSet::single(created)));
+                if let Some(values) = self.source_values(t, created) {
+                    Self::add_values(&mut comm, &values);
+                }
+            }
+            for (slot, &t) in step.inputs.iter().enumerate() {
+                let need = rule.inputs[slot];
+                let current = match local.iter().find(|(x, _)| *x == t) {
+                    Some((_, set)) => *set,
+                    None => match live.binary_search(&t) {
+                        Ok(i) => held[i],
+                        Err(_) => continue 'combo, // not available: cannot happen for a valid problem
+                    },
+                };
+                if current.contains(need) {
+                    continue;
+                }
+                let Some((_, _, values)) = self.cheapest_comm(t, current, need, memo) else { continue 'combo };
+                Self::add_values(&mut comm, &values);
+                let updated = current.with(need);
+                match local.iter_mut().find(|(x, _)| *x == t) {
+                    Some(entry) => entry.1 = updated,
+                    None => local.push((t, updated)),
+                }
+            }
+            // the state after the step
+            let next = &p.live[pos + 1];
+            let mut next_held = Vec::with_capacity(next.len());
+            for &t in next {
+                let set = if let Some(k) = step.outputs.iter().position(|o| *o == Some(t)) {
+                    LayoutSet::single(rule.outputs[k])
+                } else if let Some((_, set)) = local.iter().find(|(x, _)| *x == t) {
+                    *set
+                } else {
+                    match live.binary_search(&t) {
+                        Ok(i) => held[i],
+                        Err(_) => LayoutSet::default(),
+                    }
+                };
+                next_held.push(set);
+            }
+            // the goal: the loss as a partial sum (a replicated loss is masked to rank 0)
+            if pos + 1 == p.steps.len() {
+                if let Ok(i) = next.binary_search(&p.loss) {
+                    let set = next_held[i];
+                    if !(set.contains(Layout::Reduce) || set.contains(Layout::Identity)) {
+                        continue 'combo;
+                    }
+                    next_held[i] = LayoutSet::single(Layout::Reduce);
+                }
+            }
+            let comm_max = comm.iter().copied().fold(0.0, f64::max);
+            out.push(Transition {
+                held: next_held.into_boxed_slice(),
+                cost: comp_values[pos][rule_index] + comm_max,
+                choice: choice as u16,
+            });
+        }
+        out
+    }
+
+    /// Per-device seconds of creating a source in `layout` (gradient all-reduce of a
+    /// replicated trainable parameter), if any.
+    fn source_values(&self, t: TensorId, layout: Layout) -> Option<Vec<f64>> {
+        self.source_row(t, layout).map(|r| r.values(&self.ratios))
+    }
+
+    fn source_row(&self, t: TensorId, layout: Layout) -> Option<Row> {
+        let tensor = self.problem.tensor(t);
+        (tensor.kind == NodeKind::Parameter && tensor.requires_grad && layout == Layout::Identity)
+            .then(|| crate::comm::one_way_row(self.problem.profile, Collective::AllReduce, tensor.bytes()))
+    }
+
+    /// Rebuild the program (with full cost rows) from the chosen (rule, choice) per step.
+    fn replay(&self, choices: &[(usize, u16)]) -> Result<(Vec<ChosenStep>, Vec<LayoutSet>, f64)> {
+        let p = self.problem;
+        let mut held = vec![LayoutSet::default(); p.tensors.len()];
+        // every layout the program materializes (held is canonical and forgets slices)
+        let mut created = vec![LayoutSet::default(); p.tensors.len()];
+        let mut steps = Vec::with_capacity(choices.len());
+        let mut total = 0.0;
+        let mut memo: CommMemo = HashMap::new();
+        for (pos, &(rule_index, choice)) in choices.iter().enumerate() {
+            let step = &p.steps[pos];
+            let rule = &step.rules[rule_index];
+            let mut sources = Vec::new();
+            let mut comms = Vec::new();
+            let mut comm = Row::zeros(p.profile.world());
+            let mut c = choice as usize;
+            let mut seen = Vec::new();
+            for (slot, &t) in step.inputs.iter().enumerate() {
+                let tensor = p.tensor(t);
+                if tensor.is_source() && tensor.first == pos && !seen.contains(&t) {
+                    seen.push(t);
+                    let options = p.source_options(t, rule.inputs[slot]);
+                    let (created_layout, _) = options[c % options.len()];
+                    c /= options.len();
+                    held[t as usize] = LayoutSet::single(created_layout);
+                    created[t as usize] = created[t as usize].with_raw(created_layout);
+                    let row = self.source_row(t, created_layout).unwrap_or_else(|| Row::zeros(p.profile.world()));
+                    comm.add(&row);
+                    sources.push(Source { tensor: t, layout: created_layout, row });
+                }
+            }
+            for (slot, &t) in step.inputs.iter().enumerate() {
+                let need = rule.inputs[slot];
+                let current = held[t as usize];
+                if current.contains(need) {
+                    continue;
+                }
+                let (from, collective, _) = self.cheapest_comm(t, current, need, &mut memo).ok_or_else(|| {
+                    Error::Synthesis { message: format!("replay: no communication gives {need} at step {pos}") }
+                })?;
+                let tensor = p.tensor(t);
+                let row = collective_row(p.profile, collective, tensor.bytes(), tensor.requires_grad);
+                comm.add(&row);
+                comms.push(Comm { tensor: t, from, to: need, collective, row });
+                held[t as usize] = current.with(need);
+                created[t as usize] = created[t as usize].with_raw(need);
+            }
+            for (k, out) in step.outputs.iter().enumerate() {
+                if let Some(t) = out {
+                    held[*t as usize] = LayoutSet::single(rule.outputs[k]);
+                    created[*t as usize] = LayoutSet::single(rule.outputs[k]);
+                }
+            }
+            let comp = step.comp[rule_index].clone();
+            total += self.max(&comp) + self.max(&comm);
+            steps.push(ChosenStep { step: pos, rule: rule_index, sources, comms, comp, comm });
+        }
+        // a replicated loss becomes a partial sum by keeping it on rank 0
+        if let Some(last) = steps.last_mut() {
+            let loss = p.loss;
+            if !created[loss as usize].contains(Layout::Reduce) {
+                let row = Row::zeros(p.profile.world());
+                last.comms.push(Comm { tensor: loss, from: Layout::Identity, to: Layout::Reduce, collective: Collective::MaskToRankZero, row });
+                created[loss as usize] = created[loss as usize].with_raw(Layout::Reduce);
+            }
+        }
+        if choices.len() != p.steps.len() {
+            return Err(Error::Synthesis {
+                message: format!("the search ended after {} of {} steps", choices.len(), p.steps.len()),
+            });
+        }
+        Ok((steps, created, total))
+    }
+}
+
+/// Non-negative floats order like their bit patterns.
+fn key(f: f64) -> u64 {
+    f.max(0.0).to_bits()
+}
