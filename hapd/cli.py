@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from hapd import __version__
-from hapd.errors import HapdError
+from hapd.errors import HapdError, OptionsError
 
 
 class _Group(click.Group):
@@ -72,12 +72,17 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
     else:
         from hapd import models
 
-        spec = models.get(model)
-        module, config = models.build(model, size, **_parse_overrides(overrides))
+        try:
+            spec = models.get(model)
+            module, config = models.build(model, size, **_parse_overrides(overrides))
+        except (ValueError, TypeError) as exc:  # unknown model or field, a bad override value
+            message = str(exc) if isinstance(exc, ValueError) else f"bad --set value for {model}: {exc}"
+            raise OptionsError(message) from exc
         inputs = spec.example_inputs(config, batch)
         batch_dims = spec.batch_dims
         name = model
     out = out or Path(f"{name}.pt2")
+    out.parent.mkdir(parents=True, exist_ok=True)
     export(module, inputs, path=out, batch_dims=batch_dims, name=name)
     click.echo(f"wrote {out}")
     if hapg:
@@ -95,7 +100,9 @@ def lower_cmd(program: Path, out: Path | None) -> None:
     from hapd.ir import lower
 
     ir = lower(program)
-    path = ir.save(out or program.with_suffix(".hapg"))
+    out = out or program.with_suffix(".hapg")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = ir.save(out)
     click.echo(f"wrote {path}  graph id {ir.graph_id}")
 
 

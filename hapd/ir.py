@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import operator
 import warnings
 from dataclasses import dataclass
@@ -135,13 +136,20 @@ def load_exported(path: str | Path) -> tuple[ExportedProgram, dict[str, Any]]:
     if path.stat().st_size == 0:
         raise GraphFormatError(f"{path}: the file is empty")
     extra = {EXTRA_FILE: ""}
+    export_log = logging.getLogger("torch.export")
+    level = export_log.level
     try:
         with warnings.catch_warnings():
             # torch reads weights from a read-only buffer and says so on every load
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            # and logs a warning for a file that is no archive before failing: the
+            # GraphFormatError below says it once
+            export_log.setLevel(logging.ERROR)
             program = torch.export.load(path, extra_files=extra)
     except Exception as exc:
         raise GraphFormatError(f"{path}: not a torch.export program ({type(exc).__name__}: {exc})") from exc
+    finally:
+        export_log.setLevel(level)
     try:
         stored = json.loads(extra[EXTRA_FILE]) if extra[EXTRA_FILE] else {}
     except ValueError as exc:

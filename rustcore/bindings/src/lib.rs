@@ -111,6 +111,7 @@ fn parse_options(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyResul
             "force" => opts.force = value.extract::<BTreeMap<String, String>>()?,
             "zero" => opts.zero = value.extract()?,
             "max_states" => limits.max_states = value.extract()?,
+            "front_width" => limits.front_width = value.extract()?,
             "max_seconds" => limits.max_seconds = value.extract()?,
             other => return Err(bad(other, "unknown option".into())),
         }

@@ -42,12 +42,14 @@ pub use ir::Graph;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
     pub max_states: usize,
+    /// Undominated states kept per position (see [`search::Search::with_front_width`]).
+    pub front_width: usize,
     pub max_seconds: Option<f64>,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_states: 2_000_000, max_seconds: None }
+        Limits { max_states: 2_000_000, front_width: 256, max_seconds: None }
     }
 }
 
@@ -63,7 +65,8 @@ pub fn synthesize(
     let graph = Graph::from_msgpack(graph)?;
     let profile = profile::Profile::from_msgpack(profile)?;
     let problem = problem::Problem::new(&graph, &profile, options)?;
-    let mut search = search::Search::new(&problem, ratios)?.with_state_limit(limits.max_states);
+    let mut search = search::Search::new(&problem, ratios)?.with_state_limit(limits.max_states)
+        .with_front_width(limits.front_width);
     if let Some(seconds) = limits.max_seconds {
         search = search.with_time_limit(std::time::Duration::from_secs_f64(seconds.max(0.0)));
     }

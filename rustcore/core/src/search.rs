@@ -26,6 +26,9 @@ use crate::problem::{Problem, TensorId};
 pub enum StopReason {
     /// The returned program is optimal under the cost model.
     Optimal,
+    /// A position had more undominated states than the front width; the cheapest were
+    /// kept. The program is complete but not proven optimal.
+    Bounded,
     /// The state budget ran out; the program was completed greedily.
     StateLimit,
     /// The time budget ran out; the program was completed greedily.
@@ -38,6 +41,7 @@ impl StopReason {
     pub fn name(self) -> &'static str {
         match self {
             StopReason::Optimal => "optimal",
+            StopReason::Bounded => "bounded",
             StopReason::StateLimit => "state_limit",
             StopReason::TimeLimit => "time_limit",
             StopReason::Cancelled => "cancelled",
@@ -95,11 +99,14 @@ pub struct Search<'p, 'a> {
     problem: &'p Problem<'a>,
     ratios: Vec<f64>,
     max_states: usize,
+    front_width: usize,
     time_limit: Option<Duration>,
     cancel: Option<&'p AtomicBool>,
 }
 
 struct Entry {
+    /// Dominated by a state found later; skipped when popped.
+    dead: bool,
     parent: u32,
     pos: u32,
     rule: u16,
@@ -115,6 +122,10 @@ struct Transition {
     choice: u16,
 }
 
+/// How many of the cheapest states of a position a new state is compared against for
+/// dominance (exact duplicates are always caught).
+const FRONT_CHECKS: usize = 32;
+
 /// Memo of the cheapest communication for (tensor, from set, to).
 type CommMemo = HashMap<(TensorId, LayoutSet, Layout), Option<(Layout, Collective, Vec<f64>)>>;
 
@@ -127,11 +138,17 @@ impl<'p, 'a> Search<'p, 'a> {
                 message: format!("need {n} finite non-negative sharding ratios, got {ratios:?}"),
             });
         }
-        Ok(Search { problem, ratios: ratios.to_vec(), max_states: 2_000_000, time_limit: None, cancel: None })
+        Ok(Search { problem, ratios: ratios.to_vec(), max_states: 2_000_000, front_width: usize::MAX, time_limit: None, cancel: None })
     }
 
     pub fn with_state_limit(mut self, states: usize) -> Self {
         self.max_states = states.max(1);
+        self
+    }
+
+    /// Keep at most `width` undominated states per position (a beam); unbounded by default.
+    pub fn with_front_width(mut self, width: usize) -> Self {
+        self.front_width = width.max(1);
         self
     }
 
@@ -172,6 +189,7 @@ impl<'p, 'a> Search<'p, 'a> {
         }
         let mut memo: CommMemo = HashMap::new();
         let mut arena: Vec<Entry> = vec![Entry {
+            dead: false,
             parent: u32::MAX,
             pos: 0,
             rule: 0,
@@ -179,20 +197,22 @@ impl<'p, 'a> Search<'p, 'a> {
             g: 0.0,
             held: vec![LayoutSet::default(); p.live[0].len()].into_boxed_slice(),
         }];
-        let mut best: HashMap<(u32, Box<[LayoutSet]>), f64> = HashMap::new();
+        // per position, the states no other state dominates
+        let mut fronts: Vec<Vec<u32>> = vec![Vec::new(); n_steps + 1];
+        let mut set_memo: HashMap<(TensorId, LayoutSet, LayoutSet), f64> = HashMap::new();
+        let mut exact: HashMap<(u32, Box<[LayoutSet]>), f64> = HashMap::new();
         let mut heap = BinaryHeap::new();
         heap.push((Reverse(key(heuristic[0])), 0u32, Reverse(0u32)));
         let mut expanded = 0usize;
+        let mut bounded = false;
         let mut deepest = 0u32;
         let mut stop = None;
         let mut goal = None;
 
         while let Some((_, _, Reverse(idx))) = heap.pop() {
             let (pos, g) = (arena[idx as usize].pos, arena[idx as usize].g);
-            if let Some(&b) = best.get(&(pos, arena[idx as usize].held.clone())) {
-                if b < g {
-                    continue; // superseded
-                }
+            if arena[idx as usize].dead {
+                continue; // dominated after it was queued
             }
             if pos as usize == n_steps {
                 goal = Some(idx);
@@ -218,19 +238,61 @@ impl<'p, 'a> Search<'p, 'a> {
             for rule in 0..p.steps[pos as usize].rules.len() {
                 for t in self.transitions(pos as usize, rule, &arena[idx as usize].held, &comp_values, &mut memo) {
                     let g2 = g + t.cost;
-                    let k = (pos + 1, t.held);
-                    if best.get(&k).is_some_and(|&b| b <= g2) {
+                    let next = pos as usize + 1;
+                    let live = &p.live[next];
+                    let key_held = (next as u32, t.held.clone());
+                    if exact.get(&key_held).is_some_and(|&b| b <= g2) {
                         continue;
                     }
-                    best.insert(k.clone(), g2);
-                    arena.push(Entry { parent: idx, pos: pos + 1, rule: rule as u16, choice: t.choice, g: g2, held: k.1 });
+                    // dominance against the cheapest states of the front (sorted by cost)
+                    let front = &fronts[next];
+                    let checked = front.len().min(FRONT_CHECKS);
+                    if front[..checked].iter().any(|&k| {
+                        let e = &arena[k as usize];
+                        e.g + self.switch_cost(live, &e.held, &t.held, &mut set_memo, &mut memo) <= g2
+                    }) {
+                        continue; // an existing state reaches this one for less
+                    }
+                    let mut dead = Vec::new();
+                    for (j, &k) in front[..checked].iter().enumerate() {
+                        let e = &arena[k as usize];
+                        if g2 + self.switch_cost(live, &t.held, &e.held, &mut set_memo, &mut memo) <= e.g {
+                            dead.push(j);
+                        }
+                    }
+                    for &j in dead.iter().rev() {
+                        let k = fronts[next].remove(j);
+                        arena[k as usize].dead = true;
+                    }
+                    exact.insert(key_held, g2);
+                    arena.push(Entry {
+                        dead: false,
+                        parent: idx,
+                        pos: pos + 1,
+                        rule: rule as u16,
+                        choice: t.choice,
+                        g: g2,
+                        held: t.held,
+                    });
                     let child = (arena.len() - 1) as u32;
+                    let front = &mut fronts[next];
+                    let at = front.partition_point(|&k| arena[k as usize].g <= g2);
+                    front.insert(at, child);
+                    if front.len() > self.front_width {
+                        // keep the cheapest states of this position; the result is no
+                        // longer proven optimal
+                        if let Some(k) = front.pop() {
+                            arena[k as usize].dead = true;
+                            bounded = true;
+                        }
+                    }
                     heap.push((Reverse(key(g2 + heuristic[pos as usize + 1])), pos + 1, Reverse(child)));
                 }
             }
         }
         let generated = arena.len();
         let (last, stop) = match goal {
+            Some(idx) if bounded => (idx, StopReason::Bounded),
             Some(idx) => (idx, StopReason::Optimal),
             None => {
                 let from = if stop.is_some() { deepest } else { 0 };
@@ -278,10 +340,46 @@ impl<'p, 'a> Search<'p, 'a> {
             }
             let Some((cost, rule, t)) = pick else { break };
             let g = arena[cur as usize].g + cost;
-            arena.push(Entry { parent: cur, pos: pos as u32 + 1, rule: rule as u16, choice: t.choice, g, held: t.held });
+            arena.push(Entry { dead: false, parent: cur, pos: pos as u32 + 1, rule: rule as u16, choice: t.choice, g, held: t.held });
             cur = (arena.len() - 1) as u32;
         }
         cur
+    }
+
+    /// An upper bound on the cost of turning a state holding `from` into one holding
+    /// `to` (every missing layout communicated at once). If a state reaches another's
+    /// layouts for no more than that one's cost, the other is dominated: the step cost
+    /// `max_d (a + b) ≤ max_d a + max_d b` makes the bound sound.
+    fn switch_cost(
+        &self,
+        live: &[TensorId],
+        from: &[LayoutSet],
+        to: &[LayoutSet],
+        set_memo: &mut HashMap<(TensorId, LayoutSet, LayoutSet), f64>,
+        memo: &mut CommMemo,
+    ) -> f64 {
+        let mut total = 0.0;
+        for (i, &t) in live.iter().enumerate() {
+            let (a, b) = (from[i], to[i]);
+            if a == b || (a.0 & b.0) == b.0 {
+                continue;
+            }
+            let cost = *set_memo.entry((t, a, b)).or_insert_with(|| {
+                let mut sum = 0.0;
+                for l in b.iter().filter(|l| !a.contains(*l)) {
+                    match self.cheapest_comm(t, a, l, memo) {
+                        Some((_, _, values)) => sum += values.iter().copied().fold(0.0, f64::max),
+                        None => return f64::INFINITY,
+                    }
+                }
+                sum
+            });
+            total += cost;
+            if total.is_infinite() {
+                break;
+            }
+        }
+        total
     }
 
     /// The cheapest single communication giving `to` from any layout in `held`.

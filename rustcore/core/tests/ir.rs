@@ -34,11 +34,7 @@ const BATCH: usize = 2;
 const EXPECTED: &[(&str, &[&str], &[(&str, &[usize])])] = &[
     ("mlp", &["aten.linear", "aten.gelu", "aten.cross_entropy_loss"], &[]),
     ("vgg19", &["aten.conv2d", "aten.max_pool2d", "aten.relu", "aten.linear"], &[]),
-    (
-        "vit",
-        &["aten.conv2d", "aten.cat", "aten.linear", "aten.layer_norm", "aten.scaled_dot_product_attention"],
-        &[],
-    ),
+    ("vit", &["aten.conv2d", "aten.cat", "aten.linear", "aten.layer_norm", "aten.scaled_dot_product_attention"], &[]),
     (
         "bert",
         &["aten.embedding", "aten.linear", "aten.layer_norm", "aten.scaled_dot_product_attention", "aten.relu"],
@@ -238,11 +234,32 @@ reject! {
 #[test]
 fn bad_fixtures_are_rejected_by_decode_or_validate() {
     // the header and per-node errors come from decode, the rest from validate
-    for (name, decodes) in [("dangling", true), ("shape_mismatch", true), ("not_scalar_loss", true), ("wrong_version", false)] {
+    for (name, decodes) in
+        [("dangling", true), ("shape_mismatch", true), ("not_scalar_loss", true), ("wrong_version", false)]
+    {
         let bytes = BAD_BYTES.iter().find(|(n, _)| *n == name).unwrap().1;
         assert_eq!(ir::decode(bytes).is_ok(), decodes, "{name}");
     }
     assert_eq!(BAD.len(), BAD_BYTES.len());
+}
+
+#[test]
+fn every_fixture_file_is_tested() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "hapg"))
+        .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+        .collect();
+    on_disk.sort();
+    let mut tested: Vec<String> =
+        MODELS.iter().map(|(n, _)| n.to_string()).chain(BAD.iter().map(|n| n.to_string())).collect();
+    tested.sort();
+    assert_eq!(on_disk, tested, "a fixture in {} has no test here", dir.display());
+    for (name, bytes) in MODELS.iter().chain(BAD_BYTES) {
+        assert_eq!(std::fs::read(dir.join(format!("{name}.hapg"))).unwrap(), *bytes, "{name}");
+    }
 }
 
 const BAD_BYTES: &[(&str, &[u8])] = &[
@@ -279,7 +296,12 @@ fn entry<'a>(map: &'a mut rmpv::Value, key: &str) -> &'a mut rmpv::Value {
 
 fn node<'a>(doc: &'a mut rmpv::Value, name: &str) -> &'a mut rmpv::Value {
     let rmpv::Value::Array(nodes) = entry(doc, "nodes") else { panic!("nodes") };
-    nodes.iter_mut().find(|n| n.as_map().is_some_and(|m| m.iter().any(|(k, v)| k.as_str() == Some("name") && v.as_str() == Some(name)))).unwrap()
+    nodes
+        .iter_mut()
+        .find(|n| {
+            n.as_map().is_some_and(|m| m.iter().any(|(k, v)| k.as_str() == Some("name") && v.as_str() == Some(name)))
+        })
+        .unwrap()
 }
 
 fn ints(values: &[i64]) -> rmpv::Value {
@@ -298,70 +320,187 @@ fn unedited_document_loads() {
     edited(|_| {}).unwrap();
 }
 
+/// An edit of the mlp document.
+type Edit = Box<dyn FnOnce(&mut rmpv::Value)>;
+/// (what, edit, Python class, node, field) of the error.
+type Case = (&'static str, Edit, &'static str, Option<&'static str>, Option<&'static str>);
+
 #[test]
 fn edits_name_the_node_and_field() {
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut rmpv::Value)>, &str, Option<&str>, Option<&str>)> = vec![
-        ("missing kind", Box::new(|d| {
-            let rmpv::Value::Map(m) = node(d, "gelu") else { unreachable!() };
-            m.retain(|(k, _)| k.as_str() != Some("kind"));
-        }), "GraphValidationError", Some("gelu"), Some("kind")),
-        ("inputs not refs", Box::new(|d| *entry(node(d, "gelu"), "inputs") = rmpv::Value::from("x")),
-            "GraphValidationError", Some("gelu"), Some("inputs")),
-        ("bad arg value", Box::new(|d| {
-            let rmpv::Value::Array(args) = entry(node(d, "gelu"), "args") else { unreachable!() };
-            *entry(&mut args[0], "value") = rmpv::Value::Map(vec![(rmpv::Value::from("zz"), rmpv::Value::from(1))]);
-        }), "GraphValidationError", Some("gelu"), Some("args")),
-        ("output without dtype", Box::new(|d| {
-            let rmpv::Value::Array(outs) = entry(node(d, "gelu"), "outputs") else { unreachable!() };
-            let rmpv::Value::Map(m) = &mut outs[0] else { unreachable!() };
-            m.retain(|(k, _)| k.as_str() != Some("dtype"));
-        }), "GraphValidationError", Some("gelu"), Some("outputs")),
-        ("tensor arg out of range", Box::new(|d| {
-            let rmpv::Value::Array(args) = entry(node(d, "gelu"), "args") else { unreachable!() };
-            *entry(&mut args[0], "value") = rmpv::Value::Map(vec![(rmpv::Value::from("t"), rmpv::Value::from(7))]);
-        }), "GraphValidationError", Some("gelu"), Some("args[0] (self)")),
-        ("duplicate name", Box::new(|d| *entry(node(d, "gelu_1"), "name") = rmpv::Value::from("gelu")),
-            "GraphValidationError", Some("gelu"), Some("name")),
-        ("source with inputs", Box::new(|d| *entry(node(d, "x"), "inputs") = rmpv::Value::Array(vec![ints(&[0, 0])])),
-            "GraphValidationError", Some("x"), Some("inputs")),
-        ("batch dim past rank", Box::new(|d| *entry(node(d, "y"), "batch_dim") = rmpv::Value::from(1)),
-            "GraphValidationError", Some("y"), Some("batch_dim")),
-        ("batch dim on a parameter", Box::new(|d| *entry(node(d, "p_head_bias"), "batch_dim") = rmpv::Value::from(0)),
-            "GraphValidationError", Some("p_head_bias"), Some("batch_dim")),
-        ("op without name", Box::new(|d| *entry(node(d, "gelu"), "op") = rmpv::Value::from("")),
-            "GraphValidationError", Some("gelu"), Some("op")),
-        ("output index past the end", Box::new(|d| *entry(node(d, "gelu"), "inputs") = rmpv::Value::Array(vec![ints(&[8, 3])])),
-            "GraphValidationError", Some("gelu"), Some("inputs")),
-        ("loss past the end", Box::new(|d| *entry(d, "loss") = ints(&[99, 0])),
-            "GraphValidationError", None, Some("loss")),
-        ("integer loss", Box::new(|d| *entry(d, "loss") = ints(&[7, 0])),
-            "GraphValidationError", None, Some("loss")),
-        ("loss not a ref", Box::new(|d| *entry(d, "loss") = rmpv::Value::from("cross_entropy_loss")),
-            "GraphValidationError", None, Some("loss")),
-        ("bad loss reduction", Box::new(|d| *entry(d, "loss_reduction") = rmpv::Value::from("max")),
-            "GraphValidationError", None, Some("loss_reduction")),
-        ("no nodes", Box::new(|d| *entry(d, "nodes") = rmpv::Value::Array(vec![])),
-            "GraphValidationError", None, Some("nodes")),
-        ("nodes not a list", Box::new(|d| *entry(d, "nodes") = rmpv::Value::from(3)),
-            "GraphValidationError", None, Some("nodes")),
-        ("version not an int", Box::new(|d| *entry(d, "version") = rmpv::Value::from("1")),
-            "GraphValidationError", None, Some("version")),
-        ("missing format", Box::new(|d| {
-            let rmpv::Value::Map(m) = d else { unreachable!() };
-            m.retain(|(k, _)| k.as_str() != Some("format"));
-        }), "GraphFormatError", None, None),
-        ("bias of the wrong size", Box::new(|d| {
-            let rmpv::Value::Array(outs) = entry(node(d, "p_body_0_bias"), "outputs") else { unreachable!() };
-            *entry(&mut outs[0], "shape") = ints(&[63]);
-        }), "ShapeError", Some("linear"), None),
-        ("reshape changes the size", Box::new(|d| {
-            let rmpv::Value::Array(outs) = entry(node(d, "reshape"), "outputs") else { unreachable!() };
-            *entry(&mut outs[0], "shape") = ints(&[2, 11]);
-        }), "ShapeError", Some("reshape"), None),
-        ("non-broadcasting output", Box::new(|d| {
-            let rmpv::Value::Array(outs) = entry(node(d, "gelu"), "outputs") else { unreachable!() };
-            *entry(&mut outs[0], "shape") = ints(&[2, 65]);
-        }), "ShapeError", Some("gelu"), None),
+    let cases: Vec<Case> = vec![
+        (
+            "missing kind",
+            Box::new(|d| {
+                let rmpv::Value::Map(m) = node(d, "gelu") else { unreachable!() };
+                m.retain(|(k, _)| k.as_str() != Some("kind"));
+            }),
+            "GraphValidationError",
+            Some("gelu"),
+            Some("kind"),
+        ),
+        (
+            "inputs not refs",
+            Box::new(|d| *entry(node(d, "gelu"), "inputs") = rmpv::Value::from("x")),
+            "GraphValidationError",
+            Some("gelu"),
+            Some("inputs"),
+        ),
+        (
+            "bad arg value",
+            Box::new(|d| {
+                let rmpv::Value::Array(args) = entry(node(d, "gelu"), "args") else { unreachable!() };
+                *entry(&mut args[0], "value") = rmpv::Value::Map(vec![(rmpv::Value::from("zz"), rmpv::Value::from(1))]);
+            }),
+            "GraphValidationError",
+            Some("gelu"),
+            Some("args"),
+        ),
+        (
+            "output without dtype",
+            Box::new(|d| {
+                let rmpv::Value::Array(outs) = entry(node(d, "gelu"), "outputs") else { unreachable!() };
+                let rmpv::Value::Map(m) = &mut outs[0] else { unreachable!() };
+                m.retain(|(k, _)| k.as_str() != Some("dtype"));
+            }),
+            "GraphValidationError",
+            Some("gelu"),
+            Some("outputs"),
+        ),
+        (
+            "tensor arg out of range",
+            Box::new(|d| {
+                let rmpv::Value::Array(args) = entry(node(d, "gelu"), "args") else { unreachable!() };
+                *entry(&mut args[0], "value") = rmpv::Value::Map(vec![(rmpv::Value::from("t"), rmpv::Value::from(7))]);
+            }),
+            "GraphValidationError",
+            Some("gelu"),
+            Some("args[0] (self)"),
+        ),
+        (
+            "duplicate name",
+            Box::new(|d| *entry(node(d, "gelu_1"), "name") = rmpv::Value::from("gelu")),
+            "GraphValidationError",
+            Some("gelu"),
+            Some("name"),
+        ),
+        (
+            "source with inputs",
+            Box::new(|d| *entry(node(d, "x"), "inputs") = rmpv::Value::Array(vec![ints(&[0, 0])])),
+            "GraphValidationError",
+            Some("x"),
+            Some("inputs"),
+        ),
+        (
+            "batch dim past rank",
+            Box::new(|d| *entry(node(d, "y"), "batch_dim") = rmpv::Value::from(1)),
+            "GraphValidationError",
+            Some("y"),
+            Some("batch_dim"),
+        ),
+        (
+            "batch dim on a parameter",
+            Box::new(|d| *entry(node(d, "p_head_bias"), "batch_dim") = rmpv::Value::from(0)),
+            "GraphValidationError",
+            Some("p_head_bias"),
+            Some("batch_dim"),
+        ),
+        (
+            "op without name",
+            Box::new(|d| *entry(node(d, "gelu"), "op") = rmpv::Value::from("")),
+            "GraphValidationError",
+            Some("gelu"),
+            Some("op"),
+        ),
+        (
+            "output index past the end",
+            Box::new(|d| *entry(node(d, "gelu"), "inputs") = rmpv::Value::Array(vec![ints(&[8, 3])])),
+            "GraphValidationError",
+            Some("gelu"),
+            Some("inputs"),
+        ),
+        (
+            "loss past the end",
+            Box::new(|d| *entry(d, "loss") = ints(&[99, 0])),
+            "GraphValidationError",
+            None,
+            Some("loss"),
+        ),
+        ("integer loss", Box::new(|d| *entry(d, "loss") = ints(&[7, 0])), "GraphValidationError", None, Some("loss")),
+        (
+            "loss not a ref",
+            Box::new(|d| *entry(d, "loss") = rmpv::Value::from("cross_entropy_loss")),
+            "GraphValidationError",
+            None,
+            Some("loss"),
+        ),
+        (
+            "bad loss reduction",
+            Box::new(|d| *entry(d, "loss_reduction") = rmpv::Value::from("max")),
+            "GraphValidationError",
+            None,
+            Some("loss_reduction"),
+        ),
+        (
+            "no nodes",
+            Box::new(|d| *entry(d, "nodes") = rmpv::Value::Array(vec![])),
+            "GraphValidationError",
+            None,
+            Some("nodes"),
+        ),
+        (
+            "nodes not a list",
+            Box::new(|d| *entry(d, "nodes") = rmpv::Value::from(3)),
+            "GraphValidationError",
+            None,
+            Some("nodes"),
+        ),
+        (
+            "version not an int",
+            Box::new(|d| *entry(d, "version") = rmpv::Value::from("1")),
+            "GraphValidationError",
+            None,
+            Some("version"),
+        ),
+        (
+            "missing format",
+            Box::new(|d| {
+                let rmpv::Value::Map(m) = d else { unreachable!() };
+                m.retain(|(k, _)| k.as_str() != Some("format"));
+            }),
+            "GraphFormatError",
+            None,
+            None,
+        ),
+        (
+            "bias of the wrong size",
+            Box::new(|d| {
+                let rmpv::Value::Array(outs) = entry(node(d, "p_body_0_bias"), "outputs") else { unreachable!() };
+                *entry(&mut outs[0], "shape") = ints(&[63]);
+            }),
+            "ShapeError",
+            Some("linear"),
+            None,
+        ),
+        (
+            "reshape changes the size",
+            Box::new(|d| {
+                let rmpv::Value::Array(outs) = entry(node(d, "reshape"), "outputs") else { unreachable!() };
+                *entry(&mut outs[0], "shape") = ints(&[2, 11]);
+            }),
+            "ShapeError",
+            Some("reshape"),
+            None,
+        ),
+        (
+            "non-broadcasting output",
+            Box::new(|d| {
+                let rmpv::Value::Array(outs) = entry(node(d, "gelu"), "outputs") else { unreachable!() };
+                *entry(&mut outs[0], "shape") = ints(&[2, 65]);
+            }),
+            "ShapeError",
+            Some("gelu"),
+            None,
+        ),
     ];
     for (what, edit, kind, node_name, field) in cases {
         let err = edited(edit).expect_err(what);
@@ -391,7 +530,10 @@ fn deeply_nested_args_are_errors_not_stack_overflows() {
         }
         let mut doc = mlp_doc();
         let rmpv::Value::Array(args) = entry(node(&mut doc, "gelu"), "args") else { unreachable!() };
-        args.push(rmpv::Value::Map(vec![(rmpv::Value::from("name"), rmpv::Value::from("deep")), (rmpv::Value::from("value"), value)]));
+        args.push(rmpv::Value::Map(vec![
+            (rmpv::Value::from("name"), rmpv::Value::from("deep")),
+            (rmpv::Value::from("value"), value),
+        ]));
         // encoded by hand: rmpv's writer (and drop) recurse once per level
         let result = Graph::from_msgpack(&encode_deep(&doc));
         std::mem::forget(doc);

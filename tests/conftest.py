@@ -1,0 +1,82 @@
+"""Shared fixtures: the graph IR fixture files and the tiny benchmark models, each
+exported and lowered at most once per session."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def _load_make_fixtures():
+    """``tests/fixtures/make_fixtures.py`` as a module (the folder is not a package)."""
+    name = "hapd_tests_make_fixtures"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, FIXTURES / "make_fixtures.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+make_fixtures = _load_make_fixtures()
+
+MODEL_NAMES: list[str] = make_fixtures.model_names()
+"""Every benchmark model, in registry order."""
+
+BAD_FIXTURES: list[str] = list(make_fixtures.BAD)
+"""Every hand-made bad fixture."""
+
+
+class Lowered(NamedTuple):
+    """One tiny model, exported with batch ``make_fixtures.BATCH`` and lowered."""
+
+    name: str
+    program: Any  # torch.export.ExportedProgram
+    ir: Any  # hapd.ir.GraphIR
+    doc: dict[str, Any]
+
+
+class _LazyModels(Mapping[str, Lowered]):
+    """Exports a model on first access and keeps it for the session."""
+
+    def __init__(self) -> None:
+        self._done: dict[str, Lowered] = {}
+
+    def __getitem__(self, name: str) -> Lowered:
+        if name not in self._done:
+            if name not in MODEL_NAMES:
+                raise KeyError(name)
+            program, ir = make_fixtures.lower_model(name)
+            self._done[name] = Lowered(name, program, ir, ir.doc)
+        return self._done[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(MODEL_NAMES)
+
+    def __len__(self) -> int:
+        return len(MODEL_NAMES)
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """``tests/fixtures``."""
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def fixture_bytes() -> dict[str, bytes]:
+    """``{name: bytes}`` of every ``tests/fixtures/*.hapg``."""
+    return {path.stem: path.read_bytes() for path in sorted(FIXTURES.glob("*.hapg"))}
+
+
+@pytest.fixture(scope="session")
+def lowered() -> Mapping[str, Lowered]:
+    """``{model: Lowered}``, each model exported and lowered once, on first use."""
+    return _LazyModels()
