@@ -19,6 +19,10 @@ _LAZY = {
     "lower": "hapd.ir",
     "GraphIR": "hapd.ir",
     "inspect_graph": "hapd.inspect",
+    "compile": "hapd.compile",
+    "CompileOptions": "hapd.compile",
+    "Plan": "hapd.plan",
+    "load_profile": "hapd.profile",
 }
 
 

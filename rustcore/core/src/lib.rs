@@ -49,7 +49,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_states: 2_000_000, front_width: 256, max_seconds: None }
+        Limits { max_states: 2_000_000, front_width: 24, max_seconds: None }
     }
 }
 

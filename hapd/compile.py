@@ -1,0 +1,162 @@
+"""The compile driver: graph + profile → plan.
+
+Alternates the core's search with the sharding-ratio LP (HAP §6, without its defects):
+start from FLOP/s-proportional ratios, search the cheapest program under the current
+ratios, solve the LP for that program, and repeat while the cost strictly improves.
+Each program is kept with the ratios it was optimized for. The data-parallel baselines
+(DP-EV: even split, DP-CP: FLOP/s-proportional split) are priced by the same cost model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import msgpack
+
+from hapd import __version__
+from hapd.errors import OptionsError
+from hapd.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
+from hapd.profile import Profile, load_profile
+from hapd.ratios import program_cost, solve_ratios
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """Options of one compile; part of the plan cache key."""
+
+    zero: bool = False
+    """Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use)."""
+    memory_caps: bool = True
+    """Constrain the LP by each device's memory."""
+    max_rounds: int = 4
+    """Most search ⇄ LP rounds."""
+    max_states: int = 2_000_000
+    """State budget of one search."""
+    front_width: int = 24
+    """Undominated states kept per program position (larger: slower, closer to proven optimal)."""
+    max_seconds: float | None = None
+    """Time budget of one search."""
+    force: Mapping[str, str] = field(default_factory=dict)
+    """Restrict ops (by fx node name) to one rule (by name)."""
+    ratios: tuple[float, ...] | None = None
+    """Use these sharding ratios instead of optimizing them."""
+
+    def __post_init__(self) -> None:
+        if self.max_rounds < 1:
+            raise OptionsError(f"max_rounds {self.max_rounds} must be ≥ 1", field="max_rounds")
+        if self.max_states < 1:
+            raise OptionsError(f"max_states {self.max_states} must be ≥ 1", field="max_states")
+        if self.front_width < 1:
+            raise OptionsError(f"front_width {self.front_width} must be ≥ 1", field="front_width")
+        if self.ratios is not None and (any(r < 0 for r in self.ratios) or abs(sum(self.ratios) - 1) > 1e-6):
+            raise OptionsError(f"ratios {list(self.ratios)} must be ≥ 0 and sum to 1", field="ratios")
+
+    def key(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["force"] = dict(sorted(self.force.items()))
+        out["ratios"] = list(self.ratios) if self.ratios is not None else None
+        return out
+
+    def core(self, mode: str = "auto") -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "mode": mode,
+            "zero": self.zero,
+            "max_states": self.max_states,
+            "front_width": self.front_width,
+            "force": dict(self.force) if mode == "auto" else {},
+        }
+        if self.max_seconds is not None:
+            out["max_seconds"] = float(self.max_seconds)
+        return out
+
+
+def _graph_bytes(graph: Any) -> bytes:
+    from hapd.ir import GraphIR, lower
+
+    if isinstance(graph, GraphIR):
+        return graph.data
+    if isinstance(graph, (bytes, bytearray)):
+        return bytes(graph)
+    if isinstance(graph, (str, Path)):
+        path = Path(graph)
+        return lower(path).data if path.suffix == ".pt2" else GraphIR.load(path).data
+    return lower(graph).data  # an ExportedProgram
+
+
+def synthesize(graph: bytes, profile: Profile, ratios: list[float], options: CompileOptions, mode: str = "auto") -> dict:
+    """One search of the core under fixed ratios; the program as a dict."""
+    from hapd import _core
+
+    raw = _core.synthesize(graph, profile.core_bytes(), list(ratios), options.core(mode))
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+
+
+def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> Plan:  # noqa: A001 - hapd.compile is the public name
+    """Compile ``graph`` (GraphIR, .hapg/.pt2 path, bytes or ExportedProgram) for
+    ``profile`` (Profile or path) into a :class:`Plan`."""
+    options = options or CompileOptions()
+    profile = load_profile(profile)
+    data = _graph_bytes(graph)
+    start = time.perf_counter()
+    caps = [d.memory for d in profile.devices] if options.memory_caps else None
+
+    ratios = list(options.ratios) if options.ratios is not None else profile.flops_ratios()
+    rounds, expanded, history = 0, 0, []
+    best: tuple[dict, list[float], float] | None = None
+    while rounds < options.max_rounds:
+        rounds += 1
+        program = synthesize(data, profile, ratios, options)
+        expanded += program["stats"]["expanded"]
+        if options.ratios is not None:
+            best = (program, ratios, program_cost(program, ratios))
+            break
+        lp = solve_ratios(program, caps)
+        cost = lp.objective
+        history.append(cost)
+        if best is not None and cost >= best[2] * (1 - 1e-9):
+            break
+        best = (program, list(lp.ratios), cost)
+        ratios = list(lp.ratios)
+    assert best is not None
+    program, ratios, cost = best
+    synthesis_seconds = time.perf_counter() - start
+
+    even = [1.0 / profile.world] * profile.world
+    dp_ev = program_cost(synthesize(data, profile, even, options, "data_parallel"), even)
+    flops = profile.flops_ratios()
+    dp_cp = program_cost(synthesize(data, profile, flops, options, "data_parallel"), flops)
+    seconds = time.perf_counter() - start
+
+    from hapd.ir import GraphIR
+
+    summary = __import__("hapd._core", fromlist=["load_graph"]).load_graph(data)
+    doc = {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "key": {
+            "graph_id": GraphIR(data).graph_id,
+            "profile_id": profile.profile_id,
+            "profile_name": profile.name,
+            "compiler_version": __version__,
+            "options": options.key(),
+        },
+        "program": program,
+        "ratios": ratios,
+        "lengths": split_lengths(program, ratios),
+        "estimate": estimate(program, ratios),
+        "baselines": {"dp_ev": dp_ev, "dp_cp": dp_cp},
+        "opaque_ops": [op for op, _ in summary["opaque_ops"]],
+        "stats": {
+            "seconds": seconds,
+            "synthesis_seconds": synthesis_seconds,
+            "search_seconds": program["stats"]["seconds"],
+            "expanded": expanded,
+            "lp_rounds": rounds,
+            "lp_costs": history,
+            "stop_reason": program["stats"]["stop_reason"],
+        },
+    }
+    return Plan(doc)

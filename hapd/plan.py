@@ -1,0 +1,169 @@
+"""Plans (``.hplan``): a synthesized program with its sharding ratios, integer
+lengths, estimates and statistics (DESIGN.md §3). ``Plan.explain()`` renders one for a
+person (``hapd explain``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import msgpack
+
+from hapd.errors import PlanError
+from hapd.ratios import per_device, program_cost, row_values, sharding_lengths
+
+PLAN_FORMAT = "hapd.plan"
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plan document (a msgpack map; see ``docs/formats.md``)."""
+
+    doc: Mapping[str, Any]
+
+    @property
+    def program(self) -> Mapping[str, Any]:
+        return self.doc["program"]
+
+    @property
+    def ratios(self) -> list[float]:
+        return list(self.doc["ratios"])
+
+    @property
+    def estimate(self) -> Mapping[str, Any]:
+        return self.doc["estimate"]
+
+    @property
+    def key(self) -> Mapping[str, Any]:
+        return self.doc["key"]
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(dict(self.doc), use_bin_type=True)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(self.to_bytes())
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Plan":
+        try:
+            doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except Exception as exc:
+            raise PlanError(f"not a plan file: {exc}") from exc
+        if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+            raise PlanError(f"not a plan file (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+        if doc.get("version") != PLAN_VERSION:
+            raise PlanError(f"unsupported plan version {doc.get('version')!r} (this hapd reads {PLAN_VERSION})")
+        for field in ("key", "program", "ratios", "lengths", "estimate", "baselines", "stats"):
+            if field not in doc:
+                raise PlanError(f"plan field {field!r} is missing", field=field)
+        return cls(doc)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise PlanError(f"{path}: {exc.strerror}") from exc
+        return cls.from_bytes(data)
+
+    def lengths_of(self, tensor: str, dim: int) -> list[int]:
+        """Per-rank lengths of ``tensor`` split on ``dim``."""
+        for entry in self.doc["lengths"]:
+            if entry["tensor"] == tensor and entry["dim"] == dim:
+                return list(entry["lengths"])
+        raise PlanError(f"the plan does not split {tensor} on dim {dim}", node=tensor)
+
+    def explain(self) -> str:
+        return explain(self)
+
+
+def split_lengths(program: Mapping[str, Any], ratios: list[float]) -> list[dict[str, Any]]:
+    """Integer lengths of every split (tensor, dim): ``L · size / units`` with ``L`` the
+    largest-remainder split of the class's units."""
+    out = []
+    for split in program["splits"]:
+        units = int(split["units"])
+        base = sharding_lengths(ratios, units)
+        for tensor, dim, size in split["members"]:
+            out.append({"tensor": tensor, "dim": int(dim), "lengths": [b * (int(size) // units) for b in base]})
+    return out
+
+
+def estimate(program: Mapping[str, Any], ratios: list[float]) -> dict[str, Any]:
+    return {
+        "per_iteration": program_cost(program, ratios),
+        "compute": per_device(program, ratios, "comp"),
+        "communication": per_device(program, ratios, "comm"),
+        "memory": row_values(program["memory"], ratios),
+    }
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def _fmt_b(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def explain(plan: Plan) -> str:
+    """A readable report: estimate vs baselines, ratios, every step with its layouts and
+    collectives, per-device totals, and why replicated ops are replicated."""
+    doc, program, ratios = plan.doc, plan.program, plan.ratios
+    est, base, stats = doc["estimate"], doc["baselines"], doc["stats"]
+    opaque = set(doc.get("opaque_ops", []))
+    lines = [
+        f"plan for {program['graph']} on {doc['key'].get('profile_name', '?')} ({program['devices']} devices)",
+        f"  graph {doc['key']['graph_id'][:16]}  profile {doc['key']['profile_id'][:16]}  hapd {doc['key']['compiler_version']}",
+        f"estimated per iteration: {_fmt_s(est['per_iteration'])}"
+        f"   DP-EV {_fmt_s(base['dp_ev'])} ({base['dp_ev'] / est['per_iteration']:.2f}×)"
+        f"   DP-CP {_fmt_s(base['dp_cp'])} ({base['dp_cp'] / est['per_iteration']:.2f}×)",
+        f"synthesis: {stats['seconds']:.3f} s, {stats['expanded']} states expanded, "
+        f"{stats['lp_rounds']} search/LP rounds, stop reason {stats['stop_reason']}",
+        "devices:",
+    ]
+    for d, r in enumerate(ratios):
+        lines.append(
+            f"  rank {d:<3} ratio {r:.4f}  compute {_fmt_s(est['compute'][d]):>10}  "
+            f"communication {_fmt_s(est['communication'][d]):>10}  memory {_fmt_b(est['memory'][d])}"
+        )
+    lines.append("steps:")
+    for step in program["steps"]:
+        comp = max(row_values(step["comp"], ratios), default=0.0)
+        comm = max(row_values(step["comm"], ratios), default=0.0)
+        ins = ", ".join(f"{i['tensor']}:{i['layout']}" for i in step["inputs"])
+        outs = ", ".join(f"{o['tensor']}:{o['layout']}" for o in step["outputs"])
+        lines.append(f"  {step['node']:<30} {step['op']:<34} {step['rule']:<16} {_fmt_s(comp + comm):>10}")
+        lines.append(f"      {ins} -> {outs}")
+        for s in step["sources"]:
+            sync = f", gradient all-reduce {_fmt_b(s['bytes'])} {_fmt_s(max(row_values(s['cost'], ratios)))}" if s["grad_sync"] else ""
+            lines.append(f"      source {s['kind']} {s['target']} as {s['layout']}{sync}")
+        for c in step["comms"]:
+            t = max(row_values(c["cost"], ratios), default=0.0)
+            back = " (+ backward)" if c["grad"] else ""
+            lines.append(
+                f"      {c['collective']} {c['tensor']} {c['from']} -> {c['to']}, {_fmt_b(c['bytes'])}, {_fmt_s(t)}{back}"
+            )
+        if step["rule"] == "replicated" and step["work"] != "free":
+            why = (
+                f"{step['op']} has no sharding rules (opaque)"
+                if step["op"] in opaque
+                else "cheapest under the cost model: a sharded rule would need more communication than it saves"
+            )
+            lines.append(f"      replicated: {why}")
+    return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""Sharding ratios: the LP over a fixed program, and integer sharding lengths.
+
+For a program, every step costs ``max_d comp_d(r) + max_d comm_d(r)`` where each per
+device time is ``constant[d] + coef[d]·r[d]`` (the core's cost rows). The LP minimizes
+the sum over steps with one auxiliary variable per distinct row shape (rows that are
+positive multiples of each other share it: a 24-layer model has the rows of one layer),
+subject to ``Σ r = 1``, ``r ≥ 0`` and per-device memory caps. Times are unbounded
+variables (no artificial [0, 1] bound), the constants are kept, and the solver status
+is checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import pulp
+
+from hapd.errors import SynthesisError
+
+
+@dataclass(frozen=True, kw_only=True)
+class LPResult:
+    """The optimal ratios of one program."""
+
+    ratios: tuple[float, ...]
+    """Sharding ratio of each device (sums to 1)."""
+    objective: float
+    """Estimated seconds per iteration under those ratios."""
+    variables: int
+    """LP size: ratio + auxiliary variables."""
+
+
+def row_values(row: dict[str, Sequence[float]], ratios: Sequence[float]) -> list[float]:
+    return [c + k * r for c, k, r in zip(row["constant"], row["coef"], ratios)]
+
+
+def program_cost(program: dict[str, Any], ratios: Sequence[float]) -> float:
+    """Σ over steps of max_d compute + max_d communication under ``ratios``."""
+    total = 0.0
+    for step in program["steps"]:
+        total += max(row_values(step["comp"], ratios), default=0.0)
+        total += max(row_values(step["comm"], ratios), default=0.0)
+    return total
+
+
+def per_device(program: dict[str, Any], ratios: Sequence[float], which: str) -> list[float]:
+    """Per-device sum of the ``comp`` or ``comm`` rows."""
+    totals = [0.0] * len(ratios)
+    for step in program["steps"]:
+        for d, v in enumerate(row_values(step[which], ratios)):
+            totals[d] += v
+    return totals
+
+
+def _row_groups(program: dict[str, Any]) -> tuple[dict[tuple, tuple[list, list, float]], float]:
+    """Group rows that are positive multiples of each other. Returns key -> (normalized
+    constant, normalized coef, summed scale) and the constant part of rows without a
+    ratio term."""
+    groups: dict[tuple, list] = {}
+    fixed = 0.0
+    for step in program["steps"]:
+        for which in ("comp", "comm"):
+            row = step[which]
+            const, coef = list(row["constant"]), list(row["coef"])
+            if not any(coef):
+                fixed += max(const, default=0.0)
+                continue
+            scale = max(max(abs(v) for v in const), max(abs(v) for v in coef))
+            nc = [v / scale for v in const]
+            nk = [v / scale for v in coef]
+            key = tuple(round(v, 9) for v in nc + nk)
+            if key in groups:
+                groups[key][2] += scale
+            else:
+                groups[key] = [nc, nk, scale]
+    return {k: (v[0], v[1], v[2]) for k, v in groups.items()}, fixed
+
+
+def solve_ratios(program: dict[str, Any], memory_caps: Sequence[float] | None = None) -> LPResult:
+    """Optimal sharding ratios for ``program`` (the core's output)."""
+    n = int(program["devices"])
+    groups, fixed = _row_groups(program)
+    lp = pulp.LpProblem("hapd_sharding_ratios", pulp.LpMinimize)
+    r = [pulp.LpVariable(f"r_{d}", lowBound=0) for d in range(n)]
+    t = {key: pulp.LpVariable(f"t_{i}") for i, key in enumerate(groups)}
+    lp += pulp.lpSum(scale * t[key] for key, (_, _, scale) in groups.items()) + fixed
+    lp += pulp.lpSum(r) == 1, "ratios_sum_to_one"
+    for i, (key, (const, coef, _)) in enumerate(groups.items()):
+        for d in range(n):
+            lp += t[key] >= const[d] + coef[d] * r[d], f"max_{i}_{d}"
+    if memory_caps is not None:
+        mem = program["memory"]
+        for d in range(n):
+            lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d], f"memory_{d}"
+    status = lp.solve(pulp.PULP_CBC_CMD(msg=False))
+    name = pulp.LpStatus.get(status, str(status))
+    if name != "Optimal":
+        raise SynthesisError(_lp_failure(name, program, memory_caps))
+    ratios = tuple(max(0.0, float(v.value() or 0.0)) for v in r)
+    total = sum(ratios)
+    ratios = tuple(v / total for v in ratios)
+    return LPResult(ratios=ratios, objective=program_cost(program, ratios), variables=len(r) + len(t))
+
+
+def _lp_failure(status: str, program: dict[str, Any], memory_caps: Sequence[float] | None) -> str:
+    if status == "Infeasible" and memory_caps is not None:
+        mem = program["memory"]
+        need = sum(mem["coef"])
+        spare = [cap - c for cap, c in zip(memory_caps, mem["constant"])]
+        worst = min(range(len(spare)), key=lambda d: spare[d])
+        return (
+            f"the sharding-ratio LP is infeasible: the program does not fit in device memory "
+            f"(replicated state needs {mem['constant'][worst] / 2**30:.2f} GiB on device {worst}, "
+            f"which has {memory_caps[worst] / 2**30:.2f} GiB; sharded state totals {need / 2**30:.2f} GiB "
+            f"over {len(spare)} devices with {sum(max(0.0, s) for s in spare) / 2**30:.2f} GiB to spare)"
+        )
+    return f"the sharding-ratio LP ended with status {status!r}"
+
+
+def sharding_lengths(ratios: Sequence[float], units: int) -> list[int]:
+    """Split ``units`` into integers proportional to ``ratios`` by largest remainder
+    (ties go to the lower rank). Lengths sum to ``units``; zeros are allowed."""
+    if units < 0:
+        raise ValueError(f"cannot split {units} units")
+    total = sum(ratios)
+    if total <= 0:
+        raise ValueError(f"ratios {list(ratios)} do not sum to a positive number")
+    exact = [units * r / total for r in ratios]
+    lengths = [int(e) for e in exact]
+    rest = units - sum(lengths)
+    order = sorted(range(len(ratios)), key=lambda d: (-(exact[d] - lengths[d]), d))
+    for d in order[:rest]:
+        lengths[d] += 1
+    return lengths
