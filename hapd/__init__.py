@@ -19,8 +19,8 @@ _LAZY = {
     "lower": "hapd.ir",
     "GraphIR": "hapd.ir",
     "inspect_graph": "hapd.inspect",
-    "compile": "hapd.compile",
-    "CompileOptions": "hapd.compile",
+    "compile": "hapd.compiler",
+    "CompileOptions": "hapd.compiler",
     "Plan": "hapd.plan",
     "load_profile": "hapd.profile",
 }

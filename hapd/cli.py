@@ -116,5 +116,37 @@ def inspect_cmd(file: Path) -> None:
     click.echo(format_summary(inspect_graph(file)))
 
 
+@main.command("compile")
+@click.argument("graph", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--profile", "-p", "profile", required=True, help="Cluster profile: a JSON file or a bundled name (paper-8).")
+@click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Output .hplan (default beside GRAPH).")
+@click.option("--zero/--no-zero", default=False, show_default=True, help="Allow ZeRO-style parameters.")
+@click.option("--max-seconds", type=float, default=None, help="Time budget of one search.")
+@click.option("--explain/--no-explain", "show", default=False, help="Print the full report.")
+def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, max_seconds: float | None, show: bool) -> None:
+    """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
+    from hapd.compiler import CompileOptions, compile as compile_plan
+
+    plan = compile_plan(graph, profile, CompileOptions(zero=zero, max_seconds=max_seconds))
+    path = plan.save(out or graph.with_suffix(".hplan"))
+    est, base, stats = plan.estimate, plan.doc["baselines"], plan.doc["stats"]
+    click.echo(
+        f"wrote {path}: {est['per_iteration'] * 1e3:.2f} ms/iteration estimated "
+        f"(DP-EV {base['dp_ev'] / est['per_iteration']:.2f}×, DP-CP {base['dp_cp'] / est['per_iteration']:.2f}× slower); "
+        f"synthesis {stats['synthesis_seconds']:.3f} s, {stats['expanded']} states, {stats['stop_reason']}"
+    )
+    if show:
+        click.echo(plan.explain())
+
+
+@main.command("explain")
+@click.argument("plan", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def explain_cmd(plan: Path) -> None:
+    """Print a plan for a person: estimate, ratios, every step's layouts and collectives."""
+    from hapd.plan import Plan
+
+    click.echo(Plan.load(plan).explain())
+
+
 if __name__ == "__main__":
     main()
