@@ -105,6 +105,7 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
 
     ratios = list(options.ratios) if options.ratios is not None else profile.flops_ratios()
     rounds, expanded, history = 0, 0, []
+    chosen_from = "search"
     best: tuple[dict, list[float], float] | None = None
     while rounds < options.max_rounds:
         rounds += 1
@@ -121,13 +122,21 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
         best = (program, list(lp.ratios), cost)
         ratios = list(lp.ratios)
     assert best is not None
-    program, ratios, cost = best
     synthesis_seconds = time.perf_counter() - start
 
     even = [1.0 / profile.world] * profile.world
     dp_ev = program_cost(synthesize(data, profile, even, options, "data_parallel"), even)
     flops = profile.flops_ratios()
-    dp_cp = program_cost(synthesize(data, profile, flops, options, "data_parallel"), flops)
+    dp_program = synthesize(data, profile, flops, options, "data_parallel")
+    dp_cp = program_cost(dp_program, flops)
+    # a search bounded by its front width may miss the data-parallel program, which is
+    # always in its space: keep whichever is cheaper with the ratios optimized for it
+    if options.ratios is None and not options.force:
+        dp_lp = solve_ratios(dp_program, caps)
+        if dp_lp.objective < best[2]:
+            best = (dp_program, list(dp_lp.ratios), dp_lp.objective)
+            chosen_from = "data_parallel"
+    program, ratios, cost = best
     seconds = time.perf_counter() - start
 
     from hapd.ir import GraphIR
@@ -157,6 +166,7 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
             "lp_rounds": rounds,
             "lp_costs": history,
             "stop_reason": program["stats"]["stop_reason"],
+            "chosen_from": chosen_from,
         },
     }
     return Plan(doc)

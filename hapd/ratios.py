@@ -77,13 +77,21 @@ def _row_groups(program: dict[str, Any]) -> tuple[dict[tuple, tuple[list, list, 
     return {k: (v[0], v[1], v[2]) for k, v in groups.items()}, fixed
 
 
+def _variable(lp: pulp.LpProblem, name: str, lowBound: float | None = None) -> pulp.LpVariable:
+    """A continuous LP variable; ``LpProblem.add_variable`` where PuLP has it (PuLP ≥ 3.3
+    deprecates constructing ``LpVariable`` directly)."""
+    if hasattr(lp, "add_variable"):
+        return lp.add_variable(name, lowBound=lowBound)
+    return pulp.LpVariable(name, lowBound=lowBound)
+
+
 def solve_ratios(program: dict[str, Any], memory_caps: Sequence[float] | None = None) -> LPResult:
     """Optimal sharding ratios for ``program`` (the core's output)."""
     n = int(program["devices"])
     groups, fixed = _row_groups(program)
     lp = pulp.LpProblem("hapd_sharding_ratios", pulp.LpMinimize)
-    r = [pulp.LpVariable(f"r_{d}", lowBound=0) for d in range(n)]
-    t = {key: pulp.LpVariable(f"t_{i}") for i, key in enumerate(groups)}
+    r = [_variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
+    t = {key: _variable(lp, f"t_{i}") for i, key in enumerate(groups)}
     lp += pulp.lpSum(scale * t[key] for key, (_, _, scale) in groups.items()) + fixed
     lp += pulp.lpSum(r) == 1, "ratios_sum_to_one"
     for i, (key, (const, coef, _)) in enumerate(groups.items()):

@@ -288,9 +288,19 @@ pub fn program(problem: &Problem, outcome: &Outcome) -> ProgramOut {
     // memory: parameters ×4 (value, gradient, two Adam moments) when they train, plus
     // activations kept for the backward pass
     let mut memory = Row::zeros(n);
+    // results of free ops (views) alias their input and keep nothing of their own
+    let mut free_output = vec![false; problem.tensors.len()];
+    for chosen in &outcome.steps {
+        let step = &problem.steps[chosen.step];
+        if step.rules[chosen.rule].work == Work::Free {
+            for t in step.outputs.iter().flatten() {
+                free_output[*t as usize] = true;
+            }
+        }
+    }
     for (id, t) in problem.tensors.iter().enumerate() {
         let held = outcome.held[id];
-        if held.is_empty() {
+        if held.is_empty() || free_output[id] {
             continue;
         }
         let factor = match t.kind {
@@ -300,12 +310,13 @@ pub fn program(problem: &Problem, outcome: &Outcome) -> ProgramOut {
             _ => 1.0,
         };
         let bytes = factor * t.bytes();
-        for l in held.iter() {
-            for d in 0..n {
-                match l {
-                    Layout::Gather(_) => memory.coef[d] += bytes,
-                    _ => memory.constant[d] += bytes,
-                }
+        // the largest layout it is held in: a replica, else a shard
+        let replicated = held.iter().any(|l| !matches!(l, Layout::Gather(_)));
+        for d in 0..n {
+            if replicated {
+                memory.constant[d] += bytes;
+            } else {
+                memory.coef[d] += bytes;
             }
         }
     }

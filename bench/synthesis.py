@@ -1,0 +1,94 @@
+"""Synthesis time and states expanded vs depth, and plan estimates vs the data-parallel
+baselines, on the paper cluster profiles.
+
+    .venv/bin/python bench/synthesis.py                  # full sweep (minutes)
+    .venv/bin/python bench/synthesis.py --quick          # a few points
+
+Models are built at paper width on the meta device (no weights are allocated) and
+exported with torch.export; the global batch is 32 per device as in HAP. "search+LP" is
+the search ⇄ LP alternation (what HAP's 6.2 s for ViT-24 measured); the two
+data-parallel baseline searches are timed apart. The growth exponent is the slope of
+log(time) against log(layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hapd import models  # noqa: E402
+from hapd.compiler import compile as compile_plan  # noqa: E402
+from hapd.frontend import export  # noqa: E402
+from hapd.ir import lower  # noqa: E402
+
+
+def paper_graph(name: str, layers: int, world: int):
+    """Lower a paper-size model with `layers` layers for `world` devices."""
+    overrides = {"layers": layers}
+    if name in ("bert", "bert_moe"):
+        overrides["vocab"] = world * (33278 // world + 1)
+    if name == "bert_moe":
+        overrides["n_experts"] = 2 * world
+    spec = models.get(name)
+    config = models.make_config(name, "paper", **overrides)
+    with torch.device("meta"):
+        module = spec.build(config)
+        inputs = spec.example_inputs(config, 32 * world)
+    return lower(export(module, inputs, batch_dims=spec.batch_dims), name=name)
+
+
+def slope(xs, ys):
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="ViT/BERT/BERT-MoE at 12 and 24 layers on 8 devices only")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "synthesis.json")
+    args = parser.parse_args()
+    depths = [12, 24] if args.quick else [2, 4, 8, 12, 24, 48, 96]
+    worlds = [8] if args.quick else [8, 16, 64]
+    rows = []
+    print(f"{'model':<9} {'dev':>3} {'layers':>6} {'search+LP':>10} {'states':>8} {'rounds':>6} {'stop':>9} "
+          f"{'estimate':>10} {'DP-EV':>10} {'DP-CP':>10} {'vs EV':>6} {'vs CP':>6}")
+    for world in worlds:
+        profile = ROOT / "profiles" / f"paper-{world}.json"
+        for name in ("vit", "bert", "bert_moe"):
+            times = []
+            for layers in depths:
+                graph = paper_graph(name, layers, world)
+                start = time.perf_counter()
+                plan = compile_plan(graph, profile)
+                wall = time.perf_counter() - start
+                s, e, b = plan.doc["stats"], plan.estimate["per_iteration"], plan.doc["baselines"]
+                times.append(s["synthesis_seconds"])
+                row = {
+                    "model": name, "devices": world, "layers": layers,
+                    "synthesis_seconds": s["synthesis_seconds"], "wall_seconds": wall,
+                    "expanded": s["expanded"], "rounds": s["lp_rounds"], "stop_reason": s["stop_reason"],
+                    "estimate": e, "dp_ev": b["dp_ev"], "dp_cp": b["dp_cp"],
+                }
+                rows.append(row)
+                print(f"{name:<9} {world:>3} {layers:>6} {s['synthesis_seconds']:>9.3f}s {s['expanded']:>8} "
+                      f"{s['lp_rounds']:>6} {s['stop_reason']:>9} {e * 1e3:>8.1f}ms {b['dp_ev'] * 1e3:>8.1f}ms "
+                      f"{b['dp_cp'] * 1e3:>8.1f}ms {b['dp_ev'] / e:>5.2f}× {b['dp_cp'] / e:>5.2f}×", flush=True)
+            if len(depths) > 1:
+                print(f"{name:<9} {world:>3} growth exponent of search+LP time in layers: {slope(depths, times):.2f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

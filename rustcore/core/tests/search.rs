@@ -1,0 +1,278 @@
+//! Synthesis end to end in Rust (no Python): decode a shared fixture, build a profile
+//! by hand, search under fixed ratios and turn the outcome into a program.
+
+use std::collections::BTreeMap;
+
+use hapd_core::plan::{self, ProgramOut};
+use hapd_core::problem::{Mode, Options, Problem};
+use hapd_core::profile::{CollectiveCost, Collectives, Device, Link, Profile};
+use hapd_core::search::{Search, StopReason};
+use hapd_core::{Error, Graph};
+
+/// The bytes of `tests/fixtures/<name>.hapg`.
+macro_rules! fixture {
+    ($name:literal) => {
+        include_bytes!(concat!("../../../tests/fixtures/", $name, ".hapg")) as &[u8]
+    };
+}
+
+const MODELS: &[(&str, &[u8])] = &[
+    ("mlp", fixture!("mlp")),
+    ("vgg19", fixture!("vgg19")),
+    ("vit", fixture!("vit")),
+    ("bert", fixture!("bert")),
+    ("bert_moe", fixture!("bert_moe")),
+    ("gpt2_block", fixture!("gpt2_block")),
+    ("llama_block", fixture!("llama_block")),
+];
+
+fn bytes_of(name: &str) -> &'static [u8] {
+    MODELS.iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("no fixture {name}")).1
+}
+
+fn graph(name: &str) -> Graph {
+    Graph::from_msgpack(bytes_of(name)).unwrap_or_else(|e| panic!("{name}.hapg does not load: {e}"))
+}
+
+/// A one-host profile: one device per entry of `flops`, 16 GiB each, and the same
+/// α (s) / β (bytes/s) for every collective.
+fn profile(flops: &[f64], alpha: f64, beta: f64) -> Profile {
+    let cost = CollectiveCost { inter: Link { alpha, beta }, intra: None };
+    Profile {
+        name: "test".into(),
+        devices: flops
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| Device {
+                rank: i as u32,
+                host: "h0".into(),
+                model: "test".into(),
+                flops: f,
+                elementwise_flops: None,
+                memory: 16.0 * (1u64 << 30) as f64,
+            })
+            .collect(),
+        collectives: Collectives {
+            all_gather: cost,
+            all_gather_grouped: cost,
+            reduce_scatter: cost,
+            reduce_scatter_grouped: cost,
+            all_reduce: cost,
+            all_to_all: cost,
+            broadcast: cost,
+        },
+    }
+}
+
+fn even(n: usize) -> Vec<f64> {
+    vec![1.0 / n as f64; n]
+}
+
+/// Search `graph` on `profile` under `ratios`; the program.
+fn run(graph: &Graph, profile: &Profile, ratios: &[f64], options: Options) -> ProgramOut {
+    let problem = Problem::new(graph, profile, options).expect("problem");
+    let outcome = Search::new(&problem, ratios).expect("search").with_front_width(24).run().expect("run");
+    plan::program(&problem, &outcome)
+}
+
+/// Σ over steps of max comp + max comm under `ratios` (the cost model).
+fn cost(program: &ProgramOut, ratios: &[f64]) -> f64 {
+    let max = |row: &plan::RowOut| {
+        row.constant.iter().zip(&row.coef).zip(ratios).map(|((c, k), r)| c + k * r).fold(0.0, f64::max)
+    };
+    program.steps.iter().map(|s| max(&s.comp) + max(&s.comm)).sum()
+}
+
+fn comm_max(program: &ProgramOut, ratios: &[f64]) -> f64 {
+    program
+        .steps
+        .iter()
+        .map(|s| s.comm.constant.iter().zip(&s.comm.coef).zip(ratios).map(|((c, k), r)| c + k * r).fold(0.0, f64::max))
+        .fold(0.0, f64::max)
+}
+
+/// Every op that leads to the loss has exactly one step, in order.
+fn assert_complete(name: &str, graph: &Graph, profile: &Profile, program: &ProgramOut) {
+    let problem = Problem::new(graph, profile, Options::default()).unwrap();
+    let expected: Vec<&str> = problem.steps.iter().map(|s| graph.nodes[s.node].name.as_str()).collect();
+    let got: Vec<&str> = program.steps.iter().map(|s| s.node.as_str()).collect();
+    assert_eq!(got, expected, "{name}: the program does not have one step per op");
+    assert!(!program.loss.is_empty(), "{name}: no loss");
+    assert!(program.cost.is_finite() && program.cost >= 0.0, "{name}: cost {}", program.cost);
+}
+
+fn sharded_heavy_step(program: &ProgramOut) -> bool {
+    program.steps.iter().any(|s| s.op == "aten.linear" && s.rule != "replicated" && s.work == "sharded")
+}
+
+// --------------------------------------------------------------- (a) and (b): tables
+
+/// (fixture, device FLOP/s, α, β, expect a sharded linear, expect zero communication)
+#[allow(clippy::type_complexity)]
+const CASES: &[(&str, &[f64], f64, f64, bool, bool)] = &[
+    // near-free communication on 4 equal devices: the heavy linears shard
+    ("mlp", &[1e12; 4], 0.0, 1e30, true, false),
+    ("bert", &[1e12; 4], 0.0, 1e30, true, false),
+    // one device: no collective costs anything, every rule is legal
+    ("mlp", &[1e12], 1e-3, 1.0, false, true),
+    ("bert", &[1e12], 1e-3, 1.0, false, true),
+    ("vgg19", &[1e12], 1e-3, 1.0, false, true),
+    ("gpt2_block", &[1e12], 1e-3, 1.0, false, true),
+    ("llama_block", &[1e12], 1e-3, 1.0, false, true),
+];
+
+#[test]
+fn table_of_profiles() {
+    for &(name, flops, alpha, beta, sharded, no_comm) in CASES {
+        let g = graph(name);
+        let p = profile(flops, alpha, beta);
+        let ratios = even(flops.len());
+        let program = run(&g, &p, &ratios, Options::default());
+        assert_complete(name, &g, &p, &program);
+        assert_eq!(program.devices, flops.len());
+        if sharded {
+            assert!(
+                sharded_heavy_step(&program),
+                "{name} on {} devices with free communication shards no linear: {:?}",
+                flops.len(),
+                program.steps.iter().map(|s| (&s.op, &s.rule)).collect::<Vec<_>>()
+            );
+        }
+        if no_comm {
+            assert_eq!(comm_max(&program, &ratios), 0.0, "{name}: one device communicates");
+            for s in &program.steps {
+                assert!(s.comms.iter().all(|c| c.cost.constant.iter().chain(&c.cost.coef).all(|v| *v == 0.0)));
+                assert!(s.sources.iter().all(|src| !src.grad_sync), "{name}: one device syncs gradients");
+            }
+        }
+    }
+}
+
+/// With ruinously expensive communication on 4 devices, the program still completes and
+/// costs no more than data parallelism.
+#[test]
+fn expensive_communication_is_no_worse_than_data_parallel() {
+    for name in ["mlp", "bert"] {
+        let g = graph(name);
+        let p = profile(&[1e12; 4], 1.0, 1.0);
+        let ratios = even(4);
+        let auto = run(&g, &p, &ratios, Options::default());
+        let dp = run(&g, &p, &ratios, Options { mode: Mode::DataParallel, ..Options::default() });
+        assert_complete(name, &g, &p, &auto);
+        assert!(cost(&auto, &ratios) <= cost(&dp, &ratios) * (1.0 + 1e-9));
+    }
+}
+
+// --------------------------------------------------------------- (c) determinism
+
+fn stable_bytes(program: &ProgramOut) -> Vec<u8> {
+    let mut p = program.clone();
+    p.stats.seconds = 0.0;
+    rmp_serde::to_vec_named(&p).expect("serialize")
+}
+
+#[test]
+fn search_is_deterministic() {
+    for (name, flops) in [("mlp", &[2e12, 1e12][..]), ("bert", &[1e12; 4][..]), ("gpt2_block", &[3e12, 1e12, 1e12][..])] {
+        let g = graph(name);
+        let p = profile(flops, 3e-5, 1e9);
+        let total: f64 = flops.iter().sum();
+        let ratios: Vec<f64> = flops.iter().map(|f| f / total).collect();
+        let a = run(&g, &p, &ratios, Options::default());
+        let b = run(&g, &p, &ratios, Options::default());
+        assert_eq!(stable_bytes(&a), stable_bytes(&b), "{name}: two runs differ");
+    }
+}
+
+// --------------------------------------------------------------- (d) forced rules
+
+#[test]
+fn forcing_a_rule_is_obeyed() {
+    let g = graph("mlp");
+    let p = profile(&[1e12; 4], 3e-5, 1e9);
+    let first_linear = {
+        let problem = Problem::new(&g, &p, Options::default()).unwrap();
+        problem
+            .steps
+            .iter()
+            .map(|s| &g.nodes[s.node])
+            .find(|n| n.op == "aten.linear")
+            .expect("mlp has a linear")
+            .name
+            .clone()
+    };
+    for rule in ["column-parallel", "row-parallel", "replicated"] {
+        let options = Options { force: BTreeMap::from([(first_linear.clone(), rule.to_string())]), ..Options::default() };
+        let program = run(&g, &p, &even(4), options);
+        let step = program.steps.iter().find(|s| s.node == first_linear).unwrap();
+        assert_eq!(step.rule, rule, "forced {first_linear} to {rule}");
+    }
+    let bad = Options { force: BTreeMap::from([(first_linear.clone(), "no-such-rule".to_string())]), ..Options::default() };
+    match Problem::new(&g, &p, bad) {
+        Err(Error::InvalidOption { field, .. }) => assert_eq!(field, format!("force.{first_linear}")),
+        other => panic!("unknown rule: expected InvalidOption, got {:?}", other.map(|_| ())),
+    }
+    let missing = Options { force: BTreeMap::from([("no_such_node".to_string(), "replicated".to_string())]), ..Options::default() };
+    assert!(matches!(Problem::new(&g, &p, missing), Err(Error::InvalidOption { .. })));
+}
+
+// --------------------------------------------------------------- (e) opaque ops
+
+#[test]
+fn opaque_ops_still_yield_a_complete_program() {
+    let g = graph("gpt2_block");
+    assert!(g.nodes.iter().any(|n| n.op == "aten.arange"));
+    let p = profile(&[1e12; 4], 3e-5, 1e9);
+    let program = run(&g, &p, &even(4), Options::default());
+    assert_complete("gpt2_block", &g, &p, &program);
+}
+
+// --------------------------------------------------------------- (f) stop reasons
+
+#[test]
+fn state_limit_returns_a_complete_program() {
+    for name in ["mlp", "bert"] {
+        let g = graph(name);
+        let p = profile(&[1e12; 4], 3e-5, 1e9);
+        let problem = Problem::new(&g, &p, Options::default()).unwrap();
+        let outcome = Search::new(&problem, &even(4)).unwrap().with_state_limit(5).run().unwrap();
+        assert_eq!(outcome.stop, StopReason::StateLimit, "{name}");
+        let program = plan::program(&problem, &outcome);
+        assert_eq!(program.stats.stop_reason, "state_limit");
+        assert_complete(name, &g, &p, &program);
+    }
+}
+
+#[test]
+fn bad_ratios_are_rejected() {
+    let g = graph("mlp");
+    let p = profile(&[1e12; 2], 3e-5, 1e9);
+    let problem = Problem::new(&g, &p, Options::default()).unwrap();
+    for ratios in [&[1.0][..], &[0.5, f64::NAN][..], &[1.5, -0.5][..]] {
+        assert!(matches!(Search::new(&problem, ratios), Err(Error::InvalidOption { .. })), "{ratios:?}");
+    }
+}
+
+// --------------------------------------------------------------- (g) vs data parallel
+
+#[test]
+fn search_is_no_worse_than_data_parallel() {
+    let profiles = [
+        profile(&[1e12; 4], 3e-5, 1e9),
+        profile(&[4e12, 2e12, 1e12, 1e12], 3e-5, 5e8),
+        profile(&[1e12; 4], 0.0, 1e30),
+    ];
+    for (name, _) in MODELS {
+        let g = graph(name);
+        for p in &profiles {
+            let total: f64 = p.devices.iter().map(|d| d.flops).sum();
+            let ratios: Vec<f64> = p.devices.iter().map(|d| d.flops / total).collect();
+            let auto = run(&g, p, &ratios, Options::default());
+            let dp = run(&g, p, &ratios, Options { mode: Mode::DataParallel, ..Options::default() });
+            assert_complete(name, &g, p, &auto);
+            let (a, d) = (cost(&auto, &ratios), cost(&dp, &ratios));
+            assert!((auto.cost - a).abs() <= 1e-9 * a.max(1e-30), "{name}: reported cost {} vs rows {a}", auto.cost);
+            assert!(a <= d * (1.0 + 1e-9), "{name}: search {a} > data parallel {d}");
+        }
+    }
+}
