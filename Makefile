@@ -16,8 +16,11 @@ $(PY):
 install: $(PY)
 	$(PY) -m pip install -q -e '.[test]'
 
+# The main job on the embedded default: export the tiny BERT, print its graph IR,
+# synthesize a plan for the paper's 8-device V100/P100 cluster and explain it.
 demo: install
-	$(VENV)/bin/hapd export bert --batch 8 --out $(VENV)/demo-bert.pt2
+	$(VENV)/bin/hapd export bert --batch 64 --out $(VENV)/demo/bert.pt2
+	$(VENV)/bin/hapd compile $(VENV)/demo/bert.hapg --profile paper-8 --explain
 
 test-rust:
 	$(CARGO) test --manifest-path rustcore/Cargo.toml --workspace --exclude hapd-bindings -q

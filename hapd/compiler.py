@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import msgpack
 
 from hapd import __version__
-from hapd.errors import OptionsError
+from hapd.errors import OptionsError, SynthesisError
 from hapd.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
 from hapd.profile import Profile, load_profile
 from hapd.ratios import program_cost, solve_ratios
@@ -29,8 +29,10 @@ class CompileOptions:
 
     zero: bool = False
     """Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use)."""
-    memory_caps: bool = True
-    """Constrain the LP by each device's memory."""
+    memory_caps: bool = False
+    """Constrain the LP by each device's memory (the memory model counts parameters,
+    gradients, Adam state and saved activations; it overestimates activations, so it
+    is off by default)."""
     max_rounds: int = 4
     """Most search ⇄ LP rounds."""
     max_states: int = 2_000_000
@@ -132,8 +134,11 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
     # a search bounded by its front width may miss the data-parallel program, which is
     # always in its space: keep whichever is cheaper with the ratios optimized for it
     if options.ratios is None and not options.force:
-        dp_lp = solve_ratios(dp_program, caps)
-        if dp_lp.objective < best[2]:
+        try:
+            dp_lp = solve_ratios(dp_program, caps)
+        except SynthesisError:
+            dp_lp = None  # does not fit: not a candidate
+        if dp_lp is not None and dp_lp.objective < best[2]:
             best = (dp_program, list(dp_lp.ratios), dp_lp.objective)
             chosen_from = "data_parallel"
     program, ratios, cost = best

@@ -11,6 +11,7 @@ is checked.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -85,6 +86,18 @@ def _variable(lp: pulp.LpProblem, name: str, lowBound: float | None = None) -> p
     return pulp.LpVariable(name, lowBound=lowBound)
 
 
+def _solver() -> Any:
+    """CBC: the system one (``COIN_CMD``) where installed, else the one bundled with PuLP
+    (``PULP_CBC_CMD``, which PuLP ≥ 3.3 deprecates; its warning is PuLP's, not the
+    caller's, so it is silenced here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        coin = pulp.COIN_CMD(msg=False)
+        if coin.available():
+            return coin
+        return pulp.PULP_CBC_CMD(msg=False)
+
+
 def solve_ratios(program: dict[str, Any], memory_caps: Sequence[float] | None = None) -> LPResult:
     """Optimal sharding ratios for ``program`` (the core's output)."""
     n = int(program["devices"])
@@ -101,7 +114,7 @@ def solve_ratios(program: dict[str, Any], memory_caps: Sequence[float] | None = 
         mem = program["memory"]
         for d in range(n):
             lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d], f"memory_{d}"
-    status = lp.solve(pulp.PULP_CBC_CMD(msg=False))
+    status = lp.solve(_solver())
     name = pulp.LpStatus.get(status, str(status))
     if name != "Optimal":
         raise SynthesisError(_lp_failure(name, program, memory_caps))
