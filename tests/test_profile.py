@@ -1,0 +1,129 @@
+"""Cluster profiles: the bundled ones load, ids are canonical, bad fields are named."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from hapd.errors import ProfileError
+from hapd.profile import COLLECTIVES, load_profile, profile_from_dict
+
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+
+
+@pytest.fixture(scope="module")
+def paper8() -> dict:
+    return json.loads((PROFILES / "paper-8.json").read_text())
+
+
+@pytest.mark.parametrize(("name", "world"), [("paper-8", 8), ("paper-16", 16), ("paper-64", 64)])
+def test_bundled_profiles_load(name, world):
+    by_path = load_profile(PROFILES / f"{name}.json")
+    by_name = load_profile(name)
+    assert by_path == by_name
+    assert by_path.world == world
+    assert by_path.name == name
+    assert [d.rank for d in by_path.devices] == list(range(world))
+    assert set(by_path.collectives) == set(COLLECTIVES)
+    assert sum(by_path.flops_ratios()) == pytest.approx(1.0)
+    assert len(by_path.profile_id) == 64
+    # the id survives a save and reload
+    assert load_profile(load_profile(json.loads(by_path.to_json()))).profile_id == by_path.profile_id
+
+
+def _reorder(value):
+    """The same JSON value with every object's keys reversed."""
+    if isinstance(value, dict):
+        return {k: _reorder(value[k]) for k in reversed(list(value))}
+    if isinstance(value, list):
+        return [_reorder(v) for v in value]
+    return value
+
+
+def test_profile_id_ignores_key_order_and_whitespace(paper8, tmp_path):
+    base = profile_from_dict(paper8).profile_id
+    path = tmp_path / "reordered.json"
+    path.write_text(json.dumps(_reorder(paper8), indent=7))
+    assert load_profile(path).profile_id == base
+    path.write_text(json.dumps(paper8, separators=(",", ":")))
+    assert load_profile(path).profile_id == base
+    renamed = dict(paper8, name="other", description="something else")
+    assert profile_from_dict(renamed).profile_id == base
+    as_ints = copy.deepcopy(paper8)
+    as_ints["devices"][0]["memory"] = int(as_ints["devices"][0]["memory"])
+    assert profile_from_dict(as_ints).profile_id == base
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d["devices"][3].update(flops=d["devices"][3]["flops"] * 1.01),
+        lambda d: d["devices"][0].update(memory=1.0),
+        lambda d: d["collectives"]["all_reduce"]["inter"].update(beta=1.0),
+        lambda d: d["collectives"]["all_gather"]["intra"].update(alpha=0.5),
+    ],
+)
+def test_profile_id_changes_with_a_number(paper8, edit):
+    changed = copy.deepcopy(paper8)
+    edit(changed)
+    assert profile_from_dict(changed).profile_id != profile_from_dict(paper8).profile_id
+
+
+def _drop_all_to_all(d):
+    del d["collectives"]["all_to_all"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (_drop_all_to_all, "collectives.all_to_all"),
+        (lambda d: d["collectives"]["all_reduce"]["inter"].update(beta=-1.0), "collectives.all_reduce.inter.beta"),
+        (lambda d: d["collectives"]["broadcast"]["intra"].update(beta=0), "collectives.broadcast.intra.beta"),
+        (lambda d: d["collectives"]["all_gather"]["inter"].update(alpha=-1e-6), "collectives.all_gather.inter.alpha"),
+        (lambda d: d["collectives"].update(all_scatter={}), "collectives.all_scatter"),
+        (lambda d: d["devices"][2].update(rank=5), "devices[2].rank"),
+        (lambda d: d["devices"][1].update(flops="fast"), "devices[1].flops"),
+        (lambda d: d["devices"][1].update(flops=True), "devices[1].flops"),
+        (lambda d: d["devices"][4].update(memory=float("nan")), "devices[4].memory"),
+        (lambda d: d["devices"][0].update(elementwise_flops=0), "devices[0].elementwise_flops"),
+        (lambda d: d["devices"][0].update(host=""), "devices[0].host"),
+        (lambda d: d.update(devices=[]), "devices"),
+        (lambda d: d.update(format="hapd.graph"), "format"),
+        (lambda d: d.update(version=2), "version"),
+    ],
+)
+def test_bad_fields_are_named(paper8, edit, field):
+    bad = copy.deepcopy(paper8)
+    edit(bad)
+    with pytest.raises(ProfileError) as info:
+        profile_from_dict(bad)
+    assert info.value.field == field
+
+
+def test_world_size_mismatch(paper8):
+    assert profile_from_dict(paper8, world_size=8).world == 8
+    with pytest.raises(ProfileError) as info:
+        profile_from_dict(paper8, world_size=4)
+    assert info.value.field == "devices"
+    profile = load_profile("paper-8")
+    assert load_profile(profile, world_size=8) is profile
+    with pytest.raises(ProfileError):
+        load_profile(profile, world_size=16)
+    with pytest.raises(ProfileError):
+        load_profile(PROFILES / "paper-8.json", world_size=7)
+
+
+def test_missing_or_unreadable_files(tmp_path):
+    with pytest.raises(ProfileError) as info:
+        load_profile(tmp_path / "nope.json")
+    assert info.value.field == "<file>"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ProfileError) as info:
+        load_profile(bad)
+    assert info.value.field == "<document>"
+    with pytest.raises(ProfileError):
+        profile_from_dict([1, 2, 3])
