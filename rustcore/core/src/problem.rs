@@ -94,7 +94,6 @@ impl<'a> Problem<'a> {
         let needed = ancestors_of_loss(graph);
         let op_nodes: Vec<usize> =
             (0..graph.nodes.len()).filter(|&i| needed[i] && graph.nodes[i].kind == NodeKind::Op).collect();
-        let step_of: HashMap<usize, usize> = op_nodes.iter().enumerate().map(|(s, &n)| (n, s)).collect();
 
         // tensors in order of first appearance
         let mut ids: HashMap<TensorRef, TensorId> = HashMap::new();
@@ -176,13 +175,11 @@ impl<'a> Problem<'a> {
                 });
             }
         }
-        let _ = step_of;
 
         let mut live = vec![Vec::new(); steps.len() + 1];
         for (id, t) in tensors.iter().enumerate() {
-            // a source is live from its first use on; a result from the step after its producer
-            let from = if t.is_source() { t.first + 1 } else { t.first + 1 };
-            for slot in live.iter_mut().take(t.last + 1).skip(from) {
+            // live after the step that creates it (a source: its first use) up to its last use
+            for slot in live.iter_mut().take(t.last + 1).skip(t.first + 1) {
                 slot.push(id as TensorId);
             }
         }
