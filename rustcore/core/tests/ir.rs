@@ -9,23 +9,9 @@ use hapd_core::summary::Summary;
 use hapd_core::{Error, Graph};
 use proptest::prelude::*;
 
-/// The bytes of `tests/fixtures/<name>.hapg`.
-macro_rules! fixture {
-    ($name:literal) => {
-        include_bytes!(concat!("../../../tests/fixtures/", $name, ".hapg")) as &[u8]
-    };
-}
-
-/// Every benchmark model, exported at tiny size with batch 2.
-const MODELS: &[(&str, &[u8])] = &[
-    ("mlp", fixture!("mlp")),
-    ("vgg19", fixture!("vgg19")),
-    ("vit", fixture!("vit")),
-    ("bert", fixture!("bert")),
-    ("bert_moe", fixture!("bert_moe")),
-    ("gpt2_block", fixture!("gpt2_block")),
-    ("llama_block", fixture!("llama_block")),
-];
+#[macro_use]
+mod common;
+use common::MODELS;
 
 const BATCH: usize = 2;
 

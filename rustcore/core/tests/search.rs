@@ -10,21 +10,9 @@ use hapd_core::search::{Search, StopReason};
 use hapd_core::{Error, Graph};
 
 /// The bytes of `tests/fixtures/<name>.hapg`.
-macro_rules! fixture {
-    ($name:literal) => {
-        include_bytes!(concat!("../../../tests/fixtures/", $name, ".hapg")) as &[u8]
-    };
-}
-
-const MODELS: &[(&str, &[u8])] = &[
-    ("mlp", fixture!("mlp")),
-    ("vgg19", fixture!("vgg19")),
-    ("vit", fixture!("vit")),
-    ("bert", fixture!("bert")),
-    ("bert_moe", fixture!("bert_moe")),
-    ("gpt2_block", fixture!("gpt2_block")),
-    ("llama_block", fixture!("llama_block")),
-];
+#[macro_use]
+mod common;
+use common::MODELS;
 
 fn bytes_of(name: &str) -> &'static [u8] {
     MODELS.iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("no fixture {name}")).1
