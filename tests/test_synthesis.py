@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
 import pytest
-from conftest import MODEL_NAMES
+from conftest import FIXTURES, MODEL_NAMES
 
 import hapd
 from hapd.compiler import CompileOptions
@@ -156,3 +158,40 @@ def test_fixed_ratios_are_kept(fixture_bytes):
     plan = hapd.compile(fixture_bytes["mlp"], str(PAPER8), CompileOptions(ratios=ratios))
     assert plan.ratios == pytest.approx(list(ratios))
     assert plan.doc["stats"]["lp_rounds"] == 1
+
+
+_INTERRUPTIBLE = """
+import sys, time
+from hapd import _core
+from hapd.profile import load_profile
+graph = open(sys.argv[1], "rb").read()
+profile = load_profile("paper-64")
+print("started", flush=True)
+start = time.perf_counter()
+try:
+    _core.synthesize(graph, profile.core_bytes(), profile.flops_ratios(), {"front_width": 10**6, "max_states": 10**9})
+    print("finished", time.perf_counter() - start, flush=True)
+except KeyboardInterrupt:
+    print("interrupted", time.perf_counter() - start, flush=True)
+"""
+
+
+def test_ctrl_c_cancels_a_search():
+    """SIGINT during a long search (an unbounded front on bert_moe for 64 devices takes
+    several seconds) stops it promptly with KeyboardInterrupt, as Ctrl-C would."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTIBLE, str(FIXTURES / "bert_moe.hapg")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        time.sleep(1.0)
+        sent = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        reaction = time.perf_counter() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert out.startswith("interrupted"), (out, err)
+    assert reaction < 3.0, f"the search took {reaction:.1f} s to stop"
