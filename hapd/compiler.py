@@ -27,6 +27,9 @@ from hapd.ratios import program_cost, solve_ratios
 class CompileOptions:
     """Options of one compile; part of the plan cache key."""
 
+    mode: str = "auto"
+    """``"auto"``: search every rule; ``"data_parallel"``: only the batch-split program
+    (replicated parameters, gradients all-reduced), with LP-optimized ratios."""
     zero: bool = False
     """Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use)."""
     memory_caps: bool = False
@@ -47,6 +50,8 @@ class CompileOptions:
     """Use these sharding ratios instead of optimizing them."""
 
     def __post_init__(self) -> None:
+        if self.mode not in ("auto", "data_parallel"):
+            raise OptionsError(f"mode {self.mode!r} is not auto or data_parallel", field="mode")
         if self.max_rounds < 1:
             raise OptionsError(f"max_rounds {self.max_rounds} must be ≥ 1", field="max_rounds")
         if self.max_states < 1:
@@ -111,7 +116,7 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
     best: tuple[dict, list[float], float] | None = None
     while rounds < options.max_rounds:
         rounds += 1
-        program = synthesize(data, profile, ratios, options)
+        program = synthesize(data, profile, ratios, options, options.mode)
         expanded += program["stats"]["expanded"]
         if options.ratios is not None:
             best = (program, ratios, program_cost(program, ratios))
@@ -133,7 +138,7 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
     dp_cp = program_cost(dp_program, flops)
     # a search bounded by its front width may miss the data-parallel program, which is
     # always in its space: keep whichever is cheaper with the ratios optimized for it
-    if options.ratios is None and not options.force:
+    if options.ratios is None and not options.force and options.mode == "auto":
         try:
             dp_lp = solve_ratios(dp_program, caps)
         except SynthesisError:

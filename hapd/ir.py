@@ -187,6 +187,7 @@ class _Lowering:
                 raise ExportError(f"node {node.name}: unexpected fx node kind {node.op!r}")
         if loss is None:
             raise ExportError("the exported graph has no output")
+        self._name_tuple_ops()
         return {
             "format": GRAPH_FORMAT,
             "version": GRAPH_VERSION,
@@ -196,6 +197,20 @@ class _Lowering:
             "loss_reduction": self._loss_reduction(loss),
             "torch_version": torch.__version__.split("+")[0],
         }
+
+    def _name_tuple_ops(self) -> None:
+        """A tuple-returning op is named after its first result picked by getitem:
+        ``torch.export.save``/``load`` renames such fx nodes (``topk`` → ``topk_default``)
+        but keeps getitem names, so the graph id survives a round trip through a .pt2."""
+        for fx_node, index in self.tuples.items():
+            ir_node = self.nodes[index]
+            picked = [o["name"] for o in ir_node["outputs"] if not o["name"].startswith(f"{fx_node.name}[")]
+            if not picked:
+                continue
+            ir_node["name"] = picked[0]
+            for i, out in enumerate(ir_node["outputs"]):
+                if out["name"] == f"{fx_node.name}[{i}]":
+                    out["name"] = f"{picked[0]}[{i}]"
 
     def _append(self, node: dict[str, Any]) -> int:
         self.nodes.append(node)

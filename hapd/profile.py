@@ -23,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import msgpack
 
@@ -146,6 +146,38 @@ class Profile:
         tmp.write_text(self.to_json())
         tmp.replace(path)
         return path
+
+
+def estimated_profile(
+    world: int,
+    *,
+    flops: Sequence[float] | None = None,
+    hosts: Sequence[str] | None = None,
+    alpha: float = 100e-6,
+    beta: float | Mapping[str, float] = 1e9,
+    memory: float = 8 * 2**30,
+    name: str = "estimated",
+) -> Profile:
+    """A profile from stated guesses, for when no measured one is given (worker.py on a
+    laptop, tests): ``world`` devices with ``flops`` each (default 1e10, a CPU core's
+    order), one α and β for every collective (``beta`` may map collective names to
+    their own bandwidth), all on one host unless ``hosts`` says otherwise. Its
+    description says it is an estimate; ``hapd profile`` measures a real one."""
+    if world < 1:
+        raise ProfileError(f"world {world} must be ≥ 1", field="devices")
+    flops = list(flops) if flops is not None else [1e10] * world
+    hosts = list(hosts) if hosts is not None else ["localhost"] * world
+    if len(flops) != world or len(hosts) != world:
+        raise ProfileError(f"{len(flops)} flops and {len(hosts)} hosts for {world} devices", field="devices")
+    if min(flops) <= 0 or alpha < 0 or memory <= 0:
+        raise ProfileError("flops and memory must be > 0 and alpha ≥ 0", field="devices")
+    devices = tuple(
+        Device(rank=r, host=hosts[r], model="estimated", flops=float(flops[r]), memory=float(memory)) for r in range(world)
+    )
+    betas = {c: float(beta[c] if isinstance(beta, Mapping) else beta) for c in COLLECTIVES}
+    collectives = {c: {"inter": Link(alpha=alpha, beta=betas[c])} for c in COLLECTIVES}
+    description = f"estimated, not measured: {world} devices, α {alpha:g} s"
+    return Profile(name=name, devices=devices, collectives=collectives, description=description)
 
 
 def _number(doc: Mapping[str, Any], key: str, where: str, *, positive: bool) -> float:
