@@ -1,0 +1,122 @@
+"""Run a function on several Gloo ranks (CPU processes) and collect what each returns.
+
+``run_ranks(world, fn, *args)`` spawns ``world`` processes; each joins a Gloo process
+group (rendezvous through a FileStore in a fresh temporary directory, so no port has to
+be picked), calls ``fn(rank, world, *args)`` with one intra-op thread, destroys the group
+and sends the result back through a pipe. ``fn`` and its results must be picklable: give
+a module-level function of a test module (the ``tests`` folder is on ``sys.path`` under
+pytest, and spawned children inherit the parent's ``sys.path``).
+
+If a rank raises, the other ranks are killed and ``run_ranks`` raises an AssertionError
+with that rank's number and traceback; if the ranks are not done within ``timeout``
+seconds, all of them are killed and it raises too. No process outlives the call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+
+def _child(
+    rank: int, world: int, store: str, timeout: float, fn: Callable[..., Any], args: tuple, conn: Connection
+) -> None:
+    """One rank: sends ``("ok", time, result)`` or ``("error", time, traceback)``."""
+    initialized = False
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if os.path.exists("/sys/class/net/lo"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # this child only: ranks talk over loopback
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        initialized = True
+        conn.send(("ok", time.time(), fn(rank, world, *args)))
+    except BaseException:
+        # Sent before the group is destroyed, so the time orders it before the errors
+        # this rank's exit causes on the others.
+        conn.send(("error", time.time(), traceback.format_exc()))
+    finally:
+        if initialized:
+            dist.destroy_process_group()
+        conn.close()
+
+
+def _stop(procs: list) -> None:
+    """Terminate, then kill, then reap every process still alive."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+    """``[fn(0, world, *args), …, fn(world - 1, world, *args)]``, each run on its own
+    Gloo rank. Raises AssertionError naming the rank (with its traceback) when a rank
+    fails, dies or does not finish within ``timeout`` seconds."""
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="hapd-dist-")
+    store = os.path.join(tmp, "store")
+    procs, readers = [], []
+    try:
+        for rank in range(world):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_child,
+                args=(rank, world, store, timeout, fn, args, writer),
+                name=f"hapd-rank-{rank}",
+                daemon=True,
+            )
+            p.start()
+            writer.close()
+            procs.append(p)
+            readers.append(reader)
+        results: dict[int, Any] = {}
+        failures: list[tuple[float, str]] = []  # (when, report)
+        deadline = time.monotonic() + timeout
+        while len(results) < world and not failures:
+            pending = [r for r in range(world) if r not in results]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"run_ranks: ranks {pending} of {world} did not finish within {timeout:.0f} s")
+            wait([readers[r] for r in pending], timeout=left)
+            for rank in pending:
+                if not readers[rank].poll():
+                    continue
+                try:
+                    status, when, value = readers[rank].recv()
+                except EOFError:  # the process died without a word
+                    procs[rank].join(5)
+                    status, when, value = "error", time.time(), f"exited with code {procs[rank].exitcode}"
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    failures.append((when, f"rank {rank} of {world} failed:\n{value}"))
+        if failures:  # the earliest first: later ones are usually its consequences
+            raise AssertionError("run_ranks: " + "\n".join(report for _, report in sorted(failures)))
+        for p in procs:
+            p.join(10)
+        return [results[r] for r in range(world)]
+    finally:
+        _stop(procs)
+        for reader in readers:
+            reader.close()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,5 @@
+#!/usr/bin/env python3
+"""The hapd worker: ``torchrun --nproc-per-node N worker.py ...`` (HAP-compatible entry); see hapd/worker.py."""
+import sys
+from hapd.worker import main
+sys.exit(main())
