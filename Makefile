@@ -16,11 +16,13 @@ $(PY):
 install: $(PY)
 	$(PY) -m pip install -q -e '.[test]'
 
-# The main job on the embedded default: export the tiny BERT, print its graph IR,
-# synthesize a plan for the paper's 8-device V100/P100 cluster and explain it.
+# The main job on the embedded default: synthesize and explain a plan for the tiny BERT
+# on the paper's 8-device V100/P100 cluster, then train it with hapd on 2 local CPU
+# ranks (Gloo) and print per-iteration timings.
 demo: install
 	$(VENV)/bin/hapd export bert --batch 64 --out $(VENV)/demo/bert.pt2
 	$(VENV)/bin/hapd compile $(VENV)/demo/bert.hapg --profile paper-8 --explain
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 worker.py --model bert --batch 32 --iterations 20
 
 test-rust:
 	$(CARGO) test --manifest-path rustcore/Cargo.toml --workspace --exclude hapd-bindings -q

@@ -113,9 +113,16 @@ def _padded(x: Tensor, dim: int, size: int) -> Tensor:
     return out
 
 
+def _size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(world size, rank) in ``group``; (1, 0) without a process group (one device)."""
+    if group is None and not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
 def _group(name: str, group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(world size, rank) in ``group``."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    """(world size, rank) in ``group``; (1, 0) without a process group (one device)."""
+    world, rank = _size_rank(group)
     if rank < 0:
         raise PlanError(f"{name}: this process is not a member of the group")
     return world, rank
@@ -162,7 +169,7 @@ def _check_full(name: str, x: Tensor, dim: int, lengths: Sequence[int]) -> None:
 
 
 def _gather(x: Tensor, dim: int, lengths: tuple[int, ...], grouped: bool, group: dist.ProcessGroup | None) -> Tensor:
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = _size_rank(group)
     if world == 1 or sum(lengths) == 0:
         return _fresh(x)
     w = _wire(x, _MOVE_AS)
@@ -188,7 +195,7 @@ def _gather(x: Tensor, dim: int, lengths: tuple[int, ...], grouped: bool, group:
 def _reduce_scatter(
     x: Tensor, dim: int, lengths: tuple[int, ...], grouped: bool, group: dist.ProcessGroup | None
 ) -> Tensor:
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = _size_rank(group)
     if world == 1 or sum(lengths) == 0:
         return _fresh(x)
     w = _wire(x, _SUM_AS)
@@ -215,7 +222,7 @@ def _reduce_scatter(
 
 def _all_reduce(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     buf = _fresh(_wire(x, _SUM_AS))
-    if dist.get_world_size(group) > 1:
+    if _size_rank(group)[0] > 1:
         dist.all_reduce(buf, group=group)
     return _unwire(buf, x.dtype)
 
@@ -230,7 +237,7 @@ def _all_to_all(
 ) -> Tensor:
     """Each block travels with ``src_dim`` first, so what a rank receives is, in rank
     order, its output with ``src_dim`` and ``dst_dim`` moved to the front."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = _size_rank(group)
     if world == 1:
         return _fresh(x)
     w = _wire(x, _MOVE_AS)

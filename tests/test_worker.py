@@ -1,0 +1,113 @@
+"""worker.py end to end on 2 CPU ranks, and distribute()'s errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hapd
+from hapd import models
+from hapd.compiler import CompileOptions
+from hapd.errors import PlanError
+from hapd.profile import estimated_profile
+from hapd.runtime import distribute
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(script: str, *flags: str, cwd: Path = ROOT, nproc: int = 2) -> tuple[list[dict], str]:
+    """Run ``script`` on ``nproc`` local ranks; its JSON lines (timings and summary) and stdout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(ROOT / script), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"hapd"')]
+    return lines, proc.stdout
+
+
+@pytest.mark.distributed
+def test_worker_trains_and_reports_like_ddp(tmp_path):
+    """Both ranks print timings; the worker's loss after the same Adam steps on the same
+    global batch equals DDP's (the distributed program is the single-device model)."""
+    flags = ["--model", "mlp", "--iterations", "6", "--warmup", "2", "--batch", "12"]
+    lines, out = torchrun("worker.py", *flags, "--trace", str(tmp_path / "trace.json"))
+    timings = sorted((x for x in lines if x["hapd"] == "timings"), key=lambda x: x["rank"])
+    assert [x["rank"] for x in timings] == [0, 1]
+    for line in timings:
+        assert line["system"] == "hapd" and len(line["iteration_s"]) == 6
+        assert all(t > 0 for t in line["iteration_s"]) and line["estimate_s"] > 0
+    summary = next(x for x in lines if x["hapd"] == "summary")
+    assert "slowest" in out and summary["world"] == 2
+    assert (tmp_path / "trace.json").stat().st_size > 0 and (tmp_path / "trace.rank1.json").exists()
+
+    ddp_lines, _ = torchrun("ddp.py", *flags, "--trace", str(tmp_path / "ddp.json"))  # the same extra steps
+    ddp = next(x for x in ddp_lines if x["hapd"] == "summary")
+    assert summary["loss"] == pytest.approx(ddp["loss"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_worker_uses_a_plan_file_and_bfloat16(tmp_path):
+    spec = models.get("mlp")
+    module, config = models.build("mlp")
+    module = module.to(torch.bfloat16)
+    inputs = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in spec.example_inputs(config, 8))
+    program = hapd.export(module, inputs, batch_dims=spec.batch_dims)
+    options = CompileOptions(ratios=(0.7, 0.3), force={"linear": "column-parallel", "linear_1": "row-parallel"})
+    plan = hapd.compile(hapd.lower(program, name="mlp"), estimated_profile(2), options)
+    plan.save(tmp_path / "mlp.hplan")
+    lines, _ = torchrun("worker.py", "--model", "mlp", "--batch", "8", "--dtype", "bfloat16", "--iterations", "3",
+                        "--warmup", "1", "--plan", str(tmp_path / "mlp.hplan"))
+    summary = next(x for x in lines if x["hapd"] == "summary")
+    assert summary["plan"].startswith("file") and summary["ratios"] == pytest.approx([0.7, 0.3])
+    assert summary["dtype"] == "bfloat16" and summary["loss"] == summary["loss"]  # not NaN
+
+
+@pytest.fixture(scope="module")
+def mlp_program_and_plan():
+    spec = models.get("mlp")
+    module, config = models.build("mlp")
+    inputs = spec.example_inputs(config, 6)
+    program = hapd.export(module, inputs, batch_dims=spec.batch_dims)
+    plan = hapd.compile(hapd.lower(program, name="mlp"), estimated_profile(2), CompileOptions(ratios=(0.5, 0.5)))
+    return program, plan, inputs
+
+
+def test_distribute_rejects_a_plan_for_another_world(mlp_program_and_plan):
+    program, plan, _ = mlp_program_and_plan
+    with pytest.raises(PlanError, match="2 devices, this job has 3 ranks"):
+        distribute(program, plan, 0, world=3)
+    with pytest.raises(PlanError, match="rank 5"):
+        distribute(program, plan, 5, world=2)
+
+
+def test_distribute_rejects_a_plan_for_another_graph(mlp_program_and_plan):
+    _, plan, _ = mlp_program_and_plan
+    spec = models.get("mlp")
+    module, config = models.build("mlp", hidden=48)
+    other = hapd.export(module, spec.example_inputs(config, 6), batch_dims=spec.batch_dims)
+    with pytest.raises(PlanError, match="compiled for graph"):
+        distribute(other, plan, 0, world=2)
+
+
+def test_shard_inputs_checks_count_and_shapes(mlp_program_and_plan):
+    program, plan, inputs = mlp_program_and_plan
+    module = distribute(program, plan, 1, world=2)
+    local = module.shard_inputs(*inputs)
+    assert [list(t.shape) for t in local] == module.local_shapes()
+    with pytest.raises(PlanError, match="expected 2 inputs"):
+        module.shard_inputs(inputs[0])
+    with pytest.raises(PlanError, match="compiled for"):
+        module.shard_inputs(inputs[0][:4], inputs[1][:4])
+
+
+def test_one_rank_without_a_process_group_is_the_model(mlp_program_and_plan):
+    """world 1 needs no process group: the rank module computes the model's loss."""
+    program, _, inputs = mlp_program_and_plan
+    plan = hapd.compile(hapd.lower(program, name="mlp"), estimated_profile(1))
+    module = distribute(program, plan, 0, world=1)
+    assert torch.allclose(module(*module.shard_inputs(*inputs)), program.module()(*inputs), rtol=1e-6)
