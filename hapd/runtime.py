@@ -333,7 +333,8 @@ def _user_inputs(program: ExportedProgram) -> list[str]:
     return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
 
 
-def _set_attr(root: nn.Module, target: str, value: Tensor, *, parameter: bool, persistent: bool = True) -> None:
+def _set_attr(root: nn.Module, target: str, value: Tensor, *, parameter: bool) -> None:
+    """Register ``value`` at the dotted path ``target`` under ``root``."""
     *path, leaf = target.split(".")
     module = root
     for part in path:
@@ -345,10 +346,11 @@ def _set_attr(root: nn.Module, target: str, value: Tensor, *, parameter: bool, p
     if parameter:
         module.register_parameter(leaf, value if isinstance(value, nn.Parameter) else nn.Parameter(value))
     else:
-        module.register_buffer(leaf, value, persistent=persistent)
+        module.register_buffer(leaf, value)
 
 
-def _check(program: ExportedProgram, plan: Plan, rank: int, world: int) -> None:
+def _check(program: ExportedProgram, plan: Plan, rank: int, world: int, *, graph: bool) -> None:
+    """The plan fits this job (and, with ``graph``, this program)."""
     from hapd.ir import lower
 
     devices = int(plan.program["devices"])
@@ -356,6 +358,8 @@ def _check(program: ExportedProgram, plan: Plan, rank: int, world: int) -> None:
         raise PlanError(f"the plan is for {devices} devices, this job has {world} ranks")
     if not 0 <= rank < world:
         raise PlanError(f"rank {rank} is not in 0..{world - 1}")
+    if not graph:
+        return
     graph_id = lower(program, name=plan.program.get("graph")).graph_id
     if graph_id != plan.key["graph_id"]:
         raise PlanError(
@@ -677,10 +681,7 @@ def distribute(
         rank = dist.get_rank(group) if dist.is_initialized() else 0
     if world is None:
         world = dist.get_world_size(group) if dist.is_initialized() else 1
-    if check_graph:
-        _check(ep, plan, rank, world)
-    elif int(plan.program["devices"]) != world or not 0 <= rank < world:
-        _check(ep, plan, rank, world)  # raises the same clear error
+    _check(ep, plan, rank, world, graph=check_graph)
     view = RankView(plan, rank, world)
     em = _Emitter(ep, view, group, torch.device(device) if device is not None else None)
 
