@@ -148,5 +148,139 @@ def explain_cmd(plan: Path) -> None:
     click.echo(Plan.load(plan).explain())
 
 
+@main.command("serve")
+@click.option("--watch", "watch", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Drop folder for .pt2/.hapg files  [default: STATE/watch]")
+@click.option("--cache", "cache", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Plan cache folder  [default: STATE/cache]")
+@click.option("--profile", "-p", "profile", default="paper-8", show_default=True,
+              help="Cluster profile drops are compiled for: a JSON file or a bundled name.")
+@click.option("--bind", "bind", default=None, metavar="ADDR",
+              help="ZeroMQ endpoint of the control API  [default: tcp://127.0.0.1:5557]; a non-loopback "
+                   "address is used only when given here.")
+@click.option("--key", "key_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Shared key file, created 0600 if absent  [default: STATE/key]")
+@click.option("--state", "home", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="State directory  [default: $HAPD_HOME or ~/.hapd]")
+@click.option("--max-cache-bytes", type=click.IntRange(min=1), default=2 * 2**30, show_default=True,
+              help="Plan cache size bound (least recently used entries are evicted).")
+@click.option("--max-request-bytes", type=click.IntRange(min=1024), default=256 * 2**20, show_default=True,
+              help="Largest request body (compile requests carry whole graphs).")
+@click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
+              help="A CompileOptions field for drops and requests without options (e.g. zero=true).")
+@click.option("--slots", type=click.IntRange(min=0), default=None, help="Rank slots this host offers  [default: CPU count]")
+@click.option("--relp/--no-relp", default=True, show_default=True,
+              help="Serve a graph cached for another profile by re-solving only the LP.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | None, key_file: Path | None,
+              home: Path | None, max_cache_bytes: int, max_request_bytes: int, options: tuple[str, ...],
+              slots: int | None, relp: bool, log_level: str) -> None:
+    """Run the daemon: compile graphs dropped into the watch folder into plans
+    (WATCH/out/NAME.hplan and NAME.report.txt; bad files give WATCH/failed/NAME.error),
+    cache plans, and serve the authenticated ZeroMQ control API.
+
+    Drop atomically: write the file into WATCH/.incoming/ (or anywhere on the same
+    file system) and rename it into WATCH; a hidden temporary name in WATCH
+    (.NAME.pt2.tmp) works too (now and then noticed up to 0.5 s later). Stops cleanly on SIGTERM
+    or Ctrl-C.
+    """
+    import logging
+    import signal
+    import threading
+
+    from hapd.daemon import Daemon, DaemonConfig
+    from hapd.keys import default_key_path, home_dir
+    from hapd.protocol import DEFAULT_ADDRESS
+
+    if key_file is None:
+        key_file = default_key_path() if home is None else home / "key"
+    home = home or home_dir()
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "logs").mkdir(exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s hapd[%(process)d] %(levelname)s %(message)s")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr), logging.FileHandler(home / "logs" / "daemon.log")]
+    root = logging.getLogger("hapd")
+    root.setLevel(log_level.upper())
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.propagate = False
+    extra: dict[str, object] = {"slots": slots} if slots is not None else {}
+    config = DaemonConfig.defaults(
+        profile=profile, home=home, watch=watch, cache=cache, key_file=key_file,
+        bind=bind or DEFAULT_ADDRESS, allow_remote=bind is not None, max_cache_bytes=max_cache_bytes,
+        max_body_bytes=max_request_bytes, options=_parse_overrides(options), relp=relp, **extra,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if stop.is_set():  # a second signal: stop now
+            raise KeyboardInterrupt
+        logging.getLogger("hapd.daemon").info("%s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    Daemon(config, stop=stop).run()
+
+
+@main.command("ping")
+@click.argument("address", required=False)
+@click.option("--key", "key_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Shared key file  [default: $HAPD_KEY_FILE or STATE/key]")
+@click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the reply.")
+def ping_cmd(address: str | None, key_file: Path | None, timeout: float) -> None:
+    """Ask the daemon at ADDRESS (default $HAPD_DAEMON or tcp://127.0.0.1:5557) who it is."""
+    import time
+
+    from hapd.client import Client
+
+    with Client(address, key_file, timeout) as client:
+        start = time.perf_counter()
+        pong = client.ping()
+        ms = (time.perf_counter() - start) * 1e3
+    click.echo(
+        f"{client.address}: hapd {pong['version']} (protocol {pong['protocol']}) on {pong['host']}, "
+        f"profile {pong['profile_name']} ({pong['profile_id'][:12]}…), {pong['slots']} free slots, "
+        f"{pong['jobs']} jobs; {ms:.1f} ms"
+    )
+
+
+@main.command("profile")
+@click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=None,
+              help="Local ranks to measure  [default: one per GPU, else 2]")
+@click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), default=Path("profile.json"),
+              show_default=True, help="Profile JSON to write.")
+@click.option("--quick", is_flag=True, help="Fewer sizes, repeats and shorter samples (~15 s on 2 CPU ranks).")
+@click.option("--sizes", default=None, metavar="LIST",
+              help="Full-tensor bytes of the timed collectives, e.g. 4K,64K,1M,16M  [default: 4K … 16M, ×4]")
+@click.option("--repeats", type=click.IntRange(min=1), default=None, help="Fewest timed repeats per collective and size.")
+@click.option("--name", default="", help="Profile name  [default: measured-HOST]")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
+def profile_cmd(nproc: int | None, out: Path, quick: bool, sizes: str | None, repeats: int | None, name: str,
+                dtype: str) -> None:
+    """Measure this machine into a cluster profile: each of K local ranks measures its
+    device's FLOP/s and memory, then all time every collective over several sizes and
+    fit latency (s) and bandwidth (bytes of the full tensor per second).
+
+    Runs ``python -m hapd.profiler`` under torchrun; for several hosts run that module
+    on every host under one torchrun-style job (see profiles/README.md).
+    """
+    from hapd.profiler import ProfilerOptions, default_nproc, launch_local, parse_sizes
+
+    given: dict[str, object] = {"dtype": dtype, "name": name}
+    if sizes is not None:
+        given["sizes"] = parse_sizes(sizes)
+    if repeats is not None:
+        given["repeats"] = repeats
+    ProfilerOptions.quick(**given) if quick else ProfilerOptions(**given)  # bad options fail here, not in K ranks
+    args = ["--out", str(out), "--dtype", dtype, *(["--name", name] if name else []), *(["--quick"] if quick else []),
+            *(["--sizes", sizes] if sizes is not None else []), *(["--repeats", str(repeats)] if repeats else [])]
+    code = launch_local(nproc or default_nproc(), args)
+    if code != 0:
+        click.echo(f"hapd: profiling failed: the ranks exited with status {code}", err=True)
+        sys.exit(code)
+
+
 if __name__ == "__main__":
     main()

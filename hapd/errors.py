@@ -75,6 +75,10 @@ class AuthError(ProtocolError):
     """A control message failed authentication."""
 
 
+class DaemonTimeout(ProtocolError):
+    """No daemon answered at an address in time."""
+
+
 class RemoteError(HapdError):
     """A daemon answered a request with an error."""
 

@@ -1,0 +1,215 @@
+"""Client of the hapd daemon's control API (used by worker.py, the launcher and tests).
+
+    from hapd.client import Client
+    with Client() as daemon:                   # $HAPD_DAEMON or tcp://127.0.0.1:5557
+        print(daemon.ping()["profile_name"])
+        plan_bytes, path = daemon.compile(open("bert.hapg", "rb").read(), "hapg")
+
+A DEALER socket (a lost reply never wedges it, as it would a REQ socket); every
+request is signed with the shared key file and every reply is checked (signature, time
+window, and that it answers this request). A request that gets no reply in time raises
+:class:`DaemonTimeout` naming the address; an ``error`` reply raises
+:class:`~hapd.errors.RemoteError` with the daemon's message. One ``Client`` is for one
+thread at a time (a lock serializes its requests). No torch import here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import zmq
+
+from hapd.errors import DaemonTimeout, ProtocolError, RemoteError
+from hapd.keys import default_key_path, load_key
+from hapd.protocol import DEFAULT_ADDRESS, Limits, Message, Session
+
+
+def default_address() -> str:
+    """``$HAPD_DAEMON``, else the loopback default ``tcp://127.0.0.1:5557``."""
+    return os.environ.get("HAPD_DAEMON") or DEFAULT_ADDRESS
+
+
+__all__ = ["Client", "DaemonTimeout", "default_address", "default_key_path"]
+
+
+class Client:
+    """A connection to one daemon."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        key: bytes | str | Path | None = None,
+        timeout_s: float = 5.0,
+        *,
+        max_reply_bytes: int = 1 << 30,
+    ) -> None:
+        """``key``: the key bytes, or a key file path (default ``default_key_path()``)."""
+        self.address = address or default_address()
+        key_bytes = key if isinstance(key, bytes) else load_key(key if key is not None else default_key_path())
+        self.timeout_s = timeout_s
+        self.session = Session(key_bytes, limits=Limits(max_body_bytes=max_reply_bytes))
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._lock = threading.Lock()
+
+    # -- connection
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a daemon that is not there
+            sock.connect(self.address)
+            self._sock = sock
+        return self._sock
+
+    def _reset(self) -> None:
+        """Drop the socket (a late reply to a timed-out request must not linger)."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- one request
+
+    def request(self, mtype: str, body: Mapping[str, Any] | None = None, *, timeout_s: float | None = None) -> Message:
+        """Send a request and return its (checked) reply; raises :class:`RemoteError`
+        for an ``error`` reply and :class:`DaemonTimeout` when none comes."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        message, frames = self.session.encode(mtype, body)
+        with self._lock:
+            sock = self._socket()
+            deadline = time.monotonic() + timeout
+            if not self._send(sock, frames, deadline):
+                self._reset()
+                raise self._timeout(timeout, "could not connect")
+            rejected = ""
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    self._reset()
+                    raise self._timeout(timeout, f"no reply to {mtype}{rejected}")
+                raw = sock.recv_multipart()
+                try:
+                    reply = self.session.decode(raw, reply=True, replay=False)
+                except ProtocolError as exc:
+                    rejected = f"; rejected a reply: {exc}"
+                    continue  # not for us, or forged: keep waiting for ours
+                if reply.parent != message.id:
+                    continue  # a late reply to an earlier request
+                break
+        if reply.type == "error":
+            raise RemoteError(f"{self.address}: {reply.body['kind']}: {reply.body['message']}", field=reply.body["kind"])
+        return reply
+
+    @staticmethod
+    def _send(sock: zmq.Socket, frames: Sequence[bytes], deadline: float) -> bool:
+        while True:
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:  # IMMEDIATE: not connected yet
+                if time.monotonic() >= deadline:
+                    return False
+                sock.poll(20, zmq.POLLOUT)
+
+    def _timeout(self, timeout: float, what: str) -> DaemonTimeout:
+        return DaemonTimeout(
+            f"no daemon answered at {self.address} within {timeout:g} s ({what}); is `hapd serve` running there, "
+            "with the same key file and protocol version?",
+            field="address",
+        )
+
+    # -- the API
+
+    def ping(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """``{protocol, version, host, profile_id, profile_name, slots, jobs}``."""
+        return self.request("ping", timeout_s=timeout_s).body
+
+    def compile(
+        self,
+        graph: bytes,
+        kind: str = "hapg",
+        profile: Mapping[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None,
+        *,
+        timeout_s: float = 600.0,
+    ) -> tuple[bytes, str]:
+        """``(plan bytes, cache path)`` for a graph (``kind`` ``"hapg"`` or ``"pt2"``);
+        the path is ``"hit"``, ``"miss"`` or ``"lp-only"``."""
+        body: dict[str, Any] = {"graph": bytes(graph), "graph_kind": kind}
+        if profile is not None:
+            body["profile"] = dict(profile)
+        if options is not None:
+            body["options"] = dict(options)
+        reply = self.request("compile", body, timeout_s=timeout_s)
+        return reply.body["plan"], reply.body["cache"]
+
+    def status(self) -> dict[str, Any]:
+        return self.request("status").body
+
+    def shutdown(self) -> None:
+        self.request("shutdown")
+
+    def launch(
+        self,
+        job: str,
+        script: str,
+        *,
+        nproc: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        node_rank: int = 0,
+        nnodes: int = 1,
+        rank_offset: int = 0,
+        script_bytes: bytes | None = None,
+        start_at: float | None = None,
+        cwd: str | None = None,
+    ) -> list[int]:
+        """Start this daemon's ranks of a job; the pids of the local ranks (empty when
+        ``start_at`` is in the future)."""
+        body: dict[str, Any] = {
+            "job": job,
+            "script": script,
+            "args": list(args),
+            "env": dict(env or {}),
+            "nproc": nproc,
+            "node_rank": node_rank,
+            "nnodes": nnodes,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "master_addr": master_addr,
+            "master_port": master_port,
+        }
+        for name, value in (("script_bytes", script_bytes), ("start_at", start_at), ("cwd", cwd)):
+            if value is not None:
+                body[name] = value
+        return list(self.request("launch", body).body["pids"])
+
+    def job_status(self, job: str) -> dict[str, Any]:
+        """``{job, state, ranks: [{rank, local_rank, pid, returncode}]}``."""
+        return self.request("job_status", {"job": job}).body
+
+    def job_events(self, job: str, after: int = 0) -> tuple[list[dict[str, Any]], bool]:
+        """Events with ``seq > after`` and whether the job is done after them."""
+        body = self.request("job_events", {"job": job, "after": after}).body
+        return list(body["events"]), bool(body["done"])
+
+    def cancel(self, job: str) -> None:
+        self.request("cancel", {"job": job})

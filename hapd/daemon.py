@@ -1,0 +1,607 @@
+"""The hapd daemon: a drop folder, a plan cache and an authenticated ZeroMQ API.
+
+Threads and who owns what:
+
+- the **main loop** (:meth:`Daemon.run`) owns the ROUTER socket: it authenticates and
+  dispatches every request, answers cheap ones at once (ping, status, job messages,
+  compile requests the cache can serve) and never waits on a compile, so ``ping``
+  stays answerable while a big graph compiles;
+- one **compile worker** takes drops and compile requests from a FIFO queue, one at a
+  time (compiles are CPU-heavy), and sends compile replies back through an inproc PAIR
+  socket that the main loop forwards to the ROUTER;
+- the **drop watcher** (:mod:`hapd.watch`) hands over files once completely written;
+- each launched rank has a watcher thread and two output readers (:mod:`hapd.jobs`).
+
+Errors are caught in one place per thread: the dispatch loop answers with an ``error``
+reply, the worker writes an ``.error`` file; the daemon keeps serving. A drop is done
+only when its plan is in ``out/`` or its error in ``failed/``; only then is the dropped
+file moved to ``done/`` (or ``failed/``), so a daemon killed mid-compile compiles the
+file again at its next start. The daemon installs no signal handlers: ``hapd serve``
+turns SIGTERM/SIGINT into the ``stop`` event given to :class:`Daemon`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import zmq
+
+from hapd import __version__
+from hapd.cache import PlanCache, Served, atomic_write
+from hapd.errors import GraphFormatError, HapdError, OptionsError, ProtocolError
+from hapd.jobs import JobManager
+from hapd.keys import home_dir, load_or_create_key
+from hapd.profile import Profile, load_profile
+from hapd.protocol import DEFAULT_ADDRESS, PROTOCOL_VERSION, Limits, Message, Session, split_envelope
+from hapd.watch import INCOMING, Drop, DropWatcher, move_out
+
+if TYPE_CHECKING:
+    from hapd.compiler import CompileOptions
+
+log = logging.getLogger("hapd.daemon")
+
+GRAPH_KINDS = {".hapg": "hapg", ".pt2": "pt2"}
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    """Everything a daemon needs; :meth:`defaults` fills the state-directory layout."""
+
+    home: Path
+    """State directory: key, logs, jobs, lock and address files."""
+    watch: Path
+    """Drop folder (``out/``, ``failed/``, ``done/`` are created inside it)."""
+    cache: Path
+    """Plan cache folder."""
+    profile: str | Path | Mapping[str, Any]
+    """Cluster profile the drops are compiled for: a JSON file, a bundled name, or a map."""
+    key_file: Path
+    """Shared key (created 0600 on first start)."""
+    bind: str = DEFAULT_ADDRESS
+    """ZeroMQ endpoint of the control API (``tcp://host:port``; port ``*``: any free one)."""
+    allow_remote: bool = False
+    """Allow a bind address other than loopback (``hapd serve --bind`` sets it)."""
+    max_cache_bytes: int = 2 * 2**30
+    """Plan cache size bound (least recently used entries are evicted)."""
+    max_body_bytes: int = 256 * 2**20
+    """Largest request body (a compile request carries the whole graph)."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """CompileOptions fields for drops and for requests that give none."""
+    settle_s: float = 0.2
+    """A file written in place must be unchanged this long after its last write."""
+    rescan_s: float = 2.0
+    """Period of the drop folder rescan (for events lost in a burst)."""
+    slots: int = os.cpu_count() or 1
+    """Rank slots this host offers (reported by ping)."""
+    relp: bool = True
+    """Serve a graph cached for another profile by re-solving only the LP."""
+    stop_timeout_s: float = 30.0
+    """How long a stop waits for the compile in progress before abandoning it."""
+
+    def __post_init__(self) -> None:
+        if self.max_cache_bytes < 1:
+            raise OptionsError(f"max_cache_bytes {self.max_cache_bytes} must be ≥ 1", field="max_cache_bytes")
+        if self.max_body_bytes < 1024:
+            raise OptionsError(f"max_body_bytes {self.max_body_bytes} must be ≥ 1024", field="max_body_bytes")
+        if self.settle_s < 0 or self.rescan_s <= 0:
+            raise OptionsError(f"settle_s {self.settle_s} must be ≥ 0 and rescan_s {self.rescan_s} > 0", field="settle_s")
+        if self.slots < 0:
+            raise OptionsError(f"slots {self.slots} must be ≥ 0", field="slots")
+        if not is_loopback(self.bind) and not self.allow_remote:
+            raise OptionsError(
+                f"refusing to bind {self.bind}: not a loopback address (a daemon starts processes); "
+                "pass it explicitly with --bind to listen on the network",
+                field="bind",
+            )
+
+    @classmethod
+    def defaults(
+        cls,
+        *,
+        profile: str | Path | Mapping[str, Any],
+        home: Path | None = None,
+        watch: Path | None = None,
+        cache: Path | None = None,
+        key_file: Path | None = None,
+        **rest: Any,
+    ) -> "DaemonConfig":
+        """A config whose unset folders lie in the state directory (``$HAPD_HOME`` or
+        ``~/.hapd``): ``watch/``, ``cache/``, ``key``."""
+        home = (Path(home) if home is not None else home_dir()).expanduser().absolute()
+        return cls(
+            home=home,
+            watch=Path(watch).expanduser().absolute() if watch is not None else home / "watch",
+            cache=Path(cache).expanduser().absolute() if cache is not None else home / "cache",
+            key_file=Path(key_file).expanduser().absolute() if key_file is not None else home / "key",
+            profile=profile,
+            **rest,
+        )
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a ZeroMQ endpoint is reachable only from this host."""
+    transport, _, rest = address.partition("://")
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport != "tcp":
+        return False
+    host = rest.rsplit(":", 1)[0]
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def compile_options(fields: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None = None) -> "CompileOptions":
+    """CompileOptions from wire/config fields; :class:`OptionsError` names a bad one."""
+    from dataclasses import fields as dc_fields
+
+    from hapd.compiler import CompileOptions
+
+    merged = {**dict(defaults or {}), **dict(fields or {})}
+    known = {f.name for f in dc_fields(CompileOptions)}
+    unknown = sorted(set(merged) - known)
+    if unknown:
+        raise OptionsError(f"unknown compile option {unknown[0]!r} (known: {', '.join(sorted(known))})", field=f"options.{unknown[0]}")
+    if merged.get("ratios") is not None:
+        merged["ratios"] = tuple(merged["ratios"]) if isinstance(merged["ratios"], (list, tuple)) else merged["ratios"]
+    if "force" in merged and not (isinstance(merged["force"], Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in merged["force"].items())):
+        raise OptionsError("option force must map node names to rule names", field="options.force")
+    try:
+        return CompileOptions(**merged)
+    except (TypeError, ValueError) as exc:
+        raise OptionsError(f"bad compile options: {exc}", field="options") from exc
+
+
+@dataclass
+class _Request:
+    """A compile request waiting for the worker."""
+
+    ids: list[bytes]
+    message: Message
+    graph: bytes
+    kind: str
+    profile: Profile
+    options: "CompileOptions"
+    received: float
+
+
+class _DirLock:
+    """An exclusive flock on ``folder/.hapd.lock`` naming the holder's pid."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / ".hapd.lock"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise OptionsError(f"another hapd daemon (pid {holder}) is using {folder}", field=str(folder)) from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+class Daemon:
+    """One daemon. ``run()`` serves until ``stop`` is set (or a ``shutdown`` request)."""
+
+    def __init__(self, config: DaemonConfig, *, stop: threading.Event | None = None) -> None:
+        self.config = config
+        self.stop = stop or threading.Event()
+        self.ready = threading.Event()
+        """Set once the socket is bound and the drop folder watched."""
+        self.address: str | None = None
+        """The bound endpoint (with the real port)."""
+        self.started = time.time()
+        self.counters = {"drops_done": 0, "drops_failed": 0, "rejected": 0, "requests": 0}
+        self._tasks: queue.Queue[_Request | Drop | None] = queue.Queue()
+        self._busy: str | None = None
+        self._locks: list[_DirLock] = []
+        self._inproc = f"inproc://hapd-replies-{secrets.token_hex(4)}"
+        self._torch_version = ""
+        self.ctx: zmq.Context | None = None
+        self.router: zmq.Socket | None = None
+        self.replies: zmq.Socket | None = None
+        self.worker: threading.Thread | None = None
+        self.watcher: DropWatcher | None = None
+        self.jobs: JobManager | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> None:
+        """Serve until stopped; in-flight work is finished or abandoned cleanly."""
+        try:
+            self._setup()
+            self._serve()
+        finally:
+            self._teardown()
+
+    def _setup(self) -> None:
+        cfg = self.config
+        for folder in (cfg.home, cfg.watch, cfg.watch / INCOMING, cfg.watch / "out", cfg.watch / "failed", cfg.watch / "done", cfg.cache, cfg.home / "tmp"):
+            folder.mkdir(parents=True, exist_ok=True)
+        self._locks = [_DirLock(cfg.cache)]
+        if cfg.watch.resolve() != cfg.cache.resolve():
+            self._locks.append(_DirLock(cfg.watch))
+        for stale in (cfg.home / "tmp").glob("*.pt2"):  # private copies a killed daemon left
+            stale.unlink(missing_ok=True)
+        self.profile = load_profile(cfg.profile)
+        self.options = compile_options(cfg.options)
+        key = load_or_create_key(cfg.key_file)
+        self.session = Session(key, limits=Limits(max_body_bytes=cfg.max_body_bytes))
+        self.cache = PlanCache(cfg.cache, cfg.max_cache_bytes, clean_tmp=True)
+        try:
+            self._torch_version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            self._torch_version = "?"
+
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 2000)
+        # libzmq drops (and disconnects) anything far beyond the limit before it is
+        # buffered; frames just over it reach the checks below and are logged
+        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_body_bytes + 2**20)
+        try:
+            self.router.bind(cfg.bind)
+        except zmq.ZMQError as exc:
+            raise OptionsError(f"cannot bind {cfg.bind}: {exc} (is another daemon listening there?)", field="bind") from exc
+        self.address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replies = self.ctx.socket(zmq.PAIR)
+        self.replies.bind(self._inproc)
+        local = self.address.replace("://0.0.0.0:", "://127.0.0.1:").replace("://*:", "://127.0.0.1:")
+        self.jobs = JobManager(jobs_dir=cfg.home / "jobs", daemon_address=local, cache_dir=cfg.cache)
+
+        self.worker = threading.Thread(target=self._work, name="hapd-compile", daemon=True)
+        self.worker.start()
+        self.watcher = DropWatcher(cfg.watch, self._tasks.put, settle_s=cfg.settle_s, rescan_s=cfg.rescan_s)
+        self.watcher.start()
+        atomic_write(
+            cfg.home / "daemon.json",
+            json.dumps({"address": self.address, "pid": os.getpid(), "version": __version__, "protocol": PROTOCOL_VERSION, "started": self.started}).encode(),
+        )
+        remote = "" if is_loopback(self.address) else " (reachable from the network)"
+        log.info(
+            "serving on %s%s; drop folder %s; cache %s; profile %s (%d devices, %s…); key %s",
+            self.address, remote, cfg.watch, cfg.cache, self.profile.name, self.profile.world, self.profile.profile_id[:12], cfg.key_file,
+        )
+        self.ready.set()
+
+    def _teardown(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.worker is not None:
+            self._tasks.put(None)
+            deadline = time.monotonic() + self.config.stop_timeout_s
+            while self.worker.is_alive() and time.monotonic() < deadline:
+                if self.replies.poll(50):
+                    self._forward_replies()
+            self._forward_replies()
+            if self.worker.is_alive():
+                log.warning("stop: abandoning %s; a drop is compiled again at the next start", self._busy or "the compile in progress")
+        if self.jobs is not None:
+            self.jobs.shutdown(timeout_s=10.0)
+        for sock in (self.replies, self.router):
+            if sock is not None:
+                sock.close()
+        if self.ctx is not None and not (self.worker is not None and self.worker.is_alive()):
+            self.ctx.term()
+        if self.address is not None:
+            (self.config.home / "daemon.json").unlink(missing_ok=True)
+        for lock in self._locks:
+            lock.release()
+        if self.address is not None:
+            log.info("stopped")
+
+    # ------------------------------------------------------------------ the main loop
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.replies, zmq.POLLIN)
+        while not self.stop.is_set():
+            events = dict(poller.poll(100))
+            if self.replies in events:
+                self._forward_replies()
+            if self.router in events:
+                for _ in range(64):
+                    try:
+                        frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_frames(frames)
+                    if self.stop.is_set():
+                        break
+        log.info("stopping")
+
+    def _forward_replies(self) -> None:
+        while True:
+            try:
+                frames = self.replies.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.router.send_multipart(frames)
+
+    def _on_frames(self, raw: list[zmq.Frame]) -> None:
+        peer = _peer(raw[0]) if raw else "?"
+        frames = [f.bytes for f in raw]
+        try:
+            ids, rest = split_envelope(frames)
+            if not ids:
+                raise ProtocolError("no routing identity")
+            message = self.session.open(rest)
+        except ProtocolError as exc:  # AuthError included: dropped, never answered
+            self.counters["rejected"] += 1
+            log.warning("rejected a message from %s: %s: %s", peer, type(exc).__name__, exc)
+            return
+        self.counters["requests"] += 1
+        try:
+            self.session.check(message)
+            reply = getattr(self, f"_on_{message.type}")(ids, message)
+        except HapdError as exc:
+            log.warning("%s request from %s failed: %s: %s", message.type, peer, type(exc).__name__, exc)
+            reply = ("error", {"kind": type(exc).__name__, "message": str(exc)})
+        except Exception as exc:  # a bug: answer, log the traceback, keep serving
+            log.error("%s request from %s: internal error\n%s", message.type, peer, traceback.format_exc())
+            reply = ("error", {"kind": type(exc).__name__, "message": f"internal error: {exc}"})
+        if reply is not None:
+            self._reply(self.router, ids, message, *reply)
+        if message.type == "shutdown" and reply is not None and reply[0] == "ok":
+            log.info("shutdown requested by %s", peer)
+            self.stop.set()
+
+    def _reply(self, sock: zmq.Socket, ids: list[bytes], request: Message, mtype: str, body: Mapping[str, Any]) -> None:
+        _, frames = self.session.encode(mtype, body, parent=request.id)
+        sock.send_multipart(ids + frames, copy=False)
+
+    # ------------------------------------------------------------------ requests
+
+    def _on_ping(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        return "pong", {
+            "protocol": PROTOCOL_VERSION,
+            "version": __version__,
+            "host": socket.gethostname(),
+            "profile_id": self.profile.profile_id,
+            "profile_name": self.profile.name,
+            "slots": max(0, self.config.slots - self.jobs.running_ranks()),
+            "jobs": self.jobs.active(),
+        }
+
+    def _on_status(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        return "status", {
+            "uptime_s": time.time() - self.started,
+            "cache": self.cache.stats(),
+            "queue": self.queue_length(),
+            "jobs": self.jobs.summaries(),
+            "drops": {"folder": str(self.config.watch), "done": self.counters["drops_done"], "failed": self.counters["drops_failed"]},
+        }
+
+    def queue_length(self) -> int:
+        return self._tasks.qsize() + (1 if self._busy else 0) + self.watcher.pending
+
+    def _on_shutdown(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        return "ok", {}
+
+    def _on_compile(self, ids: list[bytes], msg: Message) -> tuple[str, dict] | None:
+        start = time.perf_counter()
+        body = msg.body
+        kind = body["graph_kind"]
+        if kind not in ("hapg", "pt2"):
+            raise OptionsError(f"graph_kind {kind!r} is not hapg or pt2", field="graph_kind")
+        graph = body["graph"]
+        if not graph:
+            raise GraphFormatError("the graph is empty (0 bytes)")
+        profile = self.profile if body.get("profile") is None else load_profile(body["profile"])
+        options = compile_options(body.get("options"), self.config.options)
+        lowered = graph if kind == "hapg" else self.cache.get_lowered(self._lowered_key(graph))
+        served = self.cache.lookup(lowered, profile, options) if lowered is not None else None
+        if served is not None:
+            log.info("compile request: cache hit, %.1f ms", (time.perf_counter() - start) * 1e3)
+            return "plan", {"plan": served.data, "cache": "hit", "seconds": time.perf_counter() - start}
+        self._tasks.put(_Request(ids, msg, graph, kind, profile, options, start))
+        return None  # the worker answers
+
+    def _on_launch(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        job = self.jobs.launch(msg.body)
+        return "launched", {"job": job.spec.job, "pids": [r.proc.pid for r in job.ranks if r.proc is not None]}
+
+    def _on_job_status(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        return "job", self.jobs.get(msg.body["job"]).status()
+
+    def _on_job_events(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        job = self.jobs.get(msg.body["job"])
+        events, done = job.events_after(msg.body["after"])
+        return "events", {"job": job.spec.job, "events": events, "done": done}
+
+    def _on_cancel(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        self.jobs.cancel(msg.body["job"])
+        return "ok", {}
+
+    # ------------------------------------------------------------------ the compile worker
+
+    def _work(self) -> None:
+        replies = self.ctx.socket(zmq.PAIR)
+        replies.connect(self._inproc)
+        try:
+            # import the compiler (and torch, for .pt2) now rather than on the first drop
+            import hapd.compiler  # noqa: F401
+            import hapd.ir  # noqa: F401
+        except Exception as exc:  # a broken install: every compile will say why
+            log.error("cannot import the compiler: %s", exc)
+        # torch's millions of module-level objects made every full collection a 100+ ms
+        # pause of the main loop too; they live as long as the process: stop scanning them
+        gc.collect()
+        gc.freeze()
+        try:
+            while True:
+                task = self._tasks.get()
+                if task is None:
+                    return
+                if self.stop.is_set():
+                    self._abandon(replies, task)
+                    continue
+                if isinstance(task, Drop):
+                    self._busy = f"drop {task.path.name}"
+                    self._process_drop(task)
+                else:
+                    self._busy = "a compile request"
+                    self._process_request(replies, task)
+                self._busy = None
+        finally:
+            replies.close(linger=1000)
+
+    def _abandon(self, replies: zmq.Socket, task: _Request | Drop) -> None:
+        if isinstance(task, Drop):
+            self.watcher.finished(task.path)  # left in the folder: compiled at the next start
+        else:
+            self._reply(replies, task.ids, task.message, "error", {"kind": "HapdError", "message": "the daemon is shutting down"})
+
+    def _process_request(self, replies: zmq.Socket, req: _Request) -> None:
+        try:
+            graph = req.graph if req.kind == "hapg" else self._lower(req.graph)
+            served = self.cache.compile(graph, req.profile, req.options, relp=self.config.relp)
+            seconds = time.perf_counter() - req.received
+            log.info("compile request: cache %s, %.2f s", served.path, seconds)
+            reply = ("plan", {"plan": served.data, "cache": served.path, "seconds": seconds})
+        except HapdError as exc:
+            log.warning("compile request failed: %s: %s", type(exc).__name__, exc)
+            reply = ("error", {"kind": type(exc).__name__, "message": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - a bug in a compile must not stop the worker
+            log.error("compile request: internal error\n%s", traceback.format_exc())
+            reply = ("error", {"kind": type(exc).__name__, "message": f"internal error: {exc}"})
+        self._reply(replies, req.ids, req.message, *reply)
+
+    # -- .pt2
+
+    def _lowered_key(self, pt2: bytes) -> str:
+        tag = f"hapd.lowered\0{__version__}\0torch {self._torch_version}\0".encode()
+        return hashlib.sha256(tag + hashlib.sha256(pt2).digest()).hexdigest()
+
+    def _lower(self, pt2: bytes) -> bytes:
+        """The graph IR of a .pt2 (from the cache when it was lowered before)."""
+        key = self._lowered_key(pt2)
+        cached = self.cache.get_lowered(key)
+        if cached is not None:
+            return cached
+        from hapd.ir import lower
+
+        tmp = self.config.home / "tmp" / f"{secrets.token_hex(8)}.pt2"
+        tmp.write_bytes(pt2)
+        try:
+            graph = lower(tmp).data
+        except HapdError as exc:  # name the graph, not the private copy
+            exc.message = str(exc).replace(str(tmp), "the .pt2 file")
+            exc.args = (exc.message,)
+            raise
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.cache.put_lowered(key, graph)
+        return graph
+
+    # -- drops
+
+    def _process_drop(self, drop: Drop) -> None:
+        path, name = drop.path, drop.path.name
+        start = time.perf_counter()
+        try:
+            data = path.read_bytes()
+            after = os.stat(path)
+        except FileNotFoundError:
+            self.watcher.finished(path)
+            return
+        except OSError as exc:
+            self._fail(drop, start, f"cannot read the file: {exc.strerror}")
+            return
+        if (after.st_ino, after.st_size, after.st_mtime_ns) != drop.signature or len(data) != after.st_size:
+            log.info("drop %s changed while being read; waiting for it to settle", name)
+            self.watcher.retry(path)
+            return
+        try:
+            if not data:
+                raise GraphFormatError("the file is empty (0 bytes)")
+            kind = GRAPH_KINDS[path.suffix]
+            graph = data if kind == "hapg" else self._lower(data)
+            served = self.cache.lookup(graph, self.profile, self.options)
+            if served is None:
+                log.info("drop %s: compiling for %s (%d devices)", name, self.profile.name, self.profile.world)
+                served = self.cache.compile(graph, self.profile, self.options, relp=self.config.relp)
+            plan_path = self._write_outputs(path, served, start)
+        except HapdError as exc:
+            self._fail(drop, start, f"{type(exc).__name__}: {exc}" + "".join(f" [{k} {v}]" for k, v in (("node", exc.node), ("field", exc.field)) if v))
+            return
+        except Exception as exc:  # noqa: BLE001 - one bad file must not stop the daemon
+            log.error("drop %s: internal error\n%s", name, traceback.format_exc())
+            self._fail(drop, start, f"internal error: {type(exc).__name__}: {exc}")
+            return
+        self._settle(drop, self.config.watch / "done")
+        self.counters["drops_done"] += 1
+        log.info("drop %s → %s (cache %s, %.3f s)", name, plan_path.relative_to(self.config.watch), served.path, time.perf_counter() - start)
+
+    def _write_outputs(self, path: Path, served: Served, start: float) -> Path:
+        """The report, then the plan: once ``NAME.hplan`` exists, both are complete."""
+        out = self.config.watch / "out"
+        plan_path = out / f"{path.stem}.hplan"
+        key = served.plan.key
+        report = [
+            f"drop:      {path.name}",
+            f"graph id:  {key.get('graph_id')}",
+            f"profile:   {self.profile.name} ({key.get('profile_id')})",
+            f"served:    cache {served.path} in {time.perf_counter() - start:.3f} s",
+            f"plan:      {plan_path.name}",
+            "",
+            served.plan.explain(),
+            "",
+        ]
+        atomic_write(out / f"{path.stem}.report.txt", "\n".join(report).encode())
+        atomic_write(plan_path, served.data)
+        return plan_path
+
+    def _fail(self, drop: Drop, start: float, reason: str) -> None:
+        failed = self.config.watch / "failed"
+        name = drop.path.name
+        error_path = failed / f"{name}.error"
+        try:
+            atomic_write(error_path, f"{name}: {reason}\n".encode())
+        except OSError as exc:
+            log.error("drop %s failed (%s) and its error file cannot be written: %s", name, reason, exc.strerror)
+        self._settle(drop, failed)
+        self.counters["drops_failed"] += 1
+        log.warning("drop %s failed: %s → failed/%s (%.3f s)", name, reason, error_path.name, time.perf_counter() - start)
+
+    def _settle(self, drop: Drop, folder: Path) -> None:
+        """Move the dropped file into ``folder`` unless it was replaced meanwhile."""
+        path = drop.path
+        try:
+            st = os.stat(path)
+            if (st.st_ino, st.st_size, st.st_mtime_ns) != drop.signature:
+                log.info("drop %s was replaced while compiling; compiling the new one", path.name)
+                self.watcher.retry(path)
+                return
+            move_out(path, folder)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.error("cannot move %s to %s: %s", path.name, folder.name, exc.strerror)
+        self.watcher.finished(path)
+
+
+def _peer(frame: zmq.Frame) -> str:
+    try:
+        return frame.get("Peer-Address") or "?"
+    except (zmq.ZMQError, AttributeError, OSError):
+        return "?"

@@ -1,0 +1,384 @@
+"""Jobs the daemon launches: this host's ranks of an SPMD job, as subprocesses.
+
+Each local rank runs ``python -u SCRIPT ARGS…`` with exactly the environment torchrun
+gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``ROLE_NAME``,
+``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``,
+``TORCHELASTIC_MAX_RESTARTS``; ``OMP_NUM_THREADS=1`` unless set), so a script that runs
+under torchrun runs here unchanged, plus ``HAPD_DAEMON`` (this daemon's address),
+``HAPD_CACHE`` (its plan cache) and ``HAPD_JOB``. Every rank is the leader of its own
+process group, so cancelling kills the whole tree (SIGTERM, then SIGKILL after a grace
+period). Output is captured line by line into the job's event buffer, with a sequence
+number per event; a rank's exit is an event too. As torchrun does, when one local rank
+fails the others on this host are stopped; the launcher stops the other hosts.
+
+No torch import here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from hapd.errors import OptionsError
+
+log = logging.getLogger("hapd.jobs")
+
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_LINE = 64 * 1024
+"""Longer output lines are split into several events."""
+MAX_EVENTS_PER_REPLY = 2000
+MAX_START_DELAY_S = 3600.0
+
+
+def _bad(message: str, fieldname: str) -> OptionsError:
+    return OptionsError(f"launch: {message}", field=fieldname)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """A validated ``launch`` request (fields as in ``docs/protocol.md``)."""
+
+    job: str
+    script: str
+    script_bytes: bytes | None
+    args: tuple[str, ...]
+    env: Mapping[str, str]
+    nproc: int
+    node_rank: int
+    nnodes: int
+    rank_offset: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    start_at: float | None
+    cwd: str | None
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], *, now: float | None = None) -> "LaunchSpec":
+        """Check the fields' values (their types are checked by the protocol layer)."""
+        now = time.time() if now is None else now
+        job = body["job"]
+        if not JOB_ID.fullmatch(job):
+            raise _bad(f"job id {job!r} must be 1-64 letters, digits, '.', '_' or '-'", "job")
+        nproc, nnodes, node_rank = body["nproc"], body["nnodes"], body["node_rank"]
+        world, offset, port = body["world_size"], body["rank_offset"], body["master_port"]
+        if not 1 <= nproc <= 1024:
+            raise _bad(f"nproc {nproc} must be in 1..1024", "nproc")
+        if nnodes < 1 or not 0 <= node_rank < nnodes:
+            raise _bad(f"node_rank {node_rank} must be in 0..{nnodes - 1} (nnodes {nnodes})", "node_rank")
+        if offset < 0 or offset + nproc > world:
+            raise _bad(f"ranks {offset}..{offset + nproc - 1} do not fit world_size {world}", "rank_offset")
+        if not 1 <= port <= 65535:
+            raise _bad(f"master_port {port} is not a port", "master_port")
+        if not body["master_addr"]:
+            raise _bad("master_addr is empty", "master_addr")
+        for k, v in body["env"].items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise _bad(f"environment variable {k!r} is not a valid name/value", "env")
+        if any("\0" in a for a in body["args"]):
+            raise _bad("an argument contains a NUL byte", "args")
+        script = body["script"]
+        if not script or "\0" in script:
+            raise _bad("script is empty", "script")
+        if body.get("script_bytes") is not None and (Path(script).name != script or script in (".", "..")):
+            raise _bad(f"with script_bytes, script {script!r} must be a plain file name", "script")
+        start_at = body.get("start_at")
+        if start_at is not None and not now - 60 <= start_at <= now + MAX_START_DELAY_S:
+            raise _bad(f"start_at is {start_at - now:+.1f} s from now; allowed -60..+{MAX_START_DELAY_S:.0f} s", "start_at")
+        cwd = body.get("cwd")
+        if cwd is not None and not Path(cwd).is_dir():
+            raise _bad(f"cwd {cwd} is not a directory on this host", "cwd")
+        return cls(
+            job=job,
+            script=script,
+            script_bytes=body.get("script_bytes"),
+            args=tuple(body["args"]),
+            env=dict(body["env"]),
+            nproc=nproc,
+            node_rank=node_rank,
+            nnodes=nnodes,
+            rank_offset=offset,
+            world_size=world,
+            master_addr=body["master_addr"],
+            master_port=port,
+            start_at=start_at,
+            cwd=cwd,
+        )
+
+
+def torchrun_env(spec: LaunchSpec, local_rank: int) -> dict[str, str]:
+    """The torchrun variables of one local rank."""
+    rank = spec.rank_offset + local_rank
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.nproc),
+        "GROUP_RANK": str(spec.node_rank),
+        "GROUP_WORLD_SIZE": str(spec.nnodes),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(spec.world_size),
+        "MASTER_ADDR": spec.master_addr,
+        "MASTER_PORT": str(spec.master_port),
+        "TORCHELASTIC_RUN_ID": spec.job,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+
+
+@dataclass
+class Rank:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen | None = None
+    returncode: int | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "pid": self.proc.pid if self.proc is not None else None,
+            "returncode": self.returncode,
+        }
+
+
+@dataclass
+class Job:
+    """One job's ranks and event buffer."""
+
+    spec: LaunchSpec
+    command: list[str]
+    ranks: list[Rank]
+    state: str = "starting"
+    started: float = field(default_factory=time.time)
+    events: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    seq: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("exited", "failed", "cancelled")
+
+    def add_event(self, rank: int, stream: str, line: str) -> None:
+        with self.lock:
+            self.seq += 1
+            self.events.append({"seq": self.seq, "rank": rank, "stream": stream, "line": line, "time": time.time()})
+
+    def events_after(self, after: int, limit: int = MAX_EVENTS_PER_REPLY) -> tuple[list[dict[str, Any]], bool]:
+        with self.lock:
+            first = self.events[0]["seq"] if self.events else self.seq + 1
+            start = max(0, after + 1 - first)  # seqs are contiguous in the buffer
+            out = list(itertools.islice(self.events, start, start + limit))
+            last = out[-1]["seq"] if out else after
+            done = self.finished and last >= self.seq
+        return out, done
+
+    def summary(self) -> dict[str, Any]:
+        s = self.spec
+        return {"job": s.job, "state": self.state, "nproc": s.nproc, "world_size": s.world_size, "rank_offset": s.rank_offset, "started": self.started}
+
+    def status(self) -> dict[str, Any]:
+        return {"job": self.spec.job, "state": self.state, "ranks": [r.summary() for r in self.ranks]}
+
+
+class JobManager:
+    """Starts, watches and stops jobs (thread-safe)."""
+
+    def __init__(self, *, jobs_dir: Path, daemon_address: str, cache_dir: Path, grace_s: float = 5.0, keep_finished: int = 64) -> None:
+        self.jobs_dir = Path(jobs_dir)
+        self.daemon_address = daemon_address
+        self.cache_dir = Path(cache_dir)
+        self.grace_s = grace_s
+        self.keep_finished = keep_finished
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+
+    # -- queries
+
+    def get(self, job_id: str) -> Job:
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            raise OptionsError(f"no job {job_id!r} on this daemon", field="job")
+        return job
+
+    def summaries(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [j.summary() for j in self._jobs.values()]
+
+    def active(self) -> int:
+        with self._lock:
+            return sum(not j.finished for j in self._jobs.values())
+
+    def running_ranks(self) -> int:
+        with self._lock:
+            return sum(j.spec.nproc for j in self._jobs.values() if not j.finished)
+
+    # -- launch
+
+    def launch(self, body: Mapping[str, Any]) -> Job:
+        spec = LaunchSpec.from_body(body)
+        with self._lock:
+            old = self._jobs.get(spec.job)
+            if old is not None and not old.finished:
+                raise _bad(f"job {spec.job!r} is already {old.state}", "job")
+        cwd = Path(spec.cwd) if spec.cwd else Path.cwd()
+        if spec.script_bytes is not None:
+            folder = self.jobs_dir / spec.job
+            folder.mkdir(parents=True, exist_ok=True)
+            script = folder / spec.script
+            script.write_bytes(spec.script_bytes)
+        else:
+            script = Path(spec.script) if Path(spec.script).is_absolute() else cwd / spec.script
+            if not script.is_file():
+                raise _bad(f"script {spec.script} is not a file on this host (looked at {script})", "script")
+        command = [sys.executable, "-u", str(script), *spec.args]
+        job = Job(spec, command, [Rank(spec.rank_offset + i, i) for i in range(spec.nproc)])
+        with self._lock:
+            self._jobs[spec.job] = job
+            self._trim()
+        delay = spec.start_at - time.time() if spec.start_at is not None else 0.0
+        if delay > 0:
+            log.info("job %s: %d ranks (%d..%d of %d) start in %.2f s", spec.job, spec.nproc, spec.rank_offset, spec.rank_offset + spec.nproc - 1, spec.world_size, delay)
+            threading.Thread(target=self._delayed_start, args=(job, delay), name=f"hapd-job-{spec.job}", daemon=True).start()
+        else:
+            self._start(job, cwd)
+        return job
+
+    def _delayed_start(self, job: Job, delay: float) -> None:
+        if job.cancelled.wait(delay):
+            return
+        try:
+            self._start(job, Path(job.spec.cwd) if job.spec.cwd else Path.cwd())
+        except OSError as exc:
+            job.add_event(job.spec.rank_offset, "stderr", f"hapd: cannot start the ranks: {exc}")
+            job.state = "failed"
+
+    def _start(self, job: Job, cwd: Path) -> None:
+        spec = job.spec
+        base = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "HAPD_DAEMON": self.daemon_address, "HAPD_CACHE": str(self.cache_dir), "HAPD_JOB": spec.job}
+        if spec.nproc > 1 and "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in os.environ:
+            base["OMP_NUM_THREADS"] = "1"
+        with job.lock:
+            if job.cancelled.is_set():
+                return
+            try:
+                for r in job.ranks:
+                    r.proc = subprocess.Popen(
+                        job.command,
+                        cwd=cwd,
+                        env={**base, **torchrun_env(spec, r.local_rank)},
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        start_new_session=True,  # its own process group: cancel kills the tree
+                    )
+            except OSError:
+                self._kill(job, signal.SIGKILL)
+                job.state = "failed"
+                raise
+            job.state = "running"
+        log.info("job %s: started ranks %d..%d of %d, pids %s", spec.job, spec.rank_offset, spec.rank_offset + spec.nproc - 1, spec.world_size, [r.proc.pid for r in job.ranks])
+        for r in job.ranks:
+            threading.Thread(target=self._watch_rank, args=(job, r), name=f"hapd-rank-{r.rank}", daemon=True).start()
+
+    def _watch_rank(self, job: Job, r: Rank) -> None:
+        proc = r.proc
+        readers = [
+            threading.Thread(target=self._read, args=(job, r.rank, proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._read, args=(job, r.rank, proc.stderr, "stderr"), daemon=True),
+        ]
+        for t in readers:
+            t.start()
+        code = proc.wait()
+        for t in readers:
+            t.join(timeout=2.0)  # a grandchild holding the pipe must not hold the exit back
+        r.returncode = code
+        job.add_event(r.rank, "exit", str(code))
+        log.info("job %s: rank %d exited with %d", job.spec.job, r.rank, code)
+        if code != 0 and not job.cancelled.is_set():
+            others = [o for o in job.ranks if o is not r and o.returncode is None]
+            if others:
+                log.info("job %s: rank %d failed; stopping the other local ranks", job.spec.job, r.rank)
+                self._stop(job)
+        with job.lock:
+            if all(x.returncode is not None for x in job.ranks) and not job.finished:
+                if job.cancelled.is_set():
+                    job.state = "cancelled"
+                else:
+                    job.state = "exited" if all(x.returncode == 0 for x in job.ranks) else "failed"
+        if job.finished:
+            log.info("job %s: %s", job.spec.job, job.state)
+
+    @staticmethod
+    def _read(job: Job, rank: int, stream: Any, name: str) -> None:
+        with stream:
+            for raw in iter(lambda: stream.readline(MAX_LINE), b""):
+                job.add_event(rank, name, raw.decode("utf-8", "replace").rstrip("\r\n"))
+
+    # -- stopping
+
+    def cancel(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        if job.finished:
+            return job
+        job.cancelled.set()
+        log.info("job %s: cancelling", job_id)
+        with job.lock:  # _start spawns all ranks under this lock, or none once cancelled
+            if all(r.proc is None for r in job.ranks):
+                job.state = "cancelled"  # a delayed start that never started
+                return job
+        self._stop(job)
+        return job
+
+    def _stop(self, job: Job) -> None:
+        self._kill(job, signal.SIGTERM)
+        timer = threading.Timer(self.grace_s, self._kill, args=(job, signal.SIGKILL, True))
+        timer.daemon = True
+        timer.start()
+
+    @staticmethod
+    def _kill(job: Job, sig: int, only_running: bool = False) -> None:
+        """Signal every rank's process group (``only_running``: whose leader has not
+        exited, so a recycled process group id is never signalled)."""
+        for r in job.ranks:
+            if r.proc is None or (only_running and r.returncode is not None):
+                continue
+            try:
+                os.killpg(r.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Cancel every job and wait for its ranks to exit (up to ``timeout_s``)."""
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if not j.finished]
+        for job in jobs:
+            self.cancel(job.spec.job)
+        deadline = time.monotonic() + timeout_s
+        for job in jobs:
+            for r in job.ranks:
+                if r.proc is not None:
+                    try:
+                        r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        self._kill(job, signal.SIGKILL)
+
+    def _trim(self) -> None:
+        finished = [k for k, j in self._jobs.items() if j.finished]
+        for k in finished[: max(0, len(finished) - self.keep_finished)]:
+            del self._jobs[k]

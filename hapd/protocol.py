@@ -1,0 +1,502 @@
+"""The daemon's control protocol: message types, framing, HMAC signing, replay checks.
+
+Modeled on jupyter_client's ``session.py``: one class (:class:`Session`) builds, signs,
+serializes and checks messages and remembers recent message ids against replays; the
+protocol version (:data:`PROTOCOL_VERSION`) is separate from the package version. A
+message is a ZeroMQ multipart message (a ROUTER socket prefixes the sender's identity
+frames)::
+
+    [b"hapd", b"1", signature, header, body]
+
+- ``b"hapd"``: the delimiter between routing identities and the message;
+- ``b"1"``: the protocol version in ASCII digits;
+- ``signature``: HMAC-SHA256 under the shared key, as 64 lowercase hex digits, of
+  ``b"hapd" ‖ version ‖ u64be(len(header)) ‖ header ‖ u64be(len(body)) ‖ body``
+  (the lengths make the split between header and body part of what is signed);
+- ``header``: msgpack map ``{"id": 32 hex digits, "type": str, "time": unix seconds,
+  "session": str}`` plus ``"parent"`` (the request's id) on replies;
+- ``body``: msgpack map whose fields the message type declares (:data:`REQUESTS`,
+  :data:`REPLIES`; documented in ``docs/protocol.md``).
+
+A receiver checks, in this order and before decoding anything: the frame count, the
+delimiter, the version, the frame sizes (:class:`Limits`), the signature
+(``hmac.compare_digest``); then it decodes the header and rejects a message sent more
+than ``window_s`` from its own clock or whose id it has already seen; only then does it
+decode the body. msgpack only, never pickle. This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import struct
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import msgpack
+
+from hapd.errors import AuthError, ProtocolError
+
+PROTOCOL_VERSION = 1
+"""Version of the wire protocol (not of the hapd package)."""
+
+MAGIC = b"hapd"
+"""First frame of every message: the delimiter after the routing identities."""
+
+MAX_FRAMES = 16
+"""Most frames a message may have, routing identities included."""
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
+"""Where a daemon listens unless told otherwise (loopback: a daemon starts processes)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """What a receiver accepts. Sizes are checked before anything is decoded."""
+
+    max_header_bytes: int = 64 * 1024
+    """Largest header frame."""
+    max_body_bytes: int = 256 * 2**20
+    """Largest body frame (a ``compile`` request carries a whole graph)."""
+    window_s: float = 60.0
+    """Reject a message whose ``time`` is further than this from the receiver's clock
+    (hosts' clocks must agree to within it)."""
+    seen_ids: int = 65536
+    """How many recent message ids are remembered against replays."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_header_bytes", "max_body_bytes", "seen_ids"):
+            if getattr(self, name) < 1:
+                raise ProtocolError(f"{name} {getattr(self, name)} must be ≥ 1", field=name)
+        if not self.window_s > 0:
+            raise ProtocolError(f"window_s {self.window_s} must be > 0", field="window_s")
+
+
+# ----------------------------------------------------------------------------- message types
+
+
+@dataclass(frozen=True)
+class Field:
+    """One body field of a message type."""
+
+    name: str
+    kind: str
+    """``str``, ``bytes``, ``int``, ``number`` (int or float), ``bool``, ``map``,
+    ``list``, ``str_list``, ``str_map`` (str → str) or ``any``."""
+    doc: str
+    required: bool = True
+    """An optional field may be absent or nil."""
+
+
+@dataclass(frozen=True)
+class MessageType:
+    """A message type: its name, body fields, and (for a request) its reply types."""
+
+    name: str
+    doc: str
+    fields: tuple[Field, ...] = ()
+    replies: tuple[str, ...] = ()
+
+    def field(self, name: str) -> Field | None:
+        return next((f for f in self.fields if f.name == name), None)
+
+
+def _opt(name: str, kind: str, doc: str) -> Field:
+    return Field(name, kind, doc, required=False)
+
+
+JOB_STATES = ("starting", "running", "exited", "failed", "cancelled")
+"""States of a launched job, in the order they can happen."""
+
+EVENT_STREAMS = ("stdout", "stderr", "exit")
+"""What a job event records: an output line of a rank, or its exit."""
+
+REQUESTS: dict[str, MessageType] = {
+    m.name: m
+    for m in (
+        MessageType("ping", "Is the daemon there, which versions, which profile, how busy.", (), ("pong",)),
+        MessageType(
+            "compile",
+            "Compile a graph for a profile (the daemon's unless given); served from the plan cache when it can.",
+            (
+                Field("graph", "bytes", "the graph file's bytes: a .hapg graph IR or a torch.export .pt2"),
+                Field("graph_kind", "str", '"hapg" or "pt2"'),
+                _opt("profile", "map", "a cluster profile document (the JSON map); default: the daemon's profile"),
+                _opt("options", "map", "CompileOptions fields (mode, zero, max_rounds, …); default: the daemon's"),
+            ),
+            ("plan",),
+        ),
+        MessageType("status", "Uptime, cache statistics, queue length and jobs.", (), ("status",)),
+        MessageType("shutdown", "Stop the daemon (after the reply; the compile in progress finishes).", (), ("ok",)),
+        MessageType(
+            "launch",
+            "Start this host's ranks of a job, each a subprocess with torchrun's environment.",
+            (
+                Field("job", "str", "job id, unique on this daemon: letters, digits, '.', '_', '-' (≤ 64)"),
+                Field("script", "str", "the Python script to run: a path (relative to cwd) or, with script_bytes, its file name"),
+                _opt("script_bytes", "bytes", "the script's content; the daemon writes it to a job directory and runs that"),
+                Field("args", "str_list", "arguments after the script"),
+                Field("env", "str_map", "extra environment for every rank (the torchrun variables are set by the daemon)"),
+                Field("nproc", "int", "ranks on this host (LOCAL_WORLD_SIZE)"),
+                Field("node_rank", "int", "this host's index among the job's hosts (GROUP_RANK)"),
+                Field("nnodes", "int", "number of hosts in the job"),
+                Field("rank_offset", "int", "global rank of this host's local rank 0"),
+                Field("world_size", "int", "ranks in the whole job (WORLD_SIZE)"),
+                Field("master_addr", "str", "address of global rank 0's host (MASTER_ADDR)"),
+                Field("master_port", "int", "rendezvous port on master_addr (MASTER_PORT)"),
+                _opt("start_at", "number", "unix time at which to start the ranks (a synchronized start); default now"),
+                _opt("cwd", "str", "working directory of the ranks; default the daemon's"),
+            ),
+            ("launched",),
+        ),
+        MessageType("job_status", "State of a job and of each of its ranks.", (Field("job", "str", "job id"),), ("job",)),
+        MessageType(
+            "job_events",
+            "Output lines and exits of a job's ranks after a sequence number (per-iteration timings are output lines).",
+            (Field("job", "str", "job id"), Field("after", "int", "return events with seq > after; 0 for all")),
+            ("events",),
+        ),
+        MessageType("cancel", "Stop every rank of a job (its whole process group).", (Field("job", "str", "job id"),), ("ok",)),
+    )
+}
+"""Request types (client → daemon), each with the reply type it gets (or ``error``)."""
+
+REPLIES: dict[str, MessageType] = {
+    m.name: m
+    for m in (
+        MessageType(
+            "pong",
+            "Reply to ping.",
+            (
+                Field("protocol", "int", "the daemon's protocol version"),
+                Field("version", "str", "the daemon's hapd package version"),
+                Field("host", "str", "the daemon's host name"),
+                Field("profile_id", "str", "sha256 id of the daemon's cluster profile"),
+                Field("profile_name", "str", "its name"),
+                Field("slots", "int", "free rank slots (configured slots minus running ranks)"),
+                Field("jobs", "int", "jobs not yet finished"),
+            ),
+        ),
+        MessageType(
+            "plan",
+            "Reply to compile.",
+            (
+                Field("plan", "bytes", "the .hplan bytes"),
+                Field("cache", "str", '"hit" (served from the cache), "miss" (compiled) or "lp-only" (cached program re-costed, LP re-solved)'),
+                Field("seconds", "number", "time the daemon spent on the request"),
+            ),
+        ),
+        MessageType(
+            "status",
+            "Reply to status.",
+            (
+                Field("uptime_s", "number", "seconds since the daemon started"),
+                Field("cache", "map", "entries, bytes, max_bytes, hits, misses, lp_only, corrupt, evictions"),
+                Field("queue", "int", "drops and compiles waiting or in progress"),
+                Field("jobs", "list", "job summaries: {job, state, nproc, world_size, rank_offset, started}"),
+                _opt("drops", "map", "drop folder counters: done, failed, and the folder"),
+            ),
+        ),
+        MessageType("ok", "Success without data (shutdown, cancel)."),
+        MessageType(
+            "launched",
+            "Reply to launch.",
+            (Field("job", "str", "job id"), Field("pids", "list", "process id of each local rank (empty until a delayed start)")),
+        ),
+        MessageType(
+            "job",
+            "Reply to job_status.",
+            (
+                Field("job", "str", "job id"),
+                Field("state", "str", "one of " + ", ".join(JOB_STATES)),
+                Field("ranks", "list", "per local rank: {rank (global), local_rank, pid, returncode (nil while running)}"),
+            ),
+        ),
+        MessageType(
+            "events",
+            "Reply to job_events.",
+            (
+                Field("job", "str", "job id"),
+                Field("events", "list", "[{seq, rank (global), stream: stdout|stderr|exit, line, time}] in seq order"),
+                Field("done", "bool", "the job has finished and no event follows the last one returned"),
+            ),
+        ),
+        MessageType(
+            "error",
+            "Reply to any request that failed; the client raises RemoteError.",
+            (Field("kind", "str", "exception class name (a hapd.errors class)"), Field("message", "str", "what went wrong")),
+        ),
+    )
+}
+"""Reply types (daemon → client)."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_KIND_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "str": lambda v: isinstance(v, str),
+    "bytes": lambda v: isinstance(v, bytes),
+    "int": _is_int,
+    "number": lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v),
+    "bool": lambda v: isinstance(v, bool),
+    "map": lambda v: isinstance(v, dict),
+    "list": lambda v: isinstance(v, list),
+    "str_list": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "str_map": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
+    "any": lambda v: True,
+}
+
+
+def validate_body(mtype: MessageType, body: Mapping[str, Any], where: str = "body") -> None:
+    """Check ``body`` against ``mtype``'s fields; :class:`ProtocolError` names the field."""
+    for f in mtype.fields:
+        value = body.get(f.name)
+        if value is None:
+            if f.required:
+                raise ProtocolError(f"{mtype.name}: field {f.name!r} is missing", field=f"{where}.{f.name}")
+            continue
+        if not _KIND_CHECKS[f.kind](value):
+            raise ProtocolError(
+                f"{mtype.name}: field {f.name!r} should be {f.kind}, got {type(value).__name__}", field=f"{where}.{f.name}"
+            )
+    unknown = sorted(k for k in body if mtype.field(k) is None)
+    if unknown:
+        raise ProtocolError(f"{mtype.name}: unknown field {unknown[0]!r}", field=f"{where}.{unknown[0]}")
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Message:
+    """A decoded, authenticated message."""
+
+    type: str
+    body: dict[str, Any]
+    id: str
+    time: float
+    session: str
+    parent: str | None = None
+
+    def header(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": self.type, "time": self.time, "session": self.session}
+        if self.parent is not None:
+            out["parent"] = self.parent
+        return out
+
+
+def split_envelope(frames: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """Split a ROUTER-side message into (routing identities, message frames) at the
+    first ``b"hapd"`` frame."""
+    if len(frames) > MAX_FRAMES:
+        raise ProtocolError(f"{len(frames)} frames; at most {MAX_FRAMES}")
+    for i, frame in enumerate(frames):
+        if frame == MAGIC:
+            return list(frames[:i]), list(frames[i:])
+    raise ProtocolError("not a hapd message: no b'hapd' delimiter frame")
+
+
+def _packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def _unpackb(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext, timestamp=3)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises ValueError, TypeError, StackError, …
+        raise ProtocolError(f"{what} is not valid msgpack ({type(exc).__name__}: {exc})") from None
+
+
+def _check_plain(obj: Any, depth: int = 0) -> None:
+    """Only msgpack's plain types (no ext, no timestamps), nested at most 32 deep."""
+    if depth > 32:
+        raise ProtocolError("body nested too deeply")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise ProtocolError(f"map key {k!r} is not a string")
+            _check_plain(v, depth + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _check_plain(v, depth + 1)
+    elif isinstance(obj, float):
+        if not math.isfinite(obj):
+            raise ProtocolError("non-finite number")
+    elif not (obj is None or isinstance(obj, (str, bytes, bool, int))):
+        raise ProtocolError(f"value of type {type(obj).__name__} is not allowed")
+
+
+def _u64(n: int) -> bytes:
+    return struct.pack(">Q", n)
+
+
+class Session:
+    """Builds, signs and checks messages under one shared key (one per socket user).
+
+    ``encode`` is safe from any thread; ``open``/``decode`` remember message ids and
+    take a lock. ``clock`` is injectable for tests."""
+
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        session: str | None = None,
+        limits: Limits | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not isinstance(key, bytes) or len(key) < 16:
+            raise AuthError("a session key must be at least 16 bytes", field="key")
+        self._auth = hmac.new(key, digestmod=hashlib.sha256)
+        self.session = session or uuid.uuid4().hex
+        self.limits = limits or Limits()
+        self.clock = clock
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._floor = -math.inf  # messages at or before this time may have been forgotten
+        self._lock = threading.Lock()
+        self.version_frame = str(PROTOCOL_VERSION).encode()
+
+    # -- signing
+
+    def sign(self, version: bytes, header: bytes, body: bytes) -> bytes:
+        """HMAC-SHA256 over the delimiter, version, and length-prefixed header and body,
+        as 64 lowercase hex digits."""
+        h = self._auth.copy()
+        h.update(MAGIC)
+        h.update(version)
+        h.update(_u64(len(header)))
+        h.update(header)
+        h.update(_u64(len(body)))
+        h.update(body)
+        return h.hexdigest().encode()
+
+    def encode(self, type: str, body: Mapping[str, Any] | None = None, *, parent: str | None = None) -> tuple[Message, list[bytes]]:  # noqa: A002
+        """A new message of ``type`` and its frames (without routing identities)."""
+        body = dict(body or {})
+        mtype = (REPLIES if parent is not None else REQUESTS).get(type)
+        if mtype is None:
+            raise ProtocolError(f"unknown message type {type!r}", field="type")
+        validate_body(mtype, body)
+        message = Message(type=type, body=body, id=uuid.uuid4().hex, time=self.clock(), session=self.session, parent=parent)
+        header = _packb(message.header())
+        payload = _packb(body)
+        return message, [MAGIC, self.version_frame, self.sign(self.version_frame, header, payload), header, payload]
+
+    # -- checking
+
+    def open(self, frames: Sequence[bytes], *, replay: bool = True) -> Message:
+        """Authenticate and decode a message (frames after the routing identities).
+
+        Raises :class:`AuthError` for a bad signature, a stale or replayed message, and
+        :class:`ProtocolError` for anything malformed; the type and fields are not
+        checked here (:meth:`check`)."""
+        limits = self.limits
+        if len(frames) != 5:
+            raise ProtocolError(f"expected 5 frames (hapd, version, signature, header, body), got {len(frames)}")
+        magic, version, signature, header, body = (bytes(f) for f in frames)
+        if magic != MAGIC:
+            raise ProtocolError("not a hapd message: the first frame is not b'hapd'")
+        if version != self.version_frame:
+            shown = version[:8].decode("ascii", "replace")
+            raise ProtocolError(f"protocol version {shown!r}; this side speaks {PROTOCOL_VERSION}", field="version")
+        if len(header) > limits.max_header_bytes:
+            raise ProtocolError(f"oversized header: {len(header)} bytes > {limits.max_header_bytes}", field="header")
+        if len(body) > limits.max_body_bytes:
+            raise ProtocolError(f"oversized body: {len(body)} bytes > {limits.max_body_bytes}", field="body")
+        if len(signature) != 64:
+            raise AuthError(f"unsigned or malformed signature ({len(signature)} bytes)", field="signature")
+        if not hmac.compare_digest(signature, self.sign(version, header, body)):
+            raise AuthError("bad signature: wrong key or a tampered message", field="signature")
+        head = _unpackb(header, "header")
+        message = self._header(head)
+        now = self.clock()
+        skew = now - message.time
+        if abs(skew) > limits.window_s:
+            when = f"sent {skew:.1f} s ago" if skew > 0 else f"dated {-skew:.1f} s in the future"
+            raise AuthError(f"stale message: {when}; the window is {limits.window_s:g} s (are the clocks in sync?)", field="time")
+        if replay:
+            self._remember(message, now)
+        decoded = _unpackb(body, "body")
+        if not isinstance(decoded, dict):
+            raise ProtocolError(f"body is a {type(decoded).__name__}, not a map", field="body")
+        _check_plain(decoded)
+        return Message(message.type, decoded, message.id, message.time, message.session, message.parent)
+
+    def _header(self, head: Any) -> Message:
+        if not isinstance(head, dict):
+            raise ProtocolError("header is not a map", field="header")
+        mid, mtype, mtime, session, parent = (head.get(k) for k in ("id", "type", "time", "session", "parent"))
+        if not isinstance(mid, str) or len(mid) != 32 or any(c not in "0123456789abcdef" for c in mid):
+            raise ProtocolError("header id is not 32 hex digits", field="header.id")
+        if not isinstance(mtype, str) or not 0 < len(mtype) <= 64:
+            raise ProtocolError("header type is not a short string", field="header.type")
+        if isinstance(mtime, bool) or not isinstance(mtime, (int, float)) or not math.isfinite(mtime):
+            raise ProtocolError("header time is not a number", field="header.time")
+        if not isinstance(session, str) or len(session) > 128:
+            raise ProtocolError("header session is not a short string", field="header.session")
+        if parent is not None and not isinstance(parent, str):
+            raise ProtocolError("header parent is not a string", field="header.parent")
+        unknown = sorted(set(head) - {"id", "type", "time", "session", "parent"})
+        if unknown:
+            raise ProtocolError(f"unknown header field {unknown[0]!r}", field=f"header.{unknown[0]}")
+        return Message(mtype, {}, mid, float(mtime), session, parent)
+
+    def _remember(self, message: Message, now: float) -> None:
+        with self._lock:
+            if message.id in self._seen:
+                raise AuthError(f"replayed message {message.id}", field="header.id")
+            if message.time <= self._floor:
+                raise AuthError("message older than the replay memory reaches", field="header.time")
+            horizon = now - self.limits.window_s
+            while self._seen and next(iter(self._seen.values())) < horizon:
+                self._seen.popitem(last=False)  # out of the window: its time alone rejects a replay
+            while len(self._seen) >= self.limits.seen_ids:
+                _, forgotten = self._seen.popitem(last=False)
+                self._floor = max(self._floor, forgotten)
+            self._seen[message.id] = message.time
+
+    def check(self, message: Message, *, reply: bool = False) -> MessageType:
+        """The message's type, after checking its body fields."""
+        table = REPLIES if reply else REQUESTS
+        mtype = table.get(message.type)
+        if mtype is None:
+            kind = "reply" if reply else "request"
+            raise ProtocolError(f"unknown {kind} type {message.type!r}", field="header.type")
+        validate_body(mtype, message.body)
+        return mtype
+
+    def decode(self, frames: Sequence[bytes], *, reply: bool = False, replay: bool = True) -> Message:
+        """:meth:`open` then :meth:`check`."""
+        message = self.open(frames, replay=replay)
+        self.check(message, reply=reply)
+        return message
+
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAGIC",
+    "DEFAULT_ADDRESS",
+    "Limits",
+    "Field",
+    "MessageType",
+    "REQUESTS",
+    "REPLIES",
+    "JOB_STATES",
+    "EVENT_STREAMS",
+    "Message",
+    "Session",
+    "split_envelope",
+    "validate_body",
+]

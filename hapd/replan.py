@@ -1,0 +1,59 @@
+"""Re-planning a cached program for another cluster profile ("lp-only").
+
+When a graph was compiled for profile A and is now asked for profile B with the same
+compiler version and options, the daemon reuses A's *program* instead of searching
+again: every op is forced to the rule A's plan chose for it (``CompileOptions.force``,
+by fx node name), and the compile driver runs with that restriction for B. The core
+then only re-costs that fixed program with B's device speeds and collective costs
+(and, where several collectives realise the same layout change, re-picks the cheapest
+for B), and the sharding-ratio LP is re-solved for B; the DP-EV/DP-CP baselines are
+priced for B as usual. The plan is the same as a full compile's whenever the best
+rule choice does not depend on the profile; it can be slower than the full search
+would find when it does — ``hapd compile`` (or a cache under a new options key) gives
+the full search.
+
+The plan records ``stats.path = "lp-only"`` and ``stats.replanned_from`` (A's profile
+id); its cache key is B's, with the caller's options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from hapd.errors import PlanError
+
+if TYPE_CHECKING:
+    from hapd.compiler import CompileOptions
+    from hapd.plan import Plan
+    from hapd.profile import Profile
+
+
+def forced_rules(plan: "Plan") -> dict[str, str]:
+    """``{fx node name: rule}`` for every step of the plan's program."""
+    try:
+        return {str(step["node"]): str(step["rule"]) for step in plan.program["steps"]}
+    except (KeyError, TypeError) as exc:
+        raise PlanError(f"the cached plan has no readable program steps ({exc})") from exc
+
+
+def relp_plan(graph: bytes, old: "Plan", profile: "Profile", options: "CompileOptions") -> "Plan":
+    """``old``'s program re-costed for ``profile`` with the LP re-solved (see the module
+    docstring). Raises a :class:`~hapd.errors.HapdError` when the program does not fit
+    the new profile (the caller then compiles from scratch)."""
+    from hapd.compiler import compile as compile_plan
+    from hapd.plan import Plan
+
+    start = time.perf_counter()
+    forced = {**forced_rules(old), **dict(options.force)}
+    plan = compile_plan(graph, profile, dataclasses.replace(options, force=forced))
+    doc = dict(plan.doc)
+    doc["key"] = {**doc["key"], "options": options.key()}
+    doc["stats"] = {
+        **doc["stats"],
+        "path": "lp-only",
+        "replanned_from": old.key.get("profile_id"),
+        "seconds": time.perf_counter() - start,
+    }
+    return Plan(doc)

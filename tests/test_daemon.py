@@ -1,0 +1,540 @@
+"""The daemon end to end: a real ``hapd serve`` process, a real drop folder, real
+sockets on loopback (DESIGN.md §3 "Daemon")."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable
+
+import msgpack
+import pytest
+import zmq
+
+from hapd.cache import CacheKey, PlanCache, _parse_header
+from hapd.client import Client, DaemonTimeout
+from hapd.errors import RemoteError
+from hapd.plan import Plan
+from hapd.protocol import MAGIC, Session
+
+pytestmark = pytest.mark.daemon
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def drop(folder: Path, name: str, data: bytes, staging: bool = False) -> Path:
+    """A documented atomic drop: write a dot-named temp file in the folder (or, with
+    ``staging``, in its ``.incoming/`` folder) and rename it in."""
+    tmp = folder / ".incoming" / name if staging else folder / f".{name}.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, folder / name)
+    return folder / name
+
+
+class DaemonProcess:
+    """``python -m hapd.cli serve`` in a temporary state directory."""
+
+    def __init__(self, home: Path, *args: str, profile: str = "paper-8") -> None:
+        self.home, self.args, self.profile = home, args, profile
+        self.watch = home / "watch"
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def start(self, timeout: float = 60.0) -> "DaemonProcess":
+        (self.home / "daemon.json").unlink(missing_ok=True)
+        self.home.mkdir(parents=True, exist_ok=True)
+        stderr = open(self.home / "stderr.txt", "ab")  # noqa: SIM115 - the child owns it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hapd.cli", "serve", "--state", str(self.home), "--bind", "tcp://127.0.0.1:*",
+             "--profile", self.profile, *self.args],
+            stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT,
+        )
+        stderr.close()
+
+        def started() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                info = json.loads((self.home / "daemon.json").read_text())
+            except (OSError, ValueError):
+                return False
+            if info.get("pid") != self.proc.pid:
+                return False
+            self.address = info["address"]
+            return True
+
+        wait_for(started, timeout, "the daemon to start")
+        return self
+
+    def client(self, timeout_s: float = 10.0) -> Client:
+        return Client(self.address, self.home / "key", timeout_s)
+
+    def log(self) -> str:
+        try:
+            return (self.home / "logs" / "daemon.log").read_text()
+        except FileNotFoundError:
+            return ""
+
+    def wait_log(self, pattern: str, timeout: float = 30.0, start: int = 0) -> re.Match:
+        return wait_for(lambda: re.search(pattern, self.log()[start:]), timeout, f"log line {pattern!r}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+MAX_REQUEST = 4 * 2**20
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = DaemonProcess(tmp_path_factory.mktemp("hapd"), "--max-request-bytes", str(MAX_REQUEST), "--slots", "4").start()
+    yield d
+    if d.proc.poll() is None:
+        assert d.stop() == 0, d.log()
+    assert "stopped" in d.log()
+
+
+@pytest.fixture(scope="module")
+def mlp_pt2(tmp_path_factory) -> bytes:
+    import hapd.models as models
+    from hapd.frontend import export
+
+    spec = models.get("mlp")
+    model, config = models.build("mlp", "tiny")
+    path = tmp_path_factory.mktemp("pt2") / "mlp.pt2"
+    export(model, spec.example_inputs(config, 2), path=path, batch_dims=spec.batch_dims, name="mlp")
+    return path.read_bytes()
+
+
+# ----------------------------------------------------------------------------- drop folder
+
+
+def test_drop_to_plan_and_cache_hit(daemon, fixture_bytes):
+    drop(daemon.watch, "first.hapg", fixture_bytes["bert"])
+    plan_path = wait_for(lambda: (daemon.watch / "out" / "first.hplan").exists() and daemon.watch / "out" / "first.hplan", 60, "the plan")
+    plan = Plan.load(plan_path)
+    assert plan.key["profile_name"] == "paper-8" and len(plan.ratios) == 8
+    report = (daemon.watch / "out" / "first.report.txt").read_text()
+    assert "served:    cache miss" in report and "estimated per iteration" in report
+    wait_for(lambda: (daemon.watch / "done" / "first.hapg").exists(), 10, "the drop to be moved to done/")
+    assert not (daemon.watch / "first.hapg").exists()
+    daemon.wait_log(r"drop first\.hapg → out/first\.hplan \(cache miss")
+
+    drop(daemon.watch, "second.hapg", fixture_bytes["bert"], staging=True)  # the same graph again
+    start = time.monotonic()
+    daemon.wait_log(r"drop second\.hapg → out/second\.hplan \(cache hit")
+    assert time.monotonic() - start < 0.5  # a rename from .incoming/ is noticed at once
+    assert Plan.load(daemon.watch / "out" / "second.hplan").doc == plan.doc
+
+
+def test_pt2_drop_is_lowered_once(daemon, mlp_pt2):
+    drop(daemon.watch, "net.pt2", mlp_pt2)
+    daemon.wait_log(r"drop net\.pt2 → out/net\.hplan \(cache (miss|hit)", timeout=60)
+    drop(daemon.watch, "net_again.pt2", mlp_pt2)
+    daemon.wait_log(r"drop net_again\.pt2 → out/net_again\.hplan \(cache hit")
+    assert Plan.load(daemon.watch / "out" / "net.hplan").doc == Plan.load(daemon.watch / "out" / "net_again.hplan").doc
+
+
+def test_bad_files_give_error_files_and_the_daemon_keeps_serving(daemon, fixture_bytes, mlp_pt2):
+    bad = {
+        "garbage.hapg": fixture_bytes["garbage"],
+        "truncated.hapg": fixture_bytes["truncated"],
+        "wrong_version.hapg": fixture_bytes["wrong_version"],
+        "empty.hapg": b"",
+        "junk.pt2": os.urandom(3000),
+        "half.pt2": mlp_pt2[: len(mlp_pt2) // 2],
+    }
+    for name, data in bad.items():
+        drop(daemon.watch, name, data)
+    for name in bad:
+        error = wait_for(lambda n=name: (daemon.watch / "failed" / f"{n}.error").exists(), 60, f"{name}.error")
+        assert error
+        text = (daemon.watch / "failed" / f"{name}.error").read_text()
+        assert text.startswith(f"{name}: ") and "Error" in text, text
+        wait_for(lambda n=name: (daemon.watch / "failed" / n).exists() and not (daemon.watch / n).exists(), 10, f"{name} moved aside")
+    assert "version" in (daemon.watch / "failed" / "wrong_version.hapg.error").read_text()
+    assert "empty" in (daemon.watch / "failed" / "empty.hapg.error").read_text()
+    with daemon.client() as client:
+        assert client.ping()["profile_name"] == "paper-8"
+    drop(daemon.watch, "after_bad.hapg", fixture_bytes["mlp"])
+    daemon.wait_log(r"drop after_bad\.hapg → out/after_bad\.hplan")
+
+
+def test_a_burst_of_100_drops_gives_100_plans(daemon, fixture_bytes):
+    names = [f"burst_{i:03d}.hapg" for i in range(100)]
+    for i, name in enumerate(names):
+        drop(daemon.watch, name, fixture_bytes["mlp"], staging=i % 2 == 0)
+    out = daemon.watch / "out"
+    wait_for(lambda: all((out / f"{n[:-5]}.hplan").exists() for n in names), 90, "100 plans", interval=0.1)
+    wait_for(lambda: all((daemon.watch / "done" / n).exists() for n in names), 10, "100 drops done")
+    assert not any((daemon.watch / "failed" / f"{n}.error").exists() for n in names)
+    log = daemon.log()
+    assert sum(f"drop {n} → " in log for n in names) == 100
+
+
+def test_a_slowly_written_file_is_not_read_early(daemon, fixture_bytes):
+    data = fixture_bytes["vit"]
+    path = daemon.watch / "slow.hapg"
+    with path.open("wb") as handle:  # written in place, not atomically
+        handle.write(data[: len(data) // 3])
+        handle.flush()
+        time.sleep(0.8)  # well past the settle time, but the file is still open
+        handle.write(data[len(data) // 3 : 2 * len(data) // 3])
+        handle.flush()
+        time.sleep(0.8)
+        assert not (daemon.watch / "failed" / "slow.hapg.error").exists()
+        assert not (daemon.watch / "out" / "slow.hplan").exists()
+        assert "slow.hapg" not in daemon.log()
+        handle.write(data[2 * len(data) // 3 :])
+    daemon.wait_log(r"drop slow\.hapg → out/slow\.hplan")
+    assert not (daemon.watch / "failed" / "slow.hapg.error").exists()
+
+
+# ----------------------------------------------------------------------------- the API
+
+
+def test_compile_api_hit_miss_lp_only_and_errors(daemon, fixture_bytes, mlp_pt2):
+    graph = fixture_bytes["llama_block"]
+    paper16 = json.loads((ROOT / "profiles" / "paper-16.json").read_text())
+    with daemon.client() as client:
+        data, path = client.compile(graph, "hapg")
+        assert path == "miss" and Plan.from_bytes(data).key["profile_name"] == "paper-8"
+        assert client.compile(graph, "hapg") == (data, "hit")
+        data16, path16 = client.compile(graph, "hapg", profile=paper16)
+        assert path16 == "lp-only" and len(Plan.from_bytes(data16).ratios) == 16
+        assert client.compile(graph, "hapg", profile=paper16)[1] == "hit"
+        assert client.compile(graph, "hapg", options={"zero": True})[1] == "miss"
+        pt2_plan, _ = client.compile(mlp_pt2, "pt2")  # lowered by the daemon (or from its cache)
+        assert client.compile(mlp_pt2, "pt2") == (pt2_plan, "hit")
+        with pytest.raises(RemoteError, match="GraphFormatError"):
+            client.compile(fixture_bytes["garbage"], "hapg")
+        with pytest.raises(RemoteError, match="GraphFormatError: the .pt2 file: not a torch.export program"):
+            client.compile(b"PK\x03\x04 not a zip", "pt2")
+        with pytest.raises(RemoteError, match="graph_kind 'onnx'"):
+            client.compile(graph, "onnx")
+        with pytest.raises(RemoteError, match="ProtocolError: shutdown: unknown field 'now'"):
+            unchecked_request(daemon, "shutdown", {"now": True})  # nothing happens: the daemon still answers below
+        with pytest.raises(RemoteError, match="OptionsError.*unknown compile option 'speed'"):
+            client.compile(graph, "hapg", options={"speed": 11})
+        with pytest.raises(RemoteError, match="ProfileError"):
+            client.compile(graph, "hapg", profile={"format": "hapd.profile"})
+        status = client.status()
+        assert status["cache"]["entries"] >= 3 and status["cache"]["lp_only"] >= 1
+        assert status["cache"]["hits"] >= 2
+        pong = client.ping()
+        assert pong["protocol"] == 1 and pong["slots"] == 4 and pong["jobs"] == 0
+
+
+def unchecked_request(daemon: DaemonProcess, mtype: str, body: dict) -> dict:
+    """Send a correctly signed request whose body the client would refuse to build;
+    raise RemoteError for an error reply like the client does."""
+    session = Session(bytes.fromhex((daemon.home / "key").read_text().strip()))
+    header = msgpack.packb({"id": os.urandom(16).hex(), "type": mtype, "time": time.time(), "session": session.session})
+    payload = msgpack.packb(body)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(daemon.address)
+        sock.send_multipart([MAGIC, b"1", session.sign(b"1", header, payload), header, payload])
+        assert sock.poll(5000), "no reply"
+        reply = session.decode(sock.recv_multipart(), reply=True)
+    finally:
+        sock.close()
+    if reply.type == "error":
+        raise RemoteError(f"{reply.body['kind']}: {reply.body['message']}")
+    return reply.body
+
+
+def test_no_daemon_times_out_naming_the_address(daemon):
+    with socket_port() as port:
+        start = time.monotonic()
+        with Client(f"tcp://127.0.0.1:{port}", daemon.home / "key", timeout_s=0.5) as client:
+            with pytest.raises(DaemonTimeout, match=rf"no daemon answered at tcp://127\.0\.0\.1:{port} within 0\.5 s"):
+                client.ping()
+        assert time.monotonic() - start < 3
+
+
+class socket_port:
+    """A TCP port on loopback that nothing listens on (held while in use)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        return self.sock.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+
+
+def test_protocol_rejections_against_the_live_daemon(daemon):
+    key = (daemon.home / "key").read_text().strip()
+    good = Session(bytes.fromhex(key))
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.address)
+
+    def exchange(frames: list[bytes], wait: float = 0.6) -> list[bytes] | None:
+        sock.send_multipart(frames)
+        if sock.poll(int(wait * 1000)):
+            return sock.recv_multipart()
+        return None
+
+    log_start = len(daemon.log())
+    try:
+        # a valid ping is answered
+        _, ping = good.encode("ping")
+        assert good.decode(exchange(ping), reply=True).type == "pong"
+        # ... but not twice
+        assert exchange(ping) is None
+        # wrong key: nothing happens, even for shutdown and launch
+        wrong = Session(os.urandom(32))
+        assert exchange(wrong.encode("shutdown")[1]) is None
+        launch = {"job": "evil", "script": "x.py", "script_bytes": b"import os", "args": [], "env": {}, "nproc": 1, "node_rank": 0,
+                  "nnodes": 1, "rank_offset": 0, "world_size": 1, "master_addr": "127.0.0.1", "master_port": 29400}
+        assert exchange(wrong.encode("launch", launch)[1]) is None
+        # a flipped byte in a correctly signed shutdown
+        _, frames = good.encode("shutdown")
+        frames[3] = frames[3][:-1] + bytes([frames[3][-1] ^ 1])
+        assert exchange(frames) is None
+        # wrong protocol version
+        _, frames = good.encode("ping")
+        frames[1] = b"2"
+        frames[2] = good.sign(b"2", frames[3], frames[4])
+        assert exchange(frames) is None
+        # oversized frame (over --max-request-bytes)
+        _, frames = good.encode("compile", {"graph": b"\0" * (MAX_REQUEST + 10), "graph_kind": "hapg"})
+        assert exchange(frames) is None
+        # malformed (an unsigned header is never decoded: the signature is checked first)
+        assert exchange([b"hello"]) is None
+        assert exchange([MAGIC, b"1", b"x" * 64, b"\xc1", b"\x80"]) is None
+        # an authentic request of an unknown type gets an error and does nothing
+        header = msgpack.packb({"id": os.urandom(16).hex(), "type": "rm_rf", "time": time.time(), "session": good.session})
+        reply = exchange([MAGIC, b"1", good.sign(b"1", header, b"\x80"), header, b"\x80"])
+        assert reply is not None
+        error = good.decode(reply, reply=True)
+        assert error.type == "error" and error.body["kind"] == "ProtocolError" and "rm_rf" in error.body["message"]
+    finally:
+        sock.close()
+    log = daemon.log()[log_start:]
+    for reason in ("replayed message", "bad signature", "protocol version '2'", "oversized body", "not a hapd message"):
+        assert re.search(rf"rejected a message from 127\.0\.0\.1: \w+Error: .*{reason}", log), reason
+    assert log.count("bad signature") == 4
+    assert "unknown request type 'rm_rf'" in log
+    with daemon.client() as client:  # still serving, and nothing happened
+        assert client.ping()["jobs"] == 0
+        assert all(j["job"] != "evil" for j in client.status()["jobs"])
+
+
+# ----------------------------------------------------------------------------- jobs
+
+ENV_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+             "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "HAPD_DAEMON", "HAPD_JOB", "EXTRA"]
+    print(" ".join(f"{n}={os.environ.get(n)}" for n in names))
+    print("to stderr", file=sys.stderr)
+    print("args", *sys.argv[1:])
+    """
+)
+
+
+def collect(client: Client, job: str, timeout: float = 30.0) -> list[dict]:
+    events, after = [], 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch, done = client.job_events(job, after)
+        events += batch
+        after = batch[-1]["seq"] if batch else after
+        if done:
+            return events
+        time.sleep(0.05)
+    raise AssertionError(f"job {job} did not finish: {events}")
+
+
+def test_launch_gives_ranks_torchrun_env_and_streams_output(daemon):
+    with daemon.client() as client:
+        pids = client.launch("envjob", "show_env.py", script_bytes=ENV_SCRIPT.encode(), nproc=2, world_size=4, rank_offset=2,
+                             node_rank=1, nnodes=2, master_addr="10.0.0.1", master_port=29999, args=["--x", "1"], env={"EXTRA": "yes"})
+        assert len(pids) == 2
+        events = collect(client, "envjob")
+        status = client.job_status("envjob")
+    assert status["state"] == "exited" and [r["returncode"] for r in status["ranks"]] == [0, 0]
+    assert [r["rank"] for r in status["ranks"]] == [2, 3] and [r["pid"] for r in status["ranks"]] == pids
+    lines = {(e["rank"], e["stream"]): [] for e in events}
+    for e in events:
+        lines[(e["rank"], e["stream"])].append(e["line"])
+    assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
+    for local, rank in enumerate((2, 3)):
+        env = dict(item.split("=", 1) for item in lines[(rank, "stdout")][0].split())
+        assert env == {
+            "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+            "GROUP_WORLD_SIZE": "2", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "envjob", "HAPD_DAEMON": daemon.address, "HAPD_JOB": "envjob", "EXTRA": "yes",
+        }
+        assert lines[(rank, "stdout")][1] == "args --x 1"
+        assert lines[(rank, "stderr")] == ["to stderr"]
+        assert lines[(rank, "exit")] == ["0"]
+
+
+def test_launch_errors_failure_propagation_and_cancel(daemon, tmp_path):
+    with daemon.client() as client:
+        with pytest.raises(RemoteError, match="OptionsError.*do not fit world_size"):
+            client.launch("bad", "x.py", script_bytes=b"", nproc=2, world_size=2, rank_offset=1, master_addr="h", master_port=1)
+        with pytest.raises(RemoteError, match="not a file on this host"):
+            client.launch("bad", "no_such_script.py", nproc=1, world_size=1, master_addr="h", master_port=1, cwd=str(tmp_path))
+        with pytest.raises(RemoteError, match="no job 'nope'"):
+            client.job_status("nope")
+
+        # one local rank fails: the other is stopped, the job failed
+        fail = "import os, sys, time\nif os.environ['LOCAL_RANK'] == '1': sys.exit(3)\ntime.sleep(60)\n"
+        client.launch("failjob", "fail.py", script_bytes=fail.encode(), nproc=2, world_size=2, master_addr="127.0.0.1", master_port=29998)
+        collect(client, "failjob", timeout=30)
+        status = client.job_status("failjob")
+        assert status["state"] == "failed"
+        assert status["ranks"][1]["returncode"] == 3 and status["ranks"][0]["returncode"] == -signal.SIGTERM
+
+        # cancel kills the whole process tree of each rank
+        tree = "import subprocess, sys, time\np = subprocess.Popen(['sleep', '60'])\nprint(p.pid, flush=True)\ntime.sleep(60)\n"
+        client.launch("treejob", "tree.py", script_bytes=tree.encode(), nproc=1, world_size=1, master_addr="127.0.0.1", master_port=29997)
+        child = int(wait_for(lambda: [e for e in client.job_events("treejob", 0)[0] if e["stream"] == "stdout"], 30, "the child pid")[0]["line"])
+        client.cancel("treejob")
+        collect(client, "treejob", timeout=15)
+        assert client.job_status("treejob")["state"] == "cancelled"
+        wait_for(lambda: not _alive(child), 10, "the grandchild to be killed")
+
+        # a delayed start can be cancelled before it starts
+        assert client.launch("later", "x.py", script_bytes=b"", nproc=1, world_size=1, master_addr="h", master_port=1, start_at=time.time() + 30) == []
+        assert client.job_status("later")["state"] == "starting"
+        client.cancel("later")
+        assert client.job_status("later")["state"] == "cancelled"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ----------------------------------------------------------------------------- crash safety
+
+
+def test_sigkill_during_a_compile_then_restart(tmp_path, fixture_bytes):
+    from hapd.compiler import CompileOptions
+    from hapd.profile import estimated_profile
+
+    world = 3000  # large enough that one compile takes about a second
+    profile = estimated_profile(world, flops=[1e12 * (1 + i % 3) for i in range(world)], hosts=[f"h{i // 8}" for i in range(world)], name="big")
+    profile_path = profile.save(tmp_path / "big.json")
+    home = tmp_path / "state"
+    d = DaemonProcess(home, profile=str(profile_path)).start()
+    graph = fixture_bytes["bert"]
+    try:
+        drop(d.watch, "big.hapg", graph)
+        wait_for(lambda: "drop big.hapg: compiling" in d.log(), 60, "the compile to start", interval=0.002)
+        with d.client(timeout_s=5) as client:  # the API answers while the worker compiles
+            start = time.perf_counter()
+            client.ping()
+            ping_s = time.perf_counter() - start
+        d.kill()
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
+    assert ping_s < 1.0
+    assert not (d.watch / "out" / "big.hplan").exists(), "the kill came too late to test anything"
+    assert (d.watch / "big.hapg").exists()  # the drop is still pending
+    # whatever the killed daemon left in the cache is whole or absent, never torn
+    for entry in (home / "cache").rglob("*.entry"):
+        header, start_at = _parse_header(entry.read_bytes())
+        assert len(entry.read_bytes()) - start_at == header["length"]
+    # and a torn entry at exactly the key the restarted daemon looks up is not served
+    key = CacheKey.of(hashlib.sha256(graph).hexdigest(), profile, CompileOptions())
+    torn = home / "cache" / "plan" / key.digest[:2] / f"{key.digest}.entry"
+    torn.parent.mkdir(parents=True, exist_ok=True)
+    torn.write_bytes(b"HAPDCACH\x00\x00\x00\x10" + b"\x00" * 40)
+
+    restarted = DaemonProcess(home, profile=str(profile_path))
+    log_start = len(d.log())
+    restarted.start()
+    try:
+        restarted.wait_log(r"drop big\.hapg → out/big\.hplan \(cache miss", timeout=90, start=log_start)
+        log = restarted.log()[log_start:]
+        assert "corrupt or mismatched entry" in log
+        plan = Plan.load(restarted.watch / "out" / "big.hplan")
+        assert plan.key["profile_id"] == profile.profile_id and len(plan.ratios) == world
+        assert (restarted.watch / "done" / "big.hapg").exists()
+        # SIGTERM during a compile: the compile in progress is finished, then a clean exit
+        drop(restarted.watch, "late.hapg", fixture_bytes["vit"], staging=True)
+        wait_for(lambda: "drop late.hapg: compiling" in restarted.log(), 60, "the second compile to start", interval=0.002)
+        code = restarted.stop()
+    finally:
+        if restarted.proc.poll() is None:
+            restarted.kill()
+    log = restarted.log()[log_start:]
+    assert code == 0 and "SIGTERM: stopping" in log and log.rstrip().endswith("INFO stopped")
+    assert log.index("SIGTERM: stopping") < log.index("drop late.hapg → out/late.hplan") < log.index("INFO stopped")
+    assert Plan.load(restarted.watch / "out" / "late.hplan").key["profile_id"] == profile.profile_id
+    assert (restarted.watch / "done" / "late.hapg").exists()
+    cached = PlanCache(home / "cache", 2**30).get(key)  # the recompiled entry replaced the torn one
+    assert cached is not None and cached[1] == (restarted.watch / "out" / "big.hplan").read_bytes()
+
+
+# ----------------------------------------------------------------------------- configuration and CLI
+
+
+def test_non_loopback_bind_needs_to_be_explicit(tmp_path):
+    from hapd.daemon import DaemonConfig, is_loopback
+    from hapd.errors import OptionsError
+
+    assert is_loopback("tcp://127.0.0.1:5557") and is_loopback("tcp://[::1]:1") and is_loopback("ipc:///tmp/x")
+    assert not is_loopback("tcp://0.0.0.0:5557") and not is_loopback("tcp://*:5557") and not is_loopback("tcp://10.1.2.3:5557")
+    with pytest.raises(OptionsError, match="refusing to bind tcp://0.0.0.0:5557"):
+        DaemonConfig.defaults(profile="paper-8", home=tmp_path, bind="tcp://0.0.0.0:5557")
+    assert DaemonConfig.defaults(profile="paper-8", home=tmp_path, bind="tcp://0.0.0.0:5557", allow_remote=True).watch == tmp_path / "watch"
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hapd.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+def test_cli_ping_and_a_second_daemon_on_the_same_state(daemon, tmp_path):
+    ok = run_cli("ping", daemon.address, "--key", str(daemon.home / "key"))
+    assert ok.returncode == 0 and "paper-8" in ok.stdout and "protocol 1" in ok.stdout, ok.stderr
+    other_key = tmp_path / "other.key"
+    other_key.write_text(os.urandom(32).hex())
+    other_key.chmod(0o600)
+    bad = run_cli("ping", daemon.address, "--key", str(other_key), "--timeout", "0.5")
+    assert bad.returncode == 2 and f"no daemon answered at {daemon.address}" in bad.stderr
+    second = run_cli("serve", "--state", str(daemon.home), "--bind", "tcp://127.0.0.1:*")
+    assert second.returncode == 2 and "another hapd daemon" in second.stderr, second.stderr
+    with daemon.client() as client:
+        assert client.ping()["profile_name"] == "paper-8"
