@@ -4,6 +4,9 @@ baselines, on the paper cluster profiles.
     .venv/bin/python bench/synthesis.py                  # full sweep (minutes)
     .venv/bin/python bench/synthesis.py --quick          # a few points
 
+Each point is compiled ``--repeats`` times (default 3) and the median time printed, so a
+burst of load on a shared machine moves it less.
+
 Models are built at paper width on the meta device (no weights are allocated) and
 exported with torch.export; the global batch is 32 per device as in HAP. "search+LP" is
 the search ⇄ LP alternation (what HAP's 6.2 s for ViT-24 measured); the two
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,6 +59,7 @@ def slope(xs, ys):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="ViT/BERT/BERT-MoE at 12 and 24 layers on 8 devices only")
+    parser.add_argument("--repeats", type=int, default=3, help="compiles per point; the median time is reported")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "synthesis.json")
     args = parser.parse_args()
     depths = [12, 24] if args.quick else [2, 4, 8, 12, 24, 48, 96]
@@ -68,11 +73,14 @@ def main() -> None:
             times = []
             for layers in depths:
                 graph = paper_graph(name, layers, world)
-                start = time.perf_counter()
-                plan = compile_plan(graph, profile)
-                wall = time.perf_counter() - start
-                s, e, b = plan.doc["stats"], plan.estimate["per_iteration"], plan.doc["baselines"]
-                times.append(s["synthesis_seconds"])
+                runs = []
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    plan = compile_plan(graph, profile)
+                    runs.append((plan.doc["stats"]["synthesis_seconds"], time.perf_counter() - start))
+                synthesis, wall = (statistics.median(r[i] for r in runs) for i in (0, 1))
+                s, e, b = dict(plan.doc["stats"], synthesis_seconds=synthesis), plan.estimate["per_iteration"], plan.doc["baselines"]
+                times.append(synthesis)
                 row = {
                     "model": name, "devices": world, "layers": layers,
                     "synthesis_seconds": s["synthesis_seconds"], "wall_seconds": wall,
