@@ -22,7 +22,7 @@ install: $(PY)
 demo: install
 	$(VENV)/bin/hapd export bert --batch 64 --out $(VENV)/demo/bert.pt2
 	$(VENV)/bin/hapd compile $(VENV)/demo/bert.hapg --profile paper-8 --explain
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 worker.py --model bert --batch 32 --iterations 20
+	./run_all worker.py 2 -- --model bert --batch 32 --iterations 20
 
 test-rust:
 	$(CARGO) test --manifest-path rustcore/Cargo.toml --workspace --exclude hapd-bindings -q

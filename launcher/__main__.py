@@ -1,0 +1,225 @@
+"""``python -m launcher``: run a training script on every host through the hapd daemons.
+
+    python -m launcher run worker.py --nproc-per-node 2 -- --model bert --iterations 20
+    python -m launcher run worker.py -n 2 --hosts hosts.txt -- --model bert
+    python -m launcher check --hosts hosts.txt
+    python -m launcher profile --hosts hosts.txt --nproc-per-node 2 --out cluster.json
+
+``./run_all SCRIPT K [--hosts FILE] [-- ARGS]`` is ``python -m launcher run SCRIPT
+--nproc-per-node K ...``. This module is the only place that turns Ctrl-C and SIGTERM
+into :class:`KeyboardInterrupt` (so the job is stopped everywhere before exiting) and
+hapd errors into one line and exit status 2. No torch import here.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import click
+
+from hapd.errors import HapdError
+from launcher.hosts import Host, load_hosts
+from launcher.job import EXIT_INTERRUPTED, EXIT_LAUNCH_ERROR, JobOptions, JobResult, check_daemons, place, run_job
+
+LAUNCHER_START = time.time()
+"""When this process started (the report's ``launcher_start``)."""
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except HapdError as exc:
+            click.echo(f"hapd launcher: {type(exc).__name__}: {exc}", err=True)
+            sys.exit(EXIT_LAUNCH_ERROR)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """hapd's launcher: start SPMD training on every host's daemon at once, stream
+    every rank's output, gather per-iteration timings, stop every rank on a failure."""
+
+
+def _env_pairs(pairs: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--env")
+        out[key] = value
+    return out
+
+
+def _hosts(path: Path | None) -> list[Host] | None:
+    return load_hosts(path) if path is not None else None
+
+
+def _on_terminate(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _exit(result: JobResult) -> None:
+    sys.exit(result.exit_code)
+
+
+_common = [
+    click.option("--hosts", "-H", "hosts", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                 help="Host file: lines 'HOST slots=N [port=P] [gpu=MODEL]'  [default: this machine, through the "
+                      "daemon at $HAPD_DAEMON or tcp://127.0.0.1:5557, or one started for the job]"),
+    click.option("--nproc-per-node", "-n", "nproc", type=click.IntRange(min=1), default=None,
+                 help="Ranks per host  [default: each host's slots; 1 without --hosts]"),
+    click.option("--key", "key_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                 help="Shared key file of the daemons  [default: $HAPD_KEY_FILE or $HAPD_HOME/key]"),
+    click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
+                 help="Extra environment for every rank (NCCL_* and GLOO_* are forwarded from here anyway)."),
+    click.option("--timeout", "timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+                 help="Seconds a daemon may take to answer the checks, the launch and a cancel."),
+    click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+                 help="Rendezvous port on the first host  [default: a free one]"),
+    click.option("--report", "report", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                 help="JSON report of the timings  [default: $HAPD_HOME/runs/JOB.json]"),
+    click.option("--job-id", default=None, help="Job id on the daemons  [default: SCRIPT-DATE-TIME-RANDOM]"),
+]
+
+
+def common_options(f: Any) -> Any:
+    for option in reversed(_common):
+        f = option(f)
+    return f
+
+
+@main.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True})
+@click.argument("script", type=click.Path(path_type=Path))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@common_options
+@click.option("--ship/--no-ship", default=True, show_default=True,
+              help="Send the script's bytes to every daemon (it need exist only here), or only its absolute path "
+                   "(it must exist at that path on every host).")
+@click.option("--cwd", default=None, help="Working directory of the ranks on every host  [default: this one for "
+                                          "daemons on this machine's loopback, the daemon's elsewhere]")
+@click.option("--lost-after", type=click.FloatRange(min=0.1), default=3.0, show_default=True,
+              help="A daemon that does not answer this long mid-run is lost: every rank is stopped.")
+@click.option("--quiet", "-q", is_flag=True, help="Do not stream the ranks' output (the table and failures still print).")
+def run_cmd(script: Path, args: tuple[str, ...], hosts: Path | None, nproc: int | None, key_file: Path | None,
+            env: tuple[str, ...], timeout: float, master_port: int | None, report: Path | None, job_id: str | None,
+            ship: bool, cwd: str | None, lost_after: float, quiet: bool) -> None:
+    """Run SCRIPT [ARGS] with K ranks on every host, started at one instant, with
+    torchrun's environment. Put the script's own options after `--` (options the
+    launcher does not know are passed on too).
+
+    Output lines are printed as `[rank N] LINE`; `{"hapd": "timings"}` lines give the
+    final table (per rank and overall mean ± std, slowest rank) and the JSON report.
+    When a rank fails or a daemon is lost, every rank on every host is stopped and the
+    exit status is the failing rank's."""
+    options = JobOptions(script=script, args=args, nproc_per_node=nproc, env=_env_pairs(env), ship=ship, cwd=cwd,
+                         master_port=master_port, key_file=key_file, timeout_s=timeout, job_id=job_id, report=report,
+                         stream=not quiet, lost_after_s=lost_after)
+    _exit(_run(_hosts(hosts), options))
+
+
+def _run(hosts: list[Host] | None, options: JobOptions) -> JobResult:
+    previous = signal.signal(signal.SIGTERM, _on_terminate)
+    try:
+        return run_job(hosts, options, launcher_start=LAUNCHER_START)
+    except KeyboardInterrupt:  # before the job started (a job that started returns a result)
+        click.echo("hapd launcher: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@main.command("check")
+@click.option("--hosts", "-H", "hosts", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Host file.")
+@click.option("--nproc-per-node", "-n", "nproc", type=click.IntRange(min=1), default=None,
+              help="Ranks per host to check slots for  [default: each host's slots]")
+@click.option("--key", "key_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Shared key file  [default: $HAPD_KEY_FILE or $HAPD_HOME/key]")
+@click.option("--timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True)
+def check_cmd(hosts: Path, nproc: int | None, key_file: Path | None, timeout: float) -> None:
+    """Ping every daemon of a host file (key, protocol version, free slots); start nothing."""
+    from hapd.client import Client
+    from hapd.keys import default_key_path, load_key
+
+    placements = place(load_hosts(hosts), nproc)
+    key = load_key(key_file or default_key_path())
+    clients = {p.node_rank: Client(p.host.address, key, timeout) for p in placements}
+    try:
+        for c in check_daemons(placements, clients, timeout):
+            pong = c.pong
+            click.echo(f"{c.placement.host.label}: hapd {pong['version']} (protocol {pong['protocol']}) on {pong['host']}, "
+                       f"{pong['slots']} free slots, {pong['jobs']} jobs, profile {pong['profile_name']}; "
+                       f"{c.rtt_s * 1e3:.1f} ms")
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+# ----------------------------------------------------------------------------- profile
+
+PROFILE_SHIM = '''\
+"""Rank side of `python -m launcher profile`: hapd.profiler, then (rank 0) the profile
+as `{"hapd": "profile-part"}` lines the launcher reassembles (a daemon splits lines
+longer than 64 KiB)."""
+import json, os, sys, tempfile
+from hapd.profiler import main
+out = os.path.join(tempfile.mkdtemp(prefix="hapd-profile-"), "profile.json")
+code = main([*sys.argv[1:], "--out", out])
+if code == 0 and os.path.exists(out):
+    with open(out) as f:
+        text = f.read()
+    parts = [text[i:i + 8000] for i in range(0, len(text), 8000)] or [""]
+    for i, part in enumerate(parts):
+        print(json.dumps({"hapd": "profile-part", "index": i, "count": len(parts), "text": part}), flush=True)
+sys.exit(code)
+'''
+
+
+def profiler_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("hapd.profiler") is not None
+
+
+@main.command("profile", context_settings={"ignore_unknown_options": True})
+@click.argument("profiler_args", nargs=-1, type=click.UNPROCESSED)
+@common_options
+@click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), default=Path("profile.json"),
+              show_default=True, help="Profile JSON to write here.")
+def profile_cmd(profiler_args: tuple[str, ...], hosts: Path | None, nproc: int | None, key_file: Path | None,
+                env: tuple[str, ...], timeout: float, master_port: int | None, report: Path | None, job_id: str | None,
+                out: Path) -> None:
+    """Measure the cluster into a profile: `python -m hapd.profiler PROFILER_ARGS` on K
+    ranks of every host through the daemons (e.g. `--quick`, `--sizes 64K,1M`), then
+    write the profile rank 0 measured to OUT. With several hosts, every rank's host is
+    named as in the host file (HAPD_HOST)."""
+    if not profiler_available():
+        raise click.ClickException("profiling is not available: this hapd has no hapd.profiler module")
+    host_list = _hosts(hosts)
+    env_map = _env_pairs(env)
+    with tempfile.TemporaryDirectory(prefix="hapd-launcher-") as tmp:
+        shim = Path(tmp) / "hapd_profile_rank.py"
+        shim.write_text(PROFILE_SHIM)
+        options = JobOptions(script=shim, args=profiler_args, nproc_per_node=nproc or (None if host_list else 2),
+                             env=env_map, key_file=key_file, timeout_s=timeout, master_port=master_port,
+                             job_id=job_id, report=report, host_env=host_list is not None and len(host_list) > 1)
+        result = _run(host_list, options)
+    if result.exit_code != 0:
+        _exit(result)
+    parts = sorted((p for p in result.other if p.get("hapd") == "profile-part"), key=lambda p: p["index"])
+    if not parts or len(parts) != parts[0]["count"]:
+        click.echo("hapd launcher: the ranks succeeded but rank 0 sent no (complete) profile", err=True)
+        sys.exit(1)
+    document = json.loads("".join(p["text"] for p in parts))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=1) + "\n")
+    click.echo(f"wrote {out}: {len(document.get('devices', []))} device(s)")
+
+
+if __name__ == "__main__":
+    main()

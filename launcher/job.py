@@ -1,0 +1,737 @@
+"""One SPMD job across daemons: check, place, start together, stream, stop together.
+
+The steps of :func:`run_job`, in order:
+
+1. **Check** every daemon before anything starts (:func:`check_daemons`, in parallel):
+   it answers ``ping`` within ``timeout_s`` under the shared key, speaks this protocol
+   version, and has the free slots the job needs there. A host that fails any check is
+   named with the reason and nothing is started anywhere.
+2. **Place** ranks (:func:`place`): host *i* of the host file runs global ranks
+   ``offset_i … offset_i + K_i - 1``, contiguous per host in host-file order, so global
+   rank 0 is on the first host, which is ``MASTER_ADDR``; ``MASTER_PORT`` is a free port
+   there (:func:`choose_master_port`).
+3. **Start together**: every daemon is sent ``launch`` with the same ``start_at`` (now
+   plus a margin that covers the launch round trips), so each prepares its job (writes
+   the shipped script, builds the environment) and the ranks of all hosts start at that
+   instant. If any daemon refuses, the jobs already accepted are cancelled before
+   ``start_at``: nothing ran anywhere. Every rank gets exactly torchrun's environment
+   from its daemon (``docs/protocol.md``, ``launch``), plus ``HAPD_DAEMON``,
+   ``HAPD_CACHE`` and ``HAPD_JOB``.
+4. **Stream**: one thread per host polls ``job_events``; the main thread prints every
+   output line prefixed ``[rank N] `` (stdout lines to stdout, stderr lines to stderr)
+   and feeds ``{"hapd": ...}`` lines to :class:`~launcher.report.Timings`.
+5. **Stop together**: when a rank exits non-zero, a daemon stops answering for
+   ``lost_after_s``, or the launcher is interrupted (``KeyboardInterrupt``), every
+   daemon is sent ``cancel`` (its ranks' process groups get SIGTERM, SIGKILL 5 s later)
+   and the launcher waits up to ``grace_s`` for every host to report its job finished.
+   The failing rank is the one whose non-zero exit came first (daemon clock); the job's
+   exit code is its return code (``128 + N`` for a signal N), and its last lines are
+   printed.
+
+The script is **shipped**: its bytes go in the ``launch`` request and each daemon writes
+them to its job folder and runs that copy, so SCRIPT needs to exist only where the
+launcher runs (a shipped script's own folder is not on ``sys.path`` on the hosts, so it
+must import what it needs from installed packages, as ``worker.py`` and ``ddp.py`` do).
+With ``ship=False`` the absolute path is sent instead and must exist at the same path on
+every host; a daemon that lacks it refuses the launch, naming the path.
+
+No torch import here, and no signal handlers: the CLI turns Ctrl-C and SIGTERM into
+``KeyboardInterrupt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence, TextIO
+
+from hapd.client import Client, default_address
+from hapd.errors import DaemonTimeout, HapdError, OptionsError
+from hapd.keys import default_key_path, home_dir, load_key
+from hapd.protocol import PROTOCOL_VERSION
+
+from launcher.hosts import Host
+from launcher.report import Timings, build_report, format_table, write_report
+
+EXIT_LAUNCH_ERROR = 2
+"""Exit status when the job could not be started (bad input, a host failed a check)."""
+EXIT_HOST_LOST = 1
+"""Exit status when a daemon stopped answering mid-run (no rank's code is known)."""
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_")
+"""The launcher's environment variables with these prefixes reach every rank (as
+DeepSpeed forwards ``NCCL_*``): interface pinning and debug switches."""
+
+TAIL_LINES = 20
+"""Output lines of the failing rank printed after a failure."""
+
+
+class LaunchError(HapdError):
+    """The job could not be started; nothing is left running."""
+
+
+# ----------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobOptions:
+    """What to run and how; see :func:`run_job`."""
+
+    script: Path
+    """The training script (a Python file on this machine)."""
+    args: tuple[str, ...] = ()
+    """Arguments after the script."""
+    nproc_per_node: int | None = None
+    """Ranks on every host; None: each host's ``slots``."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment for every rank (over the forwarded ``NCCL_*``/``GLOO_*``)."""
+    ship: bool = True
+    """Send the script's bytes (True) or its absolute path, which must exist on every host."""
+    cwd: str | None = None
+    """Working directory of the ranks on every host; None: the launcher's for daemons on
+    this machine's loopback, the daemon's own elsewhere."""
+    master_port: int | None = None
+    """Rendezvous port on the first host; None: a free one (checked when that host is this
+    machine, else drawn from 20000-29999)."""
+    key_file: Path | None = None
+    """Shared key file; None: ``$HAPD_KEY_FILE`` or ``$HAPD_HOME/key``."""
+    timeout_s: float = 5.0
+    """How long a daemon may take to answer a check, launch or cancel."""
+    lost_after_s: float = 3.0
+    """A daemon that does not answer ``job_events`` this long is lost: the job is stopped."""
+    poll_s: float = 0.05
+    """Pause between ``job_events`` polls of a quiet host."""
+    start_margin_s: float = 0.3
+    """``start_at`` is at least this far after the checks (plus 3 round trips)."""
+    grace_s: float = 7.0
+    """After a failure, how long to wait for every host to report its ranks stopped
+    (the daemons SIGKILL 5 s after SIGTERM)."""
+    job_id: str | None = None
+    """Job id on every daemon; None: ``SCRIPT-DATE-TIME-RANDOM``."""
+    report: Path | None = None
+    """Where to write the JSON report; None: ``$HAPD_HOME/runs/JOB.json``."""
+    stream: bool = True
+    """Print every rank's output lines as they come."""
+    host_env: bool = False
+    """Give every rank ``HAPD_HOST`` = its host's name in the host file (the profiler names
+    devices' hosts by it; namespaces or containers on one machine share a host name)."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise OptionsError(f"--nproc-per-node {self.nproc_per_node} must be ≥ 1", field="nproc_per_node")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise OptionsError(f"--master-port {self.master_port} is not a port", field="master_port")
+        for name in ("timeout_s", "lost_after_s", "poll_s", "start_margin_s", "grace_s"):
+            if not getattr(self, name) > 0:
+                raise OptionsError(f"{name} {getattr(self, name)} must be > 0", field=name)
+        if self.job_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.job_id):
+            raise OptionsError(f"job id {self.job_id!r} must be 1-64 letters, digits, '.', '_' or '-'", field="job_id")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One host's share of the job."""
+
+    host: Host
+    node_rank: int
+    rank_offset: int
+    nproc: int
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank_offset, self.rank_offset + self.nproc)
+
+    def describe(self) -> dict[str, Any]:
+        return {"host": self.host.label, "address": self.host.address, "gpu": self.host.gpu, "node_rank": self.node_rank,
+                "ranks": [self.rank_offset, self.rank_offset + self.nproc - 1]}
+
+
+@dataclass
+class JobResult:
+    """How the job ended."""
+
+    job: str
+    exit_code: int
+    world_size: int
+    failure: dict[str, Any] | None = None
+    """``{"kind": "rank"|"host"|"interrupt", ...}`` when it did not succeed."""
+    report: dict[str, Any] | None = None
+    report_path: Path | None = None
+    start: dict[str, Any] = field(default_factory=dict)
+    """Launch timing: ``launcher_start``, ``checked``, ``start_at``, ``launched``,
+    ``first_output`` (per rank, daemon clock), ``first_output_skew_s``."""
+    stopped_s: float | None = None
+    """After a failure: seconds from the cancel to every host reporting its job finished."""
+    leftover: list[str] = field(default_factory=list)
+    """Hosts that did not report their ranks stopped within ``grace_s``."""
+    other: list[dict[str, Any]] = field(default_factory=list)
+    """``{"hapd": ...}`` lines other than timings and summary (with ``"_rank"``)."""
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+def place(hosts: Sequence[Host], nproc_per_node: int | None) -> list[Placement]:
+    """Contiguous global ranks per host, in host order."""
+    out, offset = [], 0
+    for i, host in enumerate(hosts):
+        k = host.slots if nproc_per_node is None else nproc_per_node
+        if k > host.slots:
+            where = f" ({host.where})" if host.where else ""
+            raise OptionsError(f"host {host.label}{where} has slots={host.slots}; --nproc-per-node {k} does not fit", field="nproc_per_node")
+        out.append(Placement(host, i, offset, k))
+        offset += k
+    return out
+
+
+def choose_master_port(host: Host, given: int | None = None) -> int:
+    """``given``, else a port free on ``host`` (checked by binding when it is this
+    machine's loopback, else drawn at random from 20000-29999, below Linux's
+    ephemeral range)."""
+    if given is not None:
+        return given
+    if host.is_loopback:
+        family = socket.AF_INET6 if ":" in host.name else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host.name if host.name != "localhost" else "127.0.0.1", 0))
+            return s.getsockname()[1]
+    return 20000 + secrets.randbelow(10000)
+
+
+def default_job_id(script: Path) -> str:
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", script.stem).lstrip("._-")[:32] or "job"
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def job_env(options: JobOptions, hosts: Sequence[Host], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for every rank on top of its daemon's: forwarded ``NCCL_*``/``GLOO_*``,
+    ``GLOO_SOCKET_IFNAME=lo`` when every host is this machine's loopback (and it is
+    unset), then ``options.env``."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    if all(h.is_loopback for h in hosts) and "GLOO_SOCKET_IFNAME" not in env and "GLOO_SOCKET_IFNAME" not in options.env \
+            and Path("/sys/class/net/lo").exists():
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    env.update(options.env)
+    return env
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A daemon that passed the checks."""
+
+    placement: Placement
+    pong: dict[str, Any]
+    rtt_s: float
+
+
+def check_daemons(placements: Sequence[Placement], clients: Mapping[int, Client], timeout_s: float) -> list[Checked]:
+    """Ping every daemon at once; :class:`LaunchError` names every host that fails."""
+
+    def one(p: Placement) -> Checked | str:
+        start = time.perf_counter()
+        try:
+            pong = clients[p.node_rank].ping(timeout_s=timeout_s)
+        except DaemonTimeout:
+            return (f"no answer within {timeout_s:g} s at {p.host.address}: is `hapd serve --bind tcp://0.0.0.0:{p.host.port}` "
+                    "running there, reachable from here, and using the same key file? (a daemon drops messages signed "
+                    "with another key without answering)")
+        except HapdError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        rtt = time.perf_counter() - start
+        if pong.get("protocol") != PROTOCOL_VERSION:
+            return f"speaks protocol {pong.get('protocol')}, this launcher {PROTOCOL_VERSION}: install the same hapd version on every host"
+        if pong.get("slots", 0) < p.nproc:
+            return (f"has {pong.get('slots')} free slot(s) ({pong.get('jobs')} job(s) running), the job needs {p.nproc} there: "
+                    "wait for its jobs, use fewer ranks, or restart it with `hapd serve --slots N`")
+        return Checked(p, pong, rtt)
+
+    with ThreadPoolExecutor(max_workers=min(32, len(placements))) as pool:
+        results = list(pool.map(one, placements))
+    bad = [(p, r) for p, r in zip(placements, results) if isinstance(r, str)]
+    if bad:
+        lines = [f"  {p.host.label}{f' ({p.host.where})' if p.host.where else ''}: {why}" for p, why in bad]
+        raise LaunchError(f"{len(bad)} of {len(placements)} host(s) failed the checks; nothing was started:\n" + "\n".join(lines))
+    return [r for r in results if isinstance(r, Checked)]
+
+
+# ----------------------------------------------------------------------------- a local daemon
+
+
+class LocalDaemon:
+    """A private ``hapd serve`` on a free loopback port with a temporary state directory,
+    for a job on this machine when no daemon answers at the default address; stopped (and
+    its state removed) by :meth:`stop` — a ``shutdown`` request, then SIGTERM, then SIGKILL.
+
+    It runs in its own session (a Ctrl-C at the terminal reaches only the launcher, which
+    stops it in order) and, on Linux, gets SIGTERM should the launcher die first."""
+
+    def __init__(self, slots: int, *, timeout_s: float = 30.0) -> None:
+        self.home = Path(tempfile.mkdtemp(prefix="hapd-launcher-"))
+        self.key_file = self.home / "key"
+        self.address = ""
+        log = open(self.home / "serve.txt", "wb")  # noqa: SIM115 - the child owns it
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _SERVE_WITH_PARENT, str(os.getpid()), "serve", "--state", str(self.home),
+                 "--bind", "tcp://127.0.0.1:*", "--slots", str(slots), "--log-level", "warning"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        finally:
+            log.close()
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        info_path = self.home / "daemon.json"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LaunchError(f"the local daemon exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                info = json.loads(info_path.read_text())
+            except (OSError, ValueError):
+                time.sleep(0.01)
+                continue
+            if info.get("pid") == self.proc.pid:
+                self.address = info["address"]
+                return
+            time.sleep(0.01)
+        raise LaunchError(f"the local daemon did not start within {timeout_s:g} s:\n{self.output()}")
+
+    def output(self) -> str:
+        try:
+            return (self.home / "serve.txt").read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def host(self) -> Host:
+        port = int(self.address.rsplit(":", 1)[1])
+        return Host(name="127.0.0.1", slots=1024, port=port)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        try:
+            if self.proc.poll() is None and self.address:
+                try:
+                    with Client(self.address, self.key_file, 2.0) as client:
+                        client.shutdown()
+                except HapdError:
+                    pass
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        finally:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+
+_SERVE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+try:  # Linux: SIGTERM (a clean stop) when the launcher dies first
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except Exception:
+    pass
+if os.getppid() != int(sys.argv.pop(1)):
+    sys.exit("the launcher is gone")
+sys.argv[0] = "hapd"
+from hapd.cli import main
+main()
+"""
+"""``hapd serve`` (``python -c THIS LAUNCHER_PID serve ...``) that stops with the launcher."""
+
+
+def local_daemon_answers(key_file: Path | None, timeout_s: float = 2.0) -> str | None:
+    """The default daemon's address (``$HAPD_DAEMON`` or ``tcp://127.0.0.1:5557``) when
+    it answers a ping under the key, else None. A refused TCP connection answers at once."""
+    address = default_address()
+    key = key_file or default_key_path()
+    if not Path(key).exists():
+        return None
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if address.startswith("tcp://") and port.isdigit():
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=0.5).close()
+        except OSError:
+            return None
+    try:
+        with Client(address, key, timeout_s) as client:
+            client.ping()
+    except HapdError:
+        return None
+    return address
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+class _Poller(threading.Thread):
+    """Polls one host's ``job_events`` and hands them to the main thread."""
+
+    def __init__(self, placement: Placement, client: Client, job: str, out: "queue.Queue[tuple]", poll_s: float) -> None:
+        super().__init__(name=f"hapd-launcher-{placement.host.label}", daemon=True)
+        self.placement, self.client, self.job, self.out, self.poll_s = placement, client, job, out, poll_s
+        self.quit = threading.Event()
+
+    def run(self) -> None:
+        after = 0
+        while not self.quit.is_set():
+            try:
+                events, done = self.client.job_events(self.job, after)
+            except HapdError as exc:
+                self.out.put(("lost", self.placement, f"{type(exc).__name__}: {exc}"))
+                return
+            if events:
+                after = events[-1]["seq"]
+                self.out.put(("events", self.placement, events))
+            if done:
+                self.out.put(("done", self.placement, None))
+                return
+            if len(events) < 100:
+                self.quit.wait(self.poll_s)
+
+
+def exit_status(code: int) -> int:
+    """A shell's exit status for a return code (``128 + N`` for signal N)."""
+    return 128 - code if code < 0 else min(code, 255)
+
+
+class Job:
+    """One launch: :meth:`start` (checks, placement, synchronized start), then
+    :meth:`wait` (stream, stop on failure, report). :func:`run_job` does both."""
+
+    def __init__(self, hosts: Sequence[Host], options: JobOptions, *, out: TextIO | None = None, err: TextIO | None = None,
+                 launcher_start: float | None = None) -> None:
+        self.hosts = list(hosts)
+        self.options = options
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.start_info: dict[str, Any] = {"launcher_start": launcher_start or time.time()}
+        self.placements = place(self.hosts, options.nproc_per_node)
+        self.world_size = sum(p.nproc for p in self.placements)
+        self.job_id = options.job_id or default_job_id(options.script)
+        self.script_name = options.script.name
+        self.rank_host = {r: {"host": p.host.label, "gpu": p.host.gpu} for p in self.placements for r in p.ranks}
+        self.timings = Timings()
+        self.tails: dict[int, deque[str]] = {r: deque(maxlen=TAIL_LINES) for r in range(self.world_size)}
+        self.exits: dict[int, tuple[int, float]] = {}
+        self.first_output: dict[int, float] = {}
+        self.failure: dict[str, Any] | None = None
+        self.launched: list[Placement] = []
+        self._events: queue.Queue[tuple] = queue.Queue()
+        self._pollers: list[_Poller] = []
+        key = options.key_file or default_key_path()
+        self._key = load_key(key)  # a missing or unsafe key file fails here, naming it
+        self.control = {p.node_rank: Client(p.host.address, self._key, options.timeout_s) for p in self.placements}
+
+    # -- output
+
+    def say(self, text: str) -> None:
+        print(f"hapd launcher: {text}", file=self.err, flush=True)
+
+    # -- start
+
+    def start(self) -> None:
+        """Check every daemon, then launch every host's ranks to start at one instant.
+        Raises :class:`LaunchError` (nothing left running) when any step fails."""
+        opts = self.options
+        script = opts.script
+        if not script.is_file():
+            raise OptionsError(f"script {script} not found (it must exist where the launcher runs)", field="script")
+        script_bytes = script.read_bytes() if opts.ship else None
+        remote_script = script.name if opts.ship else str(script.resolve())
+        checked = check_daemons(self.placements, self.control, opts.timeout_s)
+        self.start_info["checked"] = time.time()
+        master = self.placements[0].host
+        port = choose_master_port(master, opts.master_port)
+        env = job_env(opts, self.hosts)
+        launcher_cwd = os.getcwd()
+        rtt = max(c.rtt_s for c in checked)
+        start_at = time.time() + opts.start_margin_s + 3 * rtt
+        self.start_info.update(start_at=start_at, master_addr=master.name, master_port=port)
+
+        def launch(p: Placement) -> str | None:
+            cwd = opts.cwd if opts.cwd is not None else (launcher_cwd if p.host.is_loopback else None)
+            try:
+                self.control[p.node_rank].launch(
+                    self.job_id, remote_script, script_bytes=script_bytes, args=opts.args,
+                    env={**env, "HAPD_HOST": p.host.label} if opts.host_env else env, nproc=p.nproc,
+                    node_rank=p.node_rank, nnodes=len(self.placements), rank_offset=p.rank_offset,
+                    world_size=self.world_size, master_addr=master.name, master_port=port, start_at=start_at, cwd=cwd,
+                )
+            except DaemonTimeout as exc:  # it may have accepted the job all the same: cancelled below
+                unanswered.add(p.node_rank)
+                return f"{type(exc).__name__}: {exc}"
+            except HapdError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return None
+
+        unanswered: set[int] = set()
+        try:
+            with ThreadPoolExecutor(max_workers=min(32, len(self.placements))) as pool:
+                refusals = list(pool.map(launch, self.placements))
+        except BaseException:  # Ctrl-C mid-launch: no host may start the job on its own later
+            self._cancel(self.placements, quiet=True)
+            raise
+        self.launched = [p for p, why in zip(self.placements, refusals) if why is None]
+        self.start_info["launched"] = time.time()
+        if len(self.launched) < len(self.placements):
+            self._cancel(self.launched)
+            self._cancel([p for p in self.placements if p.node_rank in unanswered], quiet=True)
+            late = time.time() >= start_at
+            lines = [f"  {p.host.label}: {why}" for p, why in zip(self.placements, refusals) if why is not None]
+            what = ("the accepted hosts' ranks had started and were stopped" if late
+                    else "the job was cancelled on the other hosts before its start time: nothing was started")
+            raise LaunchError(f"{len(lines)} host(s) refused job {self.job_id}; {what}:\n" + "\n".join(lines))
+        for p in self.placements:
+            poller = _Poller(p, Client(p.host.address, self._key, opts.lost_after_s), self.job_id, self._events, opts.poll_s)
+            self._pollers.append(poller)
+            poller.start()
+        hosts = ", ".join(f"{p.host.label} ranks {p.rank_offset}-{p.rank_offset + p.nproc - 1}" for p in self.placements)
+        left = start_at - time.time()
+        when = f"start in {left:.2f} s" if left > 0 else f"started {-left:.2f} s late (a daemon answered the launch slowly)"
+        self.say(f"job {self.job_id}: {self.world_size} ranks on {len(self.placements)} host(s) ({hosts}); "
+                 f"MASTER_ADDR={master.name} MASTER_PORT={port}; {when}")
+
+    def _cancel(self, placements: Sequence[Placement], *, quiet: bool = False) -> None:
+        """Send ``cancel`` to these hosts at once (one that does not answer is skipped)."""
+
+        def one(p: Placement) -> None:
+            try:
+                self.control[p.node_rank].cancel(self.job_id)
+            except HapdError as exc:
+                if not quiet:
+                    self.say(f"could not cancel job {self.job_id} on {p.host.label}: {exc}")
+
+        if placements:
+            with ThreadPoolExecutor(max_workers=min(32, len(placements))) as pool:
+                list(pool.map(one, placements))
+
+    # -- run
+
+    def wait(self) -> JobResult:
+        """Stream output until every host's job has finished; on a failure or Ctrl-C
+        stop every host's ranks and wait up to ``grace_s`` for them. Ctrl-C is not
+        re-raised: the result says ``failure.kind == "interrupt"`` (exit status 130)."""
+        finished: set[int] = set()
+        lost: dict[int, str] = {}
+        stop_started: float | None = None
+        deadline: float | None = None
+        try:
+            while len(finished) + len(lost) < len(self.placements):
+                timeout = 0.5 if deadline is None else deadline - time.monotonic()
+                if timeout <= 0:
+                    break
+                try:
+                    kind, p, payload = self._events.get(timeout=timeout)
+                except queue.Empty:
+                    continue
+                failed_now = self._handle(kind, p, payload, finished, lost)
+                if failed_now and stop_started is None:
+                    stop_started, deadline = self._stop_all(finished, lost)
+        except KeyboardInterrupt:
+            if self.failure is None:
+                self.failure = {"kind": "interrupt"}
+            self.say("interrupted: stopping all ranks")
+            stop_started, deadline = self._stop_all(finished, lost)
+            try:
+                while len(finished) + len(lost) < len(self.placements) and time.monotonic() < deadline:
+                    try:
+                        kind, p, payload = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+                    except queue.Empty:
+                        break
+                    self._handle(kind, p, payload, finished, lost)
+            except KeyboardInterrupt:
+                self.say("interrupted again: not waiting for the ranks to stop")
+        finally:
+            for poller in self._pollers:
+                poller.quit.set()
+        return self._result(finished, lost, stop_started)
+
+    def _handle(self, kind: str, p: Placement, payload: Any, finished: set[int], lost: dict[int, str]) -> bool:
+        """Take one message from a poller; True when it is the job's first failure."""
+        if kind == "done":
+            finished.add(p.node_rank)
+            return False
+        if kind == "lost":
+            lost[p.node_rank] = payload
+            if self.failure is None:
+                self.failure = {"kind": "host", "host": p.host.label, "ranks": [p.rank_offset, p.rank_offset + p.nproc - 1],
+                                "message": payload}
+                self.say(f"lost the daemon of {p.host.label} (ranks {p.rank_offset}-{p.rank_offset + p.nproc - 1}): {payload}; "
+                         "stopping all ranks")
+                return True
+            return False
+        first_failure = False
+        for event in payload:
+            rank, stream, line = event["rank"], event["stream"], event["line"]
+            self.first_output.setdefault(rank, event["time"])
+            if stream == "exit":
+                code = int(line)
+                self.exits[rank] = (code, event["time"])
+                if code != 0 and self.failure is None:
+                    self.failure = {"kind": "rank", "rank": rank, "code": code, "host": p.host.label}
+                    self.say(f"rank {rank} on {p.host.label} exited with code {code}; stopping all ranks")
+                    first_failure = True
+                continue
+            if rank in self.tails:
+                self.tails[rank].append(line)
+            if stream == "stdout":
+                self.timings.feed(rank, line)
+            if self.options.stream:
+                print(f"[rank {rank}] {line}", file=self.out if stream == "stdout" else self.err, flush=True)
+        return first_failure
+
+    def _stop_all(self, finished: set[int], lost: Mapping[int, str]) -> tuple[float, float]:
+        started = time.monotonic()
+        self._cancel([p for p in self.launched if p.node_rank not in finished and p.node_rank not in lost])
+        return started, started + self.options.grace_s
+
+    def _result(self, finished: set[int], lost: Mapping[int, str], stop_started: float | None) -> JobResult:
+        result = JobResult(self.job_id, 0, self.world_size, start=self._start_summary(), other=self.timings.other)
+        if stop_started is not None:
+            result.stopped_s = time.monotonic() - stop_started
+        result.leftover = [p.host.label for p in self.placements if p.node_rank not in finished and p.node_rank not in lost]
+        failure = self.failure
+        if failure is not None and failure["kind"] == "rank":
+            # the first non-zero exit (a rank whose peers died may have been reported first)
+            rank, (code, _) = min(((r, c) for r, c in self.exits.items() if c[0] != 0), key=lambda rc: (rc[1][1], rc[0]))
+            failure = {**failure, "rank": rank, "code": code, "host": self.rank_host[rank]["host"]}
+            result.exit_code = exit_status(code)
+        elif failure is not None and failure["kind"] == "host":
+            result.exit_code = EXIT_HOST_LOST
+        elif failure is not None:
+            result.exit_code = EXIT_INTERRUPTED
+        elif len(self.exits) < self.world_size or any(c != 0 for c, _ in self.exits.values()):
+            result.exit_code = EXIT_HOST_LOST  # should not happen: a host finished without its exits
+            failure = {"kind": "host", "message": f"exits of ranks {sorted(set(range(self.world_size)) - set(self.exits))} never arrived"}
+        if failure is not None:
+            failure = {**failure, "tail": list(self.tails.get(failure.get("rank", -1), []))}
+        result.failure = failure
+        return result
+
+    def _start_summary(self) -> dict[str, Any]:
+        info = dict(self.start_info)
+        if self.first_output:
+            times = list(self.first_output.values())
+            info["first_output"] = {str(r): t for r, t in sorted(self.first_output.items())}
+            info["first_output_skew_s"] = max(times) - min(times)
+        return info
+
+    def close(self) -> None:
+        for poller in self._pollers:
+            poller.quit.set()
+        for client in self.control.values():
+            client.close()
+        for poller in self._pollers:
+            poller.join(timeout=self.options.lost_after_s + 1)
+            poller.client.close()
+
+    # -- the end
+
+    def finish(self, result: JobResult) -> JobResult:
+        """Print the failure (if any) and the timing table; write the JSON report."""
+        failure = result.failure
+        if failure is not None:
+            if failure["kind"] == "rank":
+                self.say(f"job {self.job_id} failed: rank {failure['rank']} on {failure['host']} exited with code {failure['code']}")
+                if failure["tail"]:
+                    self.say(f"last {len(failure['tail'])} line(s) of rank {failure['rank']}:")
+                    for line in failure["tail"]:
+                        print(f"    [rank {failure['rank']}] {line}", file=self.err, flush=True)
+            elif failure["kind"] == "host":
+                self.say(f"job {self.job_id} failed: {failure.get('host', 'a host')}: {failure['message']}")
+            if result.stopped_s is not None:
+                if result.leftover:
+                    self.say(f"after {result.stopped_s:.1f} s these hosts had not reported their ranks stopped: "
+                             f"{', '.join(result.leftover)}")
+                else:
+                    self.say(f"all ranks stopped {result.stopped_s:.2f} s after the cancel")
+        report = build_report(
+            self.timings, job=self.job_id, script=str(self.options.script), args=self.options.args, world_size=self.world_size,
+            placement=[p.describe() for p in self.placements], rank_hosts=self.rank_host, exit_code=result.exit_code,
+            failure=failure, start=result.start,
+        )
+        result.report = report
+        if report["ranks"]:
+            print(format_table(report), file=self.out, flush=True)
+        path = self.options.report or home_dir() / "runs" / f"{self.job_id}.json"
+        try:
+            result.report_path = write_report(report, path)
+            self.say(f"report: {result.report_path}")
+        except OSError as exc:
+            self.say(f"could not write the report to {path}: {exc}")
+        return result
+
+
+def run_job(hosts: Sequence[Host] | None, options: JobOptions, *, out: TextIO | None = None, err: TextIO | None = None,
+            launcher_start: float | None = None, on_started: Callable[[Job], None] | None = None) -> JobResult:
+    """Run a job on ``hosts`` (None: this machine, through the default daemon, or a
+    private one started for the job and stopped afterwards). Raises :class:`LaunchError`
+    or :class:`OptionsError` when it cannot start (nothing is left running); otherwise
+    returns how it ended (also after Ctrl-C: ``failure.kind == "interrupt"``)."""
+    launcher_start = launcher_start or time.time()
+    err_stream = err or sys.stderr
+    local: LocalDaemon | None = None
+    try:
+        if hosts is None:
+            k = options.nproc_per_node or 1
+            options = _replace(options, nproc_per_node=k)
+            address = local_daemon_answers(options.key_file)
+            if address is not None:
+                host_part, _, port = address.removeprefix("tcp://").rpartition(":")
+                hosts = [Host(name=host_part.strip("[]"), slots=k, port=int(port))]
+            else:
+                if not options.script.is_file():  # before starting a daemon for nothing
+                    raise OptionsError(f"script {options.script} not found", field="script")
+                local = LocalDaemon(max(k, os.cpu_count() or 1))
+                print(f"hapd launcher: no daemon answered at {default_address()}; started one at {local.address} "
+                      f"(state {local.home}, stopped when the job ends)", file=err_stream, flush=True)
+                options = _replace(options, key_file=local.key_file)
+                hosts = [local.host()]
+        job = Job(hosts, options, out=out, err=err, launcher_start=launcher_start)
+        try:
+            job.start()
+            if on_started is not None:
+                on_started(job)
+            result = job.wait()
+        finally:
+            job.close()
+        return job.finish(result)
+    finally:
+        if local is not None:
+            local.stop()
+
+
+def _replace(options: JobOptions, **changes: Any) -> JobOptions:
+    from dataclasses import replace
+
+    return replace(options, **changes)

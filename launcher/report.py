@@ -1,0 +1,219 @@
+"""Per-iteration timings the ranks print, gathered into one table and one JSON file.
+
+A training script's stdout lines that are JSON objects with a ``"hapd"`` key are for
+the launcher (:mod:`hapd.training` documents them): ``{"hapd": "timings", ...}`` once per
+rank (``iteration_s``: seconds of every timed iteration, the first ``warmup`` of them
+warm-up) and ``{"hapd": "summary", ...}`` once on rank 0. :class:`Timings` collects
+them from the event stream (the launcher's ``[rank N]`` prefix is never part of the
+line it parses); :func:`build_report` makes the report and :func:`format_table` the
+table people read:
+
+- per rank: iterations after warm-up, mean ± std (population, as the worker reports),
+  min and max;
+- overall: iteration *i* of the job takes as long as its slowest rank (``max_r
+  iteration_s[r][i]``), mean ± std over the post-warm-up iterations every rank ran;
+- the slowest rank (largest mean) and how much slower it is than the fastest.
+
+The JSON report (``format`` ``hapd.launcher.report``, ``version`` 1) also holds the
+job's hosts, placement, start times and exit. No torch import here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+REPORT_FORMAT = "hapd.launcher.report"
+REPORT_VERSION = 1
+
+
+def parse_hapd_line(line: str) -> dict[str, Any] | None:
+    """The JSON object of a ``{"hapd": ...}`` output line, else None."""
+    text = line.strip()
+    if not (text.startswith("{") and '"hapd"' in text):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) and isinstance(value.get("hapd"), str) else None
+
+
+def _stats(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and population standard deviation (0 for one value)."""
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
+
+
+class Timings:
+    """``{"hapd": ...}`` lines of every rank, as they stream in."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, dict[str, Any]] = {}
+        """Global rank → its ``timings`` line (the last one, should a script print more)."""
+        self.summary: dict[str, Any] | None = None
+        """Rank 0's ``summary`` line."""
+        self.other: list[dict[str, Any]] = []
+        """Any other ``hapd`` lines, with ``"_rank"`` added."""
+
+    def feed(self, rank: int, line: str) -> dict[str, Any] | None:
+        """Take one stdout line of ``rank``; returns its ``hapd`` object when it is one."""
+        value = parse_hapd_line(line)
+        if value is None:
+            return None
+        kind = value["hapd"]
+        if kind == "timings":
+            self.ranks[int(value.get("rank", rank))] = value
+        elif kind == "summary":
+            self.summary = value
+        else:
+            self.other.append({**value, "_rank": rank})
+        return value
+
+
+def rank_row(line: Mapping[str, Any]) -> dict[str, Any]:
+    """One rank's row: its post-warm-up iterations and their statistics."""
+    times = [float(t) for t in line.get("iteration_s") or []]
+    warmup = int(line.get("warmup") or 0)
+    timed = times[warmup:] if len(times) > warmup else times
+    mean, std = _stats(timed)
+    if not timed and "mean_s" in line:  # a script that reports only its statistics
+        mean, std = float(line["mean_s"]), float(line.get("std_s") or 0.0)
+    return {
+        "rank": int(line["rank"]),
+        "iterations": len(timed),
+        "warmup": warmup,
+        "mean_s": mean,
+        "std_s": std,
+        "min_s": min(timed) if timed else None,
+        "max_s": max(timed) if timed else None,
+        "loss": line.get("loss"),
+        "system": line.get("system"),
+        "model": line.get("model"),
+        "iteration_s": times,
+    }
+
+
+def overall(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Job-level statistics: per iteration the slowest rank's time."""
+    if not rows:
+        return None
+    timed = [r["iteration_s"][r["warmup"]:] for r in rows]
+    n = min((len(t) for t in timed), default=0)
+    job = [max(t[i] for t in timed) for i in range(n)]
+    mean, std = _stats(job)
+    means = [(r["mean_s"], r["rank"]) for r in rows if not math.isnan(r["mean_s"])]
+    slowest = max(means) if means else (math.nan, None)
+    fastest = min(means) if means else (math.nan, None)
+    return {
+        "iterations": n,
+        "mean_s": mean,
+        "std_s": std,
+        "slowest_rank": slowest[1],
+        "slowest_mean_s": slowest[0],
+        "fastest_rank": fastest[1],
+        "fastest_mean_s": fastest[0],
+        "slowest_over_fastest": slowest[0] / fastest[0] if means and fastest[0] > 0 else None,
+    }
+
+
+def build_report(
+    timings: Timings,
+    *,
+    job: str,
+    script: str,
+    args: Sequence[str],
+    world_size: int,
+    placement: Sequence[Mapping[str, Any]],
+    rank_hosts: Mapping[int, Mapping[str, Any]],
+    exit_code: int,
+    failure: Mapping[str, Any] | None = None,
+    start: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The whole report as a JSON-able map (``rank_hosts``: global rank → ``{host, gpu}``)."""
+    rows = []
+    for rank in sorted(timings.ranks):
+        row = rank_row(timings.ranks[rank])
+        where = rank_hosts.get(rank, {})
+        rows.append({"rank": row.pop("rank"), "host": where.get("host"), "gpu": where.get("gpu"), **row})
+    return {
+        "format": REPORT_FORMAT,
+        "version": REPORT_VERSION,
+        "job": job,
+        "script": script,
+        "args": list(args),
+        "world_size": world_size,
+        "hosts": [dict(p) for p in placement],
+        "exit_code": exit_code,
+        "failure": dict(failure) if failure else None,
+        "start": dict(start) if start else None,
+        "ranks": rows,
+        "missing_ranks": [r for r in range(world_size) if r not in timings.ranks],
+        "overall": overall(rows),
+        "summary": timings.summary,
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value * 1e3:.3f}"
+
+
+def format_table(report: Mapping[str, Any]) -> str:
+    """The report for a person: one row per rank, the job row, the slowest rank."""
+    rows = report["ranks"]
+    if not rows:
+        return f"no per-iteration timings: no rank printed a {{\"hapd\": \"timings\"}} line ({report['world_size']} ranks)"
+    total = report["overall"]
+    warmups = sorted({r["warmup"] for r in rows})
+    host_w = max(4, *(len(str(r["host"] or "-")) for r in rows))
+    gpu_w = max(3, *(len(str(r["gpu"] or "-")) for r in rows))
+    head = f"{'rank':>5}  {'host':<{host_w}}  {'gpu':<{gpu_w}}  {'iters':>5}  {'mean ms':>10}  {'std ms':>9}  {'min ms':>9}  {'max ms':>9}"
+    lines = [
+        f"per-iteration timings of job {report['job']} ({len(rows)} of {report['world_size']} ranks; "
+        f"after {'/'.join(map(str, warmups))} warm-up iteration(s)):",
+        head,
+    ]
+    for r in rows:
+        mark = "  <- slowest" if r["rank"] == total["slowest_rank"] and len(rows) > 1 else ""
+        lines.append(
+            f"{r['rank']:>5}  {str(r['host'] or '-'):<{host_w}}  {str(r['gpu'] or '-'):<{gpu_w}}  {r['iterations']:>5}  "
+            f"{_ms(r['mean_s']):>10}  {_ms(r['std_s']):>9}  {_ms(r['min_s']):>9}  {_ms(r['max_s']):>9}{mark}"
+        )
+    lines.append(
+        f"{'job':>5}  {'(per iteration: slowest rank)':<{host_w + gpu_w + 2}}  {total['iterations']:>5}  "
+        f"{_ms(total['mean_s']):>10}  {_ms(total['std_s']):>9}"
+    )
+    ratio = total.get("slowest_over_fastest")
+    lines.append(
+        f"overall {_ms(total['mean_s'])} ± {_ms(total['std_s'])} ms per iteration; slowest rank {total['slowest_rank']} "
+        f"({_ms(total['slowest_mean_s'])} ms mean" + (f", {ratio:.2f}× the fastest, rank {total['fastest_rank']})" if ratio else ")")
+    )
+    if report.get("missing_ranks"):
+        lines.append(f"no timings from rank(s) {', '.join(map(str, report['missing_ranks']))}")
+    return "\n".join(lines)
+
+
+def write_report(report: Mapping[str, Any], path: str | Path) -> Path:
+    """Write the report as JSON (atomically: a temporary file, then a rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(clean_nans(report), indent=1, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def clean_nans(value: Any) -> Any:
+    """NaN/inf → None, recursively (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: clean_nans(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean_nans(v) for v in value]
+    return value
