@@ -251,22 +251,32 @@ def ping_cmd(address: str | None, key_file: Path | None, timeout: float) -> None
               help="Local ranks to measure  [default: one per GPU, else 2]")
 @click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), default=Path("profile.json"),
               show_default=True, help="Profile JSON to write.")
-@click.option("--quick", is_flag=True, help="Fewer sizes, repeats and shorter samples (~15 s on 2 CPU ranks).")
+@click.option("--quick", is_flag=True, help="Fewer sizes, repeats and shorter samples (~10 s on 2 CPU ranks; "
+              "for smoke tests).")
 @click.option("--sizes", default=None, metavar="LIST",
               help="Full-tensor bytes of the timed collectives, e.g. 4K,64K,1M,16M  [default: 4K … 16M, ×4]")
 @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Fewest timed repeats per collective and size.")
 @click.option("--name", default="", help="Profile name  [default: measured-HOST]")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
+@click.option("--host", default=None, help="Name of this host in the profile  [default: $HAPD_HOST or the host name]")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Hosts in the job; each runs `hapd profile` with its own --node-rank.")
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True, help="This host's index.")
+@click.option("--master-addr", default=None, help="Address of node 0 (needed with --nnodes > 1).")
+@click.option("--master-port", type=click.IntRange(min=1, max=65535), default=29500, show_default=True)
 def profile_cmd(nproc: int | None, out: Path, quick: bool, sizes: str | None, repeats: int | None, name: str,
-                dtype: str) -> None:
+                dtype: str, host: str | None, nnodes: int, node_rank: int, master_addr: str | None,
+                master_port: int) -> None:
     """Measure this machine into a cluster profile: each of K local ranks measures its
     device's FLOP/s and memory, then all time every collective over several sizes and
-    fit latency (s) and bandwidth (bytes of the full tensor per second).
+    fit latency (s) and bandwidth (bytes of the full tensor per second). Rank 0 (on
+    node 0) writes OUT.
 
-    Runs ``python -m hapd.profiler`` under torchrun; for several hosts run that module
-    on every host under one torchrun-style job (see profiles/README.md).
+    Runs ``python -m hapd.profiler`` under torchrun. Several hosts: run this on each
+    with --nnodes/--node-rank/--master-addr (and GLOO_SOCKET_IFNAME set to the interface
+    between them), or ``./run_all --profile`` through the daemons; see profiles/README.md.
     """
-    from hapd.profiler import ProfilerOptions, default_nproc, launch_local, parse_sizes
+    from hapd.profiler import ProfilerOptions, Rendezvous, default_nproc, launch_local, parse_sizes
 
     given: dict[str, object] = {"dtype": dtype, "name": name}
     if sizes is not None:
@@ -276,7 +286,8 @@ def profile_cmd(nproc: int | None, out: Path, quick: bool, sizes: str | None, re
     ProfilerOptions.quick(**given) if quick else ProfilerOptions(**given)  # bad options fail here, not in K ranks
     args = ["--out", str(out), "--dtype", dtype, *(["--name", name] if name else []), *(["--quick"] if quick else []),
             *(["--sizes", sizes] if sizes is not None else []), *(["--repeats", str(repeats)] if repeats else [])]
-    code = launch_local(nproc or default_nproc(), args)
+    rendezvous = Rendezvous(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+    code = launch_local(nproc or default_nproc(), args, rendezvous=rendezvous, host=host)
     if code != 0:
         click.echo(f"hapd: profiling failed: the ranks exited with status {code}", err=True)
         sys.exit(code)

@@ -9,11 +9,13 @@ A profile is a JSON file (``profiles/*.json``)::
                                     "intra": {...}}, ...}}
 
 Units: seconds, bytes, bytes/s (bandwidth counts bytes of the full tensor per second),
-FLOP/s. ``flops`` is the achieved rate on matmul-heavy work; ``elementwise_flops``
-(optional) the rate on element-wise work. ``intra`` (optional) is the cost within one
-host; ``inter`` across hosts. The **profile id** is the sha256 of the canonical form of
-the devices and collectives: names, descriptions, key order and formatting do not
-change it.
+FLOP/s; an optional ``units`` map may declare them, and any other unit it declares is an
+error (:data:`UNITS`). ``flops`` is the achieved rate on matmul-heavy work;
+``elementwise_flops`` (optional) the rate on element-wise work. ``intra`` (optional) is
+the cost within one host; ``inter`` across hosts. The **profile id** is the sha256 of
+the canonical form of the devices and collectives: names, descriptions, extra fields,
+key order and formatting do not change it. ``hapd profile`` (:mod:`hapd.profiler`)
+measures one.
 """
 
 from __future__ import annotations
@@ -180,6 +182,22 @@ def estimated_profile(
     return Profile(name=name, devices=devices, collectives=collectives, description=description)
 
 
+UNITS = {"time": "s", "size": "bytes", "bandwidth": "bytes/s", "speed": "FLOP/s"}
+"""The only units a profile may declare in its optional ``units`` map."""
+
+
+def _check_units(units: Any) -> None:
+    """A ``units`` map, when a profile has one, must declare hapd's units (any subset)."""
+    if not isinstance(units, Mapping):
+        raise ProfileError(f"units: expected an object like {UNITS}, got {units!r}", field="units")
+    for key, value in units.items():
+        if key not in UNITS:
+            raise ProfileError(f"units.{key}: unknown quantity; known: {', '.join(UNITS)}", field=f"units.{key}")
+        if value != UNITS[key]:
+            raise ProfileError(f"units.{key}: {value!r}, but hapd profiles measure {key} in {UNITS[key]!r}",
+                               field=f"units.{key}")
+
+
 def _number(doc: Mapping[str, Any], key: str, where: str, *, positive: bool) -> float:
     value = doc.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -199,6 +217,8 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
         raise ProfileError(f"format {doc.get('format')!r} is not {PROFILE_FORMAT!r}", field="format")
     if doc.get("version") != PROFILE_VERSION:
         raise ProfileError(f"version {doc.get('version')!r} is not {PROFILE_VERSION}", field="version")
+    if "units" in doc:
+        _check_units(doc["units"])
     raw_devices = doc.get("devices")
     if not isinstance(raw_devices, list) or not raw_devices:
         raise ProfileError("devices: expected a non-empty list", field="devices")
