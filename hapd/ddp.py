@@ -126,14 +126,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HapdError as exc:
         print(f"ddp: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2
+    ok = False
     try:
         run(args, ns.split, env)
+        ok = True
         return 0
     except HapdError as exc:
         print(f"ddp: rank {env.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
-        shutdown(env)
+        shutdown(env, wait=ok)
 
 
 if __name__ == "__main__":

@@ -179,9 +179,14 @@ def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> Di
     return DistEnv(rank=rank, world=world, local_rank=local, backend=backend, device=device)
 
 
-def shutdown(env: DistEnv) -> None:
-    """Leave the job: destroy the default process group (no-op when there is none)."""
+def shutdown(env: DistEnv, *, wait: bool = True) -> None:
+    """Leave the job: with ``wait`` (after a successful run) wait for every rank, then
+    destroy the default process group (no-op when there is none). The barrier keeps a
+    rank from tearing down its Gloo connections while a peer still uses them, which can
+    abort the peer at exit; after a failure there is no waiting for peers."""
     if dist.is_initialized():
+        if wait and env.world > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

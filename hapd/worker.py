@@ -128,14 +128,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HapdError as exc:
         print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2
+    ok = False
     try:
         run(args, ns, env)
+        ok = True
         return 0
     except HapdError as exc:
         print(f"worker: rank {env.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
-        shutdown(env)
+        shutdown(env, wait=ok)
 
 
 if __name__ == "__main__":
