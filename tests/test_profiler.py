@@ -369,9 +369,13 @@ def _single_thread_flops(procs: Path | None) -> float:
 @pytest.mark.distributed
 def test_half_cpu_quota_halves_measured_flops(half_cpu_cgroup):
     """A 50 % quota (50 ms per 100 ms period): the profiler's matmul rate, sampled over
-    windows several periods long, halves. Expected ratio 0.5; accepted 0.35–0.65."""
-    free = _single_thread_flops(None)
-    limited = _single_thread_flops(half_cpu_cgroup.procs)
+    windows several periods long, halves. Expected ratio 0.5; accepted 0.35–0.65. Each
+    side is the best of two alternating runs, so a burst of other load on the machine
+    (which slows the free run too) does not decide the ratio."""
+    free = limited = 0.0
+    for _ in range(2):
+        free = max(free, _single_thread_flops(None))
+        limited = max(limited, _single_thread_flops(half_cpu_cgroup.procs))
     ratio = limited / free
     print(f"cgroup v{half_cpu_cgroup.version}: {limited:.3g} / {free:.3g} FLOP/s = {ratio:.2f}")
     assert 0.35 < ratio < 0.65, f"quota-limited {limited:.3g} vs free {free:.3g} FLOP/s: ratio {ratio:.2f}"
