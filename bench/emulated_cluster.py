@@ -63,11 +63,22 @@ FLOP_PER_BYTE = 4000.0
 RANKS_PER_HOST = 2
 SYSTEMS = ["hapd", "ddp-ev", "ddp-cp"]
 
-# Default benchmark sizes: tiny configs (the only preset that fits 2 cores besides --layers)
-# with a batch large enough that compute, not per-op overhead or the fixed per-iteration
-# costs (gradient sync, Adam, CFS latency), dominates while DP-EV stays ≲0.5 s per iteration.
-DEFAULT_BATCH = {"bert": 1024, "vit": 384, "bert_moe": 1024, "mlp": 512, "vgg19": 16}
-DEFAULT_LAYERS = {"bert": 4, "vit": 4, "bert_moe": 4}
+# Default benchmark sizes: the "small" presets (width 256, 4 layers: matmuls near a core's
+# peak, unlike the 32-wide "tiny" ones) with a global batch that keeps DP-EV around a
+# second per iteration. --size tiny uses DEFAULT_BATCH_TINY.
+DEFAULT_SIZE = "small"
+DEFAULT_BATCH = {"bert": 64, "vit": 64, "bert_moe": 64, "mlp": 512, "vgg19": 64,
+                 "gpt2_block": 64, "llama_block": 64}
+DEFAULT_BATCH_TINY = {"bert": 1024, "vit": 384, "bert_moe": 1024, "mlp": 512, "vgg19": 16}
+DEFAULT_LAYERS_TINY = {"bert": 4, "vit": 4, "bert_moe": 4}
+
+
+def default_batch(model: str, size: str) -> int:
+    return (DEFAULT_BATCH_TINY if size == "tiny" else DEFAULT_BATCH).get(model, 64)
+
+
+def default_layers(model: str, size: str) -> int | None:
+    return DEFAULT_LAYERS_TINY.get(model) if size == "tiny" else None
 
 
 def _load_bench_launcher():
@@ -241,10 +252,10 @@ class Runner:
         return json.loads(out.read_text())
 
     def train(self, system: str, model: str, ns: argparse.Namespace, profile: Path, tag: str) -> dict:
-        batch = ns.batch or DEFAULT_BATCH.get(model, 64)
-        common = ["--model", model, "--batch", str(batch), "--iterations", str(ns.iterations),
+        batch = ns.batch or default_batch(model, ns.size)
+        common = ["--model", model, "--size", ns.size, "--batch", str(batch), "--iterations", str(ns.iterations),
                   "--warmup", str(ns.warmup)]
-        layers = DEFAULT_LAYERS.get(model) if ns.layers is None else ns.layers
+        layers = default_layers(model, ns.size) if ns.layers is None else ns.layers
         if layers:
             common += ["--layers", str(layers)]
         if system == "hapd":
@@ -284,7 +295,7 @@ class Runner:
 # ----------------------------------------------------------------------------- model FLOPs and plans
 
 
-def model_flops(model: str, batch: int, layers: int | None) -> float:
+def model_flops(model: str, size: str, batch: int, layers: int | None) -> float:
     """FLOPs of one training iteration (forward + backward) on the global batch."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -293,7 +304,7 @@ def model_flops(model: str, batch: int, layers: int | None) -> float:
     from hapd import models
 
     overrides = {"layers": layers} if layers else {}
-    net, config = models.build(model, "tiny", **overrides)
+    net, config = models.build(model, size, **overrides)
     inputs = models.get(model).example_inputs(config, batch)
     counter = FlopCounterMode(display=False)
     with counter:
@@ -303,17 +314,17 @@ def model_flops(model: str, batch: int, layers: int | None) -> float:
     return float(counter.get_total_flops())
 
 
-def model_rate(group: Path, model: str, batch: int, layers: int | None, flops: float) -> float:
+def model_rate(group: Path, model: str, size: str, batch: int, layers: int | None, flops: float) -> float:
     """Achieved FLOP/s of one process in ``group`` (1 thread) training ``model`` on batch/4
-    (one rank's DP-EV share): what the tiny configs' small ops really reach, next to the
-    profile's 512³-matmul rate that "ideal" divides by."""
+    (one rank's DP-EV share): what the model's ops really reach, next to the profile's
+    matmul rate that "ideal" divides by."""
     code = (
         "import os, sys, time, torch\n"
         f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
         "torch.set_num_threads(1)\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "from hapd import models\n"
-        f"net, cfg = models.build({model!r}, 'tiny', **({{'layers': {layers}}} if {bool(layers)} else {{}}))\n"
+        f"net, cfg = models.build({model!r}, {size!r}, **({{'layers': {layers}}} if {bool(layers)} else {{}}))\n"
         f"x = models.get({model!r}).example_inputs(cfg, {max(1, batch // 4)})\n"
         "def step():\n"
         "    out = net(*x); (out if out.dim() == 0 else out.float().sum()).backward()\n"
@@ -330,25 +341,11 @@ def model_rate(group: Path, model: str, batch: int, layers: int | None, flops: f
     return flops / 4 / per_step
 
 
-def plan_comm_breakdown(explain: str) -> dict:
-    """What hapd's cost model charges for collectives in an explained plan: gradient
-    all-reduces (one α each; the runtime buckets them into ~one call) and the rest."""
-    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-    found = list(re.finditer(r"gradient all-reduce ([\d.]+) (B|KiB|MiB|GiB) ([\d.]+) (ms|µs)", explain))
-    grads = [float(m.group(3)) * (1e-3 if m.group(4) == "ms" else 1e-6) for m in found]
-    grad_bytes = sum(float(m.group(1)) * units[m.group(2)] for m in found)
-    others: dict[str, list[float]] = {}
-    for m in re.finditer(r"^\s+(all_to_all|all_gather|reduce_scatter|all_reduce|broadcast)\S* .*?([\d.]+) (ms|µs)",
-                         explain, re.M):
-        others.setdefault(m.group(1), []).append(float(m.group(2)) * (1e-3 if m.group(3) == "ms" else 1e-6))
-    return {"gradient_all_reduces": len(grads), "gradient_all_reduce_s": sum(grads), "gradient_bytes": grad_bytes,
-            "other_collectives": {k: {"count": len(v), "s": sum(v)} for k, v in others.items()}}
-
-
-def explain_plan(model: str, batch: int, layers: int | None, profile: Path, work: Path) -> str:
-    """Compile hapd's plan the way the worker does (same model, batch, profile) and explain it."""
+def explain_plan(model: str, size: str, batch: int, layers: int | None, profile: Path, work: Path) -> tuple[str, dict]:
+    """Compile hapd's plan the way the worker does (same model, batch, profile); its
+    explanation and its estimate (per iteration, per-device compute and communication)."""
     base = work / f"{model}-b{batch}"
-    cmd = [PY, "-m", "hapd.cli", "export", model, "--batch", str(batch), "-o", str(base) + ".pt2"]
+    cmd = [PY, "-m", "hapd.cli", "export", model, "--size", size, "--batch", str(batch), "-o", str(base) + ".pt2"]
     if layers:
         cmd += ["--set", f"layers={layers}"]
     steps = [cmd, [PY, "-m", "hapd.cli", "compile", str(base) + ".pt2", "--profile", str(profile),
@@ -358,9 +355,11 @@ def explain_plan(model: str, batch: int, layers: int | None, profile: Path, work
     for step in steps:
         done = subprocess.run(step, cwd=ROOT, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            return text + f"\n{' '.join(step)} failed: {done.stderr[-1500:]}"
+            return text + f"\n{' '.join(step)} failed: {done.stderr[-1500:]}", {}
         text = done.stdout
-    return text
+    from hapd.plan import Plan
+
+    return text, dict(Plan.load(str(base) + ".hplan").estimate)
 
 
 # ----------------------------------------------------------------------------- table
@@ -442,30 +441,27 @@ def targets(rows: list[dict]) -> list[str]:
 
 
 def diagnosis(results: dict) -> list[str]:
-    """The measurements behind the misses: what the cost model charges vs what runs."""
+    """The measurements behind the misses: what the model's ops reach against the
+    profile's matmul rate, and where the cost model's estimate goes (compute against
+    communication, each the sum over steps of the slowest device)."""
     lines = []
     rank_flops = results.get("fast_rank_flops")
     for model, rate in results.get("model_rate", {}).items():
         if rank_flops and rate == rate:
             lines.append(f"compute: {model} trains at {rate / 1e9:.1f} GFLOP/s on one fast rank alone (no communication) "
-                         f"= {rate / rank_flops:.0%} of the 512³-matmul rate the profile (and 'ideal') uses: "
-                         f"'fraction of ideal' cannot exceed ~{rate / rank_flops:.0%} with these tiny configs")
+                         f"= {rate / rank_flops:.0%} of the 512³-matmul rate the profile (and 'ideal') uses, which "
+                         f"bounds 'fraction of ideal' at ~{rate / rank_flops:.0%}")
     for variant, v in results.get("variants", {}).items():
-        ar = v.get("profile", {}).get("collectives", {}).get("all_reduce", {}).get("inter")
         for model, m in v.get("models", {}).items():
-            c = m.get("comm_charged")
+            est = m.get("estimate") or {}
             h = next((r for r in m["runs"] if r["system"] == "hapd"), {})
-            if not c or not ar or not h.get("estimate_s") or not h.get("mean_s"):
+            if not est.get("compute") or not h.get("estimate_s") or not h.get("mean_s"):
                 continue
-            bucketed = h["estimate_s"] - c["gradient_all_reduce_s"] + ar["alpha"] + c["gradient_bytes"] / ar["beta"]
-            m["estimate_bucketed_s"] = bucketed
+            comp, comm = max(est["compute"]), max(est["communication"])
             lines.append(
-                f"cost model {variant} {model}: predicted {h['estimate_s'] * 1e3:.0f} ms vs measured {h['mean_s'] * 1e3:.0f} ms; "
-                f"{c['gradient_all_reduces']} gradient all-reduces charged one α ({ar['alpha'] * 1e3:.1f} ms) each = "
-                f"{c['gradient_all_reduce_s'] * 1e3:.0f} ms, but the runtime (GradSync, 25 MiB buckets) sends their "
-                f"{c['gradient_bytes'] / 1024:.0f} KiB in ~1 call: charged as one bucket the estimate would be "
-                f"{bucketed * 1e3:.0f} ms ({(bucketed - h['mean_s']) / h['mean_s']:+.0%}); other collectives "
-                f"{c['other_collectives']}")
+                f"cost model {variant} {model}: predicted {h['estimate_s'] * 1e3:.0f} ms (slowest device: compute "
+                f"{comp * 1e3:.0f} ms, communication {comm * 1e3:.0f} ms) vs measured {h['mean_s'] * 1e3:.0f} ms "
+                f"({(h['estimate_s'] - h['mean_s']) / h['mean_s']:+.0%})")
     return lines
 
 
@@ -507,6 +503,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iterations", type=int, default=15)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--batch", type=int, default=None, help="global batch for every model (default per model)")
+    p.add_argument("--size", default=DEFAULT_SIZE, choices=("tiny", "small", "paper"),
+                   help=f"model size preset (default: {DEFAULT_SIZE})")
     p.add_argument("--layers", type=int, default=None, help="--layers for every model (default per model)")
     p.add_argument("--quick", action="store_true", help="one model (bert), 3:1 only, 8 iterations, quick profile")
     p.add_argument("--full-profile", action="store_true", help="the profiler's full sizes/repeats (default --quick)")
@@ -531,10 +529,6 @@ def _on_term(signum, _frame):
 
 def report(results: dict, out: Path | None) -> None:
     """Print the table, the targets and the diagnosis; save the JSON (and PNG) to ``out``."""
-    for v in results.get("variants", {}).values():
-        for m in v.get("models", {}).values():
-            if m.get("explain"):
-                m["comm_charged"] = plan_comm_breakdown(m["explain"])
     rows = summarize(results)
     results["table"] = rows
     results["targets"] = targets(rows)
@@ -576,12 +570,12 @@ def main(argv=None) -> int:
         groups = setup_cgroups([fast_quota] * 4)
         rank_flops = measure_rank_flops(groups[0])
         rate = ns.rate_mbit or rank_flops / FLOP_PER_BYTE * 8 / 1e6
-        results.update(fast_rank_flops=rank_flops, fast_quota=fast_quota, rate_mbit=rate)
+        results.update(fast_rank_flops=rank_flops, fast_quota=fast_quota, rate_mbit=rate, size=ns.size)
         results["model_rate"] = {}
         for model in models_:
-            batch = ns.batch or DEFAULT_BATCH.get(model, 64)
-            layers = DEFAULT_LAYERS.get(model) if ns.layers is None else ns.layers
-            rate_m = model_rate(groups[0], model, batch, layers, model_flops(model, batch, layers))
+            batch = ns.batch or default_batch(model, ns.size)
+            layers = default_layers(model, ns.size) if ns.layers is None else ns.layers
+            rate_m = model_rate(groups[0], model, ns.size, batch, layers, model_flops(model, ns.size, batch, layers))
             results["model_rate"][model] = rate_m
             log(f"{model}: one fast rank trains batch {batch}/4 at {rate_m / 1e9:.1f} GFLOP/s "
                 f"= {rate_m / rank_flops:.0%} of its 512³ matmul rate (bounds 'fraction of ideal')")
@@ -613,12 +607,12 @@ def main(argv=None) -> int:
             entry = {"quotas": [fast, fast, slow, slow], "profile": prof, "profile_devices": devices, "models": {}}
             results["variants"][variant] = entry
             for model in models_:
-                batch = ns.batch or DEFAULT_BATCH.get(model, 64)
-                layers = DEFAULT_LAYERS.get(model) if ns.layers is None else ns.layers
+                batch = ns.batch or default_batch(model, ns.size)
+                layers = default_layers(model, ns.size) if ns.layers is None else ns.layers
                 key = (model, batch, layers)
                 if key not in flops_cache:
-                    flops_cache[key] = model_flops(model, batch, layers)
-                m = {"flops": flops_cache[key], "batch": batch, "layers": layers, "runs": []}
+                    flops_cache[key] = model_flops(model, ns.size, batch, layers)
+                m = {"flops": flops_cache[key], "size": ns.size, "batch": batch, "layers": layers, "runs": []}
                 entry["models"][model] = m
                 for system in SYSTEMS:
                     row = runner.train(system, model, ns, prof_path, variant.replace(":", "to"))
@@ -627,10 +621,8 @@ def main(argv=None) -> int:
                         + (f" (predicted {_ms(row.get('estimate_s'))} ms, ratios {row.get('ratios')})"
                            if system == "hapd" else "") if "error" not in row else f"FAILED {row['error'][-300:]}"))
                 if not ns.no_explain:
-                    m["explain"] = explain_plan(model, batch, layers, prof_path, work)
-                    m["comm_charged"] = plan_comm_breakdown(m["explain"])
-                    log(f"{variant} {model} plan: {m['explain'].splitlines()[2] if m['explain'].count(chr(10)) > 2 else ''}"
-                        f"; charged: {m['comm_charged']}")
+                    m["explain"], m["estimate"] = explain_plan(model, ns.size, batch, layers, prof_path, work)
+                    log(f"{variant} {model} plan: {m['explain'].splitlines()[2] if m['explain'].count(chr(10)) > 2 else ''}")
                     OUT.mkdir(parents=True, exist_ok=True)
                     (OUT / f"emulated_explain_{variant.replace(':', 'to')}_{model}.txt").write_text(m["explain"])
                 rows = summarize(results)

@@ -49,7 +49,7 @@ def _parse_overrides(pairs: tuple[str, ...]) -> dict[str, object]:
 @main.command("export")
 @click.argument("model")
 @click.option("--batch", "-b", type=click.IntRange(min=1), default=8, show_default=True, help="Global batch size.")
-@click.option("--size", type=click.Choice(["tiny", "paper"]), default="tiny", show_default=True,
+@click.option("--size", type=click.Choice(["tiny", "small", "paper"]), default="tiny", show_default=True,
               help="Size preset of a benchmark model.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a benchmark model's config field.")
 @click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Output .pt2 (default MODEL.pt2).")

@@ -137,15 +137,21 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
     dp_program = synthesize(data, profile, flops, options, "data_parallel")
     dp_cp = program_cost(dp_program, flops)
     # a search bounded by its front width may miss the data-parallel program, which is
-    # always in its space: keep whichever is cheaper with the ratios optimized for it
+    # always in its space: keep whichever is cheaper, with the LP's ratios or the
+    # FLOP/s-proportional ones (compared by the cost model, not the LP's objective,
+    # which the solver only meets to its tolerance)
     if options.ratios is None and not options.force and options.mode == "auto":
+        best = (best[0], best[1], program_cost(best[0], best[1]))
+        dp_splits = [] if caps else [flops]  # with memory caps only the LP's split is known to fit
         try:
-            dp_lp = solve_ratios(dp_program, caps)
+            dp_splits.append(list(solve_ratios(dp_program, caps).ratios))
         except SynthesisError:
-            dp_lp = None  # does not fit: not a candidate
-        if dp_lp is not None and dp_lp.objective < best[2]:
-            best = (dp_program, list(dp_lp.ratios), dp_lp.objective)
-            chosen_from = "data_parallel"
+            pass  # no data-parallel split fits
+        for split in dp_splits:
+            cost = program_cost(dp_program, split)
+            if cost < best[2]:
+                best = (dp_program, split, cost)
+                chosen_from = "data_parallel"
     program, ratios, cost = best
     seconds = time.perf_counter() - start
 

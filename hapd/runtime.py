@@ -37,7 +37,7 @@ from torch import Tensor, fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from hapd import collectives
+from hapd import _core, collectives
 from hapd.errors import PlanError
 from hapd.plan import Plan
 
@@ -215,11 +215,12 @@ class GradSync:
     first use (roughly the order backward produces their gradients); a bucket's
     all-reduce starts as soon as all its gradients exist and every earlier bucket has
     started, so all ranks issue the same collectives in the same order (as DDP does).
-    When the last bucket has started, the sums are waited for and written back, so the
+    The core's cost model charges this sync per bucket of the same size
+    (``hapd._core.GRAD_BUCKET_BYTES``). When the last bucket has started, the sums are waited for and written back, so the
     gradients are complete when ``backward()`` returns.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = 25 * 2**20):
+    def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = _core.GRAD_BUCKET_BYTES):
         self.group = group
         self.buckets: list[list[nn.Parameter]] = []
         size = bucket_bytes + 1

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from . import bert, bert_moe, gpt2, llama, mlp, vgg, vit
 
-SIZES = ("tiny", "paper")
+SIZES = ("tiny", "small", "paper")
 """Preset sizes every config class provides as classmethods."""
 
 
@@ -34,7 +34,7 @@ class ModelSpec:
     name: str
     """Registry key."""
     config_cls: type
-    """Frozen config dataclass with ``tiny()`` and ``paper()`` classmethods."""
+    """Frozen config dataclass with ``tiny()``, ``small()`` and ``paper()`` classmethods."""
     build: Callable[[Any], nn.Module]
     """Constructs the model from a config (unseeded; :func:`build` seeds it)."""
     example_inputs: Callable[[Any, int], tuple[Tensor, ...]]
@@ -109,7 +109,7 @@ def _seeded(seed: int) -> Iterator[None]:
 
 
 def build(name: str, size: str = "tiny", **overrides: Any) -> tuple[nn.Module, Any]:
-    """Build model ``name`` at ``size`` ("tiny" or "paper"), with config ``overrides``.
+    """Build model ``name`` at ``size`` ("tiny", "small" or "paper"), with config ``overrides``.
 
     Construction is deterministic (seeded with 0) and leaves the global RNG
     state untouched.  Returns ``(model, config)``; the model is in train mode.

@@ -50,6 +50,12 @@ class BertConfig:
         return cls(vocab=128, seq=16, hidden=32, heads=4, layers=2, ffn=128)
 
     @classmethod
+    def small(cls) -> BertConfig:
+        """4 layers, width 256, vocab 4096, seq 64 (~5.3M parameters): big enough that its
+        matmuls run near a CPU core's peak, small enough to train on 2 cores."""
+        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024)
+
+    @classmethod
     def paper(cls) -> BertConfig:
         """BERT-Base sizes, seq 128, vocab 33280 (~136M parameters)."""
         return cls(vocab=33280, seq=128, hidden=768, heads=12, layers=12, ffn=3072,

@@ -46,6 +46,11 @@ class BertMoEConfig(BertConfig):
         return cls(vocab=128, seq=16, hidden=32, heads=4, layers=2, ffn=128, n_experts=4)
 
     @classmethod
+    def small(cls) -> BertMoEConfig:
+        """4 layers (2 MoE with 4 experts), width 256, vocab 4096, seq 64 (~8.4M parameters)."""
+        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024, n_experts=4)
+
+    @classmethod
     def paper(cls) -> BertMoEConfig:
         """BERT-Base sizes with 16 experts in every other layer (~560M parameters)."""
         return cls(vocab=33280, seq=128, hidden=768, heads=12, layers=12, ffn=3072,

@@ -43,6 +43,11 @@ class GPT2Config:
         return cls(vocab=128, seq=16, hidden=32, heads=4, layers=2, ffn=128)
 
     @classmethod
+    def small(cls) -> GPT2Config:
+        """4 blocks, width 256, vocab 4096, seq 64 (~4.2M parameters)."""
+        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024)
+
+    @classmethod
     def paper(cls) -> GPT2Config:
         """GPT-2 small (Radford et al. 2019): 12 x 768, seq 1024 (~124M parameters)."""
         return cls(vocab=50257, seq=1024, hidden=768, heads=12, layers=12, ffn=3072,

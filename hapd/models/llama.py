@@ -52,6 +52,11 @@ class LlamaConfig:
         return cls(vocab=128, seq=16, hidden=32, heads=4, layers=2, ffn=88)
 
     @classmethod
+    def small(cls) -> LlamaConfig:
+        """4 blocks, width 256, vocab 4096, seq 64 (~5.3M parameters)."""
+        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=704)
+
+    @classmethod
     def paper(cls) -> LlamaConfig:
         """LLaMA-7B sizes (Touvron et al. 2023): 32 x 4096, seq 2048 (~6.7B parameters)."""
         return cls(vocab=32000, seq=2048, hidden=4096, heads=32, layers=32, ffn=11008,

@@ -36,6 +36,11 @@ class MLPConfig:
         return cls(in_features=32, hidden=64, layers=2, classes=10)
 
     @classmethod
+    def small(cls) -> MLPConfig:
+        """A ~3.4M-parameter MLP, 4 hidden layers of 1024."""
+        return cls(in_features=256, hidden=1024, layers=4, classes=10)
+
+    @classmethod
     def paper(cls) -> MLPConfig:
         """A ~126M-parameter MLP (not a HAP paper model; sized like its smallest benchmarks)."""
         return cls(in_features=1024, hidden=4096, layers=8, classes=1000, dropout=0.1)

@@ -50,6 +50,11 @@ class VGG19Config:
         return cls(width=4, hidden=64)
 
     @classmethod
+    def small(cls) -> VGG19Config:
+        """VGG19 with channels divided by 4 and a 512-wide classifier (~1.6M parameters)."""
+        return cls(width=16, hidden=512)
+
+    @classmethod
     def paper(cls) -> VGG19Config:
         """VGG19 on CIFAR-10 with the standard 4096-wide classifier (~39M parameters)."""
         return cls(width=64, hidden=4096, dropout=0.1)

@@ -49,6 +49,11 @@ class ViTConfig:
         return cls(hidden=32, heads=4, layers=2, ffn=128)
 
     @classmethod
+    def small(cls) -> ViTConfig:
+        """4 layers, width 256, 4 heads (~3.2M parameters)."""
+        return cls(hidden=256, heads=4, layers=4, ffn=1024)
+
+    @classmethod
     def paper(cls) -> ViTConfig:
         """ViT-Base on 32x32 images with 4x4 patches (~85M parameters)."""
         return cls(hidden=768, heads=12, layers=12, ffn=3072, dropout=0.1, attention_dropout=0.1)

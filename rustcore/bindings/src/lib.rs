@@ -128,6 +128,7 @@ fn graph_version() -> u32 {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("GRAD_BUCKET_BYTES", hapd_core::comm::GRAD_BUCKET_BYTES as u64)?;
     m.add_function(wrap_pyfunction!(load_graph, m)?)?;
     m.add_function(wrap_pyfunction!(graph_version, m)?)?;
     m.add_function(wrap_pyfunction!(synthesize, m)?)?;

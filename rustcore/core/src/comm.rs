@@ -109,6 +109,28 @@ pub fn one_way_row(profile: &Profile, collective: Collective, bytes: f64) -> Row
     row
 }
 
+/// Bytes of gradient the runtime packs into one all-reduce (`hapd.runtime.GradSync`,
+/// like DDP's 25 MiB buckets): replicated parameters' gradients travel together, one
+/// latency per bucket rather than per parameter.
+pub const GRAD_BUCKET_BYTES: f64 = 25.0 * 1024.0 * 1024.0;
+
+/// Seconds per device of all-reducing the gradient of one replicated parameter of
+/// `bytes` bytes. The gradient shares a bucket with others, so it is charged its bytes
+/// over the bandwidth plus its share (`bytes / GRAD_BUCKET_BYTES`) of the bucket's
+/// latency; a program whose replicated gradients fill less than a bucket is thus
+/// underestimated by at most one α.
+pub fn grad_sync_row(profile: &Profile, bytes: f64) -> Row {
+    let n = profile.world();
+    let mut row = Row::zeros(n);
+    if n == 1 {
+        return row;
+    }
+    let link = profile.link(&profile.collectives.all_reduce);
+    let seconds = link.alpha * (bytes / GRAD_BUCKET_BYTES) + bytes / link.beta;
+    row.constant.iter_mut().for_each(|c| *c = seconds);
+    row
+}
+
 /// Forward plus (when the tensor carries a gradient) backward cost of a collective.
 pub fn collective_row(profile: &Profile, collective: Collective, bytes: f64, with_grad: bool) -> Row {
     let mut row = one_way_row(profile, collective, bytes);

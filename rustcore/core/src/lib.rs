@@ -64,15 +64,56 @@ pub fn synthesize(
 ) -> Result<plan::ProgramOut> {
     let graph = Graph::from_msgpack(graph)?;
     let profile = profile::Profile::from_msgpack(profile)?;
-    let problem = problem::Problem::new(&graph, &profile, options)?;
-    let mut search = search::Search::new(&problem, ratios)?.with_state_limit(limits.max_states)
-        .with_front_width(limits.front_width);
+    search_program(&graph, &profile, ratios, options, limits, cancel)
+}
+
+/// Search `graph` on `profile` under `ratios` and return the program.
+///
+/// A search bounded by its front width can lose the data-parallel program, which is
+/// always in the automatic search space (its early steps look dearer than partial
+/// sums that are paid for later). So when an automatic, unforced search was bounded,
+/// the data-parallel search runs too and the cheaper program is returned: the result
+/// never costs more than data parallelism under the same ratios.
+pub fn search_program(
+    graph: &Graph,
+    profile: &profile::Profile,
+    ratios: &[f64],
+    options: problem::Options,
+    limits: Limits,
+    cancel: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<plan::ProgramOut> {
+    let fallback = (options.mode == problem::Mode::Auto && options.force.is_empty())
+        .then(|| problem::Options { mode: problem::Mode::DataParallel, ..options.clone() });
+    let problem = problem::Problem::new(graph, profile, options)?;
+    let outcome = limited(search::Search::new(&problem, ratios)?, limits, cancel).run()?;
+    if outcome.stop == search::StopReason::Bounded {
+        if let Some(dp_options) = fallback {
+            let dp_problem = problem::Problem::new(graph, profile, dp_options)?;
+            let dp = limited(search::Search::new(&dp_problem, ratios)?, limits, cancel).run()?;
+            if dp.cost < outcome.cost {
+                let mut program = plan::program(&dp_problem, &dp);
+                program.stats.expanded += outcome.expanded;
+                program.stats.generated += outcome.generated;
+                program.stats.seconds += outcome.seconds;
+                program.stats.stop_reason = search::StopReason::Bounded.name().to_string();
+                return Ok(program);
+            }
+        }
+    }
+    Ok(plan::program(&problem, &outcome))
+}
+
+fn limited<'p, 'a>(
+    search: search::Search<'p, 'a>,
+    limits: Limits,
+    cancel: Option<&'p std::sync::atomic::AtomicBool>,
+) -> search::Search<'p, 'a> {
+    let mut search = search.with_state_limit(limits.max_states).with_front_width(limits.front_width);
     if let Some(seconds) = limits.max_seconds {
         search = search.with_time_limit(std::time::Duration::from_secs_f64(seconds.max(0.0)));
     }
     if let Some(flag) = cancel {
         search = search.with_cancel(flag);
     }
-    let outcome = search.run()?;
-    Ok(plan::program(&problem, &outcome))
+    search
 }

@@ -520,7 +520,7 @@ impl<'p, 'a> Search<'p, 'a> {
     fn source_row(&self, t: TensorId, layout: Layout) -> Option<Row> {
         let tensor = self.problem.tensor(t);
         (tensor.kind == NodeKind::Parameter && tensor.requires_grad && layout == Layout::Identity)
-            .then(|| crate::comm::one_way_row(self.problem.profile, Collective::AllReduce, tensor.bytes()))
+            .then(|| crate::comm::grad_sync_row(self.problem.profile, tensor.bytes()))
     }
 
     /// Rebuild the program (with full cost rows) from the chosen (rule, choice) per step.

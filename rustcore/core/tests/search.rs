@@ -7,7 +7,7 @@ use hapd_core::plan::{self, ProgramOut};
 use hapd_core::problem::{Mode, Options, Problem};
 use hapd_core::profile::{CollectiveCost, Collectives, Device, Link, Profile};
 use hapd_core::search::{Search, StopReason};
-use hapd_core::{Error, Graph};
+use hapd_core::{Error, Graph, Limits};
 
 /// The bytes of `tests/fixtures/<name>.hapg`.
 #[macro_use]
@@ -58,9 +58,7 @@ fn even(n: usize) -> Vec<f64> {
 
 /// Search `graph` on `profile` under `ratios`; the program.
 fn run(graph: &Graph, profile: &Profile, ratios: &[f64], options: Options) -> ProgramOut {
-    let problem = Problem::new(graph, profile, options).expect("problem");
-    let outcome = Search::new(&problem, ratios).expect("search").with_front_width(24).run().expect("run");
-    plan::program(&problem, &outcome)
+    hapd_core::search_program(graph, profile, ratios, options, Limits::default(), None).expect("search")
 }
 
 /// Σ over steps of max comp + max comm under `ratios` (the cost model).
@@ -262,5 +260,32 @@ fn search_is_no_worse_than_data_parallel() {
             assert!((auto.cost - a).abs() <= 1e-9 * a.max(1e-30), "{name}: reported cost {} vs rows {a}", auto.cost);
             assert!(a <= d * (1.0 + 1e-9), "{name}: search {a} > data parallel {d}");
         }
+    }
+}
+
+// --------------------------------------------------------------- (e) gradient buckets
+
+/// Replicated parameters' gradients are all-reduced in buckets (as the runtime sends
+/// them): a data-parallel program is charged their bytes over β plus α per *bucket* of
+/// bytes, not one α per parameter.
+#[test]
+fn gradient_sync_is_charged_per_bucket_not_per_parameter() {
+    use hapd_core::comm::GRAD_BUCKET_BYTES;
+    let g = graph("bert");
+    let (alpha, beta) = (5e-3, 2e7);
+    let p = profile(&[1e12; 4], alpha, beta);
+    let ratios = even(4);
+    let dp = run(&g, &p, &ratios, Options { mode: Mode::DataParallel, ..Options::default() });
+    let synced: Vec<_> = dp.steps.iter().flat_map(|s| &s.sources).filter(|s| s.grad_sync).collect();
+    assert!(synced.len() > 10, "data-parallel bert syncs {} parameters", synced.len());
+    let bytes: f64 = synced.iter().map(|s| s.bytes).sum();
+    let charged: f64 = synced.iter().map(|s| s.cost.constant[0]).sum();
+    let expected = alpha * bytes / GRAD_BUCKET_BYTES + bytes / beta;
+    assert!((charged - expected).abs() <= 1e-9 * expected, "charged {charged} s, expected {expected} s");
+    // one α per parameter would have been more than the whole charge
+    assert!(charged < synced.len() as f64 * alpha);
+    for s in &synced {
+        assert!(s.cost.constant.iter().all(|c| *c == s.cost.constant[0]), "every rank pays the same");
+        assert!(s.cost.coef.iter().all(|k| *k == 0.0), "a replica's sync does not scale with its ratio");
     }
 }
