@@ -388,10 +388,16 @@ class Fit:
     """Median seconds per size (every measured point)."""
     dropped: tuple[int, ...] = ()
     """Sizes left out of the fit as outliers (much slower than the fit of the rest)."""
+    bound: bool = False
+    """The times did not grow with the size (latency noise above the transfer time),
+    so α and β are bounds (:func:`bound_alpha_beta`), not a fit."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"alpha": self.alpha, "beta": self.beta, "r2": self.r2, "max_rel_error": self.max_rel_error,
-                "bytes": list(self.bytes), "median_s": list(self.seconds), "dropped_bytes": list(self.dropped)}
+        out = {"alpha": self.alpha, "beta": self.beta, "r2": self.r2, "max_rel_error": self.max_rel_error,
+               "bytes": list(self.bytes), "median_s": list(self.seconds), "dropped_bytes": list(self.dropped)}
+        if self.bound:
+            out["bound"] = True
+        return out
 
 
 def _line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
@@ -451,6 +457,19 @@ def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float], *, where: str
     return Fit(alpha=alpha, beta=1.0 / slope, r2=r2, max_rel_error=max(abs(p - t) / t for p, t in zip(pred, ky)),
                bytes=tuple(int(s) for s in sizes), seconds=tuple(y),
                dropped=tuple(int(x[i]) for i in range(len(x)) if i not in keep))
+
+
+def bound_alpha_beta(sizes: Sequence[int], seconds: Sequence[float]) -> Fit:
+    """α and β bounded from times that do not grow with the size: α = the fastest time
+    (no call took less), β = the largest size over its time (that many bytes moved in
+    that time, latency included). ``α + bytes/β`` then overestimates the largest size
+    by at most α, and no size by more than its own noise."""
+    x, y = [float(s) for s in sizes], [float(t) for t in seconds]
+    largest = max(range(len(x)), key=lambda i: x[i])
+    alpha, beta = min(y), x[largest] / y[largest]
+    pred = [alpha + xi / beta for xi in x]
+    return Fit(alpha=alpha, beta=beta, r2=0.0, max_rel_error=max(abs(p - t) / t for p, t in zip(pred, y)),
+               bytes=tuple(int(s) for s in sizes), seconds=tuple(y), bound=True)
 
 
 NOT_COMMUNICATED = Fit(alpha=0.0, beta=1e18, r2=1.0, max_rel_error=0.0, bytes=(), seconds=())
@@ -619,14 +638,32 @@ def measure(options: ProfilerOptions) -> Profile | None:
         _say(rank, f"measuring {name} ({i}/{len(COLLECTIVES)}) …")
         fits[name] = {}
         for kind, group in kinds.items():
-            points = time_collective(name, options.sizes, options, device=env.device, group=group)
-            fits[name][kind] = fit_alpha_beta([b for b, _ in points], [t for _, t in points],
-                                              where=f"collectives.{name}.{kind}")
+            fits[name][kind] = _measure_link(name, kind, group, options, env.device, rank)
     dist.barrier()
     if rank != 0:
         return None
     return _assemble(devices, fits, options, started=started, backend=env.backend, world=world,
                      no_intra=no_intra if multi_host else None)
+
+
+def _measure_link(name: str, kind: str, group: Any, options: ProfilerOptions, device: Any, rank: int) -> Fit:
+    """Time one collective over ``group`` and fit α/β. Times that do not grow with the
+    size (a link so fast that latency noise hides the transfer) are measured once more;
+    if they still do not grow, α and β are bounded instead (:func:`bound_alpha_beta`) and
+    the profile says so. Every rank takes the same branch: the times are the slowest
+    rank's, the same everywhere."""
+    where = f"collectives.{name}.{kind}"
+    for attempt in (1, 2):
+        points = time_collective(name, options.sizes, options, device=device, group=group)
+        sizes, times = [b for b, _ in points], [t for _, t in points]
+        try:
+            return fit_alpha_beta(sizes, times, where=where)
+        except ProfileError as exc:
+            if len(set(sizes)) < 2 or not all(math.isfinite(t) and t > 0 for t in times):
+                raise
+            _say(rank, f"{exc}" + ("; measuring again" if attempt == 1 else
+                                   "; using bounds: α = the fastest time, β = the largest size over its time"))
+    return bound_alpha_beta(sizes, times)
 
 
 def _assemble(devices: Sequence[Mapping[str, Any]], fits: Mapping[str, Mapping[str, Fit]], options: ProfilerOptions,
@@ -696,6 +733,8 @@ def summary(profile: Profile) -> str:
                 continue  # a copy of intra: nothing crossed a host
             fit = fits.get(name, {}).get(kind)
             quality = f" (R² {fit['r2']:.3f})" if fit and fit["bytes"] else ""
+            if fit and fit.get("bound"):
+                quality = " (bounds: times did not grow with the size)"
             lines.append(f"  {name:<23} {kind}: α {link.alpha * 1e6:8.1f} µs  "
                          f"β {link.beta / 1e6:10.1f} MB/s{quality}")
     return "\n".join(lines)

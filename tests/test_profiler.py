@@ -85,6 +85,22 @@ def test_fit_recovers_alpha_and_beta():
     assert info.value.field == "collectives.all_reduce.intra.beta"
 
 
+def test_bounds_when_times_do_not_grow():
+    """A link so fast that latency noise hides the transfer (times seen on throttled
+    ranks over loopback): α and β are bounded instead of failing the whole profile."""
+    from hapd.profiler import bound_alpha_beta
+
+    sizes, times = [16384, 262144, 4194304], [7.59e-3, 2.87e-3, 3.54e-3]
+    fit = bound_alpha_beta(sizes, times)
+    assert fit.bound and fit.to_json()["bound"] is True
+    assert fit.alpha == pytest.approx(2.87e-3)
+    assert fit.beta == pytest.approx(4194304 / 3.54e-3)
+    # never below any measured time at the largest size, never above the slowest call by more than α
+    assert fit.alpha + 4194304 / fit.beta >= 3.54e-3
+    assert all(fit.alpha + s / fit.beta <= max(times) + fit.alpha for s in sizes)
+    assert "bound" not in fit_alpha_beta([1000, 2000, 4000], [2e-6, 3e-6, 5e-6]).to_json()
+
+
 def _fake_machine(tmp_path: Path, *, v1_limit: str | None, v2_limit: str | None) -> tuple[Path, Path]:
     """A /proc and a / with a process in cgroup /job (v1 memory and v2), as files."""
     proc, root = tmp_path / "proc", tmp_path / "root"
@@ -495,3 +511,19 @@ def test_tc_limited_link_measures_its_rate(shaped_veth, tmp_path):
     assert 0.7 < beta["all_reduce"] < 1.1
     assert 0.7 < beta["all_gather"] < 2.2
     assert 1.4 < beta["all_to_all"] < 4.4
+
+
+def test_measure_link_retries_then_bounds(monkeypatch, capsys):
+    import hapd.profiler as prof
+
+    bad = [(16384, 7.59e-3), (262144, 2.87e-3), (4194304, 3.54e-3)]
+    good = [(16384, 1e-4), (262144, 3e-4), (4194304, 4e-3)]
+    for answers, bounded in (([bad, good], False), ([bad, bad], True)):
+        calls = iter(answers)
+        monkeypatch.setattr(prof, "time_collective", lambda *a, **k: next(calls))
+        fit = prof._measure_link("all_gather_grouped", "intra", None, prof.ProfilerOptions(), "cpu", 0)
+        assert fit.bound is bounded
+        assert next(calls, None) is None  # measured exactly twice
+        out = capsys.readouterr().out
+        assert "measuring again" in out
+        assert ("using bounds" in out) is bounded
