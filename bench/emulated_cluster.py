@@ -27,11 +27,16 @@ Emulated cluster (DESIGN.md §5), built and torn down by this script:
   machine), ``cpu.shares`` raised so the quota, not other load on the machine, sets the
   rank's speed. One thread per rank (``OMP_NUM_THREADS=1``).
 
+Models: the ``small`` presets by default (width 256, 4 layers, 3–9M parameters; a fast
+rank trains them at ~90% of its 512³-matmul FLOP/s, where the 32-wide ``tiny`` ones
+reach 20–30%), global batch 64 (``--size``, ``--batch``, ``--layers`` override).
+
 Per variant: profile the cluster (``hapd.profiler`` on the 4 ranks through the daemons,
 each rank in its cgroup), then per model, through the launcher (``./run_all``'s
 ``python -m launcher run``): hapd's plan (``worker.py --profile``), DP-EV (``ddp.py --split
 even``) and DP-CP (``ddp.py --split flops --profile``). Prints one table, writes
-``bench/out/emulated_cluster.json`` (and a PNG bar chart when matplotlib is importable).
+``bench/out/emulated_cluster.json`` and a PNG bar chart beside it (matplotlib: ``pip
+install -e '.[bench]'``; without it the script says so and writes no chart).
 """
 
 from __future__ import annotations
@@ -465,14 +470,14 @@ def diagnosis(results: dict) -> list[str]:
     return lines
 
 
-def write_png(rows: list[dict], path: Path) -> None:
+def write_png(rows: list[dict], path: Path, title: str = "") -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log("matplotlib is not importable: no PNG chart (not installing packages here)")
+        log("matplotlib is not importable: no PNG chart (pip install -e '.[bench]')")
         return
     keys = sorted({(r["variant"], r["model"]) for r in rows})
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(keys)), 4))
@@ -485,6 +490,8 @@ def write_png(rows: list[dict], path: Path) -> None:
         ax.bar([i + (j - 1) * width for i in range(len(keys))], vals, width, yerr=errs, label=system)
     ax.set_xticks(range(len(keys)), [f"{m}\n{v}" for v, m in keys])
     ax.set_ylabel("ms per iteration")
+    if title:
+        ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
@@ -543,7 +550,9 @@ def report(results: dict, out: Path | None) -> None:
     print("\n".join(results["diagnosis"]))
     if out is not None:
         _save(results, out)
-        write_png(rows, out.with_suffix(".png"))
+        write_png(rows, out.with_suffix(".png"),
+                  f"hapd vs DP-EV vs DP-CP: 2 emulated machines × 2 CPU ranks, {results.get('rate_mbit', 0):.0f} Mbit/s "
+                  f"link, {results.get('size', 'tiny')} models")
 
 
 def main(argv=None) -> int:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -415,7 +416,64 @@ def mask_to_rank_zero(x: Tensor, *, group: dist.ProcessGroup | None = None) -> T
     return _MaskToRankZero.apply(x, rank == 0)
 
 
+# --- two-level all-reduce across hosts ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostGroups:
+    """Process groups for summing over ranks in two levels when ranks share hosts: the
+    ranks of this rank's host (``local``), and one leader per host — its lowest rank —
+    (``leaders``, set on leaders only). Each host's sum then crosses the slow link once:
+    a flat ring all-reduce over ``N`` ranks sends ``2(N-1)/N`` of the buffer over every
+    ring edge, the edges between hosts included, while the leaders' all-reduce over ``H``
+    hosts sends ``2(H-1)/H`` (two hosts: 1 buffer instead of 1.5)."""
+
+    local: dist.ProcessGroup
+    local_back: dist.ProcessGroup
+    """A second group of the same ranks, for the broadcasts back from the leader: a
+    pipelined sum issues reduces and broadcasts at different times on the leader than
+    on the others, and each group must see the same calls in the same order."""
+    leader: int
+    """Global rank of this host's leader."""
+    leaders: dist.ProcessGroup | None
+
+
+def host_groups(node_of_rank: Sequence[int]) -> HostGroups | None:
+    """The :class:`HostGroups` of this rank, given every rank's host (node) index, or
+    None where a flat all-reduce is as good (one host, or one rank per host). Every rank
+    of the world must call this with the same list (it creates process groups)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if len(node_of_rank) != world:
+        raise PlanError(f"host_groups: {len(node_of_rank)} host indices for a world of {world} ranks")
+    hosts = sorted(set(node_of_rank))
+    members = {h: [r for r, n in enumerate(node_of_rank) if n == h] for h in hosts}
+    if len(hosts) < 2 or all(len(m) == 1 for m in members.values()):
+        return None
+    local = local_back = None
+    for h in hosts:  # every rank creates every group, in the same order
+        group, back = dist.new_group(members[h]), dist.new_group(members[h])
+        if rank in members[h]:
+            local, local_back = group, back
+    leader_ranks = [members[h][0] for h in hosts]
+    leaders = dist.new_group(leader_ranks)
+    leader = members[node_of_rank[rank]][0]
+    assert local is not None and local_back is not None
+    return HostGroups(local=local, local_back=local_back, leader=leader, leaders=leaders if rank == leader else None)
+
+
+def two_level_sum_(buf: Tensor, hosts: HostGroups) -> None:
+    """Sum ``buf`` over all ranks in place: reduce onto the host's leader, all-reduce
+    among leaders, broadcast from the leader. Same calls on every rank of the world."""
+    dist.reduce(buf, dst=hosts.leader, group=hosts.local)
+    if hosts.leaders is not None:
+        dist.all_reduce(buf, group=hosts.leaders)
+    dist.broadcast(buf, src=hosts.leader, group=hosts.local_back)
+
+
 __all__ = [
+    "HostGroups",
+    "host_groups",
+    "two_level_sum_",
     "all_gather",
     "reduce_scatter",
     "all_reduce",

@@ -45,6 +45,12 @@ COLLECTIVES = (
 )
 """Every collective the cost model prices; a profile must give each one."""
 
+OPTIONAL_COLLECTIVES = ("grad_sync",)
+"""Collectives a profile may give: ``grad_sync`` is the all-reduce of replicated
+parameters' gradient buckets as the runtime runs it on several hosts with several
+ranks each (within each host, then between hosts; ``hapd.collectives.HostGroups``).
+The cost model uses ``all_reduce`` where it is absent."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Link:
@@ -248,11 +254,11 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
     raw = doc.get("collectives")
     if not isinstance(raw, Mapping):
         raise ProfileError("collectives: expected an object", field="collectives")
-    unknown = sorted(set(raw) - set(COLLECTIVES))
+    unknown = sorted(set(raw) - set(COLLECTIVES) - set(OPTIONAL_COLLECTIVES))
     if unknown:
         raise ProfileError(f"collectives: unknown collective {unknown[0]!r}", field=f"collectives.{unknown[0]}")
     collectives: dict[str, dict[str, Link]] = {}
-    for name in COLLECTIVES:
+    for name in (*COLLECTIVES, *(c for c in OPTIONAL_COLLECTIVES if c in raw)):
         entry = raw.get(name)
         if not isinstance(entry, Mapping) or "inter" not in entry:
             raise ProfileError(f"collectives.{name}: missing (needs at least an 'inter' link)", field=f"collectives.{name}")

@@ -489,9 +489,11 @@ def _shape(nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
     return rows, cols
 
 
-def collective_call(name: str, nbytes: int, *, dtype: Any, device: Any, group: Any) -> tuple[Callable[[], Any], int]:
+def collective_call(name: str, nbytes: int, *, dtype: Any, device: Any, group: Any,
+                    hosts: Any = None) -> tuple[Callable[[], Any], int]:
     """(a call of collective ``name`` on a full tensor of about ``nbytes`` with even
-    shards over ``group``, the full tensor's exact bytes). Inputs are made once."""
+    shards over ``group``, the full tensor's exact bytes). Inputs are made once.
+    ``grad_sync`` (the runtime's two-level gradient sum) needs ``hosts``."""
     import torch
     import torch.distributed as dist
 
@@ -511,6 +513,8 @@ def collective_call(name: str, nbytes: int, *, dtype: Any, device: Any, group: A
         "all_to_all": lambda: C.all_to_all(shard, 0, 1, even_rows, even_cols, group=group),
         "broadcast": lambda: dist.broadcast(full, group=group, group_src=0),
     }
+    if hosts is not None:
+        calls["grad_sync"] = lambda: C.two_level_sum_(full, hosts)
     if name not in calls:
         raise OptionsError(f"unknown collective {name!r}; known: {', '.join(calls)}")
     return calls[name], full.numel() * full.element_size()
@@ -540,7 +544,7 @@ def _max_over_ranks(values: Sequence[float], device: Any) -> list[float]:
 
 
 def time_collective(name: str, sizes: Sequence[int], options: ProfilerOptions, *, device: Any,
-                    group: Any) -> list[tuple[int, float]]:
+                    group: Any, hosts: Any = None) -> list[tuple[int, float]]:
     """[(exact full-tensor bytes, median over repeats of the slowest rank's seconds)] of
     one collective over ``group`` (None: the world) at each size. Every rank of the world
     calls this (the barriers span the world); a rank in a 1-rank group times nothing.
@@ -553,7 +557,7 @@ def time_collective(name: str, sizes: Sequence[int], options: ProfilerOptions, *
 
     dtype = getattr(torch, options.dtype)
     active = dist.get_world_size(group) > 1
-    calls = [collective_call(name, size, dtype=dtype, device=device, group=group) if active else (None, 0)
+    calls = [collective_call(name, size, dtype=dtype, device=device, group=group, hosts=hosts) if active else (None, 0)
              for size in sizes]
     with torch.no_grad():
         last = [0.0] * len(sizes)
@@ -631,6 +635,10 @@ def measure(options: ProfilerOptions) -> Profile | None:
     if host_group is not None:
         kinds["intra"] = host_group
     fits: dict[str, dict[str, Fit]] = {}
+    from hapd.collectives import host_groups
+
+    index = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
+    two_level = host_groups([index[h] for h in hosts]) if world > 1 else None
     for i, name in enumerate(COLLECTIVES, 1):
         if world == 1:  # nothing is communicated, and the cost model charges nothing
             fits[name] = {"intra": NOT_COMMUNICATED}
@@ -639,6 +647,10 @@ def measure(options: ProfilerOptions) -> Profile | None:
         fits[name] = {}
         for kind, group in kinds.items():
             fits[name][kind] = _measure_link(name, kind, group, options, env.device, rank)
+    if two_level is not None:
+        _say(rank, "measuring grad_sync (the runtime's two-level gradient all-reduce) …")
+        fits["grad_sync"] = {"inter": _measure_link("grad_sync", "inter", None, options, env.device, rank,
+                                                    hosts=two_level)}
     dist.barrier()
     if rank != 0:
         return None
@@ -646,7 +658,8 @@ def measure(options: ProfilerOptions) -> Profile | None:
                      no_intra=no_intra if multi_host else None)
 
 
-def _measure_link(name: str, kind: str, group: Any, options: ProfilerOptions, device: Any, rank: int) -> Fit:
+def _measure_link(name: str, kind: str, group: Any, options: ProfilerOptions, device: Any, rank: int,
+                  hosts: Any = None) -> Fit:
     """Time one collective over ``group`` and fit α/β. Times that do not grow with the
     size (a link so fast that latency noise hides the transfer) are measured once more;
     if they still do not grow, α and β are bounded instead (:func:`bound_alpha_beta`) and
@@ -654,7 +667,7 @@ def _measure_link(name: str, kind: str, group: Any, options: ProfilerOptions, de
     rank's, the same everywhere."""
     where = f"collectives.{name}.{kind}"
     for attempt in (1, 2):
-        points = time_collective(name, options.sizes, options, device=device, group=group)
+        points = time_collective(name, options.sizes, options, device=device, group=group, hosts=hosts)
         sizes, times = [b for b, _ in points], [t for _, t in points]
         try:
             return fit_alpha_beta(sizes, times, where=where)

@@ -216,12 +216,22 @@ class GradSync:
     all-reduce starts as soon as all its gradients exist and every earlier bucket has
     started, so all ranks issue the same collectives in the same order (as DDP does).
     The core's cost model charges this sync per bucket of the same size
-    (``hapd._core.GRAD_BUCKET_BYTES``). When the last bucket has started, the sums are waited for and written back, so the
-    gradients are complete when ``backward()`` returns.
+    (``hapd._core.GRAD_BUCKET_BYTES``). When the last bucket has started, the sums are
+    waited for and written back, so the gradients are complete when ``backward()``
+    returns.
+
+    With ``hosts`` (several ranks on each of several hosts) a bucket is summed in two
+    levels (:func:`hapd.collectives.two_level_sum_`), pipelined: as soon as it is ready
+    it is reduced onto the host's leader, where a helper thread waits for that reduce,
+    all-reduces the bucket among the leaders and broadcasts it back, while backward goes
+    on producing the next buckets. Only the leaders' all-reduce crosses hosts.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = _core.GRAD_BUCKET_BYTES):
+    def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = _core.GRAD_BUCKET_BYTES,
+                 hosts: collectives.HostGroups | None = None):
         self.group = group
+        self.hosts = hosts
+        self._relay: _LeaderRelay | None = None
         self.buckets: list[list[nn.Parameter]] = []
         size = bucket_bytes + 1
         for p in reversed(params):
@@ -251,6 +261,7 @@ class GradSync:
         self._ready = [0] * len(self.buckets)
         self._next = 0
         self._handles = []
+        self._relay = None
 
     def _on_grad(self, param: nn.Parameter) -> None:
         b = self._bucket_of[id(param)]
@@ -263,10 +274,22 @@ class GradSync:
 
     def _launch(self, bucket: list[nn.Parameter]) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        handle = dist.all_reduce(flat, group=self.group, async_op=True)
+        hosts = self.hosts
+        if hosts is None:
+            handle = dist.all_reduce(flat, group=self.group, async_op=True)
+        elif hosts.leaders is None:  # not a leader: send this host's part, await the sum
+            dist.reduce(flat, dst=hosts.leader, group=hosts.local, async_op=True)
+            handle = dist.broadcast(flat, src=hosts.leader, group=hosts.local_back, async_op=True)
+        else:
+            if self._relay is None:
+                self._relay = _LeaderRelay(hosts)
+            handle = self._relay.submit(dist.reduce(flat, dst=hosts.leader, group=hosts.local, async_op=True), flat)
         self._handles.append((handle, flat, bucket))
 
     def _finish(self) -> None:
+        if self._relay is not None:
+            self._relay.close()  # re-raises what failed in the helper thread
+            self._relay = None
         for handle, flat, bucket in self._handles:
             handle.wait()
             offset = 0
@@ -275,6 +298,56 @@ class GradSync:
                 p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
                 offset += n
         self._handles = []
+
+
+class _Done:
+    """A handle whose work is already waited for."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _LeaderRelay:
+    """A host leader's helper thread for one backward pass: for each bucket, in order,
+    wait for its reduce onto this rank, all-reduce it among the leaders, broadcast it to
+    the host. Collectives are issued on the leaders' and the broadcast group only, each
+    in bucket order, so every rank sees them in the same order."""
+
+    def __init__(self, hosts: collectives.HostGroups):
+        import queue
+        import threading
+
+        self.hosts = hosts
+        self.todo: queue.SimpleQueue = queue.SimpleQueue()
+        self.sent: list[Any] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="hapd-grad-relay", daemon=True)
+        self.thread.start()
+
+    def submit(self, reduce: Any, flat: Tensor) -> _Done:
+        self.todo.put((reduce, flat))
+        return _Done()
+
+    def _run(self) -> None:
+        while (item := self.todo.get()) is not None:
+            if self.error is not None:
+                continue  # drain: the failure is reported by close()
+            reduce, flat = item
+            try:
+                reduce.wait()
+                dist.all_reduce(flat, group=self.hosts.leaders)
+                self.sent.append(dist.broadcast(flat, src=self.hosts.leader, group=self.hosts.local_back,
+                                                async_op=True))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                self.error = exc
+
+    def close(self) -> None:
+        self.todo.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        for handle in self.sent:
+            handle.wait()
 
 
 # --------------------------------------------------------------------------------------
@@ -666,6 +739,8 @@ def distribute(
     device: torch.device | str | None = None,
     example_inputs: Sequence[Tensor] | None = None,
     check_graph: bool = True,
+    hosts: collectives.HostGroups | None = None,
+    bucket_bytes: int = _core.GRAD_BUCKET_BYTES,
 ) -> RankModule:
     """The fx module rank ``rank`` runs for ``plan``.
 
@@ -674,6 +749,9 @@ def distribute(
     default to the process group's. ``device``: where parameters live (default: where
     the program's are). ``check_graph=False`` skips lowering the program again to
     compare graph ids (only when the caller just compiled the plan from it).
+    ``hosts``: sum replicated gradients in two levels across hosts
+    (:func:`hapd.training.host_groups`; default: one all-reduce over ``group``).
+    ``bucket_bytes``: gradient bytes per all-reduce (the cost model assumes the default).
     """
     ep = _load_program(program, example_inputs)
     if not isinstance(plan, Plan):
@@ -700,7 +778,7 @@ def distribute(
     module.hapd_view = view
     module.hapd_inputs = em.inputs
     module.hapd_params = em.params
-    module.hapd_sync = GradSync(em.synced, group)
+    module.hapd_sync = GradSync(em.synced, group, bucket_bytes, hosts=hosts)
     module.register_forward_pre_hook(lambda m, _args: m.hapd_sync.reset())
     return module
 

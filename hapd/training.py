@@ -167,6 +167,19 @@ def init_distributed(*, timeout_s: float = 600.0) -> DistEnv:
     return env
 
 
+def host_groups(env: DistEnv) -> Any:
+    """This rank's :class:`hapd.collectives.HostGroups` (two-level gradient sums) from
+    every rank's ``GROUP_RANK`` (torchrun's node index; 0 when unset), or None when the
+    job runs on one host or with one rank per host. Call on every rank."""
+    from hapd.collectives import host_groups as make
+
+    if env.world == 1:
+        return None
+    nodes: list[Any] = [None] * env.world
+    dist.all_gather_object(nodes, _env_int(os.environ, "GROUP_RANK") or 0)
+    return make([int(n) for n in nodes])
+
+
 def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> DistEnv:
     if cuda:
         count = torch.cuda.device_count()

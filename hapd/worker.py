@@ -33,8 +33,8 @@ from hapd.ir import lower
 from hapd.plan import Plan
 from hapd.profile import Profile, estimated_profile, load_profile
 from hapd.runtime import RankModule, distribute, global_loss
-from hapd.training import (DistEnv, TrainArgs, add_train_flags, init_distributed, parse_train_args, report,
-                           shutdown, train)
+from hapd.training import (DistEnv, TrainArgs, add_train_flags, host_groups, init_distributed, parse_train_args,
+                           report, shutdown, train)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +104,7 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     full = global_inputs(args, env, config)
     program = export(model, tuple(t.cpu() for t in full), batch_dims=spec.batch_dims)
     plan, source = obtain_plan(args, ns, env, program)
-    module = distribute(program, plan, env.rank, world=env.world, device=env.device)
+    module = distribute(program, plan, env.rank, world=env.world, device=env.device, hosts=host_groups(env))
     del program, model  # the rank keeps only its pieces
     inputs = module.shard_inputs(*full)
     optimizer = torch.optim.Adam(module.parameters(), lr=args.lr)

@@ -245,3 +245,46 @@ def test_cases_exercise_every_collective_and_adapted_rule(results):
     assert REQUIRED_RULES <= rules, f"never run: {sorted(REQUIRED_RULES - rules)}"
     counts = Counter(r["case"].split("/")[0] for r in results)
     assert set(counts) == set(MODEL_NAMES)
+
+
+def _run_two_level(rank: int, world: int, case: Case, bucket_bytes: int) -> dict[str, Any]:
+    """Gradients with replicated parameters summed in two levels over 2 emulated hosts
+    of 2 ranks each; also the bare sum and when two levels do not apply."""
+    from hapd import collectives
+    from hapd.plan import Plan
+    from hapd.runtime import distribute, global_loss
+
+    flat_cases = [collectives.host_groups([0] * world), collectives.host_groups(list(range(world)))]
+    hosts = collectives.host_groups([0, 0, 1, 1])
+    buf = torch.arange(6, dtype=torch.float32) * (rank + 1)
+    collectives.two_level_sum_(buf, hosts)
+    module = distribute(torch.export.load(io.BytesIO(case.program)), Plan.from_bytes(case.plan), rank, hosts=hosts,
+                        bucket_bytes=bucket_bytes)
+    local = module(*module.shard_inputs(*case.inputs))
+    local.backward()
+    ref = case.reference
+    floor = 1e-2 * max(float(g.abs().max()) for g in ref["grads"].values() if g.numel())
+    errors = []
+    for fqn, param in module.named_parameters():
+        tensor, layout = module.hapd_params[fqn]
+        errors.append(_rel(param.grad, module.hapd_view.local_value(tensor, layout, ref["grads"][fqn]), floor))
+    return {"flat": flat_cases, "sum": buf.tolist(), "loss_error": abs(global_loss(local) - ref["loss"]) / abs(ref["loss"]),
+            "grad_error": max(errors), "two_level": module.hapd_sync.hosts is not None,
+            "synced": sum(len(b) for b in module.hapd_sync.buckets), "buckets": len(module.hapd_sync.buckets)}
+
+
+@pytest.mark.distributed
+def test_two_level_gradient_sum_across_hosts():
+    program, inputs, saved = _export("bert")
+    reference = _reference(program, inputs)
+    plan = hapd.compile(hapd.lower(program, name="bert"), profile_for(4),
+                        CompileOptions(ratios=RATIOS[4], mode="data_parallel"))
+    case = Case("bert/data-parallel/two-level", "bert", saved, plan.to_bytes(), inputs, reference)
+    # one bucket, and a pipeline of many (4 KiB: a few parameters each)
+    results = [r for size in (2**25, 4096) for r in run_ranks(4, _run_two_level, case, size, timeout=300)]
+    assert {r["buckets"] for r in results[:4]} == {1} and min(r["buckets"] for r in results[4:]) > 5
+    for r in results:
+        assert r["flat"] == [None, None]
+        assert r["sum"] == [10.0 * i for i in range(6)]  # (1 + 2 + 3 + 4) · i
+        assert r["two_level"] and r["synced"] > 10
+        assert r["loss_error"] < TOL and r["grad_error"] < TOL, r

@@ -109,10 +109,11 @@ pub fn one_way_row(profile: &Profile, collective: Collective, bytes: f64) -> Row
     row
 }
 
-/// Bytes of gradient the runtime packs into one all-reduce (`hapd.runtime.GradSync`,
-/// like DDP's 25 MiB buckets): replicated parameters' gradients travel together, one
-/// latency per bucket rather than per parameter.
-pub const GRAD_BUCKET_BYTES: f64 = 25.0 * 1024.0 * 1024.0;
+/// Bytes of gradient the runtime packs into one all-reduce (`hapd.runtime.GradSync`):
+/// replicated parameters' gradients travel together, one latency per bucket rather than
+/// per parameter. Smaller than DDP's 25 MiB so that the first buckets' sums overlap
+/// the rest of backward even for models of a few million parameters.
+pub const GRAD_BUCKET_BYTES: f64 = 4.0 * 1024.0 * 1024.0;
 
 /// Seconds per device of all-reducing the gradient of one replicated parameter of
 /// `bytes` bytes. The gradient shares a bucket with others, so it is charged its bytes
@@ -125,7 +126,8 @@ pub fn grad_sync_row(profile: &Profile, bytes: f64) -> Row {
     if n == 1 {
         return row;
     }
-    let link = profile.link(&profile.collectives.all_reduce);
+    let c = &profile.collectives;
+    let link = profile.link(c.grad_sync.as_ref().unwrap_or(&c.all_reduce));
     let seconds = link.alpha * (bytes / GRAD_BUCKET_BYTES) + bytes / link.beta;
     row.constant.iter_mut().for_each(|c| *c = seconds);
     row

@@ -47,6 +47,10 @@ pub struct Collectives {
     pub all_reduce: CollectiveCost,
     pub all_to_all: CollectiveCost,
     pub broadcast: CollectiveCost,
+    /// The all-reduce of replicated gradients' buckets as the runtime runs it across
+    /// hosts (two-level); `all_reduce` where the profile does not give it.
+    #[serde(default)]
+    pub grad_sync: Option<CollectiveCost>,
 }
 
 /// A cluster profile.
@@ -115,7 +119,8 @@ impl Profile {
             ("all_to_all", &c.all_to_all),
             ("broadcast", &c.broadcast),
         ];
-        for (name, cost) in all {
+        let optional = c.grad_sync.as_ref().map(|g| ("grad_sync", g));
+        for (name, cost) in all.into_iter().chain(optional) {
             for (which, link) in [("inter", Some(cost.inter)), ("intra", cost.intra)] {
                 let Some(link) = link else { continue };
                 if !(link.alpha.is_finite() && link.alpha >= 0.0) {

@@ -48,6 +48,7 @@ fn profile(flops: &[f64], alpha: f64, beta: f64) -> Profile {
             all_reduce: cost,
             all_to_all: cost,
             broadcast: cost,
+            grad_sync: None,
         },
     }
 }
@@ -288,4 +289,19 @@ fn gradient_sync_is_charged_per_bucket_not_per_parameter() {
         assert!(s.cost.constant.iter().all(|c| *c == s.cost.constant[0]), "every rank pays the same");
         assert!(s.cost.coef.iter().all(|k| *k == 0.0), "a replica's sync does not scale with its ratio");
     }
+}
+
+/// A profile's `grad_sync` link (the runtime's two-level all-reduce across hosts) prices
+/// the gradient buckets instead of `all_reduce`.
+#[test]
+fn gradient_sync_uses_the_grad_sync_link_when_given() {
+    use hapd_core::comm::{grad_sync_row, GRAD_BUCKET_BYTES};
+    let mut p = profile(&[1e12; 4], 5e-3, 2e7);
+    let bytes = 4.0 * (1u64 << 20) as f64;
+    let flat = grad_sync_row(&p, bytes).constant[0];
+    assert!((flat - (5e-3 * bytes / GRAD_BUCKET_BYTES + bytes / 2e7)).abs() < 1e-12);
+    p.collectives.grad_sync = Some(CollectiveCost { inter: Link { alpha: 1e-3, beta: 3e7 }, intra: None });
+    let two_level = grad_sync_row(&p, bytes).constant[0];
+    assert!((two_level - (1e-3 * bytes / GRAD_BUCKET_BYTES + bytes / 3e7)).abs() < 1e-12);
+    assert!(two_level < flat);
 }
