@@ -269,6 +269,8 @@ class Runner:
             args = ["ddp.py", *common, "--split", "even"]
         else:
             args = ["ddp.py", *common, "--split", "flops", "--profile", str(profile)]
+        if system != "hapd" and ns.ddp_bucket_mib is not None:
+            args += ["--bucket-mib", str(ns.ddp_bucket_mib)]
         report = self.work / f"{tag}-{model}-{system}.json"
         for attempt in (1, 2):  # one retry: a rank now and then aborts in Gloo's teardown
             t0 = time.monotonic()
@@ -513,6 +515,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--size", default=DEFAULT_SIZE, choices=("tiny", "small", "paper"),
                    help=f"model size preset (default: {DEFAULT_SIZE})")
     p.add_argument("--layers", type=int, default=None, help="--layers for every model (default per model)")
+    p.add_argument("--ddp-bucket-mib", type=float, default=None,
+                   help="DDP's bucket_cap_mb for DP-EV/DP-CP (default: DDP's 25)")
     p.add_argument("--quick", action="store_true", help="one model (bert), 3:1 only, 8 iterations, quick profile")
     p.add_argument("--full-profile", action="store_true", help="the profiler's full sizes/repeats (default --quick)")
     p.add_argument("--keep", action="store_true", help="skip teardown (debugging)")

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", choices=list(SPLITS), default="even",
                         help="even: equal shares (DDP-EV); flops: shares proportional to each device's "
                              "FLOP/s in --profile (DDP-CP) (default: even)")
+    parser.add_argument("--bucket-mib", type=float, default=25.0, metavar="MIB",
+                        help="DDP's gradient bucket size, bucket_cap_mb (default: 25, DDP's own)")
     return parser
 
 
@@ -70,11 +72,12 @@ def split_lengths(split: str, batch: int, world: int, profile: Profile | None) -
     raise HapdError(f"unknown split {split!r}; known: {', '.join(SPLITS)}", field="--split")
 
 
-def wrap(model: nn.Module, env: DistEnv) -> DistributedDataParallel:
-    """``model`` (already on ``env.device``) in DDP."""
+def wrap(model: nn.Module, env: DistEnv, bucket_mib: float = 25.0) -> DistributedDataParallel:
+    """``model`` (already on ``env.device``) in DDP with ``bucket_mib`` MiB buckets."""
     if env.is_cuda:
-        return DistributedDataParallel(model, device_ids=[env.device.index], output_device=env.device.index)
-    return DistributedDataParallel(model)
+        return DistributedDataParallel(model, device_ids=[env.device.index], output_device=env.device.index,
+                                       bucket_cap_mb=bucket_mib)
+    return DistributedDataParallel(model, bucket_cap_mb=bucket_mib)
 
 
 class DDPStep:
@@ -95,14 +98,14 @@ class DDPStep:
         return self.last_loss
 
 
-def run(args: TrainArgs, split: str, env: DistEnv) -> dict:
+def run(args: TrainArgs, split: str, env: DistEnv, bucket_mib: float = 25.0) -> dict:
     """Train and report on this rank; returns the summary."""
     profile = load_profile(args.profile, world_size=env.world) if args.profile is not None else None
     lengths = split_lengths(split, args.batch, env.world, profile)
     spec = models.get(args.model)
     model, config = args.build()
     model = model.to(device=env.device, dtype=args.torch_dtype)
-    ddp_model = wrap(model, env)
+    ddp_model = wrap(model, env, bucket_mib)
     inputs = local_batch(spec, config, lengths, env.rank, args.seed, env.device, args.torch_dtype)
     optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
     step = DDPStep(ddp_model, inputs, env.world)
@@ -128,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     ok = False
     try:
-        run(args, ns.split, env)
+        run(args, ns.split, env, ns.bucket_mib)
         ok = True
         return 0
     except HapdError as exc:
