@@ -4,6 +4,7 @@
     .venv/bin/python bench/emulated_cluster.py --quick            # one model, few iterations, 3:1
     .venv/bin/python bench/emulated_cluster.py --models bert,vit --variants 3:1
     .venv/bin/python bench/emulated_cluster.py                    # bert,vit,bert_moe × 3:1,2:1,1:1
+    .venv/bin/python bench/emulated_cluster.py --models all --variants 3:1   # every benchmark model
 
 Needs root (network namespaces, tc, cpu cgroups v1); without it, prints why and exits 0.
 
@@ -28,8 +29,8 @@ Emulated cluster (DESIGN.md §5), built and torn down by this script:
   rank's speed. One thread per rank (``OMP_NUM_THREADS=1``).
 
 Models: the ``small`` presets by default (width 256, 4 layers, 3–9M parameters; a fast
-rank trains them at ~90% of its 512³-matmul FLOP/s, where the 32-wide ``tiny`` ones
-reach 20–30%), global batch 64 (``--size``, ``--batch``, ``--layers`` override).
+rank trains them at 55–90% of its 512³-matmul FLOP/s depending on the machine — measured
+and printed every run — where the 32-wide ``tiny`` ones reach 20–30%), global batch 64 (``--size``, ``--batch``, ``--layers`` override).
 
 Per variant: profile the cluster (``hapd.profiler`` on the 4 ranks through the daemons,
 each rank in its cgroup), then per model, through the launcher (``./run_all``'s
@@ -372,6 +373,18 @@ def explain_plan(model: str, size: str, batch: int, layers: int | None, profile:
 # ----------------------------------------------------------------------------- table
 
 
+def model_names(text: str) -> list[str]:
+    """``--models``: 'all' (every benchmark model) or a comma-separated list of them."""
+    from hapd.models import MODELS
+
+    names = list(MODELS) if text.strip() == "all" else [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown or not names:
+        raise SystemExit(f"emulated_cluster: --models {text!r}: unknown {unknown or 'empty'}; "
+                         f"choose from {', '.join(MODELS)} or 'all'")
+    return names
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
@@ -505,7 +518,8 @@ def write_png(rows: list[dict], path: Path, title: str = "") -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="bert,vit,bert_moe")
+    p.add_argument("--models", default="bert,vit,bert_moe",
+                   help="comma-separated benchmark models, or 'all' (default: the transformers)")
     p.add_argument("--variants", default="3:1,2:1,1:1", help="fast:slow quota ratios (1:1 = homogeneous control)")
     p.add_argument("--rate-mbit", type=float, default=None,
                    help=f"link rate (default: fast rank matmul FLOP/s / {FLOP_PER_BYTE:.0f} FLOP/B)")
@@ -570,7 +584,7 @@ def main(argv=None) -> int:
         return 0
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background (SIGINT ignored)
-    models_ = [m for m in ns.models.split(",") if m]
+    models_ = model_names(ns.models)
     variants = [v for v in ns.variants.split(",") if v]
     work = Path(tempfile.mkdtemp(prefix="hapd-emulated-"))
     cluster = None

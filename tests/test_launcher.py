@@ -347,7 +347,8 @@ def test_a_killed_launcher_takes_its_local_daemon_and_ranks_along(launcher_env, 
         while Path(daemons[0]).exists() and _cmdline(daemons[0]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _cmdline(daemons[0]), "the local daemon outlived its launcher"
-        assert_no_orphans(job, within=2)
+        # the documented bound: SIGTERM to each rank's group, SIGKILL 5 s later (slack for a loaded machine)
+        assert_no_orphans(job, within=8)
     finally:
         kill_job(job)
 
