@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -146,7 +147,12 @@ def make_cluster_class():
 
 def parse_variant(text: str) -> tuple[float, float]:
     """'3:1' → quotas (fast, slow) in cores, 2 fast + 2 slow summing to 2 cores."""
-    fast, slow = (float(x) for x in text.split(":"))
+    try:
+        fast, slow = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"variant {text!r} is not FAST:SLOW (e.g. 3:1)") from None
+    if not (fast > 0 and slow > 0 and math.isfinite(fast) and math.isfinite(slow)):
+        raise ValueError(f"variant {text!r}: both parts must be positive numbers")
     scale = 2.0 / (2 * fast + 2 * slow)
     return fast * scale, slow * scale
 
@@ -380,7 +386,7 @@ def model_names(text: str) -> list[str]:
     names = list(MODELS) if text.strip() == "all" else [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODELS]
     if unknown or not names:
-        raise SystemExit(f"emulated_cluster: --models {text!r}: unknown {unknown or 'empty'}; "
+        raise ValueError(f"--models {text!r}: unknown {unknown or 'empty'}; "
                          f"choose from {', '.join(MODELS)} or 'all'")
     return names
 
@@ -423,7 +429,8 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         f = lambda k, fmt: fmt.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
         if r.get("error"):
-            out.append(f"{r['variant']:>7} {r['model']:>9} {r['system']:>7}  FAILED: {r['error'].strip()[-80:]}")
+            last = (r["error"].strip().splitlines() or [""])[-1]  # a traceback's last line names the error
+            out.append(f"{r['variant']:>7} {r['model']:>9} {r['system']:>7}  FAILED: {last[-80:]}")
             continue
         out.append(f"{r['variant']:>7} {r['model']:>9} {r['system']:>7} {_ms(r['mean_s']):>9} {_ms(r['std_s']):>7} "
                    f"{f('speedup_vs_ev', '{:.2f}x'):>6} {f('speedup_vs_cp', '{:.2f}x'):>6} "
@@ -578,14 +585,22 @@ def main(argv=None) -> int:
     if ns.from_json is not None:
         report(json.loads(ns.from_json.read_text()), None)
         return 0
+    variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
+    try:
+        models_ = model_names(ns.models)
+        if not variants:
+            raise ValueError("--variants is empty")
+        for v in variants:
+            parse_variant(v)
+    except ValueError as e:
+        print(f"emulated_cluster: {e}", file=sys.stderr)
+        return 2
     why = available()
     if why:
         print(f"emulated_cluster: skipped: {why}")
         return 0
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background (SIGINT ignored)
-    models_ = model_names(ns.models)
-    variants = [v for v in ns.variants.split(",") if v]
     work = Path(tempfile.mkdtemp(prefix="hapd-emulated-"))
     cluster = None
     results: dict[str, Any] = {"variants": {}, "period_us": PERIOD_US, "flop_per_byte": FLOP_PER_BYTE,

@@ -1,0 +1,111 @@
+"""The emulated-cluster benchmark's arithmetic: variants, model lists, the table's
+speed-ups, fraction of ideal and cost-model error, and the targets it prints. Nothing
+here builds a cluster (that needs root and half an hour: ``bench/emulated_cluster.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("hapd_bench_emulated", ROOT / "bench" / "emulated_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(system: str, mean: float, estimate: float | None = None) -> dict:
+    row = {"system": system, "mean_s": mean, "std_s": mean / 20}
+    if estimate is not None:
+        row["estimate_s"] = estimate
+    return row
+
+
+def _results(hapd: float, ev: float, cp: float, estimate: float, variant: str = "3:1") -> dict:
+    """One variant, one model of 100 GFLOP per iteration on devices summing to 50 GFLOP/s
+    (ideal: 2 s per iteration)."""
+    devices = [{"flops": 20e9}, {"flops": 20e9}, {"flops": 5e9}, {"flops": 5e9}]
+    return {"variants": {variant: {"profile_devices": devices, "models": {"bert": {
+        "flops": 100e9, "runs": [_run("hapd", hapd, estimate), _run("ddp-ev", ev), _run("ddp-cp", cp)]}}}}}
+
+
+def test_variants_scale_to_the_machines_two_cores(bench):
+    assert bench.parse_variant("3:1") == pytest.approx((0.75, 0.25))
+    assert bench.parse_variant("1:1") == pytest.approx((0.5, 0.5))
+    fast, slow = bench.parse_variant("2:1")
+    assert 2 * fast + 2 * slow == pytest.approx(2.0) and fast == pytest.approx(2 * slow)
+
+
+@pytest.mark.parametrize("text", ["3", "3:x", "0:1", "3:-1", "1:2:3", "inf:1"])
+def test_a_bad_variant_is_named(bench, text):
+    with pytest.raises(ValueError, match="variant"):
+        bench.parse_variant(text)
+
+
+def test_models_all_and_unknown(bench):
+    from hapd.models import MODELS
+
+    assert bench.model_names("all") == list(MODELS)
+    assert bench.model_names(" bert, vit ") == ["bert", "vit"]
+    with pytest.raises(ValueError, match="unknown.*nope"):
+        bench.model_names("bert,nope")
+
+
+def test_summary_speedups_ideal_and_error(bench):
+    rows = bench.summarize(_results(hapd=4.0, ev=8.0, cp=5.0, estimate=4.4))
+    hapd = next(r for r in rows if r["system"] == "hapd")
+    assert hapd["speedup_vs_ev"] == pytest.approx(2.0)
+    assert hapd["speedup_vs_cp"] == pytest.approx(1.25)
+    assert hapd["fraction_of_ideal"] == pytest.approx(0.5)  # 2 s ideal / 4 s measured
+    assert hapd["rel_error"] == pytest.approx(0.1)
+    ev = next(r for r in rows if r["system"] == "ddp-ev")
+    assert ev["fraction_of_ideal"] == pytest.approx(0.25) and "speedup_vs_ev" not in ev
+
+
+def test_targets_report_met_and_missed(bench):
+    lines = bench.targets(bench.summarize(_results(hapd=4.0, ev=8.0, cp=4.4, estimate=4.8)))
+    text = "\n".join(lines)
+    assert "MET  3:1 bert: hapd 2.00x EV" in text
+    assert "MISS 3:1 bert: hapd 1.10x CP" in text
+    assert "MISS 3:1 bert: hapd at 50% of ideal" in text
+    assert "MISS cost-model median |relative error| 20.0%" in text
+
+
+def test_homogeneous_control_compares_with_ddp(bench):
+    lines = bench.targets(bench.summarize(_results(hapd=2.2, ev=2.0, cp=2.0, estimate=2.2, variant="1:1")))
+    assert any(line.startswith("MISS 1:1 bert: hapd/DDP time 1.10") for line in lines)
+    lines = bench.targets(bench.summarize(_results(hapd=2.0, ev=2.05, cp=2.0, estimate=2.0, variant="1:1")))
+    assert any(line.startswith("MET  1:1 bert: hapd/DDP time 0.98") for line in lines)
+
+
+def test_a_failed_run_is_a_table_row_not_a_crash(bench):
+    results = _results(hapd=4.0, ev=8.0, cp=5.0, estimate=4.4)
+    runs = results["variants"]["3:1"]["models"]["bert"]["runs"]
+    runs[2] = {"system": "ddp-cp", "error": "rank 3 exited 1\nTraceback: boom"}
+    rows = bench.summarize(results)
+    hapd = next(r for r in rows if r["system"] == "hapd")
+    assert "speedup_vs_cp" not in hapd and hapd["speedup_vs_ev"] == pytest.approx(2.0)
+    table = bench.format_table(rows)
+    assert "ddp-cp  FAILED: Traceback: boom" in table and len(table.splitlines()) == 2 + 3
+
+
+def test_a_saved_run_is_reprinted_and_bad_arguments_exit_2(tmp_path):
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(_results(hapd=4.0, ev=8.0, cp=5.0, estimate=4.4)))
+    script = str(ROOT / "bench" / "emulated_cluster.py")
+    done = subprocess.run([sys.executable, script, "--from-json", str(saved)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "MET  3:1 bert: hapd 2.00x EV" in done.stdout and "1.25x" in done.stdout
+    for args, message in ((["--variants", "3:x"], "not FAST:SLOW"), (["--models", "nope"], "unknown")):
+        done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr
