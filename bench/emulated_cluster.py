@@ -30,7 +30,8 @@ Emulated cluster (DESIGN.md §5), built and torn down by this script:
 
 Models: the ``small`` presets by default (width 256, 4 layers, 3–9M parameters; a fast
 rank trains them at 55–90% of its 512³-matmul FLOP/s depending on the machine — measured
-and printed every run — where the 32-wide ``tiny`` ones reach 20–30%), global batch 64 (``--size``, ``--batch``, ``--layers`` override).
+and printed every run — where the 32-wide ``tiny`` ones reach 20–30%), global batch 64
+(``--size``, ``--batch``, ``--layers`` override).
 
 Per variant: profile the cluster (``hapd.profiler`` on the 4 ranks through the daemons,
 each rank in its cgroup), then per model, through the launcher (``./run_all``'s
@@ -47,7 +48,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -143,6 +143,18 @@ def make_cluster_class():
                           "rate", f"{rate_kbit}kbit", "burst", str(burst), "latency", "200ms")
 
     return EmulatedCluster
+
+
+def model_names(text: str) -> list[str]:
+    """``--models``: 'all' (every benchmark model) or a comma-separated list of them."""
+    from hapd.models import MODELS
+
+    names = list(MODELS) if text.strip() == "all" else [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown or not names:
+        raise ValueError(f"--models {text!r}: unknown {unknown or 'empty'}; "
+                         f"choose from {', '.join(MODELS)} or 'all'")
+    return names
 
 
 def parse_variant(text: str) -> tuple[float, float]:
@@ -311,7 +323,6 @@ class Runner:
 
 def model_flops(model: str, size: str, batch: int, layers: int | None) -> float:
     """FLOPs of one training iteration (forward + backward) on the global batch."""
-    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     sys.path.insert(0, str(ROOT))
@@ -377,18 +388,6 @@ def explain_plan(model: str, size: str, batch: int, layers: int | None, profile:
 
 
 # ----------------------------------------------------------------------------- table
-
-
-def model_names(text: str) -> list[str]:
-    """``--models``: 'all' (every benchmark model) or a comma-separated list of them."""
-    from hapd.models import MODELS
-
-    names = list(MODELS) if text.strip() == "all" else [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODELS]
-    if unknown or not names:
-        raise ValueError(f"--models {text!r}: unknown {unknown or 'empty'}; "
-                         f"choose from {', '.join(MODELS)} or 'all'")
-    return names
 
 
 def _ms(x: float | None) -> str:
@@ -585,13 +584,11 @@ def main(argv=None) -> int:
     if ns.from_json is not None:
         report(json.loads(ns.from_json.read_text()), None)
         return 0
-    variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
     try:
         models_ = model_names(ns.models)
+        variants = {v.strip(): parse_variant(v.strip()) for v in ns.variants.split(",") if v.strip()}
         if not variants:
             raise ValueError("--variants is empty")
-        for v in variants:
-            parse_variant(v)
     except ValueError as e:
         print(f"emulated_cluster: {e}", file=sys.stderr)
         return 2
@@ -608,7 +605,7 @@ def main(argv=None) -> int:
     try:
         os.environ.setdefault("HAPD_HOME", str(work / "home"))
         # the fast rank's speed sets the link rate
-        fast_quota = max(parse_variant(v)[0] for v in variants)
+        fast_quota = max(fast for fast, _ in variants.values())
         groups = setup_cgroups([fast_quota] * 4)
         rank_flops = measure_rank_flops(groups[0])
         rate = ns.rate_mbit or rank_flops / FLOP_PER_BYTE * 8 / 1e6
@@ -634,8 +631,7 @@ def main(argv=None) -> int:
         runner = Runner(cluster, work, hostfile, groups, ns.verbose)
 
         flops_cache: dict[tuple, float] = {}
-        for variant in variants:
-            fast, slow = parse_variant(variant)
+        for variant, (fast, slow) in variants.items():
             setup_cgroups([fast, fast, slow, slow])
             log(f"variant {variant}: quotas {fast:.3f},{fast:.3f},{slow:.3f},{slow:.3f} cores (period {PERIOD_US} us)")
             prof_path = work / f"profile-{variant.replace(':', 'to')}.json"

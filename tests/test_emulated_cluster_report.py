@@ -4,7 +4,6 @@ here builds a cluster (that needs root and half an hour: ``bench/emulated_cluste
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,15 +11,14 @@ from pathlib import Path
 
 import pytest
 
+import _bench
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("hapd_bench_emulated", ROOT / "bench" / "emulated_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _bench.load("emulated_cluster")
 
 
 def _run(system: str, mean: float, estimate: float | None = None) -> dict:

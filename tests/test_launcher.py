@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import _bench
 import pytest
 
 from hapd.client import Client
@@ -43,17 +44,7 @@ pytestmark = pytest.mark.daemon
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_bench():
-    name = "hapd_bench_launcher"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "launcher.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-bench = _load_bench()
+bench = _bench.load("launcher")
 
 SLEEPER = """\
 import os, subprocess, sys, time
