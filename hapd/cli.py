@@ -187,6 +187,7 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
     import logging
     import signal
     import threading
+    import time
 
     from hapd.daemon import Daemon, DaemonConfig
     from hapd.keys import default_key_path, home_dir
@@ -212,12 +213,18 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
         max_body_bytes=max_request_bytes, options=_parse_overrides(options), relp=relp, **extra,
     )
     stop = threading.Event()
+    first_signal: list[float] = []
 
     def on_signal(signum: int, _frame: object) -> None:
-        if stop.is_set():  # a second signal: stop now
+        # A second signal a second or more after the first: stop now. Closer ones are the
+        # same request: the kernel repeats a parent-death signal as each thread of the
+        # dying launcher exits.
+        if stop.is_set() and first_signal and time.monotonic() - first_signal[0] >= 1.0:
             raise KeyboardInterrupt
-        logging.getLogger("hapd.daemon").info("%s: stopping", signal.Signals(signum).name)
-        stop.set()
+        if not stop.is_set():
+            first_signal.append(time.monotonic())
+            logging.getLogger("hapd.daemon").info("%s: stopping", signal.Signals(signum).name)
+            stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

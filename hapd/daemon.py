@@ -230,7 +230,12 @@ class Daemon:
             self._setup()
             self._serve()
         finally:
-            self._teardown()
+            try:
+                self._teardown()
+            except BaseException:  # stopped hard (a second signal): ranks still never outlive the daemon
+                if self.jobs is not None:
+                    self.jobs.kill_all()
+                raise
 
     def _setup(self) -> None:
         cfg = self.config

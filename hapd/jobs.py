@@ -378,6 +378,15 @@ class JobManager:
                     except subprocess.TimeoutExpired:
                         self._kill(job, signal.SIGKILL)
 
+    def kill_all(self) -> None:
+        """SIGKILL every rank of every unfinished job, without waiting: the daemon's
+        last act when its orderly :meth:`shutdown` was interrupted."""
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if not j.finished]
+        for job in jobs:
+            job.cancelled.set()
+            self._kill(job, signal.SIGKILL)
+
     def _trim(self) -> None:
         finished = [k for k, j in self._jobs.items() if j.finished]
         for k in finished[: max(0, len(finished) - self.keep_finished)]:
