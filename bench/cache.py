@@ -15,7 +15,7 @@ exports a tiny benchmark model with ``hapd.export`` and lowers it, then measures
   exists, also for the ``.pt2``; and renamed from a hidden name in the folder itself;
 - in-API compile hit: ``Client.compile`` round trip for the cached graph (signing,
   loopback TCP, verification and the cache read included);
-- lp-only: re-planning the paper-8 plan for paper-16 (:func:`hapd.replan.relp_plan`)
+- lp-only: re-planning the paper-8 plan for paper-16 (:func:`hapd.compiler.replan.relp_plan`)
   against a full compile for paper-16 (both in this process), and the daemon's first
   compile for paper-16 of the graph it has cached for paper-8.
 
@@ -38,13 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
-from hapd.client import Client  # noqa: E402
-from hapd.compiler import CompileOptions  # noqa: E402
-from hapd.compiler import compile as compile_plan  # noqa: E402
-from hapd.frontend import export  # noqa: E402
-from hapd.ir import lower  # noqa: E402
-from hapd.profile import load_profile  # noqa: E402
-from hapd.replan import relp_plan  # noqa: E402
+from hapd.serve.client import Client  # noqa: E402
+from hapd.compiler.driver import CompileOptions  # noqa: E402
+from hapd.compiler.driver import compile as compile_plan  # noqa: E402
+from hapd.compiler.export import export  # noqa: E402
+from hapd.compiler.lower import lower  # noqa: E402
+from hapd.profile.schema import load_profile  # noqa: E402
+from hapd.compiler.replan import relp_plan  # noqa: E402
 
 
 def start_daemon(home: Path) -> tuple[subprocess.Popen, str]:

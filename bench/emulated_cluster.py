@@ -33,7 +33,7 @@ rank trains them at 55–90% of its 512³-matmul FLOP/s depending on the machine
 and printed every run — where the 32-wide ``tiny`` ones reach 20–30%), global batch 64
 (``--size``, ``--batch``, ``--layers`` override).
 
-Per variant: profile the cluster (``hapd.profiler`` on the 4 ranks through the daemons,
+Per variant: profile the cluster (``hapd.profile.profiler`` on the 4 ranks through the daemons,
 each rank in its cgroup), then per model, through the launcher (``./run_all``'s
 ``python -m launcher run``): hapd's plan (``worker.py --profile``), DP-EV (``ddp.py --split
 even``) and DP-CP (``ddp.py --split flops --profile``). Prints one table, writes
@@ -228,7 +228,7 @@ def measure_rank_flops(group: Path, seconds: float = 1.5) -> float:
 PROFILE_SHIM = '''\
 import os, sys
 os.environ["HAPD_HOST"] = "emu" + os.environ.get("GROUP_RANK", "0")
-from hapd.profiler import main
+from hapd.profile.profiler import main
 sys.exit(main(sys.argv[1:]))
 '''
 
@@ -382,7 +382,7 @@ def explain_plan(model: str, size: str, batch: int, layers: int | None, profile:
         if done.returncode != 0:
             return text + f"\n{' '.join(step)} failed: {done.stderr[-1500:]}", {}
         text = done.stdout
-    from hapd.plan import Plan
+    from hapd.compiler.plan import Plan
 
     return text, dict(Plan.load(str(base) + ".hplan").estimate)
 

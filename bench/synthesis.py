@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
-from hapd.compiler import compile as compile_plan  # noqa: E402
-from hapd.frontend import export  # noqa: E402
-from hapd.ir import lower  # noqa: E402
+from hapd.compiler.driver import compile as compile_plan  # noqa: E402
+from hapd.compiler.export import export  # noqa: E402
+from hapd.compiler.lower import lower  # noqa: E402
 
 
 def paper_graph(name: str, layers: int, world: int):

@@ -1,7 +1,7 @@
 """hapd: automatic SPMD training for PyTorch on heterogeneous GPU clusters.
 
 Heavy entry points (they import torch) load on first use, so light modules such as
-``hapd.errors`` and ``hapd.client`` stay cheap to import.
+``hapd.errors`` and ``hapd.serve.client`` stay cheap to import.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "export": "hapd.frontend",
-    "lower": "hapd.ir",
-    "GraphIR": "hapd.ir",
-    "inspect_graph": "hapd.inspect",
-    "compile": "hapd.compiler",
-    "CompileOptions": "hapd.compiler",
-    "Plan": "hapd.plan",
-    "load_profile": "hapd.profile",
+    "export": "hapd.compiler.export",
+    "lower": "hapd.compiler.lower",
+    "GraphIR": "hapd.compiler.lower",
+    "inspect_graph": "hapd.compiler.summary",
+    "compile": "hapd.compiler.driver",
+    "CompileOptions": "hapd.compiler.driver",
+    "Plan": "hapd.compiler.plan",
+    "load_profile": "hapd.profile.schema",
+    "distribute": "hapd.runtime.rewrite",
 }
 
 

@@ -61,9 +61,9 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
     llama_block) or MODULE:FACTORY, a callable returning (module, example_inputs) that
     may take a ``batch`` keyword.
     """
-    from hapd.frontend import call_factory, export, load_factory
-    from hapd.inspect import format_summary, inspect_graph
-    from hapd.ir import lower
+    from hapd.compiler.export import call_factory, export, load_factory
+    from hapd.compiler.summary import format_summary, inspect_graph
+    from hapd.compiler.lower import lower
 
     if ":" in model:
         module, inputs = call_factory(load_factory(model), batch)
@@ -97,7 +97,7 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
 @click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Output .hapg (default beside it).")
 def lower_cmd(program: Path, out: Path | None) -> None:
     """Lower an exported .pt2 PROGRAM to the graph IR (.hapg)."""
-    from hapd.ir import lower
+    from hapd.compiler.lower import lower
 
     ir = lower(program)
     out = out or program.with_suffix(".hapg")
@@ -111,7 +111,7 @@ def lower_cmd(program: Path, out: Path | None) -> None:
 def inspect_cmd(file: Path) -> None:
     """Print a graph's IR summary: ops by count, parameters, opaque ops. FILE is a
     .pt2 program or a .hapg graph."""
-    from hapd.inspect import format_summary, inspect_graph
+    from hapd.compiler.summary import format_summary, inspect_graph
 
     click.echo(format_summary(inspect_graph(file)))
 
@@ -125,7 +125,7 @@ def inspect_cmd(file: Path) -> None:
 @click.option("--explain/--no-explain", "show", default=False, help="Print the full report.")
 def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, max_seconds: float | None, show: bool) -> None:
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
-    from hapd.compiler import CompileOptions, compile as compile_plan
+    from hapd.compiler.driver import CompileOptions, compile as compile_plan
 
     plan = compile_plan(graph, profile, CompileOptions(zero=zero, max_seconds=max_seconds))
     path = plan.save(out or graph.with_suffix(".hplan"))
@@ -143,7 +143,7 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, max_sec
 @click.argument("plan", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def explain_cmd(plan: Path) -> None:
     """Print a plan for a person: estimate, ratios, every step's layouts and collectives."""
-    from hapd.plan import Plan
+    from hapd.compiler.plan import Plan
 
     click.echo(Plan.load(plan).explain())
 
@@ -189,9 +189,9 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
     import threading
     import time
 
-    from hapd.daemon import Daemon, DaemonConfig
-    from hapd.keys import default_key_path, home_dir
-    from hapd.protocol import DEFAULT_ADDRESS
+    from hapd.serve.daemon import Daemon, DaemonConfig
+    from hapd.serve.keys import default_key_path, home_dir
+    from hapd.serve.protocol import DEFAULT_ADDRESS
 
     if key_file is None:
         key_file = default_key_path() if home is None else home / "key"
@@ -240,7 +240,7 @@ def ping_cmd(address: str | None, key_file: Path | None, timeout: float) -> None
     """Ask the daemon at ADDRESS (default $HAPD_DAEMON or tcp://127.0.0.1:5557) who it is."""
     import time
 
-    from hapd.client import Client
+    from hapd.serve.client import Client
 
     with Client(address, key_file, timeout) as client:
         start = time.perf_counter()
@@ -283,7 +283,7 @@ def profile_cmd(nproc: int | None, out: Path, quick: bool, sizes: str | None, re
     with --nnodes/--node-rank/--master-addr (and GLOO_SOCKET_IFNAME set to the interface
     between them), or ``./run_all --profile`` through the daemons; see profiles/README.md.
     """
-    from hapd.profiler import ProfilerOptions, Rendezvous, default_nproc, launch_local, parse_sizes
+    from hapd.profile.profiler import ProfilerOptions, Rendezvous, default_nproc, launch_local, parse_sizes
 
     given: dict[str, object] = {"dtype": dtype, "name": name}
     if sizes is not None:

@@ -143,8 +143,8 @@ def _run(hosts: list[Host] | None, options: JobOptions) -> JobResult:
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True)
 def check_cmd(hosts: Path, nproc: int | None, key_file: Path | None, timeout: float) -> None:
     """Ping every daemon of a host file (key, protocol version, free slots); start nothing."""
-    from hapd.client import Client
-    from hapd.keys import default_key_path, load_key
+    from hapd.serve.client import Client
+    from hapd.serve.keys import default_key_path, load_key
 
     placements = place(load_hosts(hosts), nproc)
     key = load_key(key_file or default_key_path())
@@ -163,11 +163,11 @@ def check_cmd(hosts: Path, nproc: int | None, key_file: Path | None, timeout: fl
 # ----------------------------------------------------------------------------- profile
 
 PROFILE_SHIM = '''\
-"""Rank side of `python -m launcher profile`: hapd.profiler, then (rank 0) the profile
+"""Rank side of `python -m launcher profile`: hapd.profile.profiler, then (rank 0) the profile
 as `{"hapd": "profile-part"}` lines the launcher reassembles (a daemon splits lines
 longer than 64 KiB)."""
 import json, os, sys, tempfile
-from hapd.profiler import main
+from hapd.profile.profiler import main
 out = os.path.join(tempfile.mkdtemp(prefix="hapd-profile-"), "profile.json")
 code = main([*sys.argv[1:], "--out", out])
 if code == 0 and os.path.exists(out):
@@ -183,7 +183,7 @@ sys.exit(code)
 def profiler_available() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("hapd.profiler") is not None
+    return importlib.util.find_spec("hapd.profile.profiler") is not None
 
 
 @main.command("profile", context_settings={"ignore_unknown_options": True})
@@ -199,7 +199,7 @@ def profile_cmd(profiler_args: tuple[str, ...], hosts: Path | None, nproc: int |
     write the profile rank 0 measured to OUT. With several hosts, every rank's host is
     named as in the host file (HAPD_HOST)."""
     if not profiler_available():
-        raise click.ClickException("profiling is not available: this hapd has no hapd.profiler module")
+        raise click.ClickException("profiling is not available: this hapd has no hapd.profile.profiler module")
     host_list = _hosts(hosts)
     env_map = _env_pairs(env)
     with tempfile.TemporaryDirectory(prefix="hapd-launcher-") as tmp:

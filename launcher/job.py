@@ -59,10 +59,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
-from hapd.client import Client, default_address
+from hapd.serve.client import Client, default_address
 from hapd.errors import DaemonTimeout, HapdError, OptionsError
-from hapd.keys import default_key_path, home_dir, load_key
-from hapd.protocol import PROTOCOL_VERSION
+from hapd.serve.keys import default_key_path, home_dir, load_key
+from hapd.serve.protocol import PROTOCOL_VERSION
 
 from launcher.hosts import Host
 from launcher.report import Timings, build_report, format_table, write_report

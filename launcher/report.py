@@ -1,7 +1,7 @@
 """Per-iteration timings the ranks print, gathered into one table and one JSON file.
 
 A training script's stdout lines that are JSON objects with a ``"hapd"`` key are for
-the launcher (:mod:`hapd.training` documents them): ``{"hapd": "timings", ...}`` once per
+the launcher (:mod:`hapd.runtime.training` documents them): ``{"hapd": "timings", ...}`` once per
 rank (``iteration_s``: seconds of every timed iteration, the first ``warmup`` of them
 warm-up) and ``{"hapd": "summary", ...}`` once on rank 0. :class:`Timings` collects
 them from the event stream (the launcher's ``[rank N]`` prefix is never part of the

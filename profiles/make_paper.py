@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hapd.profile import Device, Link, Profile
+from hapd.profile.schema import Device, Link, Profile
 
 V100, P100 = 3_858_755_112_937.0, 2_149_250_936_815.0
 MEMORY = 16 * 2**30

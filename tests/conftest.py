@@ -39,7 +39,7 @@ class Lowered(NamedTuple):
 
     name: str
     program: Any  # torch.export.ExportedProgram
-    ir: Any  # hapd.ir.GraphIR
+    ir: Any  # hapd.compiler.lower.GraphIR
     doc: dict[str, Any]
 
 

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import hapd
-from hapd import _core, ir
+from hapd import _core
+from hapd.compiler import lower as ir
 
 
 def test_extension_is_an_abi3_build() -> None:

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import hapd.cache as cache_mod
-from hapd.cache import CacheKey, PlanCache, _pack_entry
-from hapd.compiler import CompileOptions
-from hapd.compiler import compile as compile_plan
+import hapd.serve.cache as cache_mod
+from hapd.serve.cache import CacheKey, PlanCache, _pack_entry
+from hapd.compiler.driver import CompileOptions
+from hapd.compiler.driver import compile as compile_plan
 from hapd.errors import SynthesisError
-from hapd.plan import Plan
-from hapd.profile import load_profile
+from hapd.compiler.plan import Plan
+from hapd.profile.schema import load_profile
 
 OPTIONS = CompileOptions()
 
@@ -190,7 +190,7 @@ def test_compile_paths_hit_miss_and_lp_only(tmp_path, bert, profiles, compiled):
 
 
 def test_lp_only_falls_back_to_a_full_compile(tmp_path, bert, profiles, monkeypatch):
-    import hapd.replan
+    import hapd.compiler.replan
 
     p8, p16 = profiles
     cache = PlanCache(tmp_path, 10**8)
@@ -199,7 +199,7 @@ def test_lp_only_falls_back_to_a_full_compile(tmp_path, bert, profiles, monkeypa
     def unfit(*args, **kwargs):
         raise SynthesisError("the program does not fit")
 
-    monkeypatch.setattr(hapd.replan, "relp_plan", unfit)
+    monkeypatch.setattr(hapd.compiler.replan, "relp_plan", unfit)
     served = cache.compile(bert, p16, OPTIONS)
     assert served.path == "miss" and "path" not in served.plan.doc["stats"]
 

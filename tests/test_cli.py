@@ -15,7 +15,7 @@ from conftest import make_fixtures
 
 from hapd import _core, __version__
 from hapd.cli import main
-from hapd.ir import GraphIR, lower
+from hapd.compiler.lower import GraphIR, lower
 
 HAPD = Path(sys.executable).with_name("hapd")
 """The console script installed beside the interpreter."""

@@ -19,11 +19,11 @@ import msgpack
 import pytest
 import zmq
 
-from hapd.cache import CacheKey, PlanCache, _parse_header
-from hapd.client import Client, DaemonTimeout
+from hapd.serve.cache import CacheKey, PlanCache, _parse_header
+from hapd.serve.client import Client, DaemonTimeout
 from hapd.errors import RemoteError
-from hapd.plan import Plan
-from hapd.protocol import MAGIC, Session
+from hapd.compiler.plan import Plan
+from hapd.serve.protocol import MAGIC, Session
 
 pytestmark = pytest.mark.daemon
 
@@ -120,7 +120,7 @@ def daemon(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mlp_pt2(tmp_path_factory) -> bytes:
     import hapd.models as models
-    from hapd.frontend import export
+    from hapd.compiler.export import export
 
     spec = models.get("mlp")
     model, config = models.build("mlp", "tiny")
@@ -448,8 +448,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigkill_during_a_compile_then_restart(tmp_path, fixture_bytes):
-    from hapd.compiler import CompileOptions
-    from hapd.profile import estimated_profile
+    from hapd.compiler.driver import CompileOptions
+    from hapd.profile.schema import estimated_profile
 
     world = 3000  # large enough that one compile takes about a second
     profile = estimated_profile(world, flops=[1e12 * (1 + i % 3) for i in range(world)], hosts=[f"h{i // 8}" for i in range(world)], name="big")
@@ -511,7 +511,7 @@ def test_sigkill_during_a_compile_then_restart(tmp_path, fixture_bytes):
 
 
 def test_non_loopback_bind_needs_to_be_explicit(tmp_path):
-    from hapd.daemon import DaemonConfig, is_loopback
+    from hapd.serve.daemon import DaemonConfig, is_loopback
     from hapd.errors import OptionsError
 
     assert is_loopback("tcp://127.0.0.1:5557") and is_loopback("tcp://[::1]:1") and is_loopback("ipc:///tmp/x")

@@ -22,8 +22,8 @@ from conftest import MODEL_NAMES
 
 import hapd
 from hapd import models
-from hapd.compiler import CompileOptions
-from hapd.profile import COLLECTIVES, estimated_profile
+from hapd.compiler.driver import CompileOptions
+from hapd.profile.schema import COLLECTIVES, estimated_profile
 
 BATCH = 8
 STEPS = 20
@@ -130,8 +130,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
 
 
 def _run_case(rank: int, world: int, case: Case) -> dict[str, Any]:
-    from hapd.plan import Plan
-    from hapd.runtime import distribute, global_loss
+    from hapd.compiler.plan import Plan
+    from hapd.runtime.rewrite import distribute, global_loss
 
     program = torch.export.load(io.BytesIO(case.program))
     plan = Plan.from_bytes(case.plan)
@@ -250,9 +250,9 @@ def test_cases_exercise_every_collective_and_adapted_rule(results):
 def _run_two_level(rank: int, world: int, case: Case, bucket_bytes: int) -> dict[str, Any]:
     """Gradients with replicated parameters summed in two levels over 2 emulated hosts
     of 2 ranks each; also the bare sum and when two levels do not apply."""
-    from hapd import collectives
-    from hapd.plan import Plan
-    from hapd.runtime import distribute, global_loss
+    from hapd.runtime import collectives
+    from hapd.compiler.plan import Plan
+    from hapd.runtime.rewrite import distribute, global_loss
 
     flat_cases = [collectives.host_groups([0] * world), collectives.host_groups(list(range(world)))]
     hosts = collectives.host_groups([0, 0, 1, 1])

@@ -22,7 +22,7 @@ import hapd
 from hapd import _core
 from hapd.errors import (ExportError, GraphFormatError, GraphValidationError, GraphVersionError, HapdError,
                          ShapeError)
-from hapd.ir import GRAPH_FORMAT, GRAPH_VERSION, GraphIR, canonical_bytes, canonical_op_name, load_exported, lower
+from hapd.compiler.lower import GRAPH_FORMAT, GRAPH_VERSION, GraphIR, canonical_bytes, canonical_op_name, load_exported, lower
 
 FUZZ = settings(max_examples=200, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hapd.errors import ProfileError
-from hapd.profile import COLLECTIVES, load_profile, profile_from_dict
+from hapd.profile.schema import COLLECTIVES, load_profile, profile_from_dict
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 

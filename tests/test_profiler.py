@@ -1,4 +1,4 @@
-"""The profiler (hapd/profiler.py, ``hapd profile``) and profile validation on load.
+"""The profiler (hapd/profile/profiler.py, ``hapd profile``) and profile validation on load.
 
 Unit tests (fit, sizes, memory, bad profiles) run anywhere. The distributed ones start
 real ranks: ``hapd profile --quick`` on 2 local Gloo ranks; a rank in a cpu cgroup with
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from hapd.errors import OptionsError, ProfileError
-from hapd.profile import COLLECTIVES, UNITS, Profile, load_profile, profile_from_dict
-from hapd.profiler import (ProfilerOptions, Rendezvous, _intra_groups, fit_alpha_beta, host_memory, host_name,
+from hapd.profile.schema import COLLECTIVES, UNITS, Profile, load_profile, profile_from_dict
+from hapd.profile.profiler import (ProfilerOptions, Rendezvous, _intra_groups, fit_alpha_beta, host_memory, host_name,
                            parse_size, parse_sizes)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def test_fit_recovers_alpha_and_beta():
 def test_bounds_when_times_do_not_grow():
     """A link so fast that latency noise hides the transfer (times seen on throttled
     ranks over loopback): α and β are bounded instead of failing the whole profile."""
-    from hapd.profiler import bound_alpha_beta
+    from hapd.profile.profiler import bound_alpha_beta
 
     sizes, times = [16384, 262144, 4194304], [7.59e-3, 2.87e-3, 3.54e-3]
     fit = bound_alpha_beta(sizes, times)
@@ -364,7 +364,7 @@ def _remove_cgroup(path: Path, mount: Path) -> None:
 
 _MATMUL_LOOP = """
 import os, sys, torch
-from hapd.profiler import matmul_flops
+from hapd.profile.profiler import matmul_flops
 torch.set_num_threads(1)
 os.setpriority(os.PRIO_PROCESS, 0, -20)  # root: other work on the machine barely slows it
 if len(sys.argv) > 1:
@@ -514,7 +514,7 @@ def test_tc_limited_link_measures_its_rate(shaped_veth, tmp_path):
 
 
 def test_measure_link_retries_then_bounds(monkeypatch, capsys):
-    import hapd.profiler as prof
+    import hapd.profile.profiler as prof
 
     bad = [(16384, 7.59e-3), (262144, 2.87e-3), (4194304, 3.54e-3)]
     good = [(16384, 1e-4), (262144, 3e-4), (4194304, 4e-3)]

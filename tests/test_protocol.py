@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hapd.errors import AuthError, GraphError, HapdError, ProtocolError
-from hapd.keys import load_key, load_or_create_key
-from hapd.protocol import MAGIC, PROTOCOL_VERSION, REPLIES, REQUESTS, Limits, Session, split_envelope, validate_body
+from hapd.serve.keys import load_key, load_or_create_key
+from hapd.serve.protocol import MAGIC, PROTOCOL_VERSION, REPLIES, REQUESTS, Limits, Session, split_envelope, validate_body
 
 KEY = bytes(range(32))
 OTHER = bytes(range(1, 33))
@@ -327,7 +327,7 @@ def test_fuzz_graph_ir_loader(data):
     """The core's graph reader (and, for graphs it accepts, a short search) raises a
     GraphError or another HapdError for any bytes: never a panic or a crash."""
     from hapd import _core
-    from hapd.profile import estimated_profile
+    from hapd.profile.schema import estimated_profile
 
     _count("graph IR")
     try:
@@ -352,6 +352,6 @@ def test_client_and_protocol_import_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, hapd.client, hapd.protocol, hapd.jobs; print(sorted(m for m in ('torch', 'pulp') if m in sys.modules))"
+    code = "import sys, hapd.serve.client, hapd.serve.protocol, hapd.serve.jobs; print(sorted(m for m in ('torch', 'pulp') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hapd.errors import SynthesisError
-from hapd.ratios import per_device, program_cost, sharding_lengths, solve_ratios
+from hapd.compiler.ratios import per_device, program_cost, sharding_lengths, solve_ratios
 
 
 @pytest.mark.parametrize(

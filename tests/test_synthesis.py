@@ -17,10 +17,10 @@ import pytest
 from conftest import FIXTURES, MODEL_NAMES
 
 import hapd
-from hapd.compiler import CompileOptions
+from hapd.compiler.driver import CompileOptions
 from hapd.errors import OptionsError, SynthesisError
-from hapd.plan import Plan
-from hapd.profile import profile_from_dict
+from hapd.compiler.plan import Plan
+from hapd.profile.schema import profile_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER8 = ROOT / "profiles" / "paper-8.json"
@@ -163,7 +163,7 @@ def test_fixed_ratios_are_kept(fixture_bytes):
 _INTERRUPTIBLE = """
 import sys, time
 from hapd import _core
-from hapd.profile import load_profile
+from hapd.profile.schema import load_profile
 graph = open(sys.argv[1], "rb").read()
 profile = load_profile("paper-64")
 print("started", flush=True)

@@ -1,4 +1,4 @@
-"""The training harness (hapd/training.py) and the DDP baseline (ddp.py, hapd/ddp.py):
+"""The training harness (hapd/runtime/training.py) and the DDP baseline (ddp.py, hapd/runtime/ddp.py):
 flags, data slicing, report format, torchrun end to end on 2 CPU ranks, and the
 baseline's exactness against single-process full-batch training."""
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from hapd import models
-from hapd.ddp import DDPStep, main, split_lengths, wrap
+from hapd.runtime.ddp import DDPStep, main, split_lengths, wrap
 from hapd.errors import HapdError
-from hapd.profile import Device, Link, Profile, load_profile
-from hapd.training import (DistEnv, TrainArgs, init_distributed, local_batch, summarize, trace_path,
+from hapd.profile.schema import Device, Link, Profile, load_profile
+from hapd.runtime.training import (DistEnv, TrainArgs, init_distributed, local_batch, summarize, trace_path,
                            train)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def test_bad_flags_exit_2_with_a_clear_message(argv, message, capsys):
 def test_defaults_and_trace_flag():
     import argparse
 
-    from hapd.training import add_train_flags, parse_train_args
+    from hapd.runtime.training import add_train_flags, parse_train_args
 
     parser = add_train_flags(argparse.ArgumentParser())
     args, _ = parse_train_args(parser, [])

@@ -12,10 +12,10 @@ import torch
 
 import hapd
 from hapd import models
-from hapd.compiler import CompileOptions
+from hapd.compiler.driver import CompileOptions
 from hapd.errors import PlanError
-from hapd.profile import estimated_profile
-from hapd.runtime import distribute
+from hapd.profile.schema import estimated_profile
+from hapd.runtime.rewrite import distribute
 
 ROOT = Path(__file__).resolve().parent.parent
 

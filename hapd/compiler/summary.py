@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hapd.ir import GraphIR
+from hapd.compiler.lower import GraphIR
 
 
 def inspect_graph(source: GraphIR | bytes | str | Path) -> dict[str, Any]:
@@ -26,7 +26,7 @@ def _as_ir(source: GraphIR | bytes | str | Path) -> GraphIR:
         return GraphIR(source)
     path = Path(source)
     if path.suffix == ".pt2":
-        from hapd.ir import lower
+        from hapd.compiler.lower import lower
 
         return lower(path)
     return GraphIR.load(path)

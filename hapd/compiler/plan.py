@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import msgpack
 
 from hapd.errors import PlanError
-from hapd.ratios import per_device, program_cost, row_values, sharding_lengths
+from hapd.compiler.ratios import per_device, program_cost, row_values, sharding_lengths
 
 PLAN_FORMAT = "hapd.plan"
 PLAN_VERSION = 1

@@ -14,7 +14,7 @@ error (:data:`UNITS`). ``flops`` is the achieved rate on matmul-heavy work;
 ``elementwise_flops`` (optional) the rate on element-wise work. ``intra`` (optional) is
 the cost within one host; ``inter`` across hosts. The **profile id** is the sha256 of
 the canonical form of the devices and collectives: names, descriptions, extra fields,
-key order and formatting do not change it. ``hapd profile`` (:mod:`hapd.profiler`)
+key order and formatting do not change it. ``hapd profile`` (:mod:`hapd.profile.profiler`)
 measures one.
 """
 
@@ -48,7 +48,7 @@ COLLECTIVES = (
 OPTIONAL_COLLECTIVES = ("grad_sync",)
 """Collectives a profile may give: ``grad_sync`` is the all-reduce of replicated
 parameters' gradient buckets as the runtime runs it on several hosts with several
-ranks each (within each host, then between hosts; ``hapd.collectives.HostGroups``).
+ranks each (within each host, then between hosts; ``hapd.runtime.collectives.HostGroups``).
 The cost model uses ``all_reduce`` where it is absent."""
 
 
@@ -294,7 +294,7 @@ def load_profile(source: str | Path | Mapping[str, Any] | Profile, *, world_size
         return profile_from_dict(source, world_size=world_size)
     path = Path(source)
     if not path.is_file():
-        bundled = Path(__file__).resolve().parent.parent / "profiles" / f"{path.name}.json"
+        bundled = Path(__file__).resolve().parents[2] / "profiles" / f"{path.name}.json"
         if path.suffix == "" and bundled.is_file():
             path = bundled
         else:

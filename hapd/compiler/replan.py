@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 from hapd.errors import PlanError
 
 if TYPE_CHECKING:
-    from hapd.compiler import CompileOptions
-    from hapd.plan import Plan
-    from hapd.profile import Profile
+    from hapd.compiler.driver import CompileOptions
+    from hapd.compiler.plan import Plan
+    from hapd.profile.schema import Profile
 
 
 def forced_rules(plan: "Plan") -> dict[str, str]:
@@ -42,8 +42,8 @@ def relp_plan(graph: bytes, old: "Plan", profile: "Profile", options: "CompileOp
     """``old``'s program re-costed for ``profile`` with the LP re-solved (see the module
     docstring). Raises a :class:`~hapd.errors.HapdError` when the program does not fit
     the new profile (the caller then compiles from scratch)."""
-    from hapd.compiler import compile as compile_plan
-    from hapd.plan import Plan
+    from hapd.compiler.driver import compile as compile_plan
+    from hapd.compiler.plan import Plan
 
     start = time.perf_counter()
     forced = {**forced_rules(old), **dict(options.force)}

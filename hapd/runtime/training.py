@@ -168,10 +168,10 @@ def init_distributed(*, timeout_s: float = 600.0) -> DistEnv:
 
 
 def host_groups(env: DistEnv) -> Any:
-    """This rank's :class:`hapd.collectives.HostGroups` (two-level gradient sums) from
+    """This rank's :class:`hapd.runtime.collectives.HostGroups` (two-level gradient sums) from
     every rank's ``GROUP_RANK`` (torchrun's node index; 0 when unset), or None when the
     job runs on one host or with one rank per host. Call on every rank."""
-    from hapd.collectives import host_groups as make
+    from hapd.runtime.collectives import host_groups as make
 
     if env.world == 1:
         return None

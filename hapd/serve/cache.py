@@ -23,7 +23,7 @@ The **family** of a plan key is the same hash without the profile id: when a gra
 compiled for a profile it has no plan for, but a plan of the same family exists for
 another profile, :meth:`PlanCache.compile` re-costs that plan's program for the new
 profile and re-solves only the sharding-ratio LP (``"lp-only"``, see
-:mod:`hapd.replan`) instead of searching again.
+:mod:`hapd.compiler.replan`) instead of searching again.
 
 One daemon owns a cache folder at a time (the daemon takes a lock on it).
 """
@@ -49,9 +49,9 @@ from hapd import __version__
 from hapd.errors import HapdError, OptionsError, PlanError
 
 if TYPE_CHECKING:
-    from hapd.compiler import CompileOptions
-    from hapd.plan import Plan
-    from hapd.profile import Profile
+    from hapd.compiler.driver import CompileOptions
+    from hapd.compiler.plan import Plan
+    from hapd.profile.schema import Profile
 
 log = logging.getLogger("hapd.cache")
 
@@ -329,7 +329,7 @@ class PlanCache:
 
     def get(self, key: CacheKey) -> tuple["Plan", bytes] | None:
         """The verified plan and its bytes, or None (a miss; a bad entry is removed)."""
-        from hapd.plan import Plan
+        from hapd.compiler.plan import Plan
 
         digest = key.digest
         with self._lock:
@@ -389,7 +389,7 @@ class PlanCache:
     def compile(self, graph: bytes, profile: "Profile", options: "CompileOptions", *, relp: bool = True) -> Served:
         """Serve (graph, profile, options) from the cache, by re-solving the LP for a
         program cached for another profile (``relp``), or by compiling; store the result."""
-        from hapd.compiler import compile as compile_plan
+        from hapd.compiler.driver import compile as compile_plan
 
         start = time.perf_counter()
         hit = self.lookup(graph, profile, options)
@@ -410,7 +410,7 @@ class PlanCache:
         return Served(plan, data, path, time.perf_counter() - start)
 
     def _relp(self, graph: bytes, key: CacheKey, profile: "Profile", options: "CompileOptions") -> "Plan | None":
-        from hapd.replan import relp_plan
+        from hapd.compiler.replan import relp_plan
 
         for other in self.other_profiles(key):
             found = self.get(other)

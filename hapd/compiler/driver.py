@@ -18,9 +18,9 @@ import msgpack
 
 from hapd import __version__
 from hapd.errors import OptionsError, SynthesisError
-from hapd.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
-from hapd.profile import Profile, load_profile
-from hapd.ratios import program_cost, solve_ratios
+from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
+from hapd.profile.schema import Profile, load_profile
+from hapd.compiler.ratios import program_cost, solve_ratios
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +81,7 @@ class CompileOptions:
 
 
 def _graph_bytes(graph: Any) -> bytes:
-    from hapd.ir import GraphIR, lower
+    from hapd.compiler.lower import GraphIR, lower
 
     if isinstance(graph, GraphIR):
         return graph.data
@@ -155,7 +155,7 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
     program, ratios, cost = best
     seconds = time.perf_counter() - start
 
-    from hapd.ir import GraphIR
+    from hapd.compiler.lower import GraphIR
 
     summary = __import__("hapd._core", fromlist=["load_graph"]).load_graph(data)
     doc = {

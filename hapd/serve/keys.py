@@ -2,7 +2,7 @@
 
 The daemon creates its key on first start: 32 random bytes written as 64 hex digits
 to ``$HAPD_HOME/key`` with mode 0600, created with ``O_CREAT | O_EXCL`` so two daemons
-starting together cannot both write one. Clients (``hapd.client``, the launcher) read
+starting together cannot both write one. Clients (``hapd.serve.client``, the launcher) read
 the same file; to reach a daemon on another host, copy its key file there (mode 0600).
 A key file that group or others can read is refused: anyone who can read it can start
 processes through the daemon.

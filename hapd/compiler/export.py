@@ -12,7 +12,7 @@ import torch
 from torch.export import ExportedProgram
 
 from hapd.errors import ExportError
-from hapd.ir import EXTRA_FILE
+from hapd.compiler.lower import EXTRA_FILE
 
 
 def export(

@@ -1,6 +1,6 @@
 """Rewriting an exported program for one rank of a plan.
 
-:func:`distribute` turns a ``torch.export`` program and a :class:`~hapd.plan.Plan` into
+:func:`distribute` turns a ``torch.export`` program and a :class:`~hapd.compiler.plan.Plan` into
 the fx :class:`RankModule` one rank runs. It applies these steps, in order:
 
 1. **check** — the program lowers to the plan's graph id, the plan is for this world
@@ -37,9 +37,11 @@ from torch import Tensor, fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from hapd import _core, collectives
+from hapd import _core
+
+from hapd.runtime import collectives
 from hapd.errors import PlanError
-from hapd.plan import Plan
+from hapd.compiler.plan import Plan
 
 IDENTITY, REDUCE = "Identity", "Reduce"
 _GATHER = re.compile(r"Gather\((\d+)\)")
@@ -221,7 +223,7 @@ class GradSync:
     returns.
 
     With ``hosts`` (several ranks on each of several hosts) a bucket is summed in two
-    levels (:func:`hapd.collectives.two_level_sum_`), pipelined: as soon as it is ready
+    levels (:func:`hapd.runtime.collectives.two_level_sum_`), pipelined: as soon as it is ready
     it is reduced onto the host's leader, where a helper thread waits for that reduce,
     all-reduces the bucket among the leaders and broadcasts it back, while backward goes
     on producing the next buckets. Only the leaders' all-reduce crosses hosts.
@@ -425,7 +427,7 @@ def _set_attr(root: nn.Module, target: str, value: Tensor, *, parameter: bool) -
 
 def _check(program: ExportedProgram, plan: Plan, rank: int, world: int, *, graph: bool) -> None:
     """The plan fits this job (and, with ``graph``, this program)."""
-    from hapd.ir import lower
+    from hapd.compiler.lower import lower
 
     devices = int(plan.program["devices"])
     if devices != world:
@@ -721,10 +723,10 @@ def _load_program(program: ExportedProgram | str | Path | nn.Module, example_inp
     if isinstance(program, nn.Module):
         if example_inputs is None:
             raise PlanError("distributing an nn.Module needs example_inputs (the global batch it was compiled for)")
-        from hapd.frontend import export
+        from hapd.compiler.export import export
 
         return export(program, tuple(example_inputs))
-    from hapd.ir import load_exported
+    from hapd.compiler.lower import load_exported
 
     return load_exported(program)[0]
 
@@ -750,7 +752,7 @@ def distribute(
     the program's are). ``check_graph=False`` skips lowering the program again to
     compare graph ids (only when the caller just compiled the plan from it).
     ``hosts``: sum replicated gradients in two levels across hosts
-    (:func:`hapd.training.host_groups`; default: one all-reduce over ``group``).
+    (:func:`hapd.runtime.training.host_groups`; default: one all-reduce over ``group``).
     ``bucket_bytes``: gradient bytes per all-reduce (the cost model assumes the default).
     """
     ep = _load_program(program, example_inputs)

@@ -9,8 +9,8 @@ Threads and who owns what:
 - one **compile worker** takes drops and compile requests from a FIFO queue, one at a
   time (compiles are CPU-heavy), and sends compile replies back through an inproc PAIR
   socket that the main loop forwards to the ROUTER;
-- the **drop watcher** (:mod:`hapd.watch`) hands over files once completely written;
-- each launched rank has a watcher thread and two output readers (:mod:`hapd.jobs`).
+- the **drop watcher** (:mod:`hapd.serve.watch`) hands over files once completely written;
+- each launched rank has a watcher thread and two output readers (:mod:`hapd.serve.jobs`).
 
 Errors are caught in one place per thread: the dispatch loop answers with an ``error``
 reply, the worker writes an ``.error`` file; the daemon keeps serving. A drop is done
@@ -42,16 +42,16 @@ from typing import TYPE_CHECKING, Any, Mapping
 import zmq
 
 from hapd import __version__
-from hapd.cache import PlanCache, Served, atomic_write
+from hapd.serve.cache import PlanCache, Served, atomic_write
 from hapd.errors import GraphFormatError, HapdError, OptionsError, ProtocolError
-from hapd.jobs import JobManager
-from hapd.keys import home_dir, load_or_create_key
-from hapd.profile import Profile, load_profile
-from hapd.protocol import DEFAULT_ADDRESS, PROTOCOL_VERSION, Limits, Message, Session, split_envelope
-from hapd.watch import INCOMING, Drop, DropWatcher, move_out
+from hapd.serve.jobs import JobManager
+from hapd.serve.keys import home_dir, load_or_create_key
+from hapd.profile.schema import Profile, load_profile
+from hapd.serve.protocol import DEFAULT_ADDRESS, PROTOCOL_VERSION, Limits, Message, Session, split_envelope
+from hapd.serve.watch import INCOMING, Drop, DropWatcher, move_out
 
 if TYPE_CHECKING:
-    from hapd.compiler import CompileOptions
+    from hapd.compiler.driver import CompileOptions
 
 log = logging.getLogger("hapd.daemon")
 
@@ -149,7 +149,7 @@ def compile_options(fields: Mapping[str, Any] | None, defaults: Mapping[str, Any
     """CompileOptions from wire/config fields; :class:`OptionsError` names a bad one."""
     from dataclasses import fields as dc_fields
 
-    from hapd.compiler import CompileOptions
+    from hapd.compiler.driver import CompileOptions
 
     merged = {**dict(defaults or {}), **dict(fields or {})}
     known = {f.name for f in dc_fields(CompileOptions)}
@@ -444,8 +444,8 @@ class Daemon:
         replies.connect(self._inproc)
         try:
             # import the compiler (and torch, for .pt2) now rather than on the first drop
-            import hapd.compiler  # noqa: F401
-            import hapd.ir  # noqa: F401
+            import hapd.compiler.driver  # noqa: F401
+            import hapd.compiler.lower  # noqa: F401
         except Exception as exc:  # a broken install: every compile will say why
             log.error("cannot import the compiler: %s", exc)
         # torch's millions of module-level objects made every full collection a 100+ ms
@@ -503,7 +503,7 @@ class Daemon:
         cached = self.cache.get_lowered(key)
         if cached is not None:
             return cached
-        from hapd.ir import lower
+        from hapd.compiler.lower import lower
 
         tmp = self.config.home / "tmp" / f"{secrets.token_hex(8)}.pt2"
         tmp.write_bytes(pt2)

@@ -1,6 +1,6 @@
 """Client of the hapd daemon's control API (used by worker.py, the launcher and tests).
 
-    from hapd.client import Client
+    from hapd.serve.client import Client
     with Client() as daemon:                   # $HAPD_DAEMON or tcp://127.0.0.1:5557
         print(daemon.ping()["profile_name"])
         plan_bytes, path = daemon.compile(open("bert.hapg", "rb").read(), "hapg")
@@ -24,8 +24,8 @@ from typing import Any, Mapping, Sequence
 import zmq
 
 from hapd.errors import DaemonTimeout, ProtocolError, RemoteError
-from hapd.keys import default_key_path, load_key
-from hapd.protocol import DEFAULT_ADDRESS, Limits, Message, Session
+from hapd.serve.keys import default_key_path, load_key
+from hapd.serve.protocol import DEFAULT_ADDRESS, Limits, Message, Session
 
 
 def default_address() -> str:

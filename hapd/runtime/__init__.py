@@ -1,0 +1,12 @@
+"""Running a plan: what happens on each rank.
+
+- :mod:`~hapd.runtime.rewrite` — :func:`distribute`: an exported program and a plan →
+  the fx module one rank runs;
+- :mod:`~hapd.runtime.collectives` — uneven collectives between layouts, as autograd
+  functions;
+- :mod:`~hapd.runtime.training` — the training harness shared by the worker and the
+  baselines (process group, synthetic batches, timing lines);
+- :mod:`~hapd.runtime.worker` — ``worker.py`` / ``python -m hapd.worker``;
+- :mod:`~hapd.runtime.ddp` — ``ddp.py`` / ``python -m hapd.ddp``: the DP-EV and DP-CP
+  baselines.
+"""

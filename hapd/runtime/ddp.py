@@ -1,0 +1,145 @@
+"""The data-parallel baselines: DDP-EV (even split) and DDP-CP (split by FLOP/s).
+
+    torchrun --nproc-per-node 2 ddp.py --model bert --split flops --profile paper-8
+    torchrun --nproc-per-node 2 -m hapd.ddp --model mlp
+
+Every rank builds the same model (same seed), wraps it in
+``torch.nn.parallel.DistributedDataParallel`` and trains on its slice of the global
+batch: ``sharding_lengths(ratios, batch)`` with ratios all equal (``--split even``) or
+proportional to each device's achieved FLOP/s in ``--profile`` (``--split flops``).
+
+**Gradient scaling.** The models' losses are sums over their samples and DDP *averages*
+gradients over the ranks, so backward runs on ``world * local_loss``: the averaged
+gradient is then ``(1/world) Σ_r world ∇loss_r = ∇ Σ_r loss_r``, exactly the gradient of
+the global-batch sum loss whatever the split (HAP's ddp.py scales the same way).
+
+**A rank with no samples** (a batch smaller than the world, or a slow device under
+``--split flops``) still runs forward and backward on its empty slice: the sum loss of
+no samples is 0 and autograd still reaches every parameter with a zero gradient, so the
+rank joins every gradient all-reduce bucket and contributes 0. (Every benchmark model
+does this; tests/test_training.py checks the all-reduce with a ``[n, 0]`` split.)
+
+Output: see :mod:`hapd.runtime.training` (system ``"ddp-ev"`` or ``"ddp-cp"``); the reported
+``loss`` is the global-batch sum loss of the last timed iteration, all-reduced after
+the timing, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hapd import models
+from hapd.errors import HapdError
+from hapd.profile.schema import Profile, load_profile
+from hapd.compiler.ratios import sharding_lengths
+from hapd.runtime.training import (DistEnv, TrainArgs, add_train_flags, init_distributed, local_batch,
+                           parse_train_args, report, shutdown, train)
+
+SPLITS = {"even": "ddp-ev", "flops": "ddp-cp"}
+"""``--split`` value -> the system name it reports."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddp.py", description="Data-parallel baseline (DistributedDataParallel); launch with torchrun.")
+    add_train_flags(parser)
+    parser.add_argument("--split", choices=list(SPLITS), default="even",
+                        help="even: equal shares (DDP-EV); flops: shares proportional to each device's "
+                             "FLOP/s in --profile (DDP-CP) (default: even)")
+    parser.add_argument("--bucket-mib", type=float, default=25.0, metavar="MIB",
+                        help="DDP's gradient bucket size, bucket_cap_mb (default: 25, DDP's own)")
+    return parser
+
+
+def split_lengths(split: str, batch: int, world: int, profile: Profile | None) -> list[int]:
+    """Samples of the global ``batch`` on each rank under ``split``."""
+    if split == "even":
+        return sharding_lengths([1.0] * world, batch)
+    if split == "flops":
+        if profile is None:
+            raise HapdError("--split flops needs --profile (each device's FLOP/s)", field="--profile")
+        if profile.world != world:
+            raise HapdError(f"profile {profile.name!r} has {profile.world} devices but the job has {world} ranks",
+                            field="--profile")
+        return sharding_lengths(profile.flops_ratios(), batch)
+    raise HapdError(f"unknown split {split!r}; known: {', '.join(SPLITS)}", field="--split")
+
+
+def wrap(model: nn.Module, env: DistEnv, bucket_mib: float = 25.0) -> DistributedDataParallel:
+    """``model`` (already on ``env.device``) in DDP with ``bucket_mib`` MiB buckets."""
+    if env.is_cuda:
+        return DistributedDataParallel(model, device_ids=[env.device.index], output_device=env.device.index,
+                                       bucket_cap_mb=bucket_mib)
+    return DistributedDataParallel(model, bucket_cap_mb=bucket_mib)
+
+
+class DDPStep:
+    """Forward and backward of one iteration; ``last_loss`` is the last local (unscaled)
+    sum loss."""
+
+    def __init__(self, model: DistributedDataParallel, inputs: Sequence[Tensor], world: int):
+        self.model = model
+        self.inputs = tuple(inputs)
+        self.world = world
+        self.last_loss: Tensor | None = None
+
+    def __call__(self) -> Tensor:
+        loss = self.model(*self.inputs)
+        # DDP averages gradients over ranks; the loss is a sum: see the module docstring
+        (loss * self.world).backward()
+        self.last_loss = loss.detach()
+        return self.last_loss
+
+
+def run(args: TrainArgs, split: str, env: DistEnv, bucket_mib: float = 25.0) -> dict:
+    """Train and report on this rank; returns the summary."""
+    profile = load_profile(args.profile, world_size=env.world) if args.profile is not None else None
+    lengths = split_lengths(split, args.batch, env.world, profile)
+    spec = models.get(args.model)
+    model, config = args.build()
+    model = model.to(device=env.device, dtype=args.torch_dtype)
+    ddp_model = wrap(model, env, bucket_mib)
+    inputs = local_batch(spec, config, lengths, env.rank, args.seed, env.device, args.torch_dtype)
+    optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
+    step = DDPStep(ddp_model, inputs, env.world)
+    times = train(step, optimizer, env, iterations=args.iterations, warmup=args.warmup, trace=args.trace)
+    assert step.last_loss is not None
+    total = step.last_loss.float().reshape(1).clone()
+    dist.all_reduce(total)
+    extra = {"split": split, "lengths": lengths, "batch": args.batch, "size": args.size, "dtype": args.dtype,
+             "profile": None if profile is None else profile.name}
+    return report(env, system=SPLITS[split], model=args.model, times=times, warmup=args.warmup,
+                  loss=float(total.item()), extra=extra, json_path=args.json)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, ns = parse_train_args(parser, argv)
+    if ns.split == "flops" and args.profile is None:
+        parser.error("--split flops needs --profile NAME|PATH: the split follows each device's FLOP/s")
+    try:
+        env = init_distributed()
+    except HapdError as exc:
+        print(f"ddp: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    ok = False
+    try:
+        run(args, ns.split, env, ns.bucket_mib)
+        ok = True
+        return 0
+    except HapdError as exc:
+        print(f"ddp: rank {env.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        shutdown(env, wait=ok)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
