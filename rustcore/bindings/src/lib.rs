@@ -125,12 +125,20 @@ fn graph_version() -> u32 {
     hapd_core::ir::GRAPH_VERSION
 }
 
+/// Every rule name a plan can record, by constant name:
+/// `{"ROW_PARALLEL": "row-parallel", ...}` (the core's `rules::rule_names`).
+#[pyfunction]
+fn rule_names() -> BTreeMap<&'static str, &'static str> {
+    hapd_core::rules::rule_names::ALL.iter().copied().collect()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("GRAD_BUCKET_BYTES", hapd_core::comm::GRAD_BUCKET_BYTES as u64)?;
     m.add_function(wrap_pyfunction!(load_graph, m)?)?;
     m.add_function(wrap_pyfunction!(graph_version, m)?)?;
+    m.add_function(wrap_pyfunction!(rule_names, m)?)?;
     m.add_function(wrap_pyfunction!(synthesize, m)?)?;
     Ok(())
 }

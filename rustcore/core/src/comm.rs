@@ -70,7 +70,7 @@ pub fn conversions(from: Layout, to: Layout) -> &'static [Collective] {
     }
 }
 
-fn cost_of<'p>(profile: &'p Profile, collective: Collective) -> Option<&'p CollectiveCost> {
+fn cost_of(profile: &Profile, collective: Collective) -> Option<&CollectiveCost> {
     let c = &profile.collectives;
     Some(match collective {
         Collective::AllGather => &c.all_gather,

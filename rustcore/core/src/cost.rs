@@ -2,7 +2,8 @@
 //!
 //! A [`Row`] gives, for every device `d`, `constant[d] + coef[d] · r[d]` seconds, where
 //! `r[d]` is device `d`'s sharding ratio. A step costs `max_d comp + max_d comm`; a
-//! program costs the sum over its steps (bulk-synchronous, no overlap).
+//! program costs the sum over its steps (bulk-synchronous, no overlap). The memory
+//! model, rows of bytes in the same form, is [`crate::memory`].
 
 use crate::profile::Profile;
 

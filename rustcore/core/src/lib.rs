@@ -27,6 +27,7 @@ pub mod cost;
 pub mod error;
 pub mod ir;
 pub mod layout;
+pub mod memory;
 pub mod plan;
 pub mod problem;
 pub mod profile;

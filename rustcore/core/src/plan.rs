@@ -9,8 +9,9 @@ use serde::Serialize;
 use crate::cost::{Row, Work};
 use crate::ir::NodeKind;
 use crate::layout::Layout;
+use crate::memory;
 use crate::problem::{Problem, TensorId};
-use crate::search::Outcome;
+use crate::search::{ChosenStep, Comm, Outcome, Source};
 
 /// A cost row on the wire: per device `constant[d] + coef[d] · r[d]` seconds (or bytes).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -165,6 +166,61 @@ impl Splits {
             self.parent[a.max(b)] = a.min(b);
         }
     }
+
+    /// The split dims of one step: every Gather operand and result of its rule shares
+    /// one partition; the sources it creates and its communication add their own.
+    fn add_step(&mut self, problem: &Problem, chosen: &ChosenStep) {
+        let step = &problem.steps[chosen.step];
+        let rule = &step.rules[chosen.rule];
+        let mut keys = Vec::new();
+        for (slot, &t) in step.inputs.iter().enumerate() {
+            if let Some(d) = rule.inputs[slot].gather_dim() {
+                keys.push((t, d));
+            }
+        }
+        for (k, out) in step.outputs.iter().enumerate() {
+            if let (Some(t), Some(d)) = (out, rule.outputs[k].gather_dim()) {
+                keys.push((*t, d));
+            }
+        }
+        let ids: Vec<usize> = keys.iter().map(|k| self.id(*k)).collect();
+        for w in ids.windows(2) {
+            self.union(w[0], w[1]);
+        }
+        for s in &chosen.sources {
+            if let Some(d) = s.layout.gather_dim() {
+                self.id((s.tensor, d));
+            }
+        }
+        for c in &chosen.comms {
+            for l in [c.from, c.to] {
+                if let Some(d) = l.gather_dim() {
+                    self.id((c.tensor, d));
+                }
+            }
+        }
+    }
+
+    /// The partitions, each with units = the gcd of its member sizes.
+    fn classes(mut self, problem: &Problem) -> Vec<SplitOut> {
+        let mut classes: BTreeMap<usize, Vec<(TensorId, usize)>> = BTreeMap::new();
+        let keys: Vec<((TensorId, usize), usize)> = self.index.iter().map(|(k, id)| (*k, *id)).collect();
+        for (key, id) in keys {
+            let root = self.find(id);
+            classes.entry(root).or_default().push(key);
+        }
+        classes
+            .into_values()
+            .map(|members| {
+                let sizes: Vec<usize> = members.iter().map(|&(t, d)| problem.tensor(t).meta.shape[d]).collect();
+                let units = sizes.iter().copied().fold(0, gcd).max(1);
+                SplitOut {
+                    units,
+                    members: members.iter().zip(&sizes).map(|(&(t, d), &s)| (tensor_name(problem, t), d, s)).collect(),
+                }
+            })
+            .collect()
+    }
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -177,176 +233,20 @@ fn gcd(a: usize, b: usize) -> usize {
 
 /// Turn a search outcome into the program the runtime applies.
 pub fn program(problem: &Problem, outcome: &Outcome) -> ProgramOut {
-    let graph = problem.graph;
-    let n = problem.profile.world();
-    let name = |t: TensorId| problem.tensor(t).meta.name.clone();
     let mut splits = Splits::default();
     let mut steps = Vec::with_capacity(outcome.steps.len());
     for chosen in &outcome.steps {
-        let step = &problem.steps[chosen.step];
-        let rule = &step.rules[chosen.rule];
-        let node = &graph.nodes[step.node];
-        // every Gather operand of a rule shares one partition
-        let mut keys = Vec::new();
-        for (slot, &t) in step.inputs.iter().enumerate() {
-            if let Some(d) = rule.inputs[slot].gather_dim() {
-                keys.push((t, d));
-            }
-        }
-        for (k, out) in step.outputs.iter().enumerate() {
-            if let (Some(t), Some(d)) = (out, rule.outputs[k].gather_dim()) {
-                keys.push((*t, d));
-            }
-        }
-        let ids: Vec<usize> = keys.iter().map(|k| splits.id(*k)).collect();
-        for w in ids.windows(2) {
-            splits.union(w[0], w[1]);
-        }
-        for s in &chosen.sources {
-            if let Some(d) = s.layout.gather_dim() {
-                splits.id((s.tensor, d));
-            }
-        }
-        for c in &chosen.comms {
-            for l in [c.from, c.to] {
-                if let Some(d) = l.gather_dim() {
-                    splits.id((c.tensor, d));
-                }
-            }
-        }
-        let layout_list = |pairs: Vec<(TensorId, Layout)>| {
-            pairs.into_iter().map(|(t, l)| LayoutOut { tensor: name(t), layout: l.to_string() }).collect()
-        };
-        steps.push(StepOut {
-            node: node.name.clone(),
-            op: node.op.clone(),
-            rule: rule.name.to_string(),
-            work: work_name(rule.work).to_string(),
-            flops: step.flops,
-            sources: chosen
-                .sources
-                .iter()
-                .map(|s| {
-                    let t = problem.tensor(s.tensor);
-                    SourceOut {
-                        tensor: name(s.tensor),
-                        kind: kind_name(t.kind).to_string(),
-                        target: t.target.clone(),
-                        layout: s.layout.to_string(),
-                        bytes: t.bytes(),
-                        grad_sync: !s.row.is_zero(),
-                        cost: (&s.row).into(),
-                    }
-                })
-                .collect(),
-            comms: chosen
-                .comms
-                .iter()
-                .map(|c| CommOut {
-                    tensor: name(c.tensor),
-                    from: c.from.to_string(),
-                    to: c.to.to_string(),
-                    collective: c.collective.name().to_string(),
-                    bytes: problem.tensor(c.tensor).bytes(),
-                    grad: problem.tensor(c.tensor).requires_grad && c.collective.backward().is_some(),
-                    cost: (&c.row).into(),
-                })
-                .collect(),
-            inputs: layout_list(step.inputs.iter().copied().zip(rule.inputs.iter().copied()).collect()),
-            outputs: layout_list(
-                step.outputs
-                    .iter()
-                    .zip(&rule.outputs)
-                    .filter_map(|(t, l)| t.map(|t| (t, *l)))
-                    .collect(),
-            ),
-            comp: (&chosen.comp).into(),
-            comm: (&chosen.comm).into(),
-        });
+        splits.add_step(problem, chosen);
+        steps.push(step_out(problem, chosen));
     }
-
-    // split classes: units = gcd of the member sizes
-    let mut classes: BTreeMap<usize, Vec<(TensorId, usize)>> = BTreeMap::new();
-    let keys: Vec<(TensorId, usize)> = splits.index.keys().copied().collect();
-    for key in keys {
-        let id = splits.index[&key];
-        let root = splits.find(id);
-        classes.entry(root).or_default().push(key);
-    }
-    let split_out = classes
-        .into_values()
-        .map(|members| {
-            let sizes: Vec<usize> = members.iter().map(|&(t, d)| problem.tensor(t).meta.shape[d]).collect();
-            let units = sizes.iter().copied().fold(0, gcd).max(1);
-            SplitOut {
-                units,
-                members: members.iter().zip(&sizes).map(|(&(t, d), &s)| (name(t), d, s)).collect(),
-            }
-        })
-        .collect();
-
-    // memory: parameters ×4 (value, gradient, two Adam moments) when they train, plus
-    // activations kept for the backward pass
-    let mut memory = Row::zeros(n);
-    // results of free ops (views) alias their input and keep nothing of their own
-    let mut free_output = vec![false; problem.tensors.len()];
-    for chosen in &outcome.steps {
-        let step = &problem.steps[chosen.step];
-        if step.rules[chosen.rule].work == Work::Free {
-            for t in step.outputs.iter().flatten() {
-                free_output[*t as usize] = true;
-            }
-        }
-    }
-    for (id, t) in problem.tensors.iter().enumerate() {
-        let held = outcome.held[id];
-        if held.is_empty() || free_output[id] {
-            continue;
-        }
-        let factor = match t.kind {
-            NodeKind::Parameter if t.requires_grad => 4.0,
-            NodeKind::Op if t.requires_grad => 1.0,
-            NodeKind::Op => 0.0,
-            _ => 1.0,
-        };
-        let bytes = factor * t.bytes();
-        // the largest layout it is held in: a replica, else a shard
-        let replicated = held.iter().any(|l| !matches!(l, Layout::Gather(_)));
-        for d in 0..n {
-            if replicated {
-                memory.constant[d] += bytes;
-            } else {
-                memory.coef[d] += bytes;
-            }
-        }
-    }
-
-    let tensors = problem
-        .tensors
-        .iter()
-        .enumerate()
-        .filter(|(id, _)| !outcome.held[*id].is_empty())
-        .map(|(id, t)| TensorOut {
-            name: t.meta.name.clone(),
-            node: graph.nodes[t.r.node()].name.clone(),
-            output: t.r.1,
-            kind: kind_name(t.kind).to_string(),
-            target: t.target.clone(),
-            shape: t.meta.shape.clone(),
-            dtype: t.meta.dtype.name().to_string(),
-            requires_grad: t.requires_grad,
-            layouts: outcome.held[id].iter().map(|l| l.to_string()).collect(),
-        })
-        .collect();
-
     ProgramOut {
-        graph: graph.name.clone(),
-        devices: n,
+        graph: problem.graph.name.clone(),
+        devices: problem.profile.world(),
         steps,
-        tensors,
-        splits: split_out,
-        loss: name(problem.loss),
-        memory: (&memory).into(),
+        tensors: tensors_out(problem, outcome),
+        splits: splits.classes(problem),
+        loss: tensor_name(problem, problem.loss),
+        memory: (&memory::footprint(problem, outcome)).into(),
         cost: outcome.cost,
         stats: StatsOut {
             stop_reason: outcome.stop.name().to_string(),
@@ -355,4 +255,80 @@ pub fn program(problem: &Problem, outcome: &Outcome) -> ProgramOut {
             seconds: outcome.seconds,
         },
     }
+}
+
+fn tensor_name(problem: &Problem, t: TensorId) -> String {
+    problem.tensor(t).meta.name.clone()
+}
+
+/// One chosen step as data: its rule, the sources it creates, the communication before
+/// it, its operand layouts and its cost rows.
+fn step_out(problem: &Problem, chosen: &ChosenStep) -> StepOut {
+    let step = &problem.steps[chosen.step];
+    let rule = &step.rules[chosen.rule];
+    let node = &problem.graph.nodes[step.node];
+    StepOut {
+        node: node.name.clone(),
+        op: node.op.clone(),
+        rule: rule.name.to_string(),
+        work: work_name(rule.work).to_string(),
+        flops: step.flops,
+        sources: chosen.sources.iter().map(|s| source_out(problem, s)).collect(),
+        comms: chosen.comms.iter().map(|c| comm_out(problem, c)).collect(),
+        inputs: layouts_out(problem, step.inputs.iter().copied().zip(rule.inputs.iter().copied())),
+        outputs: layouts_out(problem, step.outputs.iter().zip(&rule.outputs).filter_map(|(t, l)| t.map(|t| (t, *l)))),
+        comp: (&chosen.comp).into(),
+        comm: (&chosen.comm).into(),
+    }
+}
+
+fn layouts_out(problem: &Problem, pairs: impl Iterator<Item = (TensorId, Layout)>) -> Vec<LayoutOut> {
+    pairs.map(|(t, layout)| LayoutOut { tensor: tensor_name(problem, t), layout: layout.to_string() }).collect()
+}
+
+fn source_out(problem: &Problem, s: &Source) -> SourceOut {
+    let t = problem.tensor(s.tensor);
+    SourceOut {
+        tensor: tensor_name(problem, s.tensor),
+        kind: kind_name(t.kind).to_string(),
+        target: t.target.clone(),
+        layout: s.layout.to_string(),
+        bytes: t.bytes(),
+        grad_sync: !s.row.is_zero(),
+        cost: (&s.row).into(),
+    }
+}
+
+fn comm_out(problem: &Problem, c: &Comm) -> CommOut {
+    let t = problem.tensor(c.tensor);
+    CommOut {
+        tensor: tensor_name(problem, c.tensor),
+        from: c.from.to_string(),
+        to: c.to.to_string(),
+        collective: c.collective.name().to_string(),
+        bytes: t.bytes(),
+        grad: t.requires_grad && c.collective.backward().is_some(),
+        cost: (&c.row).into(),
+    }
+}
+
+/// Every tensor the program holds, with the layouts it is held in.
+fn tensors_out(problem: &Problem, outcome: &Outcome) -> Vec<TensorOut> {
+    problem
+        .tensors
+        .iter()
+        .enumerate()
+        .filter(|(id, _)| !outcome.held[*id].is_empty())
+        .map(|(id, t)| TensorOut {
+            name: t.meta.name.clone(),
+            node: problem.graph.nodes[t.r.node()].name.clone(),
+            output: t.r.1,
+            kind: kind_name(t.kind).to_string(),
+            target: t.target.clone(),
+            shape: t.meta.shape.clone(),
+            dtype: t.meta.dtype.name().to_string(),
+            requires_grad: t.requires_grad,
+            layouts: outcome.held[id].iter().map(|l| l.to_string()).collect(),
+        })
+        .collect()
 }

@@ -129,6 +129,43 @@ const FRONT_CHECKS: usize = 32;
 /// Memo of the cheapest communication for (tensor, from set, to).
 type CommMemo = HashMap<(TensorId, LayoutSet, Layout), Option<(Layout, Collective, Vec<f64>)>>;
 
+/// Memo of [`Search::switch_cost`] per (tensor, from set, to set).
+type SetMemo = HashMap<(TensorId, LayoutSet, LayoutSet), f64>;
+
+/// The state of one run of [`Search::run`].
+struct Run {
+    start: Instant,
+    /// Max over devices of each rule's compute row, per step.
+    comp_values: Vec<Vec<f64>>,
+    /// Lower bound on the cost from each position to the end.
+    heuristic: Vec<f64>,
+    /// Every state generated; a state's index is its id.
+    arena: Vec<Entry>,
+    /// Per position, the states no other state dominates, cheapest first.
+    fronts: Vec<Vec<u32>>,
+    /// Cheapest cost seen per (position, held layouts).
+    exact: HashMap<(u32, Box<[LayoutSet]>), f64>,
+    /// States to expand by `g + heuristic`, then deepest, then oldest.
+    heap: BinaryHeap<(Reverse<u64>, u32, Reverse<u32>)>,
+    memo: CommMemo,
+    set_memo: SetMemo,
+    expanded: usize,
+    /// Whether the front width dropped a state.
+    bounded: bool,
+    /// The deepest state expanded: where a stopped run is completed from.
+    deepest: u32,
+}
+
+/// How the main loop of a run ended.
+enum End {
+    /// A goal state was popped.
+    Goal(u32),
+    /// A limit was hit or the run was cancelled.
+    Stopped(StopReason),
+    /// No state was left to expand.
+    Exhausted,
+}
+
 impl<'p, 'a> Search<'p, 'a> {
     pub fn new(problem: &'p Problem<'a>, ratios: &[f64]) -> Result<Self> {
         let n = problem.profile.world();
@@ -172,9 +209,21 @@ impl<'p, 'a> Search<'p, 'a> {
         }
     }
 
-    /// Run the search to the end or to a limit.
+    /// Run the search to the end or to a limit: expand the cheapest state until a goal
+    /// is popped or a limit is hit, then complete and replay the program.
     pub fn run(&self) -> Result<Outcome> {
-        let start = Instant::now();
+        let mut run = self.init();
+        let end = loop {
+            if let Some(end) = self.run_one(&mut run) {
+                break end;
+            }
+        };
+        self.complete(run, end)
+    }
+
+    /// The run's starting point: per-rule compute costs, the heuristic, and the root
+    /// state (position 0, nothing held) queued.
+    fn init(&self) -> Run {
         let p = self.problem;
         let n_steps = p.steps.len();
         let comp_values: Vec<Vec<f64>> = p
@@ -187,8 +236,7 @@ impl<'p, 'a> Search<'p, 'a> {
             let cheapest = comp_values[i].iter().copied().fold(f64::INFINITY, f64::min);
             heuristic[i] = heuristic[i + 1] + if cheapest.is_finite() { cheapest } else { 0.0 };
         }
-        let mut memo: CommMemo = HashMap::new();
-        let mut arena: Vec<Entry> = vec![Entry {
+        let root = Entry {
             dead: false,
             parent: u32::MAX,
             pos: 0,
@@ -196,152 +244,187 @@ impl<'p, 'a> Search<'p, 'a> {
             choice: 0,
             g: 0.0,
             held: vec![LayoutSet::default(); p.live[0].len()].into_boxed_slice(),
-        }];
-        // per position, the states no other state dominates
-        let mut fronts: Vec<Vec<u32>> = vec![Vec::new(); n_steps + 1];
-        let mut set_memo: HashMap<(TensorId, LayoutSet, LayoutSet), f64> = HashMap::new();
-        let mut exact: HashMap<(u32, Box<[LayoutSet]>), f64> = HashMap::new();
+        };
         let mut heap = BinaryHeap::new();
         heap.push((Reverse(key(heuristic[0])), 0u32, Reverse(0u32)));
-        let mut expanded = 0usize;
-        let mut bounded = false;
-        let mut deepest = 0u32;
-        let mut stop = None;
-        let mut goal = None;
+        Run {
+            start: Instant::now(),
+            comp_values,
+            heuristic,
+            arena: vec![root],
+            fronts: vec![Vec::new(); n_steps + 1],
+            exact: HashMap::new(),
+            heap,
+            memo: HashMap::new(),
+            set_memo: HashMap::new(),
+            expanded: 0,
+            bounded: false,
+            deepest: 0,
+        }
+    }
 
-        while let Some((_, _, Reverse(idx))) = heap.pop() {
-            let (pos, g) = (arena[idx as usize].pos, arena[idx as usize].g);
-            if arena[idx as usize].dead {
-                continue; // dominated after it was queued
-            }
-            if pos as usize == n_steps {
-                goal = Some(idx);
-                break;
-            }
-            if arena[deepest as usize].pos < pos {
-                deepest = idx;
-            }
-            expanded += 1;
-            if expanded % 1024 == 0 {
-                if self.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
-                    stop = Some(StopReason::Cancelled);
-                } else if self.time_limit.is_some_and(|t| start.elapsed() > t) {
-                    stop = Some(StopReason::TimeLimit);
-                }
-            }
-            if arena.len() >= self.max_states {
-                stop = Some(StopReason::StateLimit);
-            }
-            if stop.is_some() {
-                break;
-            }
-            for rule in 0..p.steps[pos as usize].rules.len() {
-                for t in self.transitions(pos as usize, rule, &arena[idx as usize].held, &comp_values, &mut memo) {
-                    let g2 = g + t.cost;
-                    let next = pos as usize + 1;
-                    let live = &p.live[next];
-                    let key_held = (next as u32, t.held.clone());
-                    if exact.get(&key_held).is_some_and(|&b| b <= g2) {
-                        continue;
-                    }
-                    // dominance against the cheapest states of the front (sorted by cost)
-                    let front = &fronts[next];
-                    let checked = front.len().min(FRONT_CHECKS);
-                    if front[..checked].iter().any(|&k| {
-                        let e = &arena[k as usize];
-                        e.g + self.switch_cost(live, &e.held, &t.held, &mut set_memo, &mut memo) <= g2
-                    }) {
-                        continue; // an existing state reaches this one for less
-                    }
-                    let mut dead = Vec::new();
-                    for (j, &k) in front[..checked].iter().enumerate() {
-                        let e = &arena[k as usize];
-                        if g2 + self.switch_cost(live, &t.held, &e.held, &mut set_memo, &mut memo) <= e.g {
-                            dead.push(j);
-                        }
-                    }
-                    for &j in dead.iter().rev() {
-                        let k = fronts[next].remove(j);
-                        arena[k as usize].dead = true;
-                    }
-                    exact.insert(key_held, g2);
-                    arena.push(Entry {
-                        dead: false,
-                        parent: idx,
-                        pos: pos + 1,
-                        rule: rule as u16,
-                        choice: t.choice,
-                        g: g2,
-                        held: t.held,
-                    });
-                    let child = (arena.len() - 1) as u32;
-                    let front = &mut fronts[next];
-                    let at = front.partition_point(|&k| arena[k as usize].g <= g2);
-                    front.insert(at, child);
-                    if front.len() > self.front_width {
-                        // keep the cheapest states of this position; the result is no
-                        // longer proven optimal
-                        if let Some(k) = front.pop() {
-                            arena[k as usize].dead = true;
-                            bounded = true;
-                        }
-                    }
-                    heap.push((Reverse(key(g2 + heuristic[pos as usize + 1])), pos + 1, Reverse(child)));
-                }
+    /// One iteration: pop the cheapest live state; stop at a goal or a limit, else
+    /// expand it.
+    fn run_one(&self, run: &mut Run) -> Option<End> {
+        let Some((_, _, Reverse(idx))) = run.heap.pop() else { return Some(End::Exhausted) };
+        let entry = &run.arena[idx as usize];
+        if entry.dead {
+            return None; // dominated after it was queued
+        }
+        let pos = entry.pos;
+        if pos as usize == self.problem.steps.len() {
+            return Some(End::Goal(idx));
+        }
+        if run.arena[run.deepest as usize].pos < pos {
+            run.deepest = idx;
+        }
+        run.expanded += 1;
+        if let Some(stop) = self.check_limits(run) {
+            return Some(End::Stopped(stop));
+        }
+        self.expand(run, idx);
+        None
+    }
+
+    /// Cancellation and the time limit (polled every 1024 expansions), then the state
+    /// budget.
+    fn check_limits(&self, run: &Run) -> Option<StopReason> {
+        let mut stop = None;
+        if run.expanded % 1024 == 0 {
+            if self.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                stop = Some(StopReason::Cancelled);
+            } else if self.time_limit.is_some_and(|t| run.start.elapsed() > t) {
+                stop = Some(StopReason::TimeLimit);
             }
         }
-        let generated = arena.len();
-        let (last, stop) = match goal {
-            Some(idx) if bounded => (idx, StopReason::Bounded),
-            Some(idx) => (idx, StopReason::Optimal),
-            None => {
-                let from = if stop.is_some() { deepest } else { 0 };
-                (self.complete_greedily(&mut arena, from, &comp_values, &mut memo), stop.unwrap_or(StopReason::StateLimit))
+        if run.arena.len() >= self.max_states {
+            stop = Some(StopReason::StateLimit);
+        }
+        stop
+    }
+
+    /// Queue every state one step past state `idx` that no known state dominates.
+    fn expand(&self, run: &mut Run, idx: u32) {
+        let pos = run.arena[idx as usize].pos as usize;
+        for rule in 0..self.problem.steps[pos].rules.len() {
+            let held = &run.arena[idx as usize].held;
+            for t in self.transitions(pos, rule, held, &run.comp_values, &mut run.memo) {
+                self.add_state(run, idx, rule, t);
             }
+        }
+    }
+
+    /// Add the child of state `idx` reached by `rule` and transition `t`, unless a
+    /// state of its position is known to reach it for less; drop the states it
+    /// dominates and, past the front width, the dearest of its position.
+    fn add_state(&self, run: &mut Run, idx: u32, rule: usize, t: Transition) {
+        let parent = &run.arena[idx as usize];
+        let (pos, g2) = (parent.pos, parent.g + t.cost);
+        let next = pos as usize + 1;
+        let live = &self.problem.live[next];
+        let key_held = (next as u32, t.held.clone());
+        if run.exact.get(&key_held).is_some_and(|&b| b <= g2) {
+            return;
+        }
+        // dominance against the cheapest states of the front (sorted by cost)
+        let front = &run.fronts[next];
+        let checked = front.len().min(FRONT_CHECKS);
+        if front[..checked].iter().any(|&k| {
+            let e = &run.arena[k as usize];
+            e.g + self.switch_cost(live, &e.held, &t.held, &mut run.set_memo, &mut run.memo) <= g2
+        }) {
+            return; // an existing state reaches this one for less
+        }
+        let mut dead = Vec::new();
+        for (j, &k) in front[..checked].iter().enumerate() {
+            let e = &run.arena[k as usize];
+            if g2 + self.switch_cost(live, &t.held, &e.held, &mut run.set_memo, &mut run.memo) <= e.g {
+                dead.push(j);
+            }
+        }
+        for &j in dead.iter().rev() {
+            let k = run.fronts[next].remove(j);
+            run.arena[k as usize].dead = true;
+        }
+        run.exact.insert(key_held, g2);
+        run.arena.push(Entry {
+            dead: false,
+            parent: idx,
+            pos: pos + 1,
+            rule: rule as u16,
+            choice: t.choice,
+            g: g2,
+            held: t.held,
+        });
+        let child = (run.arena.len() - 1) as u32;
+        let arena = &mut run.arena;
+        let front = &mut run.fronts[next];
+        let at = front.partition_point(|&k| arena[k as usize].g <= g2);
+        front.insert(at, child);
+        if front.len() > self.front_width {
+            // keep the cheapest states of this position; the result is no longer
+            // proven optimal
+            if let Some(k) = front.pop() {
+                arena[k as usize].dead = true;
+                run.bounded = true;
+            }
+        }
+        run.heap.push((Reverse(key(g2 + run.heuristic[next])), pos + 1, Reverse(child)));
+    }
+
+    /// Finish the run: the stop reason, the program to the goal (or completed greedily
+    /// from the deepest state reached), replayed with full cost rows, and the report.
+    fn complete(&self, mut run: Run, end: End) -> Result<Outcome> {
+        let generated = run.arena.len();
+        let (last, stop) = match end {
+            End::Goal(idx) if run.bounded => (idx, StopReason::Bounded),
+            End::Goal(idx) => (idx, StopReason::Optimal),
+            End::Stopped(stop) => {
+                let deepest = run.deepest;
+                (self.complete_greedily(&mut run, deepest), stop)
+            }
+            End::Exhausted => (self.complete_greedily(&mut run, 0), StopReason::StateLimit),
         };
-        let mut choices = Vec::with_capacity(n_steps);
-        let mut cur = last;
-        while arena[cur as usize].parent != u32::MAX {
-            let e = &arena[cur as usize];
-            choices.push((e.rule as usize, e.choice));
-            cur = e.parent;
-        }
-        choices.reverse();
+        let choices = path(&run.arena, last);
         let (steps, held, cost) = self.replay(&choices)?;
         Ok(Outcome {
             steps,
             held,
             cost,
             stop,
-            expanded,
+            expanded: run.expanded,
             generated,
-            seconds: start.elapsed().as_secs_f64(),
+            seconds: run.start.elapsed().as_secs_f64(),
         })
     }
 
-    /// Finish a program from `from` taking the cheapest next step each time.
-    fn complete_greedily(
-        &self,
-        arena: &mut Vec<Entry>,
-        from: u32,
-        comp_values: &[Vec<f64>],
-        memo: &mut CommMemo,
-    ) -> u32 {
+    /// Finish a program from state `from` taking the cheapest next step each time; the
+    /// last state.
+    fn complete_greedily(&self, run: &mut Run, from: u32) -> u32 {
         let mut cur = from;
-        while (arena[cur as usize].pos as usize) < self.problem.steps.len() {
-            let pos = arena[cur as usize].pos as usize;
+        while (run.arena[cur as usize].pos as usize) < self.problem.steps.len() {
+            let pos = run.arena[cur as usize].pos as usize;
             let mut pick: Option<(f64, usize, Transition)> = None;
             for rule in 0..self.problem.steps[pos].rules.len() {
-                for t in self.transitions(pos, rule, &arena[cur as usize].held, comp_values, memo) {
+                let held = &run.arena[cur as usize].held;
+                for t in self.transitions(pos, rule, held, &run.comp_values, &mut run.memo) {
                     if pick.as_ref().is_none_or(|(c, _, _)| t.cost < *c) {
                         pick = Some((t.cost, rule, t));
                     }
                 }
             }
             let Some((cost, rule, t)) = pick else { break };
-            let g = arena[cur as usize].g + cost;
-            arena.push(Entry { dead: false, parent: cur, pos: pos as u32 + 1, rule: rule as u16, choice: t.choice, g, held: t.held });
-            cur = (arena.len() - 1) as u32;
+            let g = run.arena[cur as usize].g + cost;
+            run.arena.push(Entry {
+                dead: false,
+                parent: cur,
+                pos: pos as u32 + 1,
+                rule: rule as u16,
+                choice: t.choice,
+                g,
+                held: t.held,
+            });
+            cur = (run.arena.len() - 1) as u32;
         }
         cur
     }
@@ -355,7 +438,7 @@ impl<'p, 'a> Search<'p, 'a> {
         live: &[TensorId],
         from: &[LayoutSet],
         to: &[LayoutSet],
-        set_memo: &mut HashMap<(TensorId, LayoutSet, LayoutSet), f64>,
+        set_memo: &mut SetMemo,
         memo: &mut CommMemo,
     ) -> f64 {
         let mut total = 0.0;
@@ -426,20 +509,9 @@ impl<'p, 'a> Search<'p, 'a> {
         let step = &p.steps[pos];
         let rule = &step.rules[rule_index];
         let live = &p.live[pos];
-        // sources first used here: which input slots they fill
-        let mut new_sources: Vec<TensorId> = Vec::new();
-        for &t in &step.inputs {
-            if p.tensor(t).is_source() && p.tensor(t).first == pos && !new_sources.contains(&t) {
-                new_sources.push(t);
-            }
-        }
-        let options: Vec<Vec<(Layout, Option<Layout>)>> = new_sources
-            .iter()
-            .map(|&t| {
-                let slot = step.inputs.iter().position(|&x| x == t).unwrap_or(0);
-                p.source_options(t, rule.inputs[slot])
-            })
-            .collect();
+        let new_sources = self.new_sources(pos);
+        let options: Vec<Vec<(Layout, Option<Layout>)>> =
+            new_sources.iter().map(|&(t, slot)| p.source_options(t, rule.inputs[slot])).collect();
         let combos: usize = options.iter().map(Vec::len).product();
         let n = p.profile.world();
         let mut out = Vec::with_capacity(combos);
@@ -447,7 +519,7 @@ impl<'p, 'a> Search<'p, 'a> {
             let mut local: Vec<(TensorId, LayoutSet)> = Vec::with_capacity(step.inputs.len());
             let mut comm = vec![0.0; n];
             let mut c = choice;
-            for (k, &t) in new_sources.iter().enumerate() {
+            for (k, &(t, _)) in new_sources.iter().enumerate() {
                 let (created, _) = options[k][c % options[k].len()];
                 c /= options[k].len();
                 local.push((t, LayoutSet::single(created)));
@@ -511,6 +583,21 @@ impl<'p, 'a> Search<'p, 'a> {
         out
     }
 
+    /// The sources step `pos` creates (those first used there), each with the input slot
+    /// of its first use, in input order. A transition's `choice` numbers the ways to
+    /// create them, the first source's option varying fastest.
+    fn new_sources(&self, pos: usize) -> Vec<(TensorId, usize)> {
+        let p = self.problem;
+        let mut sources: Vec<(TensorId, usize)> = Vec::new();
+        for (slot, &t) in p.steps[pos].inputs.iter().enumerate() {
+            let tensor = p.tensor(t);
+            if tensor.is_source() && tensor.first == pos && !sources.iter().any(|&(s, _)| s == t) {
+                sources.push((t, slot));
+            }
+        }
+        sources
+    }
+
     /// Per-device seconds of creating a source in `layout` (gradient all-reduce of a
     /// replicated trainable parameter), if any.
     fn source_values(&self, t: TensorId, layout: Layout) -> Option<Vec<f64>> {
@@ -539,20 +626,15 @@ impl<'p, 'a> Search<'p, 'a> {
             let mut comms = Vec::new();
             let mut comm = Row::zeros(p.profile.world());
             let mut c = choice as usize;
-            let mut seen = Vec::new();
-            for (slot, &t) in step.inputs.iter().enumerate() {
-                let tensor = p.tensor(t);
-                if tensor.is_source() && tensor.first == pos && !seen.contains(&t) {
-                    seen.push(t);
-                    let options = p.source_options(t, rule.inputs[slot]);
-                    let (created_layout, _) = options[c % options.len()];
-                    c /= options.len();
-                    held[t as usize] = LayoutSet::single(created_layout);
-                    created[t as usize] = created[t as usize].with_raw(created_layout);
-                    let row = self.source_row(t, created_layout).unwrap_or_else(|| Row::zeros(p.profile.world()));
-                    comm.add(&row);
-                    sources.push(Source { tensor: t, layout: created_layout, row });
-                }
+            for (t, slot) in self.new_sources(pos) {
+                let options = p.source_options(t, rule.inputs[slot]);
+                let (created_layout, _) = options[c % options.len()];
+                c /= options.len();
+                held[t as usize] = LayoutSet::single(created_layout);
+                created[t as usize] = created[t as usize].with_raw(created_layout);
+                let row = self.source_row(t, created_layout).unwrap_or_else(|| Row::zeros(p.profile.world()));
+                comm.add(&row);
+                sources.push(Source { tensor: t, layout: created_layout, row });
             }
             for (slot, &t) in step.inputs.iter().enumerate() {
                 let need = rule.inputs[slot];
@@ -596,6 +678,19 @@ impl<'p, 'a> Search<'p, 'a> {
         }
         Ok((steps, created, total))
     }
+}
+
+/// The (rule, choice) of every step from the root to state `last`.
+fn path(arena: &[Entry], last: u32) -> Vec<(usize, u16)> {
+    let mut choices = Vec::new();
+    let mut cur = last;
+    while arena[cur as usize].parent != u32::MAX {
+        let e = &arena[cur as usize];
+        choices.push((e.rule as usize, e.choice));
+        cur = e.parent;
+    }
+    choices.reverse();
+    choices
 }
 
 /// Non-negative floats order like their bit patterns.

@@ -2,6 +2,8 @@
 //! by hand, search under fixed ratios and turn the outcome into a program.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 use hapd_core::plan::{self, ProgramOut};
 use hapd_core::problem::{Mode, Options, Problem};
@@ -227,6 +229,27 @@ fn state_limit_returns_a_complete_program() {
         let program = plan::program(&problem, &outcome);
         assert_eq!(program.stats.stop_reason, "state_limit");
         assert_complete(name, &g, &p, &program);
+    }
+}
+
+#[test]
+fn cancel_and_time_limit_return_a_complete_program() {
+    let g = graph("bert");
+    let p = profile(&[1e12; 4], 3e-5, 1e9);
+    let problem = Problem::new(&g, &p, Options::default()).unwrap();
+    let cancelled = AtomicBool::new(true);
+    let search = || Search::new(&problem, &even(4)).unwrap();
+    let cases = [
+        (search().with_cancel(&cancelled), StopReason::Cancelled),
+        (search().with_time_limit(Duration::ZERO), StopReason::TimeLimit),
+    ];
+    for (search, stop) in cases {
+        let outcome = search.run().unwrap();
+        assert_eq!(outcome.stop, stop);
+        assert_eq!(outcome.expanded, 1024, "limits are polled every 1024 expansions");
+        let program = plan::program(&problem, &outcome);
+        assert_eq!(program.stats.stop_reason, stop.name());
+        assert_complete("bert", &g, &p, &program);
     }
 }
 

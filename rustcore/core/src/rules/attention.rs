@@ -15,10 +15,19 @@
 //! would not line up with its key/value heads. Attention is not linear in its
 //! operands: no partial-sum rules.
 
-use super::norm::by_name;
-use super::{gather, OpCtx, Rule};
+use super::rule_names::{DATA_PARALLEL, HEAD_PARALLEL, QUERY_SPLIT};
+use super::{by_name, gather, matmul_class, Family, OpCtx, Rule};
 use crate::cost::Work;
+use crate::error::Result;
 use crate::layout::Layout;
+
+pub const FAMILY: Family = Family {
+    ops: &["aten.scaled_dot_product_attention"],
+    rules,
+    flops,
+    class: matmul_class,
+    check_shapes,
+};
 
 const I: Layout = Layout::Identity;
 
@@ -45,7 +54,7 @@ fn layout_for(shape: &[usize], rank: usize, d: usize, size: usize) -> Option<Lay
     }
 }
 
-pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+fn rules(ctx: &OpCtx) -> Vec<Rule> {
     let (Some(qi), Some(ki), Some(vi)) = (ctx.input_index("query"), ctx.input_index("key"), ctx.input_index("value"))
     else {
         return Vec::new();
@@ -72,15 +81,15 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
         rules.push(Rule { name, inputs: by_name(ctx, &named, I), outputs: vec![gq], work: Work::Sharded });
     };
     if rank >= 3 {
-        split("data-parallel", 0);
+        split(DATA_PARALLEL, 0);
     }
     if rank == 4 {
-        split("head-parallel", 1);
+        split(HEAD_PARALLEL, 1);
     }
     if !is_causal && mask.is_none() {
         if let Some(g) = gather(rank - 2) {
             rules.push(Rule {
-                name: "query-split",
+                name: QUERY_SPLIT,
                 inputs: by_name(ctx, &[("query", g)], I),
                 outputs: vec![g],
                 work: Work::Sharded,
@@ -94,7 +103,7 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
 /// (about 5 per score): `2·L·Sq·Sk·(D + Dv) + 5·L·Sq·Sk` with `L` the product of the
 /// leading (batch, head) dims of the output; `4·B·H·Sq·Sk·D + 5·B·H·Sq·Sk` when
 /// `D = Dv`.
-pub fn flops(ctx: &OpCtx) -> f64 {
+fn flops(ctx: &OpCtx) -> f64 {
     let (Some(qi), Some(ki), Some(vi)) = (ctx.input_index("query"), ctx.input_index("key"), ctx.input_index("value"))
     else {
         return ctx.out_numel();
@@ -110,9 +119,25 @@ pub fn flops(ctx: &OpCtx) -> f64 {
     2.0 * lead * sq * sk * (d + dv) + 5.0 * lead * sq * sk
 }
 
+/// Query, key and value have one rank ≥ 2; query and key agree on the feature dim, key
+/// and value on the sequence.
+fn check_shapes(ctx: &OpCtx) -> Result<()> {
+    let q = ctx.require_input(0)?;
+    let k = ctx.require_input(1)?;
+    let v = ctx.require_input(2)?;
+    if q.rank() < 2 || k.rank() != q.rank() || v.rank() != q.rank() {
+        return ctx.shape_error(format!("q {:?}, k {:?}, v {:?} must have one rank ≥ 2", q.shape, k.shape, v.shape));
+    }
+    let r = q.rank();
+    if q.shape[r - 1] != k.shape[r - 1] || k.shape[r - 2] != v.shape[r - 2] {
+        return ctx.shape_error(format!("q {:?}, k {:?}, v {:?} do not agree", q.shape, k.shape, v.shape));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::norm::testkit::{assert_rules, boolean, float, none, rules, A, A::T};
+    use crate::rules::testkit::{assert_rules, boolean, float, none, rules, A, A::T};
     use crate::rules::OpRules;
 
     fn sdpa(q: &'static [usize], kv: &'static [usize], mask: A, causal: bool) -> OpRules {

@@ -16,14 +16,22 @@
 //! Pools act per sample and per channel: batch and channel splits (`"sharded"`), and an
 //! average pool is linear, so it also keeps partial sums partial (`"partial"`).
 
-use super::norm::by_name;
-use super::{gather, OpCtx, Rule};
+use super::rule_names::{COLUMN_PARALLEL, DATA_PARALLEL, PARTIAL, ROW_PARALLEL, SHARDED};
+use super::{by_name, gather, no_shape_checks, Family, OpCtx, Rule};
 use crate::cost::{Work, WorkClass};
 use crate::layout::Layout;
 
+pub const FAMILY: Family = Family {
+    ops: &["aten.conv2d", "aten.max_pool2d", "aten.adaptive_avg_pool2d"],
+    rules,
+    flops,
+    class,
+    check_shapes: no_shape_checks,
+};
+
 const I: Layout = Layout::Identity;
 
-pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+fn rules(ctx: &OpCtx) -> Vec<Rule> {
     match ctx.op() {
         "aten.conv2d" => conv2d(ctx),
         "aten.max_pool2d" | "aten.adaptive_avg_pool2d" => pool(ctx),
@@ -43,10 +51,10 @@ fn conv2d(ctx: &OpCtx) -> Vec<Rule> {
         outputs: vec![out],
         work: Work::Sharded,
     };
-    let mut rules = vec![rule("data-parallel", &[("input", g0)], g0)];
+    let mut rules = vec![rule(DATA_PARALLEL, &[("input", g0)], g0)];
     if ctx.int_arg("groups").unwrap_or(1) == 1 {
-        rules.push(rule("column-parallel", &[("input", I), ("weight", g0), ("bias", g0)], g1));
-        rules.push(rule("row-parallel", &[("input", g1), ("weight", g1), ("bias", I)], Layout::Reduce));
+        rules.push(rule(COLUMN_PARALLEL, &[("input", I), ("weight", g0), ("bias", g0)], g1));
+        rules.push(rule(ROW_PARALLEL, &[("input", g1), ("weight", g1), ("bias", I)], Layout::Reduce));
     }
     rules
 }
@@ -55,16 +63,16 @@ fn pool(ctx: &OpCtx) -> Vec<Rule> {
     if ctx.n_inputs() != 1 || ctx.in_shape(0).len() != 4 || ctx.out_shape(0).len() != 4 {
         return Vec::new();
     }
-    let mut rules: Vec<Rule> = (0..2).filter_map(gather).map(|g| ctx.uniform("sharded", g, g, Work::Sharded)).collect();
+    let mut rules: Vec<Rule> = (0..2).filter_map(gather).map(|g| ctx.uniform(SHARDED, g, g, Work::Sharded)).collect();
     if ctx.op() == "aten.adaptive_avg_pool2d" {
-        rules.push(ctx.uniform("partial", Layout::Reduce, Layout::Reduce, Work::Full));
+        rules.push(ctx.uniform(PARTIAL, Layout::Reduce, Layout::Reduce, Work::Full));
     }
     rules
 }
 
 /// conv2d: a multiply-add per output element and weight tap,
 /// `2·numel(out)·(C/groups)·kh·kw`; pools: one op per input element.
-pub fn flops(ctx: &OpCtx) -> f64 {
+fn flops(ctx: &OpCtx) -> f64 {
     if ctx.op() == "aten.conv2d" {
         let w = ctx.input_index("weight").map_or(&[][..], |k| ctx.in_shape(k));
         if w.len() == 4 {
@@ -75,7 +83,7 @@ pub fn flops(ctx: &OpCtx) -> f64 {
     ctx.in_shape(0).iter().product::<usize>() as f64
 }
 
-pub fn class(ctx: &OpCtx) -> WorkClass {
+fn class(ctx: &OpCtx) -> WorkClass {
     if ctx.op() == "aten.conv2d" {
         WorkClass::Matmul
     } else {
@@ -85,7 +93,7 @@ pub fn class(ctx: &OpCtx) -> WorkClass {
 
 #[cfg(test)]
 mod tests {
-    use super::super::norm::testkit::{assert_rules, boolean, int, ints, none, rules, A, A::T};
+    use crate::rules::testkit::{assert_rules, boolean, int, ints, none, rules, A, A::T};
     use crate::cost::WorkClass;
     use crate::rules::OpRules;
 

@@ -9,14 +9,23 @@
 //!   to local rows) and writes zeros for the others, so exactly one rank contributes
 //!   each output row. Every rank still writes the whole output, hence `Work::Full`.
 
-use super::norm::by_name;
-use super::{gather, OpCtx, Rule};
+use super::rule_names::{DATA_PARALLEL, HIDDEN_SPLIT, VOCAB_PARALLEL};
+use super::{by_name, elementwise_class, gather, Family, OpCtx, Rule};
 use crate::cost::Work;
+use crate::error::Result;
 use crate::layout::Layout;
+
+pub const FAMILY: Family = Family {
+    ops: &["aten.embedding"],
+    rules,
+    flops,
+    class: elementwise_class,
+    check_shapes,
+};
 
 const I: Layout = Layout::Identity;
 
-pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+fn rules(ctx: &OpCtx) -> Vec<Rule> {
     let (Some(wi), Some(ii)) = (ctx.input_index("weight"), ctx.input_index("indices")) else { return Vec::new() };
     let (weight, indices, out) = (ctx.in_shape(wi), ctx.in_shape(ii), ctx.out_shape(0));
     if weight.len() != 2 || out.len() != indices.len() + 1 {
@@ -25,7 +34,7 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
     let mut rules: Vec<Rule> = (0..indices.len())
         .filter_map(gather)
         .map(|g| Rule {
-            name: "data-parallel",
+            name: DATA_PARALLEL,
             inputs: by_name(ctx, &[("weight", I), ("indices", g)], I),
             outputs: vec![g],
             work: Work::Sharded,
@@ -33,13 +42,13 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
         .collect();
     if let (Some(g0), Some(g1), Some(g_last)) = (gather(0), gather(1), gather(out.len() - 1)) {
         rules.push(Rule {
-            name: "hidden-split",
+            name: HIDDEN_SPLIT,
             inputs: by_name(ctx, &[("weight", g1), ("indices", I)], I),
             outputs: vec![g_last],
             work: Work::Sharded,
         });
         rules.push(Rule {
-            name: "vocab-parallel",
+            name: VOCAB_PARALLEL,
             inputs: by_name(ctx, &[("weight", g0), ("indices", I)], I),
             outputs: vec![Layout::Reduce],
             work: Work::Full,
@@ -49,13 +58,32 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
 }
 
 /// A copy per output element.
-pub fn flops(ctx: &OpCtx) -> f64 {
+fn flops(ctx: &OpCtx) -> f64 {
     ctx.out_numel()
+}
+
+/// A 2-D table, and an output of the indices' shape plus the hidden size.
+fn check_shapes(ctx: &OpCtx) -> Result<()> {
+    let out = ctx.require_out()?;
+    let w = ctx.require_input(0)?;
+    let idx = ctx.require_input(1)?;
+    if w.rank() != 2 {
+        return ctx.shape_error(format!("weight must be 2-D, got {:?}", w.shape));
+    }
+    let mut expect = idx.shape.clone();
+    expect.push(w.shape[1]);
+    if out.shape != expect {
+        return ctx.shape_error(format!(
+            "output {:?} but indices {:?} with weight {:?} give {:?}",
+            out.shape, idx.shape, w.shape, expect
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::norm::testkit::{assert_rules, boolean, int, rules, A::Td};
+    use crate::rules::testkit::{assert_rules, boolean, int, rules, A::Td};
     use crate::ir::DType;
 
     #[test]

@@ -13,12 +13,21 @@
 //!
 //! An unbatched `self` (`[C]`) has no batch to split.
 
-use super::norm::by_name;
-use super::{gather, OpCtx, Rule};
+use super::rule_names::{SHARDED, SHARDED_MEAN, SHARDED_SUM};
+use super::{by_name, elementwise_class, gather, Family, OpCtx, Rule};
 use crate::cost::Work;
+use crate::error::Result;
 use crate::layout::Layout;
 
-pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+pub const FAMILY: Family = Family {
+    ops: &["aten.cross_entropy_loss", "aten.nll_loss"],
+    rules,
+    flops,
+    class: elementwise_class,
+    check_shapes,
+};
+
+fn rules(ctx: &OpCtx) -> Vec<Rule> {
     let (Some(si), Some(ti)) = (ctx.input_index("self"), ctx.input_index("target")) else { return Vec::new() };
     let (x, t) = (ctx.in_shape(si), ctx.in_shape(ti));
     if x.len() < 2 || t.first() != x.first() {
@@ -26,9 +35,9 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
     }
     let Some(g0) = gather(0) else { return Vec::new() };
     let (name, out) = match ctx.int_arg("reduction").unwrap_or(1) {
-        0 if ctx.out_shape(0).first() == x.first() => ("sharded", g0),
-        1 => ("sharded-mean", Layout::Reduce),
-        2 => ("sharded-sum", Layout::Reduce),
+        0 if ctx.out_shape(0).first() == x.first() => (SHARDED, g0),
+        1 => (SHARDED_MEAN, Layout::Reduce),
+        2 => (SHARDED_SUM, Layout::Reduce),
         _ => return Vec::new(),
     };
     vec![Rule {
@@ -41,14 +50,29 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
 
 /// Log-softmax (or the log-probability pick), weight and reduce: about 4 FLOPs per
 /// element of `self`.
-pub fn flops(ctx: &OpCtx) -> f64 {
+fn flops(ctx: &OpCtx) -> f64 {
     let x = ctx.input_index("self").map_or(ctx.in_shape(0), |k| ctx.in_shape(k));
     4.0 * x.iter().product::<usize>() as f64
 }
 
+/// `self` `[C]` with a scalar target, or `[N, C, d1…]` with a target `[N, d1…]`.
+fn check_shapes(ctx: &OpCtx) -> Result<()> {
+    let x = ctx.require_input(0)?;
+    let y = ctx.require_input(1)?;
+    let batch_ok = match (x.rank(), y.rank()) {
+        (1, 0) => true,
+        (rx, ry) if rx >= 2 && ry == rx - 1 => y.shape[0] == x.shape[0] && y.shape[1..] == x.shape[2..],
+        _ => false,
+    };
+    if !batch_ok {
+        return ctx.shape_error(format!("input {:?} and target {:?} do not match", x.shape, y.shape));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::norm::testkit::{assert_rules, float, int, none, rules, A, A::Td, A::T};
+    use crate::rules::testkit::{assert_rules, float, int, none, rules, A, A::Td, A::T};
     use crate::ir::DType;
     use crate::rules::OpRules;
 

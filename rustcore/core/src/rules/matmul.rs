@@ -2,10 +2,23 @@
 //! dims, column-parallel (split the output features), row-parallel (split the
 //! contraction → partial sums), and partial-sum inputs through a bilinear op.
 
-use super::{gather, OpCtx, Rule};
+use super::rule_names::{
+    COLUMN_PARALLEL, COLUMN_SPLIT, CONTRACTION_SPLIT, DATA_PARALLEL, PARTIAL, ROW_PARALLEL, ROW_SPLIT, SPLIT,
+};
+use super::binary::aligned_dim;
+use super::{by_name, gather, matmul_class, Family, OpCtx, Rule};
 use crate::cost::Work;
+use crate::error::Result;
 use crate::ir::Value;
 use crate::layout::Layout;
+
+pub const FAMILY: Family = Family {
+    ops: &["aten.linear", "aten.matmul", "aten.bmm", "aten.einsum"],
+    rules,
+    flops,
+    class: matmul_class,
+    check_shapes,
+};
 
 const I: Layout = Layout::Identity;
 const R: Layout = Layout::Reduce;
@@ -14,25 +27,13 @@ fn g(dim: usize) -> Option<Layout> {
     gather(dim)
 }
 
-pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+fn rules(ctx: &OpCtx) -> Vec<Rule> {
     match ctx.op() {
         "aten.linear" => linear(ctx),
         "aten.matmul" | "aten.bmm" => matmul(ctx),
         "aten.einsum" => einsum(ctx).unwrap_or_default(),
         _ => Vec::new(),
     }
-}
-
-/// Layout list for a node's tensor inputs from (schema name → layout) pairs; inputs not
-/// named get `fill`.
-fn by_name(ctx: &OpCtx, named: &[(&str, Layout)], fill: Layout) -> Vec<Layout> {
-    let mut layouts = vec![fill; ctx.n_inputs()];
-    for (name, layout) in named {
-        if let Some(k) = ctx.input_index(name) {
-            layouts[k] = *layout;
-        }
-    }
-    layouts
 }
 
 fn linear(ctx: &OpCtx) -> Vec<Rule> {
@@ -46,7 +47,7 @@ fn linear(ctx: &OpCtx) -> Vec<Rule> {
     for d in 0..last {
         let Some(gd) = g(d) else { continue };
         rules.push(Rule {
-            name: "data-parallel",
+            name: DATA_PARALLEL,
             inputs: by_name(ctx, &[("input", gd)], I),
             outputs: vec![gd],
             work: Work::Sharded,
@@ -55,21 +56,21 @@ fn linear(ctx: &OpCtx) -> Vec<Rule> {
     if let (Some(g0), Some(g1), Some(glast)) = (g(0), g(1), g(last)) {
         // column parallel: split the output features (weight rows, bias)
         rules.push(Rule {
-            name: "column-parallel",
+            name: COLUMN_PARALLEL,
             inputs: by_name(ctx, &[("input", I), ("weight", g0), ("bias", g0)], I),
             outputs: vec![glast],
             work: Work::Sharded,
         });
         // row parallel: split the contraction; the bias is added on rank 0 only
         rules.push(Rule {
-            name: "row-parallel",
+            name: ROW_PARALLEL,
             inputs: by_name(ctx, &[("input", glast), ("weight", g1), ("bias", I)], I),
             outputs: vec![R],
             work: Work::Sharded,
         });
     }
     // a partial-sum input stays partial; the bias is added on rank 0 only
-    rules.push(Rule { name: "partial", inputs: by_name(ctx, &[("input", R)], I), outputs: vec![R], work: Work::Full });
+    rules.push(Rule { name: PARTIAL, inputs: by_name(ctx, &[("input", R)], I), outputs: vec![R], work: Work::Full });
     rules
 }
 
@@ -86,26 +87,26 @@ fn matmul(ctx: &OpCtx) -> Vec<Rule> {
         }
     };
     // batch dims (aligned from the right, broadcast operands replicated)
-    for d in 0..ro - 2 {
-        let da = super::binary::aligned_dim(&a[..ra - 2], ro - 2, d, out[d]);
-        let db = super::binary::aligned_dim(&b[..rb - 2], ro - 2, d, out[d]);
+    for (d, &size) in out[..ro - 2].iter().enumerate() {
+        let da = aligned_dim(&a[..ra - 2], ro - 2, d, size);
+        let db = aligned_dim(&b[..rb - 2], ro - 2, d, size);
         if da.is_none() && db.is_none() {
             continue;
         }
         let la = da.map_or(Some(I), g);
         let lb = db.map_or(Some(I), g);
-        push("data-parallel", la, lb, g(d), Work::Sharded);
+        push(DATA_PARALLEL, la, lb, g(d), Work::Sharded);
     }
-    push("row-split", g(ra - 2), Some(I), g(ro - 2), Work::Sharded);
-    push("column-split", Some(I), g(rb - 1), g(ro - 1), Work::Sharded);
-    push("contraction-split", g(ra - 1), g(rb - 2), Some(R), Work::Sharded);
-    push("partial", Some(R), Some(I), Some(R), Work::Full);
-    push("partial", Some(I), Some(R), Some(R), Work::Full);
+    push(ROW_SPLIT, g(ra - 2), Some(I), g(ro - 2), Work::Sharded);
+    push(COLUMN_SPLIT, Some(I), g(rb - 1), g(ro - 1), Work::Sharded);
+    push(CONTRACTION_SPLIT, g(ra - 1), g(rb - 2), Some(R), Work::Sharded);
+    push(PARTIAL, Some(R), Some(I), Some(R), Work::Full);
+    push(PARTIAL, Some(I), Some(R), Some(R), Work::Full);
     rules
 }
 
 /// The equation of a two-operand einsum: (letters of a, letters of b, letters of out).
-pub(crate) fn parse_equation(ctx: &OpCtx) -> Option<(Vec<char>, Vec<char>, Vec<char>)> {
+fn parse_equation(ctx: &OpCtx) -> Option<(Vec<char>, Vec<char>, Vec<char>)> {
     let Some(Value::Str(eq)) = ctx.arg("equation") else { return None };
     let eq: String = eq.chars().filter(|c| !c.is_whitespace()).collect();
     let (lhs, out) = eq.split_once("->")?;
@@ -151,15 +152,15 @@ fn einsum(ctx: &OpCtx) -> Option<Vec<Rule>> {
             None => Some(R),
         };
         if let (Some(la), Some(lb), Some(lo)) = (la, lb, lo) {
-            rules.push(Rule { name: "split", inputs: vec![la, lb], outputs: vec![lo], work: Work::Sharded });
+            rules.push(Rule { name: SPLIT, inputs: vec![la, lb], outputs: vec![lo], work: Work::Sharded });
         }
     }
-    rules.push(Rule { name: "partial", inputs: vec![R, I], outputs: vec![R], work: Work::Full });
-    rules.push(Rule { name: "partial", inputs: vec![I, R], outputs: vec![R], work: Work::Full });
+    rules.push(Rule { name: PARTIAL, inputs: vec![R, I], outputs: vec![R], work: Work::Full });
+    rules.push(Rule { name: PARTIAL, inputs: vec![I, R], outputs: vec![R], work: Work::Full });
     Some(rules)
 }
 
-pub fn flops(ctx: &OpCtx) -> f64 {
+fn flops(ctx: &OpCtx) -> f64 {
     match ctx.op() {
         "aten.linear" => {
             let x = ctx.in_shape(0);
@@ -184,4 +185,34 @@ pub fn flops(ctx: &OpCtx) -> f64 {
             2.0 * ctx.out_numel() * k
         }
     }
+}
+
+/// `linear`: weight `[out, in]`, input `[…, in]`, bias `[out]`, output `[…, out]`.
+fn check_shapes(ctx: &OpCtx) -> Result<()> {
+    if ctx.op() != "aten.linear" {
+        return Ok(());
+    }
+    let out = ctx.require_out()?;
+    let x = ctx.require_input(0)?;
+    let w = ctx.require_input(1)?;
+    if w.rank() != 2 {
+        return ctx.shape_error(format!("weight must be 2-D, got shape {:?}", w.shape));
+    }
+    if x.rank() == 0 || x.shape[x.rank() - 1] != w.shape[1] {
+        return ctx.shape_error(format!("input {:?} does not match weight {:?} (in features)", x.shape, w.shape));
+    }
+    if let Some(b) = ctx.tensor_arg("bias") {
+        if b.shape != [w.shape[0]] {
+            return ctx.shape_error(format!("bias {:?} does not match weight {:?}", b.shape, w.shape));
+        }
+    }
+    let mut expect = x.shape.clone();
+    *expect.last_mut().unwrap_or(&mut 0) = w.shape[0];
+    if out.shape != expect {
+        return ctx.shape_error(format!(
+            "output {:?} but input {:?} × weight {:?} gives {:?}",
+            out.shape, x.shape, w.shape, expect
+        ));
+    }
+    Ok(())
 }

@@ -8,6 +8,12 @@
 //! All `Gather` operands of one rule are split by one partition (the batch, the heads,
 //! the hidden features…): their per-rank lengths are proportional to their sizes. The
 //! plan derives integer lengths from that (see `plan.rs`).
+//!
+//! A family's file owns everything the core knows of its ops: their names, their rules,
+//! their FLOPs and work class, and the shape checks the validator runs on them, gathered
+//! in its `FAMILY` ([`Family`]); [`FAMILIES`] lists the families. Rule names are the
+//! constants of [`rule_names`]. Helpers the families share ([`OpCtx`], [`gather`],
+//! `by_name`, the unit tests' `testkit`) live here.
 
 mod attention;
 mod binary;
@@ -18,78 +24,88 @@ mod matmul;
 mod norm;
 mod pointwise;
 mod reduction;
+pub mod rule_names;
 mod shape;
 mod softmax;
+#[cfg(test)]
+pub(crate) mod testkit;
 mod unary;
 
 use crate::cost::{Work, WorkClass};
+use crate::error::{Error, Result};
 use crate::ir::{Graph, Node, TensorMeta, Value};
 use crate::layout::Layout;
 
-/// The op families the core has sharding rules for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Family {
-    /// Shape-preserving element-wise ops with one tensor input.
-    Unary,
-    /// Broadcasting element-wise ops with two tensor operands (or one and a scalar).
-    Binary,
-    /// Element-wise ops that never carry gradients or act along one dim (masks,
-    /// comparisons, one_hot, cumsum, topk): the MoE gating vocabulary.
-    Pointwise,
-    /// `linear`, `matmul`, `bmm`, `einsum`.
-    Matmul,
-    /// `scaled_dot_product_attention`.
-    Attention,
-    /// `embedding`.
-    Embedding,
-    /// `layer_norm`.
-    Norm,
-    /// `softmax`, `log_softmax`.
-    Softmax,
-    /// Reductions over some dims: `sum`, `mean`.
-    Reduction,
-    /// `cross_entropy_loss`, `nll_loss`.
-    Loss,
-    /// `conv2d`, pools.
-    Conv,
-    /// Views, reshapes, permutes, concatenation, slicing.
-    Shape,
+/// Every op family the core has sharding rules for; an op belongs to at most one. A new
+/// family is a new file defining its `FAMILY` plus one line here.
+pub const FAMILIES: &[Family] = &[
+    unary::FAMILY,
+    binary::FAMILY,
+    pointwise::FAMILY,
+    matmul::FAMILY,
+    attention::FAMILY,
+    embedding::FAMILY,
+    norm::FAMILY,
+    softmax::FAMILY,
+    reduction::FAMILY,
+    loss::FAMILY,
+    conv::FAMILY,
+    shape::FAMILY,
+];
+
+/// What the core knows of one op family: its ops, and for one op node of the family
+/// its sharded rules, its FLOPs, its work class and its shape checks. Each family file
+/// defines one as `FAMILY`.
+#[derive(Debug)]
+pub struct Family {
+    /// The canonical op names of the family.
+    pub ops: &'static [&'static str],
+    /// The sharded rules of an op ([`rules_for`] adds the replicated rule first).
+    pub rules: fn(&OpCtx) -> Vec<Rule>,
+    /// Forward FLOPs of the whole (single-device) op.
+    pub flops: fn(&OpCtx) -> f64,
+    /// The achieved FLOP/s of a device the op runs at.
+    pub class: fn(&OpCtx) -> WorkClass,
+    /// Checks of the operand and result shapes the rules rely on, run by
+    /// [`crate::validate`] once the graph's structure is sound.
+    pub check_shapes: fn(&OpCtx) -> Result<()>,
 }
 
 /// The family of a canonical op name, or `None` for an opaque op.
-pub fn family(op: &str) -> Option<Family> {
-    use Family::*;
-    Some(match op {
-        "aten.relu" | "aten.gelu" | "aten.silu" | "aten.sigmoid" | "aten.tanh" | "aten.dropout"
-        | "aten.neg" | "aten.exp" | "aten.rsqrt" | "aten.sqrt" | "aten.pow.Tensor_Scalar"
-        | "aten.to.dtype" | "aten._to_copy" | "aten.clone" | "aten.contiguous" | "aten.clamp_min"
-        | "aten.type_as" => Unary,
-        "aten.add.Tensor" | "aten.sub.Tensor" | "aten.mul.Tensor" | "aten.div.Tensor" => Binary,
-        "aten.lt.Scalar" | "aten.gt.Scalar" | "aten.le.Scalar" | "aten.ge.Scalar" | "aten.eq.Scalar"
-        | "aten.one_hot" | "aten.cumsum" | "aten.topk" | "aten.argmax" | "aten.zeros_like"
-        | "aten.ones_like" | "aten._assert_tensor_metadata" => Pointwise,
-        "aten.linear" | "aten.matmul" | "aten.bmm" | "aten.einsum" => Matmul,
-        "aten.scaled_dot_product_attention" => Attention,
-        "aten.embedding" => Embedding,
-        "aten.layer_norm" => Norm,
-        "aten.softmax.int" | "aten.log_softmax.int" => Softmax,
-        "aten.sum.dim_IntList" | "aten.sum" | "aten.mean.dim" | "aten.mean" => Reduction,
-        "aten.cross_entropy_loss" | "aten.nll_loss" => Loss,
-        "aten.conv2d" | "aten.max_pool2d" | "aten.adaptive_avg_pool2d" => Conv,
-        "aten.view" | "aten.reshape" | "aten._unsafe_view" | "aten.flatten.using_ints"
-        | "aten.transpose.int" | "aten.permute" | "aten.t" | "aten.unsqueeze" | "aten.squeeze.dim"
-        | "aten.expand" | "aten.cat" | "aten.slice.Tensor" | "aten.select.int" | "aten.chunk"
-        | "aten.split.Tensor" => Shape,
-        _ => return None,
-    })
+pub fn family(op: &str) -> Option<&'static Family> {
+    FAMILIES.iter().find(|f| f.ops.contains(&op))
+}
+
+/// [`Family::class`] of families of dense linear algebra.
+pub(crate) fn matmul_class(_: &OpCtx) -> WorkClass {
+    WorkClass::Matmul
+}
+
+/// [`Family::class`] of the other families.
+pub(crate) fn elementwise_class(_: &OpCtx) -> WorkClass {
+    WorkClass::Elementwise
+}
+
+/// [`Family::check_shapes`] of families whose rules check the shapes they need.
+pub(crate) fn no_shape_checks(_: &OpCtx) -> Result<()> {
+    Ok(())
+}
+
+/// A shape check: result 0 has the shape of input 0.
+pub(crate) fn check_same_shape(ctx: &OpCtx) -> Result<()> {
+    let out = ctx.require_out()?;
+    let x = ctx.require_input(0)?;
+    if out.shape != x.shape {
+        return ctx.shape_error(format!("output {:?} differs from input {:?}", out.shape, x.shape));
+    }
+    Ok(())
 }
 
 /// One way to run an op: the layout of each tensor input (in `node.inputs` order) and
 /// of each output, and how the work divides.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rule {
-    /// Stable name the plan records and the runtime keys on (`"replicated"`,
-    /// `"column-parallel"`, `"row-parallel"`, `"vocab-parallel"`, …).
+    /// Stable name the plan records and the runtime keys on: one of [`rule_names`].
     pub name: &'static str,
     pub inputs: Vec<Layout>,
     pub outputs: Vec<Layout>,
@@ -176,7 +192,7 @@ impl<'g> OpCtx<'g> {
     /// All inputs and outputs replicated, full work.
     pub fn replicated(&self) -> Rule {
         Rule {
-            name: "replicated",
+            name: rule_names::REPLICATED,
             inputs: vec![Layout::Identity; self.n_inputs()],
             outputs: vec![Layout::Identity; self.n_outputs()],
             work: Work::Full,
@@ -192,6 +208,45 @@ impl<'g> OpCtx<'g> {
     pub fn out_numel(&self) -> f64 {
         self.out_shape(0).iter().product::<usize>() as f64
     }
+
+    /// For shape checks: tensor input `k`, or an error saying the op needs it.
+    pub fn require_input(&self, k: usize) -> Result<&'g TensorMeta> {
+        self.inputs.get(k).copied().ok_or_else(|| self.mismatch(format!("expects at least {} tensor inputs", k + 1)))
+    }
+
+    /// For shape checks: result 0 (every op node that passed the structural checks has
+    /// one).
+    pub fn require_out(&self) -> Result<&'g TensorMeta> {
+        self.out(0).ok_or_else(|| self.mismatch("has no result".to_string()))
+    }
+
+    /// For shape checks: the tensor passed as schema argument `name`, if it is one.
+    pub fn tensor_arg(&self, name: &str) -> Option<&'g TensorMeta> {
+        self.input_index(name).and_then(|k| self.inputs.get(k)).copied()
+    }
+
+    /// A shape error about this op node.
+    pub fn mismatch(&self, message: String) -> Error {
+        Error::shape(&self.node.name, &self.node.op, message)
+    }
+
+    /// `Err` of [`Self::mismatch`].
+    pub fn shape_error<T>(&self, message: String) -> Result<T> {
+        Err(self.mismatch(message))
+    }
+}
+
+/// Layouts for a node's tensor inputs from (schema name → layout) pairs; tensor inputs
+/// not named (and names that are not tensors in this call, like an absent bias) get
+/// `fill`.
+pub(crate) fn by_name(ctx: &OpCtx, named: &[(&str, Layout)], fill: Layout) -> Vec<Layout> {
+    let mut layouts = vec![fill; ctx.n_inputs()];
+    for (name, layout) in named {
+        if let Some(k) = ctx.input_index(name).filter(|&k| k < layouts.len()) {
+            layouts[k] = *layout;
+        }
+    }
+    layouts
 }
 
 /// Gather on a dim as a layout (dims beyond what a layout set can hold are not split).
@@ -203,18 +258,7 @@ pub fn gather(dim: usize) -> Option<Layout> {
 pub fn rules_for(graph: &Graph, node: &Node) -> OpRules {
     let ctx = OpCtx::new(graph, node);
     let (mut sharded, flops, class) = match family(&node.op) {
-        Some(Family::Unary) => (unary::rules(&ctx), unary::flops(&ctx), WorkClass::Elementwise),
-        Some(Family::Binary) => (binary::rules(&ctx), binary::flops(&ctx), WorkClass::Elementwise),
-        Some(Family::Pointwise) => (pointwise::rules(&ctx), pointwise::flops(&ctx), WorkClass::Elementwise),
-        Some(Family::Matmul) => (matmul::rules(&ctx), matmul::flops(&ctx), WorkClass::Matmul),
-        Some(Family::Attention) => (attention::rules(&ctx), attention::flops(&ctx), WorkClass::Matmul),
-        Some(Family::Embedding) => (embedding::rules(&ctx), embedding::flops(&ctx), WorkClass::Elementwise),
-        Some(Family::Norm) => (norm::rules(&ctx), norm::flops(&ctx), WorkClass::Elementwise),
-        Some(Family::Softmax) => (softmax::rules(&ctx), softmax::flops(&ctx), WorkClass::Elementwise),
-        Some(Family::Reduction) => (reduction::rules(&ctx), reduction::flops(&ctx), WorkClass::Elementwise),
-        Some(Family::Loss) => (loss::rules(&ctx), loss::flops(&ctx), WorkClass::Elementwise),
-        Some(Family::Conv) => (conv::rules(&ctx), conv::flops(&ctx), conv::class(&ctx)),
-        Some(Family::Shape) => (shape::rules(&ctx), 0.0, WorkClass::Elementwise),
+        Some(f) => ((f.rules)(&ctx), (f.flops)(&ctx), (f.class)(&ctx)),
         None => (Vec::new(), ctx.out_numel(), WorkClass::Elementwise),
     };
     // a rule must give every tensor operand and result a layout
@@ -226,4 +270,27 @@ pub fn rules_for(graph: &Graph, node: &Node) -> OpRules {
         }
     }
     OpRules { rules, flops, class }
+}
+
+/// The shape checks of an op node's family (none for an opaque op). The graph's
+/// structure must be sound: references valid, at least one result.
+pub fn check_shapes(graph: &Graph, node: &Node) -> Result<()> {
+    match family(&node.op) {
+        Some(f) => (f.check_shapes)(&OpCtx::new(graph, node)),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FAMILIES;
+
+    #[test]
+    fn an_op_has_at_most_one_family() {
+        let mut ops: Vec<&str> = FAMILIES.iter().flat_map(|f| f.ops.iter().copied()).collect();
+        let n = ops.len();
+        ops.sort_unstable();
+        ops.dedup();
+        assert_eq!(ops.len(), n, "an op is listed by two families");
+    }
 }

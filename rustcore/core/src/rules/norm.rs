@@ -1,26 +1,21 @@
 //! `layer_norm`: normalizes over the trailing `normalized_shape` dims, so any leading
 //! dim (batch, sequence) splits freely while the affine `weight` and `bias` (shaped like
 //! the normalized dims) stay replicated.
-//!
-//! Also home of [`by_name`], the schema-name → operand layout helper the families with
-//! named operands share, and of the `testkit` their unit tests share.
 
-use super::{gather, OpCtx, Rule};
+use super::rule_names::SHARDED;
+use super::{by_name, elementwise_class, gather, Family, OpCtx, Rule};
 use crate::cost::Work;
+use crate::error::Result;
+use crate::ir::Value;
 use crate::layout::Layout;
 
-/// Layouts for a node's tensor inputs from (schema name → layout) pairs; tensor inputs
-/// not named (and names that are not tensors in this call, like an absent bias) get
-/// `fill`.
-pub(super) fn by_name(ctx: &OpCtx, named: &[(&str, Layout)], fill: Layout) -> Vec<Layout> {
-    let mut layouts = vec![fill; ctx.n_inputs()];
-    for (name, layout) in named {
-        if let Some(k) = ctx.input_index(name).filter(|&k| k < layouts.len()) {
-            layouts[k] = *layout;
-        }
-    }
-    layouts
-}
+pub const FAMILY: Family = Family {
+    ops: &["aten.layer_norm"],
+    rules,
+    flops,
+    class: elementwise_class,
+    check_shapes,
+};
 
 /// The dims of `input` that are not normalized (those before `normalized_shape`).
 fn leading_dims(ctx: &OpCtx) -> Option<usize> {
@@ -30,12 +25,12 @@ fn leading_dims(ctx: &OpCtx) -> Option<usize> {
     rank.checked_sub(normalized)
 }
 
-pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+fn rules(ctx: &OpCtx) -> Vec<Rule> {
     let Some(lead) = leading_dims(ctx) else { return Vec::new() };
     (0..lead)
         .filter_map(gather)
         .map(|g| Rule {
-            name: "sharded",
+            name: SHARDED,
             inputs: by_name(ctx, &[("input", g)], Layout::Identity),
             outputs: vec![g],
             work: Work::Sharded,
@@ -44,140 +39,37 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
 }
 
 /// Mean, variance, normalize, scale and shift: about 8 FLOPs per element.
-pub fn flops(ctx: &OpCtx) -> f64 {
+fn flops(ctx: &OpCtx) -> f64 {
     8.0 * ctx.out_numel()
 }
 
-/// A tiny graph builder and rule-table assertions for the families' unit tests.
-#[cfg(test)]
-pub(super) mod testkit {
-    use crate::cost::Work;
-    use crate::ir::{DType, Graph, LossReduction, Node, NodeKind, TensorMeta, TensorRef, Value};
-    use crate::layout::Layout;
-    use crate::rules::{rules_for, OpRules, Rule};
-
-    /// One schema argument of the op under test.
-    #[derive(Clone)]
-    pub enum A {
-        /// A tensor operand of this shape (float32).
-        T(&'static [usize]),
-        /// A tensor operand of this shape and dtype.
-        Td(&'static [usize], DType),
-        /// A non-tensor value.
-        V(Value),
+/// `normalized_shape` is the tail of the input's shape, `weight` and `bias` have that
+/// shape, and the output the input's.
+fn check_shapes(ctx: &OpCtx) -> Result<()> {
+    let out = ctx.require_out()?;
+    let x = ctx.require_input(0)?;
+    let normalized = ctx.arg("normalized_shape").and_then(Value::as_ints).unwrap_or_default();
+    let k = normalized.len();
+    let tail: Vec<i64> = x.shape.iter().skip(x.rank().saturating_sub(k)).map(|&d| d as i64).collect();
+    if k > x.rank() || tail != normalized {
+        return ctx.shape_error(format!("normalized_shape {normalized:?} is not the tail of input {:?}", x.shape));
     }
-
-    pub fn int(i: i64) -> A {
-        A::V(Value::Int(i))
-    }
-    pub fn ints(v: &[i64]) -> A {
-        A::V(Value::List(v.iter().map(|&i| Value::Int(i)).collect()))
-    }
-    pub fn boolean(b: bool) -> A {
-        A::V(Value::Bool(b))
-    }
-    pub fn float(f: f64) -> A {
-        A::V(Value::Float(f))
-    }
-    pub fn none() -> A {
-        A::V(Value::None(()))
-    }
-
-    fn meta(name: String, shape: &[usize], dtype: DType) -> TensorMeta {
-        TensorMeta { name, shape: shape.to_vec(), dtype }
-    }
-
-    /// A graph of one source node per tensor argument (in argument order) and the op
-    /// as the last node, with results `outputs`.
-    pub fn graph(op: &str, args: Vec<(&str, A)>, outputs: &[(&[usize], DType)]) -> Graph {
-        let mut nodes = Vec::new();
-        let mut inputs = Vec::new();
-        let mut node_args = Vec::new();
-        for (name, a) in args {
-            let (shape, dtype) = match a {
-                A::T(shape) => (shape, DType::F32),
-                A::Td(shape, dtype) => (shape, dtype),
-                A::V(v) => {
-                    node_args.push(crate::ir::Arg { name: name.to_string(), value: v });
-                    continue;
-                }
-            };
-            nodes.push(Node {
-                name: name.to_string(),
-                kind: NodeKind::Input,
-                op: String::new(),
-                target: name.to_string(),
-                inputs: vec![],
-                args: vec![],
-                outputs: vec![meta(name.to_string(), shape, dtype)],
-                requires_grad: false,
-                batch_dim: None,
-            });
-            inputs.push(TensorRef(nodes.len() as u32 - 1, 0));
-            let value = Value::Tensor(inputs.len() as u32 - 1);
-            node_args.push(crate::ir::Arg { name: name.to_string(), value });
-        }
-        let outputs = outputs.iter().enumerate().map(|(k, (s, d))| meta(format!("out{k}"), s, *d)).collect();
-        nodes.push(Node {
-            name: "op".into(),
-            kind: NodeKind::Op,
-            op: op.to_string(),
-            target: String::new(),
-            inputs,
-            args: node_args,
-            outputs,
-            requires_grad: false,
-            batch_dim: None,
-        });
-        let loss = TensorRef(nodes.len() as u32 - 1, 0);
-        Graph { name: "test".into(), nodes, loss, loss_reduction: LossReduction::Sum }
-    }
-
-    /// `rules_for` the op of [`graph`] with float32 results of shapes `outputs`.
-    pub fn rules(op: &str, args: Vec<(&str, A)>, outputs: &[&[usize]]) -> OpRules {
-        let outputs: Vec<(&[usize], DType)> = outputs.iter().map(|s| (*s, DType::F32)).collect();
-        let g = graph(op, args, &outputs);
-        rules_for(&g, g.nodes.last().unwrap())
-    }
-
-    fn layout(l: &Layout) -> String {
-        match l {
-            Layout::Identity => "I".into(),
-            Layout::Reduce => "R".into(),
-            Layout::Gather(d) => format!("G{d}"),
+    for name in ["weight", "bias"] {
+        if let Some(p) = ctx.tensor_arg(name) {
+            if p.shape.iter().map(|&d| d as i64).collect::<Vec<_>>() != normalized {
+                return ctx.shape_error(format!("{name} {:?} does not match normalized_shape {normalized:?}", p.shape));
+            }
         }
     }
-
-    /// A rule as one line: `name in,in -> out work`, layouts as `I`, `R`, `G<dim>`.
-    pub fn line(r: &Rule) -> String {
-        let ls = |v: &[Layout]| v.iter().map(layout).collect::<Vec<_>>().join(",");
-        let work = match r.work {
-            Work::Full => "full",
-            Work::Sharded => "sharded",
-            Work::Free => "free",
-        };
-        format!("{} {} -> {} {}", r.name, ls(&r.inputs), ls(&r.outputs), work)
+    if out.shape != x.shape {
+        return ctx.shape_error(format!("output {:?} differs from input {:?}", out.shape, x.shape));
     }
-
-    /// The rules are `replicated` first, then exactly `expected` (in any order).
-    #[track_caller]
-    pub fn assert_rules(got: &OpRules, expected: &[&str]) {
-        let first = got.rules.first().map(line);
-        let n_in = got.rules[0].inputs.len();
-        let n_out = got.rules[0].outputs.len();
-        let replicated = format!("replicated {} -> {} full", vec!["I"; n_in].join(","), vec!["I"; n_out].join(","));
-        assert_eq!(first.as_deref(), Some(replicated.as_str()));
-        let mut got: Vec<String> = got.rules[1..].iter().map(line).collect();
-        let mut want: Vec<String> = expected.iter().map(|s| s.to_string()).collect();
-        got.sort();
-        want.sort();
-        assert_eq!(got, want);
-    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
-    use super::testkit::{assert_rules, float, ints, none, rules, A::T};
+    use crate::rules::testkit::{assert_rules, float, ints, none, rules, A::T};
 
     #[test]
     fn layer_norm_splits_leading_dims() {

@@ -14,16 +14,38 @@
 //! - `_assert_tensor_metadata` only checks metadata and returns nothing (one result of
 //!   dtype `NotATensor`): replicated only, zero FLOPs.
 
-use super::{gather, OpCtx, Rule};
+use super::rule_names::{FILL, PARTIAL, SHARDED};
+use super::{elementwise_class, gather, no_shape_checks, Family, OpCtx, Rule};
 use crate::cost::Work;
 use crate::ir::Value;
 use crate::layout::Layout;
+
+pub const FAMILY: Family = Family {
+    ops: &[
+        "aten.lt.Scalar",
+        "aten.gt.Scalar",
+        "aten.le.Scalar",
+        "aten.ge.Scalar",
+        "aten.eq.Scalar",
+        "aten.one_hot",
+        "aten.cumsum",
+        "aten.topk",
+        "aten.argmax",
+        "aten.zeros_like",
+        "aten.ones_like",
+        "aten._assert_tensor_metadata",
+    ],
+    rules,
+    flops,
+    class: elementwise_class,
+    check_shapes: no_shape_checks,
+};
 
 fn is_comparison(op: &str) -> bool {
     matches!(op, "aten.lt.Scalar" | "aten.gt.Scalar" | "aten.le.Scalar" | "aten.ge.Scalar" | "aten.eq.Scalar")
 }
 
-pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+fn rules(ctx: &OpCtx) -> Vec<Rule> {
     if ctx.n_inputs() != 1 {
         return Vec::new();
     }
@@ -57,13 +79,13 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
     };
     let mut rules: Vec<Rule> = dims
         .into_iter()
-        .filter_map(|(i, o)| Some(ctx.uniform("sharded", gather(i)?, gather(o)?, Work::Sharded)))
+        .filter_map(|(i, o)| Some(ctx.uniform(SHARDED, gather(i)?, gather(o)?, Work::Sharded)))
         .collect();
     match op {
         "aten.zeros_like" | "aten.ones_like" => {
-            rules.push(ctx.uniform("fill", Layout::Reduce, Layout::Identity, Work::Full))
+            rules.push(ctx.uniform(FILL, Layout::Reduce, Layout::Identity, Work::Full))
         }
-        "aten.cumsum" => rules.push(ctx.uniform("partial", Layout::Reduce, Layout::Reduce, Work::Full)),
+        "aten.cumsum" => rules.push(ctx.uniform(PARTIAL, Layout::Reduce, Layout::Reduce, Work::Full)),
         _ => {}
     }
     rules
@@ -71,7 +93,7 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
 
 /// One op per output element; `topk` a partial sort, `numel(input)·log2(k+1)`;
 /// `_assert_tensor_metadata` nothing.
-pub fn flops(ctx: &OpCtx) -> f64 {
+fn flops(ctx: &OpCtx) -> f64 {
     match ctx.op() {
         "aten._assert_tensor_metadata" => 0.0,
         "aten.topk" => {
@@ -84,7 +106,7 @@ pub fn flops(ctx: &OpCtx) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::norm::testkit::{assert_rules, boolean, graph, int, none, rules, A, A::Td, A::T};
+    use crate::rules::testkit::{assert_rules, boolean, graph, int, none, rules, A, A::Td, A::T};
     use crate::ir::{DType, Value};
     use crate::rules::rules_for;
 

@@ -11,10 +11,19 @@
 //! - Both ops are linear, so a partial-sum input gives a partial-sum output
 //!   (`"partial"`).
 
-use super::{gather, OpCtx, Rule};
+use super::rule_names::{PARTIAL, SHARDED, SHARDED_MEAN, SHARDED_SUM};
+use super::{elementwise_class, gather, no_shape_checks, Family, OpCtx, Rule};
 use crate::cost::Work;
 use crate::ir::Value;
 use crate::layout::Layout;
+
+pub const FAMILY: Family = Family {
+    ops: &["aten.sum.dim_IntList", "aten.sum", "aten.mean.dim", "aten.mean"],
+    rules,
+    flops,
+    class: elementwise_class,
+    check_shapes: no_shape_checks,
+};
 
 /// Which of the `rank` input dims are reduced, and `keepdim`; `None` when a listed dim
 /// is out of range.
@@ -40,12 +49,12 @@ fn reduced_dims(ctx: &OpCtx, rank: usize) -> Option<(Vec<bool>, bool)> {
     }
 }
 
-pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+fn rules(ctx: &OpCtx) -> Vec<Rule> {
     if ctx.n_inputs() != 1 {
         return Vec::new();
     }
     let rank = ctx.in_shape(0).len();
-    let split_name = if ctx.op().starts_with("aten.mean") { "sharded-mean" } else { "sharded-sum" };
+    let split_name = if ctx.op().starts_with("aten.mean") { SHARDED_MEAN } else { SHARDED_SUM };
     let mut rules = Vec::new();
     if let Some((reduced, keepdim)) = reduced_dims(ctx, rank) {
         for d in 0..rank {
@@ -55,23 +64,23 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
             } else {
                 let out = if keepdim { d } else { d - reduced[..d].iter().filter(|r| **r).count() };
                 if let Some(g_out) = gather(out) {
-                    rules.push(ctx.uniform("sharded", g, g_out, Work::Sharded));
+                    rules.push(ctx.uniform(SHARDED, g, g_out, Work::Sharded));
                 }
             }
         }
     }
-    rules.push(ctx.uniform("partial", Layout::Reduce, Layout::Reduce, Work::Full));
+    rules.push(ctx.uniform(PARTIAL, Layout::Reduce, Layout::Reduce, Work::Full));
     rules
 }
 
 /// One add per input element.
-pub fn flops(ctx: &OpCtx) -> f64 {
+fn flops(ctx: &OpCtx) -> f64 {
     ctx.in_shape(0).iter().product::<usize>() as f64
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::norm::testkit::{assert_rules, boolean, ints, none, rules, A, A::T};
+    use crate::rules::testkit::{assert_rules, boolean, ints, none, rules, A, A::T};
 
     const X: &[usize] = &[2, 16, 4];
 

@@ -1,11 +1,37 @@
 //! Views, reshapes, permutes, concatenation and slicing: free ops that map a split dim
 //! of the input onto a split dim of the output (and keep partial sums partial).
 
-use super::{gather, OpCtx, Rule};
+use super::rule_names::{PARTIAL, SHARDED};
+use super::{elementwise_class, gather, Family, OpCtx, Rule};
 use crate::cost::Work;
+use crate::error::Result;
 use crate::layout::Layout;
 
-pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+pub const FAMILY: Family = Family {
+    ops: &[
+        "aten.view",
+        "aten.reshape",
+        "aten._unsafe_view",
+        "aten.flatten.using_ints",
+        "aten.transpose.int",
+        "aten.permute",
+        "aten.t",
+        "aten.unsqueeze",
+        "aten.squeeze.dim",
+        "aten.expand",
+        "aten.cat",
+        "aten.slice.Tensor",
+        "aten.select.int",
+        "aten.chunk",
+        "aten.split.Tensor",
+    ],
+    rules,
+    flops,
+    class: elementwise_class,
+    check_shapes,
+};
+
+fn rules(ctx: &OpCtx) -> Vec<Rule> {
     let x = ctx.in_shape(0);
     let mapping: Vec<(usize, usize)> = match ctx.op() {
         "aten.view" | "aten.reshape" | "aten._unsafe_view" | "aten.flatten.using_ints" => {
@@ -56,16 +82,49 @@ pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
     let mut rules: Vec<Rule> = mapping
         .into_iter()
         .filter(|&(i, _)| x.get(i).is_some_and(|&s| s > 1))
-        .filter_map(|(i, o)| Some(ctx.uniform("sharded", gather(i)?, gather(o)?, Work::Free)))
+        .filter_map(|(i, o)| Some(ctx.uniform(SHARDED, gather(i)?, gather(o)?, Work::Free)))
         .collect();
-    rules.push(ctx.uniform("partial", Layout::Reduce, Layout::Reduce, Work::Free));
+    rules.push(ctx.uniform(PARTIAL, Layout::Reduce, Layout::Reduce, Work::Free));
     rules
+}
+
+/// Views and copies move data but do no arithmetic.
+fn flops(_: &OpCtx) -> f64 {
+    0.0
+}
+
+/// Reshapes keep the number of elements; transposes and permutes also the rank.
+fn check_shapes(ctx: &OpCtx) -> Result<()> {
+    match ctx.op() {
+        "aten.view" | "aten.reshape" | "aten._unsafe_view" | "aten.flatten.using_ints" => {
+            let out = ctx.require_out()?;
+            let x = ctx.require_input(0)?;
+            if x.numel() != out.numel() {
+                return ctx.shape_error(format!(
+                    "{:?} ({} elements) cannot become {:?} ({} elements)",
+                    x.shape,
+                    x.numel(),
+                    out.shape,
+                    out.numel()
+                ));
+            }
+        }
+        "aten.transpose.int" | "aten.permute" | "aten.t" => {
+            let out = ctx.require_out()?;
+            let x = ctx.require_input(0)?;
+            if x.rank() != out.rank() || x.numel() != out.numel() {
+                return ctx.shape_error(format!("input {:?} and output {:?} differ in rank or size", x.shape, out.shape));
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// For a reshape from `a` to `b`: pairs (dim of a, dim of b) where a split of the
 /// first non-trivial dim of a group of `a` is exactly a split of the first non-trivial
 /// dim of the matching group of `b` (groups: runs of dims with equal products).
-pub fn reshape_map(a: &[usize], b: &[usize]) -> Vec<(usize, usize)> {
+fn reshape_map(a: &[usize], b: &[usize]) -> Vec<(usize, usize)> {
     let mut pairs = Vec::new();
     let (mut i, mut j) = (0, 0);
     while i < a.len() && j < b.len() {

@@ -1,26 +1,35 @@
 //! `softmax` and `log_softmax` along one dim: every other dim splits freely. They are
 //! not linear, so a partial-sum input has no rule.
 
-use super::{gather, OpCtx, Rule};
+use super::rule_names::SHARDED;
+use super::{check_same_shape, elementwise_class, gather, Family, OpCtx, Rule};
 use crate::cost::Work;
 
-pub fn rules(ctx: &OpCtx) -> Vec<Rule> {
+pub const FAMILY: Family = Family {
+    ops: &["aten.softmax.int", "aten.log_softmax.int"],
+    rules,
+    flops,
+    class: elementwise_class,
+    check_shapes: check_same_shape,
+};
+
+fn rules(ctx: &OpCtx) -> Vec<Rule> {
     let rank = ctx.in_shape(0).len();
     if ctx.n_inputs() != 1 {
         return Vec::new();
     }
     let Some(dim) = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, rank)) else { return Vec::new() };
-    (0..rank).filter(|&d| d != dim).filter_map(gather).map(|g| ctx.uniform("sharded", g, g, Work::Sharded)).collect()
+    (0..rank).filter(|&d| d != dim).filter_map(gather).map(|g| ctx.uniform(SHARDED, g, g, Work::Sharded)).collect()
 }
 
 /// Max, subtract, exp, sum, divide (or log): about 5 FLOPs per element.
-pub fn flops(ctx: &OpCtx) -> f64 {
+fn flops(ctx: &OpCtx) -> f64 {
     5.0 * ctx.out_numel()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::norm::testkit::{assert_rules, int, none, rules, A::T};
+    use crate::rules::testkit::{assert_rules, int, none, rules, A::T};
 
     #[test]
     fn splits_every_dim_but_the_normalized_one() {
