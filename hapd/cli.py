@@ -9,6 +9,7 @@ import click
 
 from hapd import __version__
 from hapd.errors import HapdError, OptionsError
+from hapd.serve.cache import DEFAULT_MAX_CACHE_BYTES
 
 
 class _Group(click.Group):
@@ -162,7 +163,7 @@ def explain_cmd(plan: Path) -> None:
               help="Shared key file, created 0600 if absent  [default: STATE/key]")
 @click.option("--state", "home", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="State directory  [default: $HAPD_HOME or ~/.hapd]")
-@click.option("--max-cache-bytes", type=click.IntRange(min=1), default=2 * 2**30, show_default=True,
+@click.option("--max-cache-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_CACHE_BYTES, show_default=True,
               help="Plan cache size bound (least recently used entries are evicted).")
 @click.option("--max-request-bytes", type=click.IntRange(min=1024), default=256 * 2**20, show_default=True,
               help="Largest request body (compile requests carry whole graphs).")

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import click
 
 from hapd.errors import HapdError
+from hapd.util import atomic_write
 from launcher.hosts import Host, load_hosts
 from launcher.job import EXIT_INTERRUPTED, EXIT_LAUNCH_ERROR, JobOptions, JobResult, check_daemons, place, run_job
 
@@ -162,28 +163,17 @@ def check_cmd(hosts: Path, nproc: int | None, key_file: Path | None, timeout: fl
 
 # ----------------------------------------------------------------------------- profile
 
-PROFILE_SHIM = '''\
-"""Rank side of `python -m launcher profile`: hapd.profile.profiler, then (rank 0) the profile
-as `{"hapd": "profile-part"}` lines the launcher reassembles (a daemon splits lines
-longer than 64 KiB)."""
-import json, os, sys, tempfile
-from hapd.profile.profiler import main
-out = os.path.join(tempfile.mkdtemp(prefix="hapd-profile-"), "profile.json")
-code = main([*sys.argv[1:], "--out", out])
-if code == 0 and os.path.exists(out):
-    with open(out) as f:
-        text = f.read()
-    parts = [text[i:i + 8000] for i in range(0, len(text), 8000)] or [""]
-    for i, part in enumerate(parts):
-        print(json.dumps({"hapd": "profile-part", "index": i, "count": len(parts), "text": part}), flush=True)
-sys.exit(code)
-'''
+PROFILE_RANK_MODULE = "hapd.profile.rank"
+"""The rank program of ``profile``: its file is shipped to every daemon and run there."""
 
 
-def profiler_available() -> bool:
+def profile_rank_program() -> Path | None:
+    """The file of :data:`PROFILE_RANK_MODULE`, found without importing it (it imports
+    the profiler); None when this hapd has none."""
     import importlib.util
 
-    return importlib.util.find_spec("hapd.profile.profiler") is not None
+    spec = importlib.util.find_spec(PROFILE_RANK_MODULE)
+    return Path(spec.origin) if spec is not None and spec.origin else None
 
 
 @main.command("profile", context_settings={"ignore_unknown_options": True})
@@ -198,13 +188,14 @@ def profile_cmd(profiler_args: tuple[str, ...], hosts: Path | None, nproc: int |
     ranks of every host through the daemons (e.g. `--quick`, `--sizes 64K,1M`), then
     write the profile rank 0 measured to OUT. With several hosts, every rank's host is
     named as in the host file (HAPD_HOST)."""
-    if not profiler_available():
-        raise click.ClickException("profiling is not available: this hapd has no hapd.profile.profiler module")
+    program = profile_rank_program()
+    if program is None:
+        raise click.ClickException(f"profiling is not available: this hapd has no {PROFILE_RANK_MODULE} module")
     host_list = _hosts(hosts)
     env_map = _env_pairs(env)
     with tempfile.TemporaryDirectory(prefix="hapd-launcher-") as tmp:
         shim = Path(tmp) / "hapd_profile_rank.py"
-        shim.write_text(PROFILE_SHIM)
+        shim.write_bytes(program.read_bytes())
         options = JobOptions(script=shim, args=profiler_args, nproc_per_node=nproc or (None if host_list else 2),
                              env=env_map, key_file=key_file, timeout_s=timeout, master_port=master_port,
                              job_id=job_id, report=report, host_env=host_list is not None and len(host_list) > 1)
@@ -217,7 +208,7 @@ def profile_cmd(profiler_args: tuple[str, ...], hosts: Path | None, nproc: int |
         sys.exit(1)
     document = json.loads("".join(p["text"] for p in parts))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(document, indent=1) + "\n")
+    atomic_write(out, json.dumps(document, indent=1) + "\n")
     click.echo(f"wrote {out}: {len(document.get('devices', []))} device(s)")
 
 

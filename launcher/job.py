@@ -277,6 +277,11 @@ def check_daemons(placements: Sequence[Placement], clients: Mapping[int, Client]
 # ----------------------------------------------------------------------------- a local daemon
 
 
+SERVE_CHILD_MODULE = "launcher.serve_child"
+"""``python -m SERVE_CHILD_MODULE LAUNCHER_PID serve ...``: ``hapd serve`` that stops with
+the launcher (:mod:`launcher.serve_child`)."""
+
+
 class LocalDaemon:
     """A private ``hapd serve`` on a free loopback port with a temporary state directory,
     for a job on this machine when no daemon answers at the default address; stopped (and
@@ -292,7 +297,7 @@ class LocalDaemon:
         log = open(self.home / "serve.txt", "wb")  # noqa: SIM115 - the child owns it
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _SERVE_WITH_PARENT, str(os.getpid()), "serve", "--state", str(self.home),
+                [sys.executable, "-m", SERVE_CHILD_MODULE, str(os.getpid()), "serve", "--state", str(self.home),
                  "--bind", "tcp://127.0.0.1:*", "--slots", str(slots), "--log-level", "warning"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
@@ -352,21 +357,6 @@ class LocalDaemon:
                     self.proc.wait()
         finally:
             shutil.rmtree(self.home, ignore_errors=True)
-
-
-_SERVE_WITH_PARENT = """\
-import ctypes, os, signal, sys
-try:  # Linux: SIGTERM (a clean stop) when the launcher dies first
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-except Exception:
-    pass
-if os.getppid() != int(sys.argv.pop(1)):
-    sys.exit("the launcher is gone")
-sys.argv[0] = "hapd"
-from hapd.cli import main
-main()
-"""
-"""``hapd serve`` (``python -c THIS LAUNCHER_PID serve ...``) that stops with the launcher."""
 
 
 def local_daemon_answers(key_file: Path | None, timeout_s: float = 2.0) -> str | None:

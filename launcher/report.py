@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from hapd.util import atomic_write, summarize
 
 REPORT_FORMAT = "hapd.launcher.report"
 REPORT_VERSION = 1
@@ -41,13 +41,6 @@ def parse_hapd_line(line: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) and isinstance(value.get("hapd"), str) else None
-
-
-def _stats(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and population standard deviation (0 for one value)."""
-    if not values:
-        return math.nan, math.nan
-    return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
 
 
 class Timings:
@@ -81,7 +74,8 @@ def rank_row(line: Mapping[str, Any]) -> dict[str, Any]:
     times = [float(t) for t in line.get("iteration_s") or []]
     warmup = int(line.get("warmup") or 0)
     timed = times[warmup:] if len(times) > warmup else times
-    mean, std = _stats(timed)
+    stats = summarize(timed)
+    mean, std = stats.mean, stats.std
     if not timed and "mean_s" in line:  # a script that reports only its statistics
         mean, std = float(line["mean_s"]), float(line.get("std_s") or 0.0)
     return {
@@ -90,8 +84,8 @@ def rank_row(line: Mapping[str, Any]) -> dict[str, Any]:
         "warmup": warmup,
         "mean_s": mean,
         "std_s": std,
-        "min_s": min(timed) if timed else None,
-        "max_s": max(timed) if timed else None,
+        "min_s": stats.min if timed else None,
+        "max_s": stats.max if timed else None,
         "loss": line.get("loss"),
         "system": line.get("system"),
         "model": line.get("model"),
@@ -106,14 +100,14 @@ def overall(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     timed = [r["iteration_s"][r["warmup"]:] for r in rows]
     n = min((len(t) for t in timed), default=0)
     job = [max(t[i] for t in timed) for i in range(n)]
-    mean, std = _stats(job)
+    job_times = summarize(job)
     means = [(r["mean_s"], r["rank"]) for r in rows if not math.isnan(r["mean_s"])]
     slowest = max(means) if means else (math.nan, None)
     fastest = min(means) if means else (math.nan, None)
     return {
         "iterations": n,
-        "mean_s": mean,
-        "std_s": std,
+        "mean_s": job_times.mean,
+        "std_s": job_times.std,
         "slowest_rank": slowest[1],
         "slowest_mean_s": slowest[0],
         "fastest_rank": fastest[1],
@@ -199,13 +193,10 @@ def format_table(report: Mapping[str, Any]) -> str:
 
 
 def write_report(report: Mapping[str, Any], path: str | Path) -> Path:
-    """Write the report as JSON (atomically: a temporary file, then a rename)."""
+    """Write the report as JSON (atomically: see :func:`hapd.util.atomic_write`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(clean_nans(report), indent=1, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, json.dumps(clean_nans(report), indent=1, allow_nan=False) + "\n")
 
 
 def clean_nans(value: Any) -> Any:

@@ -101,18 +101,43 @@ def synthesize(graph: bytes, profile: Profile, ratios: list[float], options: Com
     return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
-def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> Plan:  # noqa: A001 - hapd.compile is the public name
-    """Compile ``graph`` (GraphIR, .hapg/.pt2 path, bytes or ExportedProgram) for
-    ``profile`` (Profile or path) into a :class:`Plan`."""
-    options = options or CompileOptions()
-    profile = load_profile(profile)
-    data = _graph_bytes(graph)
-    start = time.perf_counter()
-    caps = [d.memory for d in profile.devices] if options.memory_caps else None
+@dataclass(frozen=True, kw_only=True)
+class _Searched:
+    """The outcome of the search ⇄ LP rounds."""
 
+    program: dict
+    """The cheapest program found."""
+    ratios: list[float]
+    """The sharding ratios it was optimized for."""
+    cost: float
+    """Its cost under those ratios (the LP's objective, or the cost model's with fixed ratios)."""
+    rounds: int
+    """Search ⇄ LP rounds run."""
+    expanded: int
+    """States expanded over all rounds."""
+    history: list[float]
+    """The LP's objective after each round."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Baselines:
+    """The data-parallel baselines, priced by the same cost model."""
+
+    dp_ev: float
+    """Cost of the data-parallel program under an even split."""
+    dp_cp: float
+    """Cost of the data-parallel program under the FLOP/s-proportional split."""
+    dp_program: dict
+    """The data-parallel program searched under the FLOP/s-proportional split."""
+    flops: list[float]
+    """The FLOP/s-proportional split."""
+
+
+def _search_rounds(data: bytes, profile: Profile, options: CompileOptions, caps: list[float] | None) -> _Searched:
+    """Alternate the search and the ratio LP while the cost strictly improves
+    (one search only when ``options.ratios`` fixes the ratios)."""
     ratios = list(options.ratios) if options.ratios is not None else profile.flops_ratios()
     rounds, expanded, history = 0, 0, []
-    chosen_from = "search"
     best: tuple[dict, list[float], float] | None = None
     while rounds < options.max_rounds:
         rounds += 1
@@ -129,36 +154,67 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
         best = (program, list(lp.ratios), cost)
         ratios = list(lp.ratios)
     assert best is not None
-    synthesis_seconds = time.perf_counter() - start
+    program, ratios, cost = best
+    return _Searched(program=program, ratios=ratios, cost=cost, rounds=rounds, expanded=expanded, history=history)
 
+
+def _baselines(data: bytes, profile: Profile, options: CompileOptions) -> _Baselines:
+    """Price the data-parallel program under the even (DP-EV) and FLOP/s-proportional
+    (DP-CP) splits."""
     even = [1.0 / profile.world] * profile.world
     dp_ev = program_cost(synthesize(data, profile, even, options, "data_parallel"), even)
     flops = profile.flops_ratios()
     dp_program = synthesize(data, profile, flops, options, "data_parallel")
     dp_cp = program_cost(dp_program, flops)
-    # a search bounded by its front width may miss the data-parallel program, which is
-    # always in its space: keep whichever is cheaper, with the LP's ratios or the
-    # FLOP/s-proportional ones (compared by the cost model, not the LP's objective,
-    # which the solver only meets to its tolerance)
-    if options.ratios is None and not options.force and options.mode == "auto":
-        best = (best[0], best[1], program_cost(best[0], best[1]))
-        dp_splits = [] if caps else [flops]  # with memory caps only the LP's split is known to fit
-        try:
-            dp_splits.append(list(solve_ratios(dp_program, caps).ratios))
-        except SynthesisError:
-            pass  # no data-parallel split fits
-        for split in dp_splits:
-            cost = program_cost(dp_program, split)
-            if cost < best[2]:
-                best = (dp_program, split, cost)
-                chosen_from = "data_parallel"
-    program, ratios, cost = best
-    seconds = time.perf_counter() - start
+    return _Baselines(dp_ev=dp_ev, dp_cp=dp_cp, dp_program=dp_program, flops=flops)
 
+
+def _prefer_data_parallel(
+    searched: _Searched, baselines: _Baselines, options: CompileOptions, caps: list[float] | None
+) -> tuple[dict, list[float], str]:
+    """The program to keep, its ratios, and where it came from (``"search"`` or
+    ``"data_parallel"``).
+
+    A search bounded by its front width may miss the data-parallel program, which is
+    always in its space: keep whichever is cheaper, with the LP's ratios or the
+    FLOP/s-proportional ones (compared by the cost model, not the LP's objective,
+    which the solver only meets to its tolerance). Only for a free ``auto`` compile."""
+    if options.ratios is not None or options.force or options.mode != "auto":
+        return searched.program, searched.ratios, "search"
+    program, ratios, chosen_from = searched.program, searched.ratios, "search"
+    best_cost = program_cost(program, ratios)
+    dp_program = baselines.dp_program
+    dp_splits = [] if caps else [baselines.flops]  # with memory caps only the LP's split is known to fit
+    try:
+        dp_splits.append(list(solve_ratios(dp_program, caps).ratios))
+    except SynthesisError:
+        pass  # no data-parallel split fits
+    for split in dp_splits:
+        cost = program_cost(dp_program, split)
+        if cost < best_cost:
+            program, ratios, best_cost, chosen_from = dp_program, split, cost, "data_parallel"
+    return program, ratios, chosen_from
+
+
+def _plan_document(
+    data: bytes,
+    profile: Profile,
+    options: CompileOptions,
+    searched: _Searched,
+    baselines: _Baselines,
+    chosen: tuple[dict, list[float], str],
+    *,
+    seconds: float,
+    synthesis_seconds: float,
+) -> dict:
+    """The plan document: its cache key, the chosen program with its ratios and split
+    lengths, the estimate, the baselines and the compile's statistics."""
+    from hapd import _core
     from hapd.compiler.lower import GraphIR
 
-    summary = __import__("hapd._core", fromlist=["load_graph"]).load_graph(data)
-    doc = {
+    program, ratios, chosen_from = chosen
+    summary = _core.load_graph(data)
+    return {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
         "key": {
@@ -172,17 +228,35 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
         "ratios": ratios,
         "lengths": split_lengths(program, ratios),
         "estimate": estimate(program, ratios),
-        "baselines": {"dp_ev": dp_ev, "dp_cp": dp_cp},
+        "baselines": {"dp_ev": baselines.dp_ev, "dp_cp": baselines.dp_cp},
         "opaque_ops": [op for op, _ in summary["opaque_ops"]],
         "stats": {
             "seconds": seconds,
             "synthesis_seconds": synthesis_seconds,
             "search_seconds": program["stats"]["seconds"],
-            "expanded": expanded,
-            "lp_rounds": rounds,
-            "lp_costs": history,
+            "expanded": searched.expanded,
+            "lp_rounds": searched.rounds,
+            "lp_costs": searched.history,
             "stop_reason": program["stats"]["stop_reason"],
             "chosen_from": chosen_from,
         },
     }
+
+
+def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> Plan:  # noqa: A001 - hapd.compile is the public name
+    """Compile ``graph`` (GraphIR, .hapg/.pt2 path, bytes or ExportedProgram) for
+    ``profile`` (Profile or path) into a :class:`Plan`."""
+    options = options or CompileOptions()
+    profile = load_profile(profile)
+    data = _graph_bytes(graph)
+    start = time.perf_counter()
+    caps = [d.memory for d in profile.devices] if options.memory_caps else None
+    searched = _search_rounds(data, profile, options, caps)
+    synthesis_seconds = time.perf_counter() - start
+    baselines = _baselines(data, profile, options)
+    chosen = _prefer_data_parallel(searched, baselines, options, caps)
+    seconds = time.perf_counter() - start
+    doc = _plan_document(
+        data, profile, options, searched, baselines, chosen, seconds=seconds, synthesis_seconds=synthesis_seconds
+    )
     return Plan(doc)

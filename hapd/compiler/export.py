@@ -13,6 +13,7 @@ from torch.export import ExportedProgram
 
 from hapd.errors import ExportError
 from hapd.compiler.lower import EXTRA_FILE
+from hapd.util import atomic_file
 
 
 def export(
@@ -43,10 +44,8 @@ def export(
     if path is not None:
         names = user_input_names(program)
         meta = {"name": name or type(model).__name__, "batch_dims": dict(zip(names, batch_dims))}
-        path = Path(path)
-        tmp = path.with_name(f".{path.stem}.tmp{path.suffix or '.pt2'}")
-        torch.export.save(program, tmp, extra_files={EXTRA_FILE: json.dumps(meta, sort_keys=True)})
-        tmp.replace(path)
+        with atomic_file(path) as handle:
+            torch.export.save(program, handle, extra_files={EXTRA_FILE: json.dumps(meta, sort_keys=True)})
     return program
 
 

@@ -25,6 +25,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from hapd.errors import ExportError, GraphFormatError
+from hapd.util import atomic_write
 
 GRAPH_FORMAT = "hapd.graph"
 GRAPH_VERSION = 1
@@ -58,12 +59,8 @@ class GraphIR:
         return msgpack.unpackb(self.data, raw=False, strict_map_key=False)
 
     def save(self, path: str | Path) -> Path:
-        """Write the IR atomically (temp file + rename) and return the path."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(self.data)
-        tmp.replace(path)
-        return path
+        """Write the IR atomically (see :func:`hapd.util.atomic_write`) and return the path."""
+        return atomic_write(path, self.data)
 
     @classmethod
     def load(cls, path: str | Path) -> "GraphIR":

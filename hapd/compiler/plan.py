@@ -12,6 +12,7 @@ import msgpack
 
 from hapd.errors import PlanError
 from hapd.compiler.ratios import per_device, program_cost, row_values, sharding_lengths
+from hapd.util import atomic_write, format_bytes
 
 PLAN_FORMAT = "hapd.plan"
 PLAN_VERSION = 1
@@ -43,12 +44,10 @@ class Plan:
         return msgpack.packb(dict(self.doc), use_bin_type=True)
 
     def save(self, path: str | Path) -> Path:
+        """Write the plan atomically (creating its folder) and return the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(self.to_bytes())
-        tmp.replace(path)
-        return path
+        return atomic_write(path, self.to_bytes())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Plan":
@@ -113,14 +112,6 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} µs"
 
 
-def _fmt_b(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
 def explain(plan: Plan) -> str:
     """A readable report: estimate vs baselines, ratios, every step with its layouts and
     collectives, per-device totals, and why replicated ops are replicated."""
@@ -140,7 +131,7 @@ def explain(plan: Plan) -> str:
     for d, r in enumerate(ratios):
         lines.append(
             f"  rank {d:<3} ratio {r:.4f}  compute {_fmt_s(est['compute'][d]):>10}  "
-            f"communication {_fmt_s(est['communication'][d]):>10}  memory {_fmt_b(est['memory'][d])}"
+            f"communication {_fmt_s(est['communication'][d]):>10}  memory {format_bytes(est['memory'][d])}"
         )
     lines.append("steps:")
     for step in program["steps"]:
@@ -151,13 +142,13 @@ def explain(plan: Plan) -> str:
         lines.append(f"  {step['node']:<30} {step['op']:<34} {step['rule']:<16} {_fmt_s(comp + comm):>10}")
         lines.append(f"      {ins} -> {outs}")
         for s in step["sources"]:
-            sync = f", gradient all-reduce {_fmt_b(s['bytes'])} {_fmt_s(max(row_values(s['cost'], ratios)))}" if s["grad_sync"] else ""
+            sync = f", gradient all-reduce {format_bytes(s['bytes'])} {_fmt_s(max(row_values(s['cost'], ratios)))}" if s["grad_sync"] else ""
             lines.append(f"      source {s['kind']} {s['target']} as {s['layout']}{sync}")
         for c in step["comms"]:
             t = max(row_values(c["cost"], ratios), default=0.0)
             back = " (+ backward)" if c["grad"] else ""
             lines.append(
-                f"      {c['collective']} {c['tensor']} {c['from']} -> {c['to']}, {_fmt_b(c['bytes'])}, {_fmt_s(t)}{back}"
+                f"      {c['collective']} {c['tensor']} {c['from']} -> {c['to']}, {format_bytes(c['bytes'])}, {_fmt_s(t)}{back}"
             )
         if step["rule"] == "replicated" and step["work"] != "free":
             why = (

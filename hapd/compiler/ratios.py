@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import pulp
 
 from hapd.errors import SynthesisError
+from hapd.util import format_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,9 +133,9 @@ def _lp_failure(status: str, program: dict[str, Any], memory_caps: Sequence[floa
         worst = min(range(len(spare)), key=lambda d: spare[d])
         return (
             f"the sharding-ratio LP is infeasible: the program does not fit in device memory "
-            f"(replicated state needs {mem['constant'][worst] / 2**30:.2f} GiB on device {worst}, "
-            f"which has {memory_caps[worst] / 2**30:.2f} GiB; sharded state totals {need / 2**30:.2f} GiB "
-            f"over {len(spare)} devices with {sum(max(0.0, s) for s in spare) / 2**30:.2f} GiB to spare)"
+            f"(replicated state needs {format_bytes(mem['constant'][worst])} on device {worst}, "
+            f"which has {format_bytes(memory_caps[worst])}; sharded state totals {format_bytes(need)} "
+            f"over {len(spare)} devices with {format_bytes(sum(max(0.0, s) for s in spare))} to spare)"
         )
     return f"the sharding-ratio LP ended with status {status!r}"
 

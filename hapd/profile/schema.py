@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 import msgpack
 
 from hapd.errors import ProfileError
+from hapd.util import atomic_write
 
 PROFILE_FORMAT = "hapd.profile"
 PROFILE_VERSION = 1
@@ -149,11 +150,8 @@ class Profile:
         return json.dumps(doc, indent=1, sort_keys=False) + "\n"
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
-        return path
+        """Write the profile JSON atomically and return the path."""
+        return atomic_write(path, self.to_json())
 
 
 def estimated_profile(

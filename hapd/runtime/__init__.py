@@ -2,6 +2,10 @@
 
 - :mod:`~hapd.runtime.rewrite` — :func:`distribute`: an exported program and a plan →
   the fx module one rank runs;
+- :mod:`~hapd.runtime.adapters` — :data:`~hapd.runtime.adapters.ADAPTERS`: the ops whose
+  rule needs more than the local op, keyed on (op name, rule name);
+- :mod:`~hapd.runtime.gradsync` — :class:`~hapd.runtime.gradsync.GradSync`: summing
+  replicated parameters' gradients over ranks during backward;
 - :mod:`~hapd.runtime.collectives` — uneven collectives between layouts, as autograd
   functions;
 - :mod:`~hapd.runtime.training` — the training harness shared by the worker and the

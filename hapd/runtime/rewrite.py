@@ -3,17 +3,19 @@
 :func:`distribute` turns a ``torch.export`` program and a :class:`~hapd.compiler.plan.Plan` into
 the fx :class:`RankModule` one rank runs. It applies these steps, in order:
 
-1. **check** — the program lowers to the plan's graph id, the plan is for this world
-   size, and the rank is in it;
-2. **shard sources** — every parameter, buffer and constant the plan uses becomes this
-   rank's piece of it (a slice for ``Gather(d)``, the whole tensor for ``Identity``);
-   the full tensor is never kept for a sharded one;
-3. **emit steps** — the plan's steps in order: each step's sources, the collectives
-   that bring its inputs to the layouts its rule needs, the op itself (adapted where a
-   rule needs more than the local op: see ``_ADAPT``), and collectives on its results
-   (the loss masked to rank 0 when it was computed replicated);
-4. **sync gradients** — replicated trainable parameters get their gradients summed
-   over ranks during backward (:class:`GradSync`, bucketed like DDP).
+1. **check** (:func:`_check`) — the program lowers to the plan's graph id, the plan is
+   for this world size, and the rank is in it;
+2. **shard sources** (:func:`_shard_sources`) — every parameter, buffer and constant the
+   plan uses becomes this rank's piece of it (a slice for ``Gather(d)``, the whole
+   tensor for ``Identity``); the full tensor is never kept for a sharded one;
+3. **emit steps** (:func:`_emit_steps`) — the plan's steps in order: the collectives
+   that bring each step's inputs to the layouts its rule needs, the op itself (adapted
+   where a rule needs more than the local op: :data:`hapd.runtime.adapters.ADAPTERS`),
+   and collectives on its results (the loss masked to rank 0 when it was computed
+   replicated);
+4. **sync gradients** (:func:`_sync_gradients`) — replicated trainable parameters get
+   their gradients summed over ranks during backward
+   (:class:`hapd.runtime.gradsync.GradSync`, bucketed like DDP).
 
 The module takes this rank's inputs (:meth:`RankModule.shard_inputs` cuts them from
 the full batch) and returns this rank's part of the loss: the sum over ranks is the
@@ -22,10 +24,9 @@ single-device loss, and after ``backward()`` every parameter holds its exact gra
 
 from __future__ import annotations
 
-import math
 import operator
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -38,10 +39,11 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from hapd import _core
-
-from hapd.runtime import collectives
-from hapd.errors import PlanError
 from hapd.compiler.plan import Plan
+from hapd.errors import PlanError
+from hapd.runtime import collectives
+from hapd.runtime.adapters import ADAPTERS
+from hapd.runtime.gradsync import GradSync
 
 IDENTITY, REDUCE = "Identity", "Reduce"
 _GATHER = re.compile(r"Gather\((\d+)\)")
@@ -117,8 +119,8 @@ class RankView:
 
 
 # --------------------------------------------------------------------------------------
-# Modules the rewritten graph calls (fx code can call modules with state; the state here
-# is the collective's dims, lengths and process group)
+# The module the rewritten graph calls for a collective (fx code can call modules with
+# state; the state here is the collective's dims, lengths and process group)
 # --------------------------------------------------------------------------------------
 
 
@@ -167,189 +169,6 @@ class Communicate(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}: {self.tensor} {self.src} -> {self.dst}"
-
-
-class VocabParallelEmbedding(nn.Module):
-    """``embedding`` with this rank holding vocabulary rows ``[start, start+length)``:
-    ids outside it give zero rows, so the sum over ranks is the full lookup."""
-
-    def __init__(self, start: int, length: int):
-        super().__init__()
-        self.start, self.length = start, length
-
-    def forward(self, weight: Tensor, indices: Tensor, padding_idx: int = -1) -> Tensor:
-        local = indices - self.start
-        inside = (local >= 0) & (local < self.length)
-        if self.length == 0:
-            return weight.new_zeros((*indices.shape, weight.shape[-1])) + weight.sum() * 0
-        pad = padding_idx - self.start if 0 <= padding_idx - self.start < self.length else -1
-        rows = torch.ops.aten.embedding.default(weight, local.clamp(0, self.length - 1), pad)
-        return rows * inside.unsqueeze(-1).to(rows.dtype)
-
-    def extra_repr(self) -> str:
-        return f"rows [{self.start}, {self.start + self.length})"
-
-
-class GlobalSum(nn.Module):
-    """The sum over ranks of a local count (no gradient): the divisor of a sharded mean
-    loss, whose element count depends on the labels."""
-
-    def __init__(self, group: Any):
-        super().__init__()
-        self.group = group
-
-    def forward(self, x: Tensor) -> Tensor:
-        total = x.detach().clone()
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(total, group=self.group)
-        return total
-
-
-# --------------------------------------------------------------------------------------
-# Gradient sync of replicated parameters
-# --------------------------------------------------------------------------------------
-
-
-class GradSync:
-    """Sums the gradients of replicated trainable parameters over ranks during backward.
-
-    Parameters are packed into buckets of about ``bucket_bytes`` in reverse order of
-    first use (roughly the order backward produces their gradients); a bucket's
-    all-reduce starts as soon as all its gradients exist and every earlier bucket has
-    started, so all ranks issue the same collectives in the same order (as DDP does).
-    The core's cost model charges this sync per bucket of the same size
-    (``hapd._core.GRAD_BUCKET_BYTES``). When the last bucket has started, the sums are
-    waited for and written back, so the gradients are complete when ``backward()``
-    returns.
-
-    With ``hosts`` (several ranks on each of several hosts) a bucket is summed in two
-    levels (:func:`hapd.runtime.collectives.two_level_sum_`), pipelined: as soon as it is ready
-    it is reduced onto the host's leader, where a helper thread waits for that reduce,
-    all-reduces the bucket among the leaders and broadcasts it back, while backward goes
-    on producing the next buckets. Only the leaders' all-reduce crosses hosts.
-    """
-
-    def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = _core.GRAD_BUCKET_BYTES,
-                 hosts: collectives.HostGroups | None = None):
-        self.group = group
-        self.hosts = hosts
-        self._relay: _LeaderRelay | None = None
-        self.buckets: list[list[nn.Parameter]] = []
-        size = bucket_bytes + 1
-        for p in reversed(params):
-            nbytes = p.numel() * p.element_size()
-            if size + nbytes > bucket_bytes or self.buckets[-1][0].dtype != p.dtype:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += nbytes
-        self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
-        self._handles: list[tuple[Any, Tensor, list[nn.Parameter]]] = []
-        self._ready: list[int] = [0] * len(self.buckets)
-        self._next = 0
-        self.active = dist.is_initialized() and dist.get_world_size(group) > 1
-        if self.active:
-            for p in params:
-                p.register_post_accumulate_grad_hook(self._on_grad)
-
-    def reset(self) -> None:
-        """Start a new backward pass; an incomplete previous one is an error."""
-        if self._next not in (0, len(self.buckets)) or any(self._ready[self._next :]):
-            missing = [n for bucket in self.buckets[self._next :] for n in bucket if n.grad is None]
-            raise PlanError(
-                f"gradient sync of the previous backward did not finish: {len(missing)} replicated "
-                "parameter(s) received no gradient"
-            )
-        self._ready = [0] * len(self.buckets)
-        self._next = 0
-        self._handles = []
-        self._relay = None
-
-    def _on_grad(self, param: nn.Parameter) -> None:
-        b = self._bucket_of[id(param)]
-        self._ready[b] += 1
-        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
-            self._launch(self.buckets[self._next])
-            self._next += 1
-        if self._next == len(self.buckets):
-            self._finish()
-
-    def _launch(self, bucket: list[nn.Parameter]) -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        hosts = self.hosts
-        if hosts is None:
-            handle = dist.all_reduce(flat, group=self.group, async_op=True)
-        elif hosts.leaders is None:  # not a leader: send this host's part, await the sum
-            dist.reduce(flat, dst=hosts.leader, group=hosts.local, async_op=True)
-            handle = dist.broadcast(flat, src=hosts.leader, group=hosts.local_back, async_op=True)
-        else:
-            if self._relay is None:
-                self._relay = _LeaderRelay(hosts)
-            handle = self._relay.submit(dist.reduce(flat, dst=hosts.leader, group=hosts.local, async_op=True), flat)
-        self._handles.append((handle, flat, bucket))
-
-    def _finish(self) -> None:
-        if self._relay is not None:
-            self._relay.close()  # re-raises what failed in the helper thread
-            self._relay = None
-        for handle, flat, bucket in self._handles:
-            handle.wait()
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
-        self._handles = []
-
-
-class _Done:
-    """A handle whose work is already waited for."""
-
-    def wait(self) -> bool:
-        return True
-
-
-class _LeaderRelay:
-    """A host leader's helper thread for one backward pass: for each bucket, in order,
-    wait for its reduce onto this rank, all-reduce it among the leaders, broadcast it to
-    the host. Collectives are issued on the leaders' and the broadcast group only, each
-    in bucket order, so every rank sees them in the same order."""
-
-    def __init__(self, hosts: collectives.HostGroups):
-        import queue
-        import threading
-
-        self.hosts = hosts
-        self.todo: queue.SimpleQueue = queue.SimpleQueue()
-        self.sent: list[Any] = []
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="hapd-grad-relay", daemon=True)
-        self.thread.start()
-
-    def submit(self, reduce: Any, flat: Tensor) -> _Done:
-        self.todo.put((reduce, flat))
-        return _Done()
-
-    def _run(self) -> None:
-        while (item := self.todo.get()) is not None:
-            if self.error is not None:
-                continue  # drain: the failure is reported by close()
-            reduce, flat = item
-            try:
-                reduce.wait()
-                dist.all_reduce(flat, group=self.hosts.leaders)
-                self.sent.append(dist.broadcast(flat, src=self.hosts.leader, group=self.hosts.local_back,
-                                                async_op=True))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                self.error = exc
-
-    def close(self) -> None:
-        self.todo.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        for handle in self.sent:
-            handle.wait()
 
 
 # --------------------------------------------------------------------------------------
@@ -426,7 +245,7 @@ def _set_attr(root: nn.Module, target: str, value: Tensor, *, parameter: bool) -
 
 
 def _check(program: ExportedProgram, plan: Plan, rank: int, world: int, *, graph: bool) -> None:
-    """The plan fits this job (and, with ``graph``, this program)."""
+    """Step 1: the plan fits this job (and, with ``graph``, this program)."""
     from hapd.compiler.lower import lower
 
     devices = int(plan.program["devices"])
@@ -442,6 +261,11 @@ def _check(program: ExportedProgram, plan: Plan, rank: int, world: int, *, graph
             f"the plan was compiled for graph {plan.key['graph_id'][:12]}…, this program is {graph_id[:12]}… "
             "(a different model, batch size or torch version)"
         )
+
+
+_NO_EMPTY_SPLITS = frozenset({"aten.conv2d", "aten.max_pool2d", "aten.scaled_dot_product_attention"})
+"""Ops whose kernels reject (or crash on) a zero-length split dim: an empty piece is
+padded with one zero slice and the output cut back (see ``_Emitter.pad_empty``)."""
 
 
 class _Emitter:
@@ -519,8 +343,7 @@ class _Emitter:
     # -- one step ----------------------------------------------------------------------
 
     def step(self, step: Mapping[str, Any]) -> None:
-        for src in step["sources"]:
-            self.source(src)
+        """Emit one plan step (its sources are already in place: :func:`_shard_sources`)."""
         produced = {o["tensor"] for o in step["outputs"]}
         later = [c for c in step["comms"] if c["tensor"] in produced]
         for comm in step["comms"]:
@@ -549,7 +372,7 @@ class _Emitter:
         empty = self.empty_pieces(step) if step["op"] in _NO_EMPTY_SPLITS else {}
         if empty:
             args, kwargs = self.pad_empty(empty, args, kwargs)
-        adapt = _ADAPT.get((step["op"], step["rule"]))
+        adapt = ADAPTERS.get((step["op"], step["rule"]))
         if adapt is not None:
             result = adapt(self, step, node, args, kwargs)
         else:
@@ -608,116 +431,13 @@ class _Emitter:
 
 
 # --------------------------------------------------------------------------------------
-# Ops whose rule needs more than running the op on the local pieces
-# --------------------------------------------------------------------------------------
-
-Adapter = Callable[[_Emitter, Mapping[str, Any], fx.Node, tuple, dict], fx.Node]
-
-
-def _with_local_size(arg_index: int) -> Adapter:
-    """Views/reshapes/expands: the size argument becomes the local output shape."""
-
-    def adapt(em: _Emitter, step, node, args, kwargs):
-        args = list(args)
-        args[arg_index] = em.local_out_shape(step)
-        return em.graph.call_function(node.target, tuple(args), kwargs)
-
-    return adapt
-
-
-def _bias_on_rank_zero(bias_index: int) -> Adapter:
-    """Row-parallel linear/conv: the partial sums add the bias once, on rank 0. Other
-    ranks add ``0 · bias``, which keeps the bias in their graph: every rank then gets a
-    (zero) gradient for it and joins its gradient all-reduce."""
-
-    def adapt(em: _Emitter, step, node, args, kwargs):
-        args, kwargs = list(args), dict(kwargs)
-        if em.view.rank != 0:
-            if len(args) > bias_index and args[bias_index] is not None:
-                args[bias_index] = em.graph.call_function(torch.ops.aten.mul.Tensor, (args[bias_index], 0.0))
-            elif kwargs.get("bias") is not None:
-                kwargs["bias"] = em.graph.call_function(torch.ops.aten.mul.Tensor, (kwargs["bias"], 0.0))
-        return em.graph.call_function(node.target, tuple(args), kwargs)
-
-    return adapt
-
-
-def _vocab_parallel(em: _Emitter, step, node, args, kwargs):
-    weight_name = step["inputs"][0]["tensor"]
-    start, length = em.view.offset(weight_name, 0)
-    padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
-    target = em.add_module("vocab_parallel_embedding", VocabParallelEmbedding(start, length))
-    return em.graph.call_module(target, (args[0], args[1], padding))
-
-
-def _sharded_mean(em: _Emitter, step, node, args, kwargs):
-    """mean over a split dim: the local sum over the full element count (a partial sum;
-    a zero-length piece gives 0, not NaN)."""
-    x_name = step["inputs"][0]["tensor"]
-    full = em.view.full_shape(x_name)
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    if node.target is torch.ops.aten.mean.default or dims in (None, []):
-        count = math.prod(full)
-        summed = em.graph.call_function(torch.ops.aten.sum.default, (args[0],), {k: v for k, v in kwargs.items() if k == "dtype"})
-    else:
-        count = math.prod(full[d % len(full)] for d in dims)
-        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        extra = {"dtype": kwargs["dtype"]} if "dtype" in kwargs else {}
-        summed = em.graph.call_function(torch.ops.aten.sum.dim_IntList, (args[0], list(dims), keepdim), extra)
-    return em.graph.call_function(torch.ops.aten.div.Tensor, (summed, float(count)))
-
-
-def _sharded_mean_loss(em: _Emitter, step, node, args, kwargs):
-    """cross_entropy/nll with mean reduction on a split batch: the local sum over the
-    global divisor (the count, or class weight, of the counted targets over all ranks,
-    all-reduced since ignore_index makes it data-dependent)."""
-    defaults = [None, None, None, 1, -100]
-    names = ["self", "target", "weight", "reduction", "ignore_index"]
-    kwargs = dict(kwargs)
-    args = list(args) + [kwargs.pop(n, d) for n, d in zip(names[len(args) :], defaults[len(args) :])]
-    weight, ignore = args[2], args[4]
-    args[3] = 2  # sum; divided below
-    summed = em.graph.call_function(node.target, tuple(args), kwargs)
-    target_name = step["inputs"][1]["tensor"]
-    g = em.graph
-    if not em.view.dtype(target_name).startswith("int"):
-        # class probabilities: the divisor is the number of samples
-        full = em.view.full_shape(target_name)
-        return g.call_function(torch.ops.aten.div.Tensor, (summed, float(full[0] * math.prod(full[2:]))))
-    target = args[1]
-    counted = g.call_function(torch.ops.aten.ne.Scalar, (target, ignore))
-    if weight is None:
-        local = g.call_function(torch.ops.aten.sum.default, (counted,))
-    else:
-        safe = g.call_function(torch.ops.aten.clamp_min.default, (target, 0))
-        picked = g.call_function(torch.ops.aten.index.Tensor, (weight, [safe]))
-        local = g.call_function(torch.ops.aten.sum.default, (g.call_function(torch.ops.aten.mul.Tensor, (picked, counted)),))
-    total = g.call_module(em.add_module("global_count", GlobalSum(em.group)), (local,))
-    return g.call_function(torch.ops.aten.div.Tensor, (summed, total))
-
-
-_NO_EMPTY_SPLITS = frozenset({"aten.conv2d", "aten.max_pool2d", "aten.scaled_dot_product_attention"})
-"""Ops whose kernels reject (or crash on) a zero-length split dim: an empty piece is
-padded with one zero slice and the output cut back (see ``_Emitter.pad_empty``)."""
-
-_ADAPT: dict[tuple[str, str], Adapter] = {
-    **{(op, "sharded"): _with_local_size(1) for op in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand")},
-    ("aten.linear", "row-parallel"): _bias_on_rank_zero(2),
-    ("aten.conv2d", "row-parallel"): _bias_on_rank_zero(2),
-    ("aten.embedding", "vocab-parallel"): _vocab_parallel,
-    ("aten.mean", "sharded-mean"): _sharded_mean,
-    ("aten.mean.dim", "sharded-mean"): _sharded_mean,
-    ("aten.cross_entropy_loss", "sharded-mean"): _sharded_mean_loss,
-    ("aten.nll_loss", "sharded-mean"): _sharded_mean_loss,
-}
-
-
-# --------------------------------------------------------------------------------------
 # The entry point
 # --------------------------------------------------------------------------------------
 
 
 def _load_program(program: ExportedProgram | str | Path | nn.Module, example_inputs: Sequence[Tensor] | None) -> ExportedProgram:
+    """The exported program: as given, exported from an ``nn.Module`` at ``example_inputs``,
+    or loaded from a ``.pt2`` path."""
     if isinstance(program, ExportedProgram):
         return program
     if isinstance(program, nn.Module):
@@ -758,31 +478,58 @@ def distribute(
     ep = _load_program(program, example_inputs)
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
+    rank, world = _rank_and_world(rank, world, group)
+    _check(ep, plan, rank, world, graph=check_graph)
+    em = _Emitter(ep, RankView(plan, rank, world), group, torch.device(device) if device is not None else None)
+    _shard_sources(em, plan.program["steps"])
+    _emit_steps(em, plan.program["steps"], plan.program["loss"])
+    module = _rank_module(em)
+    _sync_gradients(module, em.synced, group, bucket_bytes, hosts)
+    return module
+
+
+def _rank_and_world(rank: int | None, world: int | None, group: Any) -> tuple[int, int]:
+    """``rank`` and ``world``, each defaulting to the process group's (0 and 1 without one)."""
     if rank is None:
         rank = dist.get_rank(group) if dist.is_initialized() else 0
     if world is None:
         world = dist.get_world_size(group) if dist.is_initialized() else 1
-    _check(ep, plan, rank, world, graph=check_graph)
-    view = RankView(plan, rank, world)
-    em = _Emitter(ep, view, group, torch.device(device) if device is not None else None)
+    return rank, world
 
-    source_layouts = {
-        src["tensor"]: src["layout"] for step in plan.program["steps"] for src in step["sources"] if src["kind"] == "input"
-    }
-    em.placeholders(source_layouts)
-    for step in plan.program["steps"]:
+
+def _shard_sources(em: _Emitter, steps: Sequence[Mapping[str, Any]]) -> None:
+    """Step 2: the program's inputs as placeholders in the layouts the plan takes them in,
+    and this rank's piece of every parameter, buffer and constant the steps read."""
+    input_layouts = {src["tensor"]: src["layout"] for step in steps for src in step["sources"] if src["kind"] == "input"}
+    em.placeholders(input_layouts)
+    for step in steps:
+        for src in step["sources"]:
+            em.source(src)
+
+
+def _emit_steps(em: _Emitter, steps: Sequence[Mapping[str, Any]], loss: str) -> None:
+    """Step 3: every step in plan order, then the loss (held as ``Reduce``) as the output."""
+    for step in steps:
         em.step(step)
-    loss = plan.program["loss"]
     em.graph.output(em.lookup(loss, REDUCE))
     em.graph.lint()
 
+
+def _rank_module(em: _Emitter) -> RankModule:
+    """The emitted graph as this rank's module, with what the plan says about it."""
     module = RankModule(em.root, em.graph, class_name="RankModule")
-    module.hapd_view = view
+    module.hapd_view = em.view
     module.hapd_inputs = em.inputs
     module.hapd_params = em.params
-    module.hapd_sync = GradSync(em.synced, group, bucket_bytes, hosts=hosts)
-    module.register_forward_pre_hook(lambda m, _args: m.hapd_sync.reset())
     return module
+
+
+def _sync_gradients(module: RankModule, synced: Sequence[nn.Parameter], group: Any, bucket_bytes: int,
+                    hosts: collectives.HostGroups | None) -> None:
+    """Step 4: sum the gradients of ``synced`` (the replicated trainable parameters) over
+    ranks during each backward of ``module``."""
+    module.hapd_sync = GradSync(synced, group, bucket_bytes, hosts=hosts)
+    module.register_forward_pre_hook(lambda m, _args: m.hapd_sync.reset())
 
 
 def global_loss(local: Tensor, group: Any = None) -> float:

@@ -46,7 +46,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +60,7 @@ from torch import Tensor
 
 from hapd import models
 from hapd.errors import HapdError, OptionsError
+from hapd.util import atomic_write, summarize as summarize_times
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``--dtype`` values."""
@@ -449,12 +449,6 @@ def train(step: Callable[[], Tensor], optimizer: torch.optim.Optimizer, env: Dis
 # --------------------------------------------------------------------------
 
 
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    if not values:
-        return math.nan, math.nan
-    return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
-
-
 def _emit(doc: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(doc, separators=(", ", ": ")) + "\n")
     sys.stdout.flush()
@@ -466,12 +460,12 @@ def summarize(lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
     warmup = first["warmup"]
     count = min(len(line["iteration_s"]) for line in lines)
     job = [max(line["iteration_s"][i] for line in lines) for i in range(warmup, count)]
-    mean, std = _mean_std(job)
+    job_times = summarize_times(job)
     slowest = max(range(len(lines)), key=lambda r: (lines[r]["mean_s"], -r))
     core = {"hapd", "rank", "iteration_s", "mean_s", "std_s"}
     extra = {k: v for k, v in first.items() if k not in core and k not in ("world", "system", "model", "warmup", "loss")}
     return {"hapd": "summary", "world": first["world"], "system": first["system"], "model": first["model"],
-            "warmup": warmup, "iterations": count, "mean_s": mean, "std_s": std, "slowest_rank": slowest,
+            "warmup": warmup, "iterations": count, "mean_s": job_times.mean, "std_s": job_times.std, "slowest_rank": slowest,
             "loss": first["loss"], **extra, "ranks": list(lines)}
 
 
@@ -497,9 +491,9 @@ def report(env: DistEnv, *, system: str, model: str, times: Sequence[float], war
     See the module docstring for the format.
     """
     times = [float(t) for t in times]
-    mean, std = _mean_std(times[warmup:])
+    timed = summarize_times(times[warmup:])
     line = {"hapd": "timings", "rank": env.rank, "world": env.world, "system": system, "model": model,
-            "iteration_s": times, "warmup": int(warmup), "mean_s": mean, "std_s": std, "loss": float(loss),
+            "iteration_s": times, "warmup": int(warmup), "mean_s": timed.mean, "std_s": timed.std, "loss": float(loss),
             **(extra or {})}
     _emit(line)
     if dist.is_initialized() and env.world > 1:
@@ -514,7 +508,7 @@ def report(env: DistEnv, *, system: str, model: str, times: Sequence[float], war
         if json_path is not None:
             json_path = Path(json_path)
             json_path.parent.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps(summary, indent=1) + "\n")
+            atomic_write(json_path, json.dumps(summary, indent=1) + "\n")
     return summary
 
 

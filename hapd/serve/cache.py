@@ -34,7 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 import struct
 import threading
 import time
@@ -47,6 +46,7 @@ import msgpack
 
 from hapd import __version__
 from hapd.errors import HapdError, OptionsError, PlanError
+from hapd.util import atomic_write, format_bytes
 
 if TYPE_CHECKING:
     from hapd.compiler.driver import CompileOptions
@@ -60,6 +60,8 @@ ENTRY_FORMAT = "hapd.cache-entry"
 ENTRY_VERSION = 1
 MAX_HEADER = 1 << 20
 KINDS = ("plan", "lowered")
+DEFAULT_MAX_CACHE_BYTES = 2 * 2**30
+"""The cache's size bound unless one is given (``hapd serve --max-cache-bytes``)."""
 PATHS = ("hit", "miss", "lp-only")
 """How a compile was served: from the cache, by a full compile, or by re-solving the LP
 for a cached program of another profile."""
@@ -184,7 +186,7 @@ def _parse_header(blob: bytes) -> tuple[dict[str, Any], int]:
 class PlanCache:
     """The on-disk cache under ``root`` (thread-safe)."""
 
-    def __init__(self, root: str | Path, max_bytes: int = 2**30, *, clean_tmp: bool = False) -> None:
+    def __init__(self, root: str | Path, max_bytes: int = DEFAULT_MAX_CACHE_BYTES, *, clean_tmp: bool = False) -> None:
         if max_bytes < 1:
             raise OptionsError(f"max_bytes {max_bytes} must be ≥ 1", field="max_bytes")
         self.root = Path(root)
@@ -232,7 +234,7 @@ class PlanCache:
         for _, key, entry in sorted(found, key=lambda t: t[0]):
             self._index[key] = entry
         if found:
-            log.info("cache: %d entries, %s, in %s", len(found), _fmt_bytes(self.total_bytes), self.root)
+            log.info("cache: %d entries, %s, in %s", len(found), format_bytes(self.total_bytes), self.root)
         self._evict()
 
     @property
@@ -299,11 +301,11 @@ class PlanCache:
     def _write(self, kind: str, key: str, payload: bytes, parts: Mapping[str, Any] | None = None, family: str | None = None) -> bool:
         blob = _pack_entry(kind, key, payload, parts, family)
         if len(blob) > self.max_bytes:
-            log.warning("cache: %s entry of %s exceeds the bound %s: not cached", kind, _fmt_bytes(len(blob)), _fmt_bytes(self.max_bytes))
+            log.warning("cache: %s entry of %s exceeds the bound %s: not cached", kind, format_bytes(len(blob)), format_bytes(self.max_bytes))
             return False
         path = self._path(kind, key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, blob)
+        atomic_write(path, blob, mode=0o644)
         with self._lock:
             self._stamp(path)
             self._index[key] = _Entry(kind, path, len(blob), family, (parts or {}).get("profile_id"), dict(parts) if parts else None)
@@ -323,7 +325,7 @@ class PlanCache:
                 entry.path.unlink(missing_ok=True)
                 total -= entry.size
                 self.counters["evictions"] += 1
-                log.info("cache: evicted %s entry %s… (%s) to stay under %s", entry.kind, key[:16], _fmt_bytes(entry.size), _fmt_bytes(self.max_bytes))
+                log.info("cache: evicted %s entry %s… (%s) to stay under %s", entry.kind, key[:16], format_bytes(entry.size), format_bytes(self.max_bytes))
 
     # -- plans
 
@@ -423,36 +425,3 @@ class PlanCache:
                 return None
         return None
 
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a fsynced temporary file in the same folder and a
-    rename; the folder is fsynced too, so the entry survives a crash."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"

@@ -10,6 +10,7 @@ Threads and who owns what:
   time (compiles are CPU-heavy), and sends compile replies back through an inproc PAIR
   socket that the main loop forwards to the ROUTER;
 - the **drop watcher** (:mod:`hapd.serve.watch`) hands over files once completely written;
+  the worker compiles them with a :class:`~hapd.serve.drops.DropProcessor`;
 - each launched rank has a watcher thread and two output readers (:mod:`hapd.serve.jobs`).
 
 Errors are caught in one place per thread: the dispatch loop answers with an ``error``
@@ -42,21 +43,41 @@ from typing import TYPE_CHECKING, Any, Mapping
 import zmq
 
 from hapd import __version__
-from hapd.serve.cache import PlanCache, Served, atomic_write
+from hapd.serve.cache import DEFAULT_MAX_CACHE_BYTES, PlanCache
 from hapd.errors import GraphFormatError, HapdError, OptionsError, ProtocolError
 from hapd.serve.jobs import JobManager
 from hapd.serve.keys import home_dir, load_or_create_key
 from hapd.profile.schema import Profile, load_profile
 from hapd.serve.protocol import DEFAULT_ADDRESS, PROTOCOL_VERSION, Limits, Message, Session, split_envelope
-from hapd.serve.watch import INCOMING, Drop, DropWatcher, move_out
+from hapd.serve.drops import SUBFOLDERS, DropProcessor
+from hapd.serve.watch import DEFAULT_RESCAN_S, DEFAULT_SETTLE_S, Drop
+from hapd.util import atomic_write
 
 if TYPE_CHECKING:
     from hapd.compiler.driver import CompileOptions
 
 log = logging.getLogger("hapd.daemon")
 
-GRAPH_KINDS = {".hapg": "hapg", ".pt2": "pt2"}
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+DEFAULT_MAX_BODY_BYTES = 256 * 2**20
+"""Largest request body by default (a compile request carries the whole graph)."""
+DEFAULT_STOP_TIMEOUT_S = 30.0
+"""How long a stop waits for the compile in progress by default."""
+ROUTER_LINGER_MS = 2000
+"""How long closing the ROUTER socket may wait to send the replies still queued."""
+FRAME_SLACK_BYTES = 2**20
+"""The ROUTER's largest message is twice ``max_body_bytes`` plus this: libzmq drops
+anything larger before it is buffered, and frames just over the body limit reach the
+session's checks and are logged."""
+SERVE_POLL_MS = 100
+"""Longest wait of the main loop for a request or a worker reply (how soon it sees ``stop``)."""
+MAX_REQUESTS_PER_WAKE = 64
+"""Requests the main loop takes from the ROUTER before it looks at the worker's replies again."""
+STOP_POLL_MS = 50
+"""While stopping, how often the worker's replies are forwarded."""
+WORKER_LINGER_MS = 1000
+"""How long closing the worker's reply socket may wait to pass on its last replies."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,21 +98,21 @@ class DaemonConfig:
     """ZeroMQ endpoint of the control API (``tcp://host:port``; port ``*``: any free one)."""
     allow_remote: bool = False
     """Allow a bind address other than loopback (``hapd serve --bind`` sets it)."""
-    max_cache_bytes: int = 2 * 2**30
+    max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES
     """Plan cache size bound (least recently used entries are evicted)."""
-    max_body_bytes: int = 256 * 2**20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Largest request body (a compile request carries the whole graph)."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """CompileOptions fields for drops and for requests that give none."""
-    settle_s: float = 0.2
+    settle_s: float = DEFAULT_SETTLE_S
     """A file written in place must be unchanged this long after its last write."""
-    rescan_s: float = 2.0
+    rescan_s: float = DEFAULT_RESCAN_S
     """Period of the drop folder rescan (for events lost in a burst)."""
     slots: int = os.cpu_count() or 1
     """Rank slots this host offers (reported by ping)."""
     relp: bool = True
     """Serve a graph cached for another profile by re-solving only the LP."""
-    stop_timeout_s: float = 30.0
+    stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
     """How long a stop waits for the compile in progress before abandoning it."""
 
     def __post_init__(self) -> None:
@@ -209,7 +230,7 @@ class Daemon:
         self.address: str | None = None
         """The bound endpoint (with the real port)."""
         self.started = time.time()
-        self.counters = {"drops_done": 0, "drops_failed": 0, "rejected": 0, "requests": 0}
+        self.counters = {"rejected": 0, "requests": 0}
         self._tasks: queue.Queue[_Request | Drop | None] = queue.Queue()
         self._busy: str | None = None
         self._locks: list[_DirLock] = []
@@ -219,7 +240,7 @@ class Daemon:
         self.router: zmq.Socket | None = None
         self.replies: zmq.Socket | None = None
         self.worker: threading.Thread | None = None
-        self.watcher: DropWatcher | None = None
+        self.drops: DropProcessor | None = None
         self.jobs: JobManager | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -239,7 +260,7 @@ class Daemon:
 
     def _setup(self) -> None:
         cfg = self.config
-        for folder in (cfg.home, cfg.watch, cfg.watch / INCOMING, cfg.watch / "out", cfg.watch / "failed", cfg.watch / "done", cfg.cache, cfg.home / "tmp"):
+        for folder in (cfg.home, cfg.watch, *(cfg.watch / sub for sub in SUBFOLDERS), cfg.cache, cfg.home / "tmp"):
             folder.mkdir(parents=True, exist_ok=True)
         self._locks = [_DirLock(cfg.cache)]
         if cfg.watch.resolve() != cfg.cache.resolve():
@@ -258,10 +279,10 @@ class Daemon:
 
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 2000)
+        self.router.setsockopt(zmq.LINGER, ROUTER_LINGER_MS)
         # libzmq drops (and disconnects) anything far beyond the limit before it is
         # buffered; frames just over it reach the checks below and are logged
-        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_body_bytes + 2**20)
+        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_body_bytes + FRAME_SLACK_BYTES)
         try:
             self.router.bind(cfg.bind)
         except zmq.ZMQError as exc:
@@ -274,11 +295,15 @@ class Daemon:
 
         self.worker = threading.Thread(target=self._work, name="hapd-compile", daemon=True)
         self.worker.start()
-        self.watcher = DropWatcher(cfg.watch, self._tasks.put, settle_s=cfg.settle_s, rescan_s=cfg.rescan_s)
-        self.watcher.start()
+        self.drops = DropProcessor(
+            cfg.watch, cache=self.cache, profile=self.profile, options=self.options, relp=cfg.relp, lower=self._lower,
+            on_ready=self._tasks.put, settle_s=cfg.settle_s, rescan_s=cfg.rescan_s,
+        )
+        self.drops.start()
         atomic_write(
             cfg.home / "daemon.json",
             json.dumps({"address": self.address, "pid": os.getpid(), "version": __version__, "protocol": PROTOCOL_VERSION, "started": self.started}).encode(),
+            mode=0o644,
         )
         remote = "" if is_loopback(self.address) else " (reachable from the network)"
         log.info(
@@ -288,19 +313,19 @@ class Daemon:
         self.ready.set()
 
     def _teardown(self) -> None:
-        if self.watcher is not None:
-            self.watcher.stop()
+        if self.drops is not None:
+            self.drops.stop()
         if self.worker is not None:
             self._tasks.put(None)
             deadline = time.monotonic() + self.config.stop_timeout_s
             while self.worker.is_alive() and time.monotonic() < deadline:
-                if self.replies.poll(50):
+                if self.replies.poll(STOP_POLL_MS):
                     self._forward_replies()
             self._forward_replies()
             if self.worker.is_alive():
                 log.warning("stop: abandoning %s; a drop is compiled again at the next start", self._busy or "the compile in progress")
         if self.jobs is not None:
-            self.jobs.shutdown(timeout_s=10.0)
+            self.jobs.shutdown()
         for sock in (self.replies, self.router):
             if sock is not None:
                 sock.close()
@@ -320,11 +345,11 @@ class Daemon:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.replies, zmq.POLLIN)
         while not self.stop.is_set():
-            events = dict(poller.poll(100))
+            events = dict(poller.poll(SERVE_POLL_MS))
             if self.replies in events:
                 self._forward_replies()
             if self.router in events:
-                for _ in range(64):
+                for _ in range(MAX_REQUESTS_PER_WAKE):
                     try:
                         frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
@@ -393,11 +418,11 @@ class Daemon:
             "cache": self.cache.stats(),
             "queue": self.queue_length(),
             "jobs": self.jobs.summaries(),
-            "drops": {"folder": str(self.config.watch), "done": self.counters["drops_done"], "failed": self.counters["drops_failed"]},
+            "drops": {"folder": str(self.config.watch), "done": self.drops.done, "failed": self.drops.failed},
         }
 
     def queue_length(self) -> int:
-        return self._tasks.qsize() + (1 if self._busy else 0) + self.watcher.pending
+        return self._tasks.qsize() + (1 if self._busy else 0) + self.drops.pending
 
     def _on_shutdown(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
         return "ok", {}
@@ -462,17 +487,17 @@ class Daemon:
                     continue
                 if isinstance(task, Drop):
                     self._busy = f"drop {task.path.name}"
-                    self._process_drop(task)
+                    self.drops.process(task)
                 else:
                     self._busy = "a compile request"
                     self._process_request(replies, task)
                 self._busy = None
         finally:
-            replies.close(linger=1000)
+            replies.close(linger=WORKER_LINGER_MS)
 
     def _abandon(self, replies: zmq.Socket, task: _Request | Drop) -> None:
         if isinstance(task, Drop):
-            self.watcher.finished(task.path)  # left in the folder: compiled at the next start
+            self.drops.abandon(task)  # left in the folder: compiled at the next start
         else:
             self._reply(replies, task.ids, task.message, "error", {"kind": "HapdError", "message": "the daemon is shutting down"})
 
@@ -517,92 +542,6 @@ class Daemon:
             tmp.unlink(missing_ok=True)
         self.cache.put_lowered(key, graph)
         return graph
-
-    # -- drops
-
-    def _process_drop(self, drop: Drop) -> None:
-        path, name = drop.path, drop.path.name
-        start = time.perf_counter()
-        try:
-            data = path.read_bytes()
-            after = os.stat(path)
-        except FileNotFoundError:
-            self.watcher.finished(path)
-            return
-        except OSError as exc:
-            self._fail(drop, start, f"cannot read the file: {exc.strerror}")
-            return
-        if (after.st_ino, after.st_size, after.st_mtime_ns) != drop.signature or len(data) != after.st_size:
-            log.info("drop %s changed while being read; waiting for it to settle", name)
-            self.watcher.retry(path)
-            return
-        try:
-            if not data:
-                raise GraphFormatError("the file is empty (0 bytes)")
-            kind = GRAPH_KINDS[path.suffix]
-            graph = data if kind == "hapg" else self._lower(data)
-            served = self.cache.lookup(graph, self.profile, self.options)
-            if served is None:
-                log.info("drop %s: compiling for %s (%d devices)", name, self.profile.name, self.profile.world)
-                served = self.cache.compile(graph, self.profile, self.options, relp=self.config.relp)
-            plan_path = self._write_outputs(path, served, start)
-        except HapdError as exc:
-            self._fail(drop, start, f"{type(exc).__name__}: {exc}" + "".join(f" [{k} {v}]" for k, v in (("node", exc.node), ("field", exc.field)) if v))
-            return
-        except Exception as exc:  # noqa: BLE001 - one bad file must not stop the daemon
-            log.error("drop %s: internal error\n%s", name, traceback.format_exc())
-            self._fail(drop, start, f"internal error: {type(exc).__name__}: {exc}")
-            return
-        self._settle(drop, self.config.watch / "done")
-        self.counters["drops_done"] += 1
-        log.info("drop %s → %s (cache %s, %.3f s)", name, plan_path.relative_to(self.config.watch), served.path, time.perf_counter() - start)
-
-    def _write_outputs(self, path: Path, served: Served, start: float) -> Path:
-        """The report, then the plan: once ``NAME.hplan`` exists, both are complete."""
-        out = self.config.watch / "out"
-        plan_path = out / f"{path.stem}.hplan"
-        key = served.plan.key
-        report = [
-            f"drop:      {path.name}",
-            f"graph id:  {key.get('graph_id')}",
-            f"profile:   {self.profile.name} ({key.get('profile_id')})",
-            f"served:    cache {served.path} in {time.perf_counter() - start:.3f} s",
-            f"plan:      {plan_path.name}",
-            "",
-            served.plan.explain(),
-            "",
-        ]
-        atomic_write(out / f"{path.stem}.report.txt", "\n".join(report).encode())
-        atomic_write(plan_path, served.data)
-        return plan_path
-
-    def _fail(self, drop: Drop, start: float, reason: str) -> None:
-        failed = self.config.watch / "failed"
-        name = drop.path.name
-        error_path = failed / f"{name}.error"
-        try:
-            atomic_write(error_path, f"{name}: {reason}\n".encode())
-        except OSError as exc:
-            log.error("drop %s failed (%s) and its error file cannot be written: %s", name, reason, exc.strerror)
-        self._settle(drop, failed)
-        self.counters["drops_failed"] += 1
-        log.warning("drop %s failed: %s → failed/%s (%.3f s)", name, reason, error_path.name, time.perf_counter() - start)
-
-    def _settle(self, drop: Drop, folder: Path) -> None:
-        """Move the dropped file into ``folder`` unless it was replaced meanwhile."""
-        path = drop.path
-        try:
-            st = os.stat(path)
-            if (st.st_ino, st.st_size, st.st_mtime_ns) != drop.signature:
-                log.info("drop %s was replaced while compiling; compiling the new one", path.name)
-                self.watcher.retry(path)
-                return
-            move_out(path, folder)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.error("cannot move %s to %s: %s", path.name, folder.name, exc.strerror)
-        self.watcher.finished(path)
 
 
 def _peer(frame: zmq.Frame) -> str:

@@ -38,8 +38,25 @@ log = logging.getLogger("hapd.jobs")
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_LINE = 64 * 1024
 """Longer output lines are split into several events."""
+MAX_NPROC = 1024
+"""Most ranks one launch may start on this host."""
+MAX_EVENTS_KEPT = 100_000
+"""Output events kept per job (the oldest are dropped)."""
 MAX_EVENTS_PER_REPLY = 2000
+"""Most output events one ``job_events`` reply carries."""
 MAX_START_DELAY_S = 3600.0
+"""Latest ``start_at`` a launch may ask for, in seconds from now."""
+MAX_START_LATE_S = 60
+"""Earliest ``start_at`` a launch may ask for, in seconds before now (a late launch)."""
+DEFAULT_GRACE_S = 5.0
+"""Seconds between a cancel's SIGTERM and its SIGKILL."""
+DEFAULT_KEEP_FINISHED = 64
+"""Finished jobs kept for their status and events (older ones are forgotten)."""
+READER_JOIN_S = 2.0
+"""After a rank exits, how long to wait for its output readers (a grandchild holding the
+pipe must not hold the exit back)."""
+SHUTDOWN_TIMEOUT_S = 10.0
+"""How long the daemon's stop waits for every rank to exit before SIGKILL."""
 
 
 def _bad(message: str, fieldname: str) -> OptionsError:
@@ -74,8 +91,8 @@ class LaunchSpec:
             raise _bad(f"job id {job!r} must be 1-64 letters, digits, '.', '_' or '-'", "job")
         nproc, nnodes, node_rank = body["nproc"], body["nnodes"], body["node_rank"]
         world, offset, port = body["world_size"], body["rank_offset"], body["master_port"]
-        if not 1 <= nproc <= 1024:
-            raise _bad(f"nproc {nproc} must be in 1..1024", "nproc")
+        if not 1 <= nproc <= MAX_NPROC:
+            raise _bad(f"nproc {nproc} must be in 1..{MAX_NPROC}", "nproc")
         if nnodes < 1 or not 0 <= node_rank < nnodes:
             raise _bad(f"node_rank {node_rank} must be in 0..{nnodes - 1} (nnodes {nnodes})", "node_rank")
         if offset < 0 or offset + nproc > world:
@@ -95,8 +112,9 @@ class LaunchSpec:
         if body.get("script_bytes") is not None and (Path(script).name != script or script in (".", "..")):
             raise _bad(f"with script_bytes, script {script!r} must be a plain file name", "script")
         start_at = body.get("start_at")
-        if start_at is not None and not now - 60 <= start_at <= now + MAX_START_DELAY_S:
-            raise _bad(f"start_at is {start_at - now:+.1f} s from now; allowed -60..+{MAX_START_DELAY_S:.0f} s", "start_at")
+        if start_at is not None and not now - MAX_START_LATE_S <= start_at <= now + MAX_START_DELAY_S:
+            raise _bad(f"start_at is {start_at - now:+.1f} s from now; allowed -{MAX_START_LATE_S}..+{MAX_START_DELAY_S:.0f} s",
+                       "start_at")
         cwd = body.get("cwd")
         if cwd is not None and not Path(cwd).is_dir():
             raise _bad(f"cwd {cwd} is not a directory on this host", "cwd")
@@ -164,7 +182,7 @@ class Job:
     ranks: list[Rank]
     state: str = "starting"
     started: float = field(default_factory=time.time)
-    events: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    events: deque = field(default_factory=lambda: deque(maxlen=MAX_EVENTS_KEPT))
     seq: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -198,7 +216,8 @@ class Job:
 class JobManager:
     """Starts, watches and stops jobs (thread-safe)."""
 
-    def __init__(self, *, jobs_dir: Path, daemon_address: str, cache_dir: Path, grace_s: float = 5.0, keep_finished: int = 64) -> None:
+    def __init__(self, *, jobs_dir: Path, daemon_address: str, cache_dir: Path, grace_s: float = DEFAULT_GRACE_S,
+                 keep_finished: int = DEFAULT_KEEP_FINISHED) -> None:
         self.jobs_dir = Path(jobs_dir)
         self.daemon_address = daemon_address
         self.cache_dir = Path(cache_dir)
@@ -306,7 +325,7 @@ class JobManager:
             t.start()
         code = proc.wait()
         for t in readers:
-            t.join(timeout=2.0)  # a grandchild holding the pipe must not hold the exit back
+            t.join(timeout=READER_JOIN_S)
         r.returncode = code
         job.add_event(r.rank, "exit", str(code))
         log.info("job %s: rank %d exited with %d", job.spec.job, r.rank, code)
@@ -363,7 +382,7 @@ class JobManager:
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Cancel every job and wait for its ranks to exit (up to ``timeout_s``)."""
         with self._lock:
             jobs = [j for j in self._jobs.values() if not j.finished]

@@ -53,6 +53,18 @@ SUFFIXES = (".pt2", ".hapg")
 INCOMING = ".incoming"
 """Subfolder of the drop folder to write files in before renaming them into it."""
 
+DEFAULT_SETTLE_S = 0.2
+"""A file written in place must be unchanged this long after its last write or close."""
+DEFAULT_FALLBACK_S = 2.0
+"""Where leases are unavailable, a file neither renamed in nor closed after writing must
+be unchanged this long."""
+DEFAULT_RESCAN_S = 2.0
+"""Period of the folder rescan (for events lost in a burst)."""
+CHECK_INTERVAL_S = 0.05
+"""How often files noticed and not yet handed over are checked again."""
+STOP_JOIN_S = 5.0
+"""How long stopping waits for the event observer and the scheduler thread, each."""
+
 Signature = tuple[int, int, int]
 """(inode, size, mtime in ns): a file's identity and version."""
 
@@ -167,9 +179,9 @@ class DropWatcher:
         folder: Path,
         on_ready: Callable[[Drop], None],
         *,
-        settle_s: float = 0.2,
-        fallback_s: float = 2.0,
-        rescan_s: float = 2.0,
+        settle_s: float = DEFAULT_SETTLE_S,
+        fallback_s: float = DEFAULT_FALLBACK_S,
+        rescan_s: float = DEFAULT_RESCAN_S,
     ) -> None:
         self.folder = Path(folder)
         self.on_ready = on_ready
@@ -200,10 +212,10 @@ class DropWatcher:
         quiet.addFilter(spurious)
         try:
             self._observer.stop()
-            self._observer.join(timeout=5)
+            self._observer.join(timeout=STOP_JOIN_S)
         finally:
             quiet.removeFilter(spurious)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=STOP_JOIN_S)
 
     @property
     def pending(self) -> int:
@@ -265,7 +277,7 @@ class DropWatcher:
             with self._cond:
                 if self._stopping:
                     return
-                timeout = 0.05 if self._candidates else max(0.0, next_scan - time.monotonic())
+                timeout = CHECK_INTERVAL_S if self._candidates else max(0.0, next_scan - time.monotonic())
                 self._cond.wait(timeout)
                 if self._stopping:
                     return

@@ -1,0 +1,184 @@
+"""Ops whose rule needs more than running the op on this rank's pieces.
+
+Most steps of a plan run their op unchanged on the local pieces of its operands. The
+rest are listed in :data:`ADAPTERS`, keyed on (op name, rule name): each adapter emits
+the fx nodes that compute this rank's part of the op's result under that rule (a view
+to the local shape, a bias added once, a vocabulary-parallel lookup, a mean divided by
+the global count). Rule names come from the core (``hapd._core.rule_names()``), so the
+Rust rules and these keys are spelled in one place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, fx, nn
+
+from hapd import _core
+
+if TYPE_CHECKING:
+    from hapd.runtime.rewrite import _Emitter
+
+_RULES: Mapping[str, str] = _core.rule_names()
+"""The core's rule names (one source of truth: ``rustcore/core/src/rules/rule_names.rs``)."""
+
+SHARDED = _RULES["SHARDED"]
+"""The same dim split on the operands and the result (here: views to the local shape)."""
+ROW_PARALLEL = _RULES["ROW_PARALLEL"]
+"""Linear/conv split on the input features: partial sums, the bias added on rank 0."""
+VOCAB_PARALLEL = _RULES["VOCAB_PARALLEL"]
+"""Embedding table split by rows: each rank looks up only the ids in its rows."""
+SHARDED_MEAN = _RULES["SHARDED_MEAN"]
+"""A mean (or mean-reduced loss) over a split dim: the local sum over the global count."""
+
+Adapter = Callable[["_Emitter", Mapping[str, Any], fx.Node, tuple, dict], fx.Node]
+"""``adapt(emitter, step, fx node of the op, local args, local kwargs) -> result node``."""
+
+
+# --------------------------------------------------------------------------------------
+# Modules the adapted ops call
+# --------------------------------------------------------------------------------------
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``embedding`` with this rank holding vocabulary rows ``[start, start+length)``:
+    ids outside it give zero rows, so the sum over ranks is the full lookup."""
+
+    def __init__(self, start: int, length: int):
+        super().__init__()
+        self.start, self.length = start, length
+
+    def forward(self, weight: Tensor, indices: Tensor, padding_idx: int = -1) -> Tensor:
+        local = indices - self.start
+        inside = (local >= 0) & (local < self.length)
+        if self.length == 0:
+            return weight.new_zeros((*indices.shape, weight.shape[-1])) + weight.sum() * 0
+        pad = padding_idx - self.start if 0 <= padding_idx - self.start < self.length else -1
+        rows = torch.ops.aten.embedding.default(weight, local.clamp(0, self.length - 1), pad)
+        return rows * inside.unsqueeze(-1).to(rows.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rows [{self.start}, {self.start + self.length})"
+
+
+class GlobalSum(nn.Module):
+    """The sum over ranks of a local count (no gradient): the divisor of a sharded mean
+    loss, whose element count depends on the labels."""
+
+    def __init__(self, group: Any):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        total = x.detach().clone()
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(total, group=self.group)
+        return total
+
+
+# --------------------------------------------------------------------------------------
+# The adapters
+# --------------------------------------------------------------------------------------
+
+
+def _with_local_size(arg_index: int) -> Adapter:
+    """Views/reshapes/expands: the size argument becomes the local output shape."""
+
+    def adapt(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+        args = list(args)
+        args[arg_index] = em.local_out_shape(step)
+        return em.graph.call_function(node.target, tuple(args), kwargs)
+
+    return adapt
+
+
+def _bias_on_rank_zero(bias_index: int) -> Adapter:
+    """Row-parallel linear/conv: the partial sums add the bias once, on rank 0. Other
+    ranks add ``0 · bias``, which keeps the bias in their graph: every rank then gets a
+    (zero) gradient for it and joins its gradient all-reduce."""
+
+    def adapt(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+        args, kwargs = list(args), dict(kwargs)
+        if em.view.rank != 0:
+            if len(args) > bias_index and args[bias_index] is not None:
+                args[bias_index] = em.graph.call_function(torch.ops.aten.mul.Tensor, (args[bias_index], 0.0))
+            elif kwargs.get("bias") is not None:
+                kwargs["bias"] = em.graph.call_function(torch.ops.aten.mul.Tensor, (kwargs["bias"], 0.0))
+        return em.graph.call_function(node.target, tuple(args), kwargs)
+
+    return adapt
+
+
+def _vocab_parallel(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """Embedding with the table split by rows: this rank's lookup of the ids in its rows
+    (zero rows for the others), a partial sum of the full lookup."""
+    weight_name = step["inputs"][0]["tensor"]
+    start, length = em.view.offset(weight_name, 0)
+    padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+    target = em.add_module("vocab_parallel_embedding", VocabParallelEmbedding(start, length))
+    return em.graph.call_module(target, (args[0], args[1], padding))
+
+
+def _sharded_mean(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """mean over a split dim: the local sum over the full element count (a partial sum;
+    a zero-length piece gives 0, not NaN)."""
+    x_name = step["inputs"][0]["tensor"]
+    full = em.view.full_shape(x_name)
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    if node.target is torch.ops.aten.mean.default or dims in (None, []):
+        count = math.prod(full)
+        summed = em.graph.call_function(torch.ops.aten.sum.default, (args[0],), {k: v for k, v in kwargs.items() if k == "dtype"})
+    else:
+        count = math.prod(full[d % len(full)] for d in dims)
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        extra = {"dtype": kwargs["dtype"]} if "dtype" in kwargs else {}
+        summed = em.graph.call_function(torch.ops.aten.sum.dim_IntList, (args[0], list(dims), keepdim), extra)
+    return em.graph.call_function(torch.ops.aten.div.Tensor, (summed, float(count)))
+
+
+def _sharded_mean_loss(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """cross_entropy/nll with mean reduction on a split batch: the local sum over the
+    global divisor (the count, or class weight, of the counted targets over all ranks,
+    all-reduced since ignore_index makes it data-dependent)."""
+    defaults = [None, None, None, 1, -100]
+    names = ["self", "target", "weight", "reduction", "ignore_index"]
+    kwargs = dict(kwargs)
+    args = list(args) + [kwargs.pop(n, d) for n, d in zip(names[len(args) :], defaults[len(args) :])]
+    weight, ignore = args[2], args[4]
+    args[3] = 2  # sum; divided below
+    summed = em.graph.call_function(node.target, tuple(args), kwargs)
+    target_name = step["inputs"][1]["tensor"]
+    g = em.graph
+    if not em.view.dtype(target_name).startswith("int"):
+        # class probabilities: the divisor is the number of samples
+        full = em.view.full_shape(target_name)
+        return g.call_function(torch.ops.aten.div.Tensor, (summed, float(full[0] * math.prod(full[2:]))))
+    target = args[1]
+    counted = g.call_function(torch.ops.aten.ne.Scalar, (target, ignore))
+    if weight is None:
+        local = g.call_function(torch.ops.aten.sum.default, (counted,))
+    else:
+        safe = g.call_function(torch.ops.aten.clamp_min.default, (target, 0))
+        picked = g.call_function(torch.ops.aten.index.Tensor, (weight, [safe]))
+        local = g.call_function(torch.ops.aten.sum.default, (g.call_function(torch.ops.aten.mul.Tensor, (picked, counted)),))
+    total = g.call_module(em.add_module("global_count", GlobalSum(em.group)), (local,))
+    return g.call_function(torch.ops.aten.div.Tensor, (summed, total))
+
+
+ADAPTERS: Mapping[tuple[str, str], Adapter] = MappingProxyType({
+    **{(op, SHARDED): _with_local_size(1) for op in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand")},
+    ("aten.linear", ROW_PARALLEL): _bias_on_rank_zero(2),
+    ("aten.conv2d", ROW_PARALLEL): _bias_on_rank_zero(2),
+    ("aten.embedding", VOCAB_PARALLEL): _vocab_parallel,
+    ("aten.mean", SHARDED_MEAN): _sharded_mean,
+    ("aten.mean.dim", SHARDED_MEAN): _sharded_mean,
+    ("aten.cross_entropy_loss", SHARDED_MEAN): _sharded_mean_loss,
+    ("aten.nll_loss", SHARDED_MEAN): _sharded_mean_loss,
+})
+"""(op name, rule name) -> the :data:`Adapter` that emits the op for that rule; a step
+whose pair is not here runs its op unchanged on the local pieces."""

@@ -1,0 +1,132 @@
+"""Small helpers every room shares: atomic file writes, byte sizes, timing summaries.
+
+No torch here: the launcher and the daemon import this module.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import statistics
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+# --------------------------------------------------------------------------
+# Atomic writes
+# --------------------------------------------------------------------------
+
+
+def _temp_sibling(path: Path) -> Path:
+    """A hidden, unique name next to ``path`` ending in ``.tmp``: the plan cache removes
+    such leftovers at start-up and the drop folder never picks them up."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable, where the file system allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_file(path: str | Path, *, mode: int = 0o666) -> Iterator[BinaryIO]:
+    """A binary file open for writing that replaces ``path`` when the block ends.
+
+    On a normal exit the file is fsynced, renamed over ``path`` and the folder fsynced,
+    so a reader (or the machine after a crash) sees the old file or the whole new one.
+    On any exception the temporary file is removed and ``path`` is left as it was.
+    ``mode`` is the new file's permission bits before the umask, as for ``open``.
+    """
+    path = Path(path)
+    tmp = _temp_sibling(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)
+
+
+def atomic_write(path: str | Path, data: bytes | str, *, mode: int = 0o666) -> Path:
+    """Replace ``path`` with ``data`` (a ``str`` is written as UTF-8) all at once; see
+    :func:`atomic_file`. Returns the path."""
+    payload = data.encode() if isinstance(data, str) else data
+    with atomic_file(path, mode=mode) as handle:
+        handle.write(payload)
+    return Path(path)
+
+
+# --------------------------------------------------------------------------
+# Byte sizes
+# --------------------------------------------------------------------------
+
+_UNITS = ("B", "KiB", "MiB", "GiB")
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes for a person, in binary units up to GiB: ``"512 B"``,
+    ``"1.50 KiB"``, ``"2.00 GiB"``."""
+    value = float(n)
+    for unit in _UNITS[:-1]:
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} {_UNITS[-1]}"
+
+
+# --------------------------------------------------------------------------
+# Timing summaries
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimingSummary:
+    """Statistics of per-iteration times, in the times' unit. With no times, ``count``
+    is 0 and every statistic is NaN."""
+
+    count: int
+    """How many times."""
+    mean: float
+    std: float
+    """Population standard deviation (0 for a single time)."""
+    min: float
+    max: float
+    median: float
+    p90: float
+    """The sorted times' element at index ``int(0.9 * (count - 1))`` (no interpolation)."""
+
+
+def summarize(times: Iterable[float]) -> TimingSummary:
+    """Mean ± std, min, max, median and p90 of ``times``."""
+    ordered = sorted(float(t) for t in times)
+    if not ordered:
+        return TimingSummary(0, math.nan, math.nan, math.nan, math.nan, math.nan, math.nan)
+    return TimingSummary(
+        count=len(ordered),
+        mean=statistics.fmean(ordered),
+        std=statistics.pstdev(ordered) if len(ordered) > 1 else 0.0,
+        min=ordered[0],
+        max=ordered[-1],
+        median=statistics.median(ordered),
+        p90=ordered[int(0.9 * (len(ordered) - 1))],
+    )
+
+
+__all__ = ["TimingSummary", "atomic_file", "atomic_write", "format_bytes", "summarize"]

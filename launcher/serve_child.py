@@ -1,0 +1,45 @@
+"""``python -m launcher.serve_child LAUNCHER_PID serve ...``: ``hapd serve`` that stops with
+the launcher which started it (:class:`launcher.job.LocalDaemon`).
+
+On Linux the process asks the kernel for SIGTERM (a clean stop) when its parent dies;
+if the parent is no longer ``LAUNCHER_PID`` when it starts, the launcher is already gone
+and it exits at once. The rest of the arguments are ``hapd``'s.
+
+This is a child-process entry module: it imports :mod:`hapd.cli` (and, through the
+daemon, the compiler) only in :func:`main`; nothing in :mod:`launcher` imports it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+PR_SET_PDEATHSIG = 1
+"""prctl option: the signal this process gets when its parent dies."""
+
+
+def die_with_parent() -> None:
+    """Linux: SIGTERM when the parent process dies (elsewhere: nothing)."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except Exception:  # noqa: BLE001 - no prctl here: the launcher stops the daemon itself
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run ``hapd ARGS`` (``argv`` = ``LAUNCHER_PID ARGS...``, default this process's
+    arguments) while the launcher with that pid is this process's parent."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    die_with_parent()
+    if os.getppid() != int(args[0]):
+        sys.exit("the launcher is gone")
+    from hapd.cli import main as hapd_main
+
+    hapd_main(args=args[1:], prog_name="hapd")
+
+
+if __name__ == "__main__":
+    main()
