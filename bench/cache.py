@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from hapd.compiler.export import export  # noqa: E402
 from hapd.compiler.lower import lower  # noqa: E402
 from hapd.profile.schema import load_profile  # noqa: E402
 from hapd.compiler.replan import relp_plan  # noqa: E402
+from hapd.util import summarize  # noqa: E402
 
 
 def start_daemon(home: Path) -> tuple[subprocess.Popen, str]:
@@ -85,8 +85,8 @@ def drop_latency(watch: Path, name: str, data: bytes, timeout: float = 60.0, *, 
 
 
 def summary(xs: list[float]) -> dict[str, float]:
-    xs = sorted(xs)
-    return {"median": statistics.median(xs), "p90": xs[int(0.9 * (len(xs) - 1))], "min": xs[0], "runs": len(xs)}
+    s = summarize(xs)
+    return {"median": s.median, "p90": s.p90, "min": s.min, "runs": s.count}
 
 
 def ms(x: float) -> str:

@@ -40,7 +40,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hapd.serve.keys import load_or_create_key  # noqa: E402
+from hapd.util import summarize  # noqa: E402
 
 PROBE = '''\
 import time
@@ -348,8 +348,8 @@ def main() -> None:
             cluster.close()
 
     def stat(key: str) -> dict[str, float]:
-        xs = [r[key] for r in runs]
-        return {"median": statistics.median(xs), "max": max(xs), "min": min(xs)}
+        s = summarize(r[key] for r in runs)
+        return {"median": s.median, "max": s.max, "min": s.min}
 
     keys = ["to_checked_s", "start_at_after_t0_s", "to_created_s", "to_first_statement_s", "skew_created_s",
             "skew_first_statement_s", "launched_before_start_at_s", "wall_s"]

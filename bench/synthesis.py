@@ -12,6 +12,10 @@ exported with torch.export; the global batch is 32 per device as in HAP. "search
 the search ⇄ LP alternation (what HAP's 6.2 s for ViT-24 measured); the two
 data-parallel baseline searches are timed apart. The growth exponent is the slope of
 log(time) against log(layers).
+
+Last, cancellation: a search sent SIGINT (as Ctrl-C would) one second into it, and how
+long after the signal its process ended. :func:`interrupt_search` is also used by
+``tests/test_synthesis.py``.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import statistics
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +55,55 @@ def paper_graph(name: str, layers: int, world: int):
         module = spec.build(config)
         inputs = spec.example_inputs(config, 32 * world)
     return lower(export(module, inputs, batch_dims=spec.batch_dims), name=name)
+
+
+INTERRUPTIBLE = """
+import sys
+from hapd import _core
+from hapd.profile.schema import load_profile
+graph = open(sys.argv[1], "rb").read()
+profile = load_profile("paper-64")
+print("started", flush=True)
+try:
+    _core.synthesize(graph, profile.core_bytes(), profile.flops_ratios(), {"front_width": 10**6, "max_states": 10**9})
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+"""A search for paper-64 with an unbounded front (several seconds on the bert_moe
+fixture), printing ``started``, then ``finished`` or ``interrupted``."""
+
+CANCEL_GRAPH = ROOT / "tests" / "fixtures" / "bert_moe.hapg"
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """How an interrupted search's process ended."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    stop_s: float
+    """Seconds from the SIGINT to the process's exit."""
+
+
+def interrupt_search(graph: Path = CANCEL_GRAPH, after_s: float = 1.0, timeout: float = 60.0) -> Interrupted:
+    """:data:`INTERRUPTIBLE` on ``graph`` in a child process, sent SIGINT ``after_s``
+    seconds after it starts the search."""
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE, str(graph)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        started = proc.stdout.readline()
+        time.sleep(after_s)
+        sent = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=timeout)
+        stop_s = time.perf_counter() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return Interrupted(proc.returncode, started + out, err, stop_s)
 
 
 def slope(xs, ys):
@@ -93,6 +149,10 @@ def main() -> None:
                       f"{b['dp_cp'] * 1e3:>8.1f}ms {b['dp_ev'] / e:>5.2f}× {b['dp_cp'] / e:>5.2f}×", flush=True)
             if len(depths) > 1:
                 print(f"{name:<9} {world:>3} growth exponent of search+LP time in layers: {slope(depths, times):.2f}")
+    cancel = interrupt_search()
+    print(f"SIGINT 1 s into a search ({CANCEL_GRAPH.stem}, paper-64): "
+          f"{cancel.stdout.split()[-1] if cancel.stdout.split() else 'no output'}, exit {cancel.returncode}, "
+          f"{cancel.stop_s * 1e3:.0f} ms after the signal")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.json}")

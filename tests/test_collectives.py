@@ -405,20 +405,18 @@ def _hapd_children() -> list[str]:
 
 @pytest.mark.distributed
 def test_run_ranks_reports_a_failing_rank() -> None:
-    start = time.monotonic()
+    """The failure is reported as it happens (not as a timeout) and the rank blocked on
+    the failed one is killed."""
     with pytest.raises(AssertionError) as info:
-        run_ranks(2, _fail_on_rank_one, timeout=60)
+        run_ranks(2, _fail_on_rank_one)
     message = str(info.value)
-    assert "rank 1 of 2 failed" in message
+    assert "rank 1 of 2 failed" in message and "did not finish" not in message
     assert "Traceback" in message and "ValueError: boom on rank 1" in message
-    assert time.monotonic() - start < 30, "the blocked rank was not killed promptly"
     assert _hapd_children() == []
 
 
 @pytest.mark.distributed
 def test_run_ranks_times_out() -> None:
-    start = time.monotonic()
     with pytest.raises(AssertionError, match="did not finish within 4 s"):
         run_ranks(1, _sleep, timeout=4)
-    assert time.monotonic() - start < 15
     assert _hapd_children() == []

@@ -13,11 +13,11 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Callable
 
 import msgpack
 import pytest
 import zmq
+from _wait import GENEROUS_S, wait_for
 
 from hapd.serve.cache import CacheKey, PlanCache, _parse_header
 from hapd.serve.client import Client, DaemonTimeout
@@ -28,16 +28,6 @@ from hapd.serve.protocol import MAGIC, Session
 pytestmark = pytest.mark.daemon
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def drop(folder: Path, name: str, data: bytes, staging: bool = False) -> Path:
@@ -144,10 +134,25 @@ def test_drop_to_plan_and_cache_hit(daemon, fixture_bytes):
     daemon.wait_log(r"drop first\.hapg → out/first\.hplan \(cache miss")
 
     drop(daemon.watch, "second.hapg", fixture_bytes["bert"], staging=True)  # the same graph again
-    start = time.monotonic()
     daemon.wait_log(r"drop second\.hapg → out/second\.hplan \(cache hit")
-    assert time.monotonic() - start < 0.5  # a rename from .incoming/ is noticed at once
     assert Plan.load(daemon.watch / "out" / "second.hplan").doc == plan.doc
+
+
+def test_a_rename_from_incoming_is_handed_over_without_settling(tmp_path):
+    """A rename into the folder is complete by construction: it is handed over on its
+    event, not after the settle time or at the next rescan (both an hour here)."""
+    from hapd.serve.watch import INCOMING, DropWatcher
+
+    (tmp_path / INCOMING).mkdir()
+    ready = []
+    watcher = DropWatcher(tmp_path, ready.append, settle_s=3600, fallback_s=3600, rescan_s=3600)
+    watcher.start()
+    try:
+        path = drop(tmp_path, "net.hapg", b"graph", staging=True)
+        wait_for(lambda: ready, GENEROUS_S, "the renamed drop to be handed over")
+    finally:
+        watcher.stop()
+    assert [d.path for d in ready] == [path]
 
 
 def test_pt2_drop_is_lowered_once(daemon, mlp_pt2):
@@ -270,11 +275,9 @@ def unchecked_request(daemon: DaemonProcess, mtype: str, body: dict) -> dict:
 
 def test_no_daemon_times_out_naming_the_address(daemon):
     with socket_port() as port:
-        start = time.monotonic()
         with Client(f"tcp://127.0.0.1:{port}", daemon.home / "key", timeout_s=0.5) as client:
             with pytest.raises(DaemonTimeout, match=rf"no daemon answered at tcp://127\.0\.0\.1:{port} within 0\.5 s"):
                 client.ping()
-        assert time.monotonic() - start < 3
 
 
 class socket_port:
@@ -460,15 +463,14 @@ def test_sigkill_during_a_compile_then_restart(tmp_path, fixture_bytes):
     try:
         drop(d.watch, "big.hapg", graph)
         wait_for(lambda: "drop big.hapg: compiling" in d.log(), 60, "the compile to start", interval=0.002)
-        with d.client(timeout_s=5) as client:  # the API answers while the worker compiles
-            start = time.perf_counter()
+        with d.client(timeout_s=GENEROUS_S) as client:
             client.ping()
-            ping_s = time.perf_counter() - start
+        answered_during_compile = "drop big.hapg →" not in d.log()
         d.kill()
     finally:
         if d.proc.poll() is None:
             d.kill()
-    assert ping_s < 1.0
+    assert answered_during_compile, "the API did not answer until the compile had finished"
     assert not (d.watch / "out" / "big.hplan").exists(), "the kill came too late to test anything"
     assert (d.watch / "big.hapg").exists()  # the drop is still pending
     # whatever the killed daemon left in the cache is whole or absent, never torn

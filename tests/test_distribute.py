@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import pytest
@@ -76,19 +77,25 @@ class Case(NamedTuple):
     reference: dict[str, Any]
 
 
-def _reference(program, inputs) -> dict[str, Any]:
-    """Single-device loss, gradients and loss after STEPS Adam steps."""
-    module = program.module()
-    loss = module(*inputs)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+def _loss_after_adam(module: torch.nn.Module, inputs, loss_of: Callable[[torch.Tensor], float]) -> float:
+    """The loss (``loss_of`` the module's output) after STEPS Adam steps, the first from
+    the gradients ``module`` already holds."""
     opt = torch.optim.Adam(module.parameters(), lr=LR)
     for _ in range(STEPS):
         opt.step()
         opt.zero_grad(set_to_none=True)
         module(*inputs).backward()
     with torch.no_grad():
-        after = float(module(*inputs))
+        return loss_of(module(*inputs))
+
+
+def _reference(program, inputs) -> dict[str, Any]:
+    """Single-device loss, gradients and loss after STEPS Adam steps."""
+    module = program.module()
+    loss = module(*inputs)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+    after = _loss_after_adam(module, inputs, float)
     return {"loss": float(loss.detach()), "grads": grads, "loss_after": after}
 
 
@@ -152,13 +159,7 @@ def _run_case(rank: int, world: int, case: Case) -> dict[str, Any]:
         got = param.grad if param.grad is not None else torch.zeros_like(param)
         grad_errors[fqn] = _rel(got, expected, floor)
     missing = sorted(set(ref["grads"]) - set(grad_errors))
-    opt = torch.optim.Adam(module.parameters(), lr=LR)
-    for _ in range(STEPS):
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        module(*inputs).backward()
-    with torch.no_grad():
-        after = global_loss(module(*inputs))
+    after = _loss_after_adam(module, inputs, global_loss)
     steps = plan.program["steps"]
     worst = max(grad_errors.items(), key=lambda kv: kv[1]) if grad_errors else ("-", 0.0)
     return {

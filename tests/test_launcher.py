@@ -17,6 +17,7 @@ The emulated clusters are ``bench/launcher.py``'s :class:`NamespaceCluster` and
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -28,10 +29,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import _bench
 import pytest
+from _wait import GENEROUS_S, wait_for
 
 from hapd.serve.client import Client
 from hapd.errors import OptionsError
@@ -89,16 +92,14 @@ def job_processes(job: str) -> list[int]:
     return pids
 
 
-def assert_no_orphans(job: str, within: float = 1.0) -> None:
-    deadline = time.monotonic() + within
-    while True:
+def assert_no_orphans(job: str) -> None:
+    """Every process of ``job`` ends (waited for with a generous deadline)."""
+    try:
+        wait_for(lambda: not job_processes(job), GENEROUS_S, f"every process of job {job} to end")
+    except AssertionError:
         left = job_processes(job)
-        if not left:
-            return
-        if time.monotonic() > deadline:
-            cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for p in left}
-            raise AssertionError(f"processes of job {job} still running: {cmdlines}")
-        time.sleep(0.05)
+        cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for p in left}
+        raise AssertionError(f"processes of job {job} still running: {cmdlines}") from None
 
 
 def kill_job(job: str) -> None:
@@ -128,6 +129,25 @@ def start_launcher(args: list[str], env: dict[str, str]) -> subprocess.Popen:
                             text=True, cwd=ROOT, env=env)
 
 
+@contextlib.contextmanager
+def launched(args: list[str], env: dict[str, str], job: str) -> Iterator[subprocess.Popen]:
+    """The launcher running ``args``; on the way out it is killed if still running, and
+    so is every process of ``job`` left behind."""
+    proc = start_launcher(args, env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        kill_job(job)
+
+
+def stderr_at_exit(proc: subprocess.Popen) -> str:
+    """The launcher's stderr once it has exited by itself (within a generous deadline)."""
+    return proc.communicate(timeout=GENEROUS_S)[1]
+
+
 def wait_output(proc: subprocess.Popen, pattern: str, count: int, timeout: float = 60) -> list[str]:
     """Read the launcher's stdout until ``count`` lines match ``pattern``."""
     seen: list[str] = []
@@ -145,6 +165,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def sleeper(tmp_path) -> Path:
+    """:data:`SLEEPER` as a script file."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    return script
 
 
 @pytest.fixture(scope="module")
@@ -320,28 +348,19 @@ def test_run_all_worker_on_this_machine(launcher_env):
     assert_no_orphans(data["job"])
 
 
-def test_a_killed_launcher_takes_its_local_daemon_and_ranks_along(launcher_env, tmp_path):
+def test_a_killed_launcher_takes_its_local_daemon_and_ranks_along(launcher_env, sleeper):
     """SIGKILL gives the launcher no chance to clean up: the daemon it started for the job
     gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and cancels the ranks on its way out."""
-    script = tmp_path / "sleeper.py"
-    script.write_text(SLEEPER)
     job = "killedlauncher"
-    proc = start_launcher(["run", str(script), "-n", "2", "--job-id", job], launcher_env)
-    try:
+    with launched(["run", str(sleeper), "-n", "2", "--job-id", job], launcher_env, job) as proc:
         wait_output(proc, r"^\[rank \d\] rank \d up", 2)
         daemons = [p for p in Path("/proc").iterdir() if p.name.isdigit() and b"hapd-launcher-" in _cmdline(p)
                    and f"{proc.pid}".encode() in _cmdline(p)]
         assert len(daemons) == 1
         proc.kill()
         proc.communicate()
-        deadline = time.monotonic() + 20
-        while Path(daemons[0]).exists() and _cmdline(daemons[0]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _cmdline(daemons[0]), "the local daemon outlived its launcher"
-        # the documented bound: SIGTERM to each rank's group, SIGKILL 5 s later (slack for a loaded machine)
-        assert_no_orphans(job, within=8)
-    finally:
-        kill_job(job)
+        wait_for(lambda: not _cmdline(daemons[0]), GENEROUS_S, "the local daemon to end with its launcher")
+        assert_no_orphans(job)
 
 
 def _cmdline(proc_dir: Path) -> bytes:
@@ -404,32 +423,21 @@ def test_four_ranks_across_namespace_hosts(namespaces, launcher_env, tmp_path):
 # ----------------------------------------------------------------------------- failures
 
 
-def test_a_crashing_rank_stops_every_rank_on_every_host(loop, loop_hosts, launcher_env, tmp_path):
-    script = tmp_path / "sleeper.py"
-    script.write_text(SLEEPER)
+def test_a_crashing_rank_stops_every_rank_on_every_host(loop, loop_hosts, launcher_env, sleeper):
     job = "crashjob"
-    proc = start_launcher(["run", str(script), "--hosts", str(loop_hosts), "--key", str(loop.key_file), "--job-id", job,
-                           "--env", "CRASH_RANK=3", "--env", "CRASH_AFTER=1.5"], launcher_env)
-    try:
+    with launched(["run", str(sleeper), "--hosts", str(loop_hosts), "--key", str(loop.key_file), "--job-id", job,
+                   "--env", "CRASH_RANK=3", "--env", "CRASH_AFTER=1.5"], launcher_env, job) as proc:
         wait_output(proc, r"^\[rank \d\] rank \d up", 4)
         assert len(job_processes(job)) == 8  # 4 ranks, each with its child
-        crashed = time.monotonic()
-        out, err = proc.communicate(timeout=30)
-        elapsed = time.monotonic() - crashed
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        kill_job(job)
+        err = stderr_at_exit(proc)
+        assert_no_orphans(job)
     assert proc.returncode == 7, err
-    assert elapsed < 1.5 + 5, elapsed  # the crash comes 1.5 s in; everything stopped within 5 s
     assert "hapd launcher: rank 3 on 127.0.0.1:" in err and "exited with code 7; stopping all ranks" in err
     assert re.search(r"job crashjob failed: rank 3 on \S+ exited with code 7", err)
     tail = err.split("last 20 line(s) of rank 3:")[1]
     assert "[rank 3] rank 3 line 29" in tail and "line 5\n" not in tail and "[rank 3] rank crashing now" in err
     assert len([line for line in tail.splitlines() if line.startswith("    [rank 3] ")]) == 20
     assert re.search(r"all ranks stopped [0-9.]+ s after the cancel", err)
-    assert_no_orphans(job, within=0.5)
     with Client(loop.addresses[0], loop.key_file) as client:
         assert client.job_status(job)["state"] == "cancelled"
     with Client(loop.addresses[1], loop.key_file) as client:
@@ -437,29 +445,19 @@ def test_a_crashing_rank_stops_every_rank_on_every_host(loop, loop_hosts, launch
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_or_sigterm_stops_everything(loop, loop_hosts, launcher_env, tmp_path, sig):
-    script = tmp_path / "sleeper.py"
-    script.write_text(SLEEPER)
+def test_ctrl_c_or_sigterm_stops_everything(loop, loop_hosts, launcher_env, sleeper, sig):
     job = f"interrupt{sig.value}"
-    proc = start_launcher(["run", str(script), "--hosts", str(loop_hosts), "--key", str(loop.key_file), "--job-id", job],
-                          launcher_env)
-    try:
+    with launched(["run", str(sleeper), "--hosts", str(loop_hosts), "--key", str(loop.key_file), "--job-id", job],
+                  launcher_env, job) as proc:
         wait_output(proc, r"^\[rank \d\] rank \d up", 4)
         proc.send_signal(sig)
-        start = time.monotonic()
-        out, err = proc.communicate(timeout=30)
-        elapsed = time.monotonic() - start
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        kill_job(job)
+        err = stderr_at_exit(proc)
+        assert_no_orphans(job)
     assert proc.returncode == 130, err
-    assert "interrupted: stopping all ranks" in err and elapsed < 5, (elapsed, err)
-    assert_no_orphans(job, within=0.5)
+    assert "interrupted: stopping all ranks" in err, err
 
 
-def test_a_daemon_that_disappears_stops_the_others(loop, launcher_env, tmp_path):
+def test_a_daemon_that_disappears_stops_the_others(loop, launcher_env, tmp_path, sleeper):
     """SIGKILL one host's daemon mid-run: the launcher notices within --lost-after,
     stops the other host's ranks and exits 1 naming the host. (The dead daemon's own
     ranks outlive it: nobody is left to stop them; the test kills them.)"""
@@ -469,29 +467,18 @@ def test_a_daemon_that_disappears_stops_the_others(loop, launcher_env, tmp_path)
     try:
         hosts = tmp_path / "hosts.txt"
         hosts.write_text(f"127.0.0.1 slots=2 port={loop.port(0)}\n127.0.0.1 slots=2 port={extra.port(0)}\n")
-        script = tmp_path / "sleeper.py"
-        script.write_text(SLEEPER)
         job = "lostjob"
-        proc = start_launcher(["run", str(script), "--hosts", str(hosts), "--key", str(loop.key_file), "--job-id", job,
-                               "--lost-after", "2"], launcher_env)
-        try:
+        with launched(["run", str(sleeper), "--hosts", str(hosts), "--key", str(loop.key_file), "--job-id", job,
+                       "--lost-after", "2"], launcher_env, job) as proc:
             lines = wait_output(proc, r"^\[rank \d\] rank \d up", 4)
-            orphaned = [int(pid) for line in lines if int(re.match(r"\[rank (\d+)\]", line).group(1)) >= 2
-                        for pid in re.findall(r"(?:pid|child) (\d+)", line)]
+            orphaned = {int(pid) for line in lines if int(re.match(r"\[rank (\d+)\]", line).group(1)) >= 2
+                        for pid in re.findall(r"(?:pid|child) (\d+)", line)}
             extra.procs[0].kill()
-            killed = time.monotonic()
-            out, err = proc.communicate(timeout=30)
-            elapsed = time.monotonic() - killed
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+            err = stderr_at_exit(proc)
+            wait_for(lambda: not set(job_processes(job)) - orphaned, GENEROUS_S, "host 0's processes of the job to end")
         assert proc.returncode == 1, err
-        assert f"lost the daemon of 127.0.0.1:{extra.port(0)} (ranks 2-3)" in err and elapsed < 2 + 5, (elapsed, err)
-        survivors = set(job_processes(job)) - set(orphaned)
-        assert not survivors, survivors  # host 0's ranks and children are gone
+        assert f"lost the daemon of 127.0.0.1:{extra.port(0)} (ranks 2-3)" in err, err
     finally:
-        kill_job(job)
         extra.close()
 
 
@@ -507,10 +494,9 @@ def test_an_unreachable_host_fails_the_checks_and_nothing_starts(loop, launcher_
     nobody = free_port()
     hosts = tmp_path / "hosts.txt"
     hosts.write_text(f"127.0.0.1 slots=2 port={loop.port(0)}\n127.0.0.1 slots=2 port={nobody}  # not running\n")
-    start = time.monotonic()
     done = run_launcher(["run", "worker.py", "--hosts", str(hosts), "--key", str(loop.key_file), "--timeout", "1",
                          "--job-id", "unreachable"], launcher_env, timeout=60)
-    assert done.returncode == 2 and time.monotonic() - start < 10
+    assert done.returncode == 2
     assert "1 of 2 host(s) failed the checks; nothing was started" in done.stderr
     assert f"127.0.0.1:{nobody} ({hosts}:2): no answer within 1 s at tcp://127.0.0.1:{nobody}" in done.stderr
     with Client(loop.addresses[0], loop.key_file) as client:
@@ -527,24 +513,22 @@ def test_a_wrong_key_is_refused(loop, loop_hosts, launcher_env, tmp_path):
                          "--job-id", "wrongkey"], launcher_env, timeout=60)
     assert done.returncode == 2
     assert "2 of 2 host(s) failed the checks; nothing was started" in done.stderr and "same key file" in done.stderr
-    time.sleep(0.2)
-    assert loop.log(0).count("rejected a message") > before and "bad signature" in loop.log(0)
+    wait_for(lambda: loop.log(0).count("rejected a message") > before, GENEROUS_S, "host 0 to log the rejection")
+    assert "bad signature" in loop.log(0)
     for address in loop.addresses:
         with Client(address, loop.key_file) as client:
             assert all(j["job"] != "wrongkey" for j in client.status()["jobs"])
 
 
-def test_a_refused_launch_starts_nothing_anywhere(loop, loop_hosts, launcher_env, tmp_path):
+def test_a_refused_launch_starts_nothing_anywhere(loop, loop_hosts, launcher_env, sleeper):
     """Host 1 already runs a job with this id and refuses the launch; host 0 had accepted
     it and is cancelled before the start time: no rank ever ran there."""
-    script = tmp_path / "sleeper.py"
-    script.write_text(SLEEPER)
     job = "dupjob"
     with Client(loop.addresses[1], loop.key_file) as client:
         client.launch(job, "sleeper.py", script_bytes=SLEEPER.encode(), nproc=1, world_size=1, master_addr="127.0.0.1",
                       master_port=free_port())
     try:
-        done = run_launcher(["run", str(script), "--hosts", str(loop_hosts), "--key", str(loop.key_file), "--job-id", job],
+        done = run_launcher(["run", str(sleeper), "--hosts", str(loop_hosts), "--key", str(loop.key_file), "--job-id", job],
                             launcher_env, timeout=60)
         assert done.returncode == 2, done.stderr
         assert "1 host(s) refused job dupjob" in done.stderr and "nothing was started" in done.stderr
@@ -555,7 +539,7 @@ def test_a_refused_launch_starts_nothing_anywhere(loop, loop_hosts, launcher_env
     finally:
         with Client(loop.addresses[1], loop.key_file) as client:
             client.cancel(job)
-    assert_no_orphans(job, within=6)
+    assert_no_orphans(job)
 
 
 def test_script_on_hosts_without_shipping(loop, loop_hosts, launcher_env, tmp_path):

@@ -67,3 +67,12 @@ def test_torch_free_rooms_import_without_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, f"torch was imported: {result.stdout}{result.stderr}"
+
+
+def test_runtime_adapters_key_on_the_cores_rule_names() -> None:
+    from hapd import _core
+    from hapd.runtime.adapters import ADAPTERS
+
+    names = set(_core.rule_names().values())
+    assert {"replicated", "row-parallel", "vocab-parallel"} <= names
+    assert {rule for _, rule in ADAPTERS} <= names

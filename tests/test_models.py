@@ -14,6 +14,10 @@ from hapd.models.bert_moe import BertMoEConfig, Top2MoE, moe_capacity, top2_gati
 
 NAMES = list(models.MODELS)
 
+# Ops every language model's graph contains.
+LANGUAGE_MODEL_OPS = {"aten.embedding.default", "aten.linear.default", "aten.scaled_dot_product_attention.default",
+                      "aten.cross_entropy_loss.default"}
+
 # Ops each exported graph must contain: the high-level op, not its decomposition.
 REQUIRED_OPS: dict[str, set[str]] = {
     "mlp": {"aten.linear.default", "aten.gelu.default", "aten.cross_entropy_loss.default"},
@@ -22,19 +26,11 @@ REQUIRED_OPS: dict[str, set[str]] = {
     "vit": {"aten.conv2d.default", "aten.cat.default", "aten.linear.default",
             "aten.layer_norm.default", "aten.scaled_dot_product_attention.default",
             "aten.relu.default", "aten.cross_entropy_loss.default"},
-    "bert": {"aten.embedding.default", "aten.linear.default", "aten.layer_norm.default",
-             "aten.scaled_dot_product_attention.default", "aten.relu.default",
-             "aten.cross_entropy_loss.default"},
-    "bert_moe": {"aten.embedding.default", "aten.linear.default", "aten.layer_norm.default",
-                 "aten.scaled_dot_product_attention.default", "aten.einsum.default",
-                 "aten.softmax.int", "aten.topk.default", "aten.one_hot.default",
-                 "aten.cumsum.default", "aten.cross_entropy_loss.default"},
-    "gpt2_block": {"aten.embedding.default", "aten.linear.default", "aten.layer_norm.default",
-                   "aten.scaled_dot_product_attention.default", "aten.gelu.default",
-                   "aten.cross_entropy_loss.default"},
-    "llama_block": {"aten.embedding.default", "aten.linear.default", "aten.rsqrt.default",
-                    "aten.scaled_dot_product_attention.default", "aten.silu.default",
-                    "aten.cross_entropy_loss.default"},
+    "bert": LANGUAGE_MODEL_OPS | {"aten.layer_norm.default", "aten.relu.default"},
+    "bert_moe": LANGUAGE_MODEL_OPS | {"aten.layer_norm.default", "aten.einsum.default", "aten.softmax.int",
+                                      "aten.topk.default", "aten.one_hot.default", "aten.cumsum.default"},
+    "gpt2_block": LANGUAGE_MODEL_OPS | {"aten.layer_norm.default", "aten.gelu.default"},
+    "llama_block": LANGUAGE_MODEL_OPS | {"aten.rsqrt.default", "aten.silu.default"},
 }
 
 # Lower-level ops that would mean a high-level op was decomposed.

@@ -1,4 +1,5 @@
-"""Cluster profiles: the bundled ones load, ids are canonical, bad fields are named."""
+"""Cluster profiles: the bundled ones load, ids are canonical, bad fields are named,
+the device count must match the job."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hapd.errors import ProfileError
-from hapd.profile.schema import COLLECTIVES, load_profile, profile_from_dict
+from hapd.profile.schema import COLLECTIVES, UNITS, load_profile, profile_from_dict
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -57,6 +58,27 @@ def test_profile_id_ignores_key_order_and_whitespace(paper8, tmp_path):
     assert profile_from_dict(as_ints).profile_id == base
 
 
+def test_profile_id_ignores_cosmetic_fields(paper8, tmp_path):
+    base = profile_from_dict(paper8).profile_id
+    cosmetic = copy.deepcopy(paper8)
+    cosmetic.update(name="x", description="re-measured on Tuesday", measured_at="2031-01-01T00:00:00+00:00",
+                    tool="hapd profile", fits={"all_reduce": {"inter": {"r2": 0.5}}})
+    cosmetic["units"] = dict(reversed(list(UNITS.items())))
+    path = tmp_path / "cosmetic.json"
+    path.write_text(json.dumps(_reorder(cosmetic), indent=3))
+    assert load_profile(path).profile_id == base
+    assert load_profile(path).extra["measured_at"] == "2031-01-01T00:00:00+00:00"
+    changed = copy.deepcopy(paper8)
+    changed["devices"][0]["host"] = "elsewhere"
+    assert profile_from_dict(changed).profile_id != base
+
+
+def test_units_may_be_partial_or_absent(paper8):
+    partial = dict(copy.deepcopy(paper8), units={"bandwidth": "bytes/s"})
+    absent = {k: v for k, v in paper8.items() if k != "units"}
+    assert profile_from_dict(partial).profile_id == profile_from_dict(absent).profile_id
+
+
 @pytest.mark.parametrize(
     "edit",
     [
@@ -93,6 +115,18 @@ def _drop_all_to_all(d):
         (lambda d: d.update(devices=[]), "devices"),
         (lambda d: d.update(format="hapd.graph"), "format"),
         (lambda d: d.update(version=2), "version"),
+        (lambda d: d["units"].update(bandwidth="elements/s"), "units.bandwidth"),
+        (lambda d: d["units"].update(time="ms"), "units.time"),
+        (lambda d: d["units"].update(speed="TFLOP/s"), "units.speed"),
+        (lambda d: d["units"].update(size="MiB"), "units.size"),
+        (lambda d: d["units"].update(energy="J"), "units.energy"),
+        (lambda d: d.update(units="bytes"), "units"),
+        (lambda d: d["collectives"].pop("broadcast"), "collectives.broadcast"),
+        (lambda d: d["collectives"]["all_gather_grouped"].pop("inter"), "collectives.all_gather_grouped"),
+        (lambda d: d["collectives"]["all_to_all"]["intra"].update(beta=-5.0), "collectives.all_to_all.intra.beta"),
+        (lambda d: d["devices"][6].update(flops="3.8e12"), "devices[6].flops"),
+        (lambda d: d["devices"][6].update(flops=None), "devices[6].flops"),
+        (lambda d: d["devices"][2].update(elementwise_flops="fast"), "devices[2].elementwise_flops"),
     ],
 )
 def test_bad_fields_are_named(paper8, edit, field):
@@ -101,12 +135,19 @@ def test_bad_fields_are_named(paper8, edit, field):
     with pytest.raises(ProfileError) as info:
         profile_from_dict(bad)
     assert info.value.field == field
+    assert field.split(".")[-1].split("[")[0] in str(info.value)
 
 
-def test_world_size_mismatch(paper8):
+def test_world_size_mismatch(paper8, tmp_path):
     assert profile_from_dict(paper8, world_size=8).world == 8
-    with pytest.raises(ProfileError) as info:
+    with pytest.raises(ProfileError, match="8 devices but the job has 4 ranks") as info:
         profile_from_dict(paper8, world_size=4)
+    assert info.value.field == "devices"
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(paper8))
+    assert load_profile(path, world_size=8).world == 8
+    with pytest.raises(ProfileError, match="8 devices but the job has 2 ranks") as info:
+        load_profile(path, world_size=2)
     assert info.value.field == "devices"
     profile = load_profile("paper-8")
     assert load_profile(profile, world_size=8) is profile
