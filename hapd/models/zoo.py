@@ -20,20 +20,10 @@ VOCAB = 128
 """Vocabulary of the tiny language models."""
 
 
-class CausalLMLoss(nn.Module):
-    """A transformers model whose forward takes (input_ids, labels) and returns the loss."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
-        return self.model(input_ids=input_ids, labels=labels).loss
-
-
-class Seq2SeqLoss(nn.Module):
-    """An encoder-decoder transformers model: (input_ids, labels) → loss (the decoder's
-    inputs are the labels shifted right, as the model builds them)."""
+class LanguageModelLoss(nn.Module):
+    """A transformers language model (causal, masked or encoder-decoder) whose forward
+    takes (input_ids, labels) and returns the loss the model computes (an
+    encoder-decoder builds its decoder inputs by shifting the labels right)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -70,7 +60,7 @@ def _lm(config: Any, model_class: Any, batch: int) -> tuple[nn.Module, tuple[Ten
     config._attn_implementation = "sdpa"
     model = model_class(config)
     model.config.use_cache = False
-    return CausalLMLoss(model), _tokens(batch)
+    return LanguageModelLoss(model), _tokens(batch)
 
 
 def gpt2(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
@@ -116,7 +106,7 @@ def t5(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
     config._attn_implementation = "sdpa"
     model = T5ForConditionalGeneration(config)
     model.config.use_cache = False
-    return Seq2SeqLoss(model), _tokens(batch)
+    return LanguageModelLoss(model), _tokens(batch)
 
 
 def resnet18(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
