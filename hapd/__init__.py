@@ -11,7 +11,7 @@ from typing import Any
 
 from hapd.errors import HapdError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> module that defines it
 _LAZY = {
@@ -24,6 +24,13 @@ _LAZY = {
     "Plan": "hapd.compiler.plan",
     "load_profile": "hapd.profile.schema",
     "distribute": "hapd.runtime.rewrite",
+    "parallelize": "hapd.runtime.api",
+    "ParallelModule": "hapd.runtime.api",
+    "UnevenSampler": "hapd.runtime.data",
+    "UnevenBatchSampler": "hapd.runtime.data",
+    "loader": "hapd.runtime.data",
+    "check": "hapd.runtime.check",
+    "normalize": "hapd.compiler.normalize",
 }
 
 

@@ -13,7 +13,8 @@ from hapd.serve.cache import DEFAULT_MAX_CACHE_BYTES
 
 
 class _Group(click.Group):
-    """Turns hapd errors into one readable line and exit status 2, not a traceback."""
+    """Turns hapd errors, and a file the system refuses (a path that cannot be written,
+    a full disk), into one readable line and exit status 2, not a traceback."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -22,12 +23,30 @@ class _Group(click.Group):
             where = "".join(f" [{k} {v}]" for k, v in (("node", exc.node), ("field", exc.field)) if v)
             click.echo(f"hapd: {type(exc).__name__}: {exc}{where}", err=True)
             sys.exit(2)
+        except OSError as exc:
+            where = f": {exc.filename}" if exc.filename else ""
+            click.echo(f"hapd: {type(exc).__name__}: {exc.strerror or exc}{where}", err=True)
+            sys.exit(2)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hapd")
 def main() -> None:
     """Automatic SPMD training for PyTorch on heterogeneous GPU clusters."""
+
+
+_import_option = click.option(
+    "--import", "imports", multiple=True, metavar="MODULE",
+    help="Import MODULE first: it registers custom ops the program uses (repeatable).",
+)
+
+
+def _import(imports: tuple[str, ...]) -> None:
+    """Import the modules ``--import`` names (before any program is loaded)."""
+    if imports:
+        from hapd.compiler.export import import_modules
+
+        import_modules(imports)
 
 
 def _parse_overrides(pairs: tuple[str, ...]) -> dict[str, object]:
@@ -96,9 +115,12 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
 @main.command("lower")
 @click.argument("program", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Output .hapg (default beside it).")
-def lower_cmd(program: Path, out: Path | None) -> None:
+@_import_option
+def lower_cmd(program: Path, out: Path | None, imports: tuple[str, ...]) -> None:
     """Lower an exported .pt2 PROGRAM to the graph IR (.hapg)."""
     from hapd.compiler.lower import lower
+
+    _import(imports)
 
     ir = lower(program)
     out = out or program.with_suffix(".hapg")
@@ -109,10 +131,13 @@ def lower_cmd(program: Path, out: Path | None) -> None:
 
 @main.command("inspect")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-def inspect_cmd(file: Path) -> None:
+@_import_option
+def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
     """Print a graph's IR summary: ops by count, parameters, opaque ops. FILE is a
     .pt2 program or a .hapg graph."""
     from hapd.compiler.summary import format_summary, inspect_graph
+
+    _import(imports)
 
     click.echo(format_summary(inspect_graph(file)))
 
@@ -124,9 +149,13 @@ def inspect_cmd(file: Path) -> None:
 @click.option("--zero/--no-zero", default=False, show_default=True, help="Allow ZeRO-style parameters.")
 @click.option("--max-seconds", type=float, default=None, help="Time budget of one search.")
 @click.option("--explain/--no-explain", "show", default=False, help="Print the full report.")
-def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, max_seconds: float | None, show: bool) -> None:
+@_import_option
+def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, max_seconds: float | None, show: bool,
+                imports: tuple[str, ...]) -> None:
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
     from hapd.compiler.driver import CompileOptions, compile as compile_plan
+
+    _import(imports)
 
     plan = compile_plan(graph, profile, CompileOptions(zero=zero, max_seconds=max_seconds))
     path = plan.save(out or graph.with_suffix(".hplan"))
@@ -138,6 +167,40 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, max_sec
     )
     if show:
         click.echo(plan.explain())
+
+
+@main.command("check")
+@click.argument("program", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--rtol", type=click.FloatRange(min=0), default=None, help="Relative tolerance  [default: 1e-5]")
+@click.option("--atol", type=click.FloatRange(min=0), default=None, help="Absolute tolerance  [default: 1e-7]")
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A one-device plan to check  [default: compile one]")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the input perturbation and random ops.")
+@click.option("--worst", type=click.IntRange(min=1), default=5, show_default=True, help="How many tensors to list.")
+@_import_option
+def check_cmd(program: Path, rtol: float | None, atol: float | None, plan_path: Path | None, seed: int, worst: int,
+              imports: tuple[str, ...]) -> None:
+    """Check that hapd computes what PROGRAM (.pt2) computes: one training step of the
+    1-rank distributed program against eager program.module() on the program's example
+    inputs; the loss, every parameter gradient and the updated buffers must agree.
+    Exit status 0 when they do, 1 when a tensor differs or the plan does not fit."""
+    from hapd.runtime.check import DEFAULT_ATOL, DEFAULT_RTOL, check
+    from hapd.compiler.plan import Plan
+    from hapd.errors import PlanError
+
+    _import(imports)
+    plan = Plan.load(plan_path) if plan_path is not None else None
+    try:
+        report = check(program, rtol=DEFAULT_RTOL if rtol is None else rtol, atol=DEFAULT_ATOL if atol is None else atol,
+                       plan=plan, seed=seed)
+    except PlanError as exc:
+        click.echo(f"hapd check: FAIL: {exc}", err=True)
+        sys.exit(1)
+    click.echo(report.format(worst))
+    if not report.ok:
+        names = ", ".join(d.name for d in report.failures[:3])
+        click.echo(f"hapd check: FAIL: {names}{' …' if len(report.failures) > 3 else ''}", err=True)
+        sys.exit(1)
 
 
 @main.command("explain")
@@ -170,12 +233,16 @@ def explain_cmd(plan: Path) -> None:
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
               help="A CompileOptions field for drops and requests without options (e.g. zero=true).")
 @click.option("--slots", type=click.IntRange(min=0), default=None, help="Rank slots this host offers  [default: CPU count]")
+@click.option("--max-connections", type=click.IntRange(min=1), default=None,
+              help="Peers connected to the control API at once; more are refused as they connect  [default: 32]")
 @click.option("--relp/--no-relp", default=True, show_default=True,
               help="Serve a graph cached for another profile by re-solving only the LP.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@_import_option
 def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | None, key_file: Path | None,
               home: Path | None, max_cache_bytes: int, max_request_bytes: int, options: tuple[str, ...],
-              slots: int | None, relp: bool, log_level: str) -> None:
+              slots: int | None, max_connections: int | None, relp: bool, log_level: str,
+              imports: tuple[str, ...]) -> None:
     """Run the daemon: compile graphs dropped into the watch folder into plans
     (WATCH/out/NAME.hplan and NAME.report.txt; bad files give WATCH/failed/NAME.error),
     cache plans, and serve the authenticated ZeroMQ control API.
@@ -208,10 +275,12 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
         root.addHandler(handler)
     root.propagate = False
     extra: dict[str, object] = {"slots": slots} if slots is not None else {}
+    if max_connections is not None:
+        extra["max_connections"] = max_connections
     config = DaemonConfig.defaults(
         profile=profile, home=home, watch=watch, cache=cache, key_file=key_file,
         bind=bind or DEFAULT_ADDRESS, allow_remote=bind is not None, max_cache_bytes=max_cache_bytes,
-        max_body_bytes=max_request_bytes, options=_parse_overrides(options), relp=relp, **extra,
+        max_body_bytes=max_request_bytes, options=_parse_overrides(options), relp=relp, imports=imports, **extra,
     )
     stop = threading.Event()
     first_signal: list[float] = []

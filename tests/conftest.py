@@ -80,3 +80,20 @@ def fixture_bytes() -> dict[str, bytes]:
 def lowered() -> Mapping[str, Lowered]:
     """``{model: Lowered}``, each model exported and lowered once, on first use."""
     return _LazyModels()
+
+
+@pytest.fixture(scope="session")
+def check_program():
+    """``check_program(program, **kw)``: :func:`hapd.runtime.check.check` as an
+    assertion — one step of the 1-rank distributed program equals eager
+    ``program.module()`` (loss, every gradient, updated buffers); on failure the
+    message lists the worst tensors. Returns the report."""
+
+    def run(program: Any, **kwargs: Any) -> Any:
+        from hapd.runtime.check import check
+
+        report = check(program, **kwargs)
+        assert report.ok, report.format(10)
+        return report
+
+    return run

@@ -2,6 +2,8 @@
 ``.hplan`` file.
 
 - :mod:`~hapd.compile.export` — a module and example inputs → a ``.pt2`` program;
+- :mod:`~hapd.compile.normalize` — the functional form of an exported program (the one
+  place it is made; the lowering and the runtime both read it);
 - :mod:`~hapd.compile.lower` — a ``.pt2`` program → hapd's graph IR (``.hapg``) and its
   graph id (the IR itself lives in the Rust core);
 - :mod:`~hapd.compile.summary` — what ``hapd inspect`` prints about a graph;

@@ -44,8 +44,11 @@ def export(
     if path is not None:
         names = user_input_names(program)
         meta = {"name": name or type(model).__name__, "batch_dims": dict(zip(names, batch_dims))}
-        with atomic_file(path) as handle:
-            torch.export.save(program, handle, extra_files={EXTRA_FILE: json.dumps(meta, sort_keys=True)})
+        try:
+            with atomic_file(path) as handle:
+                torch.export.save(program, handle, extra_files={EXTRA_FILE: json.dumps(meta, sort_keys=True)})
+        except OSError as exc:
+            raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from exc
     return program
 
 
@@ -54,6 +57,16 @@ def user_input_names(program: ExportedProgram) -> list[str]:
     from torch.export.graph_signature import InputKind
 
     return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+
+
+def import_modules(names: Sequence[str]) -> None:
+    """Import the modules that register a program's custom ops (``torch.library``), so
+    that a ``.pt2`` using them loads: ``hapd inspect/compile/check/serve --import``."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # an ImportError, or whatever the module raises on import
+            raise ExportError(f"cannot import {name!r} (for its custom ops): {type(exc).__name__}: {exc}") from exc
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -78,8 +91,16 @@ def load_factory(spec: str) -> Callable[..., Any]:
 def call_factory(factory: Callable[..., Any], batch: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     """A factory is called with ``batch=`` (when it takes it) and returns
     ``(module, example_inputs)``."""
-    takes_batch = "batch" in inspect.signature(factory).parameters
-    result = factory(batch=batch) if takes_batch else factory()
+    name = getattr(factory, "__qualname__", None) or repr(factory)
+    try:
+        takes_batch = "batch" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        takes_batch = False
+    try:
+        result = factory(batch=batch) if takes_batch else factory()
+    except Exception as exc:  # noqa: BLE001 - whatever the factory raises, said in one line
+        raise ExportError(f"calling the factory {name} failed: {type(exc).__name__}: {exc} (a factory takes no "
+                          "arguments but an optional batch= and returns (module, example_inputs))") from exc
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
         raise ExportError("a factory must return (module, example_inputs)")
     model, inputs = result

@@ -14,7 +14,9 @@ import hashlib
 import json
 import logging
 import operator
+import re
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -24,8 +26,13 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from hapd.errors import ExportError, GraphFormatError
+from hapd.compiler.flops import FlopCounter
+from hapd.compiler.normalize import buffer_mutations, normalize
+from hapd.compiler.tied import unread_aliases
+from hapd.errors import ExportError, GraphError, GraphFormatError
 from hapd.util import atomic_write
+
+_log = logging.getLogger(__name__)
 
 GRAPH_FORMAT = "hapd.graph"
 GRAPH_VERSION = 1
@@ -101,7 +108,9 @@ def lower(
     name: str | None = None,
     batch_dims: Mapping[str, int | None] | None = None,
 ) -> GraphIR:
-    """Lower an exported program (or a ``.pt2`` path) to the graph IR.
+    """Lower an exported program (or a ``.pt2`` path) to the graph IR: its functional
+    form (:func:`hapd.compiler.normalize.normalize`, which the runtime replays too), with
+    the buffers it updates as ``mutations``.
 
     ``batch_dims`` maps user-input names to their batch dim (``None``: no batch dim);
     inputs not named get dim 0. A ``.pt2`` written by :func:`hapd.export` carries the
@@ -111,6 +120,7 @@ def lower(
         program, stored = load_exported(program)
         name = name or stored.get("name")
         batch_dims = batch_dims if batch_dims is not None else stored.get("batch_dims")
+    program = normalize(program)
     try:
         doc = _Lowering(program, name or "model", dict(batch_dims or {})).run()
     except ExportError:
@@ -125,33 +135,90 @@ EXTRA_FILE = "hapd.json"
 
 
 def load_exported(path: str | Path) -> tuple[ExportedProgram, dict[str, Any]]:
-    """``torch.export.load`` with a clear error for files that are not exported programs;
-    returns the program and hapd's metadata stored beside it (empty when absent)."""
+    """``torch.export.load`` with a clear error: :class:`GraphFormatError` for a file
+    that is no program archive, :class:`ExportError` with torch's own reason (which
+    torch logs rather than raises) for an archive it cannot load, such as a program
+    whose custom op no imported module registers. Returns the program and hapd's
+    metadata stored beside it (empty when absent)."""
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"{path}: no such file")
     if path.stat().st_size == 0:
         raise GraphFormatError(f"{path}: the file is empty")
     extra = {EXTRA_FILE: ""}
-    export_log = logging.getLogger("torch.export")
-    level = export_log.level
-    try:
-        with warnings.catch_warnings():
-            # torch reads weights from a read-only buffer and says so on every load
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            # and logs a warning for a file that is no archive before failing: the
-            # GraphFormatError below says it once
-            export_log.setLevel(logging.ERROR)
+    with _TorchLog() as torch_log, warnings.catch_warnings():
+        # torch reads weights from a read-only buffer and says so on every load
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        try:
             program = torch.export.load(path, extra_files=extra)
-    except Exception as exc:
-        raise GraphFormatError(f"{path}: not a torch.export program ({type(exc).__name__}: {exc})") from exc
-    finally:
-        export_log.setLevel(level)
+        except Exception as exc:
+            raise _load_error(path, exc, torch_log.reason()) from exc
     try:
         stored = json.loads(extra[EXTRA_FILE]) if extra[EXTRA_FILE] else {}
     except ValueError as exc:
         raise GraphFormatError(f"{path}: unreadable {EXTRA_FILE} ({exc})") from exc
     return program, stored if isinstance(stored, dict) else {}
+
+
+def _load_error(path: Path, exc: Exception, reason: str | None) -> GraphError:
+    """The error for a failed load: what torch said, and what to do about a custom op."""
+    said = f"{type(exc).__name__}: {exc}"
+    if not zipfile.is_zipfile(path):
+        return GraphFormatError(f"{path}: not a torch.export program ({said})")
+    message = f"{path}: torch cannot load the exported program: {reason or said}"
+    if reason and "custom op" in reason:
+        message += " (pass --import MODULE for the module that registers it, or import it before loading)"
+    return ExportError(message)
+
+
+_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception): .+")
+"""The last line of a logged traceback: ``torch._export.serde.serialize.SerializeError: …``."""
+
+_MAX_REASON = 600
+"""Characters of torch's reason kept in a message (torch appends the whole node)."""
+
+
+class _TorchLog(logging.Handler):
+    """Captures what ``torch.export`` logs while a program loads (torch logs the reason
+    of a failed load and raises only "check the warnings above"), instead of letting it
+    reach stderr; on success the records go to hapd's log at debug level."""
+
+    LOGGERS = ("torch.export", "torch._export")
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+        self._saved: list[tuple[logging.Logger, list[logging.Handler], bool]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> "_TorchLog":
+        # torch gives torch.export its own stderr handler: it is swapped out, not added to
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            self._saved.append((logger, list(logger.handlers), logger.propagate))
+            logger.handlers = [self]
+            logger.propagate = False
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for logger, handlers, propagate in self._saved:
+            logger.handlers = handlers
+            logger.propagate = propagate
+        if exc_info[0] is None:
+            for record in self.records:
+                _log.debug("torch.export.load: %s", record.getMessage())
+
+    def reason(self) -> str | None:
+        """The last exception line torch logged, else its last warning."""
+        lines = [line for record in self.records for line in record.getMessage().splitlines()]
+        errors = [line.strip() for line in lines if _ERROR_LINE.match(line)]
+        text = errors[-1] if errors else (lines[-1].strip() if lines else "")
+        if not text:
+            return None
+        text = text.split(" Unsupported target type for node ", 1)[0]
+        return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 1] + "…"
 
 
 class _Lowering:
@@ -167,6 +234,9 @@ class _Lowering:
         self.refs: dict[torch.fx.Node, list[int]] = {}
         self.tuples: dict[torch.fx.Node, int] = {}
         self.sources = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
+        self.tied_away = unread_aliases(program)
+        """names of tied tensors the graph reads under another name (left out: one source)"""
+        self.flops = FlopCounter()
 
     def run(self) -> dict[str, Any]:
         loss = None
@@ -191,6 +261,7 @@ class _Lowering:
             "name": self.name,
             "nodes": self.nodes,
             "loss": loss,
+            "mutations": self._mutations(),
             "loss_reduction": self._loss_reduction(loss),
             "torch_version": torch.__version__.split("+")[0],
         }
@@ -215,6 +286,8 @@ class _Lowering:
 
     def _source(self, node: torch.fx.Node) -> None:
         spec = self.sources.get(node.name)
+        if spec is not None and spec.target in self.tied_away and not node.users:
+            return  # a tied parameter's other name: the tensor is the source the graph reads
         kind = _SOURCE_KINDS.get(spec.kind) if spec is not None else None
         if kind is None:
             raise ExportError(f"node {node.name}: unsupported input kind {getattr(spec, 'kind', None)}")
@@ -253,19 +326,24 @@ class _Lowering:
             outputs = [_tensor_meta(node, v, name=f"{node.name}[{i}]") for i, v in enumerate(val)]
         else:
             outputs = [_tensor_meta(node, val)]
-        index = self._append(
-            {
-                "name": node.name,
-                "kind": "op",
-                "op": canonical_op_name(node.target),
-                "target": "",
-                "inputs": inputs,
-                "args": args,
-                "outputs": outputs,
-                "requires_grad": False,
-                "batch_dim": None,
-            }
-        )
+        ir_node = {
+            "name": node.name,
+            "kind": "op",
+            "op": canonical_op_name(node.target),
+            "target": "",
+            "inputs": inputs,
+            "args": args,
+            "outputs": outputs,
+            "requires_grad": False,
+            "batch_dim": None,
+        }
+        tags = op_tags(node.target)
+        if tags:
+            ir_node["tags"] = tags
+        flops = self.flops(node)
+        if flops > 0:
+            ir_node["flops"] = flops
+        index = self._append(ir_node)
         if isinstance(val, (tuple, list)):
             self.tuples[node] = index
         else:
@@ -324,6 +402,21 @@ class _Lowering:
             raise ExportError(f"the model returns shape {meta['shape']}; hapd needs a scalar loss")
         return ref
 
+    def _mutations(self) -> list[dict[str, Any]]:
+        """Each buffer the step updates, with the op result that is its new value (an
+        effect the core must keep: it computes the value and holds it whole at the end)."""
+        by_name = {node.name: node for node in self.refs}
+        out = []
+        for target, value in buffer_mutations(self.program):
+            node = by_name.get(value)
+            ref = self.refs.get(node) if node is not None else None
+            if ref is None or self.nodes[ref[0]]["kind"] != "op":
+                raise ExportError(
+                    f"buffer {target} is set to {value}, which is not a tensor computed by the graph", node=value
+                )
+            out.append({"target": target, "value": ref})
+        return out
+
     def _loss_reduction(self, loss: list[int]) -> str:
         node = self.nodes[loss[0]]
         op = node["op"]
@@ -338,6 +431,19 @@ class _Lowering:
         if op.startswith("aten.mean"):
             return "mean"
         return "unknown"
+
+
+_RECORDED_TAGS = {torch.Tag.pointwise: "pointwise", torch.Tag.nondeterministic_seeded: "nondeterministic_seeded"}
+"""torch's op tags the core's rules read (an op tagged pointwise is element-wise; one
+that draws random numbers is not split), and their names in the IR."""
+
+
+def op_tags(target: Any) -> list[str]:
+    """The IR names of the :data:`_RECORDED_TAGS` torch gives the op ``target``, sorted
+    (none for callables that are not ATen overloads)."""
+    if not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001 - the public type of torch.ops.* overloads
+        return []
+    return sorted(name for tag, name in _RECORDED_TAGS.items() if tag in target.tags)
 
 
 def _schema_args(node: torch.fx.Node) -> Sequence[tuple[str, Any]]:

@@ -27,10 +27,16 @@ if TYPE_CHECKING:
 _RULES: Mapping[str, str] = _core.rule_names()
 """The core's rule names (one source of truth: ``rustcore/core/src/rules/rule_names.rs``)."""
 
+REPLICATED = _RULES["REPLICATED"]
+"""Every operand and result whole on every rank."""
+PARTIAL = _RULES["PARTIAL"]
+"""Partial-sum operands give a partial-sum result."""
 SHARDED = _RULES["SHARDED"]
 """The same dim split on the operands and the result (here: views to the local shape)."""
+DATA_PARALLEL = _RULES["DATA_PARALLEL"]
+"""The batch split, weights replicated (here: ops told the batch size get the local one)."""
 ROW_PARALLEL = _RULES["ROW_PARALLEL"]
-"""Linear/conv split on the input features: partial sums, the bias added on rank 0."""
+"""Linear/conv/addmm split on the input features: partial sums, the bias added on rank 0."""
 VOCAB_PARALLEL = _RULES["VOCAB_PARALLEL"]
 """Embedding table split by rows: each rank looks up only the ids in its rows."""
 SHARDED_MEAN = _RULES["SHARDED_MEAN"]
@@ -86,15 +92,39 @@ class GlobalSum(nn.Module):
 # --------------------------------------------------------------------------------------
 
 
+_STRIDE_FREE: Mapping[Any, Any] = MappingProxyType({
+    torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default,  # noqa: SLF001 - an ATen op name
+})
+"""Ops that assume their input's single-device strides, and the op a rank runs instead:
+the same values, copying only where the local piece's strides need it."""
+
+
+def stride_free(target: Any) -> Any:
+    """The op a rank program runs for ``target``. A local piece (a slice of the batch, a
+    result of a collective) seldom has the strides the single-device tensor had, so an
+    ``aten.view`` that worked on one device can fail on a rank ("view size is not
+    compatible with input tensor's size and stride"); ``aten.reshape`` gives the same
+    values and copies only when it must."""
+    return _STRIDE_FREE.get(target, target)
+
+
 def _with_local_size(arg_index: int) -> Adapter:
-    """Views/reshapes/expands: the size argument becomes the local output shape."""
+    """Views/reshapes/expands: the size argument becomes the local output shape (views
+    run as reshapes: :func:`stride_free`)."""
 
     def adapt(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
         args = list(args)
         args[arg_index] = em.local_out_shape(step)
-        return em.graph.call_function(node.target, tuple(args), kwargs)
+        return em.graph.call_function(stride_free(node.target), tuple(args), kwargs)
 
     return adapt
+
+
+def _unflatten(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """``unflatten`` (a view underneath, so stride-bound like ``view``): a reshape of the
+    local piece to the local output shape."""
+    return em.graph.call_function(torch.ops.aten.reshape.default, (args[0], em.local_out_shape(step)))
 
 
 def _bias_on_rank_zero(bias_index: int) -> Adapter:
@@ -109,6 +139,18 @@ def _bias_on_rank_zero(bias_index: int) -> Adapter:
                 args[bias_index] = em.graph.call_function(torch.ops.aten.mul.Tensor, (args[bias_index], 0.0))
             elif kwargs.get("bias") is not None:
                 kwargs["bias"] = em.graph.call_function(torch.ops.aten.mul.Tensor, (kwargs["bias"], 0.0))
+        return em.graph.call_function(node.target, tuple(args), kwargs)
+
+    return adapt
+
+
+def _local_batch(arg_index: int) -> Adapter:
+    """Ops told their batch size as an argument (``native_group_norm``'s ``N``): with the
+    batch split, the local batch size."""
+
+    def adapt(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+        args = list(args)
+        args[arg_index] = em.local_out_shape(step)[0]
         return em.graph.call_function(node.target, tuple(args), kwargs)
 
     return adapt
@@ -172,7 +214,11 @@ def _sharded_mean_loss(em: _Emitter, step: Mapping[str, Any], node: fx.Node, arg
 
 ADAPTERS: Mapping[tuple[str, str], Adapter] = MappingProxyType({
     **{(op, SHARDED): _with_local_size(1) for op in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand")},
+    **{("aten.unflatten.int", rule): _unflatten for rule in (REPLICATED, SHARDED, PARTIAL)},
     ("aten.linear", ROW_PARALLEL): _bias_on_rank_zero(2),
+    ("aten.linear", PARTIAL): _bias_on_rank_zero(2),
+    **{(op, rule): _bias_on_rank_zero(0) for op in ("aten.addmm", "aten.baddbmm") for rule in (ROW_PARALLEL, PARTIAL)},
+    ("aten.native_group_norm", DATA_PARALLEL): _local_batch(3),
     ("aten.conv2d", ROW_PARALLEL): _bias_on_rank_zero(2),
     ("aten.embedding", VOCAB_PARALLEL): _vocab_parallel,
     ("aten.mean", SHARDED_MEAN): _sharded_mean,

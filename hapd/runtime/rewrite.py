@@ -7,15 +7,23 @@ the fx :class:`RankModule` one rank runs. It applies these steps, in order:
    for this world size, and the rank is in it;
 2. **shard sources** (:func:`_shard_sources`) — every parameter, buffer and constant the
    plan uses becomes this rank's piece of it (a slice for ``Gather(d)``, the whole
-   tensor for ``Identity``); the full tensor is never kept for a sharded one;
+   tensor for ``Identity``); the full tensor is never kept for a sharded one; a tied
+   parameter is one ``nn.Parameter`` registered under each of its names;
 3. **emit steps** (:func:`_emit_steps`) — the plan's steps in order: the collectives
    that bring each step's inputs to the layouts its rule needs, the op itself (adapted
    where a rule needs more than the local op: :data:`hapd.runtime.adapters.ADAPTERS`),
    and collectives on its results (the loss masked to rank 0 when it was computed
    replicated);
-4. **sync gradients** (:func:`_sync_gradients`) — replicated trainable parameters get
+4. **write back buffers** (:func:`_write_back_buffers`) — every buffer the step updates
+   (batch norm's running statistics) gets its new value, which the plan holds whole
+   (``Identity``) at the end, copied into the rank's full copy of it, as
+   ``program.module()`` does;
+5. **sync gradients** (:func:`_sync_gradients`) — replicated trainable parameters get
    their gradients summed over ranks during backward
    (:class:`hapd.runtime.gradsync.GradSync`, bucketed like DDP).
+
+The program is first made functional with :func:`hapd.compiler.normalize.normalize`,
+as the lowering does, so the plan's fx node names are the names of the nodes replayed.
 
 The module takes this rank's inputs (:meth:`RankModule.shard_inputs` cuts them from
 the full batch) and returns this rank's part of the loss: the sum over ranks is the
@@ -39,10 +47,12 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from hapd import _core
+from hapd.compiler.normalize import buffer_mutations, normalize
 from hapd.compiler.plan import Plan
+from hapd.compiler.tied import aliases_of_read
 from hapd.errors import PlanError
 from hapd.runtime import collectives
-from hapd.runtime.adapters import ADAPTERS
+from hapd.runtime.adapters import ADAPTERS, stride_free
 from hapd.runtime.gradsync import GradSync
 
 IDENTITY, REDUCE = "Identity", "Reduce"
@@ -183,7 +193,14 @@ class RankModule(fx.GraphModule):
     hapd_inputs: list[tuple[str, str]]
     """(input name, layout) of each forward argument."""
     hapd_params: dict[str, tuple[str, str]]
-    """parameter name (as in the original model) -> (plan tensor, layout)."""
+    """parameter name (as in the original model) -> (plan tensor, layout); every name of
+    a tied parameter is a key, and names the same ``nn.Parameter`` of this module
+    (``named_parameters(remove_duplicate=False)`` lists each)."""
+    hapd_buffers: dict[str, tuple[str, str, str]]
+    """buffer or constant name (as in the original model) -> (plan tensor, layout,
+    attribute of this module holding the rank's piece) for those read but not updated."""
+    hapd_updated: list[str]
+    """buffers the step updates, held whole on every rank at their own name."""
     hapd_sync: GradSync
 
     def shard_inputs(self, *full: Tensor) -> tuple[Tensor, ...]:
@@ -278,9 +295,15 @@ class _Emitter:
         self.env: dict[tuple[str, str], fx.Node] = {}
         self.fx_nodes = {n.name: n for n in program.graph.nodes}
         self.sources = _sources_of(program)
+        self.aliases = aliases_of_read(program)
+        """name of a parameter or buffer the graph reads -> the other names of that tensor
+        (tied weights: :mod:`hapd.compiler.tied`)."""
+        self.mutations = buffer_mutations(program)
+        self.mutated = {target for target, _ in self.mutations}
         self.synced: list[nn.Parameter] = []
         self.inputs: list[tuple[str, str]] = []
         self.params: dict[str, tuple[str, str]] = {}
+        self.buffers: dict[str, tuple[str, str, str]] = {}
         self._modules = 0
 
     # -- pieces ------------------------------------------------------------------------
@@ -309,6 +332,9 @@ class _Emitter:
         kind, target, value = self.sources[name]
         if value is None:
             raise PlanError(f"source {name} ({target}) has no value in the exported program", node=name)
+        if target in self.mutated:
+            self.env[(name, layout)] = self.read_updated_buffer(name, layout, target)
+            return
         local = self.view.local_value(name, layout, value.detach())
         if self.device is not None:
             local = local.to(self.device)
@@ -316,12 +342,39 @@ class _Emitter:
         if kind == "parameter":
             param = nn.Parameter(local, requires_grad=value.requires_grad)
             _set_attr(self.root, attr, param, parameter=True)
-            self.params[target] = (name, layout)
+            for alias in (target, *self.aliases.get(target, ())):  # tied: one parameter, every name
+                self.params[alias] = (name, layout)
             if src.get("grad_sync") and param.requires_grad:
                 self.synced.append(param)
         else:
             _set_attr(self.root, attr, local, parameter=False)
+            for alias in (target, *self.aliases.get(target, ())):
+                self.buffers[alias] = (name, layout, attr)
         self.env[(name, layout)] = self.graph.get_attr(attr)
+
+    def updated_buffers(self) -> None:
+        """Every buffer the step updates, whole, at its own name (``bn1.running_mean``):
+        each forward reads its piece from it and writes the new value back into it."""
+        by_target = {target: value for _kind, target, value in self.sources.values()}
+        for target, _ in self.mutations:
+            value = by_target.get(target)
+            if value is None:
+                raise PlanError(f"buffer {target} is updated but has no value in the exported program", node=target)
+            whole = value.detach().clone()
+            _set_attr(self.root, target, whole.to(self.device) if self.device is not None else whole, parameter=False)
+
+    def read_updated_buffer(self, name: str, layout: str, target: str) -> fx.Node:
+        """This rank's piece of an updated buffer, read afresh in each forward (a copy:
+        the write-back must not change a tensor autograd saved)."""
+        whole = self.graph.get_attr(target)
+        d = gather_dim(layout)
+        if d is not None:
+            start, length = self.view.offset(name, d)
+            piece = self.graph.call_function(torch.ops.aten.narrow.default, (whole, d, start, length))
+            return self.graph.call_function(torch.ops.aten.clone.default, (piece,))
+        if layout == REDUCE and self.view.rank != 0:
+            return self.graph.call_function(torch.ops.aten.zeros_like.default, (whole,))
+        return self.graph.call_function(torch.ops.aten.clone.default, (whole,))
 
     def communicate(self, comm: Mapping[str, Any]) -> None:
         tensor, src, dst = comm["tensor"], comm["from"], comm["to"]
@@ -376,7 +429,7 @@ class _Emitter:
         if adapt is not None:
             result = adapt(self, step, node, args, kwargs)
         else:
-            result = self.graph.call_function(node.target, args, kwargs)
+            result = self.graph.call_function(stride_free(node.target), args, kwargs)
         if empty:
             result = self.cut_padding(step, result)
         self.bind_outputs(step, node, result)
@@ -475,14 +528,16 @@ def distribute(
     (:func:`hapd.runtime.training.host_groups`; default: one all-reduce over ``group``).
     ``bucket_bytes``: gradient bytes per all-reduce (the cost model assumes the default).
     """
-    ep = _load_program(program, example_inputs)
+    ep = normalize(_load_program(program, example_inputs))
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     rank, world = _rank_and_world(rank, world, group)
     _check(ep, plan, rank, world, graph=check_graph)
     em = _Emitter(ep, RankView(plan, rank, world), group, torch.device(device) if device is not None else None)
     _shard_sources(em, plan.program["steps"])
-    _emit_steps(em, plan.program["steps"], plan.program["loss"])
+    _emit_steps(em, plan.program["steps"])
+    _write_back_buffers(em)
+    _output_loss(em, plan.program["loss"])
     module = _rank_module(em)
     _sync_gradients(module, em.synced, group, bucket_bytes, hosts)
     return module
@@ -502,15 +557,28 @@ def _shard_sources(em: _Emitter, steps: Sequence[Mapping[str, Any]]) -> None:
     and this rank's piece of every parameter, buffer and constant the steps read."""
     input_layouts = {src["tensor"]: src["layout"] for step in steps for src in step["sources"] if src["kind"] == "input"}
     em.placeholders(input_layouts)
+    em.updated_buffers()
     for step in steps:
         for src in step["sources"]:
             em.source(src)
 
 
-def _emit_steps(em: _Emitter, steps: Sequence[Mapping[str, Any]], loss: str) -> None:
-    """Step 3: every step in plan order, then the loss (held as ``Reduce``) as the output."""
+def _emit_steps(em: _Emitter, steps: Sequence[Mapping[str, Any]]) -> None:
+    """Step 3: every step in plan order."""
     for step in steps:
         em.step(step)
+
+
+def _write_back_buffers(em: _Emitter) -> None:
+    """Step 4: each updated buffer's new value (whole on every rank at the end of the
+    plan) copied into the rank's buffer, without gradient."""
+    for target, value in em.mutations:
+        new = em.graph.call_function(torch.ops.aten.detach.default, (em.lookup(value, IDENTITY),))
+        em.graph.call_function(torch.ops.aten.copy_.default, (em.graph.get_attr(target), new))
+
+
+def _output_loss(em: _Emitter, loss: str) -> None:
+    """The loss, held as ``Reduce``, is the rank module's output."""
     em.graph.output(em.lookup(loss, REDUCE))
     em.graph.lint()
 
@@ -518,15 +586,29 @@ def _emit_steps(em: _Emitter, steps: Sequence[Mapping[str, Any]], loss: str) -> 
 def _rank_module(em: _Emitter) -> RankModule:
     """The emitted graph as this rank's module, with what the plan says about it."""
     module = RankModule(em.root, em.graph, class_name="RankModule")
+    _register_tied(module, em)
     module.hapd_view = em.view
     module.hapd_inputs = em.inputs
     module.hapd_params = em.params
+    module.hapd_buffers = em.buffers
+    module.hapd_updated = [target for target, _ in em.mutations]
     return module
+
+
+def _register_tied(module: RankModule, em: _Emitter) -> None:
+    """Every other name of a tied parameter names the one parameter built for it (the
+    module's graph reads only the name it was built under: fx keeps only what the graph
+    reads)."""
+    for target, aliases in em.aliases.items():
+        if target in em.params:
+            param = module.get_parameter(target)
+            for alias in aliases:
+                _set_attr(module, alias, param, parameter=True)
 
 
 def _sync_gradients(module: RankModule, synced: Sequence[nn.Parameter], group: Any, bucket_bytes: int,
                     hosts: collectives.HostGroups | None) -> None:
-    """Step 4: sum the gradients of ``synced`` (the replicated trainable parameters) over
+    """Step 5: sum the gradients of ``synced`` (the replicated trainable parameters) over
     ranks during each backward of ``module``."""
     module.hapd_sync = GradSync(synced, group, bucket_bytes, hosts=hosts)
     module.register_forward_pre_hook(lambda m, _args: m.hapd_sync.reset())

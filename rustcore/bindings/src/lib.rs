@@ -49,6 +49,8 @@ fn summary_dict<'py>(py: Python<'py>, s: &Summary) -> PyResult<Bound<'py, PyDict
     d.set_item("buffers", PyList::new(py, &s.buffers)?)?;
     d.set_item("inputs", PyList::new(py, &s.inputs)?)?;
     d.set_item("opaque_ops", PyList::new(py, &s.opaque_ops)?)?;
+    d.set_item("flops", s.flops)?;
+    d.set_item("opaque_flops", s.opaque_flops)?;
     Ok(d)
 }
 

@@ -209,6 +209,15 @@ pub struct NodeFile {
     pub requires_grad: bool,
     #[serde(default)]
     pub batch_dim: Option<i64>,
+    /// torch's tags of the op that matter to sharding (`"pointwise"`); absent in files
+    /// written before the field existed.
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// Forward FLOPs torch's FLOP counter counts for the op (matrix products,
+    /// convolutions, attention); absent when it counts none, and in files written
+    /// before the field existed.
+    #[serde(default)]
+    pub flops: Option<f64>,
 }
 
 /// A result of a node, after validation.
@@ -244,9 +253,27 @@ pub struct Node {
     pub outputs: Vec<TensorMeta>,
     pub requires_grad: bool,
     pub batch_dim: Option<usize>,
+    /// torch's tags of the op that matter to sharding (see [`TAG_POINTWISE`]).
+    pub tags: Vec<String>,
+    /// Forward FLOPs of the whole op as torch's FLOP counter counts them (finite, ≥ 0);
+    /// `None` when lowering recorded none. [`crate::rules::rules_for`] prices the op by
+    /// the larger of this and its family's formula.
+    pub flops: Option<f64>,
 }
 
+/// The tag torch gives element-wise ops (`torch.Tag.pointwise`): every result element
+/// depends only on the operand elements at the same (broadcast) index.
+pub const TAG_POINTWISE: &str = "pointwise";
+
+/// The tag torch gives ops that draw random numbers (`torch.Tag.nondeterministic_seeded`).
+pub const TAG_RANDOM: &str = "nondeterministic_seeded";
+
 impl Node {
+    /// Whether lowering recorded torch tag `tag` for this node's op.
+    pub fn has_tag(&self, tag: &str) -> bool {
+        self.tags.iter().any(|t| t == tag)
+    }
+
     /// The value of the schema argument `name`, if present.
     pub fn arg(&self, name: &str) -> Option<&Value> {
         self.args.iter().find(|a| a.name == name).map(|a| &a.value)
@@ -269,6 +296,17 @@ pub enum LossReduction {
     Unknown,
 }
 
+/// A buffer the step updates: an effect of the program besides the loss. The core keeps
+/// every op its value depends on and ends the program with the value in `Identity`
+/// layout, so every rank holds the whole new buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mutation {
+    /// Fully qualified name of the buffer (`layer1.0.bn1.running_mean`).
+    pub target: String,
+    /// The op result that is the buffer's new value.
+    pub value: TensorRef,
+}
+
 /// A decoded graph. [`crate::validate::validate`] turns it into a checked one.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Graph {
@@ -276,6 +314,8 @@ pub struct Graph {
     pub nodes: Vec<Node>,
     pub loss: TensorRef,
     pub loss_reduction: LossReduction,
+    /// Buffer updates, in the program's output order (empty when absent in the file).
+    pub mutations: Vec<Mutation>,
 }
 
 impl Graph {
@@ -369,7 +409,13 @@ pub fn decode(bytes: &[u8]) -> Result<Graph> {
             return Err(graph_field("loss_reduction", format!("{other:?} is not one of sum, mean, unknown")))
         }
     };
-    Ok(Graph { name, nodes, loss, loss_reduction })
+    let mutations = match get(map, "mutations") {
+        None => Vec::new(),
+        Some(value) => rmpv::ext::from_value::<Vec<Mutation>>(value.clone()).map_err(|e| {
+            graph_field("mutations", format!("not a list of {{target, value: [node, output]}}: {e}"))
+        })?,
+    };
+    Ok(Graph { name, nodes, loss, loss_reduction, mutations })
 }
 
 fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
@@ -416,6 +462,9 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
         }
         outputs.push(TensorMeta { name: out.name.clone(), shape, dtype: DType::parse(&out.dtype) });
     }
+    if let Some(flops) = file.flops.filter(|f| !(f.is_finite() && *f >= 0.0)) {
+        return Err(Error::node_field(index, &name, "flops", format!("{flops} is not a finite count ≥ 0")));
+    }
     let batch_dim = match file.batch_dim {
         None => None,
         Some(d) if d >= 0 => Some(d as usize),
@@ -431,6 +480,8 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
         outputs,
         requires_grad: file.requires_grad,
         batch_dim,
+        tags: file.tags,
+        flops: file.flops,
     })
 }
 
@@ -449,6 +500,8 @@ fn failing_field(map: &[(rmpv::Value, rmpv::Value)], message: &str) -> String {
             "outputs" => fits::<Vec<TensorMetaFile>>(value),
             "requires_grad" => fits::<bool>(value),
             "batch_dim" => fits::<Option<i64>>(value),
+            "tags" => fits::<Vec<String>>(value),
+            "flops" => fits::<Option<f64>>(value),
             _ => true,
         };
         if !fits {

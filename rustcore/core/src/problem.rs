@@ -1,5 +1,5 @@
 //! The search problem built from a graph and a profile: the ops that lead to the loss
-//! in program order, the tensors live between them, every op's rules with their
+//! or to a buffer update in program order, the tensors live between them, every op's rules with their
 //! compute rows, and the options that restrict the search.
 
 use std::collections::{BTreeMap, HashMap};
@@ -84,14 +84,18 @@ pub struct Problem<'a> {
     pub options: Options,
     pub tensors: Vec<Tensor>,
     pub steps: Vec<Step>,
-    /// Tensors live before step `i` (sorted); `live[steps.len()]` holds the loss.
+    /// Tensors live before step `i` (sorted); `live[steps.len()]` holds the loss and
+    /// the new values of updated buffers.
     pub live: Vec<Vec<TensorId>>,
     pub loss: TensorId,
+    /// The new value of each buffer update (`graph.mutations`, same order): effects the
+    /// program must end with in `Identity` layout.
+    pub mutations: Vec<TensorId>,
 }
 
 impl<'a> Problem<'a> {
     pub fn new(graph: &'a Graph, profile: &'a Profile, options: Options) -> Result<Problem<'a>> {
-        let needed = ancestors_of_loss(graph);
+        let needed = ancestors_of_effects(graph);
         let op_nodes: Vec<usize> =
             (0..graph.nodes.len()).filter(|&i| needed[i] && graph.nodes[i].kind == NodeKind::Op).collect();
 
@@ -166,12 +170,21 @@ impl<'a> Problem<'a> {
             message: "the loss is not computed by any op".into(),
         })?;
         tensors[loss as usize].last = steps.len();
+        let mut mutations = Vec::with_capacity(graph.mutations.len());
+        for m in &graph.mutations {
+            let id = *ids.get(&m.value).ok_or_else(|| Error::InvalidGraph {
+                field: "mutations".into(),
+                message: format!("the new value of buffer {} is not computed by any op", m.target),
+            })?;
+            tensors[id as usize].last = steps.len();
+            mutations.push(id);
+        }
         // forced rules name nodes that must exist
         for name in options.force.keys() {
             if !op_nodes.iter().any(|&n| &graph.nodes[n].name == name) {
                 return Err(Error::InvalidOption {
                     field: format!("force.{name}"),
-                    message: "no op of that name leads to the loss".into(),
+                    message: "no op of that name leads to the loss or a buffer update".into(),
                 });
             }
         }
@@ -183,7 +196,7 @@ impl<'a> Problem<'a> {
                 slot.push(id as TensorId);
             }
         }
-        Ok(Problem { graph, profile, options, tensors, steps, live, loss })
+        Ok(Problem { graph, profile, options, tensors, steps, live, loss, mutations })
     }
 
     pub fn tensor(&self, t: TensorId) -> &Tensor {
@@ -231,10 +244,14 @@ impl<'a> Problem<'a> {
     }
 }
 
-/// Nodes the loss depends on.
-fn ancestors_of_loss(graph: &Graph) -> Vec<bool> {
+/// Nodes the step's effects depend on: the loss and every buffer update (an update
+/// nobody reads is an effect all the same; dropping it would change the model).
+fn ancestors_of_effects(graph: &Graph) -> Vec<bool> {
     let mut needed = vec![false; graph.nodes.len()];
     needed[graph.loss.node()] = true;
+    for m in &graph.mutations {
+        needed[m.value.node()] = true;
+    }
     for i in (0..graph.nodes.len()).rev() {
         if needed[i] {
             for r in &graph.nodes[i].inputs {

@@ -563,8 +563,22 @@ impl<'p, 'a> Search<'p, 'a> {
                 };
                 next_held.push(set);
             }
-            // the goal: the loss as a partial sum (a replicated loss is masked to rank 0)
+            // the goal: every updated buffer whole on every rank (the last step pays the
+            // collectives), and the loss as a partial sum (a replicated loss is masked to
+            // rank 0)
             if pos + 1 == p.steps.len() {
+                for &t in &p.mutations {
+                    let Ok(i) = next.binary_search(&t) else { continue 'combo };
+                    let set = next_held[i];
+                    if set.contains(Layout::Identity) {
+                        continue;
+                    }
+                    let Some((_, _, values)) = self.cheapest_comm(t, set, Layout::Identity, memo) else {
+                        continue 'combo;
+                    };
+                    Self::add_values(&mut comm, &values);
+                    next_held[i] = set.with(Layout::Identity);
+                }
                 if let Ok(i) = next.binary_search(&p.loss) {
                     let set = next_held[i];
                     if !(set.contains(Layout::Reduce) || set.contains(Layout::Identity)) {
@@ -658,6 +672,14 @@ impl<'p, 'a> Search<'p, 'a> {
                     created[*t as usize] = LayoutSet::single(rule.outputs[k]);
                 }
             }
+            if pos + 1 == p.steps.len() {
+                for c in self.whole_buffers(&held, &mut memo)? {
+                    comm.add(&c.row);
+                    held[c.tensor as usize] = held[c.tensor as usize].with(Layout::Identity);
+                    created[c.tensor as usize] = created[c.tensor as usize].with_raw(Layout::Identity);
+                    comms.push(c);
+                }
+            }
             let comp = step.comp[rule_index].clone();
             total += self.max(&comp) + self.max(&comm);
             steps.push(ChosenStep { step: pos, rule: rule_index, sources, comms, comp, comm });
@@ -677,6 +699,28 @@ impl<'p, 'a> Search<'p, 'a> {
             });
         }
         Ok((steps, created, total))
+    }
+}
+
+impl Search<'_, '_> {
+    /// The collectives that end the program with every updated buffer in `Identity`
+    /// layout (the goal's: the cheapest from the layouts `held`).
+    fn whole_buffers(&self, held: &[LayoutSet], memo: &mut CommMemo) -> Result<Vec<Comm>> {
+        let p = self.problem;
+        let mut comms: Vec<Comm> = Vec::new();
+        for &t in &p.mutations {
+            let current = held[t as usize];
+            if current.contains(Layout::Identity) || comms.iter().any(|c| c.tensor == t) {
+                continue;
+            }
+            let (from, collective, _) = self.cheapest_comm(t, current, Layout::Identity, memo).ok_or_else(|| {
+                Error::Synthesis { message: format!("replay: no communication gives buffer update {} whole", p.tensor(t).meta.name) }
+            })?;
+            let tensor = p.tensor(t);
+            let row = collective_row(p.profile, collective, tensor.bytes(), tensor.requires_grad);
+            comms.push(Comm { tensor: t, from, to: Layout::Identity, collective, row });
+        }
+        Ok(comms)
     }
 }
 

@@ -20,12 +20,17 @@ pub struct Summary {
     pub inputs: Vec<(String, Vec<usize>, Option<usize>)>,
     /// (op, count) of the ops without sharding rules: they run replicated.
     pub opaque_ops: Vec<(String, usize)>,
+    /// Forward FLOPs of all op nodes, as the cost model prices them
+    /// ([`rules::rules_for`]).
+    pub flops: f64,
+    /// The part of [`Self::flops`] that opaque ops account for.
+    pub opaque_flops: f64,
 }
 
 impl Summary {
     pub fn of(graph: &Graph) -> Summary {
         let ops = graph.op_counts();
-        let opaque_ops = ops.iter().filter(|(op, _)| rules::family(op).is_none()).cloned().collect();
+        let opaque_ops = opaque_ops(graph);
         let mut parameters = Vec::new();
         let mut buffers = Vec::new();
         let mut inputs = Vec::new();
@@ -39,6 +44,41 @@ impl Summary {
             }
         }
         let parameter_elements = parameters.iter().map(|(_, s, _)| s.iter().product::<usize>()).sum();
-        Summary { name: graph.name.clone(), nodes: graph.nodes.len(), ops, parameters, parameter_elements, buffers, inputs, opaque_ops }
+        let (flops, opaque_flops) = flops(graph);
+        Summary {
+            name: graph.name.clone(),
+            nodes: graph.nodes.len(),
+            ops,
+            parameters,
+            parameter_elements,
+            buffers,
+            inputs,
+            opaque_ops,
+            flops,
+            opaque_flops,
+        }
     }
+}
+
+/// (op, count) of the op nodes without a family (rules are per node: an op torch tags
+/// pointwise is element-wise wherever it appears).
+fn opaque_ops(graph: &Graph) -> Vec<(String, usize)> {
+    let mut counts = std::collections::BTreeMap::<&str, usize>::new();
+    for node in graph.nodes.iter().filter(|n| n.kind == NodeKind::Op && rules::family_of(n).is_none()) {
+        *counts.entry(node.op.as_str()).or_default() += 1;
+    }
+    counts.into_iter().map(|(op, n)| (op.to_string(), n)).collect()
+}
+
+/// Forward FLOPs of all op nodes and of the opaque ones, as the cost model prices them.
+fn flops(graph: &Graph) -> (f64, f64) {
+    let (mut all, mut opaque) = (0.0, 0.0);
+    for node in graph.nodes.iter().filter(|n| n.kind == NodeKind::Op) {
+        let flops = rules::rules_for(graph, node).flops;
+        all += flops;
+        if rules::family_of(node).is_none() {
+            opaque += flops;
+        }
+    }
+    (all, opaque)
 }

@@ -27,6 +27,7 @@ pub fn validate(graph: &Graph) -> Result<()> {
         check_kind(index, node)?;
     }
     check_loss(graph)?;
+    check_mutations(graph)?;
     for node in graph.nodes.iter().filter(|n| n.kind == NodeKind::Op) {
         rules::check_shapes(graph, node)?;
     }
@@ -116,6 +117,31 @@ fn check_kind(index: usize, node: &Node) -> Result<()> {
             } else if node.batch_dim.is_some() {
                 return field("batch_dim", "only inputs have a batch dim".into());
             }
+        }
+    }
+    Ok(())
+}
+
+/// Every buffer update names a buffer once and refers to a tensor an op computes.
+fn check_mutations(graph: &Graph) -> Result<()> {
+    let mut targets = HashSet::with_capacity(graph.mutations.len());
+    for (k, m) in graph.mutations.iter().enumerate() {
+        let bad = |message: String| Err(Error::InvalidGraph { field: format!("mutations[{k}]"), message });
+        if !targets.insert(m.target.as_str()) {
+            return bad(format!("buffer {} is updated twice", m.target));
+        }
+        let Some(node) = graph.nodes.get(m.value.node()) else {
+            return bad(format!("{}: refers to node {} but the graph has {} nodes", m.target, m.value.0, graph.nodes.len()));
+        };
+        match node.outputs.get(m.value.output()) {
+            None => return bad(format!("{}: refers to output {} of {} which has {}", m.target, m.value.1, node.name, node.outputs.len())),
+            Some(meta) if meta.dtype == DType::NotATensor => {
+                return bad(format!("{}: the new value {} is not a tensor", m.target, meta.name))
+            }
+            Some(_) => {}
+        }
+        if node.kind != NodeKind::Op {
+            return bad(format!("{}: the new value {} is not computed by an op", m.target, node.name));
         }
     }
     Ok(())

@@ -144,9 +144,11 @@ fn model_summaries() {
 
 #[test]
 fn specific_model_details() {
-    // gpt2's learned positions come from arange, which has no sharding rules
+    // gpt2's learned positions come from arange: a source without tensor operands, whose
+    // one (replicated) rule is right, so it is not opaque
     let gpt2 = Summary::of(&load("gpt2_block", fixture!("gpt2_block")));
-    assert!(gpt2.opaque_ops.iter().any(|(op, n)| op == "aten.arange" && *n == 1), "{:?}", gpt2.opaque_ops);
+    assert!(gpt2.ops.iter().any(|(op, n)| op == "aten.arange" && *n == 1), "{:?}", gpt2.ops);
+    assert!(gpt2.opaque_ops.is_empty(), "{:?}", gpt2.opaque_ops);
     // bert_moe's topk returns (values, indices): both results carry their getitem name
     let moe = load("bert_moe", fixture!("bert_moe"));
     let topk = moe.nodes.iter().find(|n| n.op == "aten.topk").unwrap();
@@ -323,6 +325,26 @@ fn edits_name_the_node_and_field() {
             "GraphValidationError",
             Some("gelu"),
             Some("kind"),
+        ),
+        (
+            "negative flops",
+            Box::new(|d| {
+                let rmpv::Value::Map(m) = node(d, "gelu") else { unreachable!() };
+                m.push((rmpv::Value::from("flops"), rmpv::Value::from(-1.0)));
+            }),
+            "GraphValidationError",
+            Some("gelu"),
+            Some("flops"),
+        ),
+        (
+            "flops not a number",
+            Box::new(|d| {
+                let rmpv::Value::Map(m) = node(d, "gelu") else { unreachable!() };
+                m.push((rmpv::Value::from("flops"), rmpv::Value::from("many")));
+            }),
+            "GraphValidationError",
+            Some("gelu"),
+            Some("flops"),
         ),
         (
             "inputs not refs",

@@ -92,7 +92,7 @@ fn check_shapes(ctx: &OpCtx) -> Result<()> {
 }
 
 /// Numpy-style broadcast of two shapes, or None when they do not broadcast.
-fn broadcast(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+pub(crate) fn broadcast(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     let rank = a.len().max(b.len());
     let mut out = vec![0; rank];
     for i in 0..rank {

@@ -1,6 +1,12 @@
-//! `linear`, `matmul`, `bmm` and two-operand `einsum`: data-parallel splits of free
+//! `linear`, `matmul`, `bmm`, two-operand `einsum`, and the fused multiply-adds
+//! `addmm(self, mat1 [M, K], mat2 [K, N])` (GPT-2's `Conv1D`: `self` the bias) and
+//! `baddbmm(self, batch1 [B, M, K], batch2 [B, K, N])`: data-parallel splits of free
 //! dims, column-parallel (split the output features), row-parallel (split the
 //! contraction → partial sums), and partial-sum inputs through a bilinear op.
+//!
+//! For `addmm`/`baddbmm` the added `self` broadcasts to the result: it is split where
+//! its aligned dim is (replicated where it broadcasts), and added on rank 0 only when
+//! the product is a partial sum (the runtime adds `0 · self` on the other ranks).
 
 use super::rule_names::{
     COLUMN_PARALLEL, COLUMN_SPLIT, CONTRACTION_SPLIT, DATA_PARALLEL, PARTIAL, ROW_PARALLEL, ROW_SPLIT, SPLIT,
@@ -13,7 +19,7 @@ use crate::ir::Value;
 use crate::layout::Layout;
 
 pub const FAMILY: Family = Family {
-    ops: &["aten.linear", "aten.matmul", "aten.bmm", "aten.einsum"],
+    ops: &["aten.linear", "aten.matmul", "aten.bmm", "aten.einsum", "aten.addmm", "aten.baddbmm"],
     rules,
     flops,
     class: matmul_class,
@@ -32,6 +38,7 @@ fn rules(ctx: &OpCtx) -> Vec<Rule> {
         "aten.linear" => linear(ctx),
         "aten.matmul" | "aten.bmm" => matmul(ctx),
         "aten.einsum" => einsum(ctx).unwrap_or_default(),
+        "aten.addmm" | "aten.baddbmm" => add_product(ctx).unwrap_or_default(),
         _ => Vec::new(),
     }
 }
@@ -103,6 +110,42 @@ fn matmul(ctx: &OpCtx) -> Vec<Rule> {
     push(PARTIAL, Some(R), Some(I), Some(R), Work::Full);
     push(PARTIAL, Some(I), Some(R), Some(R), Work::Full);
     rules
+}
+
+/// `addmm`/`baddbmm`: `self + mat1 @ mat2` with the product's last two dims `[M, N]`
+/// contracted over `K` (and a leading batch dim for `baddbmm`).
+fn add_product(ctx: &OpCtx) -> Option<Vec<Rule>> {
+    let names = if ctx.op() == "aten.addmm" { ["self", "mat1", "mat2"] } else { ["self", "batch1", "batch2"] };
+    let [bias, a, b] = names.map(|n| ctx.input_index(n));
+    let (bias, a, b) = (bias?, a?, b?);
+    let out = ctx.out_shape(0);
+    let ro = out.len();
+    if ro < 2 || ctx.in_shape(a).len() != ro || ctx.in_shape(b).len() != ro {
+        return None;
+    }
+    // the layout of `self` for a split of result dim d
+    let bias_for = |d: usize| aligned_dim(ctx.in_shape(bias), ro, d, out[d]).map_or(Some(I), g);
+    let rule = |name, lb: Option<Layout>, la: Option<Layout>, lm: Option<Layout>, lo: Option<Layout>, work| {
+        let mut inputs = vec![I; ctx.n_inputs()];
+        inputs[bias] = lb?;
+        inputs[a] = la?;
+        inputs[b] = lm?;
+        Some(Rule { name, inputs, outputs: vec![lo?], work })
+    };
+    let (m, n, k_a, k_b) = (ro - 2, ro - 1, ro - 1, ro - 2);
+    let mut rules = Vec::new();
+    // baddbmm's batch
+    if ro == 3 {
+        rules.push(rule(DATA_PARALLEL, bias_for(0), g(0), g(0), g(0), Work::Sharded));
+    }
+    // the rows of the product (addmm: the tokens)
+    let rows = if ro == 2 { DATA_PARALLEL } else { ROW_SPLIT };
+    rules.push(rule(rows, bias_for(m), g(m), Some(I), g(m), Work::Sharded));
+    rules.push(rule(COLUMN_PARALLEL, bias_for(n), Some(I), g(n), g(n), Work::Sharded));
+    // the contraction: partial sums, `self` added on rank 0 only
+    rules.push(rule(ROW_PARALLEL, Some(I), g(k_a), g(k_b), Some(R), Work::Sharded));
+    rules.push(rule(PARTIAL, Some(I), Some(R), Some(I), Some(R), Work::Full));
+    Some(rules.into_iter().flatten().collect())
 }
 
 /// The equation of a two-operand einsum: (letters of a, letters of b, letters of out).
@@ -179,6 +222,11 @@ fn flops(ctx: &OpCtx) -> f64 {
             }
             None => ctx.out_numel(),
         },
+        "aten.addmm" | "aten.baddbmm" => {
+            let a = ctx.in_shape(1);
+            let k = a.last().copied().unwrap_or(1) as f64;
+            2.0 * ctx.out_numel() * k + ctx.out_numel()
+        }
         _ => {
             let a = ctx.in_shape(0);
             let k = a.last().copied().unwrap_or(1) as f64;
@@ -187,8 +235,13 @@ fn flops(ctx: &OpCtx) -> f64 {
     }
 }
 
-/// `linear`: weight `[out, in]`, input `[…, in]`, bias `[out]`, output `[…, out]`.
+/// `linear`: weight `[out, in]`, input `[…, in]`, bias `[out]`, output `[…, out]`;
+/// `addmm`/`baddbmm`: `[(B,) M, K] @ [(B,) K, N]` is the result `[(B,) M, N]` and `self`
+/// broadcasts to it.
 fn check_shapes(ctx: &OpCtx) -> Result<()> {
+    if matches!(ctx.op(), "aten.addmm" | "aten.baddbmm") {
+        return check_add_product(ctx);
+    }
     if ctx.op() != "aten.linear" {
         return Ok(());
     }
@@ -215,4 +268,93 @@ fn check_shapes(ctx: &OpCtx) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+fn check_add_product(ctx: &OpCtx) -> Result<()> {
+    let out = ctx.require_out()?;
+    let (bias, a, b) = (ctx.require_input(0)?, ctx.require_input(1)?, ctx.require_input(2)?);
+    let rank = if ctx.op() == "aten.addmm" { 2 } else { 3 };
+    if a.rank() != rank || b.rank() != rank {
+        return ctx.shape_error(format!("operands {:?} and {:?} must be {rank}-D", a.shape, b.shape));
+    }
+    let (ra, rb) = (&a.shape, &b.shape);
+    let mut expect = ra[..rank - 1].to_vec();
+    expect.push(rb[rank - 1]);
+    if ra[rank - 1] != rb[rank - 2] || ra[..rank - 2] != rb[..rank - 2] || out.shape != expect {
+        return ctx.shape_error(format!("{ra:?} @ {rb:?} does not give the result {:?}", out.shape));
+    }
+    if super::binary::broadcast(&bias.shape, &out.shape).as_deref() != Some(out.shape.as_slice()) {
+        return ctx.shape_error(format!("self {:?} does not broadcast to the result {:?}", bias.shape, out.shape));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::cost::WorkClass;
+    use crate::ir::DType;
+    use crate::rules::testkit::{assert_rules, float, graph, rules, A::T};
+    use crate::rules::check_shapes;
+
+    #[test]
+    fn addmm_like_linear() {
+        // GPT-2's Conv1D: bias [N] + x [M, K] @ w [K, N]
+        let args = vec![("self", T(&[96])), ("mat1", T(&[32, 64])), ("mat2", T(&[64, 96])), ("beta", float(1.0)), ("alpha", float(1.0))];
+        let got = rules("aten.addmm", args, &[&[32, 96]]);
+        assert_rules(
+            &got,
+            &[
+                "data-parallel I,G0,I -> G0 sharded",
+                "column-parallel G0,I,G1 -> G1 sharded",
+                "row-parallel I,G1,G0 -> R sharded",
+                "partial I,R,I -> R full",
+            ],
+        );
+        assert_eq!(got.flops, 2.0 * 32.0 * 96.0 * 64.0 + 32.0 * 96.0);
+        assert_eq!(got.class, WorkClass::Matmul);
+        // a full [M, N] self splits with the rows and the columns
+        let args = vec![("self", T(&[32, 96])), ("mat1", T(&[32, 64])), ("mat2", T(&[64, 96]))];
+        let got = rules("aten.addmm", args, &[&[32, 96]]);
+        assert_rules(
+            &got,
+            &[
+                "data-parallel G0,G0,I -> G0 sharded",
+                "column-parallel G1,I,G1 -> G1 sharded",
+                "row-parallel I,G1,G0 -> R sharded",
+                "partial I,R,I -> R full",
+            ],
+        );
+    }
+
+    #[test]
+    fn baddbmm_splits() {
+        let args = vec![("self", T(&[1, 8, 8])), ("batch1", T(&[4, 8, 16])), ("batch2", T(&[4, 16, 8]))];
+        let got = rules("aten.baddbmm", args, &[&[4, 8, 8]]);
+        assert_rules(
+            &got,
+            &[
+                "data-parallel I,G0,G0 -> G0 sharded",
+                "row-split G1,G1,I -> G1 sharded",
+                "column-parallel G2,I,G2 -> G2 sharded",
+                "row-parallel I,G2,G1 -> R sharded",
+                "partial I,R,I -> R full",
+            ],
+        );
+        assert_eq!(got.flops, 2.0 * 4.0 * 64.0 * 16.0 + 4.0 * 64.0);
+    }
+
+    #[test]
+    fn add_product_shape_checks() {
+        let bad = |bias: &'static [usize], out: &'static [usize]| {
+            let g = graph(
+                "aten.addmm",
+                vec![("self", T(bias)), ("mat1", T(&[32, 64])), ("mat2", T(&[64, 96]))],
+                &[(out, DType::F32)],
+            );
+            check_shapes(&g, g.nodes.last().unwrap()).map_err(|e| e.to_string())
+        };
+        assert!(bad(&[96], &[32, 96]).is_ok());
+        assert!(bad(&[95], &[32, 96]).unwrap_err().contains("does not broadcast"));
+        assert!(bad(&[96], &[32, 95]).unwrap_err().contains("does not give"));
+    }
 }

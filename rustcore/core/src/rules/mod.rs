@@ -18,7 +18,10 @@
 mod attention;
 mod binary;
 mod conv;
+mod creation;
+mod elementwise;
 mod embedding;
+mod index;
 mod loss;
 mod matmul;
 mod norm;
@@ -51,6 +54,9 @@ pub const FAMILIES: &[Family] = &[
     loss::FAMILY,
     conv::FAMILY,
     shape::FAMILY,
+    creation::FAMILY,
+    index::FAMILY,
+    elementwise::FAMILY,
 ];
 
 /// What the core knows of one op family: its ops, and for one op node of the family
@@ -71,9 +77,16 @@ pub struct Family {
     pub check_shapes: fn(&OpCtx) -> Result<()>,
 }
 
-/// The family of a canonical op name, or `None` for an opaque op.
+/// The family of a canonical op name, or `None` for an op without a hand-written one.
 pub fn family(op: &str) -> Option<&'static Family> {
     FAMILIES.iter().find(|f| f.ops.contains(&op))
+}
+
+/// The family of an op node: its op name's family, else for an op torch tags pointwise
+/// (and that draws no random numbers) the generic element-wise family; `None` for an
+/// opaque op.
+pub fn family_of(node: &Node) -> Option<&'static Family> {
+    family(&node.op).or_else(|| elementwise::applies(node).then_some(&elementwise::FAMILY))
 }
 
 /// [`Family::class`] of families of dense linear algebra.
@@ -255,10 +268,19 @@ pub fn gather(dim: usize) -> Option<Layout> {
 }
 
 /// Rules, FLOPs and work class of one op node; the replicated rule always comes first.
+///
+/// The FLOPs are the larger of the family's formula and the count lowering recorded
+/// from torch's FLOP counter ([`Node::flops`]). torch counts only matrix products,
+/// convolutions and attention, so element-wise ops keep their formula, while an op the
+/// formula undercounts is priced at torch's count. An opaque op costs one FLOP per
+/// result element unless torch counts more; then it is dense linear algebra and runs at
+/// the matmul rate.
 pub fn rules_for(graph: &Graph, node: &Node) -> OpRules {
     let ctx = OpCtx::new(graph, node);
-    let (mut sharded, flops, class) = match family(&node.op) {
-        Some(f) => ((f.rules)(&ctx), (f.flops)(&ctx), (f.class)(&ctx)),
+    let counted = node.flops.unwrap_or(0.0);
+    let (mut sharded, flops, class) = match family_of(node) {
+        Some(f) => ((f.rules)(&ctx), (f.flops)(&ctx).max(counted), (f.class)(&ctx)),
+        None if counted > ctx.out_numel() => (Vec::new(), counted, WorkClass::Matmul),
         None => (Vec::new(), ctx.out_numel(), WorkClass::Elementwise),
     };
     // a rule must give every tensor operand and result a layout
@@ -275,7 +297,7 @@ pub fn rules_for(graph: &Graph, node: &Node) -> OpRules {
 /// The shape checks of an op node's family (none for an opaque op). The graph's
 /// structure must be sound: references valid, at least one result.
 pub fn check_shapes(graph: &Graph, node: &Node) -> Result<()> {
-    match family(&node.op) {
+    match family_of(node) {
         Some(f) => (f.check_shapes)(&OpCtx::new(graph, node)),
         None => Ok(()),
     }
@@ -283,7 +305,43 @@ pub fn check_shapes(graph: &Graph, node: &Node) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::FAMILIES;
+    use super::testkit::{graph, A};
+    use super::{rules_for, FAMILIES};
+    use crate::cost::WorkClass;
+    use crate::ir::{DType, Graph};
+
+    /// [`graph`] of one op with the FLOPs lowering recorded for it.
+    fn counted(op: &str, args: Vec<(&str, A)>, out: &'static [usize], flops: Option<f64>) -> Graph {
+        let mut g = graph(op, args, &[(out, DType::F32)]);
+        if let Some(node) = g.nodes.last_mut() {
+            node.flops = flops;
+        }
+        g
+    }
+
+    #[test]
+    fn an_opaque_op_costs_torchs_count_when_it_counts_more_than_its_elements() {
+        let args = || vec![("self", A::T(&[4, 8, 16])), ("other", A::T(&[4, 16, 8]))];
+        let g = counted("aten.some_opaque_bmm", args(), &[4, 8, 8], Some(8192.0));
+        let op = rules_for(&g, g.nodes.last().unwrap());
+        assert_eq!((op.flops, op.class, op.rules.len()), (8192.0, WorkClass::Matmul, 1));
+        let g = counted("aten.some_opaque_bmm", args(), &[4, 8, 8], None);
+        let op = rules_for(&g, g.nodes.last().unwrap());
+        assert_eq!((op.flops, op.class), (256.0, WorkClass::Elementwise));
+        let g = counted("aten.some_opaque_bmm", args(), &[4, 8, 8], Some(10.0));
+        assert_eq!(rules_for(&g, g.nodes.last().unwrap()).flops, 256.0);
+    }
+
+    #[test]
+    fn a_family_op_costs_the_larger_of_its_formula_and_torchs_count() {
+        let args = || vec![("input", A::T(&[2, 3])), ("weight", A::T(&[5, 3]))];
+        let formula = 2.0 * 2.0 * 5.0 * 3.0 + 2.0 * 5.0; // the product and the bias add
+        for (recorded, want) in [(None, formula), (Some(1.0), formula), (Some(1000.0), 1000.0)] {
+            let g = counted("aten.linear", args(), &[2, 5], recorded);
+            let op = rules_for(&g, g.nodes.last().unwrap());
+            assert_eq!((op.flops, op.class), (want, WorkClass::Matmul), "recorded {recorded:?}");
+        }
+    }
 
     #[test]
     fn an_op_has_at_most_one_family() {

@@ -1,8 +1,24 @@
-//! `layer_norm`: normalizes over the trailing `normalized_shape` dims, so any leading
-//! dim (batch, sequence) splits freely while the affine `weight` and `bias` (shaped like
-//! the normalized dims) stay replicated.
+//! Normalizations.
+//!
+//! - `layer_norm`, `native_layer_norm`, `rms_norm`: normalize over the trailing
+//!   `normalized_shape` dims, so any leading dim (batch, sequence) splits freely while
+//!   the affine `weight` and `bias` (shaped like the normalized dims) stay replicated;
+//!   `native_layer_norm`'s mean and rstd (leading dims, then ones) split alike.
+//! - Batch norms (`batch_norm`, `native_batch_norm`, `_native_batch_norm_legit_functional`,
+//!   `_native_batch_norm_legit_no_training`) on `[N, C, …]`: statistics are per channel,
+//!   so a split of the channels (input and result dim 1; weight, bias, running and saved
+//!   statistics — every `[C]` operand and result — dim 0) is exact (`"sharded"`). In
+//!   training the statistics are over the whole batch, so a batch split would need them
+//!   synchronized: left out (replicated is exact). In evaluation (`training` false, or
+//!   `_no_training`) the running statistics are used and the batch splits
+//!   (`"data-parallel"`).
+//! - Group norms (`group_norm`, `native_group_norm`) on `[N, C, …]`: statistics are per
+//!   sample and group, so the batch splits (`"data-parallel"`; `native_group_norm`'s
+//!   `[N, groups]` mean and rstd with it — the runtime passes the local `N`). A channel
+//!   split would have to fall on whole groups, which uneven split lengths do not: left
+//!   out.
 
-use super::rule_names::SHARDED;
+use super::rule_names::{DATA_PARALLEL, SHARDED};
 use super::{by_name, elementwise_class, gather, Family, OpCtx, Rule};
 use crate::cost::Work;
 use crate::error::Result;
@@ -10,7 +26,17 @@ use crate::ir::Value;
 use crate::layout::Layout;
 
 pub const FAMILY: Family = Family {
-    ops: &["aten.layer_norm"],
+    ops: &[
+        "aten.layer_norm",
+        "aten.native_layer_norm",
+        "aten.rms_norm",
+        "aten.batch_norm",
+        "aten.native_batch_norm",
+        "aten._native_batch_norm_legit_functional",
+        "aten._native_batch_norm_legit_no_training",
+        "aten.group_norm",
+        "aten.native_group_norm",
+    ],
     rules,
     flops,
     class: elementwise_class,
@@ -25,27 +51,144 @@ fn leading_dims(ctx: &OpCtx) -> Option<usize> {
     rank.checked_sub(normalized)
 }
 
+fn is_batch_norm(op: &str) -> bool {
+    matches!(
+        op,
+        "aten.batch_norm"
+            | "aten.native_batch_norm"
+            | "aten._native_batch_norm_legit_functional"
+            | "aten._native_batch_norm_legit_no_training"
+    )
+}
+
 fn rules(ctx: &OpCtx) -> Vec<Rule> {
+    match ctx.op() {
+        op if is_batch_norm(op) => batch_norm(ctx).unwrap_or_default(),
+        "aten.group_norm" | "aten.native_group_norm" => group_norm(ctx).unwrap_or_default(),
+        _ => layer_norm(ctx),
+    }
+}
+
+/// Every result split on the same dim `g` (mean and rstd keep the input's rank).
+fn layer_norm(ctx: &OpCtx) -> Vec<Rule> {
     let Some(lead) = leading_dims(ctx) else { return Vec::new() };
     (0..lead)
         .filter_map(gather)
         .map(|g| Rule {
             name: SHARDED,
             inputs: by_name(ctx, &[("input", g)], Layout::Identity),
-            outputs: vec![g],
+            outputs: vec![g; ctx.n_outputs()],
             work: Work::Sharded,
         })
         .collect()
 }
 
-/// Mean, variance, normalize, scale and shift: about 8 FLOPs per element.
-fn flops(ctx: &OpCtx) -> f64 {
-    8.0 * ctx.out_numel()
+/// The channel split, and in evaluation the batch split.
+fn batch_norm(ctx: &OpCtx) -> Option<Vec<Rule>> {
+    let x = ctx.in_shape(ctx.input_index("input")?);
+    let channels = *x.get(1)?;
+    let (g0, g1) = (gather(0)?, gather(1)?);
+    let per_channel = |shape: &[usize]| shape == [channels];
+    let mut rules = Vec::new();
+    if channels > 1 {
+        let inputs = ctx.inputs.iter().enumerate().map(|(k, m)| match k {
+            _ if Some(k) == ctx.input_index("input") => g1,
+            _ if per_channel(&m.shape) => g0,
+            _ => Layout::Identity,
+        });
+        let outputs = (0..ctx.n_outputs()).map(|k| match k {
+            0 => g1,
+            _ if per_channel(ctx.out_shape(k)) => g0,
+            _ => Layout::Identity,
+        });
+        rules.push(Rule { name: SHARDED, inputs: inputs.collect(), outputs: outputs.collect(), work: Work::Sharded });
+    }
+    let evaluating = ctx.op() == "aten._native_batch_norm_legit_no_training" || ctx.bool_arg("training") == Some(false);
+    // evaluation: the saved statistics of the native ops are empty ([0])
+    if evaluating && x[0] > 1 && (1..ctx.n_outputs()).all(|k| ctx.out_shape(k).iter().product::<usize>() == 0) {
+        let mut outputs = vec![Layout::Identity; ctx.n_outputs()];
+        outputs[0] = g0;
+        rules.push(Rule {
+            name: DATA_PARALLEL,
+            inputs: by_name(ctx, &[("input", g0)], Layout::Identity),
+            outputs,
+            work: Work::Sharded,
+        });
+    }
+    Some(rules)
 }
 
-/// `normalized_shape` is the tail of the input's shape, `weight` and `bias` have that
-/// shape, and the output the input's.
+/// The batch split; `native_group_norm`'s mean and rstd (`[N, groups]`) split with it.
+fn group_norm(ctx: &OpCtx) -> Option<Vec<Rule>> {
+    let x = ctx.in_shape(ctx.input_index("input")?);
+    if x.len() < 2 || x[0] < 2 {
+        return Some(Vec::new());
+    }
+    let g0 = gather(0)?;
+    Some(vec![Rule {
+        name: DATA_PARALLEL,
+        inputs: by_name(ctx, &[("input", g0)], Layout::Identity),
+        outputs: vec![g0; ctx.n_outputs()],
+        work: Work::Sharded,
+    }])
+}
+
+/// Mean, variance, normalize, scale and shift: about 8 FLOPs per element of the input.
+fn flops(ctx: &OpCtx) -> f64 {
+    8.0 * ctx.in_shape(0).iter().product::<usize>() as f64
+}
+
 fn check_shapes(ctx: &OpCtx) -> Result<()> {
+    match ctx.op() {
+        op if is_batch_norm(op) => check_per_channel(ctx),
+        "aten.group_norm" | "aten.native_group_norm" => check_group_norm(ctx),
+        _ => check_normalized_tail(ctx),
+    }
+}
+
+/// Batch norms: the input is `[N, C, …]`, the result has its shape, and weight, bias and
+/// running statistics (where given) are `[C]`.
+fn check_per_channel(ctx: &OpCtx) -> Result<()> {
+    let out = ctx.require_out()?;
+    let x = ctx.require_input(0)?;
+    if x.rank() < 2 || out.shape != x.shape {
+        return ctx.shape_error(format!("input {:?} must be [N, C, …] and the result {:?} alike", x.shape, out.shape));
+    }
+    for name in ["weight", "bias", "running_mean", "running_var"] {
+        if let Some(p) = ctx.tensor_arg(name) {
+            if p.shape != [x.shape[1]] {
+                return ctx.shape_error(format!("{name} {:?} is not [C] for input {:?}", p.shape, x.shape));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Group norms: `[N, C, …]` input, result alike, `num_groups` divides `C`, and weight
+/// and bias (where given) are `[C]`.
+fn check_group_norm(ctx: &OpCtx) -> Result<()> {
+    let out = ctx.require_out()?;
+    let x = ctx.require_input(0)?;
+    if x.rank() < 2 || out.shape != x.shape {
+        return ctx.shape_error(format!("input {:?} must be [N, C, …] and the result {:?} alike", x.shape, out.shape));
+    }
+    let groups = ctx.int_arg("num_groups").or_else(|| ctx.int_arg("group")).unwrap_or(1);
+    if groups < 1 || x.shape[1] % groups as usize != 0 {
+        return ctx.shape_error(format!("{groups} groups do not divide {} channels", x.shape[1]));
+    }
+    for name in ["weight", "bias"] {
+        if let Some(p) = ctx.tensor_arg(name) {
+            if p.shape != [x.shape[1]] {
+                return ctx.shape_error(format!("{name} {:?} is not [C] for input {:?}", p.shape, x.shape));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Layer norms: `normalized_shape` is the tail of the input's shape, `weight` and `bias`
+/// have that shape, and the output the input's.
+fn check_normalized_tail(ctx: &OpCtx) -> Result<()> {
     let out = ctx.require_out()?;
     let x = ctx.require_input(0)?;
     let normalized = ctx.arg("normalized_shape").and_then(Value::as_ints).unwrap_or_default();
@@ -69,7 +212,100 @@ fn check_shapes(ctx: &OpCtx) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use crate::rules::testkit::{assert_rules, float, ints, none, rules, A::T};
+    use crate::rules::testkit::{assert_rules, boolean, float, int, ints, none, rules, A, A::T};
+
+    fn bn(op: &str, training: Option<bool>, outputs: &[&[usize]]) -> crate::rules::OpRules {
+        let mut args: Vec<(&str, A)> = vec![
+            ("input", T(&[4, 8, 6, 6])),
+            ("weight", T(&[8])),
+            ("bias", T(&[8])),
+            ("running_mean", T(&[8])),
+            ("running_var", T(&[8])),
+        ];
+        if let Some(t) = training {
+            args.push(("training", boolean(t)));
+        }
+        args.push(("momentum", float(0.1)));
+        args.push(("eps", float(1e-5)));
+        rules(op, args, outputs)
+    }
+
+    #[test]
+    fn batch_norm_splits_channels() {
+        const X: &[usize] = &[4, 8, 6, 6];
+        const C: &[usize] = &[8];
+        let got = bn("aten._native_batch_norm_legit_functional", Some(true), &[X, C, C, C, C]);
+        assert_rules(&got, &["sharded G1,G0,G0,G0,G0 -> G1,G0,G0,G0,G0 sharded"]);
+        assert_eq!(got.flops, 8.0 * (4 * 8 * 36) as f64);
+        let got = bn("aten.batch_norm", Some(true), &[X]);
+        assert_rules(&got, &["sharded G1,G0,G0,G0,G0 -> G1 sharded"]);
+        // evaluation: the batch splits too
+        let got = bn("aten._native_batch_norm_legit_no_training", None, &[X, &[0], &[0]]);
+        assert_rules(
+            &got,
+            &["sharded G1,G0,G0,G0,G0 -> G1,I,I sharded", "data-parallel G0,I,I,I,I -> G0,I,I sharded"],
+        );
+        let got = bn("aten.batch_norm", Some(false), &[X]);
+        assert_rules(&got, &["sharded G1,G0,G0,G0,G0 -> G1 sharded", "data-parallel G0,I,I,I,I -> G0 sharded"]);
+    }
+
+    #[test]
+    fn group_norm_splits_the_batch() {
+        let args = vec![
+            ("input", T(&[4, 8, 6, 6])),
+            ("num_groups", int(2)),
+            ("weight", T(&[8])),
+            ("bias", T(&[8])),
+            ("eps", float(1e-5)),
+        ];
+        assert_rules(&rules("aten.group_norm", args, &[&[4, 8, 6, 6]]), &["data-parallel G0,I,I -> G0 sharded"]);
+        let args = vec![
+            ("input", T(&[4, 8, 6, 6])),
+            ("weight", T(&[8])),
+            ("bias", T(&[8])),
+            ("N", int(4)),
+            ("C", int(8)),
+            ("HxW", int(36)),
+            ("group", int(2)),
+            ("eps", float(1e-5)),
+        ];
+        let got = rules("aten.native_group_norm", args, &[&[4, 8, 6, 6], &[4, 2], &[4, 2]]);
+        assert_rules(&got, &["data-parallel G0,I,I -> G0,G0,G0 sharded"]);
+    }
+
+    #[test]
+    fn rms_and_native_layer_norm_split_leading_dims() {
+        let args = vec![("input", T(&[2, 16, 32])), ("normalized_shape", ints(&[32])), ("weight", T(&[32])), ("eps", none())];
+        let got = rules("aten.rms_norm", args, &[&[2, 16, 32]]);
+        assert_rules(&got, &["sharded G0,I -> G0 sharded", "sharded G1,I -> G1 sharded"]);
+        let args = vec![
+            ("input", T(&[2, 16, 32])),
+            ("normalized_shape", ints(&[32])),
+            ("weight", T(&[32])),
+            ("bias", T(&[32])),
+            ("eps", float(1e-5)),
+        ];
+        let got = rules("aten.native_layer_norm", args, &[&[2, 16, 32], &[2, 16, 1], &[2, 16, 1]]);
+        assert_rules(&got, &["sharded G0,I,I -> G0,G0,G0 sharded", "sharded G1,I,I -> G1,G1,G1 sharded"]);
+    }
+
+    #[test]
+    fn norm_shape_checks() {
+        use crate::ir::DType;
+        use crate::rules::{check_shapes, testkit::graph};
+        let g = graph(
+            "aten.batch_norm",
+            vec![("input", T(&[4, 8, 6, 6])), ("weight", T(&[7])), ("training", boolean(true))],
+            &[(&[4, 8, 6, 6], DType::F32)],
+        );
+        assert!(check_shapes(&g, g.nodes.last().unwrap()).unwrap_err().to_string().contains("weight [7]"));
+        let g = graph(
+            "aten.group_norm",
+            vec![("input", T(&[4, 8, 6, 6])), ("num_groups", int(3))],
+            &[(&[4, 8, 6, 6], DType::F32)],
+        );
+        assert!(check_shapes(&g, g.nodes.last().unwrap()).unwrap_err().to_string().contains("3 groups"));
+    }
 
     #[test]
     fn layer_norm_splits_leading_dims() {

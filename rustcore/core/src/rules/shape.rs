@@ -24,6 +24,10 @@ pub const FAMILY: Family = Family {
         "aten.select.int",
         "aten.chunk",
         "aten.split.Tensor",
+        "aten.unflatten.int",
+        "aten.alias",
+        "aten.detach",
+        "aten.lift_fresh_copy",
     ],
     rules,
     flops,
@@ -34,9 +38,10 @@ pub const FAMILY: Family = Family {
 fn rules(ctx: &OpCtx) -> Vec<Rule> {
     let x = ctx.in_shape(0);
     let mapping: Vec<(usize, usize)> = match ctx.op() {
-        "aten.view" | "aten.reshape" | "aten._unsafe_view" | "aten.flatten.using_ints" => {
+        "aten.view" | "aten.reshape" | "aten._unsafe_view" | "aten.flatten.using_ints" | "aten.unflatten.int" => {
             reshape_map(x, ctx.out_shape(0))
         }
+        "aten.alias" | "aten.detach" | "aten.lift_fresh_copy" => (0..x.len()).map(|d| (d, d)).collect(),
         "aten.transpose.int" => {
             let rank = x.len();
             let dims = (ctx.int_arg("dim0"), ctx.int_arg("dim1"));
@@ -96,7 +101,7 @@ fn flops(_: &OpCtx) -> f64 {
 /// Reshapes keep the number of elements; transposes and permutes also the rank.
 fn check_shapes(ctx: &OpCtx) -> Result<()> {
     match ctx.op() {
-        "aten.view" | "aten.reshape" | "aten._unsafe_view" | "aten.flatten.using_ints" => {
+        "aten.view" | "aten.reshape" | "aten._unsafe_view" | "aten.flatten.using_ints" | "aten.unflatten.int" => {
             let out = ctx.require_out()?;
             let x = ctx.require_input(0)?;
             if x.numel() != out.numel() {
@@ -109,6 +114,7 @@ fn check_shapes(ctx: &OpCtx) -> Result<()> {
                 ));
             }
         }
+        "aten.alias" | "aten.detach" | "aten.lift_fresh_copy" => return super::check_same_shape(ctx),
         "aten.transpose.int" | "aten.permute" | "aten.t" => {
             let out = ctx.require_out()?;
             let x = ctx.require_input(0)?;
@@ -160,6 +166,32 @@ fn reshape_map(a: &[usize], b: &[usize]) -> Vec<(usize, usize)> {
 #[cfg(test)]
 mod tests {
     use super::reshape_map;
+    use crate::rules::testkit::{assert_rules, int, ints, rules, A::T};
+
+    #[test]
+    fn unflatten_maps_like_a_reshape() {
+        // ViT's attention: [5, 8, 192] -> [5, 8, 3, 64]
+        let args = vec![("self", T(&[5, 8, 192])), ("dim", int(-1)), ("sizes", ints(&[3, 64]))];
+        let got = rules("aten.unflatten.int", args, &[&[5, 8, 3, 64]]);
+        assert_rules(
+            &got,
+            &[
+                "sharded G0 -> G0 free",
+                "sharded G1 -> G1 free",
+                "sharded G2 -> G2 free",
+                "partial R -> R free",
+            ],
+        );
+        assert_eq!(got.flops, 0.0);
+    }
+
+    #[test]
+    fn aliases_keep_every_split() {
+        for op in ["aten.alias", "aten.detach", "aten.lift_fresh_copy"] {
+            let got = rules(op, vec![("self", T(&[4, 1, 6]))], &[&[4, 1, 6]]);
+            assert_rules(&got, &["sharded G0 -> G0 free", "sharded G2 -> G2 free", "partial R -> R free"]);
+        }
+    }
 
     #[test]
     fn reshape_groups() {

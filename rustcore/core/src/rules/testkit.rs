@@ -61,6 +61,8 @@ pub fn graph(op: &str, args: Vec<(&str, A)>, outputs: &[(&[usize], DType)]) -> G
             outputs: vec![meta(name.to_string(), shape, dtype)],
             requires_grad: false,
             batch_dim: None,
+            tags: vec![],
+            flops: None,
         });
         inputs.push(TensorRef(nodes.len() as u32 - 1, 0));
         let value = Value::Tensor(inputs.len() as u32 - 1);
@@ -77,9 +79,11 @@ pub fn graph(op: &str, args: Vec<(&str, A)>, outputs: &[(&[usize], DType)]) -> G
         outputs,
         requires_grad: false,
         batch_dim: None,
+        tags: vec![],
+        flops: None,
     });
     let loss = TensorRef(nodes.len() as u32 - 1, 0);
-    Graph { name: "test".into(), nodes, loss, loss_reduction: LossReduction::Sum }
+    Graph { name: "test".into(), nodes, loss, loss_reduction: LossReduction::Sum, mutations: vec![] }
 }
 
 /// `rules_for` the op of [`graph`] with float32 results of shapes `outputs`.
@@ -121,4 +125,13 @@ pub fn assert_rules(got: &OpRules, expected: &[&str]) {
     got.sort();
     want.sort();
     assert_eq!(got, want);
+}
+
+/// [`graph`] with the op node carrying torch tags `tags` (as lowering records them).
+pub fn tagged(op: &str, args: Vec<(&str, A)>, outputs: &[(&[usize], DType)], tags: &[&str]) -> Graph {
+    let mut g = graph(op, args, outputs);
+    if let Some(node) = g.nodes.last_mut() {
+        node.tags = tags.iter().map(|t| t.to_string()).collect();
+    }
+    g
 }

@@ -21,6 +21,8 @@ pub const FAMILY: Family = Family {
         "aten.pow.Tensor_Scalar",
         "aten.to.dtype",
         "aten._to_copy",
+        "aten.to.dtype_layout",
+        "aten.to.device",
         "aten.clone",
         "aten.contiguous",
         "aten.clamp_min",
@@ -34,7 +36,16 @@ pub const FAMILY: Family = Family {
 
 /// Ops linear in their input: they also map a partial sum to a partial sum.
 fn is_linear(op: &str) -> bool {
-    matches!(op, "aten.neg" | "aten.to.dtype" | "aten._to_copy" | "aten.clone" | "aten.contiguous")
+    matches!(
+        op,
+        "aten.neg"
+            | "aten.to.dtype"
+            | "aten._to_copy"
+            | "aten.to.dtype_layout"
+            | "aten.to.device"
+            | "aten.clone"
+            | "aten.contiguous"
+    )
 }
 
 fn rules(ctx: &OpCtx) -> Vec<Rule> {

@@ -1,0 +1,329 @@
+"""Making an exported program functional, once, in one place.
+
+:func:`normalize` is what both the lowering (:func:`hapd.compiler.lower.lower`) and the
+runtime (:func:`hapd.runtime.rewrite.distribute`) apply to an exported program before
+reading it, so the fx node names a plan refers to are the names of the program every
+rank replays. It applies these steps, in order:
+
+1. **functionalize** (:func:`_functionalize`) — ``run_decompositions({})`` with an empty
+   table: in-place writes and views become functional ops (``copy_`` → ``aten.copy``,
+   writes into slices → ``slice_scatter``/``select_scatter``), buffer updates become
+   outputs of the graph (``BUFFER_MUTATION``), and higher-order ops such as
+   ``wrap_with_set_grad_enabled`` (a ``@torch.no_grad()`` block) are inlined; ops with a
+   CompositeImplicit kernel (``aten.linear``, ``aten.scaled_dot_product_attention``, …)
+   are kept as they are;
+2. **drop assertions** (:func:`_drop_assertions`) — ``_assert_tensor_metadata``,
+   ``_assert_scalar``, … and getitems that nobody reads: no users, no effect on any
+   value;
+3. **verify** (:func:`_verify`) — no mutating op, higher-order op, ``get_attr``
+   submodule or module call is left (:class:`~hapd.errors.UnsupportedOpError` naming
+   the op and the node), and the program's outputs are the loss and buffer updates
+   only (:class:`~hapd.errors.ExportError` naming any other);
+4. **views as reshapes** (:func:`_views_as_reshapes`) — ``aten.view`` and
+   ``aten._unsafe_view`` become ``aten.reshape`` to the written-out result shape: the
+   re-trace takes strides from fake kernels that can disagree with the eager ones
+   (``scaled_dot_product_attention`` on CPU), and drops a ``contiguous`` it believes a
+   no-op, so a view it proved legal can fail on the real tensor; in a functional
+   program both give the same values;
+5. **canonical names** (:func:`_canonical_names`) — every op node is renamed the way fx
+   names a fresh graph (``linear``, ``linear_1``, …, in graph order): torch renames
+   nodes when it saves and loads a program (``_assert_tensor_metadata`` →
+   ``_assert_tensor_metadata_default``) and when it re-traces one, so only names that
+   depend on the ops alone keep the graph id the same for a program in memory, saved
+   and loaded, or normalized twice.
+
+Normalizing a normalized program changes nothing; a program :func:`normalize` returned
+is marked and returned as it is, and a program it was given keeps its result.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+
+from hapd.errors import ExportError, UnsupportedOpError
+
+_MARK = "_hapd_normalized"
+"""Attribute set on a program :func:`normalize` returned."""
+_NORMAL_FORM = "_hapd_normal_form"
+"""Attribute of a program :func:`normalize` was given: what it returned."""
+
+ASSERTION_OPS = frozenset(
+    {
+        "aten._assert_tensor_metadata",
+        "aten._assert_scalar",
+        "aten._assert_async",
+        "aten._assert_async.msg",
+        "aten._functional_assert_async.msg",
+        "aten._functional_assert_scalar",
+        "aten.sym_constrain_range",
+        "aten.sym_constrain_range_for_size",
+        "aten._functional_sym_constrain_range",
+        "aten._functional_sym_constrain_range_for_size",
+    }
+)
+"""Ops that only check a value (no result anyone reads, no effect on the model)."""
+
+ALLOWED_OUTPUTS = (OutputKind.USER_OUTPUT, OutputKind.BUFFER_MUTATION)
+"""What a program may return: the loss, and the new values of the buffers it updates."""
+
+
+def normalize(program: ExportedProgram) -> ExportedProgram:
+    """The functional form of ``program`` with canonical node names (a new program;
+    ``program`` itself is not changed). Raises :class:`~hapd.errors.UnsupportedOpError`
+    for an op that cannot be made functional and :class:`~hapd.errors.ExportError` for
+    an output that is neither the loss nor a buffer update."""
+    if getattr(program, _MARK, False):
+        return program
+    cached = getattr(program, _NORMAL_FORM, None)
+    if cached is not None:
+        return cached
+    functional = _functionalize(program)
+    _drop_assertions(functional.graph_module)
+    _verify(functional)
+    _views_as_reshapes(functional.graph_module)
+    normalized = _canonical_names(functional)
+    setattr(normalized, _MARK, True)
+    setattr(program, _NORMAL_FORM, normalized)  # lowering, then distributing, re-traces once
+    return normalized
+
+
+def is_normalized(program: ExportedProgram) -> bool:
+    """Whether ``program`` came from :func:`normalize` (in this process)."""
+    return bool(getattr(program, _MARK, False))
+
+
+# --------------------------------------------------------------------------------------
+# 1. functionalize
+# --------------------------------------------------------------------------------------
+
+
+def _functionalize(program: ExportedProgram) -> ExportedProgram:
+    """``run_decompositions({})``: functional ATen, higher-order ops inlined."""
+    try:
+        return program.run_decompositions({})
+    except Exception as exc:  # torch names the op it could not functionalize
+        raise ExportError(f"cannot make the exported program functional: {type(exc).__name__}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------
+# 2. drop assertions
+# --------------------------------------------------------------------------------------
+
+
+def op_name(target: Any) -> str:
+    """``aten.add.Tensor`` for ``torch.ops.aten.add.Tensor``, ``aten.linear`` for a
+    ``default`` overload; the callable's name for anything else."""
+    if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001 - the public type of torch.ops.* overloads
+        namespace, rest = target.name().split("::", 1)
+        name, _, overload = rest.partition(".")
+        overload = overload or target._overloadname  # noqa: SLF001
+        return f"{namespace}.{name}" if overload in ("", "default") else f"{namespace}.{name}.{overload}"
+    if isinstance(target, torch._ops.HigherOrderOperator):  # noqa: SLF001
+        return f"higher_order.{target.name()}"
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+
+
+def _is_dead_check(node: fx.Node) -> bool:
+    """An assertion, or a getitem nobody reads."""
+    if node.op != "call_function" or node.users:
+        return False
+    return node.target is operator.getitem or op_name(node.target) in ASSERTION_OPS
+
+
+def _drop_assertions(module: fx.GraphModule) -> None:
+    """Remove assertion nodes and unread getitems (last first, so a getitem goes before
+    its producer would be looked at)."""
+    graph = module.graph
+    for node in reversed(list(graph.nodes)):
+        if _is_dead_check(node):
+            graph.erase_node(node)
+    module.recompile()
+
+
+# --------------------------------------------------------------------------------------
+# 3. verify
+# --------------------------------------------------------------------------------------
+
+
+def _verify(program: ExportedProgram) -> None:
+    """Every node is a functional op, and every output the loss or a buffer update."""
+    for node in program.graph.nodes:
+        _check_node(node)
+    _check_outputs(program)
+
+
+def _check_node(node: fx.Node) -> None:
+    """:class:`UnsupportedOpError` for a node the functional form must not have."""
+    if node.op in ("placeholder", "output"):
+        return
+    if node.op == "get_attr":
+        raise UnsupportedOpError(
+            f"node {node.name}: reads submodule or attribute {node.target!r} (a higher-order op's body "
+            "that could not be inlined)",
+            op="get_attr",
+            node=node.name,
+        )
+    if node.op != "call_function":
+        raise UnsupportedOpError(f"node {node.name}: unexpected fx node kind {node.op!r}", op=node.op, node=node.name)
+    target = node.target
+    name = op_name(target)
+    if isinstance(target, torch._ops.HigherOrderOperator):  # noqa: SLF001
+        raise UnsupportedOpError(
+            f"unsupported higher-order op {name} at node {node.name} (it is not inlined by functionalization)",
+            op=name,
+            node=node.name,
+        )
+    if isinstance(target, torch._ops.OpOverload) and _mutates(target):  # noqa: SLF001
+        raise UnsupportedOpError(
+            f"op {name} at node {node.name} writes into its operands and has no functional form "
+            "(register a functional variant, or write the model without it)",
+            op=name,
+            node=node.name,
+        )
+
+
+def _mutates(op: torch._ops.OpOverload) -> bool:  # noqa: SLF001
+    """An op that writes into an operand: a mutable schema, an in-place name (``add_``)
+    or an ``out=`` variant."""
+    schema = op._schema  # noqa: SLF001
+    base = schema.name.split("::", 1)[-1]
+    in_place = base.endswith("_") and not base.endswith("__")
+    out_variant = op._overloadname.startswith("out")  # noqa: SLF001
+    return bool(schema.is_mutable) or in_place or out_variant
+
+
+def _check_outputs(program: ExportedProgram) -> None:
+    """:class:`ExportError` for an output other than the loss or a buffer update."""
+    for spec in program.graph_signature.output_specs:
+        if spec.kind in ALLOWED_OUTPUTS:
+            continue
+        what = {
+            OutputKind.USER_INPUT_MUTATION: "writes into its input",
+            OutputKind.PARAMETER_MUTATION: "writes into its parameter",
+            OutputKind.GRADIENT_TO_PARAMETER: "returns the gradient of parameter",
+            OutputKind.GRADIENT_TO_USER_INPUT: "returns the gradient of input",
+            OutputKind.TOKEN: "has an effect token output",
+            OutputKind.LOSS_OUTPUT: "returns a joint-graph loss",
+        }.get(spec.kind, f"has a {spec.kind.name} output")
+        target = f" {spec.target}" if spec.target else ""
+        raise ExportError(
+            f"the model {what}{target} (node {spec.arg.name}); hapd keeps only the loss and buffer updates "
+            "as effects of a step",
+            node=getattr(spec.arg, "name", None),
+        )
+
+
+# --------------------------------------------------------------------------------------
+# 4. views as reshapes
+# --------------------------------------------------------------------------------------
+
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)  # noqa: SLF001
+
+
+def _views_as_reshapes(module: fx.GraphModule) -> None:
+    """``aten.view``/``aten._unsafe_view``/``aten.reshape`` → ``aten.reshape`` to the
+    result's shape (same values; no stride requirement on the real tensor). The shape is
+    written out (no ``-1``): re-tracing a reshape gives a view to the inferred shape, so
+    only the written-out form survives normalizing twice."""
+    for node in module.graph.nodes:
+        if node.op != "call_function" or node.target not in _RESHAPES:
+            continue
+        node.target = torch.ops.aten.reshape.default
+        shape = _static_shape(node.meta.get("val"))
+        if shape is not None:
+            node.args = (node.args[0], shape)
+    module.recompile()
+
+
+def _static_shape(val: Any) -> list[int] | None:
+    """The shape of a tensor value when every dim is an int."""
+    if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+        return None
+    return [int(d) for d in val.shape]
+
+
+# --------------------------------------------------------------------------------------
+# 5. canonical names
+# --------------------------------------------------------------------------------------
+
+
+def _base_name(node: fx.Node) -> str:
+    """The name fx would give a fresh node of this op (``linear`` for ``aten.linear``)."""
+    if node.target is operator.getitem:
+        return "getitem"
+    if isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
+        return node.target._schema.name.split("::", 1)[-1]  # noqa: SLF001
+    return getattr(node.target, "__name__", None) or "op"
+
+
+def _canonical_names(program: ExportedProgram) -> ExportedProgram:
+    """The same program on a copy of its graph whose op nodes are named by fx's own
+    namespace from their ops alone, in graph order (placeholders keep their names:
+    the signature names them)."""
+    old = program.graph
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    renamed: dict[str, str] = {}
+    for node in old.nodes:
+        if node.op == "output":
+            new = graph.output(fx.node.map_arg(node.args[0], env.__getitem__))
+        elif node.op == "placeholder":
+            new = graph.placeholder(node.name)
+        else:
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            new = graph.create_node(node.op, node.target, args, kwargs, name=_base_name(node))
+        new.meta = copy.copy(node.meta)
+        env[node] = new
+        renamed[node.name] = new.name
+    signature = ExportGraphSignature(
+        input_specs=list(program.graph_signature.input_specs),
+        output_specs=[_renamed_output(spec, renamed) for spec in program.graph_signature.output_specs],
+    )
+    module_call_graph = copy.deepcopy(program.module_call_graph)
+    for entry in module_call_graph:
+        if entry.signature is not None:
+            for arg in [*entry.signature.inputs, *entry.signature.outputs]:
+                if isinstance(getattr(arg, "name", None), str) and arg.name in renamed:
+                    arg.name = renamed[arg.name]
+    module = fx.GraphModule(program.graph_module, graph)
+    module.meta.update(program.graph_module.meta)
+    return ExportedProgram(
+        root=module,
+        graph=graph,
+        graph_signature=signature,
+        state_dict=program.state_dict,
+        range_constraints=program.range_constraints,
+        module_call_graph=module_call_graph,
+        example_inputs=program.example_inputs,
+        constants=program.constants,
+        verifiers=program.verifiers,
+    )
+
+
+def _renamed_output(spec: OutputSpec, renamed: dict[str, str]) -> OutputSpec:
+    if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed:
+        return OutputSpec(kind=spec.kind, arg=TensorArgument(name=renamed[spec.arg.name]), target=spec.target)
+    return spec
+
+
+def buffer_mutations(program: ExportedProgram) -> list[tuple[str, str]]:
+    """``(buffer fqn, fx node of its new value)`` for every buffer the program updates,
+    in output order."""
+    return [
+        (str(spec.target), spec.arg.name)
+        for spec in program.graph_signature.output_specs
+        if spec.kind == OutputKind.BUFFER_MUTATION
+    ]
