@@ -6,9 +6,11 @@
     python -m launcher profile --hosts hosts.txt --nproc-per-node 2 --out cluster.json
 
 ``./run_all SCRIPT K [--hosts FILE] [-- ARGS]`` is ``python -m launcher run SCRIPT
---nproc-per-node K ...``. This module is the only place that turns Ctrl-C and SIGTERM
-into :class:`KeyboardInterrupt` (so the job is stopped everywhere before exiting) and
-hapd errors into one line and exit status 2. No torch import here.
+--nproc-per-node K ...``. This module is the only place that turns Ctrl-C, SIGTERM and
+SIGHUP (a closed terminal) into :class:`KeyboardInterrupt` (so the job is stopped
+everywhere before exiting) and hapd errors into one line and exit status 2. A launcher
+killed outright (SIGKILL) cannot stop anything: every daemon stops the job's ranks once
+it has heard nothing from the launcher for ``--lease`` seconds. No torch import here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import json
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,10 +27,14 @@ import click
 from hapd.errors import HapdError
 from hapd.util import atomic_write
 from launcher.hosts import Host, load_hosts
-from launcher.job import EXIT_INTERRUPTED, EXIT_LAUNCH_ERROR, JobOptions, JobResult, check_daemons, place, run_job
+from launcher.job import (DEFAULT_LEASE_S, EXIT_INTERRUPTED, EXIT_LAUNCH_ERROR, JobOptions, JobResult, check_daemons,
+                          launcher_dir, place, run_job)
 
 LAUNCHER_START = time.time()
 """When this process started (the report's ``launcher_start``)."""
+
+STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop the job everywhere, as Ctrl-C does (while a job runs)."""
 
 
 class _Group(click.Group):
@@ -86,6 +91,9 @@ _common = [
     click.option("--report", "report", type=click.Path(dir_okay=False, path_type=Path), default=None,
                  help="JSON report of the timings  [default: $HAPD_HOME/runs/JOB.json]"),
     click.option("--job-id", default=None, help="Job id on the daemons  [default: SCRIPT-DATE-TIME-RANDOM]"),
+    click.option("--lease", "lease", type=float, default=DEFAULT_LEASE_S, show_default=True,
+                 help="Seconds a daemon keeps the job's ranks running without hearing from this launcher (it polls "
+                      "every 50 ms); then that daemon stops them itself (the launcher was killed or lost it)."),
 ]
 
 
@@ -109,30 +117,35 @@ def common_options(f: Any) -> Any:
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the ranks' output (the table and failures still print).")
 def run_cmd(script: Path, args: tuple[str, ...], hosts: Path | None, nproc: int | None, key_file: Path | None,
             env: tuple[str, ...], timeout: float, master_port: int | None, report: Path | None, job_id: str | None,
-            ship: bool, cwd: str | None, lost_after: float, quiet: bool) -> None:
+            lease: float, ship: bool, cwd: str | None, lost_after: float, quiet: bool) -> None:
     """Run SCRIPT [ARGS] with K ranks on every host, started at one instant, with
     torchrun's environment. Put the script's own options after `--` (options the
     launcher does not know are passed on too).
 
     Output lines are printed as `[rank N] LINE`; `{"hapd": "timings"}` lines give the
     final table (per rank and overall mean ± std, slowest rank) and the JSON report.
-    When a rank fails or a daemon is lost, every rank on every host is stopped and the
-    exit status is the failing rank's."""
+    When a rank fails, every rank on every host is stopped and the exit status is the
+    failing rank's; when a daemon is lost, the other hosts' ranks are stopped, the lost
+    daemon stops its own when the job's lease expires, and the exit status is 1."""
     options = JobOptions(script=script, args=args, nproc_per_node=nproc, env=_env_pairs(env), ship=ship, cwd=cwd,
                          master_port=master_port, key_file=key_file, timeout_s=timeout, job_id=job_id, report=report,
-                         stream=not quiet, lost_after_s=lost_after)
+                         stream=not quiet, lost_after_s=lost_after, lease_s=lease)
     _exit(_run(_hosts(hosts), options))
 
 
 def _run(hosts: list[Host] | None, options: JobOptions) -> JobResult:
-    previous = signal.signal(signal.SIGTERM, _on_terminate)
+    previous = {sig: signal.signal(sig, _on_terminate) for sig in STOPPING_SIGNALS}
     try:
         return run_job(hosts, options, launcher_start=LAUNCHER_START)
     except KeyboardInterrupt:  # before the job started (a job that started returns a result)
-        click.echo("hapd launcher: interrupted", err=True)
+        try:
+            click.echo("hapd launcher: interrupted", err=True)
+        except OSError:  # a closed terminal
+            pass
         sys.exit(EXIT_INTERRUPTED)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @main.command("check")
@@ -183,7 +196,7 @@ def profile_rank_program() -> Path | None:
               show_default=True, help="Profile JSON to write here.")
 def profile_cmd(profiler_args: tuple[str, ...], hosts: Path | None, nproc: int | None, key_file: Path | None,
                 env: tuple[str, ...], timeout: float, master_port: int | None, report: Path | None, job_id: str | None,
-                out: Path) -> None:
+                lease: float, out: Path) -> None:
     """Measure the cluster into a profile: `python -m hapd.profiler PROFILER_ARGS` on K
     ranks of every host through the daemons (e.g. `--quick`, `--sizes 64K,1M`), then
     write the profile rank 0 measured to OUT. With several hosts, every rank's host is
@@ -193,12 +206,13 @@ def profile_cmd(profiler_args: tuple[str, ...], hosts: Path | None, nproc: int |
         raise click.ClickException(f"profiling is not available: this hapd has no {PROFILE_RANK_MODULE} module")
     host_list = _hosts(hosts)
     env_map = _env_pairs(env)
-    with tempfile.TemporaryDirectory(prefix="hapd-launcher-") as tmp:
-        shim = Path(tmp) / "hapd_profile_rank.py"
+    with launcher_dir() as tmp:
+        shim = tmp / "hapd_profile_rank.py"
         shim.write_bytes(program.read_bytes())
         options = JobOptions(script=shim, args=profiler_args, nproc_per_node=nproc or (None if host_list else 2),
                              env=env_map, key_file=key_file, timeout_s=timeout, master_port=master_port,
-                             job_id=job_id, report=report, host_env=host_list is not None and len(host_list) > 1)
+                             job_id=job_id, report=report, host_env=host_list is not None and len(host_list) > 1,
+                             lease_s=lease)
         result = _run(host_list, options)
     if result.exit_code != 0:
         _exit(result)

@@ -22,11 +22,23 @@ The steps of :func:`run_job`, in order:
    and feeds ``{"hapd": ...}`` lines to :class:`~launcher.report.Timings`.
 5. **Stop together**: when a rank exits non-zero, a daemon stops answering for
    ``lost_after_s``, or the launcher is interrupted (``KeyboardInterrupt``), every
-   daemon is sent ``cancel`` (its ranks' process groups get SIGTERM, SIGKILL 5 s later)
-   and the launcher waits up to ``grace_s`` for every host to report its job finished.
-   The failing rank is the one whose non-zero exit came first (daemon clock); the job's
-   exit code is its return code (``128 + N`` for a signal N), and its last lines are
-   printed.
+   daemon that still answers is sent ``cancel`` (its ranks' process groups get SIGTERM,
+   SIGKILL 5 s later) and the launcher waits up to ``grace_s`` for every host to report
+   its job finished. The failing rank is the one whose non-zero exit came first (daemon
+   clock); the job's exit code is its return code (``128 + N`` for a signal N), and its
+   last lines are printed.
+
+Every job is **leased** on every daemon (``lease_s``, ``--lease``): the pollers'
+``job_events`` renew it, and a daemon that has heard nothing about the job for that long
+stops its ranks itself. So a launcher killed outright (SIGKILL) leaves no rank running
+for longer than the lease, and a daemon this launcher gave up on (exit status
+:data:`EXIT_HOST_LOST`) stops its own ranks once it has heard nothing for the lease: the
+launcher says so rather than claiming they stopped.
+
+A private daemon's temporary state folder (``$TMPDIR/hapd-launcher-*``, see
+:class:`LocalDaemon`) names its owner in ``launcher.json``; the daemon removes it when
+it stops because its launcher died, and every launcher that makes one first removes the
+folders whose owner is gone (:func:`clean_stale_launcher_dirs`).
 
 The script is **shipped**: its bytes go in the ``launch`` request and each daemon writes
 them to its job folder and runs that copy, so SCRIPT needs to exist only where the
@@ -35,12 +47,13 @@ must import what it needs from installed packages, as ``worker.py`` and ``ddp.py
 With ``ship=False`` the absolute path is sent instead and must exist at the same path on
 every host; a daemon that lacks it refuses the launch, naming the path.
 
-No torch import here, and no signal handlers: the CLI turns Ctrl-C and SIGTERM into
+No torch import here, and no signal handlers: the CLI turns Ctrl-C, SIGTERM and SIGHUP into
 ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -57,10 +70,11 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TextIO
+from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
 
 from hapd.serve.client import Client, default_address
 from hapd.errors import DaemonTimeout, HapdError, OptionsError
+from hapd.serve.jobs import MAX_LEASE_S, MIN_LEASE_S
 from hapd.serve.keys import default_key_path, home_dir, load_key
 from hapd.serve.protocol import PROTOCOL_VERSION
 
@@ -70,7 +84,8 @@ from launcher.report import Timings, build_report, format_table, write_report
 EXIT_LAUNCH_ERROR = 2
 """Exit status when the job could not be started (bad input, a host failed a check)."""
 EXIT_HOST_LOST = 1
-"""Exit status when a daemon stopped answering mid-run (no rank's code is known)."""
+"""Exit status when a daemon stopped answering mid-run (no rank's code is known; that
+daemon stops its ranks itself when the job's lease expires)."""
 EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
@@ -80,6 +95,18 @@ DeepSpeed forwards ``NCCL_*``): interface pinning and debug switches."""
 
 TAIL_LINES = 20
 """Output lines of the failing rank printed after a failure."""
+
+DEFAULT_LEASE_S = 10.0
+"""The job's lease on every daemon: one that gets no ``job_events`` poll from this
+launcher for this long stops the job's ranks there (the pollers ask every ``poll_s``)."""
+
+LAUNCHER_DIR_PREFIX = "hapd-launcher-"
+"""Name prefix of the launcher's temporary folders (in ``$TMPDIR``)."""
+OWNER_FILE = "launcher.json"
+"""In such a folder: ``{"pid", "started"}`` of the launcher that made it."""
+UNOWNED_STALE_S = 86400.0
+"""A launcher folder without an owner file (an older launcher's) is stale this long after
+its last change."""
 
 
 class LaunchError(HapdError):
@@ -122,6 +149,9 @@ class JobOptions:
     grace_s: float = 7.0
     """After a failure, how long to wait for every host to report its ranks stopped
     (the daemons SIGKILL 5 s after SIGTERM)."""
+    lease_s: float = DEFAULT_LEASE_S
+    """A daemon that gets no poll from this launcher for this long stops the job's ranks
+    there (the launcher was killed, or lost that daemon)."""
     job_id: str | None = None
     """Job id on every daemon; None: ``SCRIPT-DATE-TIME-RANDOM``."""
     report: Path | None = None
@@ -140,6 +170,8 @@ class JobOptions:
         for name in ("timeout_s", "lost_after_s", "poll_s", "start_margin_s", "grace_s"):
             if not getattr(self, name) > 0:
                 raise OptionsError(f"{name} {getattr(self, name)} must be > 0", field=name)
+        if not MIN_LEASE_S <= self.lease_s <= MAX_LEASE_S:
+            raise OptionsError(f"--lease {self.lease_s:g} must be in {MIN_LEASE_S:g}..{MAX_LEASE_S:g} s", field="lease_s")
         if self.job_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.job_id):
             raise OptionsError(f"job id {self.job_id!r} must be 1-64 letters, digits, '.', '_' or '-'", field="job_id")
 
@@ -180,6 +212,8 @@ class JobResult:
     """After a failure: seconds from the cancel to every host reporting its job finished."""
     leftover: list[str] = field(default_factory=list)
     """Hosts that did not report their ranks stopped within ``grace_s``."""
+    lost: list[str] = field(default_factory=list)
+    """Hosts whose daemon stopped answering (their ranks are left to the job's lease)."""
     other: list[dict[str, Any]] = field(default_factory=list)
     """``{"hapd": ...}`` lines other than timings and summary (with ``"_rank"``)."""
 
@@ -282,16 +316,91 @@ SERVE_CHILD_MODULE = "launcher.serve_child"
 the launcher (:mod:`launcher.serve_child`)."""
 
 
+def process_start(pid: int) -> str | None:
+    """None when no process ``pid`` runs (or only its zombie is left); else its start time
+    in clock ticks since boot from ``/proc`` (what tells it from a later process given the
+    same pid), or "" where there is no ``/proc``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # another user's: it runs
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return ""
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def make_launcher_dir() -> Path:
+    """A new ``$TMPDIR/hapd-launcher-*`` folder (mode 0700) naming this process as its owner."""
+    folder = Path(tempfile.mkdtemp(prefix=LAUNCHER_DIR_PREFIX))
+    (folder / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "started": process_start(os.getpid())}))
+    return folder
+
+
+def _launcher_dir_in_use(folder: Path, mtime: float) -> bool:
+    """Whether the launcher that made ``folder``, or the daemon running in it, still runs
+    (a folder without a readable owner file: whether it changed in the last
+    :data:`UNOWNED_STALE_S`)."""
+    try:
+        owner = json.loads((folder / OWNER_FILE).read_text())
+        pid, started = int(owner["pid"]), str(owner.get("started") or "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return time.time() - mtime < UNOWNED_STALE_S
+    now = process_start(pid)
+    if now is not None and (not started or not now or now == started):
+        return True
+    try:
+        daemon = int(json.loads((folder / "daemon.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return process_start(daemon) is not None  # it stops, and removes the folder, by itself
+
+
+def clean_stale_launcher_dirs(root: Path | None = None) -> list[Path]:
+    """Remove this user's ``hapd-launcher-*`` folders in ``root`` (default ``$TMPDIR``)
+    whose launcher and daemon are gone (a launcher killed with SIGKILL cannot remove its
+    own); the folders removed."""
+    root = Path(tempfile.gettempdir()) if root is None else Path(root)
+    removed = []
+    for folder in root.glob(LAUNCHER_DIR_PREFIX + "*"):
+        try:
+            st = folder.lstat()
+        except OSError:
+            continue
+        if not folder.is_dir() or folder.is_symlink() or st.st_uid != os.getuid() or _launcher_dir_in_use(folder, st.st_mtime):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+@contextlib.contextmanager
+def launcher_dir() -> Iterator[Path]:
+    """A launcher folder for the duration of a block (stale ones are removed first)."""
+    clean_stale_launcher_dirs()
+    folder = make_launcher_dir()
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class LocalDaemon:
     """A private ``hapd serve`` on a free loopback port with a temporary state directory,
     for a job on this machine when no daemon answers at the default address; stopped (and
     its state removed) by :meth:`stop` — a ``shutdown`` request, then SIGTERM, then SIGKILL.
 
     It runs in its own session (a Ctrl-C at the terminal reaches only the launcher, which
-    stops it in order) and, on Linux, gets SIGTERM should the launcher die first."""
+    stops it in order) and, on Linux, gets SIGTERM should the launcher die first; it then
+    removes its state folder itself (:mod:`launcher.serve_child`), and the next launcher
+    removes any that a harder death left (:func:`clean_stale_launcher_dirs`)."""
 
     def __init__(self, slots: int, *, timeout_s: float = 30.0) -> None:
-        self.home = Path(tempfile.mkdtemp(prefix="hapd-launcher-"))
+        clean_stale_launcher_dirs()
+        self.home = make_launcher_dir()
         self.key_file = self.home / "key"
         self.address = ""
         log = open(self.home / "serve.txt", "wb")  # noqa: SIM115 - the child owns it
@@ -384,21 +493,27 @@ def local_daemon_answers(key_file: Path | None, timeout_s: float = 2.0) -> str |
 
 
 class _Poller(threading.Thread):
-    """Polls one host's ``job_events`` and hands them to the main thread."""
+    """Polls one host's ``job_events`` (renewing the job's lease there) and hands them to
+    the main thread; a host that does not answer is reported ``lost`` with the monotonic
+    time of the last poll it answered."""
 
     def __init__(self, placement: Placement, client: Client, job: str, out: "queue.Queue[tuple]", poll_s: float) -> None:
         super().__init__(name=f"hapd-launcher-{placement.host.label}", daemon=True)
         self.placement, self.client, self.job, self.out, self.poll_s = placement, client, job, out, poll_s
         self.quit = threading.Event()
+        self.answered = time.monotonic()
+        """When the last poll that got an answer was sent."""
 
     def run(self) -> None:
         after = 0
         while not self.quit.is_set():
+            sent = time.monotonic()
             try:
                 events, done = self.client.job_events(self.job, after)
             except HapdError as exc:
-                self.out.put(("lost", self.placement, f"{type(exc).__name__}: {exc}"))
+                self.out.put(("lost", self.placement, (f"{type(exc).__name__}: {exc}", self.answered)))
                 return
+            self.answered = sent
             if events:
                 after = events[-1]["seq"]
                 self.out.put(("events", self.placement, events))
@@ -445,7 +560,16 @@ class Job:
     # -- output
 
     def say(self, text: str) -> None:
-        print(f"hapd launcher: {text}", file=self.err, flush=True)
+        self._print(f"hapd launcher: {text}", self.err)
+
+    @staticmethod
+    def _print(line: str, stream: TextIO) -> None:
+        """One line; a stream that is gone (a closed terminal, a broken pipe) must not
+        keep the job from being stopped."""
+        try:
+            print(line, file=stream, flush=True)
+        except (OSError, ValueError):
+            pass
 
     # -- start
 
@@ -476,6 +600,7 @@ class Job:
                     env={**env, "HAPD_HOST": p.host.label} if opts.host_env else env, nproc=p.nproc,
                     node_rank=p.node_rank, nnodes=len(self.placements), rank_offset=p.rank_offset,
                     world_size=self.world_size, master_addr=master.name, master_port=port, start_at=start_at, cwd=cwd,
+                    lease_s=opts.lease_s,
                 )
             except DaemonTimeout as exc:  # it may have accepted the job all the same: cancelled below
                 unanswered.add(p.node_rank)
@@ -572,14 +697,17 @@ class Job:
             finished.add(p.node_rank)
             return False
         if kind == "lost":
-            lost[p.node_rank] = payload
-            if self.failure is None:
+            message, answered = payload
+            lost[p.node_rank] = message
+            first = self.failure is None
+            if first:
                 self.failure = {"kind": "host", "host": p.host.label, "ranks": [p.rank_offset, p.rank_offset + p.nproc - 1],
-                                "message": payload}
-                self.say(f"lost the daemon of {p.host.label} (ranks {p.rank_offset}-{p.rank_offset + p.nproc - 1}): {payload}; "
-                         "stopping all ranks")
-                return True
-            return False
+                                "message": message}
+                others = len(self.launched) - len(lost) > 0
+                self.say(f"lost the daemon of {p.host.label} (ranks {p.rank_offset}-{p.rank_offset + p.nproc - 1}): {message}"
+                         + ("; stopping the other hosts' ranks" if others else ""))
+            self.say(self._lease_note(p, answered))
+            return first
         first_failure = False
         for event in payload:
             rank, stream, line = event["rank"], event["stream"], event["line"]
@@ -597,8 +725,15 @@ class Job:
             if stream == "stdout":
                 self.timings.feed(rank, line)
             if self.options.stream:
-                print(f"[rank {rank}] {line}", file=self.out if stream == "stdout" else self.err, flush=True)
+                self._print(f"[rank {rank}] {line}", self.out if stream == "stdout" else self.err)
         return first_failure
+
+    def _lease_note(self, p: Placement, answered: float) -> str:
+        """What becomes of the ranks of a host whose daemon stopped answering."""
+        left = max(0.0, self.options.lease_s - (time.monotonic() - answered))
+        return (f"daemon {p.host.label} stopped answering: this launcher cannot stop ranks "
+                f"{p.rank_offset}-{p.rank_offset + p.nproc - 1} there; that daemon stops them itself when the job's lease "
+                f"expires, {self.options.lease_s:g} s after the last poll it received (in about {left:.0f} s if it is running)")
 
     def _stop_all(self, finished: set[int], lost: Mapping[int, str]) -> tuple[float, float]:
         started = time.monotonic()
@@ -610,6 +745,7 @@ class Job:
         if stop_started is not None:
             result.stopped_s = time.monotonic() - stop_started
         result.leftover = [p.host.label for p in self.placements if p.node_rank not in finished and p.node_rank not in lost]
+        result.lost = [p.host.label for p in self.placements if p.node_rank in lost]
         failure = self.failure
         if failure is not None and failure["kind"] == "rank":
             # the first non-zero exit (a rank whose peers died may have been reported first)
@@ -647,6 +783,19 @@ class Job:
 
     # -- the end
 
+    def _stopped_note(self, result: JobResult) -> str:
+        """How far the stop got: only what the daemons reported."""
+        if result.leftover:
+            return (f"after {result.stopped_s:.1f} s these hosts had not reported their ranks stopped: "
+                    f"{', '.join(result.leftover)}")
+        if not result.lost:
+            return f"all ranks stopped {result.stopped_s:.2f} s after the cancel"
+        left_to_lease = (f"the ranks on {', '.join(result.lost)} are left to the job's lease there ({self.options.lease_s:g} s "
+                         "without a poll), not stopped by this launcher")
+        if len(result.lost) < len(self.placements):
+            return f"the other hosts' ranks stopped {result.stopped_s:.2f} s after the cancel; {left_to_lease}"
+        return left_to_lease
+
     def finish(self, result: JobResult) -> JobResult:
         """Print the failure (if any) and the timing table; write the JSON report."""
         failure = result.failure
@@ -660,11 +809,7 @@ class Job:
             elif failure["kind"] == "host":
                 self.say(f"job {self.job_id} failed: {failure.get('host', 'a host')}: {failure['message']}")
             if result.stopped_s is not None:
-                if result.leftover:
-                    self.say(f"after {result.stopped_s:.1f} s these hosts had not reported their ranks stopped: "
-                             f"{', '.join(result.leftover)}")
-                else:
-                    self.say(f"all ranks stopped {result.stopped_s:.2f} s after the cancel")
+                self.say(self._stopped_note(result))
         report = build_report(
             self.timings, job=self.job_id, script=str(self.options.script), args=self.options.args, world_size=self.world_size,
             placement=[p.describe() for p in self.placements], rank_hosts=self.rank_host, exit_code=result.exit_code,

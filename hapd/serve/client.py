@@ -181,9 +181,12 @@ class Client:
         script_bytes: bytes | None = None,
         start_at: float | None = None,
         cwd: str | None = None,
+        lease_s: float | None = None,
     ) -> list[int]:
         """Start this daemon's ranks of a job; the pids of the local ranks (empty when
-        ``start_at`` is in the future)."""
+        ``start_at`` is in the future). The daemon cancels the job when no
+        :meth:`job_events` poll about it comes for ``lease_s`` (None: the daemon's
+        default lease)."""
         body: dict[str, Any] = {
             "job": job,
             "script": script,
@@ -197,17 +200,19 @@ class Client:
             "master_addr": master_addr,
             "master_port": master_port,
         }
-        for name, value in (("script_bytes", script_bytes), ("start_at", start_at), ("cwd", cwd)):
+        for name, value in (("script_bytes", script_bytes), ("start_at", start_at), ("cwd", cwd), ("lease_s", lease_s)):
             if value is not None:
                 body[name] = value
         return list(self.request("launch", body).body["pids"])
 
     def job_status(self, job: str) -> dict[str, Any]:
-        """``{job, state, ranks: [{rank, local_rank, pid, returncode}]}``."""
+        """``{job, state, ranks: [{rank, local_rank, pid, returncode}]}``, plus ``reason``
+        once the job has ended or is ending."""
         return self.request("job_status", {"job": job}).body
 
     def job_events(self, job: str, after: int = 0) -> tuple[list[dict[str, Any]], bool]:
-        """Events with ``seq > after`` and whether the job is done after them."""
+        """Events with ``seq > after`` and whether the job is done after them (each call
+        renews the job's lease)."""
         body = self.request("job_events", {"job": job, "after": after}).body
         return list(body["events"]), bool(body["done"])
 

@@ -12,6 +12,17 @@ period). Output is captured line by line into the job's event buffer, with a seq
 number per event; a rank's exit is an event too. As torchrun does, when one local rank
 fails the others on this host are stopped; the launcher stops the other hosts.
 
+A job is **leased**: every ``job_events`` poll about it renews the lease, and a job whose
+lease runs out (no poll for ``lease_s``: its launcher was killed, hung up, or lost this
+daemon) is cancelled as a ``cancel`` request would, with ``lease expired: launcher silent
+for N s`` as its reason; so no rank outlives the launcher that started it by more than
+the lease plus the SIGKILL grace. Each finished job keeps a reason (``job_status``).
+
+A launch that ships its script writes it to ``JOBS_DIR/JOB/``; those folders are pruned
+when the manager starts and whenever a job ends: those of the last
+:data:`DEFAULT_KEEP_JOB_DIRS` jobs to finish (or launch) within
+:data:`DEFAULT_JOB_DIR_MAX_AGE_S` are kept, and always those of unfinished jobs.
+
 No torch import here.
 """
 
@@ -21,6 +32,7 @@ import itertools
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +69,20 @@ READER_JOIN_S = 2.0
 pipe must not hold the exit back)."""
 SHUTDOWN_TIMEOUT_S = 10.0
 """How long the daemon's stop waits for every rank to exit before SIGKILL."""
+DEFAULT_LEASE_S = 60.0
+"""Lease of a job whose launch names none: how long it runs without a ``job_events``
+poll about it (the launcher sends its own, shorter, ``--lease``)."""
+MIN_LEASE_S = 1.0
+"""Shortest lease a launch may ask for (several of the launcher's polls fit in it)."""
+MAX_LEASE_S = 7 * 86400.0
+"""Longest lease a launch may ask for."""
+DEFAULT_KEEP_JOB_DIRS = DEFAULT_KEEP_FINISHED
+"""Job folders (shipped scripts) kept besides those of unfinished jobs, newest first."""
+DEFAULT_JOB_DIR_MAX_AGE_S = 7 * 86400.0
+"""Job folders of finished jobs older than this are removed whatever their number."""
+
+REASON_CANCELLED = "cancelled by a cancel request"
+REASON_STOPPING = "the daemon is stopping"
 
 
 def _bad(message: str, fieldname: str) -> OptionsError:
@@ -81,6 +107,7 @@ class LaunchSpec:
     master_port: int
     start_at: float | None
     cwd: str | None
+    lease_s: float = DEFAULT_LEASE_S
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], *, now: float | None = None) -> "LaunchSpec":
@@ -111,6 +138,8 @@ class LaunchSpec:
             raise _bad("script is empty", "script")
         if body.get("script_bytes") is not None and (Path(script).name != script or script in (".", "..")):
             raise _bad(f"with script_bytes, script {script!r} must be a plain file name", "script")
+        if body.get("script_bytes") == b"":
+            raise _bad("script_bytes is empty (0 bytes): there is no script to run", "script_bytes")
         start_at = body.get("start_at")
         if start_at is not None and not now - MAX_START_LATE_S <= start_at <= now + MAX_START_DELAY_S:
             raise _bad(f"start_at is {start_at - now:+.1f} s from now; allowed -{MAX_START_LATE_S}..+{MAX_START_DELAY_S:.0f} s",
@@ -118,6 +147,10 @@ class LaunchSpec:
         cwd = body.get("cwd")
         if cwd is not None and not Path(cwd).is_dir():
             raise _bad(f"cwd {cwd} is not a directory on this host", "cwd")
+        lease_s = body.get("lease_s")
+        lease_s = DEFAULT_LEASE_S if lease_s is None else lease_s
+        if not MIN_LEASE_S <= lease_s <= MAX_LEASE_S:
+            raise _bad(f"lease_s {lease_s:g} must be in {MIN_LEASE_S:g}..{MAX_LEASE_S:g} s", "lease_s")
         return cls(
             job=job,
             script=script,
@@ -133,6 +166,7 @@ class LaunchSpec:
             master_port=port,
             start_at=start_at,
             cwd=cwd,
+            lease_s=float(lease_s),
         )
 
 
@@ -186,10 +220,27 @@ class Job:
     seq: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    renewed: float = field(default_factory=time.monotonic)
+    """When the lease was last renewed (monotonic clock)."""
+    reason: str | None = None
+    """Why the job ended, or is ending (the first cause wins)."""
 
     @property
     def finished(self) -> bool:
         return self.state in ("exited", "failed", "cancelled")
+
+    def renew(self) -> None:
+        """Its launcher is there: the lease runs ``lease_s`` from now."""
+        self.renewed = time.monotonic()
+
+    def silent_s(self, now: float | None = None) -> float:
+        """Seconds since the lease was last renewed."""
+        return (time.monotonic() if now is None else now) - self.renewed
+
+    def set_reason(self, reason: str) -> None:
+        with self.lock:
+            if self.reason is None:
+                self.reason = reason
 
     def add_event(self, rank: int, stream: str, line: str) -> None:
         with self.lock:
@@ -210,21 +261,33 @@ class Job:
         return {"job": s.job, "state": self.state, "nproc": s.nproc, "world_size": s.world_size, "rank_offset": s.rank_offset, "started": self.started}
 
     def status(self) -> dict[str, Any]:
-        return {"job": self.spec.job, "state": self.state, "ranks": [r.summary() for r in self.ranks]}
+        out = {"job": self.spec.job, "state": self.state, "ranks": [r.summary() for r in self.ranks]}
+        if self.reason is not None:
+            out["reason"] = self.reason
+        return out
 
 
 class JobManager:
     """Starts, watches and stops jobs (thread-safe)."""
 
     def __init__(self, *, jobs_dir: Path, daemon_address: str, cache_dir: Path, grace_s: float = DEFAULT_GRACE_S,
-                 keep_finished: int = DEFAULT_KEEP_FINISHED) -> None:
+                 keep_finished: int = DEFAULT_KEEP_FINISHED, keep_job_dirs: int = DEFAULT_KEEP_JOB_DIRS,
+                 job_dir_max_age_s: float = DEFAULT_JOB_DIR_MAX_AGE_S) -> None:
+        if keep_job_dirs < 1 or not job_dir_max_age_s > 0:
+            raise OptionsError(f"keep_job_dirs {keep_job_dirs} must be ≥ 1 and job_dir_max_age_s {job_dir_max_age_s} > 0",
+                               field="keep_job_dirs")
         self.jobs_dir = Path(jobs_dir)
         self.daemon_address = daemon_address
         self.cache_dir = Path(cache_dir)
         self.grace_s = grace_s
         self.keep_finished = keep_finished
+        self.keep_job_dirs = keep_job_dirs
+        self.job_dir_max_age_s = job_dir_max_age_s
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
+        self._dirs_lock = threading.Lock()
+        """Held while a job folder is written and its job registered, and while pruning."""
+        self.prune_job_dirs()
 
     # -- queries
 
@@ -256,20 +319,13 @@ class JobManager:
             if old is not None and not old.finished:
                 raise _bad(f"job {spec.job!r} is already {old.state}", "job")
         cwd = Path(spec.cwd) if spec.cwd else Path.cwd()
-        if spec.script_bytes is not None:
-            folder = self.jobs_dir / spec.job
-            folder.mkdir(parents=True, exist_ok=True)
-            script = folder / spec.script
-            script.write_bytes(spec.script_bytes)
-        else:
-            script = Path(spec.script) if Path(spec.script).is_absolute() else cwd / spec.script
-            if not script.is_file():
-                raise _bad(f"script {spec.script} is not a file on this host (looked at {script})", "script")
-        command = [sys.executable, "-u", str(script), *spec.args]
-        job = Job(spec, command, [Rank(spec.rank_offset + i, i) for i in range(spec.nproc)])
-        with self._lock:
-            self._jobs[spec.job] = job
-            self._trim()
+        with self._dirs_lock:  # a prune never removes the folder of a job being launched
+            script = self._script_path(spec, cwd)
+            command = [sys.executable, "-u", str(script), *spec.args]
+            job = Job(spec, command, [Rank(spec.rank_offset + i, i) for i in range(spec.nproc)])
+            with self._lock:
+                self._jobs[spec.job] = job
+                self._trim()
         delay = spec.start_at - time.time() if spec.start_at is not None else 0.0
         if delay > 0:
             log.info("job %s: %d ranks (%d..%d of %d) start in %.2f s", spec.job, spec.nproc, spec.rank_offset, spec.rank_offset + spec.nproc - 1, spec.world_size, delay)
@@ -278,6 +334,21 @@ class JobManager:
             self._start(job, cwd)
         return job
 
+    def _script_path(self, spec: LaunchSpec, cwd: Path) -> Path:
+        """The script the ranks run: the shipped bytes written to the job's folder, or
+        the named file, which must exist here."""
+        if spec.script_bytes is not None:
+            folder = self.jobs_dir / spec.job
+            folder.mkdir(parents=True, exist_ok=True)
+            script = folder / spec.script
+            script.write_bytes(spec.script_bytes)
+            os.utime(folder)  # the newest folder: kept by the prune
+            return script
+        script = Path(spec.script) if Path(spec.script).is_absolute() else cwd / spec.script
+        if not script.is_file():
+            raise _bad(f"script {spec.script} is not a file on this host (looked at {script})", "script")
+        return script
+
     def _delayed_start(self, job: Job, delay: float) -> None:
         if job.cancelled.wait(delay):
             return
@@ -285,7 +356,9 @@ class JobManager:
             self._start(job, Path(job.spec.cwd) if job.spec.cwd else Path.cwd())
         except OSError as exc:
             job.add_event(job.spec.rank_offset, "stderr", f"hapd: cannot start the ranks: {exc}")
+            job.set_reason(f"cannot start the ranks: {exc}")
             job.state = "failed"
+            self._ended(job)
 
     def _start(self, job: Job, cwd: Path) -> None:
         spec = job.spec
@@ -306,9 +379,10 @@ class JobManager:
                         stderr=subprocess.PIPE,
                         start_new_session=True,  # its own process group: cancel kills the tree
                     )
-            except OSError:
+            except OSError as exc:
                 self._kill(job, signal.SIGKILL)
                 job.state = "failed"
+                job.reason = job.reason or f"cannot start the ranks: {exc}"
                 raise
             job.state = "running"
         log.info("job %s: started ranks %d..%d of %d, pids %s", spec.job, spec.rank_offset, spec.rank_offset + spec.nproc - 1, spec.world_size, [r.proc.pid for r in job.ranks])
@@ -330,18 +404,22 @@ class JobManager:
         job.add_event(r.rank, "exit", str(code))
         log.info("job %s: rank %d exited with %d", job.spec.job, r.rank, code)
         if code != 0 and not job.cancelled.is_set():
+            job.set_reason(f"rank {r.rank} exited with code {code}")
             others = [o for o in job.ranks if o is not r and o.returncode is None]
             if others:
                 log.info("job %s: rank %d failed; stopping the other local ranks", job.spec.job, r.rank)
                 self._stop(job)
+        ended_now = False
         with job.lock:
             if all(x.returncode is not None for x in job.ranks) and not job.finished:
                 if job.cancelled.is_set():
                     job.state = "cancelled"
                 else:
                     job.state = "exited" if all(x.returncode == 0 for x in job.ranks) else "failed"
-        if job.finished:
-            log.info("job %s: %s", job.spec.job, job.state)
+                ended_now = True
+        if ended_now:
+            log.info("job %s: %s%s", job.spec.job, job.state, f" ({job.reason})" if job.reason else "")
+            self._ended(job)
 
     @staticmethod
     def _read(job: Job, rank: int, stream: Any, name: str) -> None:
@@ -351,18 +429,77 @@ class JobManager:
 
     # -- stopping
 
-    def cancel(self, job_id: str) -> Job:
+    def cancel(self, job_id: str, reason: str = REASON_CANCELLED) -> Job:
         job = self.get(job_id)
         if job.finished:
             return job
+        job.set_reason(reason)
         job.cancelled.set()
-        log.info("job %s: cancelling", job_id)
+        log.info("job %s: cancelling (%s)", job_id, job.reason)
         with job.lock:  # _start spawns all ranks under this lock, or none once cancelled
-            if all(r.proc is None for r in job.ranks):
+            never_started = all(r.proc is None for r in job.ranks)
+            if never_started:
                 job.state = "cancelled"  # a delayed start that never started
-                return job
-        self._stop(job)
+        if never_started:
+            self._ended(job)
+        else:
+            self._stop(job)
         return job
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Cancel every unfinished job whose launcher has been silent longer than its
+        lease; the ids of the jobs cancelled now."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [j for j in self._jobs.values()
+                       if not j.finished and not j.cancelled.is_set() and j.silent_s(now) > j.spec.lease_s]
+        for job in expired:
+            reason = f"lease expired: launcher silent for {job.silent_s(now):.1f} s (lease {job.spec.lease_s:g} s)"
+            log.warning("job %s: %s; stopping its ranks", job.spec.job, reason)
+            job.add_event(job.spec.rank_offset, "stderr", f"hapd: {reason}; stopping this host's ranks")
+            self.cancel(job.spec.job, reason)
+        return [j.spec.job for j in expired]
+
+    # -- job folders
+
+    def _ended(self, job: Job) -> None:
+        """A job has finished: its folder counts from now (the last finished are kept);
+        forget old folders."""
+        try:
+            if job.spec.script_bytes is not None and (self.jobs_dir / job.spec.job).is_dir():
+                os.utime(self.jobs_dir / job.spec.job)
+            self.prune_job_dirs()
+        except OSError as exc:  # a folder we cannot list or remove must not stop a job's watcher
+            log.warning("cannot prune the job folders in %s: %s", self.jobs_dir, exc)
+
+    def prune_job_dirs(self, now: float | None = None) -> list[str]:
+        """Remove the folders of finished (or forgotten) jobs beyond the newest
+        ``keep_job_dirs``, and those older than ``job_dir_max_age_s``; the names removed."""
+        now = time.time() if now is None else now
+        removed = []
+        with self._dirs_lock:
+            with self._lock:
+                active = {k for k, j in self._jobs.items() if not j.finished}
+            try:
+                entries = list(self.jobs_dir.iterdir())
+            except FileNotFoundError:
+                return removed
+            folders = []
+            for entry in entries:
+                try:
+                    if entry.name not in active and entry.is_dir() and not entry.is_symlink():
+                        folders.append((entry.stat().st_mtime, entry))
+                except OSError:
+                    continue
+            folders.sort(key=lambda mf: mf[0], reverse=True)
+            for kept, (mtime, folder) in enumerate(folders):
+                if kept < self.keep_job_dirs and now - mtime <= self.job_dir_max_age_s:
+                    continue
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder.name)
+        if removed:
+            log.info("removed %d old job folder(s) from %s", len(removed), self.jobs_dir)
+        return removed
 
     def _stop(self, job: Job) -> None:
         self._kill(job, signal.SIGTERM)
@@ -387,7 +524,7 @@ class JobManager:
         with self._lock:
             jobs = [j for j in self._jobs.values() if not j.finished]
         for job in jobs:
-            self.cancel(job.spec.job)
+            self.cancel(job.spec.job, REASON_STOPPING)
         deadline = time.monotonic() + timeout_s
         for job in jobs:
             for r in job.ranks:
@@ -403,6 +540,7 @@ class JobManager:
         with self._lock:
             jobs = [j for j in self._jobs.values() if not j.finished]
         for job in jobs:
+            job.set_reason(REASON_STOPPING)
             job.cancelled.set()
             self._kill(job, signal.SIGKILL)
 
