@@ -162,7 +162,7 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, max_sec
     est, base, stats = plan.estimate, plan.doc["baselines"], plan.doc["stats"]
     click.echo(
         f"wrote {path}: {est['per_iteration'] * 1e3:.2f} ms/iteration estimated "
-        f"(DP-EV {base['dp_ev'] / est['per_iteration']:.2f}×, DP-CP {base['dp_cp'] / est['per_iteration']:.2f}× slower); "
+        f"(speed-up over DP-EV {base['dp_ev'] / est['per_iteration']:.2f}×, over DP-CP {base['dp_cp'] / est['per_iteration']:.2f}×); "
         f"synthesis {stats['synthesis_seconds']:.3f} s, {stats['expanded']} states, {stats['stop_reason']}"
     )
     if show:

@@ -4,15 +4,17 @@ Alternates the core's search with the sharding-ratio LP (HAP §6, without its de
 start from FLOP/s-proportional ratios, search the cheapest program under the current
 ratios, solve the LP for that program, and repeat while the cost strictly improves.
 Each program is kept with the ratios it was optimized for. The data-parallel baselines
-(DP-EV: even split, DP-CP: FLOP/s-proportional split) are priced by the same cost model.
+(DP-EV: even split, DP-CP: FLOP/s-proportional split) are priced as DDP runs them
+(:func:`ddp_cost`), from the per-device speeds and collective costs of the same profile.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import msgpack
 
@@ -20,7 +22,52 @@ from hapd import __version__
 from hapd.errors import OptionsError, SynthesisError
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
 from hapd.profile.schema import Profile, load_profile
-from hapd.compiler.ratios import program_cost, solve_ratios
+from hapd.compiler.ratios import program_cost, row_values, solve_ratios
+
+
+MODES = ("auto", "data_parallel")
+"""What ``CompileOptions.mode`` may be."""
+MAX_ROUNDS_LIMIT = 1000
+"""Most search ⇄ LP rounds a compile may ask for."""
+MAX_STATES_LIMIT = 2**63 - 1
+"""Largest state budget (the core counts states in a 64-bit integer)."""
+MAX_FRONT_WIDTH = 2**63 - 1
+"""Largest front width (a 64-bit integer in the core)."""
+MAX_SEARCH_SECONDS = 7 * 24 * 3600.0
+"""Longest time budget of one search: a week (the core's timer takes finite seconds)."""
+
+
+def _int_option(name: str, value: Any, most: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionsError(f"{name} {value!r} must be an integer", field=name)
+    if not 1 <= value <= most:
+        raise OptionsError(f"{name} {value} must be in 1..{most}", field=name)
+
+
+def _bool_option(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise OptionsError(f"{name} {value!r} must be true or false", field=name)
+
+
+def _seconds_option(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptionsError(f"{name} {value!r} must be a number of seconds", field=name)
+    if not (math.isfinite(value) and 0 < value <= MAX_SEARCH_SECONDS):
+        raise OptionsError(f"{name} {value!r} must be a finite number of seconds in (0, {MAX_SEARCH_SECONDS:g}]", field=name)
+
+
+def _force_option(value: Any) -> None:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise OptionsError("force must map node names to rule names (strings)", field="force")
+
+
+def _ratios_option(value: Any) -> None:
+    if not isinstance(value, (tuple, list)) or not value:
+        raise OptionsError(f"ratios {value!r} must be a non-empty list of numbers", field="ratios")
+    if any(isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0 for r in value):
+        raise OptionsError(f"ratios {list(value)} must be finite numbers ≥ 0", field="ratios")
+    if abs(sum(value) - 1) > 1e-6:
+        raise OptionsError(f"ratios {list(value)} must sum to 1", field="ratios")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,16 +97,20 @@ class CompileOptions:
     """Use these sharding ratios instead of optimizing them."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "data_parallel"):
+        """Every field's type and range, checked here, before the core sees any of them
+        (the options come from the command line, the API and config files)."""
+        if not isinstance(self.mode, str) or self.mode not in MODES:
             raise OptionsError(f"mode {self.mode!r} is not auto or data_parallel", field="mode")
-        if self.max_rounds < 1:
-            raise OptionsError(f"max_rounds {self.max_rounds} must be ≥ 1", field="max_rounds")
-        if self.max_states < 1:
-            raise OptionsError(f"max_states {self.max_states} must be ≥ 1", field="max_states")
-        if self.front_width < 1:
-            raise OptionsError(f"front_width {self.front_width} must be ≥ 1", field="front_width")
-        if self.ratios is not None and (any(r < 0 for r in self.ratios) or abs(sum(self.ratios) - 1) > 1e-6):
-            raise OptionsError(f"ratios {list(self.ratios)} must be ≥ 0 and sum to 1", field="ratios")
+        _bool_option("zero", self.zero)
+        _bool_option("memory_caps", self.memory_caps)
+        _int_option("max_rounds", self.max_rounds, MAX_ROUNDS_LIMIT)
+        _int_option("max_states", self.max_states, MAX_STATES_LIMIT)
+        _int_option("front_width", self.front_width, MAX_FRONT_WIDTH)
+        if self.max_seconds is not None:
+            _seconds_option("max_seconds", self.max_seconds)
+        _force_option(self.force)
+        if self.ratios is not None:
+            _ratios_option(self.ratios)
 
     def key(self) -> dict[str, Any]:
         out = asdict(self)
@@ -121,14 +172,16 @@ class _Searched:
 
 @dataclass(frozen=True, kw_only=True)
 class _Baselines:
-    """The data-parallel baselines, priced by the same cost model."""
+    """The data-parallel baselines, priced as DDP runs them (:func:`ddp_cost`)."""
 
     dp_ev: float
-    """Cost of the data-parallel program under an even split."""
+    """DDP's seconds per iteration under an even split."""
     dp_cp: float
-    """Cost of the data-parallel program under the FLOP/s-proportional split."""
+    """DDP's seconds per iteration under the FLOP/s-proportional split."""
     dp_program: dict
-    """The data-parallel program searched under the FLOP/s-proportional split."""
+    """The data-parallel program searched under the FLOP/s-proportional split (what
+    hapd itself runs when it chooses data parallelism: ops without a batch-split rule
+    run replicated in it)."""
     flops: list[float]
     """The FLOP/s-proportional split."""
 
@@ -159,14 +212,56 @@ def _search_rounds(data: bytes, profile: Profile, options: CompileOptions, caps:
 
 
 def _baselines(data: bytes, profile: Profile, options: CompileOptions) -> _Baselines:
-    """Price the data-parallel program under the even (DP-EV) and FLOP/s-proportional
-    (DP-CP) splits."""
+    """DDP's time per iteration (:func:`ddp_cost`) under the even (DP-EV) and the
+    FLOP/s-proportional (DP-CP) splits, read off the data-parallel program's rows."""
     even = [1.0 / profile.world] * profile.world
-    dp_ev = program_cost(synthesize(data, profile, even, options, "data_parallel"), even)
     flops = profile.flops_ratios()
     dp_program = synthesize(data, profile, flops, options, "data_parallel")
-    dp_cp = program_cost(dp_program, flops)
-    return _Baselines(dp_ev=dp_ev, dp_cp=dp_cp, dp_program=dp_program, flops=flops)
+    return _Baselines(
+        dp_ev=ddp_cost(dp_program, even), dp_cp=ddp_cost(dp_program, flops), dp_program=dp_program, flops=flops
+    )
+
+
+def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
+    """Seconds per iteration of the step as DDP runs it with the batch split by
+    ``ratios``, priced from the rows of a data-parallel ``program``.
+
+    DDP runs the whole model on every rank on its share of the batch: **every op that
+    reads the batch** — opaque ops and ops hapd's rules cannot batch-split included —
+    does fraction ``r[d]`` of its forward and backward FLOPs on device ``d``, and needs
+    no collective; an op that reads only parameters and constants runs whole on every
+    rank. The only communication is the gradient all-reduce of every trainable
+    parameter (bucketed, as the core prices it). As in the cost model, each op costs
+    its slowest device's time and the iteration is the sum over ops plus the
+    all-reduce. A step's full work on device ``d`` is ``constant[d] + coef[d]`` of its
+    compute row (a replicated step has only the constant, a sharded one only the
+    coefficient), so the price does not depend on which rules the program chose.
+    """
+    batch = _batch_tensors(program)
+    compute = 0.0
+    sync = [0.0] * len(ratios)
+    for step in program["steps"]:
+        row = step["comp"]
+        split = any(i["tensor"] in batch for i in step["inputs"])
+        full = [c + k for c, k in zip(row["constant"], row["coef"])]
+        compute += max((w * r if split else w for w, r in zip(full, ratios)), default=0.0)
+        for source in step["sources"]:
+            if source["grad_sync"]:
+                sync = [s + v for s, v in zip(sync, row_values(source["cost"], ratios))]
+    return compute + max(sync, default=0.0)
+
+
+def _batch_tensors(program: Mapping[str, Any]) -> set[str]:
+    """Tensors that depend on a batch-split user input (in a data-parallel program the
+    inputs with a batch dim are the sources held in a ``Gather`` layout)."""
+    batch: set[str] = set()
+    for step in program["steps"]:
+        for source in step["sources"]:
+            if source["kind"] == "input" and source["layout"].startswith("Gather"):
+                batch.add(source["tensor"])
+        if any(i["tensor"] in batch for i in step["inputs"]):
+            batch.update(o["tensor"] for o in step["outputs"])
+    return batch
 
 
 def _prefer_data_parallel(

@@ -96,12 +96,25 @@ def split_lengths(program: Mapping[str, Any], ratios: list[float]) -> list[dict[
 
 
 def estimate(program: Mapping[str, Any], ratios: list[float]) -> dict[str, Any]:
+    """The plan's ``estimate``: seconds per iteration, per-device compute,
+    communication and memory under ``ratios``, and the replicated FLOP share."""
     return {
         "per_iteration": program_cost(program, ratios),
         "compute": per_device(program, ratios, "comp"),
         "communication": per_device(program, ratios, "comm"),
         "memory": row_values(program["memory"], ratios),
+        "replicated_flop_share": replicated_flop_share(program),
     }
+
+
+def replicated_flop_share(program: Mapping[str, Any]) -> float:
+    """The share of the program's forward FLOPs that every device runs whole: Σ flops of
+    the steps whose work is ``full`` (replicated, or on partial sums) over Σ flops of
+    all steps; 0 for a program without FLOPs. A pure data-parallel program of a model
+    whose every op has a batch-split rule has share 0."""
+    total = sum(float(step["flops"]) for step in program["steps"])
+    full = sum(float(step["flops"]) for step in program["steps"] if step["work"] == "full")
+    return full / total if total > 0 else 0.0
 
 
 def _fmt_s(seconds: float) -> str:
@@ -110,6 +123,13 @@ def _fmt_s(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.1f} µs"
+
+
+def _replicated_share(doc: Mapping[str, Any]) -> float:
+    """The plan's replicated FLOP share (computed for a plan written before the
+    estimate recorded it)."""
+    share = doc["estimate"].get("replicated_flop_share")
+    return float(share) if share is not None else replicated_flop_share(doc["program"])
 
 
 def explain(plan: Plan) -> str:
@@ -124,6 +144,7 @@ def explain(plan: Plan) -> str:
         f"estimated per iteration: {_fmt_s(est['per_iteration'])}"
         f"   DP-EV {_fmt_s(base['dp_ev'])} ({base['dp_ev'] / est['per_iteration']:.2f}×)"
         f"   DP-CP {_fmt_s(base['dp_cp'])} ({base['dp_cp'] / est['per_iteration']:.2f}×)",
+        f"replicated FLOPs: {_replicated_share(doc):.1%} of the forward FLOPs run whole on every device",
         f"synthesis: {stats['seconds']:.3f} s, {stats['expanded']} states expanded, "
         f"{stats['lp_rounds']} search/LP rounds, stop reason {stats['stop_reason']}",
         "devices:",

@@ -10,7 +10,8 @@ from hapd.compiler.lower import GraphIR
 
 def inspect_graph(source: GraphIR | bytes | str | Path) -> dict[str, Any]:
     """Validate a graph with the core and return its summary (ops by count,
-    parameters, buffers, inputs, opaque ops, graph id)."""
+    parameters, buffers, inputs, opaque ops, forward FLOPs of all ops and of the
+    opaque ones as the cost model prices them, graph id)."""
     from hapd import _core
 
     ir = _as_ir(source)
@@ -47,6 +48,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary["buffers"]:
         lines.append(f"buffers: {len(summary['buffers'])}")
         lines += [f"  {name:<40} {list(shape)}" for name, shape in summary["buffers"]]
+    lines.append(_flops_line(summary))
     lines.append("ops:")
     lines += [f"  {count:>5}  {op}" for op, count in sorted(summary["ops"], key=lambda oc: (-oc[1], oc[0]))]
     opaque = summary["opaque_ops"]
@@ -56,3 +58,19 @@ def format_summary(summary: dict[str, Any]) -> str:
     else:
         lines.append("opaque ops: none")
     return "\n".join(lines)
+
+
+def _flops_line(summary: dict[str, Any]) -> str:
+    """Forward FLOPs of the graph and the part opaque ops account for, as the cost
+    model prices them."""
+    total, opaque = summary["flops"], summary["opaque_flops"]
+    share = opaque / total if total > 0 else 0.0
+    return f"forward FLOPs: {_fmt_flops(total)} (opaque ops: {_fmt_flops(opaque)}, {share:.1%})"
+
+
+def _fmt_flops(flops: float) -> str:
+    """``1.23 GFLOP``-style rendering of a FLOP count."""
+    for scale, unit in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}FLOP"
+    return f"{flops:.0f} FLOP"
