@@ -3,13 +3,21 @@
 A parameter the plan keeps whole on every rank (``Identity``) gets only the part of its
 gradient that comes from this rank's share of the loss; :class:`GradSync` sums those
 parts over ranks during backward, so every replica ends with the exact gradient.
+
+Gradient accumulation is exact: a backward that finds a gradient which an earlier
+backward already summed sets it aside, sums only its own contribution over ranks and
+adds the two (``old + new``, as a single device accumulates). Inside
+:meth:`GradSync.no_sync` (DDP's ``no_sync``), backwards accumulate their local parts
+without communicating; the next backward outside it sums them all at once.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -58,13 +66,54 @@ class GradSync:
         self._handles: list[tuple[Any, Tensor, list[nn.Parameter]]] = []
         self._ready: list[int] = [0] * len(self.buckets)
         self._next = 0
+        self.enabled = True
+        """False inside :meth:`no_sync`: backwards accumulate local parts only."""
+        self._summed: dict[int, weakref.ref] = {}
+        """param id -> the gradient tensor the last sum wrote (it holds a summed value)."""
+        self._set_aside: dict[int, Tensor] = {}
+        """param id -> its summed gradient, set aside while a backward adds a new part."""
         self.active = dist.is_initialized() and dist.get_world_size(group) > 1
         if self.active:
             for p in params:
+                p.register_hook(self._before_accumulate(p))
                 p.register_post_accumulate_grad_hook(self._on_grad)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate this rank's parts without communicating; the
+        first backward after it sums everything accumulated (as DDP's ``no_sync``).
+        Step the optimizer only after such a synchronizing backward."""
+        before = self.enabled
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = before
+
+    def _before_accumulate(self, param: nn.Parameter):
+        """A hook run before autograd adds a new gradient part to ``param.grad``: a
+        gradient an earlier sum wrote is set aside, so that ``param.grad`` holds only
+        parts not yet summed over ranks."""
+        key = id(param)
+
+        def hook(grad: Tensor) -> None:
+            current = param.grad
+            ref = self._summed.pop(key, None)
+            if current is not None and ref is not None and ref() is current:
+                if key in self._set_aside:  # cannot happen: a summed grad is set aside once
+                    raise PlanError("gradient sync: a parameter's summed gradient was set aside twice")
+                self._set_aside[key] = current
+                param.grad = None
+            return None
+
+        return hook
 
     def reset(self) -> None:
         """Start a new backward pass; an incomplete previous one is an error."""
+        for bucket in self.buckets:  # set-aside gradients of parameters zeroed since are dropped
+            for p in bucket:
+                if p.grad is None:
+                    self._set_aside.pop(id(p), None)
         if self._next not in (0, len(self.buckets)) or any(self._ready[self._next :]):
             missing = [n for bucket in self.buckets[self._next :] for n in bucket if n.grad is None]
             raise PlanError(
@@ -77,6 +126,8 @@ class GradSync:
         self._relay = None
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        if not self.enabled:
+            return
         b = self._bucket_of[id(param)]
         self._ready[b] += 1
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
@@ -110,6 +161,10 @@ class GradSync:
                 n = p.numel()
                 p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
                 offset += n
+                earlier = self._set_aside.pop(id(p), None)
+                if earlier is not None:
+                    p.grad = earlier.add_(p.grad)  # old + new, as a single device accumulates
+                self._summed[id(p)] = weakref.ref(p.grad)
         self._handles = []
 
 

@@ -3,11 +3,14 @@
     torchrun --nproc-per-node 2 worker.py --model bert --profile paper-8
     torchrun --nproc-per-node 2 -m hapd.worker --model mlp --plan mlp.hplan
 
-Every rank builds the same model (same seed) and exports it for the global batch. The
-plan comes from ``--plan FILE``, or else rank 0 compiles it for ``--profile`` (an
-estimated homogeneous profile of this job's ranks when none is given) and sends it to
-the others: ranks never synthesize on their own. Each rank then runs
-:func:`hapd.runtime.rewrite.distribute`'s module on its piece of a synthetic global batch with
+Every rank builds the same model (same seed) and parallelizes it for the global batch
+with :func:`hapd.parallelize`. The plan comes from ``--plan FILE``, or else rank 0 asks
+the daemon at ``$HAPD_DAEMON`` (a cache hit, an LP-only re-plan or a compile there) and
+compiles it itself when none answers, for ``--profile`` (an estimated homogeneous
+profile of this job's ranks when none is given), and sends it to the others: ranks never
+synthesize on their own (:func:`hapd.runtime.api.obtain_plan`; rank 0 prints where the
+plan came from and how long it took). Each rank then runs its module on its piece of a
+synthetic global batch with
 Adam and reports its per-iteration times (see :mod:`hapd.runtime.training` for the output
 lines; system ``"hapd"``; ``loss`` is the global-batch loss of the last timed
 iteration, and ``estimate_s`` the plan's predicted seconds per iteration).
@@ -21,18 +24,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from hapd import models
 from hapd.compiler.driver import CompileOptions
-from hapd.compiler.driver import compile as compile_plan
 from hapd.errors import HapdError
-from hapd.compiler.export import export
-from hapd.compiler.lower import lower
-from hapd.compiler.plan import Plan
-from hapd.profile.schema import Profile, estimated_profile, load_profile
-from hapd.runtime.rewrite import RankModule, distribute, global_loss
+from hapd.profile.schema import Profile
+from hapd.runtime.api import ParallelModule, job_profile as _job_profile, parallelize
 from hapd.runtime.training import (DistEnv, TrainArgs, add_train_flags, host_groups, init_distributed, parse_train_args,
                            report, shutdown, train)
 
@@ -49,32 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def job_profile(args: TrainArgs, world: int) -> Profile:
     """``--profile``, or an estimated homogeneous profile of ``world`` ranks."""
-    if args.profile is not None:
-        return load_profile(args.profile, world_size=world)
-    return estimated_profile(world, name=f"estimated-{world}")
-
-
-def obtain_plan(args: TrainArgs, ns: argparse.Namespace, env: DistEnv, program) -> tuple[Plan, str]:
-    """The job's plan and where it came from; rank 0 compiles, every rank gets its bytes."""
-    if ns.plan is not None:
-        return Plan.load(ns.plan), f"file {ns.plan}"
-    payload: list[bytes | None] = [None]
-    error: list[str | None] = [None]
-    if env.rank == 0:
-        try:
-            plan = compile_plan(lower(program, name=args.model), job_profile(args, env.world),
-                                CompileOptions(mode=ns.mode))
-            payload[0] = plan.to_bytes()
-        except HapdError as exc:
-            error[0] = f"{type(exc).__name__}: {exc}"
-    if env.world > 1:
-        box = [payload[0], error[0]]
-        dist.broadcast_object_list(box, src=0)
-        payload[0], error[0] = box
-    if error[0] is not None:
-        raise HapdError(f"rank 0 could not compile the plan: {error[0]}")
-    assert payload[0] is not None
-    return Plan.from_bytes(payload[0]), "compiled by rank 0"
+    return _job_profile(args.profile, world)
 
 
 def global_inputs(args: TrainArgs, env: DistEnv, config) -> tuple[Tensor, ...]:
@@ -86,7 +59,7 @@ def global_inputs(args: TrainArgs, env: DistEnv, config) -> tuple[Tensor, ...]:
 class PlanStep:
     """Forward and backward of one iteration; ``last_loss`` is this rank's loss part."""
 
-    def __init__(self, module: RankModule, inputs: Sequence[Tensor]):
+    def __init__(self, module: ParallelModule, inputs: Sequence[Tensor]):
         self.module, self.inputs = module, tuple(inputs)
         self.last_loss: Tensor | None = None
 
@@ -102,10 +75,11 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     model, config = args.build()
     model = model.to(dtype=args.torch_dtype)
     full = global_inputs(args, env, config)
-    program = export(model, tuple(t.cpu() for t in full), batch_dims=spec.batch_dims)
-    plan, source = obtain_plan(args, ns, env, program)
-    module = distribute(program, plan, env.rank, world=env.world, device=env.device, hosts=host_groups(env))
-    del program, model  # the rank keeps only its pieces
+    module = parallelize(model, tuple(t.cpu() for t in full), profile=job_profile(args, env.world), plan=ns.plan,
+                         options=CompileOptions(mode=ns.mode), batch_dims=spec.batch_dims, name=args.model,
+                         device=env.device, hosts=host_groups(env))
+    del model  # the rank keeps only its pieces
+    plan, source = module.plan, module.plan_source
     inputs = module.shard_inputs(*full)
     optimizer = torch.optim.Adam(module.parameters(), lr=args.lr)
     step = PlanStep(module, inputs)
@@ -113,11 +87,11 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     assert step.last_loss is not None
     extra = {
         "batch": args.batch, "size": args.size, "dtype": args.dtype, "profile": plan.key["profile_name"],
-        "plan": source, "mode": ns.mode, "estimate_s": plan.estimate["per_iteration"],
+        "plan": source.origin, "plan_s": source.seconds, "mode": ns.mode, "estimate_s": plan.estimate["per_iteration"],
         "ratios": plan.ratios, "chosen_from": plan.doc["stats"].get("chosen_from"),
     }
     return report(env, system="hapd", model=args.model, times=times, warmup=args.warmup,
-                  loss=global_loss(step.last_loss), extra=extra, json_path=args.json)
+                  loss=module.global_loss(step.last_loss), extra=extra, json_path=args.json)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,548 @@
+"""The public training API: :func:`parallelize` a model, train it with any optimizer.
+
+    import hapd, torch
+    module = hapd.parallelize(model, example_batch)        # collective: every rank calls it
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    for batch in hapd.loader(dataset, module):             # this rank's samples only
+        optimizer.zero_grad(set_to_none=True)
+        module(*batch).backward()                          # this rank's part of the loss
+        module.clip_grad_norm_(1.0)
+        optimizer.step()
+    torch.save(module.full_state_dict(), "model.pt")       # the single-device names and shapes
+
+The model's ``forward`` returns the scalar loss of a batch (the labels among its inputs),
+as for :func:`hapd.export`. :func:`parallelize` exports it for ``example_inputs`` (the
+global batch every step has), gets a plan (:func:`obtain_plan`: a given plan, the
+daemon at ``$HAPD_DAEMON``, or a compile on rank 0; every other rank receives its bytes)
+and returns this rank's :class:`ParallelModule`. With one process and no process group
+it runs the plan for one device.
+
+:func:`obtain_plan` is also how ``worker.py`` gets its plan, so both say where a plan
+came from and how long it took (``plan: daemon cache hit, 2 ms``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hapd.compiler.driver import CompileOptions
+from hapd.compiler.lower import GraphIR
+from hapd.compiler.plan import Plan
+from hapd.errors import HapdError, OptionsError, PlanError, UnsupportedOpError
+from hapd.profile.schema import Profile, estimated_profile, load_profile
+from hapd.runtime.rewrite import IDENTITY, RankModule, distribute, gather_dim, global_loss
+
+DAEMON_PING_S = 2.0
+"""How long rank 0 waits for the daemon to answer a ping before compiling itself."""
+
+DAEMON_COMPILE_S = 600.0
+"""How long rank 0 waits for the daemon's plan."""
+
+MODE_DEPENDENT_OPS = frozenset({
+    "aten.native_dropout.default", "aten.dropout.default", "aten.feature_dropout.default",
+    "aten.alpha_dropout.default", "aten.feature_alpha_dropout.default",
+    "aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.default",
+    "aten.native_batch_norm.default", "aten.batch_norm.default", "aten._batch_norm_with_update_functional.default",
+    "aten._batch_norm_with_update.default", "aten.rrelu_with_noise.default",
+})
+"""Ops that compute differently in ``eval()`` mode: the exported (training-mode) graph
+cannot stand for the model's eval forward where they occur."""
+
+
+# --------------------------------------------------------------------------------------
+# The plan: given, from the daemon, or compiled on rank 0
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanSource:
+    """A plan, where it came from and how long getting it took (on rank 0)."""
+
+    plan: Plan
+    origin: str
+    """``"daemon cache hit"``, ``"daemon LP-only re-plan"``, ``"compiled by the daemon"``,
+    ``"compiled on rank 0"`` (with the reason the daemon was not used, if one was
+    named), ``"file PATH"`` or ``"given"``."""
+    seconds: float
+
+    def describe(self) -> str:
+        """``plan: daemon cache hit, 2 ms``."""
+        return f"plan: {self.origin}, {_format_duration(self.seconds)}"
+
+
+def _format_duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+_DAEMON_ORIGIN = {"hit": "daemon cache hit", "lp-only": "daemon LP-only re-plan", "miss": "compiled by the daemon"}
+
+
+def daemon_key_path() -> Path:
+    """The key file to sign daemon requests with: ``$HAPD_KEY_FILE``; else, under a
+    daemon that launched this rank (``$HAPD_CACHE`` is its cache folder, which lies in
+    its state folder beside its key), that key; else the default key file."""
+    from hapd.serve.keys import default_key_path
+
+    if os.environ.get("HAPD_KEY_FILE"):
+        return default_key_path()
+    cache = os.environ.get("HAPD_CACHE")
+    if cache:
+        beside = Path(cache).expanduser().parent / "key"
+        if beside.is_file():
+            return beside
+    return default_key_path()
+
+
+def plan_from_daemon(graph: GraphIR, profile: Profile, options: CompileOptions, *,
+                     address: str | None = None) -> tuple[bytes, str]:
+    """``(plan bytes, origin)`` from the daemon at ``address`` (default
+    ``$HAPD_DAEMON``): a cache hit, an LP-only re-plan of a cached program, or a compile
+    there. Raises :class:`~hapd.errors.HapdError` when there is no daemon, it does not
+    answer, or it refuses."""
+    import json
+
+    from hapd.serve.client import Client
+
+    address = address or os.environ.get("HAPD_DAEMON")
+    if not address:
+        raise HapdError("HAPD_DAEMON is not set")
+    profile_doc = json.loads(profile.to_json())
+    with Client(address, daemon_key_path(), DAEMON_PING_S) as client:
+        client.ping()
+        data, cache = client.compile(graph.data, "hapg", profile=profile_doc, options=options.key(),
+                                     timeout_s=DAEMON_COMPILE_S)
+    return bytes(data), _DAEMON_ORIGIN.get(cache, f"daemon ({cache})")
+
+
+def _plan_on_rank_zero(graph: GraphIR, profile: Profile, options: CompileOptions, use_daemon: bool) -> tuple[bytes, str]:
+    """Rank 0's plan bytes: from the daemon when one answers, else compiled here."""
+    from hapd.compiler.driver import compile as compile_plan
+
+    why = ""
+    if use_daemon and os.environ.get("HAPD_DAEMON"):
+        try:
+            return plan_from_daemon(graph, profile, options)
+        except HapdError as exc:
+            why = f" (daemon at {os.environ['HAPD_DAEMON']}: {type(exc).__name__}: {str(exc)[:200]})"
+    return compile_plan(graph, profile, options).to_bytes(), f"compiled on rank 0{why}"
+
+
+def _src_rank(group: Any) -> int:
+    """The global rank of the group's rank 0."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def obtain_plan(graph: GraphIR, *, world: int, rank: int, profile: Profile | str | Path | Mapping | None = None,
+                options: CompileOptions | Mapping[str, Any] | None = None, plan: Plan | str | Path | bytes | None = None,
+                group: Any = None, use_daemon: bool = True) -> PlanSource:
+    """The job's plan for ``graph``; collective when ``world > 1`` (every rank calls it).
+
+    ``plan`` (a :class:`Plan`, its bytes or a ``.hplan`` path) is used as is. Otherwise
+    rank 0 asks the daemon at ``$HAPD_DAEMON`` (``use_daemon``) and compiles itself when
+    none answers, for ``profile`` (default: an estimated homogeneous profile of
+    ``world`` devices) and ``options``; the bytes are broadcast to every rank, so ranks
+    never synthesize on their own. Every rank checks the plan is for ``graph`` and
+    ``world``; :class:`~hapd.errors.PlanError` otherwise, and on every rank when rank 0
+    failed to get one.
+    """
+    start = time.perf_counter()
+    if plan is not None:
+        found, origin = _given_plan(plan)
+        source = PlanSource(found, origin, time.perf_counter() - start)
+    else:
+        box: list[Any] = [None, None, "", 0.0]  # bytes, error, origin, seconds
+        if rank == 0:
+            try:
+                data, origin = _plan_on_rank_zero(graph, job_profile(profile, world), compile_options(options), use_daemon)
+                box = [data, None, origin, time.perf_counter() - start]
+            except HapdError as exc:
+                box = [None, f"{type(exc).__name__}: {exc}", "", 0.0]
+        if world > 1:
+            dist.broadcast_object_list(box, src=_src_rank(group), group=group)
+        data, error, origin, seconds = box
+        if error is not None:
+            raise PlanError(f"rank 0 could not get a plan: {error}")
+        source = PlanSource(Plan.from_bytes(data), origin, float(seconds))
+    _check_plan_fits(source.plan, graph, world)
+    return source
+
+
+def _given_plan(plan: Plan | str | Path | bytes) -> tuple[Plan, str]:
+    if isinstance(plan, Plan):
+        return plan, "given"
+    if isinstance(plan, (bytes, bytearray)):
+        return Plan.from_bytes(bytes(plan)), "given"
+    return Plan.load(plan), f"file {plan}"
+
+
+def _check_plan_fits(plan: Plan, graph: GraphIR, world: int) -> None:
+    if plan.key.get("graph_id") != graph.graph_id:
+        raise PlanError(f"the plan was compiled for graph {str(plan.key.get('graph_id'))[:12]}…, this program is "
+                        f"{graph.graph_id[:12]}… (a different model, batch size or torch version)")
+    devices = int(plan.program["devices"])
+    if devices != world:
+        raise PlanError(f"the plan is for {devices} devices, this job has {world} ranks")
+
+
+def job_profile(profile: Profile | str | Path | Mapping | None, world: int) -> Profile:
+    """``profile`` loaded for ``world`` ranks, or an estimated homogeneous one."""
+    if profile is None:
+        return estimated_profile(world, name=f"estimated-{world}")
+    return load_profile(profile, world_size=world)
+
+
+def compile_options(options: CompileOptions | Mapping[str, Any] | None) -> CompileOptions:
+    """``options`` as :class:`CompileOptions` (a map gives its fields)."""
+    if options is None:
+        return CompileOptions()
+    if isinstance(options, CompileOptions):
+        return options
+    try:
+        fields = dict(options)
+        if fields.get("ratios") is not None:
+            fields["ratios"] = tuple(fields["ratios"])
+        return CompileOptions(**fields)
+    except TypeError as exc:
+        raise OptionsError(f"bad compile options: {exc}", field="options") from exc
+
+
+# --------------------------------------------------------------------------------------
+# parallelize
+# --------------------------------------------------------------------------------------
+
+
+def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
+                profile: Profile | str | Path | Mapping | None = None, plan: Plan | str | Path | bytes | None = None,
+                options: CompileOptions | Mapping[str, Any] | None = None, batch_dims: Sequence[int | None] | None = None,
+                name: str | None = None, device: torch.device | str | None = None, group: Any = None,
+                hosts: Any = "auto", use_daemon: bool = True, verbose: bool = True) -> "ParallelModule":
+    """This rank's :class:`ParallelModule` of ``model``, trained on batches shaped like
+    ``example_inputs`` (the *global* batch, the same on every rank). Collective.
+
+    Exports ``model`` (``batch_dims``: each input's batch dim, default 0), gets the plan
+    (:func:`obtain_plan`: ``plan``, or the daemon's or rank 0's for ``profile`` and
+    ``options``) and distributes it (:func:`hapd.distribute`). Every rank must build
+    ``model`` with the same parameters (the same seed, or a loaded state dict): each
+    keeps only its pieces. ``device``: where this rank's pieces live (default: the
+    current CUDA device with NCCL, else where the model's parameters are). ``hosts``:
+    ``"auto"`` sums replicated gradients in two levels across hosts when the ranks of
+    several hosts share it (torchrun's ``GROUP_RANK``); None: one flat all-reduce.
+    With ``verbose``, rank 0 prints where the plan came from and how long it took.
+
+    Joins the job torchrun started when ``WORLD_SIZE`` is set and no process group
+    exists; one process without either runs the plan for one device.
+    """
+    from hapd.compiler.export import export, user_input_names
+    from hapd.compiler.lower import lower
+
+    _join_job_if_launched()
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    example_inputs = tuple(example_inputs)
+    program = export(model, example_inputs, batch_dims=batch_dims)
+    if batch_dims is None:
+        batch_dims = [0 if t.dim() > 0 else None for t in example_inputs]
+    graph = lower(program, name=name or type(model).__name__,
+                  batch_dims=dict(zip(user_input_names(program), batch_dims)))
+    source = obtain_plan(graph, world=world, rank=rank, profile=profile, options=options, plan=plan, group=group,
+                         use_daemon=use_daemon)
+    if verbose and rank == 0:
+        print(source.describe(), flush=True)
+    host_groups = _host_groups(group, world) if hosts == "auto" else hosts
+    inner = distribute(program, source.plan, rank, world=world, group=group, device=_default_device(model, device),
+                       check_graph=False, hosts=host_groups)
+    extra = _state_outside_plan(model, inner)
+    return ParallelModule(inner, source, group=group, aliases=_aliases(model, inner), extra=extra)
+
+
+def _join_job_if_launched() -> None:
+    """Join torchrun's job (``WORLD_SIZE`` > 1) when no process group exists yet."""
+    if dist.is_initialized():
+        return
+    world = os.environ.get("WORLD_SIZE")
+    if world and world.isdigit() and int(world) > 1:
+        from hapd.runtime.training import init_distributed
+
+        init_distributed()
+
+
+def _default_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _host_groups(group: Any, world: int) -> Any:
+    """Two-level gradient sums across hosts (torchrun's ``GROUP_RANK`` of every rank),
+    or None on one host, with one rank per host, or in a sub-group."""
+    if world == 1 or group is not None:
+        return None
+    from hapd.runtime.collectives import host_groups
+
+    nodes: list[Any] = [None] * world
+    raw = os.environ.get("GROUP_RANK", "0")
+    dist.all_gather_object(nodes, int(raw) if raw.isdigit() else 0)
+    return host_groups([int(n) for n in nodes])
+
+
+def _aliases(model: nn.Module, inner: RankModule) -> dict[str, str]:
+    """state-dict key -> the key the rank module holds it under, for keys naming the
+    same tensor as another (tied weights: GPT-2's ``lm_head.weight``)."""
+    held = set(inner.hapd_params) | set(inner.hapd_buffers) | set(inner.hapd_updated)
+    by_tensor: dict[int, str] = {}
+    state = model.state_dict(keep_vars=True)
+    for key, tensor in state.items():
+        if key in held:
+            by_tensor.setdefault(id(tensor), key)
+    return {key: by_tensor[id(t)] for key, t in state.items() if key not in held and id(t) in by_tensor}
+
+
+def _state_outside_plan(model: nn.Module, inner: RankModule) -> dict[str, Tensor]:
+    """Copies of the state-dict entries no step of the plan reads (parameters the loss
+    does not use): training cannot change them, and the full state dict keeps them."""
+    held = set(inner.hapd_params) | set(inner.hapd_buffers) | set(inner.hapd_updated)
+    aliases = _aliases(model, inner)
+    return {k: t.detach().clone() for k, t in model.state_dict().items() if k not in held and k not in aliases}
+
+
+# --------------------------------------------------------------------------------------
+# The module users train
+# --------------------------------------------------------------------------------------
+
+
+class ParallelModule(nn.Module):
+    """One rank's part of a parallelized model.
+
+    ``forward(*local_inputs)`` returns this rank's part of the loss: the sum over ranks
+    is the single-device loss (:meth:`global_loss`), and after ``backward()`` every
+    parameter this rank holds has its exact gradient. :meth:`parameters` are this rank's
+    pieces, for any torch optimizer and LR scheduler.
+    """
+
+    def __init__(self, inner: RankModule, source: PlanSource, *, group: Any = None,
+                 aliases: Mapping[str, str] | None = None, extra: Mapping[str, Tensor] | None = None):
+        super().__init__()
+        self.inner = inner
+        self.plan_source = source
+        self.group = group
+        self.aliases = dict(aliases or {})
+        self.extra = dict(extra or {})
+        self._mode_dependent = [(n.name, str(n.target)) for n in inner.graph.nodes
+                                if n.op == "call_function" and str(n.target) in MODE_DEPENDENT_OPS]
+
+    # -- what the plan says --------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        return self.plan_source.plan
+
+    @property
+    def rank(self) -> int:
+        return self.inner.hapd_view.rank
+
+    @property
+    def world(self) -> int:
+        return self.inner.hapd_view.world
+
+    def input_layouts(self) -> list[tuple[str, str]]:
+        """(input name, layout) of each forward argument."""
+        return list(self.inner.hapd_inputs)
+
+    def global_shapes(self) -> list[list[int]]:
+        """The shape of each input of the global batch the plan was compiled for."""
+        view = self.inner.hapd_view
+        return [view.full_shape(n) if n in view.tensors else [] for n, _ in self.inner.hapd_inputs]
+
+    def sample_lengths(self) -> list[int] | None:
+        """Samples of each global batch every rank reads, when every input is split
+        along dim 0 with the same lengths (data-parallel inputs); None when some rank
+        needs more of the batch (an input replicated or split along another dim)."""
+        if self.world == 1:
+            shapes = self.global_shapes()
+            return [shapes[0][0]] if shapes and shapes[0] else None
+        found: list[int] | None = None
+        for name, layout in self.inner.hapd_inputs:
+            if gather_dim(layout) != 0:
+                return None
+            lengths = self.inner.hapd_view.lengths(name, 0)
+            if found is not None and lengths != found:
+                return None
+            found = lengths
+        return found
+
+    def shard_inputs(self, *global_batch: Tensor) -> tuple[Tensor, ...]:
+        """This rank's pieces of the global batch, in forward order."""
+        return self.inner.shard_inputs(*global_batch)
+
+    # -- running -------------------------------------------------------------------------
+
+    def forward(self, *local_inputs: Tensor) -> Tensor:
+        """This rank's part of the loss of the global batch whose pieces these are."""
+        if not self.training and self._mode_dependent:
+            node, op = self._mode_dependent[0]
+            raise UnsupportedOpError(
+                f"eval() forward: op {op} at node {node} computes differently in eval mode, and the plan is for the "
+                "training-mode graph; evaluate the single-device model loaded with full_state_dict(), or "
+                "parallelize a model exported in eval mode", node=node)
+        expected = self.inner.local_shapes()
+        got = [list(t.shape) for t in local_inputs]
+        if len(got) != len(expected) or any(e and g != e for g, e in zip(got, expected)):
+            raise PlanError(f"rank {self.rank}: inputs of shapes {got}, the plan runs {expected} on this rank "
+                            "(a batch of another size needs a plan for that size)")
+        return self.inner(*local_inputs)
+
+    def global_loss(self, local: Tensor) -> float:
+        """The single-device loss from this rank's part (collective)."""
+        return global_loss(local, self.group)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate gradients without communicating (DDP's
+        ``no_sync``); the next backward outside it sums them over ranks. Without it,
+        accumulating over micro-batches is exact too, at one gradient sum per backward."""
+        with self.inner.hapd_sync.no_sync():
+            yield
+
+    # -- parameters ----------------------------------------------------------------------
+
+    def parameter_layouts(self) -> dict[str, str]:
+        """Each parameter's layout (``Identity``: replicated; ``Gather(d)``: split on d)."""
+        return {name: layout for name, (_tensor, layout) in self.inner.hapd_params.items()}
+
+    def _params_by_kind(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(split, replicated) trainable parameters with gradients."""
+        split, replicated = [], []
+        for name, param in self.inner.named_parameters():
+            if param.grad is None:
+                continue
+            layout = self.inner.hapd_params[name][1]
+            if layout == IDENTITY:
+                replicated.append(param)
+            elif gather_dim(layout) is not None:
+                split.append(param)
+            else:
+                raise PlanError(f"parameter {name} is held as {layout}: cannot take its norm", node=name)
+        return split, replicated
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """Scale every gradient so that the norm of all of them together (the
+        single-device model's, as :func:`torch.nn.utils.clip_grad_norm_`) is at most
+        ``max_norm``; returns that total norm. Split parameters' pieces are summed over
+        ranks, replicated ones counted once. Collective."""
+        norm_type = float(norm_type)
+        split, replicated = self._params_by_kind()
+        device = next((p.grad.device for p in split + replicated), torch.device("cpu"))
+        if math.isinf(norm_type):
+            local = _max_abs(split, device)
+            if self.world > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            total = torch.maximum(local, _max_abs(replicated, device))
+        else:
+            local = _power_sum(split, norm_type, device)
+            if self.world > 1:
+                dist.all_reduce(local, group=self.group)
+            total = (local + _power_sum(replicated, norm_type, device)) ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in split + replicated:
+            p.grad.mul_(coef.to(p.grad.dtype))
+        return total
+
+    # -- the single-device state dict ----------------------------------------------------
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The single-device model's state dict (its keys and full shapes, on the CPU),
+        gathered from every rank's pieces. Collective: every rank gets it."""
+        inner = self.inner
+        out: dict[str, Tensor] = {}
+        params = dict(inner.named_parameters(remove_duplicate=False))  # every name of a tied one
+        for key, (tensor, layout) in inner.hapd_params.items():
+            out[key] = self._whole(tensor, layout, params[key].detach())
+        for key, (tensor, layout, attr) in inner.hapd_buffers.items():
+            out[key] = self._whole(tensor, layout, inner.get_buffer(attr))
+        for key in inner.hapd_updated:
+            out[key] = inner.get_buffer(key).detach().cpu().clone()
+        for key, value in self.extra.items():
+            out[key] = value.clone()
+        for key, target in self.aliases.items():
+            out[key] = out[target]
+        return out
+
+    def _whole(self, tensor: str, layout: str, local: Tensor) -> Tensor:
+        d = gather_dim(layout)
+        if d is not None and self.world > 1:
+            from hapd.runtime.collectives import all_gather
+
+            local = all_gather(local.contiguous(), d, self.inner.hapd_view.lengths(tensor, d), group=self.group)
+        elif d is None and layout != IDENTITY:
+            raise PlanError(f"tensor {tensor} is held as {layout}: no whole value to gather", node=tensor)
+        return local.detach().cpu().clone()
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
+        """Load a single-device state dict (as :meth:`full_state_dict` gives, or the
+        model's own): every rank copies its pieces. With ``strict``, missing and
+        unexpected keys are a :class:`~hapd.errors.PlanError`."""
+        inner = self.inner
+        expected = set(inner.hapd_params) | set(inner.hapd_buffers) | set(inner.hapd_updated) | set(self.extra)
+        if strict:
+            missing = sorted(expected - set(state_dict))
+            unexpected = sorted(set(state_dict) - expected - set(self.aliases))
+            if missing or unexpected:
+                raise PlanError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
+        params = dict(inner.named_parameters(remove_duplicate=False))  # every name of a tied one
+        for key, (tensor, layout) in inner.hapd_params.items():
+            if key in state_dict:
+                self._load_piece(key, tensor, layout, state_dict[key], params[key])
+        for key, (tensor, layout, attr) in inner.hapd_buffers.items():
+            if key in state_dict:
+                self._load_piece(key, tensor, layout, state_dict[key], inner.get_buffer(attr))
+        for key in inner.hapd_updated:
+            if key in state_dict:
+                self._load_piece(key, key, IDENTITY, state_dict[key], inner.get_buffer(key))
+        for key in self.extra:
+            if key in state_dict:
+                self.extra[key] = state_dict[key].detach().clone()
+
+    def _load_piece(self, key: str, tensor: str, layout: str, value: Tensor, into: Tensor) -> None:
+        view = self.inner.hapd_view
+        full = view.full_shape(tensor) if tensor in view.tensors else list(into.shape)
+        if list(value.shape) != full:
+            raise PlanError(f"load_full_state_dict: {key} has shape {list(value.shape)}, the model's is {full}", node=key)
+        into.copy_(view.local_value(tensor, layout, value.detach().to(into.device)))
+
+
+def _power_sum(params: Sequence[nn.Parameter], norm_type: float, device: torch.device) -> Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        total += torch.linalg.vector_norm(p.grad.detach(), norm_type).to(torch.float32) ** norm_type
+    return total
+
+
+def _max_abs(params: Sequence[nn.Parameter], device: torch.device) -> Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if p.grad.numel():
+            total = torch.maximum(total, p.grad.detach().abs().max().to(torch.float32))
+    return total
+
+
+__all__ = ["MODE_DEPENDENT_OPS", "ParallelModule", "PlanSource", "compile_options", "daemon_key_path", "job_profile",
+           "obtain_plan", "parallelize", "plan_from_daemon"]

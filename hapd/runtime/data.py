@@ -1,0 +1,213 @@
+"""Uneven data loading: each rank reads only its share of every global batch.
+
+A plan splits the global batch of ``B`` samples into per-rank lengths
+``lengths[0] + … + lengths[world-1] = B`` (uneven on a mixed cluster).
+:class:`UnevenBatchSampler` yields, for one rank, the indices of its contiguous share of
+each global batch of a shuffled epoch, so the pieces the ranks read are exactly what
+:meth:`hapd.runtime.rewrite.RankModule.shard_inputs` would cut from the collated global
+batch::
+
+    sampler = hapd.UnevenBatchSampler(len(dataset), lengths=[3, 1], rank=rank, seed=0)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for indices in sampler: ...          # this rank's indices of one global batch
+
+The epoch's order is ``torch.randperm`` seeded with ``seed + epoch`` (the same on
+every rank, so the ranks' shares partition it): every sample is read exactly once per
+epoch across ranks. The last ``len(dataset) % B`` samples form a short batch, dropped
+with ``drop_last`` or else split by the same ratios (largest remainder).
+:class:`UnevenSampler` is the flat-index form (like ``DistributedSampler``), and
+:func:`loader` gives a rank the ``DataLoader`` of a :class:`~hapd.runtime.api.ParallelModule`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+from hapd.errors import OptionsError
+
+
+def _size_of(data: Any) -> int:
+    return data if isinstance(data, int) else len(data)
+
+
+def tail_lengths(lengths: Sequence[int], tail: int) -> list[int]:
+    """``tail`` samples split in the ratios of ``lengths`` (largest remainder, ties to
+    the lower rank, as the plan splits its batch)."""
+    from hapd.compiler.ratios import sharding_lengths
+
+    return sharding_lengths([float(n) for n in lengths], tail)
+
+
+class UnevenBatchSampler(Sampler[list[int]]):
+    """One rank's indices of every global batch of an epoch (see the module docstring).
+
+    ``data``: the dataset or its size. ``lengths``: every rank's samples per global
+    batch (the plan's split; :meth:`~hapd.runtime.api.ParallelModule.sample_lengths`).
+    ``start_batch`` / :meth:`load_state_dict` skip the batches an interrupted epoch has
+    already read (resuming mid-epoch).
+    """
+
+    def __init__(self, data: Dataset | Sequence | int, lengths: Sequence[int], rank: int, *, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False):
+        self.size = _size_of(data)
+        self.lengths = [int(n) for n in lengths]
+        if not self.lengths or any(n < 0 for n in self.lengths) or sum(self.lengths) < 1:
+            raise OptionsError(f"lengths {self.lengths} must be ≥ 0 with a positive sum", field="lengths")
+        if not 0 <= rank < len(self.lengths):
+            raise OptionsError(f"rank {rank} is not in 0..{len(self.lengths) - 1}", field="rank")
+        if self.size < 0:
+            raise OptionsError(f"dataset size {self.size} is negative", field="data")
+        self.rank, self.shuffle, self.seed, self.drop_last = rank, shuffle, int(seed), drop_last
+        self.epoch = 0
+        self.start_batch = 0
+
+    @property
+    def global_batch(self) -> int:
+        return sum(self.lengths)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order from the next iteration on (from its first batch)."""
+        self.epoch = int(epoch)
+        self.start_batch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Where to resume: the epoch and the batches of it already read (pass the count
+        of batches the training loop consumed)."""
+        return {"epoch": self.epoch, "start_batch": self.start_batch, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.start_batch, self.seed = int(state["epoch"]), int(state["start_batch"]), int(state["seed"])
+
+    def order(self, epoch: int | None = None) -> Tensor:
+        """The epoch's sample order (the same on every rank)."""
+        epoch = self.epoch if epoch is None else epoch
+        if not self.shuffle:
+            return torch.arange(self.size)
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def batch_lengths(self) -> list[list[int]]:
+        """Every rank's lengths of each batch of an epoch (the last may be short)."""
+        full, tail = divmod(self.size, self.global_batch)
+        out = [list(self.lengths)] * full
+        if tail and not self.drop_last:
+            out.append(tail_lengths(self.lengths, tail))
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self.order().tolist()
+        for b, lengths in enumerate(self.batch_lengths()):
+            if b < self.start_batch:
+                continue
+            start = b * self.global_batch + sum(lengths[: self.rank])
+            yield order[start : start + lengths[self.rank]]
+
+    def __len__(self) -> int:
+        return max(0, len(self.batch_lengths()) - self.start_batch)
+
+
+class UnevenSampler(Sampler[int]):
+    """The flat indices of :class:`UnevenBatchSampler` (this rank's samples of each
+    global batch in turn), for ``DataLoader(sampler=…, batch_size=lengths[rank])``
+    when there is no short last batch."""
+
+    def __init__(self, data: Dataset | Sequence | int, lengths: Sequence[int], rank: int, **kwargs: Any):
+        self.batches = UnevenBatchSampler(data, lengths, rank, **kwargs)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batches.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self.batches:
+            yield from batch
+
+    def __len__(self) -> int:
+        b = self.batches
+        return sum(lengths[b.rank] for lengths in b.batch_lengths()[b.start_batch :])
+
+
+class _Collate:
+    """``collate_fn`` that also collates an empty share (a rank of length 0): one sample,
+    collated, then cut to zero rows."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any]):
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __call__(self, samples: list) -> Any:
+        if samples:
+            return self.collate_fn(samples)
+        return _narrow_empty(self.collate_fn([self.dataset[0]]))
+
+
+def _narrow_empty(batch: Any) -> Any:
+    if isinstance(batch, Tensor):
+        return batch[:0]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_narrow_empty(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _narrow_empty(v) for k, v in batch.items()}
+    return batch
+
+
+class RankLoader:
+    """A rank's batches for a :class:`~hapd.runtime.api.ParallelModule`: each item is
+    the tuple of this rank's forward inputs of one global batch."""
+
+    def __init__(self, loader: DataLoader, sampler: UnevenBatchSampler, module: Any, split: bool,
+                 device: torch.device | None):
+        self.loader, self.sampler, self.module, self.split, self.device = loader, sampler, module, split, device
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
+        for batch in self.loader:
+            inputs = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
+            if self.device is not None:
+                inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
+            yield inputs if self.split else self.module.shard_inputs(*inputs)
+
+
+def loader(dataset: Dataset, module: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+           collate_fn: Callable[[list], Any] | None = None, device: torch.device | str | None = "auto",
+           **dataloader_kwargs: Any) -> RankLoader:
+    """This rank's loader of ``dataset`` for ``module`` (a ParallelModule): batches of the
+    global size the plan was compiled for, of which this rank reads only its samples when
+    the plan splits every input along dim 0 (else it reads whole batches and keeps its
+    pieces). A sample is a tuple of tensors in forward order (collated along dim 0).
+    ``device``: where batches go (``"auto"``: where the module's parameters are).
+
+    A short last batch needs a plan for its size, which a module does not have: keep
+    ``drop_last`` (the default), or use a dataset whose size the global batch divides.
+    """
+    shapes = module.global_shapes()
+    if not shapes or not shapes[0]:
+        raise OptionsError("the module's first input has no batch dim to load along", field="module")
+    batch = shapes[0][0]
+    lengths = module.sample_lengths()
+    split = lengths is not None
+    if lengths is None:  # every rank reads whole batches, in the same order
+        lengths, rank = [batch], 0
+    else:
+        rank = module.rank
+    if not drop_last and len(dataset) % batch:
+        raise OptionsError(f"{len(dataset)} samples leave a short last batch of {len(dataset) % batch} (the plan is "
+                           f"for {batch}): pass drop_last=True", field="drop_last")
+    sampler = UnevenBatchSampler(dataset, lengths, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    data = DataLoader(dataset, batch_sampler=sampler, collate_fn=_Collate(dataset, collate_fn or default_collate),
+                      **dataloader_kwargs)
+    if device == "auto":
+        device = next((p.device for p in module.parameters()), None)
+    return RankLoader(data, sampler, module, split, torch.device(device) if device is not None else None)
+
+
+__all__ = ["RankLoader", "UnevenBatchSampler", "UnevenSampler", "loader", "tail_lengths"]
