@@ -29,6 +29,10 @@ _LAZY = {
     "UnevenSampler": "hapd.runtime.data",
     "UnevenBatchSampler": "hapd.runtime.data",
     "loader": "hapd.runtime.data",
+    "save_checkpoint": "hapd.runtime.checkpoint",
+    "load_checkpoint": "hapd.runtime.checkpoint",
+    "export_safetensors": "hapd.runtime.checkpoint",
+    "import_safetensors": "hapd.runtime.checkpoint",
     "check": "hapd.runtime.check",
     "normalize": "hapd.compiler.normalize",
 }

@@ -67,6 +67,10 @@ class PlanError(HapdError):
     """A plan file cannot be read or does not match the graph it is applied to."""
 
 
+class CheckpointError(HapdError):
+    """A checkpoint cannot be written, or cannot be read into this model and optimizer."""
+
+
 class ProtocolError(HapdError):
     """A control message is malformed or of an unknown version."""
 

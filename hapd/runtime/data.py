@@ -51,7 +51,9 @@ class UnevenBatchSampler(Sampler[list[int]]):
     ``data``: the dataset or its size. ``lengths``: every rank's samples per global
     batch (the plan's split; :meth:`~hapd.runtime.api.ParallelModule.sample_lengths`).
     ``start_batch`` / :meth:`load_state_dict` skip the batches an interrupted epoch has
-    already read (resuming mid-epoch).
+    already read (resuming mid-epoch). :meth:`state_dict` says where it is: the epoch
+    and the global batches of it handed out (``position``), which no world size or
+    split changes, so a checkpoint resumes on another plan.
     """
 
     def __init__(self, data: Dataset | Sequence | int, lengths: Sequence[int], rank: int, *, shuffle: bool = True,
@@ -67,23 +69,30 @@ class UnevenBatchSampler(Sampler[list[int]]):
         self.rank, self.shuffle, self.seed, self.drop_last = rank, shuffle, int(seed), drop_last
         self.epoch = 0
         self.start_batch = 0
+        self.position = 0
+        """Global batches of ``epoch`` handed out (the skipped ones included)."""
 
     @property
     def global_batch(self) -> int:
         return sum(self.lengths)
 
     def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s order from the next iteration on (from its first batch)."""
-        self.epoch = int(epoch)
-        self.start_batch = 0
+        """Use epoch ``epoch``'s order from the next iteration on: from its first batch,
+        or, when ``epoch`` is the epoch already set (a loaded state's), from where that
+        state stopped — so ``set_epoch`` at the top of an epoch loop keeps a resume."""
+        if int(epoch) != self.epoch:
+            self.epoch = int(epoch)
+            self.start_batch = self.position = 0
 
     def state_dict(self) -> dict[str, int]:
-        """Where to resume: the epoch and the batches of it already read (pass the count
-        of batches the training loop consumed)."""
-        return {"epoch": self.epoch, "start_batch": self.start_batch, "seed": self.seed}
+        """Where to resume: the epoch and the global batches of it handed out."""
+        return {"epoch": self.epoch, "start_batch": self.position, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume where :meth:`state_dict` was taken: the next iteration starts at batch
+        ``start_batch`` of epoch ``epoch``."""
         self.epoch, self.start_batch, self.seed = int(state["epoch"]), int(state["start_batch"]), int(state["seed"])
+        self.position = self.start_batch
 
     def order(self, epoch: int | None = None) -> Tensor:
         """The epoch's sample order (the same on every rank)."""
@@ -102,10 +111,12 @@ class UnevenBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order().tolist()
+        self.position = self.start_batch
         for b, lengths in enumerate(self.batch_lengths()):
             if b < self.start_batch:
                 continue
             start = b * self.global_batch + sum(lengths[: self.rank])
+            self.position = b + 1  # before the yield: the batch is handed out once it is taken
             yield order[start : start + lengths[self.rank]]
 
     def __len__(self) -> int:
@@ -122,6 +133,12 @@ class UnevenSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         self.batches.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batches.load_state_dict(state)
 
     def __iter__(self) -> Iterator[int]:
         for batch in self.batches:
@@ -157,20 +174,34 @@ def _narrow_empty(batch: Any) -> Any:
 
 class RankLoader:
     """A rank's batches for a :class:`~hapd.runtime.api.ParallelModule`: each item is
-    the tuple of this rank's forward inputs of one global batch."""
+    the tuple of this rank's forward inputs of one global batch. Its
+    :meth:`state_dict` counts the batches the training loop took (a ``DataLoader``
+    with workers reads its sampler ahead), for :func:`hapd.save_checkpoint`."""
 
     def __init__(self, loader: DataLoader, sampler: UnevenBatchSampler, module: Any, split: bool,
                  device: torch.device | None):
         self.loader, self.sampler, self.module, self.split, self.device = loader, sampler, module, split, device
+        self.position = sampler.position
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
+        self.position = self.sampler.position
+
+    def state_dict(self) -> dict[str, int]:
+        """The sampler's state, at the batches this loader handed out."""
+        return {**self.sampler.state_dict(), "start_batch": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.load_state_dict(state)
+        self.position = self.sampler.position
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
+        self.position = self.sampler.start_batch
         for batch in self.loader:
+            self.position += 1
             inputs = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
             if self.device is not None:
                 inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
