@@ -272,7 +272,7 @@ def make_cluster(workdir: Path, n: int, slots: int, *, namespaces: bool = True) 
 
 
 def one_run(probe: Path, hostfile: Path, k: int, env: dict[str, str], report: Path) -> dict[str, float]:
-    cmd = [str(ROOT / "run_all"), str(probe), str(k), "--hosts", str(hostfile), "--report", str(report)]
+    cmd = [str(ROOT / "run_all"), str(probe), str(k), "-v", "--hosts", str(hostfile), "--report", str(report)]
     cmd += ["--key", env["HAPD_KEY_FILE"]]
     for key, value in env.items():
         if key != "HAPD_KEY_FILE":

@@ -115,21 +115,25 @@ def common_options(f: Any) -> Any:
 @click.option("--lost-after", type=click.FloatRange(min=0.1), default=3.0, show_default=True,
               help="A daemon that does not answer this long mid-run is lost: every rank is stopped.")
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the ranks' output (the table and failures still print).")
+@click.option("--verbose", "-v", is_flag=True,
+              help='Also print the ranks\' {"hapd": ...} lines (timings, summary), which the launcher consumes.')
 def run_cmd(script: Path, args: tuple[str, ...], hosts: Path | None, nproc: int | None, key_file: Path | None,
             env: tuple[str, ...], timeout: float, master_port: int | None, report: Path | None, job_id: str | None,
-            lease: float, ship: bool, cwd: str | None, lost_after: float, quiet: bool) -> None:
+            lease: float, ship: bool, cwd: str | None, lost_after: float, quiet: bool, verbose: bool) -> None:
     """Run SCRIPT [ARGS] with K ranks on every host, started at one instant, with
     torchrun's environment. Put the script's own options after `--` (options the
     launcher does not know are passed on too).
 
-    Output lines are printed as `[rank N] LINE`; `{"hapd": "timings"}` lines give the
-    final table (per rank and overall mean ± std, slowest rank) and the JSON report.
+    Output lines are printed as `[rank N] LINE`, but `{"hapd": ...}` lines, which the
+    launcher consumes (echoed with -v): `{"hapd": "timings"}` lines give the one timing
+    table at the end (per rank and overall mean ± std, slowest rank, loss) and the JSON
+    report.
     When a rank fails, every rank on every host is stopped and the exit status is the
     failing rank's; when a daemon is lost, the other hosts' ranks are stopped, the lost
     daemon stops its own when the job's lease expires, and the exit status is 1."""
     options = JobOptions(script=script, args=args, nproc_per_node=nproc, env=_env_pairs(env), ship=ship, cwd=cwd,
                          master_port=master_port, key_file=key_file, timeout_s=timeout, job_id=job_id, report=report,
-                         stream=not quiet, lost_after_s=lost_after, lease_s=lease)
+                         stream=not quiet, verbose=verbose, lost_after_s=lost_after, lease_s=lease)
     _exit(_run(_hosts(hosts), options))
 
 

@@ -18,8 +18,10 @@ The steps of :func:`run_job`, in order:
    from its daemon (``docs/protocol.md``, ``launch``), plus ``HAPD_DAEMON``,
    ``HAPD_CACHE`` and ``HAPD_JOB``.
 4. **Stream**: one thread per host polls ``job_events``; the main thread prints every
-   output line prefixed ``[rank N] `` (stdout lines to stdout, stderr lines to stderr)
-   and feeds ``{"hapd": ...}`` lines to :class:`~launcher.report.Timings`.
+   output line prefixed ``[rank N] `` (stdout lines to stdout, stderr lines to stderr),
+   except the ``{"hapd": ...}`` stdout lines: those are for the launcher, which feeds
+   them to :class:`~launcher.report.Timings` (the one timing table at the end, the
+   JSON report) and echoes them only with ``verbose`` (``-v``).
 5. **Stop together**: when a rank exits non-zero, a daemon stops answering for
    ``lost_after_s``, or the launcher is interrupted (``KeyboardInterrupt``), every
    daemon that still answers is sent ``cancel`` (its ranks' process groups get SIGTERM,
@@ -157,7 +159,12 @@ class JobOptions:
     report: Path | None = None
     """Where to write the JSON report; None: ``$HAPD_HOME/runs/JOB.json``."""
     stream: bool = True
-    """Print every rank's output lines as they come."""
+    """Print every rank's output lines as they come (but the ``{"hapd": ...}`` lines, see
+    ``verbose``)."""
+    verbose: bool = False
+    """Also print the ranks' ``{"hapd": ...}`` stdout lines. They are for the launcher,
+    which consumes them (the timing table, the JSON report), so they are not echoed
+    by default."""
     host_env: bool = False
     """Give every rank ``HAPD_HOST`` = its host's name in the host file (the profiler names
     devices' hosts by it; namespaces or containers on one machine share a host name)."""
@@ -722,9 +729,8 @@ class Job:
                 continue
             if rank in self.tails:
                 self.tails[rank].append(line)
-            if stream == "stdout":
-                self.timings.feed(rank, line)
-            if self.options.stream:
+            consumed = stream == "stdout" and self.timings.feed(rank, line) is not None
+            if self.options.stream and (self.options.verbose or not consumed):
                 self._print(f"[rank {rank}] {line}", self.out if stream == "stdout" else self.err)
         return first_failure
 

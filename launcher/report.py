@@ -12,7 +12,12 @@ table people read:
   min and max;
 - overall: iteration *i* of the job takes as long as its slowest rank (``max_r
   iteration_s[r][i]``), mean ± std over the post-warm-up iterations every rank ran;
-- the slowest rank (largest mean) and how much slower it is than the fastest.
+- the slowest rank (largest mean) and how much slower it is than the fastest;
+- the job's loss (rank 0's summary line).
+
+This is the job's one table: a rank under the launcher (``HAPD_JOB`` set) prints none
+of its own (:func:`hapd.runtime.training.report`), and the ``{"hapd": ...}`` lines are
+not echoed unless asked (``-v``).
 
 The JSON report (``format`` ``hapd.launcher.report``, ``version`` 1) also holds the
 job's hosts, placement, start times and exit. No torch import here.
@@ -167,9 +172,10 @@ def format_table(report: Mapping[str, Any]) -> str:
     host_w = max(4, *(len(str(r["host"] or "-")) for r in rows))
     gpu_w = max(3, *(len(str(r["gpu"] or "-")) for r in rows))
     head = f"{'rank':>5}  {'host':<{host_w}}  {'gpu':<{gpu_w}}  {'iters':>5}  {'mean ms':>10}  {'std ms':>9}  {'min ms':>9}  {'max ms':>9}"
+    what = " ".join(str(v) for v in (rows[0].get("system"), rows[0].get("model")) if v)
     lines = [
-        f"per-iteration timings of job {report['job']} ({len(rows)} of {report['world_size']} ranks; "
-        f"after {'/'.join(map(str, warmups))} warm-up iteration(s)):",
+        f"per-iteration timings of job {report['job']} ({what + '; ' if what else ''}{len(rows)} of "
+        f"{report['world_size']} ranks; after {'/'.join(map(str, warmups))} warm-up iteration(s)):",
         head,
     ]
     for r in rows:
@@ -187,9 +193,21 @@ def format_table(report: Mapping[str, Any]) -> str:
         f"overall {_ms(total['mean_s'])} ± {_ms(total['std_s'])} ms per iteration; slowest rank {total['slowest_rank']} "
         f"({_ms(total['slowest_mean_s'])} ms mean" + (f", {ratio:.2f}× the fastest, rank {total['fastest_rank']})" if ratio else ")")
     )
+    loss = _final_loss(report)
+    if loss is not None:
+        lines.append(f"loss {loss:.6g} (last iteration, global batch)")
     if report.get("missing_ranks"):
         lines.append(f"no timings from rank(s) {', '.join(map(str, report['missing_ranks']))}")
     return "\n".join(lines)
+
+
+def _final_loss(report: Mapping[str, Any]) -> float | None:
+    """The loss the job reported: rank 0's summary's, else the first rank's timings line's."""
+    for source in (report.get("summary") or {}, *report["ranks"]):
+        value = source.get("loss")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def write_report(report: Mapping[str, Any], path: str | Path) -> Path:

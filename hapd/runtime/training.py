@@ -483,11 +483,18 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def under_launcher() -> bool:
+    """True when a hapd daemon started this rank for the launcher (``HAPD_JOB`` is set):
+    the launcher prints the job's one timing table from the ``{"hapd": ...}`` lines."""
+    return bool(os.environ.get("HAPD_JOB"))
+
+
 def report(env: DistEnv, *, system: str, model: str, times: Sequence[float], warmup: int, loss: float,
            extra: dict[str, Any] | None = None, json_path: Path | None = None) -> dict[str, Any]:
     """Print this rank's ``{"hapd": "timings"}`` line; rank 0 then prints a table of every
-    rank and the ``{"hapd": "summary"}`` line, and writes the summary to ``json_path``
-    when given. Collective: every rank must call it. Returns the summary (on every rank).
+    rank (not under the launcher, which prints the job's table: :func:`under_launcher`)
+    and the ``{"hapd": "summary"}`` line, and writes the summary to ``json_path`` when
+    given. Collective: every rank must call it. Returns the summary (on every rank).
     See the module docstring for the format.
     """
     times = [float(t) for t in times]
@@ -503,7 +510,8 @@ def report(env: DistEnv, *, system: str, model: str, times: Sequence[float], war
         lines = [line]
     summary = summarize(lines)
     if env.rank == 0:
-        sys.stdout.write(format_table(summary) + "\n")
+        if not under_launcher():
+            sys.stdout.write(format_table(summary) + "\n")
         _emit(summary)
         if json_path is not None:
             json_path = Path(json_path)
@@ -512,6 +520,6 @@ def report(env: DistEnv, *, system: str, model: str, times: Sequence[float], war
     return summary
 
 
-__all__ = ["DTYPES", "DistEnv", "TRACE_ITERATIONS", "TrainArgs", "add_train_flags", "format_table",
+__all__ = ["DTYPES", "DistEnv", "TRACE_ITERATIONS", "TrainArgs", "add_train_flags", "format_table", "under_launcher",
            "init_distributed", "local_batch", "parse_train_args", "report", "shutdown", "summarize",
            "trace_path", "train"]
