@@ -241,3 +241,38 @@ def test_parameters_sharing_memory_but_both_read_stay_two() -> None:
     program = hapd.export(TwoViews(), (torch.randn(3, 4),))
     assert aliases_of_read(program) == {}
     assert [n["target"] for n in hapd.lower(program).doc["nodes"] if n["kind"] == "parameter"] == ["a", "b"]
+
+
+class TiedToy(nn.Module):
+    """An embedding and an output projection sharing one weight (the second name is
+    registered last, as transformers ties ``lm_head.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(x)))).logsumexp(-1).sum()
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_one_device_program_keeps_the_tie(strict) -> None:
+    """Strict export has one placeholder for the tied weight, non-strict one per name
+    with only the last read; either way the rank module holds one parameter under both
+    names with the single-device gradient."""
+    from hapd.runtime.rewrite import distribute
+
+    model, x = TiedToy(), torch.randint(0, 10, (3, 5))
+    program = torch.export.export(model, (x,), strict=strict)
+    plan = hapd.compile(hapd.lower(program), estimated_profile(1))
+    module = distribute(program, plan, rank=0, world=1)
+    module(*module.shard_inputs(x)).backward()
+    model(x).backward()
+    assert module.get_parameter("emb.weight") is module.get_parameter("head.weight")
+    assert sorted(module.hapd_params) == ["emb.weight", "head.weight", "mid.bias", "mid.weight"]
+    assert len(list(module.parameters())) == 3
+    torch.testing.assert_close(module.get_parameter("emb.weight").grad, model.emb.weight.grad, rtol=TOL, atol=0)

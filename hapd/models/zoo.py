@@ -89,12 +89,34 @@ def bert(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
 
 
 def mixtral(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
+    """Mixtral with 4 experts, top-2, run by hapd's dense experts implementation
+    (:mod:`hapd.models.hf_experts`: transformers' default sorts tokens into a Python
+    custom op with data-dependent offsets, which no plan can split; the dense one is
+    the same function as einsums over the expert dim, so a plan can split the experts)."""
     from transformers import MixtralConfig, MixtralForCausalLM
+
+    from hapd.models.hf_experts import register
 
     config = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                            num_local_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = register()
     return _lm(config, MixtralForCausalLM, batch)
+
+
+def qwen2_moe(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
+    """Qwen2-MoE with 4 routed experts (top-2) and a gated shared expert, run by hapd's
+    dense experts implementation (see :func:`mixtral`)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from hapd.models.hf_experts import register
+
+    config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                            shared_expert_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=64, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=True)
+    config._experts_implementation = register()
+    return _lm(config, Qwen2MoeForCausalLM, batch)
 
 
 def t5(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
@@ -126,7 +148,7 @@ def vit(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
 
 
 ZOO: dict[str, Callable[..., tuple[nn.Module, tuple[Tensor, ...]]]] = {
-    "gpt2": gpt2, "llama": llama, "bert": bert, "mixtral": mixtral, "t5": t5,
+    "gpt2": gpt2, "llama": llama, "bert": bert, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "t5": t5,
     "resnet18": resnet18, "vit": vit,
 }
 """Zoo name → factory."""

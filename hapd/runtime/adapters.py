@@ -33,6 +33,8 @@ PARTIAL = _RULES["PARTIAL"]
 """Partial-sum operands give a partial-sum result."""
 SHARDED = _RULES["SHARDED"]
 """The same dim split on the operands and the result (here: views to the local shape)."""
+BROADCAST_SPLIT = _RULES["BROADCAST_SPLIT"]
+"""``expand`` of a replicated operand to this rank's length of a broadcast dim."""
 DATA_PARALLEL = _RULES["DATA_PARALLEL"]
 """The batch split, weights replicated (here: ops told the batch size get the local one)."""
 ROW_PARALLEL = _RULES["ROW_PARALLEL"]
@@ -214,6 +216,7 @@ def _sharded_mean_loss(em: _Emitter, step: Mapping[str, Any], node: fx.Node, arg
 
 ADAPTERS: Mapping[tuple[str, str], Adapter] = MappingProxyType({
     **{(op, SHARDED): _with_local_size(1) for op in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand")},
+    ("aten.expand", BROADCAST_SPLIT): _with_local_size(1),
     **{("aten.unflatten.int", rule): _unflatten for rule in (REPLICATED, SHARDED, PARTIAL)},
     ("aten.linear", ROW_PARALLEL): _bias_on_rank_zero(2),
     ("aten.linear", PARTIAL): _bias_on_rank_zero(2),

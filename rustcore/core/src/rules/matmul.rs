@@ -2,20 +2,23 @@
 //! `addmm(self, mat1 [M, K], mat2 [K, N])` (GPT-2's `Conv1D`: `self` the bias) and
 //! `baddbmm(self, batch1 [B, M, K], batch2 [B, K, N])`: data-parallel splits of free
 //! dims, column-parallel (split the output features), row-parallel (split the
-//! contraction → partial sums), and partial-sum inputs through a bilinear op.
+//! contraction → partial sums), and partial-sum inputs through a bilinear op. An
+//! `einsum` splits any one letter; the split of the letter that indexes stacked expert
+//! weights is named `expert-parallel`.
 //!
 //! For `addmm`/`baddbmm` the added `self` broadcasts to the result: it is split where
 //! its aligned dim is (replicated where it broadcasts), and added on rank 0 only when
 //! the product is a partial sum (the runtime adds `0 · self` on the other ranks).
 
 use super::rule_names::{
-    COLUMN_PARALLEL, COLUMN_SPLIT, CONTRACTION_SPLIT, DATA_PARALLEL, PARTIAL, ROW_PARALLEL, ROW_SPLIT, SPLIT,
+    COLUMN_PARALLEL, COLUMN_SPLIT, CONTRACTION_SPLIT, DATA_PARALLEL, EXPERT_PARALLEL, PARTIAL, ROW_PARALLEL, ROW_SPLIT,
+    SPLIT,
 };
 use super::binary::aligned_dim;
 use super::{by_name, gather, matmul_class, Family, OpCtx, Rule};
 use crate::cost::Work;
 use crate::error::Result;
-use crate::ir::Value;
+use crate::ir::{NodeKind, Value};
 use crate::layout::Layout;
 
 pub const FAMILY: Family = Family {
@@ -195,12 +198,30 @@ fn einsum(ctx: &OpCtx) -> Option<Vec<Rule>> {
             None => Some(R),
         };
         if let (Some(la), Some(lb), Some(lo)) = (la, lb, lo) {
-            rules.push(Rule { name: SPLIT, inputs: vec![la, lb], outputs: vec![lo], work: Work::Sharded });
+            let name = if indexes_expert_weights(ctx, [&a, &b], c) { EXPERT_PARALLEL } else { SPLIT };
+            rules.push(Rule { name, inputs: vec![la, lb], outputs: vec![lo], work: Work::Sharded });
         }
     }
     rules.push(Rule { name: PARTIAL, inputs: vec![R, I], outputs: vec![R], work: Work::Full });
     rules.push(Rule { name: PARTIAL, inputs: vec![I, R], outputs: vec![R], work: Work::Full });
     Some(rules)
+}
+
+/// Whether einsum letter `c` indexes stacked expert weights: it is the leading dim of an
+/// operand of rank 3 or more that is a parameter (`[E, out, in]` in Mixtral and
+/// Qwen2-MoE, `[E, in, out]` in GShard-style layers). Splitting it is expert
+/// parallelism: each rank holds and runs only its experts.
+fn indexes_expert_weights(ctx: &OpCtx, operands: [&[char]; 2], c: char) -> bool {
+    operands.iter().enumerate().any(|(k, letters)| {
+        letters.len() >= 3
+            && letters.first() == Some(&c)
+            && ctx
+                .node
+                .inputs
+                .get(k)
+                .and_then(|r| ctx.graph.nodes.get(r.node()))
+                .is_some_and(|n| n.kind == NodeKind::Parameter)
+    })
 }
 
 fn flops(ctx: &OpCtx) -> f64 {
@@ -292,9 +313,9 @@ fn check_add_product(ctx: &OpCtx) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use crate::cost::WorkClass;
-    use crate::ir::DType;
-    use crate::rules::testkit::{assert_rules, float, graph, rules, A::T};
-    use crate::rules::check_shapes;
+    use crate::ir::{DType, NodeKind, Value};
+    use crate::rules::testkit::{assert_rules, float, graph, rules, A, A::T};
+    use crate::rules::{check_shapes, rules_for};
 
     #[test]
     fn addmm_like_linear() {
@@ -341,6 +362,27 @@ mod tests {
             ],
         );
         assert_eq!(got.flops, 2.0 * 4.0 * 64.0 * 16.0 + 4.0 * 64.0);
+    }
+
+    #[test]
+    fn einsum_names_the_split_of_stacked_expert_weights() {
+        // Mixtral's up projection run densely: x [T, H], gate_up_proj [E, 2I, H] -> [E, T, 2I]
+        let eq = || A::V(Value::Str("th,eih->eti".into()));
+        let args = || vec![("equation", eq()), ("x", T(&[16, 8])), ("w", T(&[4, 32, 8]))];
+        let mut g = graph("aten.einsum", args(), &[(&[4, 16, 32], DType::F32)]);
+        let splits = |experts: &'static str| {
+            [
+                "split G0,I -> G1 sharded",
+                experts,
+                "split I,G1 -> G2 sharded",
+                "split G1,G2 -> R sharded",
+                "partial R,I -> R full",
+                "partial I,R -> R full",
+            ]
+        };
+        assert_rules(&rules_for(&g, g.nodes.last().unwrap()), &splits("split I,G0 -> G0 sharded"));
+        g.nodes[1].kind = NodeKind::Parameter; // the weights are a parameter: the split of `e` is expert parallelism
+        assert_rules(&rules_for(&g, g.nodes.last().unwrap()), &splits("expert-parallel I,G0 -> G0 sharded"));
     }
 
     #[test]

@@ -25,6 +25,7 @@ mod index;
 mod loss;
 mod matmul;
 mod norm;
+mod padding;
 mod pointwise;
 mod reduction;
 pub mod rule_names;
@@ -54,6 +55,7 @@ pub const FAMILIES: &[Family] = &[
     loss::FAMILY,
     conv::FAMILY,
     shape::FAMILY,
+    padding::FAMILY,
     creation::FAMILY,
     index::FAMILY,
     elementwise::FAMILY,

@@ -19,6 +19,10 @@ rule_names! {
     /// The same dim split on the operands and the result (element-wise ops, views,
     /// norms, softmax, pools, reductions over other dims, …).
     SHARDED = "sharded";
+    /// `expand` of a size-1 dim (or a new leading dim) to length `n`: the operand
+    /// replicated, each rank expands it to its own length → the result split on that
+    /// dim (a slice of a broadcast, made without communication).
+    BROADCAST_SPLIT = "broadcast-split";
     /// Partial-sum operands give a partial-sum result: the op is linear in them.
     PARTIAL = "partial";
     /// `zeros_like`/`ones_like` of a partial sum: the constant, replicated.
@@ -57,6 +61,11 @@ rule_names! {
     /// `einsum`: split one index letter in every operand that has it (partial sums
     /// when the result does not).
     SPLIT = "split";
+    /// `einsum`: split the letter that indexes stacked expert weights (the leading dim
+    /// of a parameter of rank ≥ 3, as in Mixtral's `gate_up_proj [E, 2I, H]`): each
+    /// rank holds and runs its own experts (a `split` under its own name, so plans
+    /// can be forced into expert parallelism and say when they chose it).
+    EXPERT_PARALLEL = "expert-parallel";
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Views, reshapes, permutes, concatenation and slicing: free ops that map a split dim
 //! of the input onto a split dim of the output (and keep partial sums partial).
 
-use super::rule_names::{PARTIAL, SHARDED};
+use super::rule_names::{BROADCAST_SPLIT, PARTIAL, SHARDED};
 use super::{elementwise_class, gather, Family, OpCtx, Rule};
 use crate::cost::Work;
 use crate::error::Result;
@@ -74,7 +74,8 @@ fn rules(ctx: &OpCtx) -> Vec<Rule> {
             let offset = out.len().saturating_sub(x.len());
             (0..x.len()).filter(|&d| x[d] == out[d + offset] && x[d] != 1).map(|d| (d, d + offset)).collect()
         }
-        "aten.cat" | "aten.slice.Tensor" | "aten.chunk" | "aten.split.Tensor" => {
+        "aten.cat" => return cat_rules(ctx),
+        "aten.slice.Tensor" | "aten.chunk" | "aten.split.Tensor" => {
             let Some(dim) = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len())) else { return Vec::new() };
             (0..x.len()).filter(|&d| d != dim).map(|d| (d, d)).collect()
         }
@@ -88,6 +89,46 @@ fn rules(ctx: &OpCtx) -> Vec<Rule> {
         .into_iter()
         .filter(|&(i, _)| x.get(i).is_some_and(|&s| s > 1))
         .filter_map(|(i, o)| Some(ctx.uniform(SHARDED, gather(i)?, gather(o)?, Work::Free)))
+        .collect();
+    if ctx.op() == "aten.expand" {
+        rules.extend(broadcast_split(x, ctx.out_shape(0)).into_iter().map(|g| Rule {
+            name: BROADCAST_SPLIT,
+            inputs: vec![Layout::Identity],
+            outputs: vec![g],
+            work: Work::Free,
+        }));
+    }
+    rules.push(ctx.uniform(PARTIAL, Layout::Reduce, Layout::Reduce, Work::Free));
+    rules
+}
+
+/// `expand` from `x` to `out`: the result dims that broadcast makes (a size-1 dim of
+/// `x` or a new leading dim, of length > 1), as `Gather` layouts of the result. Each
+/// rank expands the whole operand to its own length there.
+fn broadcast_split(x: &[usize], out: &[usize]) -> Vec<Layout> {
+    let offset = out.len().saturating_sub(x.len());
+    (0..out.len())
+        .filter(|&d| out[d] > 1 && (d < offset || x.get(d - offset) == Some(&1)))
+        .filter_map(gather)
+        .collect()
+}
+
+/// `cat(tensors, dim)`: any other dim split on every operand and the result, and
+/// partial sums kept. A 1-D operand with no elements is left out of the alignment
+/// (torch.cat skips it: transformers' legacy caches start as such) and stays whole.
+fn cat_rules(ctx: &OpCtx) -> Vec<Rule> {
+    let out = ctx.out_shape(0);
+    let Some(dim) = OpCtx::norm_dim(ctx.int_arg("dim").unwrap_or(0), out.len()) else { return Vec::new() };
+    let skipped: Vec<bool> = (0..ctx.n_inputs()).map(|k| out.len() > 1 && ctx.in_shape(k) == [0]).collect();
+    let mut rules: Vec<Rule> = (0..out.len())
+        .filter(|&d| d != dim && out[d] > 1)
+        .filter_map(gather)
+        .map(|g| Rule {
+            name: SHARDED,
+            inputs: skipped.iter().map(|&s| if s { Layout::Identity } else { g }).collect(),
+            outputs: vec![g; ctx.n_outputs()],
+            work: Work::Free,
+        })
         .collect();
     rules.push(ctx.uniform(PARTIAL, Layout::Reduce, Layout::Reduce, Work::Free));
     rules
@@ -191,6 +232,53 @@ mod tests {
             let got = rules(op, vec![("self", T(&[4, 1, 6]))], &[&[4, 1, 6]]);
             assert_rules(&got, &["sharded G0 -> G0 free", "sharded G2 -> G2 free", "partial R -> R free"]);
         }
+    }
+
+    #[test]
+    fn expand_splits_what_it_broadcasts() {
+        // ViT's class token: [1, 1, 64] -> [B, 1, 64]
+        let args = vec![("self", T(&[1, 1, 64])), ("size", ints(&[8, -1, -1]))];
+        let got = rules("aten.expand", args, &[&[8, 1, 64]]);
+        assert_rules(&got, &["broadcast-split I -> G0 free", "sharded G2 -> G2 free", "partial R -> R free"]);
+        // positions [1, 16] -> [B, 16], and a new leading dim
+        let args = vec![("self", T(&[1, 16])), ("size", ints(&[4, -1]))];
+        let got = rules("aten.expand", args, &[&[4, 16]]);
+        assert_rules(&got, &["broadcast-split I -> G0 free", "sharded G1 -> G1 free", "partial R -> R free"]);
+        let args = vec![("self", T(&[16])), ("size", ints(&[3, 4, 16]))];
+        let got = rules("aten.expand", args, &[&[3, 4, 16]]);
+        assert_rules(
+            &got,
+            &["broadcast-split I -> G0 free", "broadcast-split I -> G1 free", "sharded G0 -> G2 free", "partial R -> R free"],
+        );
+    }
+
+    #[test]
+    fn cat_leaves_legacy_empty_operands_whole() {
+        // T5's legacy cache: cat([empty [0], kv [B, H, S, D]], dim=-2)
+        let args = vec![("a", T(&[0])), ("b", T(&[4, 2, 8, 16])), ("dim", int(-2))];
+        let got = rules("aten.cat", args, &[&[4, 2, 8, 16]]);
+        assert_rules(
+            &got,
+            &[
+                "sharded I,G0 -> G0 free",
+                "sharded I,G1 -> G1 free",
+                "sharded I,G3 -> G3 free",
+                "partial R,R -> R free",
+            ],
+        );
+        // ViT: cat([class token [B, 1, 64], patches [B, 16, 64]], dim=1)
+        let args = vec![("a", T(&[4, 1, 64])), ("b", T(&[4, 16, 64])), ("dim", int(1))];
+        let got = rules("aten.cat", args, &[&[4, 17, 64]]);
+        assert_rules(&got, &["sharded G0,G0 -> G0 free", "sharded G2,G2 -> G2 free", "partial R,R -> R free"]);
+    }
+
+    #[test]
+    fn identity_and_merging_reshapes_keep_the_leading_split() {
+        // Mixtral's router input: [32, 16, 64] -> [512, 64] -> [512, 64]
+        assert_eq!(reshape_map(&[32, 16, 64], &[512, 64]), vec![(0, 0), (2, 1)]);
+        assert_eq!(reshape_map(&[512, 64], &[512, 64]), vec![(0, 0), (1, 1)]);
+        let got = rules("aten.reshape", vec![("self", T(&[512, 64])), ("shape", ints(&[-1, 64]))], &[&[512, 64]]);
+        assert_rules(&got, &["sharded G0 -> G0 free", "sharded G1 -> G1 free", "partial R -> R free"]);
     }
 
     #[test]

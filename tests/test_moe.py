@@ -1,0 +1,120 @@
+"""Expert parallelism for transformers' mixture-of-experts models (the zoo's Mixtral and
+Qwen2-MoE, run by hapd's dense experts implementation, :mod:`hapd.models.hf_experts`).
+
+The implementation is the same function as transformers' own (loss and gradients
+equal its ``eager`` loop), exports to ATen ops with rules only, and a plan forced into
+expert parallelism (every einsum over stacked expert weights ``expert-parallel``) runs
+on 2 Gloo ranks with uneven ratios with the loss and every gradient equal to the
+single-device run, each rank holding only its experts' weights (the harness of
+``test_rules_zoo.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_ranks
+from test_rules_zoo import BATCH, TOL, Spec, _case, _run_cases
+
+import hapd
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def _zoo(name: str) -> Any:
+    from hapd.models.zoo import ZOO
+
+    return lambda: ZOO[name](batch=BATCH)
+
+
+def _expert_einsums(doc: dict[str, Any]) -> dict[str, str]:
+    """Every einsum with a stacked expert-weight parameter operand → ``expert-parallel``."""
+    nodes = doc["nodes"]
+
+    def expert_weight(ref: list[int]) -> bool:
+        source = nodes[ref[0]]
+        return source["kind"] == "parameter" and source["target"].endswith(EXPERT_WEIGHTS)
+
+    return {n["name"]: "expert-parallel" for n in nodes
+            if n.get("op") == "aten.einsum" and any(expert_weight(r) for r in n["inputs"])}
+
+
+SPECS = [
+    Spec("mixtral/expert-parallel", _zoo("mixtral"), "auto", _expert_einsums,
+         frozenset({("aten.einsum", "expert-parallel")})),
+    Spec("qwen2_moe/expert-parallel", _zoo("qwen2_moe"), "auto", _expert_einsums,
+         frozenset({("aten.einsum", "expert-parallel")})),
+]
+
+
+def _run_moe_cases(rank: int, world: int, cases: list[Any]) -> list[dict[str, Any]]:
+    """The harness's results, plus the local shapes of the expert weights."""
+    import io
+
+    from hapd.compiler.normalize import normalize
+    from hapd.compiler.plan import Plan
+    from hapd.runtime.rewrite import distribute
+
+    results = _run_cases(rank, world, cases)
+    for case, result in zip(cases, results):
+        module = distribute(normalize(torch.export.load(io.BytesIO(case.program))), Plan.from_bytes(case.plan), rank)
+        result["expert_shapes"] = {n: (list(p.shape), module.hapd_params[n][1]) for n, p in module.named_parameters()
+                                   if n.endswith(EXPERT_WEIGHTS)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    cases = [_case(spec) for spec in SPECS]
+    per_rank = run_ranks(2, _run_moe_cases, cases, timeout=600)
+    return [r for rank_results in per_rank for r in rank_results]
+
+
+@pytest.mark.distributed
+def test_expert_parallel_plans_match_single_device(results) -> None:
+    bad = [f"{r['case']}: loss {r['loss_error']:.2e}, worst grad {r['worst_grad'][0]} {r['worst_grad'][1]:.2e}"
+           for r in results if r["loss_error"] > TOL or r["worst_grad"][1] > TOL]
+    print(f"\n{len(results)} rank-cases: worst loss error {max(r['loss_error'] for r in results):.1e}, "
+          f"worst gradient error {max(r['worst_grad'][1] for r in results):.1e}")
+    assert not bad, "\n".join(bad)
+    assert not [r for r in results if r["missing"]], [(r["case"], r["missing"]) for r in results]
+
+
+@pytest.mark.distributed
+def test_each_rank_holds_only_its_experts(results) -> None:
+    for r in results:
+        assert r["expert_shapes"], r["case"]
+        for name, (shape, layout) in r["expert_shapes"].items():
+            assert layout == "Gather(0)", (r["case"], name, layout)
+    for case in {r["case"] for r in results}:
+        held = [r["expert_shapes"] for r in results if r["case"] == case]
+        for name in held[0]:
+            assert sum(h[name][0][0] for h in held) == 4 and all(h[name][0][0] < 4 for h in held), (case, name)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_dense_experts_equal_transformers_own(name) -> None:
+    """Loss and gradients of the zoo model equal those of transformers' ``eager`` loop
+    over the experts, on the same weights."""
+    model, inputs = _zoo(name)()
+    runs = {}
+    for implementation in ("eager", "hapd_dense"):
+        copied = copy.deepcopy(model)
+        copied.model.set_experts_implementation(implementation)
+        loss = copied(*inputs)
+        loss.backward()
+        runs[implementation] = (float(loss.detach()), {n: p.grad for n, p in copied.named_parameters()})
+    (loss_a, grads_a), (loss_b, grads_b) = runs["eager"], runs["hapd_dense"]
+    assert abs(loss_a - loss_b) <= TOL * abs(loss_a)
+    for n, g in grads_a.items():
+        assert float((g - grads_b[n]).abs().max()) <= TOL * float(g.abs().max()), n
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_dense_experts_export_without_opaque_ops(name) -> None:
+    model, inputs = _zoo(name)()
+    summary = hapd.inspect_graph(hapd.lower(hapd.export(model, inputs), name=name).data)
+    assert summary["opaque_ops"] == []
