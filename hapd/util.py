@@ -20,10 +20,17 @@ from typing import BinaryIO
 # --------------------------------------------------------------------------
 
 
+TEMP_NAME_KEEP_BYTES = 200
+"""Bytes of a file's name kept in the name of its temporary sibling: with the dot, the
+process id and the random tag that sibling stays within a file system's 255-byte name
+limit for any name that fits it."""
+
+
 def _temp_sibling(path: Path) -> Path:
     """A hidden, unique name next to ``path`` ending in ``.tmp``: the plan cache removes
     such leftovers at start-up and the drop folder never picks them up."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    kept = os.fsdecode(os.fsencode(path.name)[:TEMP_NAME_KEEP_BYTES])
+    return path.with_name(f".{kept}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -125,8 +125,7 @@ def test_a_failed_write_leaves_no_entry(tmp_path, compiled, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(cache_mod.os, "replace", crash)
-    with pytest.raises(OSError):
-        cache.put(key, plan.to_bytes())
+    assert not cache.put(key, plan.to_bytes())  # a full disk: not cached, no error (served uncached)
     monkeypatch.undo()
     assert cache.get(key) is None
     assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.entry"))

@@ -433,7 +433,7 @@ def test_launch_errors_failure_propagation_and_cancel(daemon, tmp_path):
         wait_for(lambda: not _alive(child), 10, "the grandchild to be killed")
 
         # a delayed start can be cancelled before it starts
-        assert client.launch("later", "x.py", script_bytes=b"", nproc=1, world_size=1, master_addr="h", master_port=1, start_at=time.time() + 30) == []
+        assert client.launch("later", "x.py", script_bytes=b"pass\n", nproc=1, world_size=1, master_addr="h", master_port=1, start_at=time.time() + 30) == []
         assert client.job_status("later")["state"] == "starting"
         client.cancel("later")
         assert client.job_status("later")["state"] == "cancelled"

@@ -10,7 +10,10 @@ A profile is a JSON file (``profiles/*.json``)::
 
 Units: seconds, bytes, bytes/s (bandwidth counts bytes of the full tensor per second),
 FLOP/s; an optional ``units`` map may declare them, and any other unit it declares is an
-error (:data:`UNITS`). ``flops`` is the achieved rate on matmul-heavy work;
+error (:data:`UNITS`). Every number must be finite and within the documented range of
+its quantity (:data:`RANGES`: FLOP/s 1e6 to 1e24, memory 1 B to 2⁶⁰ B, latency 0 to
+1 h, bandwidth 1 B/s to 1e24 B/s), so that no cost the compiler derives from a
+profile is infinite or zero. ``flops`` is the achieved rate on matmul-heavy work;
 ``elementwise_flops`` (optional) the rate on element-wise work. ``intra`` (optional) is
 the cost within one host; ``inter`` across hosts. The **profile id** is the sha256 of
 the canonical form of the devices and collectives: names, descriptions, extra fields,
@@ -175,8 +178,12 @@ def estimated_profile(
     hosts = list(hosts) if hosts is not None else ["localhost"] * world
     if len(flops) != world or len(hosts) != world:
         raise ProfileError(f"{len(flops)} flops and {len(hosts)} hosts for {world} devices", field="devices")
-    if min(flops) <= 0 or alpha < 0 or memory <= 0:
-        raise ProfileError("flops and memory must be > 0 and alpha ≥ 0", field="devices")
+    for r, f in enumerate(flops):
+        check_range("flops", float(f), f"devices[{r}]")
+    check_range("memory", float(memory), "devices")
+    check_range("alpha", float(alpha), "collectives")
+    for c in COLLECTIVES:
+        check_range("beta", float(beta[c] if isinstance(beta, Mapping) else beta), f"collectives.{c}")
     devices = tuple(
         Device(rank=r, host=hosts[r], model="estimated", flops=float(flops[r]), memory=float(memory)) for r in range(world)
     )
@@ -202,15 +209,37 @@ def _check_units(units: Any) -> None:
                                field=f"units.{key}")
 
 
-def _number(doc: Mapping[str, Any], key: str, where: str, *, positive: bool) -> float:
+RANGES: dict[str, tuple[float, float, str]] = {
+    "flops": (1e6, 1e24, "FLOP/s"),
+    "elementwise_flops": (1e6, 1e24, "FLOP/s"),
+    "memory": (1.0, float(2**60), "bytes"),
+    "alpha": (0.0, 3600.0, "s"),
+    "beta": (1.0, 1e24, "bytes/s"),
+}
+"""Each profile number's allowed range (inclusive) and unit: a megaFLOP/s to a
+yottaFLOP/s, a byte to an exbibyte, no latency to an hour, a byte per second to 1e24
+(the profiler records 1e18 for a link nothing crosses). Outside them a cost the compiler
+derives could overflow to infinity or vanish."""
+
+
+def check_range(key: str, value: float, where: str) -> float:
+    """``value`` when it lies in :data:`RANGES` for ``key``; :class:`ProfileError` naming
+    ``where.key`` otherwise."""
+    low, high, unit = RANGES[key]
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ProfileError(f"{where}.{key}: {value:g} {unit} is outside {low:g}..{high:g} {unit}", field=f"{where}.{key}")
+    return value
+
+
+def _number(doc: Mapping[str, Any], key: str, where: str) -> float:
     value = doc.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProfileError(f"{where}.{key}: expected a number, got {value!r}", field=f"{where}.{key}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        need = "> 0" if positive else "≥ 0"
-        raise ProfileError(f"{where}.{key}: {value} is not {need}", field=f"{where}.{key}")
-    return value
+    try:
+        value = float(value)
+    except OverflowError:  # an integer too large for a float
+        raise ProfileError(f"{where}.{key}: an integer of {len(str(value))} digits is too large", field=f"{where}.{key}") from None
+    return check_range(key, value, where)
 
 
 def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
@@ -242,9 +271,9 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
                 rank=i,
                 host=host,
                 model=str(d.get("model", "")),
-                flops=_number(d, "flops", where, positive=True),
-                memory=_number(d, "memory", where, positive=True),
-                elementwise_flops=None if ew is None else _number(d, "elementwise_flops", where, positive=True),
+                flops=_number(d, "flops", where),
+                memory=_number(d, "memory", where),
+                elementwise_flops=None if ew is None else _number(d, "elementwise_flops", where),
             )
         )
     if world_size is not None and world_size != len(devices):
@@ -268,8 +297,8 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
             if not isinstance(entry[kind], Mapping):
                 raise ProfileError(f"{where}: expected {{alpha, beta}}", field=where)
             links[kind] = Link(
-                alpha=_number(entry[kind], "alpha", where, positive=False),
-                beta=_number(entry[kind], "beta", where, positive=True),
+                alpha=_number(entry[kind], "alpha", where),
+                beta=_number(entry[kind], "beta", where),
             )
         collectives[name] = links
     known = {"format", "version", "name", "description", "devices", "collectives"}

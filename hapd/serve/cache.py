@@ -30,6 +30,7 @@ One daemon owns a cache folder at a time (the daemon takes a lock on it).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -65,6 +66,12 @@ DEFAULT_MAX_CACHE_BYTES = 2 * 2**30
 PATHS = ("hit", "miss", "lp-only")
 """How a compile was served: from the cache, by a full compile, or by re-solving the LP
 for a cached program of another profile."""
+
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""Errors of a write that found the cache's file system (or the user's quota) full."""
+CACHE_FULL = "cache full"
+"""How a plan served but not cached for lack of space is described (logs, replies,
+drop reports)."""
 
 _HEAD = struct.Struct(">8sI")
 
@@ -128,6 +135,9 @@ class Served:
     """``"hit"``, ``"miss"`` or ``"lp-only"``."""
     seconds: float
     """Time spent serving it (lookup, compile, writes)."""
+    not_cached: str | None = None
+    """Why a compiled plan was not stored (``"cache full"``, …); None when it was, or
+    for a hit."""
 
 
 @dataclass
@@ -194,7 +204,8 @@ class PlanCache:
         self._lock = threading.RLock()
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._last_ns = 0
-        self.counters = {"hits": 0, "misses": 0, "lp_only": 0, "corrupt": 0, "evictions": 0}
+        self.counters = {"hits": 0, "misses": 0, "lp_only": 0, "corrupt": 0, "evictions": 0, "not_cached": 0}
+        self._failing: str | None = None  # why writes fail, since the first that did (warned once)
         for kind in KINDS:
             (self.root / kind).mkdir(parents=True, exist_ok=True)
         self._scan(clean_tmp)
@@ -298,20 +309,45 @@ class PlanCache:
             self._index[key] = entry
         self._index.move_to_end(key)
 
-    def _write(self, kind: str, key: str, payload: bytes, parts: Mapping[str, Any] | None = None, family: str | None = None) -> bool:
+    def _write(self, kind: str, key: str, payload: bytes, parts: Mapping[str, Any] | None = None, family: str | None = None) -> str | None:
+        """Store an entry; None when stored, else why not (the entry is too large for the
+        bound, or the file system refused the write: then the caller serves it uncached)."""
         blob = _pack_entry(kind, key, payload, parts, family)
         if len(blob) > self.max_bytes:
             log.warning("cache: %s entry of %s exceeds the bound %s: not cached", kind, format_bytes(len(blob)), format_bytes(self.max_bytes))
-            return False
+            return f"larger than the cache bound {format_bytes(self.max_bytes)}"
         path = self._path(kind, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, blob, mode=0o644)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, blob, mode=0o644)
+        except OSError as exc:
+            return self._write_failed(exc)
+        self._write_succeeded()
         with self._lock:
             self._stamp(path)
             self._index[key] = _Entry(kind, path, len(blob), family, (parts or {}).get("profile_id"), dict(parts) if parts else None)
             self._index.move_to_end(key)
             self._evict(keep=key)
-        return True
+        return None
+
+    def _write_failed(self, exc: OSError) -> str:
+        """Count a write the file system refused; warn at the first of a run of them."""
+        full = exc.errno in NO_SPACE_ERRNOS
+        reason = CACHE_FULL if full else f"cache not writable ({exc.strerror})"
+        with self._lock:
+            self.counters["not_cached"] += 1
+            first, self._failing = self._failing is None, reason
+        if first and full:
+            log.warning("cache full: no space left in %s; plans are served but not cached until space frees", self.root)
+        elif first:
+            log.warning("cache not writable: %s in %s; plans are served but not cached until a write succeeds", exc.strerror, self.root)
+        return reason
+
+    def _write_succeeded(self) -> None:
+        with self._lock:
+            recovered, self._failing = self._failing, None
+        if recovered is not None:
+            log.info("cache: writes succeed again in %s: plans are cached", self.root)
 
     def _evict(self, keep: str | None = None) -> None:
         with self._lock:
@@ -351,8 +387,9 @@ class PlanCache:
             return plan, payload
 
     def put(self, key: CacheKey, data: bytes) -> bool:
-        """Store plan bytes under ``key`` (atomically); False if it exceeds the bound."""
-        return self._write("plan", key.digest, data, key.parts(), key.family)
+        """Store plan bytes under ``key`` (atomically); False if it exceeds the bound or
+        the file system refused the write (its file system is full)."""
+        return self._write("plan", key.digest, data, key.parts(), key.family) is None
 
     def other_profiles(self, key: CacheKey) -> list[CacheKey]:
         """Keys of cached plans of the same family for other profiles, most recent first."""
@@ -406,10 +443,10 @@ class PlanCache:
         if plan is None:
             plan = compile_plan(graph, profile, options)
         data = plan.to_bytes()
-        self.put(key, data)
+        not_cached = self._write("plan", key.digest, data, key.parts(), key.family)
         with self._lock:
             self.counters["lp_only" if path == "lp-only" else "misses"] += 1
-        return Served(plan, data, path, time.perf_counter() - start)
+        return Served(plan, data, path, time.perf_counter() - start, not_cached)
 
     def _relp(self, graph: bytes, key: CacheKey, profile: "Profile", options: "CompileOptions") -> "Plan | None":
         from hapd.compiler.replan import relp_plan

@@ -26,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import gc
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import logging
@@ -33,6 +34,7 @@ import os
 import queue
 import secrets
 import socket
+import tempfile
 import threading
 import time
 import traceback
@@ -50,6 +52,7 @@ from hapd.serve.keys import home_dir, load_or_create_key
 from hapd.profile.schema import Profile, load_profile
 from hapd.serve.protocol import DEFAULT_ADDRESS, PROTOCOL_VERSION, Limits, Message, Session, split_envelope
 from hapd.serve.drops import SUBFOLDERS, DropProcessor
+from hapd.serve.guard import MAX_LOGGED_CHARS, MAX_REPLY_ERROR_CHARS, ConnectionGate, RateLimitedLog, shorten, source_fd
 from hapd.serve.watch import DEFAULT_RESCAN_S, DEFAULT_SETTLE_S, Drop
 from hapd.util import atomic_write
 
@@ -66,10 +69,24 @@ DEFAULT_STOP_TIMEOUT_S = 30.0
 """How long a stop waits for the compile in progress by default."""
 ROUTER_LINGER_MS = 2000
 """How long closing the ROUTER socket may wait to send the replies still queued."""
-FRAME_SLACK_BYTES = 2**20
-"""The ROUTER's largest message is twice ``max_body_bytes`` plus this: libzmq drops
-anything larger before it is buffered, and frames just over the body limit reach the
-session's checks and are logged."""
+FRAME_SLACK_BYTES = 64 * 1024
+"""The ROUTER's largest frame (``ZMQ_MAXMSGSIZE``) is ``max_body_bytes`` plus this:
+libzmq refuses a larger frame as soon as its size is read, before buffering any of it,
+and disconnects the peer; frames just over the body limit reach the session's checks
+and are logged (the largest header is 64 KiB, less than any body limit)."""
+LOWER_COPY_PREFIX = "hapd-lower-"
+"""Name prefix of the private copy of a .pt2 being lowered."""
+DEFAULT_MAX_CONNECTIONS = 32
+"""Peers connected at once by default (each launcher holds two per daemon); more are
+refused as they connect."""
+HANDSHAKE_SLACK_BYTES = 4096
+"""Bytes of a connection's ZMTP greeting, handshake and frame headers, beyond its frames."""
+
+
+def preauth_bytes(max_body_bytes: int) -> int:
+    """Most bytes a connection may send before a message of it is authenticated: one
+    whole request of the largest size (its body, a header, the small frames)."""
+    return max_body_bytes + FRAME_SLACK_BYTES + Limits().max_header_bytes + HANDSHAKE_SLACK_BYTES
 SERVE_POLL_MS = 100
 """Longest wait of the main loop for a request or a worker reply (how soon it sees ``stop``)."""
 MAX_REQUESTS_PER_WAKE = 64
@@ -78,6 +95,8 @@ STOP_POLL_MS = 50
 """While stopping, how often the worker's replies are forwarded."""
 WORKER_LINGER_MS = 1000
 """How long closing the worker's reply socket may wait to pass on its last replies."""
+LEASE_CHECK_S = 0.5
+"""How often the main loop cancels the jobs whose launcher has been silent past their lease."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,8 +131,13 @@ class DaemonConfig:
     """Rank slots this host offers (reported by ping)."""
     relp: bool = True
     """Serve a graph cached for another profile by re-solving only the LP."""
+    imports: tuple[str, ...] = ()
+    """Modules the compile worker imports first: they register custom ops that dropped
+    programs use (``hapd serve --import``)."""
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
     """How long a stop waits for the compile in progress before abandoning it."""
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    """Peers connected to the control API at once; a connection beyond is refused."""
 
     def __post_init__(self) -> None:
         if self.max_cache_bytes < 1:
@@ -124,6 +148,8 @@ class DaemonConfig:
             raise OptionsError(f"settle_s {self.settle_s} must be ≥ 0 and rescan_s {self.rescan_s} > 0", field="settle_s")
         if self.slots < 0:
             raise OptionsError(f"slots {self.slots} must be ≥ 0", field="slots")
+        if self.max_connections < 1:
+            raise OptionsError(f"max_connections {self.max_connections} must be ≥ 1", field="max_connections")
         if not is_loopback(self.bind) and not self.allow_remote:
             raise OptionsError(
                 f"refusing to bind {self.bind}: not a loopback address (a daemon starts processes); "
@@ -183,6 +209,8 @@ def compile_options(fields: Mapping[str, Any] | None, defaults: Mapping[str, Any
         raise OptionsError("option force must map node names to rule names", field="options.force")
     try:
         return CompileOptions(**merged)
+    except OptionsError as exc:  # name the option as the request does
+        raise OptionsError(f"compile option {exc}", field=f"options.{exc.field}") from None
     except (TypeError, ValueError) as exc:
         raise OptionsError(f"bad compile options: {exc}", field="options") from exc
 
@@ -213,7 +241,10 @@ class _DirLock:
             os.close(self.fd)
             raise OptionsError(f"another hapd daemon (pid {holder}) is using {folder}", field=str(folder)) from None
         os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # a full file system: the lock holds without the pid
+            log.warning("cannot write the pid into %s: %s", self.path, exc.strerror)
 
     def release(self) -> None:
         os.close(self.fd)
@@ -238,6 +269,8 @@ class Daemon:
         self._torch_version = ""
         self.ctx: zmq.Context | None = None
         self.router: zmq.Socket | None = None
+        self.gate: ConnectionGate | None = None
+        self._rejections = RateLimitedLog(log, "rejected messages and refused connections")
         self.replies: zmq.Socket | None = None
         self.worker: threading.Thread | None = None
         self.drops: DropProcessor | None = None
@@ -280,14 +313,17 @@ class Daemon:
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, ROUTER_LINGER_MS)
-        # libzmq drops (and disconnects) anything far beyond the limit before it is
-        # buffered; frames just over it reach the checks below and are logged
-        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_body_bytes + FRAME_SLACK_BYTES)
+        # before authentication: libzmq refuses a frame over the limit before buffering
+        # it, and the gate bounds the peers and what each sends until authenticated
+        self.router.setsockopt(zmq.MAXMSGSIZE, cfg.max_body_bytes + FRAME_SLACK_BYTES)
         try:
             self.router.bind(cfg.bind)
         except zmq.ZMQError as exc:
             raise OptionsError(f"cannot bind {cfg.bind}: {exc} (is another daemon listening there?)", field="bind") from exc
         self.address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.gate = ConnectionGate(self.ctx, self.router, self.address, max_connections=cfg.max_connections,
+                                   preauth_bytes=preauth_bytes(cfg.max_body_bytes), refusals=self._rejections)
+        self.gate.start()
         self.replies = self.ctx.socket(zmq.PAIR)
         self.replies.bind(self._inproc)
         local = self.address.replace("://0.0.0.0:", "://127.0.0.1:").replace("://*:", "://127.0.0.1:")
@@ -326,6 +362,8 @@ class Daemon:
                 log.warning("stop: abandoning %s; a drop is compiled again at the next start", self._busy or "the compile in progress")
         if self.jobs is not None:
             self.jobs.shutdown()
+        if self.gate is not None:
+            self.gate.close()
         for sock in (self.replies, self.router):
             if sock is not None:
                 sock.close()
@@ -344,8 +382,15 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.replies, zmq.POLLIN)
+        next_lease_check = time.monotonic() + LEASE_CHECK_S
         while not self.stop.is_set():
             events = dict(poller.poll(SERVE_POLL_MS))
+            if time.monotonic() >= next_lease_check:
+                # before the requests that waited: a daemon that was itself stopped past a
+                # job's lease cancels it, whatever stale poll is queued
+                self.jobs.expire_leases()
+                next_lease_check = time.monotonic() + LEASE_CHECK_S
+            self._rejections.flush()
             if self.replies in events:
                 self._forward_replies()
             if self.router in events:
@@ -369,26 +414,33 @@ class Daemon:
 
     def _on_frames(self, raw: list[zmq.Frame]) -> None:
         peer = _peer(raw[0]) if raw else "?"
-        frames = [f.bytes for f in raw]
+        frames = [f.buffer for f in raw]  # views: nothing is copied before it is authenticated
+        fd = source_fd(raw[-1]) if raw else None
+        if not self.gate.admits(fd):  # a connection over --max-connections, being closed
+            self.counters["rejected"] += 1
+            self._rejections.warning("refused connection", f"dropped a message from {peer}: its connection was refused")
+            return
         try:
-            ids, rest = split_envelope(frames)
+            routing, rest = split_envelope(frames)
+            ids = [bytes(i) for i in routing]
             if not ids:
                 raise ProtocolError("no routing identity")
             message = self.session.open(rest)
+            self.gate.trust(fd)
         except ProtocolError as exc:  # AuthError included: dropped, never answered
             self.counters["rejected"] += 1
-            log.warning("rejected a message from %s: %s: %s", peer, type(exc).__name__, exc)
+            self._rejections.warning(_rejection_kind(exc), f"rejected a message from {peer}: {type(exc).__name__}: {exc}")
             return
         self.counters["requests"] += 1
         try:
             self.session.check(message)
             reply = getattr(self, f"_on_{message.type}")(ids, message)
         except HapdError as exc:
-            log.warning("%s request from %s failed: %s: %s", message.type, peer, type(exc).__name__, exc)
-            reply = ("error", {"kind": type(exc).__name__, "message": str(exc)})
+            log.warning("%s request from %s failed: %s: %s", message.type, peer, type(exc).__name__, shorten(str(exc), MAX_LOGGED_CHARS))
+            reply = ("error", {"kind": type(exc).__name__, "message": shorten(str(exc), MAX_REPLY_ERROR_CHARS)})
         except Exception as exc:  # a bug: answer, log the traceback, keep serving
-            log.error("%s request from %s: internal error\n%s", message.type, peer, traceback.format_exc())
-            reply = ("error", {"kind": type(exc).__name__, "message": f"internal error: {exc}"})
+            log.error("%s request from %s: internal error\n%s", message.type, peer, shorten(traceback.format_exc(), 20 * MAX_LOGGED_CHARS))
+            reply = ("error", {"kind": type(exc).__name__, "message": shorten(f"internal error: {exc}", MAX_REPLY_ERROR_CHARS)})
         if reply is not None:
             self._reply(self.router, ids, message, *reply)
         if message.type == "shutdown" and reply is not None and reply[0] == "ok":
@@ -455,6 +507,7 @@ class Daemon:
 
     def _on_job_events(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
         job = self.jobs.get(msg.body["job"])
+        job.renew()  # its launcher is there
         events, done = job.events_after(msg.body["after"])
         return "events", {"job": job.spec.job, "events": events, "done": done}
 
@@ -473,6 +526,11 @@ class Daemon:
             import hapd.compiler.lower  # noqa: F401
         except Exception as exc:  # a broken install: every compile will say why
             log.error("cannot import the compiler: %s", exc)
+        for name in self.config.imports:  # custom ops: a program using them fails to load and says which
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - a bad module must not stop the worker
+                log.error("cannot import %s (--import): %s: %s", name, type(exc).__name__, exc)
         # torch's millions of module-level objects made every full collection a 100+ ms
         # pause of the main loop too; they live as long as the process: stop scanning them
         gc.collect()
@@ -506,14 +564,16 @@ class Daemon:
             graph = req.graph if req.kind == "hapg" else self._lower(req.graph)
             served = self.cache.compile(graph, req.profile, req.options, relp=self.config.relp)
             seconds = time.perf_counter() - req.received
-            log.info("compile request: cache %s, %.2f s", served.path, seconds)
-            reply = ("plan", {"plan": served.data, "cache": served.path, "seconds": seconds})
+            uncached = f" (not cached: {served.not_cached})" if served.not_cached else ""
+            log.info("compile request: cache %s, %.2f s%s", served.path, seconds, uncached)
+            reply = ("plan", {"plan": served.data, "cache": served.path, "seconds": seconds,
+                              **({"not_cached": served.not_cached} if served.not_cached else {})})
         except HapdError as exc:
-            log.warning("compile request failed: %s: %s", type(exc).__name__, exc)
-            reply = ("error", {"kind": type(exc).__name__, "message": str(exc)})
+            log.warning("compile request failed: %s: %s", type(exc).__name__, shorten(str(exc), MAX_LOGGED_CHARS))
+            reply = ("error", {"kind": type(exc).__name__, "message": shorten(str(exc), MAX_REPLY_ERROR_CHARS)})
         except Exception as exc:  # noqa: BLE001 - a bug in a compile must not stop the worker
             log.error("compile request: internal error\n%s", traceback.format_exc())
-            reply = ("error", {"kind": type(exc).__name__, "message": f"internal error: {exc}"})
+            reply = ("error", {"kind": type(exc).__name__, "message": shorten(f"internal error: {exc}", MAX_REPLY_ERROR_CHARS)})
         self._reply(replies, req.ids, req.message, *reply)
 
     # -- .pt2
@@ -530,8 +590,7 @@ class Daemon:
             return cached
         from hapd.compiler.lower import lower
 
-        tmp = self.config.home / "tmp" / f"{secrets.token_hex(8)}.pt2"
-        tmp.write_bytes(pt2)
+        tmp = self._private_copy(pt2)
         try:
             graph = lower(tmp).data
         except HapdError as exc:  # name the graph, not the private copy
@@ -542,6 +601,29 @@ class Daemon:
             tmp.unlink(missing_ok=True)
         self.cache.put_lowered(key, graph)
         return graph
+
+    def _private_copy(self, pt2: bytes) -> Path:
+        """A private copy of a .pt2 to lower (torch loads programs from files): in the
+        state directory's ``tmp/``, else, when that file system is full, in the system's
+        temporary folder."""
+        name = f"{LOWER_COPY_PREFIX}{secrets.token_hex(8)}.pt2"
+        folders = (self.config.home / "tmp", Path(tempfile.gettempdir()))
+        reasons = []
+        for folder in folders:
+            tmp = folder / name
+            try:
+                tmp.write_bytes(pt2)
+                return tmp
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                reasons.append(f"{folder}: {exc.strerror}")
+        raise HapdError(f"no room for a private copy of the .pt2 to lower ({'; '.join(reasons)})")
+
+
+def _rejection_kind(exc: ProtocolError) -> str:
+    """What a rejection is counted under when it is not logged by itself: the error's
+    class and first words (``AuthError: bad signature``)."""
+    return " ".join([f"{type(exc).__name__}:", *str(exc).split()[:2]]).rstrip(":;,")
 
 
 def _peer(frame: zmq.Frame) -> str:

@@ -28,13 +28,13 @@ decode the body. msgpack only, never pickle. This module does not import torch.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import math
 import struct
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -54,6 +54,17 @@ MAX_FRAMES = 16
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
 """Where a daemon listens unless told otherwise (loopback: a daemon starts processes)."""
 
+MAX_SMALL_FRAME = 64
+"""Bytes of the delimiter, version and signature frames a receiver looks at (a
+signature is 64 hex digits; longer frames are refused by their length)."""
+
+MAX_JOB_ID_CHARS = 64
+"""Longest job id a message may carry (checked before the id is looked up or logged)."""
+
+MAX_REPLAY_SENDERS = 4096
+"""Senders (header ``session``) whose replay floors are remembered one by one; beyond
+this many, the oldest floors merge into one floor for every sender."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Limits:
@@ -67,7 +78,9 @@ class Limits:
     """Reject a message whose ``time`` is further than this from the receiver's clock
     (hosts' clocks must agree to within it)."""
     seen_ids: int = 65536
-    """How many recent message ids are remembered against replays."""
+    """How many recent message ids are remembered against replays (see
+    :class:`ReplayMemory`: when more arrive within the window, the oldest-dated are
+    forgotten and only their own sender's older messages are refused)."""
 
     def __post_init__(self) -> None:
         for name in ("max_header_bytes", "max_body_bytes", "seen_ids"):
@@ -91,6 +104,8 @@ class Field:
     doc: str
     required: bool = True
     """An optional field may be absent or nil."""
+    max_chars: int | None = None
+    """For a ``str`` field: its longest value."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,10 @@ class MessageType:
 
 def _opt(name: str, kind: str, doc: str) -> Field:
     return Field(name, kind, doc, required=False)
+
+
+def _job(doc: str = "job id") -> Field:
+    return Field("job", "str", doc, max_chars=MAX_JOB_ID_CHARS)
 
 
 JOB_STATES = ("starting", "running", "exited", "failed", "cancelled")
@@ -137,7 +156,7 @@ REQUESTS: dict[str, MessageType] = {
             "launch",
             "Start this host's ranks of a job, each a subprocess with torchrun's environment.",
             (
-                Field("job", "str", "job id, unique on this daemon: letters, digits, '.', '_', '-' (≤ 64)"),
+                _job("job id, unique on this daemon: letters, digits, '.', '_', '-' (≤ 64)"),
                 Field("script", "str", "the Python script to run: a path (relative to cwd) or, with script_bytes, its file name"),
                 _opt("script_bytes", "bytes", "the script's content; the daemon writes it to a job directory and runs that"),
                 Field("args", "str_list", "arguments after the script"),
@@ -151,17 +170,20 @@ REQUESTS: dict[str, MessageType] = {
                 Field("master_port", "int", "rendezvous port on master_addr (MASTER_PORT)"),
                 _opt("start_at", "number", "unix time at which to start the ranks (a synchronized start); default now"),
                 _opt("cwd", "str", "working directory of the ranks; default the daemon's"),
+                _opt("lease_s", "number", "the job's lease: with no job_events poll about it for this long, the daemon "
+                                          "cancels it (1 s to 7 days; default 60 s)"),
             ),
             ("launched",),
         ),
-        MessageType("job_status", "State of a job and of each of its ranks.", (Field("job", "str", "job id"),), ("job",)),
+        MessageType("job_status", "State of a job and of each of its ranks.", (_job(),), ("job",)),
         MessageType(
             "job_events",
-            "Output lines and exits of a job's ranks after a sequence number (per-iteration timings are output lines).",
-            (Field("job", "str", "job id"), Field("after", "int", "return events with seq > after; 0 for all")),
+            "Output lines and exits of a job's ranks after a sequence number (per-iteration timings are output lines); "
+            "renews the job's lease.",
+            (_job(), Field("after", "int", "return events with seq > after; 0 for all")),
             ("events",),
         ),
-        MessageType("cancel", "Stop every rank of a job (its whole process group).", (Field("job", "str", "job id"),), ("ok",)),
+        MessageType("cancel", "Stop every rank of a job (its whole process group).", (_job(),), ("ok",)),
     )
 }
 """Request types (client → daemon), each with the reply type it gets (or ``error``)."""
@@ -189,6 +211,8 @@ REPLIES: dict[str, MessageType] = {
                 Field("plan", "bytes", "the .hplan bytes"),
                 Field("cache", "str", '"hit" (served from the cache), "miss" (compiled) or "lp-only" (cached program re-costed, LP re-solved)'),
                 Field("seconds", "number", "time the daemon spent on the request"),
+                _opt("not_cached", "str", 'why the compiled plan was not stored in the cache ("cache full", …); '
+                                          "absent when it was"),
             ),
         ),
         MessageType(
@@ -196,7 +220,7 @@ REPLIES: dict[str, MessageType] = {
             "Reply to status.",
             (
                 Field("uptime_s", "number", "seconds since the daemon started"),
-                Field("cache", "map", "entries, bytes, max_bytes, hits, misses, lp_only, corrupt, evictions"),
+                Field("cache", "map", "entries, bytes, max_bytes, hits, misses, lp_only, corrupt, evictions, not_cached"),
                 Field("queue", "int", "drops and compiles waiting or in progress"),
                 Field("jobs", "list", "job summaries: {job, state, nproc, world_size, rank_offset, started}"),
                 _opt("drops", "map", "drop folder counters: done, failed, and the folder"),
@@ -215,6 +239,7 @@ REPLIES: dict[str, MessageType] = {
                 Field("job", "str", "job id"),
                 Field("state", "str", "one of " + ", ".join(JOB_STATES)),
                 Field("ranks", "list", "per local rank: {rank (global), local_rank, pid, returncode (nil while running)}"),
+                _opt("reason", "str", "why the job ended or is ending (a failing rank, a cancel, an expired lease)"),
             ),
         ),
         MessageType(
@@ -265,6 +290,10 @@ def validate_body(mtype: MessageType, body: Mapping[str, Any], where: str = "bod
         if not _KIND_CHECKS[f.kind](value):
             raise ProtocolError(
                 f"{mtype.name}: field {f.name!r} should be {f.kind}, got {type(value).__name__}", field=f"{where}.{f.name}"
+            )
+        if f.max_chars is not None and len(value) > f.max_chars:
+            raise ProtocolError(
+                f"{mtype.name}: field {f.name!r} is {len(value)} characters; at most {f.max_chars}", field=f"{where}.{f.name}"
             )
     unknown = sorted(k for k in body if mtype.field(k) is None)
     if unknown:
@@ -343,6 +372,71 @@ def _u64(n: int) -> bytes:
     return struct.pack(">Q", n)
 
 
+class ReplayMemory:
+    """The ids of messages accepted within the time window, so that none is accepted twice.
+
+    It holds at most ``capacity`` ids. An id whose message is dated more than
+    ``window_s`` before now is dropped (its time alone refuses a replay). When more ids
+    arrive than it holds, the id of the **oldest-dated** message is forgotten, and the
+    floor of **that message's sender** (its header ``session``) rises to that date: the
+    sender's messages dated at or before its floor are refused ("older than the replay
+    memory reaches"), so a replay never gets through. A sender's own messages are dated
+    in increasing order, so its floor never refuses its new messages; and a sender whose
+    clock runs ahead fills the memory with ids dated in the future, which are the last
+    to be forgotten: it can never raise another sender's floor past that sender's own
+    messages. Floors are kept for :data:`MAX_REPLAY_SENDERS` senders; beyond that the
+    lowest merge into one floor for all. Thread-safe."""
+
+    def __init__(self, capacity: int, window_s: float, *, max_senders: int = MAX_REPLAY_SENDERS) -> None:
+        self.capacity = capacity
+        self.window_s = window_s
+        self.max_senders = max_senders
+        self._senders: dict[str, str] = {}  # id → its sender
+        self._dates: list[tuple[float, str]] = []  # heap of (message time, id), oldest first
+        self._floors: dict[str, float] = {}  # sender → date at or before which its ids may be forgotten
+        self._floor = -math.inf  # the same, for senders whose own floor was merged
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._senders)
+
+    def remember(self, mid: str, mtime: float, sender: str, now: float) -> None:
+        """Record an accepted message; :class:`AuthError` for a replay, or for a message
+        dated where the memory no longer reaches for its sender."""
+        with self._lock:
+            self._expire(now - self.window_s)
+            if mid in self._senders:
+                raise AuthError(f"replayed message {mid}", field="header.id")
+            if mtime <= max(self._floor, self._floors.get(sender, -math.inf)):
+                raise AuthError("message older than the replay memory reaches", field="header.time")
+            self._senders[mid] = sender
+            heapq.heappush(self._dates, (mtime, mid))
+            while len(self._senders) > self.capacity:
+                self._forget_oldest()
+
+    def _expire(self, horizon: float) -> None:
+        """Drop the ids dated before ``horizon`` (their time alone refuses them)."""
+        while self._dates and self._dates[0][0] < horizon:
+            _, mid = heapq.heappop(self._dates)
+            self._senders.pop(mid, None)
+        if len(self._floors) > self.max_senders:
+            self._floors = {s: f for s, f in self._floors.items() if f >= horizon}
+
+    def _forget_oldest(self) -> None:
+        mtime, mid = heapq.heappop(self._dates)
+        sender = self._senders.pop(mid)
+        self._floors[sender] = max(self._floors.get(sender, -math.inf), mtime)
+        if len(self._floors) > self.max_senders:
+            self._merge_floors()
+
+    def _merge_floors(self) -> None:
+        """Keep the higher half of the senders' floors; the rest become the common floor."""
+        ordered = sorted(self._floors.items(), key=lambda item: item[1])
+        cut = len(ordered) - self.max_senders // 2
+        self._floor = max(self._floor, ordered[cut - 1][1])
+        self._floors = dict(ordered[cut:])
+
+
 class Session:
     """Builds, signs and checks messages under one shared key (one per socket user).
 
@@ -363,9 +457,7 @@ class Session:
         self.session = session or uuid.uuid4().hex
         self.limits = limits or Limits()
         self.clock = clock
-        self._seen: OrderedDict[str, float] = OrderedDict()
-        self._floor = -math.inf  # messages at or before this time may have been forgotten
-        self._lock = threading.Lock()
+        self.replays = ReplayMemory(self.limits.seen_ids, self.limits.window_s)
         self.version_frame = str(PROTOCOL_VERSION).encode()
 
     # -- signing
@@ -405,7 +497,9 @@ class Session:
         limits = self.limits
         if len(frames) != 5:
             raise ProtocolError(f"expected 5 frames (hapd, version, signature, header, body), got {len(frames)}")
-        magic, version, signature, header, body = (bytes(f) for f in frames)
+        # small frames as bytes; header and body stay views (of a ROUTER's frames) until authenticated
+        magic, version, signature = (bytes(f[: MAX_SMALL_FRAME + 1]) for f in frames[:3])
+        header, body = (f if isinstance(f, bytes) else memoryview(f) for f in frames[3:])
         if magic != MAGIC:
             raise ProtocolError("not a hapd message: the first frame is not b'hapd'")
         if version != self.version_frame:
@@ -415,8 +509,8 @@ class Session:
             raise ProtocolError(f"oversized header: {len(header)} bytes > {limits.max_header_bytes}", field="header")
         if len(body) > limits.max_body_bytes:
             raise ProtocolError(f"oversized body: {len(body)} bytes > {limits.max_body_bytes}", field="body")
-        if len(signature) != 64:
-            raise AuthError(f"unsigned or malformed signature ({len(signature)} bytes)", field="signature")
+        if len(frames[2]) != 64:
+            raise AuthError(f"unsigned or malformed signature ({len(frames[2])} bytes)", field="signature")
         if not hmac.compare_digest(signature, self.sign(version, header, body)):
             raise AuthError("bad signature: wrong key or a tampered message", field="signature")
         head = _unpackb(header, "header")
@@ -427,7 +521,7 @@ class Session:
             when = f"sent {skew:.1f} s ago" if skew > 0 else f"dated {-skew:.1f} s in the future"
             raise AuthError(f"stale message: {when}; the window is {limits.window_s:g} s (are the clocks in sync?)", field="time")
         if replay:
-            self._remember(message, now)
+            self.replays.remember(message.id, message.time, message.session, now)
         decoded = _unpackb(body, "body")
         if not isinstance(decoded, dict):
             raise ProtocolError(f"body is a {type(decoded).__name__}, not a map", field="body")
@@ -453,20 +547,6 @@ class Session:
             raise ProtocolError(f"unknown header field {unknown[0]!r}", field=f"header.{unknown[0]}")
         return Message(mtype, {}, mid, float(mtime), session, parent)
 
-    def _remember(self, message: Message, now: float) -> None:
-        with self._lock:
-            if message.id in self._seen:
-                raise AuthError(f"replayed message {message.id}", field="header.id")
-            if message.time <= self._floor:
-                raise AuthError("message older than the replay memory reaches", field="header.time")
-            horizon = now - self.limits.window_s
-            while self._seen and next(iter(self._seen.values())) < horizon:
-                self._seen.popitem(last=False)  # out of the window: its time alone rejects a replay
-            while len(self._seen) >= self.limits.seen_ids:
-                _, forgotten = self._seen.popitem(last=False)
-                self._floor = max(self._floor, forgotten)
-            self._seen[message.id] = message.time
-
     def check(self, message: Message, *, reply: bool = False) -> MessageType:
         """The message's type, after checking its body fields."""
         table = REPLIES if reply else REQUESTS
@@ -489,6 +569,8 @@ __all__ = [
     "MAGIC",
     "DEFAULT_ADDRESS",
     "Limits",
+    "MAX_JOB_ID_CHARS",
+    "ReplayMemory",
     "Field",
     "MessageType",
     "REQUESTS",

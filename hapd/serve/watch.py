@@ -35,6 +35,7 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import stat
 import threading
 import time
@@ -80,20 +81,24 @@ def is_drop_name(name: str) -> bool:
 
 def move_out(path: Path, folder: Path) -> None:
     """Move ``path`` into ``folder`` (replacing a file of that name) without a rename
-    out of the watched folder: a hard link, made under a temporary name inside
-    ``folder`` and renamed there, then an unlink of ``path``. A rename would make
-    watchdog hold every later event of the folder for 0.5 s. Where hard links are not
-    supported, a rename."""
-    tmp = folder / f".{path.name}.{os.getpid()}.link.tmp"
+    out of the watched folder: a hard link, made under a short temporary name inside
+    ``folder`` (any drop name fits beside it) and renamed there, then an unlink of
+    ``path``. A rename would make watchdog hold every later event of the folder for
+    0.5 s. Where hard links are not supported, a rename. A symbolic link is moved
+    itself, never followed."""
+    tmp = folder / f".hapd-move.{os.getpid()}.{secrets.token_hex(4)}.link.tmp"
     try:
-        tmp.unlink(missing_ok=True)
-        os.link(path, tmp)
+        os.link(path, tmp, follow_symlinks=False)
     except OSError as exc:
         if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
             raise
         os.replace(path, folder / path.name)
         return
-    os.replace(tmp, folder / path.name)
+    try:
+        os.replace(tmp, folder / path.name)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     path.unlink()
 
 
@@ -122,11 +127,25 @@ def has_writer(path: Path) -> bool | None:
 
 @dataclass(frozen=True)
 class Drop:
-    """A dropped file, ready to read."""
+    """A dropped file, ready to read (or to refuse)."""
 
     path: Path
     signature: Signature
-    """The file's (inode, size, mtime) when it was found ready."""
+    """The file's (inode, size, mtime) when it was found ready (of the link itself for
+    a symbolic link)."""
+    refusal: str | None = None
+    """Why it is not read: a symbolic link, a FIFO, … (it is answered with an error)."""
+
+
+def refusal_of(mode: int) -> str | None:
+    """Why a file of this type is not read from the drop folder; None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symbolic link: links in the drop folder are not followed (drop the file itself)"
+    kind = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+            stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), "not a regular file")
+    return f"{kind}: only regular files are read"
 
 
 @dataclass
@@ -294,8 +313,12 @@ class DropWatcher:
         except OSError:
             self._forget(path, cand)
             return
-        if not stat.S_ISREG(st.st_mode):
+        if stat.S_ISDIR(st.st_mode):
             self._forget(path, cand)
+            return
+        refusal = refusal_of(st.st_mode)
+        if refusal is not None:  # answered (moved to failed/ with an error), never opened
+            self._hand_over(path, cand, Drop(path, signature(st), refusal))
             return
         now = time.monotonic()
         sig = signature(st)
@@ -315,12 +338,15 @@ class DropWatcher:
             return
         if writer is None and not (cand.moved or cand.closed) and quiet < self.fallback_s:
             return
+        self._hand_over(path, cand, Drop(path, sig))
+
+    def _hand_over(self, path: Path, cand: _Candidate, drop: Drop) -> None:
         with self._cond:
             if self._candidates.get(path) is not cand or self._stopping:
                 return
             del self._candidates[path]
             self._inflight.add(path)
-        self.on_ready(Drop(path, sig))
+        self.on_ready(drop)
 
     def _forget(self, path: Path, cand: _Candidate) -> None:
         with self._cond:

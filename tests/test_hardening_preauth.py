@@ -1,0 +1,182 @@
+"""Issue 17, item 2: memory before authentication. A peer that has not authenticated
+cannot make the daemon buffer a frame larger than the request limit (libzmq refuses it
+as soon as it reads the size), cannot hold more than ``--max-connections`` connections,
+and cannot fill the log: rejected messages are logged a few lines per interval and
+summarized. Real daemons, loopback only, bounded loops."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import msgpack
+import pytest
+import zmq
+from _hardening_daemon import ServedDaemon, closed_by_peer, zmtp_connect
+from _wait import GENEROUS_S, wait_for
+
+from hapd.errors import DaemonTimeout, RemoteError
+from hapd.serve.daemon import DEFAULT_MAX_CONNECTIONS, FRAME_SLACK_BYTES
+from hapd.serve.guard import REJECT_LOG_BURST, RateLimitedLog, shorten
+from hapd.serve.protocol import MAGIC
+
+pytestmark = pytest.mark.daemon
+
+LIMIT = 1 << 20
+"""``--max-request-bytes`` of these daemons."""
+FLOOD = 300
+"""Unsigned messages sent in the log flood test."""
+
+
+def test_a_frame_over_the_limit_is_refused_before_it_is_buffered(tmp_path):
+    """A peer declares a frame of 1.5× the request limit (more than the limit plus its
+    slack) and sends the start of it: the daemon disconnects it at once instead of
+    waiting to buffer the whole frame; an honest client is served throughout."""
+    declared = LIMIT + LIMIT // 2
+    assert declared > LIMIT + FRAME_SLACK_BYTES
+    with ServedDaemon(tmp_path / "hapd", "--max-request-bytes", str(LIMIT)) as daemon:
+        sock = zmtp_connect(daemon.port)
+        try:
+            sock.sendall(bytes([0x02]) + declared.to_bytes(8, "big") + b"\0" * 4096)
+            wait_for(lambda: closed_by_peer(sock), GENEROUS_S, "the daemon to drop the peer of an oversized frame")
+        finally:
+            sock.close()
+        with daemon.client() as client:
+            assert client.ping()["profile_name"] == "paper-8"
+
+
+def test_an_unfinished_message_of_many_frames_is_cut_off(tmp_path):
+    """Frames each under the limit, all of one message that never ends (libzmq would
+    buffer them all): once the connection has sent more than one whole request without
+    authenticating, the daemon shuts it down and says why."""
+    frame = LIMIT // 2
+    most = 64  # 32 MiB: far more than one request of 1 MiB
+    with ServedDaemon(tmp_path / "hapd", "--max-request-bytes", str(LIMIT)) as daemon:
+        sock = zmtp_connect(daemon.port)
+        try:
+            for _ in range(most):
+                sock.sendall(bytes([0x03]) + frame.to_bytes(8, "big") + b"\0" * frame)  # long frame, MORE
+        except OSError:
+            pass  # shut down while sending
+        try:
+            wait_for(lambda: closed_by_peer(sock), GENEROUS_S, "the daemon to cut off the peer")
+        finally:
+            sock.close()
+        daemon.wait_log(r"refused a connection from 127\.0\.0\.1:\d+: \d+ bytes received before any authenticated message")
+        with daemon.client() as client:
+            assert client.ping()["profile_name"] == "paper-8"
+
+
+def test_an_authenticated_connection_has_no_byte_budget(tmp_path):
+    """After its first authenticated message a connection may send any number of
+    requests of any allowed size."""
+    graph = b"\0" * (LIMIT - 4096)  # not a graph: answered with an error, after authentication
+    with ServedDaemon(tmp_path / "hapd", "--max-request-bytes", str(LIMIT)) as daemon:
+        with daemon.client(timeout_s=GENEROUS_S) as client:
+            client.ping()
+            for _ in range(4):  # 4 MiB in all, four times the budget of an unauthenticated peer
+                with pytest.raises(RemoteError, match="GraphFormatError"):
+                    client.compile(graph, "hapg")
+            assert client.ping()["profile_name"] == "paper-8"
+        assert "refused a connection" not in daemon.log()
+
+
+def test_a_frame_just_over_the_body_limit_still_reaches_the_checks(tmp_path):
+    """Within the slack, an oversized body is read and rejected by the session with a
+    log line naming it (what the operator needs to raise --max-request-bytes)."""
+    with ServedDaemon(tmp_path / "hapd", "--max-request-bytes", str(LIMIT)) as daemon, daemon.client() as client:
+        _, frames = client.session.encode("compile", {"graph": b"\0" * (LIMIT + 16), "graph_kind": "hapg"})
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(daemon.address)
+            sock.send_multipart(frames)
+            daemon.wait_log(r"rejected a message from 127\.0\.0\.1: ProtocolError: oversized body")
+        finally:
+            sock.close()
+
+
+def _dealer(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def test_connections_beyond_the_bound_are_refused(tmp_path):
+    """With --max-connections 2, two connected peers (unauthenticated ones included)
+    leave no room for a third: its ping is never answered and the refusal is logged;
+    when one of the two leaves, the third gets in."""
+    assert DEFAULT_MAX_CONNECTIONS >= 8  # a launcher holds two connections per daemon
+    with ServedDaemon(tmp_path / "hapd", "--max-connections", "2") as daemon:
+        with daemon.client(timeout_s=GENEROUS_S) as first:
+            first.ping()  # connected and admitted
+            squatter = _dealer(daemon.address)
+            squatter.send_multipart([b"hello"])  # unauthenticated: rejected, but the connection stays
+            daemon.wait_log(r"rejected a message from 127\.0\.0\.1")
+            try:
+                with daemon.client(timeout_s=2.0) as third:
+                    with pytest.raises(DaemonTimeout):
+                        third.ping()
+                daemon.wait_log(r"refused a connection from 127\.0\.0\.1:\d+: 2 connections are open")
+            finally:
+                squatter.close()
+            # room again once the daemon has seen the squatter go (a request sent over a
+            # connection refused before that is lost: ask again)
+            wait_for(lambda: _pings(daemon), GENEROUS_S, "a new connection to be admitted")
+            assert first.ping()["profile_name"] == "paper-8"
+
+
+def _pings(daemon: ServedDaemon) -> bool:
+    try:
+        with daemon.client(timeout_s=2.0) as client:
+            return client.ping()["profile_name"] == "paper-8"
+    except DaemonTimeout:
+        return False
+
+
+def test_a_flood_of_rejected_messages_writes_a_bounded_log(tmp_path):
+    """300 unsigned messages: at most the burst of lines per interval, the rest counted
+    in a summary line; every one of them is accounted for."""
+    with ServedDaemon(tmp_path / "hapd") as daemon, daemon.client(timeout_s=GENEROUS_S) as client:
+        sock = _dealer(daemon.address)
+        try:
+            header = msgpack.packb({"id": "0" * 32, "type": "ping", "time": time.time(), "session": "x"})
+            for _ in range(FLOOD):
+                sock.send_multipart([MAGIC, b"1", b"0" * 64, header, b"\x80"])
+            # one connection's messages are read in order: once this one's ping is
+            # answered, the flood before it on the same socket has been read too
+            _, frames = client.session.encode("ping")
+            sock.send_multipart(frames)
+            assert sock.poll(int(GENEROUS_S * 1000)), "no pong after the flood"
+            client.session.decode(sock.recv_multipart(), reply=True)
+        finally:
+            sock.close()
+        summary = daemon.wait_log(r"rejected messages and refused connections: (\d+) more in the last \d+ s")
+        log = daemon.log()
+        lines = log.count("rejected a message from")
+        summarized = sum(int(n) for n in re.findall(r"rejected messages and refused connections: (\d+) more", log))
+        assert lines + summarized == FLOOD, log[-2000:]
+        assert lines <= 2 * REJECT_LOG_BURST  # the flood may straddle two intervals
+        assert summary and "AuthError: bad signature ×" in log
+
+
+def test_rate_limited_log_summarizes_each_interval(caplog):
+    now = [0.0]
+    limited = RateLimitedLog(__import__("logging").getLogger("hapd.test"), "things", burst=2, interval_s=10.0,
+                             clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="hapd.test"):
+        for i in range(5):
+            limited.warning("kind A" if i % 2 else "kind B", f"line {i}")
+        now[0] = 10.0
+        limited.flush()
+        limited.warning("kind A", "line 5")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[:2] == ["line 0", "line 1"]
+    assert messages[2] == "things: 3 more in the last 10 s, not logged one by one (kind B ×2, kind A ×1)"
+    assert messages[3] == "line 5"
+
+
+def test_shorten_bounds_text_and_says_how_long_it_was():
+    assert shorten("abc", 5) == "abc"
+    assert shorten("x" * 100_000, 10) == "x" * 10 + "… (100000 characters)"
