@@ -33,7 +33,7 @@ def _temp_sibling(path: Path) -> Path:
     return path.with_name(f".{kept}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
     """Make a rename in ``folder`` durable, where the file system allows it."""
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -68,7 +68,7 @@ def atomic_file(path: str | Path, *, mode: int = 0o666) -> Iterator[BinaryIO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_folder(path.parent)
+    fsync_folder(path.parent)
 
 
 def atomic_write(path: str | Path, data: bytes | str, *, mode: int = 0o666) -> Path:

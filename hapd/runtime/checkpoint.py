@@ -76,7 +76,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from hapd.errors import CheckpointError, OptionsError, PlanError
-from hapd.util import atomic_write
+from hapd.util import atomic_write, fsync_folder
 
 FORMAT = "hapd-checkpoint"
 FORMAT_VERSION = 1
@@ -465,25 +465,12 @@ def _publish(temp: Path, target: Path) -> None:
         old = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
         os.rename(target, old)
     os.rename(temp, target)
-    _fsync_folder(target.parent)
+    fsync_folder(target.parent)
     for leftover in target.parent.glob(glob.escape(f".{target.name}.") + "*"):
         if leftover.name.startswith((f".{target.name}.tmp-", f".{target.name}.old-")):
             shutil.rmtree(leftover, ignore_errors=True)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_folder(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------
