@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_ranks
-from test_rules_zoo import BATCH, TOL, Spec, _case, _run_cases
+from test_rules_zoo import BATCH, TOL, Spec, _run_cases, assert_exact, assert_rules_ran, run_specs
 
 import hapd
 
@@ -68,19 +67,13 @@ def _run_moe_cases(rank: int, world: int, cases: list[Any]) -> list[dict[str, An
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    cases = [_case(spec) for spec in SPECS]
-    per_rank = run_ranks(2, _run_moe_cases, cases, timeout=600)
-    return [r for rank_results in per_rank for r in rank_results]
+    return run_specs(SPECS, _run_moe_cases)
 
 
 @pytest.mark.distributed
 def test_expert_parallel_plans_match_single_device(results) -> None:
-    bad = [f"{r['case']}: loss {r['loss_error']:.2e}, worst grad {r['worst_grad'][0]} {r['worst_grad'][1]:.2e}"
-           for r in results if r["loss_error"] > TOL or r["worst_grad"][1] > TOL]
-    print(f"\n{len(results)} rank-cases: worst loss error {max(r['loss_error'] for r in results):.1e}, "
-          f"worst gradient error {max(r['worst_grad'][1] for r in results):.1e}")
-    assert not bad, "\n".join(bad)
-    assert not [r for r in results if r["missing"]], [(r["case"], r["missing"]) for r in results]
+    assert_exact(results, SPECS)
+    assert_rules_ran(results)
 
 
 @pytest.mark.distributed

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_ranks
-from test_rules_zoo import BATCH, TOL, Spec, _all, _case, _gpt2, _merge, _ops, _run_cases, _seeded
+from test_rules_zoo import BATCH, Spec, _all, _gpt2, _merge, _ops, _seeded, assert_exact, assert_rules_ran, run_specs
 from torch import Tensor, nn
 
 # --------------------------------------------------------------------------------------
@@ -139,22 +138,14 @@ SPECS = [
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    cases = [_case(spec) for spec in SPECS]
-    per_rank = run_ranks(2, _run_cases, cases, timeout=600)
-    return [r for rank_results in per_rank for r in rank_results]
+    return run_specs(SPECS)
 
 
 @pytest.mark.distributed
 def test_loss_and_gradients_match_single_device(results) -> None:
-    bad = [f"{r['case']}: loss {r['loss_error']:.2e}, worst grad {r['worst_grad'][0]} {r['worst_grad'][1]:.2e}"
-           for r in results if r["loss_error"] > TOL or r["worst_grad"][1] > TOL]
-    print(f"\n{len(results)} rank-cases: worst loss error {max(r['loss_error'] for r in results):.1e}, "
-          f"worst gradient error {max(r['worst_grad'][1] for r in results):.1e}")
-    assert not bad, "\n".join(bad)
-    assert {r["case"] for r in results} == {s.name for s in SPECS}
+    assert_exact(results, SPECS)
 
 
 @pytest.mark.distributed
 def test_plans_run_the_rules_under_test(results) -> None:
-    bad = [f"{r['case']}: never ran {r['missing']}" for r in results if r["missing"]]
-    assert not bad, "\n".join(bad)
+    assert_rules_ran(results)
