@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _jobs import job_processes, kill_job
 from _wait import GENEROUS_S, wait_for
 
 from hapd.errors import OptionsError
@@ -44,29 +45,6 @@ STOPPED_DAEMON_S = 3.0
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def job_processes(job: str) -> list[int]:
-    """Pids of live processes whose environment has ``HAPD_JOB=job`` (ranks and children)."""
-    needle = b"\0HAPD_JOB=" + job.encode() + b"\0"
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            data = b"\0" + (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in data and state != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def kill_job(job: str) -> None:
-    for pid in job_processes(job):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager

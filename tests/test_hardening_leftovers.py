@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _jobs import job_processes
 from _wait import GENEROUS_S, wait_for
 
 pytestmark = pytest.mark.daemon
@@ -37,23 +38,6 @@ time.sleep(300)
 DAY_S = 86400.0
 OWNER_FILE = "launcher.json"
 """The owner file of a launcher folder (``launcher.job.OWNER_FILE``, as documented)."""
-
-
-def job_processes(job: str) -> list[int]:
-    """Pids of live processes whose environment has ``HAPD_JOB=job``."""
-    needle = b"\0HAPD_JOB=" + job.encode() + b"\0"
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            data = b"\0" + (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in data and state != "Z":
-            pids.append(int(entry.name))
-    return pids
 
 
 def dead_pid() -> int:

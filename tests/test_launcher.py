@@ -34,6 +34,7 @@ from pathlib import Path
 
 import _bench
 import pytest
+from _jobs import job_processes, kill_job
 from _wait import GENEROUS_S, wait_for
 
 from hapd.serve.client import Client
@@ -75,23 +76,6 @@ print(json.dumps({"hapd": "env", **{n: os.environ.get(n) for n in names}}), flus
 # ----------------------------------------------------------------------------- helpers
 
 
-def job_processes(job: str) -> list[int]:
-    """Pids of live processes whose environment has ``HAPD_JOB=job`` (ranks and children)."""
-    needle = b"\0HAPD_JOB=" + job.encode() + b"\0"
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            data = b"\0" + (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in data and state != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
 def assert_no_orphans(job: str) -> None:
     """Every process of ``job`` ends (waited for with a generous deadline)."""
     try:
@@ -100,14 +84,6 @@ def assert_no_orphans(job: str) -> None:
         left = job_processes(job)
         cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for p in left}
         raise AssertionError(f"processes of job {job} still running: {cmdlines}") from None
-
-
-def kill_job(job: str) -> None:
-    for pid in job_processes(job):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture
