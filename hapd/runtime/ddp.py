@@ -39,8 +39,8 @@ from hapd import models
 from hapd.errors import HapdError
 from hapd.profile.schema import Profile, load_profile
 from hapd.compiler.ratios import sharding_lengths
-from hapd.runtime.training import (DistEnv, TrainArgs, add_train_flags, init_distributed, local_batch,
-                           parse_train_args, report, shutdown, train)
+from hapd.runtime.training import (DistEnv, TrainArgs, add_train_flags, local_batch,
+                           parse_train_args, report, run_rank, train)
 
 SPLITS = {"even": "ddp-ev", "flops": "ddp-cp"}
 """``--split`` value -> the system name it reports."""
@@ -124,21 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, ns = parse_train_args(parser, argv)
     if ns.split == "flops" and args.profile is None:
         parser.error("--split flops needs --profile NAME|PATH: the split follows each device's FLOP/s")
-    try:
-        env = init_distributed()
-    except HapdError as exc:
-        print(f"ddp: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return 2
-    ok = False
-    try:
-        run(args, ns.split, env, ns.bucket_mib)
-        ok = True
-        return 0
-    except HapdError as exc:
-        print(f"ddp: rank {env.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        shutdown(env, wait=ok)
+    return run_rank("ddp", lambda env: run(args, ns.split, env, ns.bucket_mib))
 
 
 if __name__ == "__main__":

@@ -203,6 +203,27 @@ def shutdown(env: DistEnv, *, wait: bool = True) -> None:
         dist.destroy_process_group()
 
 
+def run_rank(name: str, body: Callable[[DistEnv], None]) -> int:
+    """A rank's entry point: join the process group, run ``body``, leave the group (after
+    the others, when it succeeded). A :class:`HapdError` is one line on stderr prefixed
+    with ``name`` (and the rank, once known), exit status 2."""
+    try:
+        env = init_distributed()
+    except HapdError as exc:
+        print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    ok = False
+    try:
+        body(env)
+        ok = True
+        return 0
+    except HapdError as exc:
+        print(f"{name}: rank {env.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        shutdown(env, wait=ok)
+
+
 # --------------------------------------------------------------------------
 # Flags
 # --------------------------------------------------------------------------

@@ -28,11 +28,10 @@ from torch import Tensor
 
 from hapd import models
 from hapd.compiler.driver import CompileOptions
-from hapd.errors import HapdError
 from hapd.profile.schema import Profile
 from hapd.runtime.api import ParallelModule, job_profile as _job_profile, parallelize
-from hapd.runtime.training import (DistEnv, TrainArgs, add_train_flags, host_groups, init_distributed, parse_train_args,
-                           report, shutdown, train)
+from hapd.runtime.training import (DistEnv, TrainArgs, add_train_flags, host_groups, parse_train_args,
+                           report, run_rank, train)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,21 +96,7 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, ns = parse_train_args(parser, argv)
-    try:
-        env = init_distributed()
-    except HapdError as exc:
-        print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return 2
-    ok = False
-    try:
-        run(args, ns, env)
-        ok = True
-        return 0
-    except HapdError as exc:
-        print(f"worker: rank {env.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        shutdown(env, wait=ok)
+    return run_rank("worker", lambda env: run(args, ns, env))
 
 
 if __name__ == "__main__":
