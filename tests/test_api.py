@@ -313,8 +313,7 @@ def test_plans_come_from_the_daemon_and_its_cache(tmp_path, monkeypatch, capsys)
     proc, address = _start_daemon(home)
     try:
         monkeypatch.setenv("HAPD_DAEMON", address)
-        monkeypatch.delenv("HAPD_KEY_FILE", raising=False)
-        monkeypatch.setenv("HAPD_CACHE", str(home / "cache"))  # as a rank it launched sees: the key is beside it
+        monkeypatch.setenv("HAPD_KEY_FILE", str(home / "key"))  # as a rank it launched sees
         origins = []
         for _ in range(2):
             model, config = models.build("mlp")

@@ -89,18 +89,11 @@ _DAEMON_ORIGIN = {"hit": "daemon cache hit", "lp-only": "daemon LP-only re-plan"
 
 
 def daemon_key_path() -> Path:
-    """The key file to sign daemon requests with: ``$HAPD_KEY_FILE``; else, under a
-    daemon that launched this rank (``$HAPD_CACHE`` is its cache folder, which lies in
-    its state folder beside its key), that key; else the default key file."""
+    """The key file to sign daemon requests with: ``$HAPD_KEY_FILE`` (a daemon sets it
+    for the ranks it launches: its own key, wherever its state lies), else
+    ``$HAPD_HOME/key``."""
     from hapd.serve.keys import default_key_path
 
-    if os.environ.get("HAPD_KEY_FILE"):
-        return default_key_path()
-    cache = os.environ.get("HAPD_CACHE")
-    if cache:
-        beside = Path(cache).expanduser().parent / "key"
-        if beside.is_file():
-            return beside
     return default_key_path()
 
 

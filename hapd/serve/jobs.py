@@ -6,7 +6,8 @@ gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`
 ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``,
 ``TORCHELASTIC_MAX_RESTARTS``; ``OMP_NUM_THREADS=1`` unless set), so a script that runs
 under torchrun runs here unchanged, plus ``HAPD_DAEMON`` (this daemon's address),
-``HAPD_CACHE`` (its plan cache) and ``HAPD_JOB``. Every rank is the leader of its own
+``HAPD_KEY_FILE`` (the key it authenticates with, so rank 0 can ask it for plans wherever
+that key lies), ``HAPD_CACHE`` (its plan cache) and ``HAPD_JOB``. Every rank is the leader of its own
 process group, so cancelling kills the whole tree (SIGTERM, then SIGKILL after a grace
 period). Output is captured line by line into the job's event buffer, with a sequence
 number per event; a rank's exit is an event too. As torchrun does, when one local rank
@@ -270,7 +271,8 @@ class Job:
 class JobManager:
     """Starts, watches and stops jobs (thread-safe)."""
 
-    def __init__(self, *, jobs_dir: Path, daemon_address: str, cache_dir: Path, grace_s: float = DEFAULT_GRACE_S,
+    def __init__(self, *, jobs_dir: Path, daemon_address: str, cache_dir: Path, key_file: Path | None = None,
+                 grace_s: float = DEFAULT_GRACE_S,
                  keep_finished: int = DEFAULT_KEEP_FINISHED, keep_job_dirs: int = DEFAULT_KEEP_JOB_DIRS,
                  job_dir_max_age_s: float = DEFAULT_JOB_DIR_MAX_AGE_S) -> None:
         if keep_job_dirs < 1 or not job_dir_max_age_s > 0:
@@ -279,6 +281,8 @@ class JobManager:
         self.jobs_dir = Path(jobs_dir)
         self.daemon_address = daemon_address
         self.cache_dir = Path(cache_dir)
+        self.key_file = Path(key_file) if key_file is not None else None
+        """The daemon's key file, given to every rank as ``HAPD_KEY_FILE`` (None: not set)."""
         self.grace_s = grace_s
         self.keep_finished = keep_finished
         self.keep_job_dirs = keep_job_dirs
@@ -363,6 +367,8 @@ class JobManager:
     def _start(self, job: Job, cwd: Path) -> None:
         spec = job.spec
         base = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "HAPD_DAEMON": self.daemon_address, "HAPD_CACHE": str(self.cache_dir), "HAPD_JOB": spec.job}
+        if self.key_file is not None:
+            base["HAPD_KEY_FILE"] = str(self.key_file)
         if spec.nproc > 1 and "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in os.environ:
             base["OMP_NUM_THREADS"] = "1"
         with job.lock:
