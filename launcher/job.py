@@ -16,7 +16,7 @@ The steps of :func:`run_job`, in order:
    instant. If any daemon refuses, the jobs already accepted are cancelled before
    ``start_at``: nothing ran anywhere. Every rank gets exactly torchrun's environment
    from its daemon (``docs/protocol.md``, ``launch``), plus ``HAPD_DAEMON``,
-   ``HAPD_CACHE`` and ``HAPD_JOB``.
+   ``HAPD_KEY_FILE``, ``HAPD_CACHE`` and ``HAPD_JOB``.
 4. **Stream**: one thread per host polls ``job_events``; the main thread prints every
    output line prefixed ``[rank N] `` (stdout lines to stdout, stderr lines to stderr),
    except the ``{"hapd": ...}`` stdout lines: those are for the launcher, which feeds
@@ -37,8 +37,10 @@ for longer than the lease, and a daemon this launcher gave up on (exit status
 :data:`EXIT_HOST_LOST`) stops its own ranks once it has heard nothing for the lease: the
 launcher says so rather than claiming they stopped.
 
-A private daemon's temporary state folder (``$TMPDIR/hapd-launcher-*``, see
-:class:`LocalDaemon`) names its owner in ``launcher.json``; the daemon removes it when
+A private daemon (:class:`LocalDaemon`, :func:`start_local_daemon`) keeps its plans in the
+user's plan cache, ``$HAPD_HOME/cache`` as ``hapd serve``'s (so the next job's plan is a
+cache hit), unless another daemon holds that folder: then in its temporary state, which
+the launcher says in one line. Its temporary state folder (``$TMPDIR/hapd-launcher-*``) names its owner in ``launcher.json``; the daemon removes it when
 it stops because its launcher died, and every launcher that makes one first removes the
 folders whose owner is gone (:func:`clean_stale_launcher_dirs`).
 
@@ -400,21 +402,27 @@ class LocalDaemon:
     for a job on this machine when no daemon answers at the default address; stopped (and
     its state removed) by :meth:`stop` — a ``shutdown`` request, then SIGTERM, then SIGKILL.
 
+    ``cache``: its plan cache folder (``hapd serve --cache``), which outlives it, e.g. the
+    user's ``$HAPD_HOME/cache`` (see :func:`start_local_daemon`); None: a ``cache/``
+    folder in the temporary state, removed with it.
+
     It runs in its own session (a Ctrl-C at the terminal reaches only the launcher, which
     stops it in order) and, on Linux, gets SIGTERM should the launcher die first; it then
     removes its state folder itself (:mod:`launcher.serve_child`), and the next launcher
     removes any that a harder death left (:func:`clean_stale_launcher_dirs`)."""
 
-    def __init__(self, slots: int, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, slots: int, *, cache: Path | None = None, timeout_s: float = 30.0) -> None:
         clean_stale_launcher_dirs()
         self.home = make_launcher_dir()
         self.key_file = self.home / "key"
+        self.cache = Path(cache) if cache is not None else self.home / "cache"
         self.address = ""
         log = open(self.home / "serve.txt", "wb")  # noqa: SIM115 - the child owns it
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", SERVE_CHILD_MODULE, str(os.getpid()), "serve", "--state", str(self.home),
-                 "--bind", "tcp://127.0.0.1:*", "--slots", str(slots), "--log-level", "warning"],
+                 "--cache", str(self.cache), "--bind", "tcp://127.0.0.1:*", "--slots", str(slots),
+                 "--log-level", "warning"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         finally:
@@ -473,6 +481,38 @@ class LocalDaemon:
                     self.proc.wait()
         finally:
             shutil.rmtree(self.home, ignore_errors=True)
+
+
+def user_plan_cache() -> Path:
+    """The plan cache ``hapd serve`` uses by default: ``$HAPD_HOME/cache`` (``~/.hapd/cache``)."""
+    return home_dir().expanduser().absolute() / "cache"
+
+
+def start_local_daemon(slots: int, say: Callable[[str], None], *, cache: Path | None = None) -> LocalDaemon:
+    """A :class:`LocalDaemon` whose plans go to ``cache`` (default :func:`user_plan_cache`),
+    so a job run again gets its plan from there; when another daemon holds that folder
+    (its lock, see :func:`hapd.serve.daemon.folder_holder`), one with a temporary cache,
+    and ``say`` tells why in one line. A daemon that took the folder between the look and
+    the start is met the same way."""
+    from hapd.serve.daemon import folder_holder
+
+    cache = user_plan_cache() if cache is None else cache
+
+    def in_use(holder: str) -> LocalDaemon:
+        say(f"the plan cache {cache} is in use by another hapd daemon (pid {holder}); this job's plans are cached "
+            "only for the job")
+        return LocalDaemon(slots)
+
+    holder = folder_holder(cache)
+    if holder is not None:
+        return in_use(holder)
+    try:
+        return LocalDaemon(slots, cache=cache)
+    except LaunchError:
+        holder = folder_holder(cache)
+        if holder is None:
+            raise
+        return in_use(holder)
 
 
 def local_daemon_answers(key_file: Path | None, timeout_s: float = 2.0) -> str | None:
@@ -853,9 +893,11 @@ def run_job(hosts: Sequence[Host] | None, options: JobOptions, *, out: TextIO | 
             else:
                 if not options.script.is_file():  # before starting a daemon for nothing
                     raise OptionsError(f"script {options.script} not found", field="script")
-                local = LocalDaemon(max(k, os.cpu_count() or 1))
+                local = start_local_daemon(max(k, os.cpu_count() or 1),
+                                           lambda text: print(f"hapd launcher: {text}", file=err_stream, flush=True))
                 print(f"hapd launcher: no daemon answered at {default_address()}; started one at {local.address} "
-                      f"(state {local.home}, stopped when the job ends)", file=err_stream, flush=True)
+                      f"(state {local.home}, plan cache {local.cache}, stopped when the job ends)", file=err_stream,
+                      flush=True)
                 options = _replace(options, key_file=local.key_file)
                 hosts = [local.host()]
         job = Job(hosts, options, out=out, err=err, launcher_start=launcher_start)

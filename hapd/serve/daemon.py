@@ -228,11 +228,34 @@ class _Request:
     received: float
 
 
+LOCK_FILE = ".hapd.lock"
+"""In a daemon's cache and drop folders: the file it holds an exclusive flock on."""
+
+
+def folder_holder(folder: Path) -> str | None:
+    """The pid (as the lock file names it, ``"?"`` when it names none) of the daemon that
+    holds ``folder``'s lock, or None when no daemon uses the folder. Only looks: it takes
+    the lock for an instant when it is free, and creates nothing."""
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
+    except OSError:  # no lock file (or no folder): never used by a daemon
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 class _DirLock:
     """An exclusive flock on ``folder/.hapd.lock`` naming the holder's pid."""
 
     def __init__(self, folder: Path) -> None:
-        self.path = folder / ".hapd.lock"
+        self.path = folder / LOCK_FILE
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
