@@ -34,6 +34,7 @@ from torch import fx, nn
 import hapd
 from hapd.cli import main
 from hapd.runtime.check import check
+from hapd.compiler.driver import CompileOptions
 from hapd.compiler.driver import compile as compile_plan
 from hapd.compiler.export import export
 from hapd.compiler.lower import load_exported, lower
@@ -193,9 +194,17 @@ def _bn_rank_step(rank: int, world: int, program_bytes: bytes, plan_bytes: bytes
 
 
 @pytest.mark.slow
-def test_two_ranks_end_with_the_single_device_buffers() -> None:
+@pytest.mark.parametrize("rule", [None, "data-parallel-synced"])
+def test_two_ranks_end_with_the_single_device_buffers(rule) -> None:
+    """The searched plan, and the batch split with synchronized statistics (each rank
+    updates the running statistics from the whole batch's)."""
     program = _tiny_bn_program(batch=6)
-    plan = compile_plan(lower(program), estimated_profile(2))
+    ir = lower(program)
+    force = {n["name"]: rule for n in ir.doc["nodes"] if n.get("op") == "aten._native_batch_norm_legit_functional"}
+    options = CompileOptions(ratios=(0.75, 0.25), force=force if rule else {})
+    plan = compile_plan(ir, estimated_profile(2), options)
+    if rule:
+        assert {s["rule"] for s in plan.program["steps"] if s["node"] in force} == {rule}
     buf = io.BytesIO()
     torch.export.save(program, buf)
     per_rank = run_ranks(2, _bn_rank_step, buf.getvalue(), plan.to_bytes(), timeout=240)
@@ -207,6 +216,48 @@ def test_two_ranks_end_with_the_single_device_buffers() -> None:
         for key, value in expected.items():
             got = torch.tensor(state[key], dtype=value.dtype)
             torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}")
+
+
+# ------------------------------------------------------------------------------ linears on leading dims
+
+
+class FlatLinear(nn.Module):
+    """``[S, B, H, D]`` flattened to ``[S·B, H·D]`` rows, a linear, and (``restore``)
+    the rows unflattened to ``[S, B, n]`` — ``nn.MultiheadAttention``'s output
+    projection."""
+
+    def __init__(self, restore: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.restore = nn.Linear(8, 6), restore
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b = x.shape[:2]
+        y = self.lin(x.reshape(s * b, 8))
+        return (y.reshape(s, b, 6).sum(1) ** 2).sum() if self.restore else (y ** 2).sum()
+
+
+def _linear_inputs(program) -> list[list[int]]:
+    return [list(n.args[0].meta["val"].shape) for n in program.graph.nodes if n.target is torch.ops.aten.linear.default]
+
+
+def test_a_flattened_linear_keeps_its_leading_dims() -> None:
+    x = torch.randn(5, 3, 2, 4)
+    program = normalize(export(FlatLinear(restore=True), (x,)))
+    assert _linear_inputs(program) == [[5, 3, 8]]
+    assert torch.equal(program.module()(x), FlatLinear(restore=True)(x))
+    # the rows stay flat where nothing restores them
+    kept = normalize(export(FlatLinear(restore=False), (x,)))
+    assert _linear_inputs(kept) == [[15, 8]]
+
+
+def test_vit_attention_keeps_the_batch_split() -> None:
+    """torchvision's ViT: every linear sees the batch (16) as its own dim, never rows
+    of sequence × batch (17 · 16), and the plan on paper-8 runs no FLOP replicated."""
+    program = normalize(export(*_zoo("vit", batch=16)))
+    assert all(16 in shape and 17 * 16 not in shape for shape in _linear_inputs(program))
+    plan = compile_plan(lower(program), "paper-8")
+    assert plan.estimate["replicated_flop_share"] == 0.0
 
 
 # ------------------------------------------------------------------------------ unsupported effects

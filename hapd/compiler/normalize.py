@@ -25,7 +25,11 @@ rank replays. It applies these steps, in order:
    (``scaled_dot_product_attention`` on CPU), and drops a ``contiguous`` it believes a
    no-op, so a view it proved legal can fail on the real tensor; in a functional
    program both give the same values;
-5. **canonical names** (:func:`_canonical_names`) — every op node is renamed the way fx
+5. **linears on leading dims** (:func:`_linear_on_leading_dims`) — a linear between a
+   reshape that flattens leading dims into rows and one that restores them runs on the
+   rows with their leading dims kept (the same values): the batch split then survives
+   ``nn.MultiheadAttention``'s output projection;
+6. **canonical names** (:func:`_canonical_names`) — every op node is renamed the way fx
    names a fresh graph (``linear``, ``linear_1``, …, in graph order): torch renames
    nodes when it saves and loads a program (``_assert_tensor_metadata`` →
    ``_assert_tensor_metadata_default``) and when it re-traces one, so only names that
@@ -39,6 +43,7 @@ is marked and returned as it is, and a program it was given keeps its result.
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from typing import Any
 
@@ -93,6 +98,7 @@ def normalize(program: ExportedProgram) -> ExportedProgram:
     _drop_assertions(functional.graph_module)
     _verify(functional)
     _views_as_reshapes(functional.graph_module)
+    _linear_on_leading_dims(functional.graph_module)
     normalized = _canonical_names(functional)
     setattr(normalized, _MARK, True)
     setattr(program, _NORMAL_FORM, normalized)  # lowering, then distributing, re-traces once
@@ -247,6 +253,61 @@ def _views_as_reshapes(module: fx.GraphModule) -> None:
     module.recompile()
 
 
+# --------------------------------------------------------------------------------------
+# 5. linears on leading dims
+# --------------------------------------------------------------------------------------
+
+
+def _linear_on_leading_dims(module: fx.GraphModule) -> None:
+    """``reshape(x, [∏A, ∏T]) → linear → reshape(·, A + [n])`` becomes
+    ``reshape(x, A + [∏T]) → linear``: a linear acts on each row alone, so running it on
+    the rows with their leading dims ``A`` kept gives the same values, and the result
+    already has the shape the second reshape gave it.
+
+    ``nn.MultiheadAttention`` (torchvision's ViT) flattens ``[seq, batch, heads, dim]``
+    to ``[seq·batch, heads·dim]`` for its output projection and unflattens right after.
+    Flattened, the batch rows interleave with the sequence, so no split of the batch
+    survives the reshape and a plan must gather the whole activation around every
+    attention output; with the leading dims kept, the batch split flows through."""
+    changed = False
+    for flat in list(module.graph.nodes):
+        if flat.op != "call_function" or flat.target is not torch.ops.aten.reshape.default or len(flat.users) != 1:
+            continue
+        (lin,) = flat.users
+        if lin.target is not torch.ops.aten.linear.default or lin.args[0] is not flat or len(lin.users) != 1:
+            continue
+        (back,) = lin.users
+        if back.target is not torch.ops.aten.reshape.default:
+            continue
+        x, flat_val, lin_val, back_val = flat.args[0], flat.meta.get("val"), lin.meta.get("val"), back.meta.get("val")
+        x_shape, flat_shape = _static_shape(getattr(x, "meta", {}).get("val")), _static_shape(flat_val)
+        lin_shape, back_shape = _static_shape(lin_val), _static_shape(back_val)
+        if None in (x_shape, flat_shape, lin_shape, back_shape) or len(flat_shape) != 2:
+            continue
+        lead = _leading_split(x_shape, flat_shape)
+        if lead is None or back_shape != x_shape[:lead] + lin_shape[1:]:
+            continue
+        rows = x_shape[:lead] + flat_shape[1:]
+        flat.args = (x, rows)
+        flat.meta["val"] = x.meta["val"].reshape(rows)
+        lin.meta["val"] = back_val
+        back.replace_all_uses_with(lin)
+        module.graph.erase_node(back)
+        changed = True
+    if changed:
+        module.recompile()
+
+
+def _leading_split(shape: list[int], flat: list[int]) -> int | None:
+    """The ``j ≥ 2`` with ``∏shape[:j] = flat[0]`` and ``∏shape[j:] = flat[1]``: the
+    reshape flattens two or more leading dims into rows and the rest into one row's
+    features. ``None`` when there is none."""
+    for j in range(2, len(shape)):
+        if math.prod(shape[:j]) == flat[0] and math.prod(shape[j:]) == flat[1]:
+            return j
+    return None
+
+
 def _static_shape(val: Any) -> list[int] | None:
     """The shape of a tensor value when every dim is an int."""
     if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
@@ -255,7 +316,7 @@ def _static_shape(val: Any) -> list[int] | None:
 
 
 # --------------------------------------------------------------------------------------
-# 5. canonical names
+# 6. canonical names
 # --------------------------------------------------------------------------------------
 
 

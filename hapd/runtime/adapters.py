@@ -43,6 +43,8 @@ VOCAB_PARALLEL = _RULES["VOCAB_PARALLEL"]
 """Embedding table split by rows: each rank looks up only the ids in its rows."""
 SHARDED_MEAN = _RULES["SHARDED_MEAN"]
 """A mean (or mean-reduced loss) over a split dim: the local sum over the global count."""
+DATA_PARALLEL_SYNCED = _RULES["DATA_PARALLEL_SYNCED"]
+"""Batch norm in training on a split batch, its statistics all-reduced (synchronized)."""
 
 Adapter = Callable[["_Emitter", Mapping[str, Any], fx.Node, tuple, dict], fx.Node]
 """``adapt(emitter, step, fx node of the op, local args, local kwargs) -> result node``."""
@@ -87,6 +89,51 @@ class GlobalSum(nn.Module):
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(total, group=self.group)
         return total
+
+
+class SyncedBatchNorm(nn.Module):
+    """``_native_batch_norm_legit_functional`` in training on this rank's rows of the
+    batch, normalizing with the statistics of the whole batch: the per-channel sums for
+    the mean, then for the variance (two passes, as a single device's kernel computes
+    them), are all-reduced, so every rank gets the single-device mean, variance, result
+    rows and running-statistics update. The all-reduces are differentiable (backward: an
+    all-reduce of the statistics' gradients), which makes the backward the single
+    device's too. Returns what the op returns: (result, mean, inverse std, new running
+    mean, new running variance).
+
+    Written here rather than taken from ``torch.nn.SyncBatchNorm``: that module runs on
+    CUDA only (its statistics kernels have no CPU implementation) and its rows must be
+    equal in number on every rank, where hapd's splits are uneven."""
+
+    def __init__(self, group: Any, count: int):
+        super().__init__()
+        self.group = group
+        self.count = count
+        """Elements per channel in the whole batch (batch × spatial)."""
+
+    def forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
+                running_var: Tensor | None, training: bool, momentum: float, eps: float) -> tuple[Tensor, ...]:
+        from hapd.runtime.collectives import all_reduce
+
+        dims = [0, *range(2, x.dim())]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        mean = all_reduce(x.sum(dims), group=self.group) / self.count
+        centered = x - mean.view(shape)
+        var = all_reduce((centered * centered).sum(dims), group=self.group) / self.count
+        invstd = torch.rsqrt(var + eps)
+        out = centered * invstd.view(shape)
+        if weight is not None:
+            out = out * weight.view(shape)
+        if bias is not None:
+            out = out + bias.view(shape)
+        with torch.no_grad():
+            unbiased = var * (self.count / max(self.count - 1, 1))
+            new_mean = running_mean * (1 - momentum) + mean * momentum if running_mean is not None else mean.new_empty(0)
+            new_var = running_var * (1 - momentum) + unbiased * momentum if running_var is not None else var.new_empty(0)
+        return out, mean, invstd, new_mean, new_var
+
+    def extra_repr(self) -> str:
+        return f"count={self.count}"
 
 
 # --------------------------------------------------------------------------------------
@@ -214,6 +261,16 @@ def _sharded_mean_loss(em: _Emitter, step: Mapping[str, Any], node: fx.Node, arg
     return g.call_function(torch.ops.aten.div.Tensor, (summed, total))
 
 
+def _synced_batch_norm(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """Batch norm in training with the batch split: :class:`SyncedBatchNorm` over the
+    whole batch's element count per channel."""
+    full = em.view.full_shape(step["inputs"][0]["tensor"])
+    names = ["input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"]
+    values = list(args) + [kwargs.get(n) for n in names[len(args):]]
+    target = em.add_module("synced_batch_norm", SyncedBatchNorm(em.group, full[0] * math.prod(full[2:])))
+    return em.graph.call_module(target, tuple(values))
+
+
 ADAPTERS: Mapping[tuple[str, str], Adapter] = MappingProxyType({
     **{(op, SHARDED): _with_local_size(1) for op in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand")},
     ("aten.expand", BROADCAST_SPLIT): _with_local_size(1),
@@ -222,6 +279,7 @@ ADAPTERS: Mapping[tuple[str, str], Adapter] = MappingProxyType({
     ("aten.linear", PARTIAL): _bias_on_rank_zero(2),
     **{(op, rule): _bias_on_rank_zero(0) for op in ("aten.addmm", "aten.baddbmm") for rule in (ROW_PARALLEL, PARTIAL)},
     ("aten.native_group_norm", DATA_PARALLEL): _local_batch(3),
+    ("aten._native_batch_norm_legit_functional", DATA_PARALLEL_SYNCED): _synced_batch_norm,
     ("aten.conv2d", ROW_PARALLEL): _bias_on_rank_zero(2),
     ("aten.embedding", VOCAB_PARALLEL): _vocab_parallel,
     ("aten.mean", SHARDED_MEAN): _sharded_mean,

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::ir::{Graph, NodeKind, TensorMeta, TensorRef};
 use crate::layout::Layout;
 use crate::profile::Profile;
-use crate::rules::{rules_for, Rule};
+use crate::rules::{internal_comm_row, rules_for, Rule};
 
 /// Dense id of a tensor that matters to the program.
 pub type TensorId = u32;
@@ -159,9 +159,16 @@ impl<'a> Problem<'a> {
                     });
                 }
             }
+            // a rule's own collectives (synchronized statistics) count with its compute
             let comp = rules
                 .iter()
-                .map(|r| compute_row(profile, op.flops, op.class, r.work, grad_in))
+                .map(|r| {
+                    let mut row = compute_row(profile, op.flops, op.class, r.work, grad_in);
+                    if let Some(inside) = internal_comm_row(graph, node, r, profile, grad_in) {
+                        row.add(&inside);
+                    }
+                    row
+                })
                 .collect();
             steps.push(Step { node: n, inputs, outputs, rules, comp, flops: op.flops });
         }

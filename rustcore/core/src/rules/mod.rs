@@ -296,6 +296,15 @@ pub fn rules_for(graph: &Graph, node: &Node) -> OpRules {
     OpRules { rules, flops, class }
 }
 
+/// Seconds per device of the collectives a rule runs inside its op (forward, and
+/// backward when `with_grad`), beyond the layout changes between ops the search prices
+/// itself: today only the synchronized batch norm's statistics
+/// ([`norm::synced_statistics_row`]). `None` when the rule communicates only through
+/// its operands' and results' layouts.
+pub fn internal_comm_row(graph: &Graph, node: &Node, rule: &Rule, profile: &crate::profile::Profile, with_grad: bool) -> Option<crate::cost::Row> {
+    norm::synced_statistics_row(&OpCtx::new(graph, node), rule, profile, with_grad)
+}
+
 /// The shape checks of an op node's family (none for an opaque op). The graph's
 /// structure must be sound: references valid, at least one result.
 pub fn check_shapes(graph: &Graph, node: &Node) -> Result<()> {

@@ -8,19 +8,25 @@
 //!   `_native_batch_norm_legit_no_training`) on `[N, C, …]`: statistics are per channel,
 //!   so a split of the channels (input and result dim 1; weight, bias, running and saved
 //!   statistics — every `[C]` operand and result — dim 0) is exact (`"sharded"`). In
-//!   training the statistics are over the whole batch, so a batch split would need them
-//!   synchronized: left out (replicated is exact). In evaluation (`training` false, or
-//!   `_no_training`) the running statistics are used and the batch splits
-//!   (`"data-parallel"`).
+//!   training the statistics are over the whole batch: `_native_batch_norm_legit_functional`
+//!   (what export gives for a batch norm in training) splits the batch with the
+//!   statistics synchronized (`"data-parallel-synced"`: the runtime all-reduces the
+//!   per-channel sums for the mean, then for the variance, so every rank normalizes
+//!   with the whole batch's statistics and updates the running ones alike; the two
+//!   all-reduces each way are charged by [`synced_statistics_row`]). In evaluation
+//!   (`training` false, or `_no_training`) the running statistics are used and the
+//!   batch splits (`"data-parallel"`).
 //! - Group norms (`group_norm`, `native_group_norm`) on `[N, C, …]`: statistics are per
 //!   sample and group, so the batch splits (`"data-parallel"`; `native_group_norm`'s
 //!   `[N, groups]` mean and rstd with it — the runtime passes the local `N`). A channel
 //!   split would have to fall on whole groups, which uneven split lengths do not: left
 //!   out.
 
-use super::rule_names::{DATA_PARALLEL, SHARDED};
+use super::rule_names::{DATA_PARALLEL, DATA_PARALLEL_SYNCED, SHARDED};
 use super::{by_name, elementwise_class, gather, Family, OpCtx, Rule};
-use crate::cost::Work;
+use crate::comm::{collective_row, Collective};
+use crate::cost::{Row, Work};
+use crate::profile::Profile;
 use crate::error::Result;
 use crate::ir::Value;
 use crate::layout::Layout;
@@ -104,6 +110,17 @@ fn batch_norm(ctx: &OpCtx) -> Option<Vec<Rule>> {
         rules.push(Rule { name: SHARDED, inputs: inputs.collect(), outputs: outputs.collect(), work: Work::Sharded });
     }
     let evaluating = ctx.op() == "aten._native_batch_norm_legit_no_training" || ctx.bool_arg("training") == Some(false);
+    let functional = ctx.op() == "aten._native_batch_norm_legit_functional";
+    if functional && !evaluating && x[0] > 1 && ctx.n_outputs() == 5 {
+        let mut outputs = vec![Layout::Identity; 5];
+        outputs[0] = g0;
+        rules.push(Rule {
+            name: DATA_PARALLEL_SYNCED,
+            inputs: by_name(ctx, &[("input", g0)], Layout::Identity),
+            outputs,
+            work: Work::Sharded,
+        });
+    }
     // evaluation: the saved statistics of the native ops are empty ([0])
     if evaluating && x[0] > 1 && (1..ctx.n_outputs()).all(|k| ctx.out_shape(k).iter().product::<usize>() == 0) {
         let mut outputs = vec![Layout::Identity; ctx.n_outputs()];
@@ -131,6 +148,21 @@ fn group_norm(ctx: &OpCtx) -> Option<Vec<Rule>> {
         outputs: vec![g0; ctx.n_outputs()],
         work: Work::Sharded,
     }])
+}
+
+/// The communication inside a `"data-parallel-synced"` batch norm, on top of its
+/// compute: two all-reduces of the `[C]` per-channel sums forward (for the mean, then
+/// for the variance), and, when a gradient flows, their two backward all-reduces.
+/// `None` for any other rule.
+pub fn synced_statistics_row(ctx: &OpCtx, rule: &Rule, profile: &Profile, with_grad: bool) -> Option<Row> {
+    if rule.name != DATA_PARALLEL_SYNCED {
+        return None;
+    }
+    let x = ctx.inputs.get(ctx.input_index("input")?)?;
+    let channels = *x.shape.get(1)? as f64;
+    let mut row = collective_row(profile, Collective::AllReduce, channels * x.dtype.size() as f64, with_grad);
+    row.add(&row.clone());
+    Some(row)
 }
 
 /// Mean, variance, normalize, scale and shift: about 8 FLOPs per element of the input.
@@ -234,8 +266,13 @@ mod tests {
     fn batch_norm_splits_channels() {
         const X: &[usize] = &[4, 8, 6, 6];
         const C: &[usize] = &[8];
+        // training, functional (what export gives): the channel split, and the batch
+        // split with synchronized statistics (saved and running statistics whole)
         let got = bn("aten._native_batch_norm_legit_functional", Some(true), &[X, C, C, C, C]);
-        assert_rules(&got, &["sharded G1,G0,G0,G0,G0 -> G1,G0,G0,G0,G0 sharded"]);
+        assert_rules(
+            &got,
+            &["data-parallel-synced G0,I,I,I,I -> G0,I,I,I,I sharded", "sharded G1,G0,G0,G0,G0 -> G1,G0,G0,G0,G0 sharded"],
+        );
         assert_eq!(got.flops, 8.0 * (4 * 8 * 36) as f64);
         let got = bn("aten.batch_norm", Some(true), &[X]);
         assert_rules(&got, &["sharded G1,G0,G0,G0,G0 -> G1 sharded"]);

@@ -29,6 +29,11 @@ rule_names! {
     FILL = "fill";
     /// Split the batch (or another free dim) of the data operands, weights replicated.
     DATA_PARALLEL = "data-parallel";
+    /// Batch norm in training with the batch split: each rank sums its rows, the
+    /// per-channel sums (for the mean, then for the variance) are all-reduced, so every
+    /// rank normalizes with the statistics of the whole batch — the single-device result
+    /// (synchronized batch norm). Weights and running statistics replicated.
+    DATA_PARALLEL_SYNCED = "data-parallel-synced";
     /// Attention split by heads (dim 1 of query, key, value and output).
     HEAD_PARALLEL = "head-parallel";
     /// Attention split along the query sequence, key and value replicated.
