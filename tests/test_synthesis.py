@@ -169,3 +169,23 @@ def test_ctrl_c_cancels_a_search():
     done = bench.interrupt_search(FIXTURES / "bert_moe.hapg", timeout=GENEROUS_S)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["started", "interrupted"], (done.stdout, done.stderr)
+
+
+@pytest.mark.slow
+def test_a_plan_losing_to_ddp_widens_the_search():
+    """The zoo's T5 on paper-8: with the default front (24 states per position) the
+    search keeps T5's relative-position bucket computation split and all-gathers it
+    later, which costs more than DDP (DP-CP). The compile then searches again with a
+    wider front, and the plan it returns is no slower than DP-CP; a forced or
+    fixed-ratio compile keeps the width it was given."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    from hapd.models.zoo import ZOO
+
+    module, inputs = ZOO["t5"](batch=16)
+    graph = hapd.lower(hapd.export(module, inputs), name="t5")
+    plan = hapd.compile(graph, "paper-8")
+    assert plan.doc["stats"]["front_width"] > CompileOptions().front_width
+    assert plan.estimate["per_iteration"] <= plan.doc["baselines"]["dp_cp"] * (1 + 1e-9)
+    narrow = hapd.compile(graph, "paper-8", CompileOptions(ratios=tuple(plan.ratios)))
+    assert narrow.doc["stats"]["front_width"] == CompileOptions().front_width

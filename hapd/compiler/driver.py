@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -346,12 +346,43 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
     data = _graph_bytes(graph)
     start = time.perf_counter()
     caps = [d.memory for d in profile.devices] if options.memory_caps else None
-    searched = _search_rounds(data, profile, options, caps)
-    synthesis_seconds = time.perf_counter() - start
-    baselines = _baselines(data, profile, options)
-    chosen = _prefer_data_parallel(searched, baselines, options, caps)
+    searching = options
+    while True:
+        searched = _search_rounds(data, profile, searching, caps)
+        synthesis_seconds = time.perf_counter() - start
+        baselines = _baselines(data, profile, searching)
+        chosen = _prefer_data_parallel(searched, baselines, searching, caps)
+        wider = _wider_front(searching, chosen, baselines, time.perf_counter() - start)
+        if wider is None:
+            break
+        searching = wider
     seconds = time.perf_counter() - start
     doc = _plan_document(
         data, profile, options, searched, baselines, chosen, seconds=seconds, synthesis_seconds=synthesis_seconds
     )
+    doc["stats"]["front_width"] = searching.front_width
     return Plan(doc)
+
+
+WIDEN_FACTOR = 4
+"""How much wider each repeated search's front is."""
+WIDEN_BUDGET_S = 10.0
+"""No wider search starts once the compile has run this long."""
+
+
+def _wider_front(
+    options: CompileOptions, chosen: tuple[dict, list[float], str], baselines: _Baselines, elapsed: float
+) -> CompileOptions | None:
+    """Options for a search with a wider front when the plan found costs more than DDP
+    with the FLOP/s-proportional split (DP-CP), else ``None``.
+
+    Every program DDP runs is in the search's space, so losing to DP-CP means the front
+    width pruned the better programs (a state that holds a tensor in a layout that is
+    cheap now and costly later crowds out the one that is not). Only a free ``auto``
+    compile widens, while its time lasts (:data:`WIDEN_BUDGET_S`)."""
+    program, ratios, _ = chosen
+    if options.mode != "auto" or options.force or options.ratios is not None or elapsed > WIDEN_BUDGET_S:
+        return None
+    if program_cost(program, ratios) <= baselines.dp_cp * (1 + 1e-9) or options.front_width * WIDEN_FACTOR > MAX_FRONT_WIDTH:
+        return None
+    return replace(options, front_width=options.front_width * WIDEN_FACTOR)
