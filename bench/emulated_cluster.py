@@ -5,6 +5,7 @@
     .venv/bin/python bench/emulated_cluster.py --models bert,vit --variants 3:1
     .venv/bin/python bench/emulated_cluster.py                    # bert,vit,bert_moe × 3:1,2:1,1:1
     .venv/bin/python bench/emulated_cluster.py --models all --variants 3:1   # every benchmark model
+    .venv/bin/python bench/emulated_cluster.py --models zoo.gpt2,zoo.resnet18 --variants 3:1   # the zoo's
 
 Needs root (network namespaces, tc, cpu cgroups v1); without it, prints why and exits 0.
 
@@ -31,7 +32,10 @@ Emulated cluster (DESIGN.md §5), built and torn down by this script:
 Models: the ``small`` presets by default (width 256, 4 layers, 3–9M parameters; a fast
 rank trains them at 55–90% of its 512³-matmul FLOP/s depending on the machine — measured
 and printed every run — where the 32-wide ``tiny`` ones reach 20–30%), global batch 64
-(``--size``, ``--batch``, ``--layers`` override).
+(``--size``, ``--batch``, ``--layers`` override). The third-party zoo (transformers and
+torchvision, ``pip install -e '.[test]'``) runs by its registry names, ``zoo.gpt2``,
+``zoo.resnet18``, … (``--models zoo`` for all of them): their ``small`` sizes are as wide
+(GPT-2 3.4M parameters, sequence 64; resnet18 on 64×64 images, global batch 128).
 
 Per variant: profile the cluster (``hapd.profile.profiler`` on the 4 ranks through the daemons,
 each rank in its cgroup), then per model, through the launcher (``./run_all``'s
@@ -69,13 +73,21 @@ FLOP_PER_BYTE = 4000.0
 """Paper balance: ~5e12 FLOP/s (V100) over ~1.25e9 B/s (10 Gbit/s)."""
 RANKS_PER_HOST = 2
 SYSTEMS = ["hapd", "ddp-ev", "ddp-cp"]
+SPEEDUP_TARGET_MODELS = {"bert", "vit", "bert_moe", "zoo.gpt2", "zoo.resnet18"}
+"""The models the 3:1 speed-up targets (≥1.6× DP-EV, ≥1.2× DP-CP) are checked on."""
 
 # Default benchmark sizes: the "small" presets (width 256, 4 layers: matmuls near a core's
 # peak, unlike the 32-wide "tiny" ones) with a global batch that keeps DP-EV around a
-# second per iteration. --size tiny uses DEFAULT_BATCH_TINY.
+# second per iteration. --size tiny uses DEFAULT_BATCH_TINY. The zoo's small language
+# models are as wide (GPT-2: 3.4M parameters, its gradient sum ~1.4 s over the link, so
+# DP-EV cannot go much under 2 s); resnet18 keeps its 11.2M parameters at any image
+# size, so its gradient sum alone takes ~3-5 s and batch 128 (64×64 images) gives DP-EV's
+# slow rank ~1.5 s of compute beside it.
 DEFAULT_SIZE = "small"
 DEFAULT_BATCH = {"bert": 64, "vit": 64, "bert_moe": 64, "mlp": 512, "vgg19": 64,
-                 "gpt2_block": 64, "llama_block": 64}
+                 "gpt2_block": 64, "llama_block": 64,
+                 "zoo.gpt2": 64, "zoo.llama": 64, "zoo.bert": 64, "zoo.mixtral": 64, "zoo.qwen2_moe": 64,
+                 "zoo.t5": 64, "zoo.resnet18": 128, "zoo.vit": 64}
 DEFAULT_BATCH_TINY = {"bert": 1024, "vit": 384, "bert_moe": 1024, "mlp": 512, "vgg19": 16}
 DEFAULT_LAYERS_TINY = {"bert": 4, "vit": 4, "bert_moe": 4}
 
@@ -146,14 +158,16 @@ def make_cluster_class():
 
 
 def model_names(text: str) -> list[str]:
-    """``--models``: 'all' (every benchmark model) or a comma-separated list of them."""
-    from hapd.models import MODELS
+    """``--models``: 'all' (every benchmark model), 'zoo' (every zoo model) or a
+    comma-separated list of benchmark and zoo models (``zoo.gpt2``, …)."""
+    from hapd.models import MODELS, NAMES, ZOO_MODELS
 
-    names = list(MODELS) if text.strip() == "all" else [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODELS]
+    groups = {"all": list(MODELS), "zoo": list(ZOO_MODELS)}
+    names = groups.get(text.strip()) or [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in NAMES]
     if unknown or not names:
         raise ValueError(f"--models {text!r}: unknown {unknown or 'empty'}; "
-                         f"choose from {', '.join(MODELS)} or 'all'")
+                         f"choose from {', '.join(NAMES)}, 'all' or 'zoo'")
     return names
 
 
@@ -422,16 +436,16 @@ def summarize(results: dict) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'variant':>7} {'model':>9} {'system':>7} {'mean ms':>9} {'± std':>7} {'vs EV':>6} {'vs CP':>6} "
+    head = (f"{'variant':>7} {'model':>12} {'system':>7} {'mean ms':>9} {'± std':>7} {'vs EV':>6} {'vs CP':>6} "
             f"{'pred ms':>8} {'rel err':>8} {'ideal':>6}")
     out = [head, "-" * len(head)]
     for r in rows:
         f = lambda k, fmt: fmt.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
         if r.get("error"):
             last = (r["error"].strip().splitlines() or [""])[-1]  # a traceback's last line names the error
-            out.append(f"{r['variant']:>7} {r['model']:>9} {r['system']:>7}  FAILED: {last[-80:]}")
+            out.append(f"{r['variant']:>7} {r['model']:>12} {r['system']:>7}  FAILED: {last[-80:]}")
             continue
-        out.append(f"{r['variant']:>7} {r['model']:>9} {r['system']:>7} {_ms(r['mean_s']):>9} {_ms(r['std_s']):>7} "
+        out.append(f"{r['variant']:>7} {r['model']:>12} {r['system']:>7} {_ms(r['mean_s']):>9} {_ms(r['std_s']):>7} "
                    f"{f('speedup_vs_ev', '{:.2f}x'):>6} {f('speedup_vs_cp', '{:.2f}x'):>6} "
                    f"{_ms(r.get('estimate_s')):>8} {f('rel_error', '{:+.1%}'):>8} {f('fraction_of_ideal', '{:.0%}'):>6}")
     return "\n".join(out)
@@ -439,12 +453,11 @@ def format_table(rows: list[dict]) -> str:
 
 def targets(rows: list[dict]) -> list[str]:
     lines = []
-    transformers = {"bert", "vit", "bert_moe"}
     for r in rows:
         if r["system"] != "hapd" or r.get("mean_s") is None:
             continue
         v, m = r["variant"], r["model"]
-        if v == "3:1" and m in transformers:
+        if v == "3:1" and m in SPEEDUP_TARGET_MODELS:
             for key, goal in (("speedup_vs_ev", 1.6), ("speedup_vs_cp", 1.2)):
                 val = r.get(key)
                 if val is not None:
@@ -525,7 +538,8 @@ def write_png(rows: list[dict], path: Path, title: str = "") -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="bert,vit,bert_moe",
-                   help="comma-separated benchmark models, or 'all' (default: the transformers)")
+                   help="comma-separated benchmark or zoo models (zoo.gpt2, zoo.resnet18, ...), 'all' (every "
+                        "benchmark model) or 'zoo' (every zoo model) (default: the transformers)")
     p.add_argument("--variants", default="3:1,2:1,1:1", help="fast:slow quota ratios (1:1 = homogeneous control)")
     p.add_argument("--rate-mbit", type=float, default=None,
                    help=f"link rate (default: fast rank matmul FLOP/s / {FLOP_PER_BYTE:.0f} FLOP/B)")

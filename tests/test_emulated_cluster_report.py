@@ -50,10 +50,13 @@ def test_a_bad_variant_is_named(bench, text):
 
 
 def test_models_all_and_unknown(bench):
-    from hapd.models import MODELS
+    from hapd.models import MODELS, ZOO_MODELS
 
     assert bench.model_names("all") == list(MODELS)
+    assert bench.model_names("zoo") == list(ZOO_MODELS)
     assert bench.model_names(" bert, vit ") == ["bert", "vit"]
+    assert bench.model_names("zoo.gpt2,zoo.resnet18") == ["zoo.gpt2", "zoo.resnet18"]
+    assert bench.default_batch("zoo.resnet18", "small") == 128
     with pytest.raises(ValueError, match="unknown.*nope"):
         bench.model_names("bert,nope")
 

@@ -286,3 +286,45 @@ def test_bert_moe_layers_alternate() -> None:
     assert kinds == ["FeedForward", "Top2MoE", "FeedForward", "Top2MoE"]
     assert model.layers[1].mlp.w1.shape == (config.n_experts, config.hidden, config.ffn)
     assert model.layers[1].mlp.w2.shape == (config.n_experts, config.ffn, config.hidden)
+
+
+# --------------------------------------------------------------------------- the zoo in the registry
+
+
+def test_zoo_models_are_registered_as_zoo_names() -> None:
+    from hapd.models import zoo
+
+    assert list(models.ZOO_MODELS) == [f"zoo.{name}" for name in zoo.ZOO]
+    assert models.NAMES == (*models.MODELS, *models.ZOO_MODELS)
+    assert models.get("zoo.gpt2").loss == "mean" and models.get("zoo.resnet18").loss == "sum"
+    assert all(spec.loss == "sum" for spec in models.MODELS.values())
+    with pytest.raises(ValueError, match=r"unknown model 'zoo.nope'; known: .*zoo\.gpt2"):
+        models.get("zoo.nope")
+
+
+def test_zoo_tiny_is_the_factorys_model() -> None:
+    """The registry's tiny zoo.gpt2 is the factory's (same parameters, same inputs)."""
+    from hapd.models import zoo
+
+    built, config = models.build("zoo.gpt2")
+    made, inputs = zoo.gpt2(batch=3)
+    assert built.state_dict().keys() == made.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), made.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(models.get("zoo.gpt2").example_inputs(config, 3), inputs))
+
+
+def test_zoo_small_sizes_and_inputs() -> None:
+    """small: GPT-2 width 256, 4 layers, ids [B, 64] in [0, 1024); resnet18 on 64×64 images."""
+    model, config = models.build("zoo.gpt2", "small", layers=2)
+    hf = model.model.config
+    assert (hf.n_embd, hf.n_layer, hf.vocab_size, hf.n_positions) == (256, 2, 1024, 64)
+    ids, labels = models.get("zoo.gpt2").example_inputs(config, 3)
+    assert ids.shape == labels.shape == (3, 64) and ids.dtype == torch.int64
+    assert 0 <= int(ids.min()) and int(ids.max()) < 1024
+    config = models.make_config("zoo.resnet18", "small")
+    images, targets = models.get("zoo.resnet18").example_inputs(config, 2)
+    assert images.shape == (2, 3, 64, 64) and targets.shape == (2,) and int(targets.max()) < config.classes
+    with pytest.raises(ValueError, match=r"unknown config field\(s\) layers for model 'zoo.resnet18'"):
+        models.make_config("zoo.resnet18", "small", layers=2)
+    with pytest.raises(ValueError, match="image must be at least 32"):
+        models.make_config("zoo.resnet18", image=16)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hapd import models
-from hapd.runtime.ddp import DDPStep, main, split_lengths, wrap
+from hapd.runtime.ddp import DDPStep, loss_weight, main, split_lengths, wrap
 from hapd.errors import HapdError
 from hapd.profile.schema import Device, Link, Profile, load_profile
 from hapd.runtime.training import (DistEnv, TrainArgs, init_distributed, local_batch, summarize, trace_path,
@@ -63,6 +63,8 @@ def _torchrun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--model", "mlp", "--split", "flops"], "--split flops needs --profile"),
     (["--model", "mlp", "--iterations", "3", "--warmup", "3"], "--warmup 3 must be in [0, --iterations 3)"),
     (["--model", "vgg19", "--layers", "2"], "unknown config field(s) layers"),
+    (["--model", "zoo.resnet18", "--layers", "2"], "unknown config field(s) layers for model 'zoo.resnet18'"),
+    (["--model", "zoo.nope"], "unknown model 'zoo.nope'"),
     (["--model", "mlp", "--dtype", "float64"], "invalid choice: 'float64'"),
     (["--model", "mlp", "--batch", "0"], "0 is less than 1"),
     (["--model", "mlp", "--lr", "-1"], "is not a positive number"),
@@ -122,6 +124,17 @@ def test_local_batch_cuts_the_global_batch():
     order = x[:, 0].argsort()  # same samples, (x, y) pairs kept
     assert torch.equal(x[order], full[0][full[0][:, 0].argsort()])
     assert torch.equal(y[order], full[1][full[0][:, 0].argsort()])
+
+
+def test_loss_weight_is_a_ranks_share_of_a_mean():
+    """A sum loss counts whole on every rank; a mean counts by the rank's share of the
+    samples (the global mean is Σ_r n_r/N · mean_r); a mean over no samples is refused."""
+    assert [loss_weight("sum", [3, 2, 0], r) for r in range(3)] == [1.0, 1.0, 1.0]
+    assert [loss_weight("mean", [3, 2], r) for r in range(2)] == [0.6, 0.4]
+    with pytest.raises(HapdError, match="rank 1 would get none"):
+        loss_weight("mean", [5, 0], 1, "zoo.gpt2")
+    with pytest.raises(HapdError, match="unknown loss reduction 'max'"):
+        loss_weight("max", [5], 0)
 
 
 def test_split_lengths(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,28 @@ def test_worker_uses_a_plan_file_and_bfloat16(tmp_path):
     summary = next(x for x in lines if x["hapd"] == "summary")
     assert summary["plan"].startswith("file") and summary["ratios"] == pytest.approx([0.7, 0.3])
     assert summary["dtype"] == "bfloat16" and summary["loss"] == summary["loss"]  # not NaN
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("model", "batch"), [("zoo.gpt2", 5), ("zoo.resnet18", 6)])
+def test_worker_and_ddp_train_a_zoo_model(model, batch):
+    """The third-party zoo runs by name in worker.py and ddp.py (tiny size, 2 iterations,
+    2 ranks). GPT-2's loss is transformers' mean over tokens: DP-EV's [3, 2] split weighs
+    each rank's mean by its share of the samples, so its loss after one Adam step equals
+    the plan's (unweighted, it would not). resnet18's batch norm normalizes each DDP
+    rank's own samples, so there only the runs and their reports are compared."""
+    flags = ["--model", model, "--batch", str(batch), "--iterations", "2", "--warmup", "1"]
+    runs = {script: torchrun(script, *flags)[0] for script in ("worker.py", "ddp.py")}
+    for script, lines in runs.items():
+        timings = sorted((x for x in lines if x["hapd"] == "timings"), key=lambda x: x["rank"])
+        assert [x["rank"] for x in timings] == [0, 1], script
+        assert all(x["model"] == model and x["size"] == "tiny" and len(x["iteration_s"]) == 2 for x in timings)
+    hapd_run, ddp = (next(x for x in runs[s] if x["hapd"] == "summary") for s in ("worker.py", "ddp.py"))
+    assert hapd_run["batch"] == ddp["batch"] == batch and hapd_run["estimate_s"] > 0
+    assert ddp["lengths"] == [batch - batch // 2, batch // 2]
+    if model == "zoo.gpt2":
+        assert hapd_run["loss"] == pytest.approx(ddp["loss"], rel=1e-5)
+    assert math.isfinite(hapd_run["loss"]) and math.isfinite(ddp["loss"])
 
 
 @pytest.fixture(scope="module")

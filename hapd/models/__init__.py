@@ -7,6 +7,11 @@ and exports cleanly with ``torch.export.export(model, example_inputs)``::
     model, config = hapd.models.build("bert", layers=2)
     inputs = hapd.models.get("bert").example_inputs(config, 8)
     loss = model(*inputs)
+
+The third-party zoo (:mod:`hapd.models.zoo`: transformers and torchvision models) is
+registered beside them as ``zoo.NAME`` (:data:`ZOO_MODELS`): ``build("zoo.gpt2",
+"small")`` and ``get("zoo.gpt2").example_inputs(config, 8)`` work the same way (their
+losses are transformers' means over tokens, see :attr:`ModelSpec.loss`).
 """
 
 from __future__ import annotations
@@ -21,10 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import bert, bert_moe, gpt2, llama, mlp, vgg, vit
-
-SIZES = ("tiny", "small", "paper")
-"""Preset sizes every config class provides as classmethods."""
+from . import bert, bert_moe, gpt2, llama, mlp, vgg, vit, zoo
+from ._common import SIZES
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,10 @@ class ModelSpec:
     """Batch dimension of each input, in ``forward`` order."""
     description: str
     """One line for humans."""
+    loss: str = "sum"
+    """How ``forward``'s loss reduces over the samples: ``"sum"`` (every benchmark model)
+    or ``"mean"`` (the zoo's transformers models); a data-parallel baseline weights each
+    rank's loss by it to train on the global batch's loss."""
 
 
 def _specs() -> Iterator[ModelSpec]:
@@ -64,16 +71,31 @@ def _specs() -> Iterator[ModelSpec]:
                     "Llama decoder: RMSNorm, rotary q/k, causal sdpa, SwiGLU, untied head")
 
 
+def _zoo_specs() -> Iterator[ModelSpec]:
+    """The zoo's models as ``zoo.NAME`` entries (every input's batch dim is 0)."""
+    for name, entry in zoo.MODELS.items():
+        yield ModelSpec(f"zoo.{name}", entry.config_cls, entry.build, entry.example_inputs, (0, 0),
+                        entry.description, entry.loss)
+
+
 MODELS: Mapping[str, ModelSpec] = MappingProxyType({spec.name: spec for spec in _specs()})
 """Every benchmark model by name (read-only)."""
 
+ZOO_MODELS: Mapping[str, ModelSpec] = MappingProxyType({spec.name: spec for spec in _zoo_specs()})
+"""Every zoo model by its registry name ``zoo.NAME`` (read-only; building one needs
+transformers or torchvision, the test extras)."""
+
+NAMES: tuple[str, ...] = (*MODELS, *ZOO_MODELS)
+"""Every name :func:`get` knows: the benchmark models, then the zoo's."""
+
 
 def get(name: str) -> ModelSpec:
-    """The spec registered as ``name``; ``ValueError`` listing the known names otherwise."""
-    try:
-        return MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
+    """The spec registered as ``name`` (a benchmark model or ``zoo.NAME``); ``ValueError``
+    listing the known names otherwise."""
+    spec = MODELS.get(name) or ZOO_MODELS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(NAMES)}")
+    return spec
 
 
 def make_config(name: str, size: str = "tiny", **overrides: Any) -> Any:
@@ -120,4 +142,4 @@ def build(name: str, size: str = "tiny", **overrides: Any) -> tuple[nn.Module, A
     return model, config
 
 
-__all__ = ["MODELS", "SIZES", "ModelSpec", "build", "get", "make_config"]
+__all__ = ["MODELS", "NAMES", "SIZES", "ZOO_MODELS", "ModelSpec", "build", "get", "make_config"]

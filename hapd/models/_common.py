@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+SIZES = ("tiny", "small", "paper")
+"""Preset sizes every config class provides as classmethods."""
+
 # --------------------------------------------------------------------------
 # Config validation helpers (raise ValueError with the offending numbers).
 # --------------------------------------------------------------------------

@@ -1,23 +1,170 @@
-"""The third-party model zoo: the transformers and torchvision models users bring, at
-tiny sizes with random init (no hub access), each wrapped so that its forward returns
-the scalar training loss, as ``hapd.export`` expects.
+"""The third-party model zoo: the transformers and torchvision models users bring, with
+random init (no hub access), each wrapped so that its forward returns the scalar
+training loss, as ``hapd.export`` expects.
 
-Every factory takes ``batch=`` and returns ``(module, example_inputs)``, so it works
-with ``hapd export hapd.models.zoo:NAME``. transformers and torchvision are imported
-only when a factory is called (they are test extras, not dependencies of hapd).
+Every factory takes ``batch=`` and ``size=`` ("tiny", the default; "small"; "paper") and
+returns ``(module, example_inputs)``, so it works with ``hapd export
+hapd.models.zoo:NAME``. The same models are in :mod:`hapd.models`' registry as
+``zoo.NAME`` (:data:`MODELS` here: config class, builder, example inputs), so the
+training scripts, the launcher and the benchmarks run them by name. transformers and
+torchvision are imported only when a model is built (they are test extras, not
+dependencies of hapd).
+
+Sizes: ``tiny`` is width 64, 2 layers, sequence 16, vocabulary 128, 32×32 images (fast
+tests); ``small`` is width 256, 4 layers, sequence 64, vocabulary 1024, 64×64 images
+(matmuls near a CPU core's rate: what the benchmarks use); ``paper`` is the published
+base sizes (GPT-2 small's 768 × 12, ViT-B/16 and resnet18 on 224×224 ImageNet images).
 """
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
+from hapd.errors import OptionsError
+from hapd.models._common import SIZES, check_at_least, check_divisible, check_positive, check_transformer
+
 SEQ = 16
-"""Sequence length of the language models' example inputs."""
+"""Sequence length of the tiny language models' example inputs."""
 VOCAB = 128
 """Vocabulary of the tiny language models."""
+MIN_POSITIONS = 64
+"""Position table rows of every language model (more when the sequence is longer)."""
+
+
+# --------------------------------------------------------------------------
+# Sizes
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextConfig:
+    """Sizes of a zoo language model (GPT-2, Llama, BERT, Mixtral, Qwen2-MoE, T5)."""
+
+    vocab: int
+    """Vocabulary size (token ids of the example inputs are in ``[0, vocab)``)."""
+    seq: int
+    """Sequence length of the example inputs."""
+    hidden: int
+    """Model width."""
+    layers: int
+    """Number of blocks (T5: of the encoder and of the decoder each)."""
+    heads: int
+    """Attention heads; must divide ``hidden``."""
+    ffn: int
+    """Inner width of each MLP and shared expert; routed experts are half of it, and
+    GPT-2's MLP is 4 × ``hidden`` whatever this says (GPT-2's own rule)."""
+
+    def __post_init__(self) -> None:
+        check_transformer(hidden=self.hidden, heads=self.heads, layers=self.layers, ffn=self.ffn,
+                          dropout=0.0, attention_dropout=0.0)
+        check_positive(vocab=self.vocab, seq=self.seq)
+
+    @classmethod
+    def tiny(cls) -> TextConfig:
+        """Width 64, 2 layers, 4 heads, vocabulary 128, sequence 16."""
+        return cls(vocab=VOCAB, seq=SEQ, hidden=64, layers=2, heads=4, ffn=128)
+
+    @classmethod
+    def small(cls) -> TextConfig:
+        """Width 256, 4 layers, 4 heads, vocabulary 1024, sequence 64 (GPT-2: ~3.5M parameters)."""
+        return cls(vocab=1024, seq=64, hidden=256, layers=4, heads=4, ffn=1024)
+
+    @classmethod
+    def paper(cls) -> TextConfig:
+        """GPT-2 small's sizes: width 768, 12 layers, 12 heads, vocabulary 50257, sequence 1024."""
+        return cls(vocab=50257, seq=1024, hidden=768, layers=12, heads=12, ffn=3072)
+
+    @property
+    def positions(self) -> int:
+        """Rows of the position table: :data:`MIN_POSITIONS`, or ``seq`` when longer."""
+        return max(MIN_POSITIONS, self.seq)
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads of the grouped-query models: half the heads (all when odd)."""
+        return self.heads // 2 if self.heads % 2 == 0 else self.heads
+
+
+@dataclass(frozen=True, kw_only=True)
+class ViTConfig:
+    """Sizes of the zoo's torchvision ViT."""
+
+    image: int
+    """Height and width of the example images."""
+    patch: int
+    """Patch side; must divide ``image``."""
+    hidden: int
+    """Model width."""
+    layers: int
+    """Encoder blocks."""
+    heads: int
+    """Attention heads; must divide ``hidden``."""
+    ffn: int
+    """Inner width of each MLP."""
+    classes: int
+    """Output classes (targets of the example inputs are in ``[0, classes)``)."""
+
+    def __post_init__(self) -> None:
+        check_transformer(hidden=self.hidden, heads=self.heads, layers=self.layers, ffn=self.ffn,
+                          dropout=0.0, attention_dropout=0.0)
+        check_positive(image=self.image, patch=self.patch, classes=self.classes)
+        check_divisible("image", self.image, "patch", self.patch)
+
+    @classmethod
+    def tiny(cls) -> ViTConfig:
+        """32×32 images, 8×8 patches, width 64, 2 layers, 10 classes."""
+        return cls(image=32, patch=8, hidden=64, layers=2, heads=4, ffn=128, classes=10)
+
+    @classmethod
+    def small(cls) -> ViTConfig:
+        """64×64 images, 8×8 patches, width 256, 4 layers, 10 classes (~3.2M parameters)."""
+        return cls(image=64, patch=8, hidden=256, layers=4, heads=4, ffn=1024, classes=10)
+
+    @classmethod
+    def paper(cls) -> ViTConfig:
+        """ViT-B/16 on 224×224 images, 1000 classes (~86M parameters)."""
+        return cls(image=224, patch=16, hidden=768, layers=12, heads=12, ffn=3072, classes=1000)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResNetConfig:
+    """Sizes of the zoo's torchvision resnet18: its depth and widths are fixed (no
+    ``layers``), only the images and the classes change."""
+
+    image: int
+    """Height and width of the example images (at least 32: resnet18 downsamples 32×)."""
+    classes: int
+    """Output classes (targets of the example inputs are in ``[0, classes)``)."""
+
+    def __post_init__(self) -> None:
+        check_positive(classes=self.classes)
+        check_at_least("image", self.image, 32)
+
+    @classmethod
+    def tiny(cls) -> ResNetConfig:
+        """32×32 images, 10 classes (~11.2M parameters, as every resnet18)."""
+        return cls(image=32, classes=10)
+
+    @classmethod
+    def small(cls) -> ResNetConfig:
+        """64×64 images, 10 classes."""
+        return cls(image=64, classes=10)
+
+    @classmethod
+    def paper(cls) -> ResNetConfig:
+        """ImageNet: 224×224 images, 1000 classes."""
+        return cls(image=224, classes=1000)
+
+
+# --------------------------------------------------------------------------
+# Loss wrappers and inputs
+# --------------------------------------------------------------------------
 
 
 class LanguageModelLoss(nn.Module):
@@ -44,107 +191,194 @@ class ClassifierLoss(nn.Module):
         return nn.functional.cross_entropy(self.model(images), targets, reduction="sum")
 
 
-def _tokens(batch: int, seed: int = 0) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+def text_inputs(config: TextConfig, batch: int) -> tuple[Tensor, Tensor]:
+    """``(input_ids, labels)``, both ``[batch, seq]`` token ids in ``[0, vocab)``, the same
+    tensor (the models shift the labels themselves); deterministic."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab, (batch, config.seq), generator=g)
     return ids, ids.clone()
 
 
-def _images(batch: int, size: int, classes: int, seed: int = 0) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, classes, (batch,), generator=g)
+def image_inputs(config: ViTConfig | ResNetConfig, batch: int) -> tuple[Tensor, Tensor]:
+    """``(images [batch, 3, image, image], targets [batch] in [0, classes))``; deterministic."""
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(batch, 3, config.image, config.image, generator=g),
+            torch.randint(0, config.classes, (batch,), generator=g))
 
 
-def _lm(config: Any, model_class: Any, batch: int) -> tuple[nn.Module, tuple[Tensor, ...]]:
-    torch.manual_seed(0)
-    config._attn_implementation = "sdpa"
-    model = model_class(config)
+def _extra(module: str) -> ModuleType:
+    """Import ``module`` (transformers or torchvision); :class:`OptionsError` naming the
+    extra that installs it when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise OptionsError(f"the model zoo needs {module.split('.')[0]} ({exc}): "
+                           "pip install -e '.[test]'") from exc
+
+
+def _lm(hf_config: Any, model_class: Any) -> LanguageModelLoss:
+    hf_config._attn_implementation = "sdpa"
+    model = model_class(hf_config)
     model.config.use_cache = False
-    return LanguageModelLoss(model), _tokens(batch)
+    return LanguageModelLoss(model)
 
 
-def gpt2(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return _lm(config, GPT2LMHeadModel, batch)
+# --------------------------------------------------------------------------
+# Builders: config → module (unseeded; the factories and hapd.models.build seed them)
+# --------------------------------------------------------------------------
 
 
-def llama(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return _lm(config, LlamaForCausalLM, batch)
-
-
-def bert(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
-    from transformers import BertConfig, BertForMaskedLM
-
-    config = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=64,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return _lm(config, BertForMaskedLM, batch)
+def build_gpt2(c: TextConfig) -> nn.Module:
+    t = _extra("transformers")
+    return _lm(t.GPT2Config(vocab_size=c.vocab, n_positions=c.positions, n_embd=c.hidden, n_layer=c.layers,
+                            n_head=c.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            bos_token_id=c.vocab - 1, eos_token_id=c.vocab - 1), t.GPT2LMHeadModel)
 
 
-def mixtral(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
+def build_llama(c: TextConfig) -> nn.Module:
+    t = _extra("transformers")
+    return _lm(t.LlamaConfig(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=c.ffn,
+                             num_hidden_layers=c.layers, num_attention_heads=c.heads, num_key_value_heads=c.kv_heads,
+                             max_position_embeddings=c.positions), t.LlamaForCausalLM)
+
+
+def build_bert(c: TextConfig) -> nn.Module:
+    t = _extra("transformers")
+    return _lm(t.BertConfig(vocab_size=c.vocab, hidden_size=c.hidden, num_hidden_layers=c.layers,
+                            num_attention_heads=c.heads, intermediate_size=c.ffn, max_position_embeddings=c.positions,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), t.BertForMaskedLM)
+
+
+def build_mixtral(c: TextConfig) -> nn.Module:
     """Mixtral with 4 experts, top-2, run by hapd's dense experts implementation
     (:mod:`hapd.models.hf_experts`: transformers' default sorts tokens into a Python
     custom op with data-dependent offsets, which no plan can split; the dense one is
     the same function as einsums over the expert dim, so a plan can split the experts)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
+    t = _extra("transformers")
     from hapd.models.hf_experts import register
 
-    config = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                           num_local_experts=4, num_experts_per_tok=2)
-    config._experts_implementation = register()
-    return _lm(config, MixtralForCausalLM, batch)
+    hf_config = t.MixtralConfig(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=c.ffn,
+                                num_hidden_layers=c.layers, num_attention_heads=c.heads,
+                                num_key_value_heads=c.kv_heads, max_position_embeddings=c.positions,
+                                num_local_experts=4, num_experts_per_tok=2)
+    hf_config._experts_implementation = register()
+    return _lm(hf_config, t.MixtralForCausalLM)
 
 
-def qwen2_moe(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
+def build_qwen2_moe(c: TextConfig) -> nn.Module:
     """Qwen2-MoE with 4 routed experts (top-2) and a gated shared expert, run by hapd's
-    dense experts implementation (see :func:`mixtral`)."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
+    dense experts implementation (see :func:`build_mixtral`)."""
+    t = _extra("transformers")
     from hapd.models.hf_experts import register
 
-    config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                            shared_expert_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, max_position_embeddings=64, num_experts=4,
-                            num_experts_per_tok=2, norm_topk_prob=True)
-    config._experts_implementation = register()
-    return _lm(config, Qwen2MoeForCausalLM, batch)
+    hf_config = t.Qwen2MoeConfig(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=c.ffn,
+                                 moe_intermediate_size=c.ffn // 2, shared_expert_intermediate_size=c.ffn,
+                                 num_hidden_layers=c.layers, num_attention_heads=c.heads,
+                                 num_key_value_heads=c.kv_heads, max_position_embeddings=c.positions, num_experts=4,
+                                 num_experts_per_tok=2, norm_topk_prob=True)
+    hf_config._experts_implementation = register()
+    return _lm(hf_config, t.Qwen2MoeForCausalLM)
 
 
-def t5(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
-    from transformers import T5Config, T5ForConditionalGeneration
+def build_t5(c: TextConfig) -> nn.Module:
+    t = _extra("transformers")
+    return _lm(t.T5Config(vocab_size=c.vocab, d_model=c.hidden, d_kv=c.hidden // c.heads, d_ff=c.ffn,
+                          num_layers=c.layers, num_heads=c.heads, dropout_rate=0.0, decoder_start_token_id=0,
+                          pad_token_id=0), t.T5ForConditionalGeneration)
 
+
+def build_resnet18(c: ResNetConfig) -> nn.Module:
+    return ClassifierLoss(_extra("torchvision.models").resnet18(num_classes=c.classes))
+
+
+def build_vit(c: ViTConfig) -> nn.Module:
+    model = _extra("torchvision.models").VisionTransformer(
+        image_size=c.image, patch_size=c.patch, num_layers=c.layers, num_heads=c.heads, hidden_dim=c.hidden,
+        mlp_dim=c.ffn, num_classes=c.classes)
+    return ClassifierLoss(model)
+
+
+# --------------------------------------------------------------------------
+# The registry and the factories
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """How to size, build and feed one zoo model (``hapd.models`` registers it as ``zoo.NAME``)."""
+
+    config_cls: type
+    """Frozen config dataclass with ``tiny()``, ``small()`` and ``paper()`` classmethods."""
+    build: Callable[[Any], nn.Module]
+    """Config → the loss-returning module (unseeded)."""
+    example_inputs: Callable[[Any, int], tuple[Tensor, ...]]
+    """``(config, batch) -> inputs``: deterministic, labels in range."""
+    loss: str
+    """How the loss reduces over the samples: ``"mean"`` (transformers' language-model
+    losses, over every token) or ``"sum"`` (:class:`ClassifierLoss`)."""
+    description: str
+    """One line for humans."""
+
+
+MODELS: dict[str, ZooModel] = {
+    "gpt2": ZooModel(TextConfig, build_gpt2, text_inputs, "mean", "transformers GPT-2 (GPT2LMHeadModel), tied head"),
+    "llama": ZooModel(TextConfig, build_llama, text_inputs, "mean",
+                      "transformers Llama (LlamaForCausalLM): grouped-query attention, RoPE"),
+    "bert": ZooModel(TextConfig, build_bert, text_inputs, "mean", "transformers BERT (BertForMaskedLM)"),
+    "mixtral": ZooModel(TextConfig, build_mixtral, text_inputs, "mean",
+                        "transformers Mixtral: 4 experts, top-2, hapd's dense experts"),
+    "qwen2_moe": ZooModel(TextConfig, build_qwen2_moe, text_inputs, "mean",
+                          "transformers Qwen2-MoE: 4 experts, top-2, shared expert, hapd's dense experts"),
+    "t5": ZooModel(TextConfig, build_t5, text_inputs, "mean", "transformers T5 (T5ForConditionalGeneration)"),
+    "resnet18": ZooModel(ResNetConfig, build_resnet18, image_inputs, "sum", "torchvision resnet18 (batch norm)"),
+    "vit": ZooModel(ViTConfig, build_vit, image_inputs, "sum", "torchvision VisionTransformer"),
+}
+"""Zoo name → how to size, build and feed it."""
+
+def make(name: str, batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
+    """Zoo model ``name`` at ``size`` (seeded with 0) and its example inputs for ``batch``."""
+    if name not in MODELS:
+        raise ValueError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
+    entry = MODELS[name]
+    config = getattr(entry.config_cls, size)()
     torch.manual_seed(0)
-    config = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-                      dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
-    config._attn_implementation = "sdpa"
-    model = T5ForConditionalGeneration(config)
-    model.config.use_cache = False
-    return LanguageModelLoss(model), _tokens(batch)
+    return entry.build(config), entry.example_inputs(config, batch)
 
 
-def resnet18(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
-    from torchvision.models import resnet18 as build
-
-    torch.manual_seed(0)
-    return ClassifierLoss(build(num_classes=10)), _images(batch, 32, 10)
+def gpt2(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
+    return make("gpt2", batch, size)
 
 
-def vit(batch: int = 4) -> tuple[nn.Module, tuple[Tensor, ...]]:
-    from torchvision.models import VisionTransformer
+def llama(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
+    return make("llama", batch, size)
 
-    torch.manual_seed(0)
-    model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64,
-                              mlp_dim=128, num_classes=10)
-    return ClassifierLoss(model), _images(batch, 32, 10)
+
+def bert(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
+    return make("bert", batch, size)
+
+
+def mixtral(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
+    """See :func:`build_mixtral`."""
+    return make("mixtral", batch, size)
+
+
+def qwen2_moe(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
+    """See :func:`build_qwen2_moe`."""
+    return make("qwen2_moe", batch, size)
+
+
+def t5(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
+    return make("t5", batch, size)
+
+
+def resnet18(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
+    return make("resnet18", batch, size)
+
+
+def vit(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
+    return make("vit", batch, size)
 
 
 ZOO: dict[str, Callable[..., tuple[nn.Module, tuple[Tensor, ...]]]] = {

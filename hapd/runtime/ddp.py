@@ -8,20 +8,25 @@ Every rank builds the same model (same seed), wraps it in
 batch: ``sharding_lengths(ratios, batch)`` with ratios all equal (``--split even``) or
 proportional to each device's achieved FLOP/s in ``--profile`` (``--split flops``).
 
-**Gradient scaling.** The models' losses are sums over their samples and DDP *averages*
-gradients over the ranks, so backward runs on ``world * local_loss``: the averaged
-gradient is then ``(1/world) Σ_r world ∇loss_r = ∇ Σ_r loss_r``, exactly the gradient of
-the global-batch sum loss whatever the split (HAP's ddp.py scales the same way).
+**Gradient scaling.** The benchmark models' losses are sums over their samples and DDP
+*averages* gradients over the ranks, so backward runs on ``world * local_loss``: the
+averaged gradient is then ``(1/world) Σ_r world ∇loss_r = ∇ Σ_r loss_r``, exactly the
+gradient of the global-batch sum loss whatever the split (HAP's ddp.py scales the same
+way). The zoo's transformers models return a *mean* over their samples' tokens; the
+global mean is ``Σ_r (n_r / N) mean_r``, so each rank's loss is weighted by its share
+``n_r / N`` of the samples (:func:`loss_weight`) and the gradient is again exactly the
+global batch's.
 
 **A rank with no samples** (a batch smaller than the world, or a slow device under
 ``--split flops``) still runs forward and backward on its empty slice: the sum loss of
 no samples is 0 and autograd still reaches every parameter with a zero gradient, so the
 rank joins every gradient all-reduce bucket and contributes 0. (Every benchmark model
-does this; tests/test_training.py checks the all-reduce with a ``[n, 0]`` split.)
+does this; tests/test_training.py checks the all-reduce with a ``[n, 0]`` split.) A mean
+over no samples is not a number, so a model with a mean loss needs samples on every rank.
 
 Output: see :mod:`hapd.runtime.training` (system ``"ddp-ev"`` or ``"ddp-cp"``); the reported
-``loss`` is the global-batch sum loss of the last timed iteration, all-reduced after
-the timing, the same on every rank.
+``loss`` is the global batch's loss (its sum, or its mean) of the last timed iteration,
+all-reduced after the timing, the same on every rank.
 """
 
 from __future__ import annotations
@@ -72,6 +77,20 @@ def split_lengths(split: str, batch: int, world: int, profile: Profile | None) -
     raise HapdError(f"unknown split {split!r}; known: {', '.join(SPLITS)}", field="--split")
 
 
+def loss_weight(reduction: str, lengths: Sequence[int], rank: int, model: str = "the model") -> float:
+    """What rank ``rank``'s loss counts for in the global batch's loss: 1 when the loss is
+    a sum over samples, the rank's share of the samples when it is a mean (see the module
+    docstring). :class:`HapdError` for a mean over a rank with no samples."""
+    if reduction == "sum":
+        return 1.0
+    if reduction != "mean":
+        raise HapdError(f"{model}: unknown loss reduction {reduction!r} (sum or mean)", field="loss")
+    if lengths[rank] == 0:
+        raise HapdError(f"{model}'s loss is a mean over its samples and rank {rank} would get none "
+                        f"(split {list(lengths)}): use a larger --batch", field="--batch")
+    return lengths[rank] / sum(lengths)
+
+
 def wrap(model: nn.Module, env: DistEnv, bucket_mib: float = 25.0) -> DistributedDataParallel:
     """``model`` (already on ``env.device``) in DDP with ``bucket_mib`` MiB buckets."""
     if env.is_cuda:
@@ -81,18 +100,19 @@ def wrap(model: nn.Module, env: DistEnv, bucket_mib: float = 25.0) -> Distribute
 
 
 class DDPStep:
-    """Forward and backward of one iteration; ``last_loss`` is the last local (unscaled)
-    sum loss."""
+    """Forward and backward of one iteration; ``last_loss`` is this rank's part of the
+    global loss (its loss times ``weight``, :func:`loss_weight`)."""
 
-    def __init__(self, model: DistributedDataParallel, inputs: Sequence[Tensor], world: int):
+    def __init__(self, model: DistributedDataParallel, inputs: Sequence[Tensor], world: int, weight: float = 1.0):
         self.model = model
         self.inputs = tuple(inputs)
         self.world = world
+        self.weight = weight
         self.last_loss: Tensor | None = None
 
     def __call__(self) -> Tensor:
-        loss = self.model(*self.inputs)
-        # DDP averages gradients over ranks; the loss is a sum: see the module docstring
+        loss = self.model(*self.inputs) * self.weight
+        # DDP averages gradients over ranks; the weighted losses sum: see the module docstring
         (loss * self.world).backward()
         self.last_loss = loss.detach()
         return self.last_loss
@@ -103,12 +123,13 @@ def run(args: TrainArgs, split: str, env: DistEnv, bucket_mib: float = 25.0) -> 
     profile = load_profile(args.profile, world_size=env.world) if args.profile is not None else None
     lengths = split_lengths(split, args.batch, env.world, profile)
     spec = models.get(args.model)
+    weight = loss_weight(spec.loss, lengths, env.rank, args.model)
     model, config = args.build()
     model = model.to(device=env.device, dtype=args.torch_dtype)
     ddp_model = wrap(model, env, bucket_mib)
     inputs = local_batch(spec, config, lengths, env.rank, args.seed, env.device, args.torch_dtype)
     optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
-    step = DDPStep(ddp_model, inputs, env.world)
+    step = DDPStep(ddp_model, inputs, env.world, weight)
     times = train(step, optimizer, env, iterations=args.iterations, warmup=args.warmup, trace=args.trace)
     assert step.last_loss is not None
     total = step.last_loss.float().reshape(1).clone()

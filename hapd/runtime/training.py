@@ -22,7 +22,7 @@ Every line a training script prints to stdout that is a JSON object with the key
 included; ``mean_s`` and ``std_s`` are over ``iteration_s[warmup:]``, and ``std_s`` is
 the *population* standard deviation (0 for a single iteration). ``loss`` is the loss
 the script reports for its last iteration (see the script: the DDP baseline reports the
-global-batch sum loss, the same on every rank). Extra keys come from the script
+global batch's loss, the same on every rank). Extra keys come from the script
 (``split``, ``lengths``, ``batch``, ``dtype``...).
 
 ``{"hapd": "summary", ...}`` -- one line, rank 0 only, after every rank's timings::
@@ -295,8 +295,8 @@ class TrainArgs:
 
 
 def _model_name(value: str) -> str:
-    if value not in models.MODELS:
-        raise argparse.ArgumentTypeError(f"unknown model {value!r}; known: {', '.join(models.MODELS)}")
+    if value not in models.NAMES:
+        raise argparse.ArgumentTypeError(f"unknown model {value!r}; known: {', '.join(models.NAMES)}")
     return value
 
 
@@ -328,7 +328,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the flags of :class:`TrainArgs` to ``parser`` (returned for chaining)."""
     group = parser.add_argument_group("training")
     group.add_argument("--model", type=_model_name, default="bert", metavar="NAME",
-                       help=f"benchmark model: {', '.join(models.MODELS)} (default: bert)")
+                       help=f"benchmark model: {', '.join(models.MODELS)}, or a zoo model: "
+                            f"{', '.join(models.ZOO_MODELS)} (default: bert)")
     group.add_argument("--size", choices=models.SIZES, default="tiny", help="model size preset (default: tiny)")
     group.add_argument("--layers", type=_int_at_least(1), default=None, metavar="N",
                        help="override the model's number of layers")
