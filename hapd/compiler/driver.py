@@ -349,6 +349,7 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
     searching, best = options, None
     while True:
         searched = _search_rounds(data, profile, searching, caps)
+        searched = _with_expert_parallel_candidate(data, profile, searching, caps, searched)
         synthesis_seconds = time.perf_counter() - start
         baselines = _baselines(data, profile, searching)
         chosen = _prefer_data_parallel(searched, baselines, searching, caps)
@@ -365,6 +366,36 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
     )
     doc["stats"]["front_width"] = front_width
     return Plan(doc)
+
+
+def _with_expert_parallel_candidate(
+    data: bytes, profile: Profile, options: CompileOptions, caps: list[float] | None, searched: _Searched
+) -> _Searched:
+    """``searched``, or the search with every expert-weight op forced expert-parallel
+    when that is cheaper.
+
+    Expert parallelism pays off only over a whole mixture-of-experts block (the tokens
+    all-to-all'd to their experts and back, the experts' gradients never all-reduced),
+    while its first all-to-all costs at once, so a search whose front keeps the states
+    cheapest so far drops it before its saving shows (the zoo's Mixtral at batch 32 on
+    paper-8: data parallelism at 24 states per position, expert parallelism at 384).
+    Searched as a candidate of its own, it is compared whole. Only for a free ``auto``
+    compile of a graph with expert weights."""
+    from hapd import _core
+
+    if options.mode != "auto" or options.force or options.ratios is not None:
+        return searched
+    nodes = _core.load_graph(data)["expert_parallel"]
+    if not nodes:
+        return searched
+    forced = replace(options, force={name: _core.rule_names()["EXPERT_PARALLEL"] for name in nodes})
+    try:
+        candidate = _search_rounds(data, profile, forced, caps)
+    except SynthesisError:  # it does not fit, say: the free search's program stands
+        return searched
+    if program_cost(candidate.program, candidate.ratios) < program_cost(searched.program, searched.ratios):
+        return replace(candidate, rounds=searched.rounds + candidate.rounds, expanded=searched.expanded + candidate.expanded)
+    return searched
 
 
 WIDEN_FACTOR = 4

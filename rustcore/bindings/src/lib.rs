@@ -51,13 +51,15 @@ fn summary_dict<'py>(py: Python<'py>, s: &Summary) -> PyResult<Bound<'py, PyDict
     d.set_item("opaque_ops", PyList::new(py, &s.opaque_ops)?)?;
     d.set_item("flops", s.flops)?;
     d.set_item("opaque_flops", s.opaque_flops)?;
+    d.set_item("expert_parallel", PyList::new(py, &s.expert_parallel)?)?;
     Ok(d)
 }
 
 /// Search for the cheapest program of `graph` on `profile` under `ratios`.
 ///
 /// `options`: `mode` ("auto" | "data_parallel"), `force` ({node: rule}), `zero` (bool),
-/// `max_states` (int), `max_seconds` (float). Returns the program as msgpack bytes.
+/// `max_states` (int), `max_seconds` (float), `memory_price` (seconds per byte held on
+/// each device: the search trades time for memory). Returns the program as msgpack bytes.
 /// The search runs on a worker thread while this thread polls for signals, so Ctrl-C
 /// cancels it (it raises KeyboardInterrupt).
 #[pyfunction]
@@ -115,6 +117,7 @@ fn parse_options(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyResul
             "max_states" => limits.max_states = value.extract()?,
             "front_width" => limits.front_width = value.extract()?,
             "max_seconds" => limits.max_seconds = value.extract()?,
+            "memory_price" => limits.memory_price = Some(value.extract::<Vec<f64>>()?),
             other => return Err(bad(other, "unknown option".into())),
         }
     }

@@ -25,6 +25,9 @@ pub struct Summary {
     pub flops: f64,
     /// The part of [`Self::flops`] that opaque ops account for.
     pub opaque_flops: f64,
+    /// Names of the op nodes that can run expert-parallel (the `expert-parallel` rule:
+    /// stacked expert weights), in graph order.
+    pub expert_parallel: Vec<String>,
 }
 
 impl Summary {
@@ -45,6 +48,13 @@ impl Summary {
         }
         let parameter_elements = parameters.iter().map(|(_, s, _)| s.iter().product::<usize>()).sum();
         let (flops, opaque_flops) = flops(graph);
+        let expert_parallel = graph
+            .nodes
+            .iter()
+            .filter(|n| n.kind == NodeKind::Op && rules::family_of(n).is_some())
+            .filter(|n| rules::rules_for(graph, n).rules.iter().any(|r| r.name == rules::rule_names::EXPERT_PARALLEL))
+            .map(|n| n.name.clone())
+            .collect();
         Summary {
             name: graph.name.clone(),
             nodes: graph.nodes.len(),
@@ -56,6 +66,7 @@ impl Summary {
             opaque_ops,
             flops,
             opaque_flops,
+            expert_parallel,
         }
     }
 }
