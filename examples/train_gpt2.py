@@ -64,8 +64,7 @@ class ByteWindows(Dataset):
 
 
 def build_model(args: argparse.Namespace) -> LanguageModelLoss:
-    """A small GPT-2 whose forward returns the loss (what hapd trains). No dropout: the
-    exported training graph must also be the model's eval forward."""
+    """A small GPT-2 whose forward returns the loss (what hapd trains), without dropout."""
     torch.manual_seed(args.seed)  # every rank builds the same weights
     config = GPT2Config(vocab_size=VOCAB, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,
                         n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
@@ -140,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     module = hapd.parallelize(model, example)  # collective: every rank calls it
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine(args.warmup, args.steps))
-    data = hapd.loader(dataset, module, seed=args.seed)  # this rank's samples of every global batch
+    # this rank's samples of every global batch; whole batches only, so that every step has args.batch samples
+    # (the tokens/s below; by default the short last batch of an epoch trains too, with a program for its size)
+    data = hapd.loader(dataset, module, seed=args.seed, drop_last=True)
     per_epoch = len(data)
 
     step = epoch = 0

@@ -256,20 +256,40 @@ def test_one_process_without_a_process_group_is_the_model():
         module.load_full_state_dict({})
 
 
-def test_a_batch_of_another_size_is_an_error():
+def test_a_batch_of_another_size_runs_its_own_program(capsys):
     model, config = models.build("mlp")
-    module = hapd.parallelize(model, _batches(config, 1)[0], use_daemon=False, verbose=False)
+    ref = copy.deepcopy(model)
+    module = hapd.parallelize(model, _batches(config, 1)[0], use_daemon=False)
     x, y = models.get("mlp").example_inputs(config, B - 1)
-    with pytest.raises(PlanError, match="another size|compiled for"):
-        module(x, y)
+    assert float(module(x, y).detach()) == pytest.approx(float(ref(x, y).detach()), rel=TOL)
+    assert "plan (training, batch shapes [[7, " in capsys.readouterr().out
+    with pytest.raises(PlanError, match=r"expected 2 inputs \(x, y\), got 1"):
+        module.shard_inputs(x)
 
 
-def test_eval_of_a_mode_dependent_graph_is_an_error_naming_the_op():
+def test_eval_of_a_mode_dependent_graph_is_the_models_eval_forward():
+    model, config = models.build("mlp", dropout=0.25)
+    ref = copy.deepcopy(model).eval()
+    batch = _batches(config, 1)[0]
+    module = hapd.parallelize(model, batch, use_daemon=False, verbose=False)
+    module.eval()
+    with torch.no_grad():
+        assert float(module(*batch)) == pytest.approx(float(ref(*batch)), rel=TOL)  # no dropout
+    assert model.training  # the model's own mode is left as it was
+
+
+def test_eval_without_a_recipe_is_an_error_naming_the_op():
+    """A ParallelModule made from a rank module alone has only the training program."""
     model, config = models.build("mlp", dropout=0.25)
     module = hapd.parallelize(model, _batches(config, 1)[0], use_daemon=False, verbose=False)
-    module.eval()
+    bare = hapd.ParallelModule(module.inner, module.plan_source)
+    bare.eval()
     with pytest.raises(UnsupportedOpError, match="dropout"):
-        module(*_batches(config, 1)[0])
+        bare(*_batches(config, 1)[0])
+    bare.train()
+    x, y = models.get("mlp").example_inputs(config, B - 1)
+    with pytest.raises(PlanError, match="runs only batch shapes"):
+        bare(x, y)
 
 
 def test_transformers_gpt2_keeps_its_single_device_names():

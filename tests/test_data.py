@@ -2,7 +2,8 @@
 
 Property tests (hypothesis) over dataset sizes, global batches, uneven lengths (zeros
 allowed) and 1–5 ranks; then the loader of a parallelized mlp on 2 Gloo ranks (3:1):
-each rank's batches are exactly ``shard_inputs`` of the global batch.
+each rank's batches are exactly ``shard_inputs`` of the global batch, the short last
+one included (cut as the program for its size cuts it).
 """
 
 from __future__ import annotations
@@ -114,18 +115,21 @@ def _loader_batches(rank: int, world: int, options: dict) -> dict:
     x, y = models.get("mlp").example_inputs(config, 8 * 5 + 3)
     dataset = TensorDataset(x, y)
     module = hapd.parallelize(model, (x[:8], y[:8]), options=options, use_daemon=False, verbose=False)
-    loader = hapd.loader(dataset, module, seed=5)
-    loader.set_epoch(2)
-    order = loader.sampler.order(2)
-    same, count = True, 0
-    for b, local in enumerate(loader):
-        idx = order[b * 8:(b + 1) * 8]
-        expected = module.shard_inputs(x[idx], y[idx])
-        same = same and all(torch.equal(g, e) for g, e in zip(local, expected))
-        count += 1
-    with pytest.raises(OptionsError, match="short last batch"):
-        hapd.loader(dataset, module, drop_last=False)
-    return {"same": same, "count": count, "lengths": module.sample_lengths(), "split": loader.split}
+    counts, lasts = {}, {}
+    same = True
+    for drop_last in (False, True):
+        loader = hapd.loader(dataset, module, seed=5, drop_last=drop_last)
+        loader.set_epoch(2)
+        order = loader.sampler.order(2)
+        counts[drop_last] = 0
+        for b, local in enumerate(loader):
+            idx = order[b * 8:(b + 1) * 8]  # the last: the short batch of 3
+            expected = module.shard_inputs(x[idx], y[idx])
+            same = same and all(torch.equal(g, e) for g, e in zip(local, expected))
+            counts[drop_last] += 1
+        lasts[drop_last] = loader.sampler.batch_lengths()[-1]
+    return {"same": same, "counts": counts, "lengths": module.sample_lengths(), "split": loader.split,
+            "tail": lasts[False], "tail_plan": module.sample_lengths(3)}
 
 
 @pytest.mark.distributed
@@ -134,4 +138,8 @@ def test_the_loader_gives_each_rank_its_share_of_every_global_batch():
     assert [r["lengths"] for r in data_parallel] == [[6, 2], [6, 2]] and all(r["split"] for r in data_parallel)
     split = run_ranks(2, _loader_batches, {"ratios": (0.75, 0.25), "force": {"linear": "column-parallel"}})
     for r in data_parallel + split:
-        assert r["same"] and r["count"] == 5
+        assert r["same"] and r["counts"] == {False: 6, True: 5}  # the short last batch of 3, unless dropped
+        if r["split"]:  # each rank reads its share of the short batch, as its own program splits it
+            assert sum(r["tail"]) == 3 and r["tail"] == r["tail_plan"]
+        else:  # every rank reads it whole and cuts its pieces
+            assert r["tail"] == [3] and r["tail_plan"] is None

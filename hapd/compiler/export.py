@@ -23,8 +23,11 @@ def export(
     path: str | Path | None = None,
     batch_dims: Sequence[int | None] | None = None,
     name: str | None = None,
+    training: bool = True,
 ) -> ExportedProgram:
-    """Export ``model`` (whose forward returns the scalar loss) in training mode.
+    """Export ``model`` (whose forward returns the scalar loss) in training mode, or in
+    eval mode with ``training=False`` (dropout is the identity, batch norm uses its
+    running statistics); the model is left in that mode.
 
     ``batch_dims[i]`` is the batch dim of ``example_inputs[i]`` (default 0 for every
     input). With ``path`` the program is saved with ``torch.export.save``, together with
@@ -36,7 +39,7 @@ def export(
         batch_dims = [0 if t.dim() > 0 else None for t in example_inputs]
     if len(batch_dims) != len(example_inputs):
         raise ExportError(f"{len(batch_dims)} batch dims for {len(example_inputs)} example inputs")
-    model.train()
+    model.train(training)
     try:
         program = torch.export.export(model, example_inputs, strict=False)
     except Exception as exc:

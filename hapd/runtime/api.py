@@ -12,10 +12,31 @@
 
 The model's ``forward`` returns the scalar loss of a batch (the labels among its inputs),
 as for :func:`hapd.export`. :func:`parallelize` exports it for ``example_inputs`` (the
-global batch every step has), gets a plan (:func:`obtain_plan`: a given plan, the
+global batch of a training step), gets a plan (:func:`obtain_plan`: a given plan, the
 daemon at ``$HAPD_DAEMON``, or a compile on rank 0; every other rank receives its bytes)
 and returns this rank's :class:`ParallelModule`. With one process and no process group
 it runs the plan for one device.
+
+**Eval and other batch sizes.** ``module.eval()`` forwards are the model's eval forward
+(dropout is the identity, batch norm uses its running statistics), and a global batch of
+another size (the short last batch of an epoch, a validation batch) runs as one, with the
+same parameters: on first need the module exports the model again for that mode and
+batch shape, gets a plan for it through :func:`obtain_plan` (the daemon's cache when
+there is one) that holds every parameter as the training plan does — every op the two
+graphs share is forced to the training plan's rule, at its ratios
+(:func:`aligned_force`), and the layouts are checked — and distributes it on the
+training program's parameter objects, buffers and gradient sync
+(:func:`hapd.runtime.rewrite.distribute` with ``shared=``), so the optimizer, its
+state and the gradients are the same objects whichever program runs. These programs
+are kept per (mode, batch shapes); building one is collective (every rank gets there
+together, as SPMD code does). A forward runs the program of the current mode for the
+global batch the inputs were cut from: :meth:`ParallelModule.shard_inputs` and
+:func:`hapd.loader` say which. ::
+
+    module.eval()
+    with torch.no_grad():
+        loss = module.global_loss(module(*module.shard_inputs(*val_batch)))   # the single-device eval loss
+    module.train()                                                             # back to the training program
 
 :func:`obtain_plan` is also how ``worker.py`` gets its plan, so both say where a plan
 came from and how long it took (``plan: daemon cache hit, 2 ms``).
@@ -23,6 +44,8 @@ came from and how long it took (``plan: daemon cache hit, 2 ms``).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import os
 import time
@@ -57,7 +80,25 @@ MODE_DEPENDENT_OPS = frozenset({
     "aten._batch_norm_with_update.default", "aten.rrelu_with_noise.default",
 })
 """Ops that compute differently in ``eval()`` mode: the exported (training-mode) graph
-cannot stand for the model's eval forward where they occur."""
+cannot stand for the model's eval forward where they occur (the model is exported again
+in eval mode)."""
+
+SAME_OP_IN_EVAL = {
+    "aten._native_batch_norm_legit_functional": "aten.batch_norm",
+    "aten._native_batch_norm_legit_no_training": "aten.batch_norm",
+    "aten._native_batch_norm_legit": "aten.batch_norm",
+    "aten.native_batch_norm": "aten.batch_norm",
+}
+"""Graph ops that are one op of the model in training and in eval mode (batch norm
+with batch statistics and with running ones), for :func:`aligned_force`."""
+
+EVAL_RULE = {"data-parallel-synced": "data-parallel"}
+"""A training-mode rule -> the rule of the same op in eval mode that holds its operands
+alike (batch norm's batch split with synchronized statistics -> the batch split on
+running statistics)."""
+
+Shapes = tuple[tuple[int, ...], ...]
+"""The shapes of a global batch's inputs, in forward order."""
 
 
 # --------------------------------------------------------------------------------------
@@ -236,26 +277,114 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     Joins the job torchrun started when ``WORLD_SIZE`` is set and no process group
     exists; one process without either runs the plan for one device.
     """
-    from hapd.compiler.export import export, user_input_names
-    from hapd.compiler.lower import lower
-
     _join_job_if_launched()
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     example_inputs = tuple(example_inputs)
-    program = export(model, example_inputs, batch_dims=batch_dims)
     if batch_dims is None:
         batch_dims = [0 if t.dim() > 0 else None for t in example_inputs]
-    graph = lower(program, name=name or type(model).__name__,
-                  batch_dims=dict(zip(user_input_names(program), batch_dims)))
+    recipe = Recipe(model=model, example_inputs=example_inputs, batch_dims=tuple(batch_dims),
+                    name=name or type(model).__name__, profile=profile, use_daemon=use_daemon, verbose=verbose,
+                    device=_default_device(model, device))
+    program, graph = recipe.export(True, recipe.example_shapes)
     source = obtain_plan(graph, world=world, rank=rank, profile=profile, options=options, plan=plan, group=group,
                          use_daemon=use_daemon)
     if verbose and rank == 0:
         print(source.describe(), flush=True)
     host_groups = _host_groups(group, world) if hosts == "auto" else hosts
-    inner = distribute(program, source.plan, rank, world=world, group=group, device=_default_device(model, device),
+    inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
                        check_graph=False, hosts=host_groups)
     extra = _state_outside_plan(model, inner)
-    return ParallelModule(inner, source, group=group, aliases=_aliases(model, inner), extra=extra)
+    recipe = dataclasses.replace(recipe, training_ops=op_nodes(graph))
+    return ParallelModule(inner, source, group=group, aliases=_aliases(model, inner), extra=extra, recipe=recipe)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """What :func:`parallelize` was given, kept to export and distribute the model again
+    for another program (its eval forward, another batch size). The model is kept by
+    reference: its parameters' values are never read again (a program runs on the
+    training program's pieces), only its structure and forward."""
+
+    model: nn.Module
+    example_inputs: tuple[Tensor, ...]
+    batch_dims: tuple[int | None, ...]
+    name: str
+    profile: Profile | str | Path | Mapping | None
+    use_daemon: bool
+    verbose: bool
+    device: torch.device
+    training_ops: tuple[tuple[str, str], ...] = ()
+    """(node name, op) of the training graph's op nodes, in graph order."""
+
+    @property
+    def example_shapes(self) -> Shapes:
+        return tuple(tuple(t.shape) for t in self.example_inputs)
+
+    def inputs_of(self, shapes: Shapes) -> tuple[Tensor, ...]:
+        """Example inputs of these shapes: the example batch's cut or repeated along the
+        batch dim where only that dim differs (real values: token ids stay ids), else
+        zeros."""
+        if len(shapes) != len(self.example_inputs):
+            raise PlanError(f"{len(shapes)} inputs, the model takes {len(self.example_inputs)}")
+        return tuple(_resized(t, list(shape), d) for t, shape, d in zip(self.example_inputs, shapes, self.batch_dims))
+
+    def export(self, training: bool, shapes: Shapes) -> tuple[Any, GraphIR]:
+        """The model exported in that mode for a global batch of ``shapes``, and its
+        lowered graph (the model's own mode is left as it was)."""
+        from hapd.compiler.export import export, user_input_names
+        from hapd.compiler.lower import lower
+
+        was = self.model.training
+        try:
+            with torch.enable_grad():  # as for training, also when asked inside torch.no_grad()
+                program = export(self.model, self.inputs_of(shapes), batch_dims=self.batch_dims, training=training)
+                graph = lower(program, name=self.name,
+                              batch_dims=dict(zip(user_input_names(program), self.batch_dims)))
+        finally:
+            self.model.train(was)
+        return program, graph
+
+
+def _resized(example: Tensor, shape: list[int], batch_dim: int | None) -> Tensor:
+    """A tensor of ``shape`` like ``example`` (see :meth:`Recipe.inputs_of`)."""
+    have = list(example.shape)
+    if have == shape:
+        return example
+    d = batch_dim
+    only_batch = d is not None and len(have) == len(shape) and have[:d] + have[d + 1:] == shape[:d] + shape[d + 1:]
+    if not only_batch or have[d] == 0:
+        return torch.zeros(shape, dtype=example.dtype, device=example.device)
+    repeats = -(-shape[d] // have[d])
+    whole = torch.cat([example] * repeats, dim=d) if repeats > 1 else example
+    return whole.narrow(d, 0, shape[d])
+
+
+def op_nodes(graph: GraphIR) -> tuple[tuple[str, str], ...]:
+    """(node name, op) of a lowered graph's op nodes, in graph order."""
+    return tuple((n["name"], n["op"]) for n in graph.doc["nodes"] if n["kind"] == "op")
+
+
+def aligned_force(training: Sequence[tuple[str, str]], rules: Mapping[str, str],
+                  other: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """``CompileOptions.force`` for another graph of the model (``other``'s op nodes)
+    that keeps the training plan's choices: the op nodes of the two graphs are aligned
+    in graph order (the longest matching runs of ops, :class:`difflib.SequenceMatcher`;
+    an eval graph lacks dropout and has batch norm on running statistics, so names
+    alone shift), and each node of ``other`` aligned with a training node gets the rule
+    the training plan chose for it (``rules``: node -> rule), in its eval form
+    (:data:`EVAL_RULE`) where the ops differ."""
+    def key(op: str) -> str:
+        return SAME_OP_IN_EVAL.get(op, op)
+
+    matcher = difflib.SequenceMatcher(None, [key(op) for _, op in training], [key(op) for _, op in other], autojunk=False)
+    force: dict[str, str] = {}
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            (name, op), (other_name, other_op) = training[block.a + k], other[block.b + k]
+            rule = rules.get(name)
+            if rule is not None:
+                force[other_name] = rule if op == other_op else EVAL_RULE.get(rule, rule)
+    return force
 
 
 def _join_job_if_launched() -> None:
@@ -324,18 +453,33 @@ class ParallelModule(nn.Module):
     is the single-device loss (:meth:`global_loss`), and after ``backward()`` every
     parameter this rank holds has its exact gradient. :meth:`parameters` are this rank's
     pieces, for any torch optimizer and LR scheduler.
+
+    ``inner`` is the training program for the example batch. In ``eval()`` mode, or for
+    a global batch of other shapes, a forward runs another program on the same
+    parameters (see the module docstring), built on first need from ``recipe``
+    (without one, only ``inner`` runs).
     """
 
     def __init__(self, inner: RankModule, source: PlanSource, *, group: Any = None,
-                 aliases: Mapping[str, str] | None = None, extra: Mapping[str, Tensor] | None = None):
+                 aliases: Mapping[str, str] | None = None, extra: Mapping[str, Tensor] | None = None,
+                 recipe: Recipe | None = None):
         super().__init__()
         self.inner = inner
         self.plan_source = source
         self.group = group
         self.aliases = dict(aliases or {})
         self.extra = dict(extra or {})
+        self._recipe = recipe
         self._mode_dependent = [(n.name, str(n.target)) for n in inner.graph.nodes
                                 if n.op == "call_function" and str(n.target) in MODE_DEPENDENT_OPS]
+        self._example_shapes: Shapes = recipe.example_shapes if recipe is not None else \
+            tuple(tuple(s) for s in self.global_shapes())
+        self._programs: dict[tuple[bool, Shapes], RankModule] = {(True, self._example_shapes): inner}
+        """The programs built so far, by (training mode, global batch shapes); a plain
+        dict: they hold no state of their own (``inner``'s parameters and buffers)."""
+        self._cut: tuple[Shapes, tuple] | None = None
+        """(global shapes, input split) of the batch the next forward's inputs were cut
+        from (:meth:`shard_inputs`, :meth:`expect_batch`); None: the example batch."""
 
     # -- what the plan says --------------------------------------------------------------
 
@@ -360,43 +504,145 @@ class ParallelModule(nn.Module):
         view = self.inner.hapd_view
         return [view.full_shape(n) if n in view.tensors else [] for n, _ in self.inner.hapd_inputs]
 
-    def sample_lengths(self) -> list[int] | None:
+    def sample_lengths(self, batch: int | None = None) -> list[int] | None:
         """Samples of each global batch every rank reads, when every input is split
         along dim 0 with the same lengths (data-parallel inputs); None when some rank
-        needs more of the batch (an input replicated or split along another dim)."""
+        needs more of the batch (an input replicated or split along another dim).
+
+        ``batch``: for a global batch of that many samples (the example batch's other
+        dims), as the program of the current mode for it splits it (collective when
+        that program is not built yet); default: the training program's example batch."""
+        if batch is None:
+            program = self.inner
+            shapes = self._example_shapes
+        else:
+            shapes = self._batch_of(batch)
+            if self.world == 1:
+                return [batch]
+            program = self._program(self.training, shapes)
         if self.world == 1:
-            shapes = self.global_shapes()
             return [shapes[0][0]] if shapes and shapes[0] else None
-        found: list[int] | None = None
-        for name, layout in self.inner.hapd_inputs:
-            if gather_dim(layout) != 0:
-                return None
-            lengths = self.inner.hapd_view.lengths(name, 0)
-            if found is not None and lengths != found:
-                return None
-            found = lengths
-        return found
+        return _sample_split(program)
+
+    def _batch_of(self, batch: int) -> Shapes:
+        """The example batch's shapes with ``batch`` samples (every input's dim 0)."""
+        if not self._example_shapes or any(not s for s in self._example_shapes):
+            raise PlanError("the model's inputs have no batch dim 0 to size")
+        return tuple((batch, *s[1:]) for s in self._example_shapes)
 
     def shard_inputs(self, *global_batch: Tensor) -> tuple[Tensor, ...]:
-        """This rank's pieces of the global batch, in forward order."""
-        return self.inner.shard_inputs(*global_batch)
+        """This rank's pieces of the global batch, in forward order, as the program of
+        the current mode for its shapes cuts it (collective when that program is not
+        built yet); the next forwards run that program."""
+        if len(global_batch) != len(self.inner.hapd_inputs):
+            return self.inner.shard_inputs(*global_batch)  # the error naming the inputs
+        shapes = tuple(tuple(t.shape) for t in global_batch)
+        program = self._program(self.training, shapes)
+        pieces = program.shard_inputs(*global_batch)
+        self._cut = (shapes, _input_split(program))
+        return pieces
+
+    def expect_batch(self, *global_shapes: Sequence[int], lengths: Sequence[int] | None = None) -> None:
+        """Say that the next forwards get this rank's pieces of a global batch of these
+        shapes (what :meth:`shard_inputs` says by itself), cut along dim 0 in
+        ``lengths`` samples per rank (default: as the program of the current mode for
+        it cuts them); a forward whose program cuts otherwise is a
+        :class:`~hapd.errors.PlanError`. :func:`hapd.loader` calls it for every batch.
+        Collective when that program is not built yet."""
+        shapes = tuple(tuple(int(n) for n in s) for s in global_shapes)
+        program = self._program(self.training, shapes)
+        split = _input_split(program) if lengths is None else tuple(("Gather(0)", tuple(lengths)) for _ in shapes)
+        self._cut = (shapes, split)
+
+    # -- the programs --------------------------------------------------------------------
+
+    def _program(self, training: bool, shapes: Shapes) -> RankModule:
+        """The program for a global batch of ``shapes`` in that mode (the training one
+        stands for eval where no op computes differently), built on first need."""
+        key = (training or not self._mode_dependent, shapes)
+        found = self._programs.get(key)
+        if found is None:
+            found = self._programs[key] = self._build(*key)
+        return found
+
+    def _build(self, training: bool, shapes: Shapes) -> RankModule:
+        """Export, plan and distribute the model for ``(training, shapes)`` on ``inner``'s
+        parameters (collective)."""
+        mode = "training" if training else "eval"
+        what = f"{mode} program for batch shapes {[list(s) for s in shapes]}"
+        if self._recipe is None:
+            if not training:
+                node, op = self._mode_dependent[0]
+                raise UnsupportedOpError(
+                    f"eval() forward: op {op} at node {node} computes differently in eval mode, and this module "
+                    "has only the training program (make it with hapd.parallelize)", node=node)
+            raise PlanError(f"no {what}: this module runs only batch shapes {[list(s) for s in self._example_shapes]} "
+                            "(make it with hapd.parallelize to run others)")
+        recipe = self._recipe
+        program, graph = recipe.export(training, shapes)
+        options = self._aligned_options(graph)
+        try:
+            source, module = self._distribute(program, graph, options)
+        except PlanError as exc:
+            fallback = self._replicated_options()
+            if fallback is None or options.mode == fallback.mode:
+                raise PlanError(f"{what}: no plan holds the parameters as the training plan does: {exc}") from exc
+            source, module = self._distribute(program, graph, fallback)
+        if recipe.verbose and self.rank == 0:
+            print(f"plan ({mode}, batch shapes {[list(s) for s in shapes]}): {source.origin}, "
+                  f"{_format_duration(source.seconds)}", flush=True)
+        return module
+
+    def _aligned_options(self, graph: GraphIR) -> CompileOptions:
+        """The training plan's options at its ratios, with every op ``graph`` shares
+        with the training graph forced to the training plan's rule."""
+        rules = {step["node"]: step["rule"] for step in self.plan.program["steps"]}
+        force = aligned_force(self._recipe.training_ops, rules, op_nodes(graph))
+        return dataclasses.replace(compile_options(self.plan.key["options"]), force=force,
+                                   ratios=tuple(self.plan.ratios))
+
+    def _replicated_options(self) -> CompileOptions | None:
+        """Options that hold every parameter replicated at the training plan's ratios,
+        when the training plan does too (None otherwise)."""
+        if any(layout != IDENTITY for layout in self.parameter_layouts().values()):
+            return None
+        return dataclasses.replace(compile_options(self.plan.key["options"]), mode="data_parallel", force={},
+                                   ratios=tuple(self.plan.ratios))
+
+    def _distribute(self, program: Any, graph: GraphIR, options: CompileOptions) -> tuple[PlanSource, RankModule]:
+        recipe = self._recipe
+        source = obtain_plan(graph, world=self.world, rank=self.rank, profile=recipe.profile, options=options,
+                             group=self.group, use_daemon=recipe.use_daemon)
+        module = distribute(program, source.plan, self.rank, world=self.world, group=self.group, device=recipe.device,
+                            check_graph=False, shared=self.inner)
+        return source, module
 
     # -- running -------------------------------------------------------------------------
 
     def forward(self, *local_inputs: Tensor) -> Tensor:
-        """This rank's part of the loss of the global batch whose pieces these are."""
-        if not self.training and self._mode_dependent:
-            node, op = self._mode_dependent[0]
-            raise UnsupportedOpError(
-                f"eval() forward: op {op} at node {node} computes differently in eval mode, and the plan is for the "
-                "training-mode graph; evaluate the single-device model loaded with full_state_dict(), or "
-                "parallelize a model exported in eval mode", node=node)
-        expected = self.inner.local_shapes()
+        """This rank's part of the loss of the global batch whose pieces these are, by
+        the program of the current mode for that batch (the one :meth:`shard_inputs`
+        or :meth:`expect_batch` named last; the example batch when neither did, and, on
+        one rank, the inputs' own shapes)."""
+        program = self._forward_program(local_inputs)
+        expected = program.local_shapes()
         got = [list(t.shape) for t in local_inputs]
         if len(got) != len(expected) or any(e and g != e for g, e in zip(got, expected)):
             raise PlanError(f"rank {self.rank}: inputs of shapes {got}, the plan runs {expected} on this rank "
-                            "(a batch of another size needs a plan for that size)")
-        return self.inner(*local_inputs)
+                            "(cut a batch of another size with shard_inputs, or read it with hapd.loader)")
+        return program(*local_inputs)
+
+    def _forward_program(self, local_inputs: Sequence[Tensor]) -> RankModule:
+        if self.world == 1:
+            return self._program(self.training, tuple(tuple(t.shape) for t in local_inputs))
+        shapes, split = self._cut if self._cut is not None else (self._example_shapes, None)
+        program = self._program(self.training, shapes)
+        if split is not None and _input_split(program) != split:
+            raise PlanError(f"rank {self.rank}: these inputs were cut for another program than the "
+                            f"{'training' if self.training else 'eval'} one for batch shapes "
+                            f"{[list(s) for s in shapes]}: cut the batch again (shard_inputs, or the loader) after "
+                            "train() or eval()")
+        return program
 
     def global_loss(self, local: Tensor) -> float:
         """The single-device loss from this rank's part (collective)."""
@@ -522,6 +768,30 @@ class ParallelModule(nn.Module):
         into.copy_(view.local_value(tensor, layout, value.detach().to(into.device)))
 
 
+def _input_split(program: RankModule) -> tuple:
+    """How a program cuts its inputs: (layout, per-rank lengths or None) of each."""
+    view = program.hapd_view
+    out = []
+    for name, layout in program.hapd_inputs:
+        d = gather_dim(layout)
+        out.append((layout, tuple(view.lengths(name, d)) if d is not None else None))
+    return tuple(out)
+
+
+def _sample_split(program: RankModule) -> list[int] | None:
+    """Per-rank samples of a batch when every input is split along dim 0 in the same
+    lengths, else None."""
+    found: list[int] | None = None
+    for name, layout in program.hapd_inputs:
+        if gather_dim(layout) != 0:
+            return None
+        lengths = program.hapd_view.lengths(name, 0)
+        if found is not None and lengths != found:
+            return None
+        found = lengths
+    return found
+
+
 def _power_sum(params: Sequence[nn.Parameter], norm_type: float, device: torch.device) -> Tensor:
     total = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
@@ -537,5 +807,5 @@ def _max_abs(params: Sequence[nn.Parameter], device: torch.device) -> Tensor:
     return total
 
 
-__all__ = ["MODE_DEPENDENT_OPS", "ParallelModule", "PlanSource", "compile_options", "daemon_key_path", "job_profile",
-           "obtain_plan", "parallelize", "plan_from_daemon"]
+__all__ = ["MODE_DEPENDENT_OPS", "ParallelModule", "PlanSource", "Recipe", "aligned_force", "compile_options",
+           "daemon_key_path", "job_profile", "obtain_plan", "op_nodes", "parallelize", "plan_from_daemon"]

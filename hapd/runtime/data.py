@@ -15,7 +15,8 @@ batch::
 The epoch's order is ``torch.randperm`` seeded with ``seed + epoch`` (the same on
 every rank, so the ranks' shares partition it): every sample is read exactly once per
 epoch across ranks. The last ``len(dataset) % B`` samples form a short batch, dropped
-with ``drop_last`` or else split by the same ratios (largest remainder).
+with ``drop_last``, else split in the ``tail`` lengths given (:func:`loader` gives those
+of the module's program for that batch) or by the same ratios (largest remainder).
 :class:`UnevenSampler` is the flat-index form (like ``DistributedSampler``), and
 :func:`loader` gives a rank the ``DataLoader`` of a :class:`~hapd.runtime.api.ParallelModule`.
 """
@@ -53,11 +54,13 @@ class UnevenBatchSampler(Sampler[list[int]]):
     ``start_batch`` / :meth:`load_state_dict` skip the batches an interrupted epoch has
     already read (resuming mid-epoch). :meth:`state_dict` says where it is: the epoch
     and the global batches of it handed out (``position``), which no world size or
-    split changes, so a checkpoint resumes on another plan.
+    split changes, so a checkpoint resumes on another plan. ``tail``: every rank's
+    samples of the short last batch (they sum to ``len(data) % sum(lengths)``; default
+    :func:`tail_lengths`).
     """
 
     def __init__(self, data: Dataset | Sequence | int, lengths: Sequence[int], rank: int, *, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False):
+                 seed: int = 0, drop_last: bool = False, tail: Sequence[int] | None = None):
         self.size = _size_of(data)
         self.lengths = [int(n) for n in lengths]
         if not self.lengths or any(n < 0 for n in self.lengths) or sum(self.lengths) < 1:
@@ -66,6 +69,11 @@ class UnevenBatchSampler(Sampler[list[int]]):
             raise OptionsError(f"rank {rank} is not in 0..{len(self.lengths) - 1}", field="rank")
         if self.size < 0:
             raise OptionsError(f"dataset size {self.size} is negative", field="data")
+        short = self.size % sum(self.lengths)
+        self.tail = tail_lengths(self.lengths, short) if tail is None else [int(n) for n in tail]
+        if len(self.tail) != len(self.lengths) or any(n < 0 for n in self.tail) or sum(self.tail) != short:
+            raise OptionsError(f"tail {self.tail} must be {len(self.lengths)} lengths ≥ 0 summing to the short last "
+                               f"batch's {short} samples", field="tail")
         self.rank, self.shuffle, self.seed, self.drop_last = rank, shuffle, int(seed), drop_last
         self.epoch = 0
         self.start_batch = 0
@@ -106,7 +114,7 @@ class UnevenBatchSampler(Sampler[list[int]]):
         full, tail = divmod(self.size, self.global_batch)
         out = [list(self.lengths)] * full
         if tail and not self.drop_last:
-            out.append(tail_lengths(self.lengths, tail))
+            out.append(list(self.tail))
         return out
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -182,6 +190,7 @@ class RankLoader:
                  device: torch.device | None):
         self.loader, self.sampler, self.module, self.split, self.device = loader, sampler, module, split, device
         self.position = sampler.position
+        """Global batches of the epoch handed out (the skipped ones included)."""
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -200,15 +209,21 @@ class RankLoader:
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         self.position = self.sampler.start_batch
+        lengths = self.sampler.batch_lengths()
         for batch in self.loader:
-            self.position += 1
             inputs = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
             if self.device is not None:
                 inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
-            yield inputs if self.split else self.module.shard_inputs(*inputs)
+            if self.split:  # the module's next forward: the program for this batch's size, cut in these lengths
+                split = lengths[self.position]
+                self.module.expect_batch(*[(sum(split), *t.shape[1:]) for t in inputs], lengths=split)
+            else:
+                inputs = self.module.shard_inputs(*inputs)
+            self.position += 1
+            yield inputs
 
 
-def loader(dataset: Dataset, module: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+def loader(dataset: Dataset, module: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
            collate_fn: Callable[[list], Any] | None = None, device: torch.device | str | None = "auto",
            **dataloader_kwargs: Any) -> RankLoader:
     """This rank's loader of ``dataset`` for ``module`` (a ParallelModule): batches of the
@@ -217,23 +232,31 @@ def loader(dataset: Dataset, module: Any, *, shuffle: bool = True, seed: int = 0
     pieces). A sample is a tuple of tensors in forward order (collated along dim 0).
     ``device``: where batches go (``"auto"``: where the module's parameters are).
 
-    A short last batch needs a plan for its size, which a module does not have: keep
-    ``drop_last`` (the default), or use a dataset whose size the global batch divides.
+    The last ``len(dataset) % batch`` samples are a short last batch (``drop_last``
+    drops it): the module runs it with the program for its size, which splits it in
+    its own per-rank lengths; the loader asks the module for them here, so with a short
+    last batch this call is collective (every rank makes its loader), and a program
+    that needs the short batch whole on every rank while the others are split is an
+    :class:`~hapd.errors.OptionsError`. The batches are cut as the program of the
+    module's mode at this call cuts them.
     """
     shapes = module.global_shapes()
     if not shapes or not shapes[0]:
         raise OptionsError("the module's first input has no batch dim to load along", field="module")
     batch = shapes[0][0]
-    lengths = module.sample_lengths()
+    lengths = module.sample_lengths(batch)
+    short = 0 if drop_last else len(dataset) % batch
+    tail = module.sample_lengths(short) if short else None
     split = lengths is not None
     if lengths is None:  # every rank reads whole batches, in the same order
-        lengths, rank = [batch], 0
+        lengths, rank, tail = [batch], 0, None
     else:
         rank = module.rank
-    if not drop_last and len(dataset) % batch:
-        raise OptionsError(f"{len(dataset)} samples leave a short last batch of {len(dataset) % batch} (the plan is "
-                           f"for {batch}): pass drop_last=True", field="drop_last")
-    sampler = UnevenBatchSampler(dataset, lengths, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        if short and tail is None:
+            raise OptionsError(f"{len(dataset)} samples leave a short last batch of {short}, which the module's program "
+                               f"for it needs whole on every rank while it splits the batches of {batch}: pass "
+                               "drop_last=True", field="drop_last")
+    sampler = UnevenBatchSampler(dataset, lengths, rank, shuffle=shuffle, seed=seed, drop_last=drop_last, tail=tail)
     data = DataLoader(dataset, batch_sampler=sampler, collate_fn=_Collate(dataset, collate_fn or default_collate),
                       **dataloader_kwargs)
     if device == "auto":

@@ -28,6 +28,12 @@ as the lowering does, so the plan's fx node names are the names of the nodes rep
 The module takes this rank's inputs (:meth:`RankModule.shard_inputs` cuts them from
 the full batch) and returns this rank's part of the loss: the sum over ranks is the
 single-device loss, and after ``backward()`` every parameter holds its exact gradient.
+
+A second program of the same model (its eval forward, or a batch of another size) is
+distributed with ``shared=`` the first rank module: it then holds no state of its own
+but runs on the first's parameter objects (the plan must hold each as the first does,
+see :func:`shared_state_mismatch`), reads and updates the first's buffers, and shares its
+gradient sync, so an optimizer of the first trains through either.
 """
 
 from __future__ import annotations
@@ -286,10 +292,13 @@ padded with one zero slice and the output cut back (see ``_Emitter.pad_empty``).
 
 
 class _Emitter:
-    """Builds the rank's fx graph step by step."""
+    """Builds the rank's fx graph step by step (on ``shared``'s parameters and updated
+    buffers when given: see :func:`distribute`)."""
 
-    def __init__(self, program: ExportedProgram, view: RankView, group: Any, device: torch.device | None):
+    def __init__(self, program: ExportedProgram, view: RankView, group: Any, device: torch.device | None,
+                 shared: RankModule | None = None):
         self.program, self.view, self.group, self.device = program, view, group, device
+        self.shared = shared
         self.graph = fx.Graph()
         self.root = nn.Module()
         self.env: dict[tuple[str, str], fx.Node] = {}
@@ -300,6 +309,9 @@ class _Emitter:
         (tied weights: :mod:`hapd.compiler.tied`)."""
         self.mutations = buffer_mutations(program)
         self.mutated = {target for target, _ in self.mutations}
+        self.whole = self.mutated | self.shared_buffers()
+        """Buffers held whole at their own name and read afresh by every forward: those
+        the step updates, and those ``shared`` updates."""
         self.synced: list[nn.Parameter] = []
         self.inputs: list[tuple[str, str]] = []
         self.params: dict[str, tuple[str, str]] = {}
@@ -313,6 +325,23 @@ class _Emitter:
         name = f"hapd_{prefix}_{self._modules}"
         self.root.add_module(name, module)
         return name
+
+    def shared_buffers(self) -> set[str]:
+        """The buffers this program reads that ``shared`` updates (batch norm's running
+        statistics, read by the eval program and updated by the training one)."""
+        if self.shared is None:
+            return set()
+        read = {target for kind, target, _ in self.sources.values() if kind == "buffer"}
+        return read & set(self.shared.hapd_updated)
+
+    def shared_parameter(self, target: str, name: str, layout: str) -> nn.Parameter:
+        """``shared``'s parameter object for ``target`` (held as this plan holds it:
+        checked by :func:`shared_state_mismatch`, asserted here by its shape)."""
+        param = self.shared.get_parameter(target)
+        if list(param.shape) != self.view.local_shape(name, layout):
+            raise PlanError(f"parameter {target}: this rank holds a piece of shape {list(param.shape)}, the plan "
+                            f"needs {self.view.local_shape(name, layout)}", node=target)
+        return param
 
     def placeholders(self, source_layouts: Mapping[str, str]) -> None:
         for name in _user_inputs(self.program):
@@ -332,13 +361,22 @@ class _Emitter:
         kind, target, value = self.sources[name]
         if value is None:
             raise PlanError(f"source {name} ({target}) has no value in the exported program", node=name)
-        if target in self.mutated:
+        if target in self.whole:
             self.env[(name, layout)] = self.read_updated_buffer(name, layout, target)
+            return
+        attr = f"hapd_src.{target}" if kind != "parameter" else target
+        if kind == "parameter" and self.shared is not None:
+            param = self.shared_parameter(target, name, layout)
+            _set_attr(self.root, attr, param, parameter=True)
+            for alias in (target, *self.aliases.get(target, ())):
+                self.params[alias] = (name, layout)
+            if src.get("grad_sync") and param.requires_grad:
+                self.synced.append(param)
+            self.env[(name, layout)] = self.graph.get_attr(attr)
             return
         local = self.view.local_value(name, layout, value.detach())
         if self.device is not None:
             local = local.to(self.device)
-        attr = f"hapd_src.{target}" if kind != "parameter" else target
         if kind == "parameter":
             param = nn.Parameter(local, requires_grad=value.requires_grad)
             _set_attr(self.root, attr, param, parameter=True)
@@ -354,9 +392,13 @@ class _Emitter:
 
     def updated_buffers(self) -> None:
         """Every buffer the step updates, whole, at its own name (``bn1.running_mean``):
-        each forward reads its piece from it and writes the new value back into it."""
+        each forward reads its piece from it and writes the new value back into it. A
+        buffer ``shared`` updates is ``shared``'s tensor itself."""
         by_target = {target: value for _kind, target, value in self.sources.values()}
-        for target, _ in self.mutations:
+        for target in sorted(self.whole):
+            if self.shared is not None and target in self.shared.hapd_updated:
+                _set_attr(self.root, target, self.shared.get_buffer(target), parameter=False)
+                continue
             value = by_target.get(target)
             if value is None:
                 raise PlanError(f"buffer {target} is updated but has no value in the exported program", node=target)
@@ -516,6 +558,7 @@ def distribute(
     check_graph: bool = True,
     hosts: collectives.HostGroups | None = None,
     bucket_bytes: int = _core.GRAD_BUCKET_BYTES,
+    shared: RankModule | None = None,
 ) -> RankModule:
     """The fx module rank ``rank`` runs for ``plan``.
 
@@ -527,20 +570,59 @@ def distribute(
     ``hosts``: sum replicated gradients in two levels across hosts
     (:func:`hapd.runtime.training.host_groups`; default: one all-reduce over ``group``).
     ``bucket_bytes``: gradient bytes per all-reduce (the cost model assumes the default).
+
+    ``shared``: the rank module of another program of the same model (its training
+    program, when this is its eval forward or a batch of another size). This module
+    then runs on ``shared``'s parameter objects, reads and writes ``shared``'s updated
+    buffers, and sums gradients with ``shared``'s gradient sync (``hosts`` and
+    ``bucket_bytes`` are ``shared``'s). The plan must hold every parameter as
+    ``shared``'s does (:func:`shared_state_mismatch`): :class:`PlanError` otherwise.
     """
     ep = normalize(_load_program(program, example_inputs))
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     rank, world = _rank_and_world(rank, world, group)
     _check(ep, plan, rank, world, graph=check_graph)
-    em = _Emitter(ep, RankView(plan, rank, world), group, torch.device(device) if device is not None else None)
+    view = RankView(plan, rank, world)
+    if shared is not None:
+        mismatch = shared_state_mismatch(shared, view, _sources_of(ep))
+        if mismatch is not None:
+            raise PlanError(mismatch)
+    em = _Emitter(ep, view, group, torch.device(device) if device is not None else None, shared)
     _shard_sources(em, plan.program["steps"])
     _emit_steps(em, plan.program["steps"])
     _write_back_buffers(em)
     _output_loss(em, plan.program["loss"])
     module = _rank_module(em)
-    _sync_gradients(module, em.synced, group, bucket_bytes, hosts)
+    if shared is None:
+        _sync_gradients(module, em.synced, group, bucket_bytes, hosts)
+    else:
+        _share_gradient_sync(module, shared, em.synced)
     return module
+
+
+def shared_state_mismatch(shared: RankModule, view: RankView, sources: Mapping[str, tuple[str, str, Any]]) -> str | None:
+    """Why a program whose plan ``view`` sees cannot run on ``shared``'s parameters, or
+    None when it can: every parameter it reads must be one ``shared`` holds, in the
+    same layout, split in the same lengths on every rank. ``sources``: placeholder name
+    -> (kind, target, value) of the program's parameters, buffers and constants. The
+    answer is the same on every rank (it depends on the plans only)."""
+    theirs = shared.hapd_view
+    for step in view.plan.program["steps"]:
+        for src in step["sources"]:
+            kind, target, _ = sources.get(src["tensor"], ("", "", None))
+            if kind != "parameter":
+                continue
+            if target not in shared.hapd_params:
+                return f"parameter {target}: this program reads it, the training plan does not hold it"
+            tensor, layout = shared.hapd_params[target]
+            if src["layout"] != layout:
+                return f"parameter {target}: this program's plan holds it as {src['layout']}, the training plan as {layout}"
+            d = gather_dim(layout)
+            if d is not None and view.lengths(src["tensor"], d) != theirs.lengths(tensor, d):
+                return (f"parameter {target}: this program's plan splits dim {d} in lengths "
+                        f"{view.lengths(src['tensor'], d)}, the training plan in {theirs.lengths(tensor, d)}")
+    return None
 
 
 def _rank_and_world(rank: int | None, world: int | None, group: Any) -> tuple[int, int]:
@@ -611,6 +693,21 @@ def _sync_gradients(module: RankModule, synced: Sequence[nn.Parameter], group: A
     """Step 5: sum the gradients of ``synced`` (the replicated trainable parameters) over
     ranks during each backward of ``module``."""
     module.hapd_sync = GradSync(synced, group, bucket_bytes, hosts=hosts)
+    module.register_forward_pre_hook(lambda m, _args: m.hapd_sync.reset())
+
+
+def _share_gradient_sync(module: RankModule, shared: RankModule, synced: Sequence[nn.Parameter]) -> None:
+    """Sum this module's gradients with ``shared``'s gradient sync (its hooks are on the
+    same parameter objects); it must sum the same parameters."""
+    theirs = {id(p) for bucket in shared.hapd_sync.buckets for p in bucket}
+    ours = {id(p) for p in synced}
+    if ours != theirs:
+        names = {id(p): n for n, p in shared.named_parameters()}
+        first = min(ours ^ theirs, key=lambda i: names.get(i, ""))
+        this, training = ("sums", "does not") if first in ours else ("does not sum", "does")
+        raise PlanError(f"parameter {names.get(first, '?')}: this program's plan {this} its gradient over ranks, "
+                        f"the training plan {training}", node=names.get(first))
+    module.hapd_sync = shared.hapd_sync
     module.register_forward_pre_hook(lambda m, _args: m.hapd_sync.reset())
 
 

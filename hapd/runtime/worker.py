@@ -77,7 +77,7 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     module = parallelize(model, tuple(t.cpu() for t in full), profile=job_profile(args, env.world), plan=ns.plan,
                          options=CompileOptions(mode=ns.mode), batch_dims=spec.batch_dims, name=args.model,
                          device=env.device, hosts=host_groups(env))
-    del model  # the rank keeps only its pieces
+    del model  # trained through its pieces (the module keeps it only to export it again: eval, other batch sizes)
     plan, source = module.plan, module.plan_source
     inputs = module.shard_inputs(*full)
     optimizer = torch.optim.Adam(module.parameters(), lr=args.lr)
