@@ -6,7 +6,7 @@ equal its ``eager`` loop), exports to ATen ops with rules only, and a plan force
 expert parallelism (every einsum over stacked expert weights ``expert-parallel``) runs
 on 2 Gloo ranks with uneven ratios with the loss and every gradient equal to the
 single-device run, each rank holding only its experts' weights (the harness of
-``test_rules_zoo.py``).
+``tests/_exact.py``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from test_rules_zoo import BATCH, TOL, Spec, _run_cases, assert_exact, assert_rules_ran, run_specs
+from _exact import TOL, Spec, _run_cases, assert_exact, assert_rules_ran, run_specs
 
 import hapd
 
+BATCH = 8
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 

@@ -1,5 +1,5 @@
 """Rules that close the gaps which made zoo plans lose to DDP, run on 2 Gloo ranks with
-uneven ratios (the harness of ``test_rules_zoo.py``): each case forces the rule under
+uneven ratios (the harness of ``tests/_exact.py``): each case forces the rule under
 test, and the loss and every gradient must equal the single-device ones.
 
 Covered: ``pad`` on a dim it does not pad (transformers' causal-LM label shift) and
@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_rules_zoo import BATCH, Spec, _all, _gpt2, _merge, _ops, _seeded, assert_exact, assert_rules_ran, run_specs
+from _exact import Spec, _all, _merge, _ops, _seeded, assert_exact, assert_rules_ran, run_specs
+from test_rules_zoo import BATCH, _gpt2
 from torch import Tensor, nn
 
 # --------------------------------------------------------------------------------------
