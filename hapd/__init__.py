@@ -34,6 +34,9 @@ _LAZY = {
     "export_safetensors": "hapd.runtime.checkpoint",
     "import_safetensors": "hapd.runtime.checkpoint",
     "check": "hapd.runtime.check",
+    "module_init": "hapd.runtime.weights",
+    "init_on_meta": "hapd.runtime.weights",
+    "materialize": "hapd.runtime.weights",
     "normalize": "hapd.compiler.normalize",
 }
 

@@ -71,6 +71,11 @@ class CheckpointError(HapdError):
     """A checkpoint cannot be written, or cannot be read into this model and optimizer."""
 
 
+class WeightsError(HapdError):
+    """A model's weights cannot be materialized from the given source (a name it lacks,
+    a shape or dtype it does not match, an initializer that failed)."""
+
+
 class ProtocolError(HapdError):
     """A control message is malformed or of an unknown version."""
 

@@ -90,6 +90,17 @@ def test_worker_and_ddp_train_a_zoo_model(model, batch):
     assert math.isfinite(hapd_run["loss"]) and math.isfinite(ddp["loss"])
 
 
+@pytest.mark.distributed
+def test_worker_builds_on_meta_and_each_rank_initializes_its_pieces():
+    """``--init meta``: llama_block (real rotary buffers, RMSNorm's reset) is built on the
+    meta device and each rank initializes only its pieces; it trains to a finite loss
+    and its report says how the model started."""
+    flags = ["--model", "llama_block", "--batch", "4", "--iterations", "2", "--warmup", "0", "--init", "meta"]
+    lines, _ = torchrun("worker.py", *flags)
+    summary = next(x for x in lines if x["hapd"] == "summary")
+    assert summary["init"] == "meta" and math.isfinite(summary["loss"])
+
+
 @pytest.fixture(scope="module")
 def mlp_program_and_plan():
     spec = models.get("mlp")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import itertools
 import json
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.export import ExportedProgram
@@ -33,6 +35,12 @@ def export(
     input). With ``path`` the program is saved with ``torch.export.save``, together with
     the model name and batch dims, so that dropping the file into a watched folder is
     enough for hapd to compile it.
+
+    A model whose parameters are on the meta device (built under
+    ``torch.device("meta")`` or :func:`hapd.init_on_meta`) is exported from shapes
+    alone: its real buffers and the example inputs are taken to meta for the export
+    (the model keeps its own), and the program holds no weights —
+    :func:`hapd.distribute` and :func:`hapd.parallelize` then take ``weights=``.
     """
     example_inputs = tuple(example_inputs)
     if batch_dims is None:
@@ -40,8 +48,12 @@ def export(
     if len(batch_dims) != len(example_inputs):
         raise ExportError(f"{len(batch_dims)} batch dims for {len(example_inputs)} example inputs")
     model.train(training)
+    meta = on_meta(model)
+    if meta:
+        example_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in example_inputs)
     try:
-        program = torch.export.export(model, example_inputs, strict=False)
+        with buffers_on_meta(model) if meta else contextlib.nullcontext():
+            program = torch.export.export(model, example_inputs, strict=False)
     except Exception as exc:
         raise ExportError(f"torch.export failed for {type(model).__name__}: {type(exc).__name__}: {exc}") from exc
     if path is not None:
@@ -53,6 +65,31 @@ def export(
         except OSError as exc:
             raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from exc
     return program
+
+
+def on_meta(model: torch.nn.Module) -> bool:
+    """Whether some parameter or buffer of ``model`` is on the meta device (it has no
+    values: hapd exports it from shapes and materializes it per rank)."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+@contextlib.contextmanager
+def buffers_on_meta(model: torch.nn.Module) -> Iterator[None]:
+    """Every real buffer of ``model`` swapped for a meta copy for the duration (a meta
+    model's forward cannot mix devices), a buffer registered twice swapped for one
+    copy; the real ones are put back after."""
+    swapped: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+    copies: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, buffer in module._buffers.items():  # noqa: SLF001 - swapping a module's own buffers
+            if buffer is not None and not buffer.is_meta:
+                swapped.append((module, name, buffer))
+                module._buffers[name] = copies.setdefault(id(buffer), buffer.to("meta"))  # noqa: SLF001
+    try:
+        yield
+    finally:
+        for module, name, buffer in swapped:
+            module._buffers[name] = buffer  # noqa: SLF001
 
 
 def user_input_names(program: ExportedProgram) -> list[str]:

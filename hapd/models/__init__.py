@@ -142,4 +142,19 @@ def build(name: str, size: str = "tiny", **overrides: Any) -> tuple[nn.Module, A
     return model, config
 
 
-__all__ = ["MODELS", "NAMES", "SIZES", "ZOO_MODELS", "ModelSpec", "build", "get", "make_config"]
+def module_init_of(model: nn.Module) -> Callable[[nn.Module], None] | None:
+    """The per-module init a registry model applies beyond each module's
+    ``reset_parameters()`` (for :func:`hapd.module_init`): GPT-2's ``_init_weights``, a
+    transformers model's own ``_init_weights``; None when there is none. Init a
+    model's constructor writes into its children (BERT's uniform embedding and head,
+    torchvision's kaiming convolutions) is not per module and not replayed."""
+    if isinstance(model, gpt2.GPT2):
+        return gpt2._init_weights
+    for module in model.modules():
+        init = getattr(module, "_init_weights", None)
+        if callable(init) and hasattr(module, "config"):
+            return init
+    return None
+
+
+__all__ = ["MODELS", "NAMES", "SIZES", "ZOO_MODELS", "ModelSpec", "build", "get", "make_config", "module_init_of"]

@@ -115,9 +115,13 @@ class Top2MoE(nn.Module):
         self.gate = nn.Linear(hidden, n_experts, bias=False)
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, ffn))
         self.w2 = nn.Parameter(torch.empty(n_experts, ffn, hidden))
-        nn.init.uniform_(self.w1, -1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
-        nn.init.uniform_(self.w2, -1 / math.sqrt(ffn), 1 / math.sqrt(ffn))
+        self.reset_parameters()
         self.drop = nn.Dropout(dropout)
+
+    def reset_parameters(self) -> None:
+        """Initialize the experts' weights: U(±1/sqrt(fan_in)) (the gate is a child)."""
+        nn.init.uniform_(self.w1, -1 / math.sqrt(self.w1.shape[1]), 1 / math.sqrt(self.w1.shape[1]))
+        nn.init.uniform_(self.w2, -1 / math.sqrt(self.w2.shape[1]), 1 / math.sqrt(self.w2.shape[1]))
 
     def forward(self, x: Tensor) -> Tensor:
         """Route ``x`` ``[B, S, hidden]`` through the experts and combine their outputs."""

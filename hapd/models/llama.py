@@ -77,6 +77,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden))
 
+    def reset_parameters(self) -> None:
+        """The scale starts at one."""
+        nn.init.ones_(self.weight)
+
     def forward(self, x: Tensor) -> Tensor:
         """Normalize ``x`` by its root mean square and scale."""
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight

@@ -81,8 +81,7 @@ class ViT(nn.Module):
                                      stride=config.patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, h))
         self.pos_embed = nn.Parameter(torch.zeros(1, config.patches() + 1, h))
-        nn.init.normal_(self.cls_token, std=0.02)
-        nn.init.normal_(self.pos_embed, std=0.02)
+        self.reset_parameters()
         self.drop = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(
             post_ln_dense_layer(hidden=h, heads=config.heads, ffn=config.ffn,
@@ -90,6 +89,12 @@ class ViT(nn.Module):
                                 attention_dropout=config.attention_dropout, causal=False)
             for _ in range(config.layers))
         self.head = nn.Linear(h, config.classes)
+
+    def reset_parameters(self) -> None:
+        """Initialize the model's own parameters (class token, position table):
+        N(0, 0.02); its children initialize theirs (``hapd.module_init`` calls each)."""
+        nn.init.normal_(self.cls_token, std=0.02)
+        nn.init.normal_(self.pos_embed, std=0.02)
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         """Loss for images ``x`` ``[B, C, H, W]`` float and labels ``y`` ``[B]`` int64."""

@@ -62,9 +62,10 @@ from torch import Tensor, nn
 from hapd.compiler.driver import CompileOptions
 from hapd.compiler.lower import GraphIR
 from hapd.compiler.plan import Plan
-from hapd.errors import HapdError, OptionsError, PlanError, UnsupportedOpError
+from hapd.errors import HapdError, OptionsError, PlanError, UnsupportedOpError, WeightsError
 from hapd.profile.schema import Profile, estimated_profile, load_profile
 from hapd.runtime.rewrite import IDENTITY, RankModule, distribute, gather_dim, global_loss
+from hapd.runtime.weights import Chain, ModelTensors, Weights, WeightSource, rank_piece, weight_source
 
 DAEMON_PING_S = 2.0
 """How long rank 0 waits for the daemon to answer a ping before compiling itself."""
@@ -260,7 +261,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
                 profile: Profile | str | Path | Mapping | None = None, plan: Plan | str | Path | bytes | None = None,
                 options: CompileOptions | Mapping[str, Any] | None = None, batch_dims: Sequence[int | None] | None = None,
                 name: str | None = None, device: torch.device | str | None = None, group: Any = None,
-                hosts: Any = "auto", use_daemon: bool = True, verbose: bool = True) -> "ParallelModule":
+                hosts: Any = "auto", use_daemon: bool = True, verbose: bool = True,
+                weights: Weights | None = None) -> "ParallelModule":
     """This rank's :class:`ParallelModule` of ``model``, trained on batches shaped like
     ``example_inputs`` (the *global* batch, the same on every rank). Collective.
 
@@ -276,15 +278,22 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
 
     Joins the job torchrun started when ``WORLD_SIZE`` is set and no process group
     exists; one process without either runs the plan for one device.
+
+    ``weights``: where this rank reads its pieces of the parameters and buffers
+    instead of ``model`` (:mod:`hapd.runtime.weights`: :func:`hapd.module_init`, a
+    safetensors file, a checkpoint), one tensor at a time; needed when ``model`` is on
+    the meta device (too large for one host: only its shapes are exported), whose real
+    tensors (buffers built under :func:`hapd.init_on_meta`) fill in what the source lacks.
     """
     _join_job_if_launched()
+    weights = _weights_of(model, weights)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     example_inputs = tuple(example_inputs)
     if batch_dims is None:
         batch_dims = [0 if t.dim() > 0 else None for t in example_inputs]
     recipe = Recipe(model=model, example_inputs=example_inputs, batch_dims=tuple(batch_dims),
                     name=name or type(model).__name__, profile=profile, use_daemon=use_daemon, verbose=verbose,
-                    device=_default_device(model, device))
+                    device=_default_device(model, device), weights=weights)
     program, graph = recipe.export(True, recipe.example_shapes)
     source = obtain_plan(graph, world=world, rank=rank, profile=profile, options=options, plan=plan, group=group,
                          use_daemon=use_daemon)
@@ -292,8 +301,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
         print(source.describe(), flush=True)
     host_groups = _host_groups(group, world) if hosts == "auto" else hosts
     inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
-                       check_graph=False, hosts=host_groups)
-    extra = _state_outside_plan(model, inner)
+                       check_graph=False, hosts=host_groups, weights=weights)
+    extra = _state_outside_plan(model, inner, weights)
     recipe = dataclasses.replace(recipe, training_ops=op_nodes(graph))
     return ParallelModule(inner, source, group=group, aliases=_aliases(model, inner), extra=extra, recipe=recipe)
 
@@ -315,6 +324,8 @@ class Recipe:
     device: torch.device
     training_ops: tuple[tuple[str, str], ...] = ()
     """(node name, op) of the training graph's op nodes, in graph order."""
+    weights: WeightSource | None = None
+    """Where the buffers another program reads come from (a model on the meta device)."""
 
     @property
     def example_shapes(self) -> Shapes:
@@ -404,8 +415,22 @@ def _default_device(model: nn.Module, device: torch.device | str | None) -> torc
     if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     for tensor in model.parameters():
-        return tensor.device
+        return tensor.device if not tensor.is_meta else torch.device("cpu")
     return torch.device("cpu")
+
+
+def _weights_of(model: nn.Module, weights: Weights | None) -> WeightSource | None:
+    """The source of this rank's pieces: ``weights`` then ``model``'s real tensors;
+    None (the exported program's state) for a real model without ``weights``."""
+    from hapd.compiler.export import on_meta
+
+    source = weight_source(weights)
+    if source is None:
+        if on_meta(model):
+            raise WeightsError(f"{type(model).__name__} is on the meta device: pass weights= (hapd.module_init(model), "
+                               "a safetensors file or a checkpoint folder) for each rank to read its pieces from")
+        return None
+    return Chain([source, ModelTensors(model)])
 
 
 def _host_groups(group: Any, world: int) -> Any:
@@ -433,12 +458,14 @@ def _aliases(model: nn.Module, inner: RankModule) -> dict[str, str]:
     return {key: by_tensor[id(t)] for key, t in state.items() if key not in held and id(t) in by_tensor}
 
 
-def _state_outside_plan(model: nn.Module, inner: RankModule) -> dict[str, Tensor]:
+def _state_outside_plan(model: nn.Module, inner: RankModule, weights: WeightSource | None = None) -> dict[str, Tensor]:
     """Copies of the state-dict entries no step of the plan reads (parameters the loss
-    does not use): training cannot change them, and the full state dict keeps them."""
+    does not use): training cannot change them, and the full state dict keeps them
+    (read whole from ``weights`` when there is one)."""
     held = set(inner.hapd_params) | set(inner.hapd_buffers) | set(inner.hapd_updated)
     aliases = _aliases(model, inner)
-    return {k: t.detach().clone() for k, t in model.state_dict().items() if k not in held and k not in aliases}
+    return {k: t.detach().clone() if weights is None else rank_piece(weights, [k], t.detach(), None)
+            for k, t in model.state_dict(keep_vars=True).items() if k not in held and k not in aliases}
 
 
 # --------------------------------------------------------------------------------------
@@ -614,7 +641,7 @@ class ParallelModule(nn.Module):
         source = obtain_plan(graph, world=self.world, rank=self.rank, profile=recipe.profile, options=options,
                              group=self.group, use_daemon=recipe.use_daemon)
         module = distribute(program, source.plan, self.rank, world=self.world, group=self.group, device=recipe.device,
-                            check_graph=False, shared=self.inner)
+                            check_graph=False, shared=self.inner, weights=recipe.weights)
         return source, module
 
     # -- running -------------------------------------------------------------------------

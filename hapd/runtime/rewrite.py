@@ -60,6 +60,7 @@ from hapd.errors import PlanError
 from hapd.runtime import collectives
 from hapd.runtime.adapters import ADAPTERS, stride_free
 from hapd.runtime.gradsync import GradSync
+from hapd.runtime.weights import Weights, WeightSource, rank_piece, weight_source
 
 IDENTITY, REDUCE = "Identity", "Reduce"
 _GATHER = re.compile(r"Gather\((\d+)\)")
@@ -316,6 +317,9 @@ class _Emitter:
         self.inputs: list[tuple[str, str]] = []
         self.params: dict[str, tuple[str, str]] = {}
         self.buffers: dict[str, tuple[str, str, str]] = {}
+        self.weights: WeightSource | None = None
+        """Where the pieces of parameters and buffers come from (None: the program's
+        state dict, see :func:`distribute`)."""
         self._modules = 0
 
     # -- pieces ------------------------------------------------------------------------
@@ -374,7 +378,7 @@ class _Emitter:
                 self.synced.append(param)
             self.env[(name, layout)] = self.graph.get_attr(attr)
             return
-        local = self.view.local_value(name, layout, value.detach())
+        local = self.local_value(name, layout, target, value)
         if self.device is not None:
             local = local.to(self.device)
         if kind == "parameter":
@@ -402,8 +406,20 @@ class _Emitter:
             value = by_target.get(target)
             if value is None:
                 raise PlanError(f"buffer {target} is updated but has no value in the exported program", node=target)
-            whole = value.detach().clone()
+            whole = self.local_value(target, IDENTITY, target, value)
             _set_attr(self.root, target, whole.to(self.device) if self.device is not None else whole, parameter=False)
+
+    def local_value(self, name: str, layout: str, target: str, value: Tensor) -> Tensor:
+        """This rank's piece of source ``target`` (plan tensor ``name``) held in
+        ``layout``: cut from the program's ``value``, or read from :attr:`weights`
+        (only the piece, one tensor at a time) when there is one."""
+        if self.weights is None:
+            return self.view.local_value(name, layout, value.detach())
+        d = gather_dim(layout)
+        region = (d, *self.view.offset(name, d)) if d is not None else None
+        names = [target, *self.aliases.get(target, ())]
+        piece = rank_piece(self.weights, names, value.detach(), region)
+        return torch.zeros_like(piece) if layout == REDUCE and self.view.rank != 0 else piece
 
     def read_updated_buffer(self, name: str, layout: str, target: str) -> fx.Node:
         """This rank's piece of an updated buffer, read afresh in each forward (a copy:
@@ -559,6 +575,7 @@ def distribute(
     hosts: collectives.HostGroups | None = None,
     bucket_bytes: int = _core.GRAD_BUCKET_BYTES,
     shared: RankModule | None = None,
+    weights: Weights | None = None,
 ) -> RankModule:
     """The fx module rank ``rank`` runs for ``plan``.
 
@@ -577,6 +594,12 @@ def distribute(
     buffers, and sums gradients with ``shared``'s gradient sync (``hosts`` and
     ``bucket_bytes`` are ``shared``'s). The plan must hold every parameter as
     ``shared``'s does (:func:`shared_state_mismatch`): :class:`PlanError` otherwise.
+
+    ``weights``: where the pieces of parameters and buffers come from instead of the
+    program's state dict (:func:`hapd.runtime.weights.weight_source`: an initializer, a
+    safetensors file, a checkpoint): each is read one tensor at a time and only this
+    rank's piece is kept, so ``program`` may be exported from a model on the meta
+    device; a tensor the source lacks is cut from the program's value.
     """
     ep = normalize(_load_program(program, example_inputs))
     if not isinstance(plan, Plan):
@@ -589,6 +612,7 @@ def distribute(
         if mismatch is not None:
             raise PlanError(mismatch)
     em = _Emitter(ep, view, group, torch.device(device) if device is not None else None, shared)
+    em.weights = weight_source(weights)
     _shard_sources(em, plan.program["steps"])
     _emit_steps(em, plan.program["steps"])
     _write_back_buffers(em)

@@ -4,7 +4,9 @@
     torchrun --nproc-per-node 2 -m hapd.worker --model mlp --plan mlp.hplan
 
 Every rank builds the same model (same seed) and parallelizes it for the global batch
-with :func:`hapd.parallelize`. The plan comes from ``--plan FILE``, or else rank 0 asks
+with :func:`hapd.parallelize`; with ``--init meta`` the model is built on the meta device
+and each rank initializes only its own pieces (a model larger than one host's memory
+starts). The plan comes from ``--plan FILE``, or else rank 0 asks
 the daemon at ``$HAPD_DAEMON`` (a cache hit, an LP-only re-plan or a compile there) and
 compiles it itself when none answers, for ``--profile`` (an estimated homogeneous
 profile of this job's ranks when none is given), and sends it to the others: ranks never
@@ -22,6 +24,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,6 +33,7 @@ from hapd import models
 from hapd.compiler.driver import CompileOptions
 from hapd.profile.schema import Profile
 from hapd.runtime.api import ParallelModule, job_profile as _job_profile, parallelize
+from hapd.runtime.weights import WeightSource, init_on_meta, module_init
 from hapd.runtime.training import (DistEnv, TrainArgs, add_train_flags, host_groups, parse_train_args,
                            report, run_rank, train)
 
@@ -41,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan", type=Path, default=None, help="Use this .hplan instead of compiling one.")
     parser.add_argument("--mode", choices=["auto", "data_parallel"], default="auto",
                         help="auto: search every rule; data_parallel: only the batch-split program (default: auto)")
+    parser.add_argument("--init", choices=["eager", "meta"], default="eager",
+                        help="eager: every rank builds the whole model; meta: the model is built on the meta device "
+                             "(buffers real), exported from shapes, and each rank initializes only its own pieces, "
+                             "one parameter at a time, seeded by --seed and each parameter's name (default: eager)")
     return parser
 
 
@@ -69,14 +77,28 @@ class PlanStep:
         return self.last_loss
 
 
+def build(args: TrainArgs, init: str) -> tuple[torch.nn.Module, Any, WeightSource | None]:
+    """The model in ``--dtype``, its config, and where each rank's pieces come from:
+    ``eager``: the model itself (None); ``meta``: parameters on the meta device and
+    :func:`hapd.module_init` (each module's ``reset_parameters()`` and the model's own
+    per-module init, seeded by ``--seed`` and the parameter's name: the same full
+    values on every rank and world size, not the eager model's values)."""
+    if init == "eager":
+        model, config = args.build()
+        return model.to(dtype=args.torch_dtype), config, None
+    with init_on_meta():
+        model, config = args.build()
+    model = model.to(dtype=args.torch_dtype)
+    return model, config, module_init(model, args.seed, init=models.module_init_of(model))
+
+
 def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     spec = models.get(args.model)
-    model, config = args.build()
-    model = model.to(dtype=args.torch_dtype)
+    model, config, weights = build(args, ns.init)
     full = global_inputs(args, env, config)
     module = parallelize(model, tuple(t.cpu() for t in full), profile=job_profile(args, env.world), plan=ns.plan,
                          options=CompileOptions(mode=ns.mode), batch_dims=spec.batch_dims, name=args.model,
-                         device=env.device, hosts=host_groups(env))
+                         device=env.device, hosts=host_groups(env), weights=weights)
     del model  # trained through its pieces (the module keeps it only to export it again: eval, other batch sizes)
     plan, source = module.plan, module.plan_source
     inputs = module.shard_inputs(*full)
@@ -85,7 +107,7 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     times = train(step, optimizer, env, iterations=args.iterations, warmup=args.warmup, trace=args.trace)
     assert step.last_loss is not None
     extra = {
-        "batch": args.batch, "size": args.size, "dtype": args.dtype, "profile": plan.key["profile_name"],
+        "batch": args.batch, "size": args.size, "dtype": args.dtype, "init": ns.init, "profile": plan.key["profile_name"],
         "plan": source.origin, "plan_s": source.seconds, "mode": ns.mode, "estimate_s": plan.estimate["per_iteration"],
         "ratios": plan.ratios, "chosen_from": plan.doc["stats"].get("chosen_from"),
     }
