@@ -137,6 +137,14 @@ def test_lowering_has_no_opaque_op(name, references) -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_dropout_is_off(name, references) -> None:
+    """No random op in the lowered graph (a dropout with p > 0 would make the
+    single-device and distributed runs draw different masks)."""
+    ops = {n["op"] for n in references[BUILDS[name]].ir.doc["nodes"] if n.get("op")}
+    assert not [op for op in ops if any(word in op for word in ("dropout", "bernoulli", "rand"))]
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_self_check_passes(name, references) -> None:
     """``hapd.check`` of the program as users export it (fp32 for every model)."""
     if name in FLOAT64:
