@@ -147,17 +147,19 @@ def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
 @click.option("--profile", "-p", "profile", required=True, help="Cluster profile: a JSON file or a bundled name (paper-8).")
 @click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Output .hplan (default beside GRAPH).")
 @click.option("--zero/--no-zero", default=False, show_default=True, help="Allow ZeRO-style parameters.")
+@click.option("--memory-caps/--no-memory-caps", default=True, show_default=True,
+              help="Fit the plan in each device's memory (the profile's).")
 @click.option("--max-seconds", type=float, default=None, help="Time budget of one search.")
 @click.option("--explain/--no-explain", "show", default=False, help="Print the full report.")
 @_import_option
-def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, max_seconds: float | None, show: bool,
-                imports: tuple[str, ...]) -> None:
+def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, memory_caps: bool, max_seconds: float | None,
+                show: bool, imports: tuple[str, ...]) -> None:
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
     from hapd.compiler.driver import CompileOptions, compile as compile_plan
 
     _import(imports)
 
-    plan = compile_plan(graph, profile, CompileOptions(zero=zero, max_seconds=max_seconds))
+    plan = compile_plan(graph, profile, CompileOptions(zero=zero, memory_caps=memory_caps, max_seconds=max_seconds))
     path = plan.save(out or graph.with_suffix(".hplan"))
     est, base, stats = plan.estimate, plan.doc["baselines"], plan.doc["stats"]
     click.echo(

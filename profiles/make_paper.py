@@ -2,7 +2,8 @@
 
 HAP's evaluation cluster: 2 machines of 8×V100 and 6 machines of 8×P100 on ~10 Gbit/s
 Ethernet. Device FLOP/s are HAP's measured V100 = 3,858,755,112,937 and
-P100 = 2,149,250,936,815. Inter-host bandwidths are HAP's measurements on that
+P100 = 2,149,250,936,815; memory is the cards' (V100 32 GiB, P100 16 GiB), so the
+small cards fill first. Inter-host bandwidths are HAP's measurements on that
 heterogeneous cluster (bytes of the full tensor per second); intra-host bandwidths are
 its measurements within one machine. HAP modelled no latency; the α values here
 (30 µs across hosts, 10 µs within one) are hapd's estimates, stated as such.
@@ -17,7 +18,8 @@ from pathlib import Path
 from hapd.profile.schema import Device, Link, Profile
 
 V100, P100 = 3_858_755_112_937.0, 2_149_250_936_815.0
-MEMORY = 16 * 2**30
+MEMORY = {"V100": 32 * 2**30, "P100": 16 * 2**30}
+"""Device memory: HAP's cluster had the 32 GB V100 and the 16 GB P100."""
 
 INTER = {
     "all_gather": 815_418_707,
@@ -49,7 +51,7 @@ def paper_profile(world: int) -> Profile:
         model = "V100" if host < 2 else "P100"
         devices.append(
             Device(rank=rank, host=f"{model.lower()}-{host}", model=model,
-                   flops=V100 if model == "V100" else P100, memory=MEMORY)
+                   flops=V100 if model == "V100" else P100, memory=MEMORY[model])
         )
     collectives = {
         name: {"inter": Link(alpha=30e-6, beta=float(INTER[name])), "intra": Link(alpha=10e-6, beta=float(INTRA[name]))}

@@ -95,6 +95,13 @@ def test_bounds_when_times_do_not_grow():
     assert "bound" not in fit_alpha_beta([1000, 2000, 4000], [2e-6, 3e-6, 5e-6]).to_json()
 
 
+def _fake_machine_with_available(tmp_path, available_kb: int):
+    """:func:`_fake_machine` (no cgroup limits) whose meminfo has a MemAvailable line."""
+    proc, root = _fake_machine(tmp_path, v1_limit=None, v2_limit="max\n")
+    (proc / "meminfo").write_text(f"MemTotal:       16384000 kB\nMemAvailable: {available_kb} kB\n")
+    return proc, root
+
+
 def _fake_machine(tmp_path: Path, *, v1_limit: str | None, v2_limit: str | None) -> tuple[Path, Path]:
     """A /proc and a / with a process in cgroup /job (v1 memory and v2), as files."""
     proc, root = tmp_path / "proc", tmp_path / "root"
@@ -124,6 +131,10 @@ def test_memory_is_the_smallest_cgroup_limit_or_memtotal(tmp_path):
     assert host_memory(*_fake_machine(tmp_path / "b", v1_limit=f"{2**30}\n", v2_limit="max\n")) == 2**30
     assert host_memory(*_fake_machine(tmp_path / "c", v1_limit=f"{2**31}\n", v2_limit=f"{2**29}\n")) == 2**29
     assert 0 < host_memory() <= 2**50  # this machine
+
+
+def test_memory_is_capped_by_what_the_machine_has_available(tmp_path):
+    assert host_memory(*_fake_machine_with_available(tmp_path, 1024)) == 1024 * 1024
 
 
 def test_links_measured_depend_on_the_hosts():

@@ -22,7 +22,8 @@ from hapd import __version__
 from hapd.errors import OptionsError, SynthesisError
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
 from hapd.profile.schema import Profile, load_profile
-from hapd.compiler.ratios import program_cost, row_values, solve_ratios
+from hapd.util import format_bytes
+from hapd.compiler.ratios import least_overshoot, peak_memory, program_cost, row_values, solve_ratios
 
 
 MODES = ("auto", "data_parallel")
@@ -79,10 +80,14 @@ class CompileOptions:
     (replicated parameters, gradients all-reduced), with LP-optimized ratios."""
     zero: bool = False
     """Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use)."""
-    memory_caps: bool = False
-    """Constrain the LP by each device's memory (the memory model counts parameters,
-    gradients, Adam state and saved activations; it overestimates activations, so it
-    is off by default)."""
+    memory_caps: bool = True
+    """Fit the plan in each device's memory (the profile's ``memory``, each device its
+    own): the LP keeps every device's predicted peak (parameters, gradients, Adam state,
+    kept activations, communication buffers and workspace: ``rustcore/core/src/memory.rs``)
+    under its capacity, and a program that does not fit is searched again with memory
+    priced (the search then trades time for memory: tensor or expert parallelism,
+    ZeRO-style parameters). :class:`~hapd.errors.SynthesisError` naming the device, its
+    capacity and the shortfall when nothing fits."""
     max_rounds: int = 4
     """Most search ⇄ LP rounds."""
     max_states: int = 2_000_000
@@ -118,7 +123,7 @@ class CompileOptions:
         out["ratios"] = list(self.ratios) if self.ratios is not None else None
         return out
 
-    def core(self, mode: str = "auto") -> dict[str, Any]:
+    def core(self, mode: str = "auto", memory_price: Sequence[float] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
             "mode": mode,
             "zero": self.zero,
@@ -128,6 +133,8 @@ class CompileOptions:
         }
         if self.max_seconds is not None:
             out["max_seconds"] = float(self.max_seconds)
+        if memory_price is not None:
+            out["memory_price"] = [float(p) for p in memory_price]
         return out
 
 
@@ -144,11 +151,19 @@ def _graph_bytes(graph: Any) -> bytes:
     return lower(graph).data  # an ExportedProgram
 
 
-def synthesize(graph: bytes, profile: Profile, ratios: list[float], options: CompileOptions, mode: str = "auto") -> dict:
-    """One search of the core under fixed ratios; the program as a dict."""
+def synthesize(
+    graph: bytes,
+    profile: Profile,
+    ratios: list[float],
+    options: CompileOptions,
+    mode: str = "auto",
+    memory_price: Sequence[float] | None = None,
+) -> dict:
+    """One search of the core under fixed ratios (with memory priced at
+    ``memory_price`` seconds per byte on each device, when given); the program as a dict."""
     from hapd import _core
 
-    raw = _core.synthesize(graph, profile.core_bytes(), list(ratios), options.core(mode))
+    raw = _core.synthesize(graph, profile.core_bytes(), list(ratios), options.core(mode, memory_price))
     return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
@@ -187,6 +202,49 @@ class _Baselines:
 
 
 def _search_rounds(data: bytes, profile: Profile, options: CompileOptions, caps: list[float] | None) -> _Searched:
+    """The search ⇄ LP rounds; with memory ``caps``, searched again with memory priced
+    ever higher (and ZeRO-style parameters allowed) until a program fits
+    (:data:`MEMORY_PRICES`). :class:`SynthesisError` naming the device that falls
+    shortest when none does."""
+    if caps is None:
+        return _rounds(data, profile, options, None, None)
+    tried: list[dict] = []
+    scale_cost: float | None = None
+    for zero, scale in _price_schedule(options):
+        attempt = replace(options, zero=zero)
+        price = None if scale == 0 else [scale * (scale_cost or 0.0) / cap for cap in caps]
+        try:
+            return _rounds(data, profile, attempt, caps, price)
+        except _DoesNotFit as exc:
+            tried.append(exc.program)
+            if scale_cost is None:
+                scale_cost = max(program_cost(exc.program, profile.flops_ratios()), 1e-9)
+    raise SynthesisError(_no_fit_message(tried, caps, profile))
+
+
+MEMORY_PRICES = (0.0, 1.0, 4.0, 16.0, 64.0, 256.0)
+"""Memory prices a compile with memory caps tries in turn, each in units of the
+unpriced program's seconds per device capacity: at price 1 filling a device costs as
+much time as the whole program."""
+
+
+def _price_schedule(options: CompileOptions) -> list[tuple[bool, float]]:
+    """(zero, price scale) of each attempt: the options' own ZeRO setting unpriced, then
+    ZeRO-style parameters allowed at every price."""
+    return [(options.zero, MEMORY_PRICES[0])] + [(True, p) for p in MEMORY_PRICES[1:]]
+
+
+class _DoesNotFit(Exception):
+    """The sharding-ratio LP found no ratios under which ``program`` fits."""
+
+    def __init__(self, program: dict):
+        super().__init__("the program does not fit in device memory")
+        self.program = program
+
+
+def _rounds(
+    data: bytes, profile: Profile, options: CompileOptions, caps: list[float] | None, price: list[float] | None
+) -> _Searched:
     """Alternate the search and the ratio LP while the cost strictly improves
     (one search only when ``options.ratios`` fixes the ratios)."""
     ratios = list(options.ratios) if options.ratios is not None else profile.flops_ratios()
@@ -194,12 +252,21 @@ def _search_rounds(data: bytes, profile: Profile, options: CompileOptions, caps:
     best: tuple[dict, list[float], float] | None = None
     while rounds < options.max_rounds:
         rounds += 1
-        program = synthesize(data, profile, ratios, options, options.mode)
+        program = synthesize(data, profile, ratios, options, options.mode, price)
         expanded += program["stats"]["expanded"]
         if options.ratios is not None:
+            if caps is not None and not _fits(program, ratios, caps):
+                raise _DoesNotFit(program)
             best = (program, ratios, program_cost(program, ratios))
             break
-        lp = solve_ratios(program, caps)
+        try:
+            lp = solve_ratios(program, caps)
+        except SynthesisError:
+            if best is None and caps is not None:
+                raise _DoesNotFit(program) from None
+            if best is None:
+                raise
+            break  # this round's program does not fit; the last one that did is kept
         cost = lp.objective
         history.append(cost)
         if best is not None and cost >= best[2] * (1 - 1e-9):
@@ -209,6 +276,32 @@ def _search_rounds(data: bytes, profile: Profile, options: CompileOptions, caps:
     assert best is not None
     program, ratios, cost = best
     return _Searched(program=program, ratios=ratios, cost=cost, rounds=rounds, expanded=expanded, history=history)
+
+
+def _fits(program: dict, ratios: Sequence[float], caps: Sequence[float]) -> bool:
+    """Whether ``program``'s peak under ``ratios`` fits every device's memory."""
+    return all(p <= c for p, c in zip(peak_memory(program, ratios), caps))
+
+
+def _no_fit_message(programs: list[dict], caps: list[float], profile: Profile) -> str:
+    """Why nothing fits: of the programs tried, the one that falls shortest under the
+    ratios that minimize its worst shortfall, with the device that lacks the most."""
+    best: tuple[float, int, float, dict] | None = None
+    for program in programs:
+        ratios = least_overshoot(program, caps)
+        peaks = peak_memory(program, ratios)
+        d = max(range(len(caps)), key=lambda k: peaks[k] - caps[k])
+        if best is None or peaks[d] - caps[d] < best[0]:
+            best = (peaks[d] - caps[d], d, peaks[d], program)
+    assert best is not None
+    short, d, peak, _ = best
+    device = profile.devices[d]
+    return (
+        f"the model does not fit in device memory: device {d} ({device.model} on {device.host}) has "
+        f"{format_bytes(caps[d])} and needs {format_bytes(peak)}, {format_bytes(short)} short, in the best of "
+        f"{len(programs)} programs tried (data parallel, tensor/expert parallel and ZeRO-style parameters); "
+        f"use a smaller batch, more devices, or devices with more memory"
+    )
 
 
 def _baselines(data: bytes, profile: Profile, options: CompileOptions) -> _Baselines:
@@ -279,7 +372,8 @@ def _prefer_data_parallel(
     program, ratios, chosen_from = searched.program, searched.ratios, "search"
     best_cost = program_cost(program, ratios)
     dp_program = baselines.dp_program
-    dp_splits = [] if caps else [baselines.flops]  # with memory caps only the LP's split is known to fit
+    # the FLOP/s-proportional split where it fits (with memory caps), and the LP's
+    dp_splits = [baselines.flops] if caps is None or _fits(dp_program, baselines.flops, caps) else []
     try:
         dp_splits.append(list(solve_ratios(dp_program, caps).ratios))
     except SynthesisError:
@@ -289,6 +383,15 @@ def _prefer_data_parallel(
         if cost < best_cost:
             program, ratios, best_cost, chosen_from = dp_program, split, cost, "data_parallel"
     return program, ratios, chosen_from
+
+
+def _dp_fits(dp_program: dict, profile: Profile) -> bool:
+    """Whether some split of the batch fits data parallelism in every device's memory."""
+    try:
+        solve_ratios(dp_program, [float(d.memory) for d in profile.devices])
+    except SynthesisError:
+        return False
+    return True
 
 
 def _plan_document(
@@ -323,7 +426,12 @@ def _plan_document(
         "ratios": ratios,
         "lengths": split_lengths(program, ratios),
         "estimate": estimate(program, ratios),
-        "baselines": {"dp_ev": baselines.dp_ev, "dp_cp": baselines.dp_cp},
+        "baselines": {
+            "dp_ev": baselines.dp_ev,
+            "dp_cp": baselines.dp_cp,
+            "dp_memory": peak_memory(baselines.dp_program, baselines.flops),
+            "dp_fits": _dp_fits(baselines.dp_program, profile),
+        },
         "opaque_ops": [op for op, _ in summary["opaque_ops"]],
         "stats": {
             "seconds": seconds,
@@ -345,7 +453,7 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
     profile = load_profile(profile)
     data = _graph_bytes(graph)
     start = time.perf_counter()
-    caps = [d.memory for d in profile.devices] if options.memory_caps else None
+    caps = [float(d.memory) for d in profile.devices] if options.memory_caps else None
     searching, best = options, None
     while True:
         searched = _search_rounds(data, profile, searching, caps)
@@ -356,7 +464,9 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
         cost = program_cost(chosen[0], chosen[1])
         if best is None or cost < best[0]:
             best = (cost, searched, baselines, chosen, synthesis_seconds, searching.front_width)
-        searching = _wider_front(searching, chosen, baselines, time.perf_counter() - start)
+        # a plan dearer than a data parallelism that does not fit lost nothing to the front
+        dp_out = caps is not None and chosen[2] != "data_parallel" and not _dp_fits(baselines.dp_program, profile)
+        searching = None if dp_out else _wider_front(searching, chosen, baselines, time.perf_counter() - start)
         if searching is None:
             break
     _, searched, baselines, chosen, synthesis_seconds, front_width = best

@@ -28,6 +28,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from hapd.compiler.flops import FlopCounter
 from hapd.compiler.normalize import buffer_mutations, normalize
+from hapd.compiler.saved import SavedActivations, saved_activations
 from hapd.compiler.tied import unread_aliases
 from hapd.errors import ExportError, GraphError, GraphFormatError
 from hapd.util import atomic_write
@@ -122,7 +123,7 @@ def lower(
         batch_dims = batch_dims if batch_dims is not None else stored.get("batch_dims")
     program = normalize(program)
     try:
-        doc = _Lowering(program, name or "model", dict(batch_dims or {})).run()
+        doc = _Lowering(program, name or "model", dict(batch_dims or {}), saved_activations(program)).run()
     except ExportError:
         raise
     except Exception as exc:  # a torch internals change must not surface as a bare KeyError
@@ -224,8 +225,13 @@ class _TorchLog(logging.Handler):
 class _Lowering:
     """One pass over the exported graph; nodes become IR nodes in graph order."""
 
-    def __init__(self, program: ExportedProgram, name: str, batch_dims: dict[str, int | None]):
+    def __init__(
+        self, program: ExportedProgram, name: str, batch_dims: dict[str, int | None], saved: SavedActivations | None
+    ):
         self.program = program
+        self.saved = saved
+        """what the backward pass keeps (``None``: not traced; the core then assumes every
+        result with a gradient)"""
         self.name = name
         self.batch_dims = batch_dims
         self.nodes: list[dict[str, Any]] = []
@@ -255,7 +261,7 @@ class _Lowering:
         if loss is None:
             raise ExportError("the exported graph has no output")
         self._name_tuple_ops()
-        return {
+        doc = {
             "format": GRAPH_FORMAT,
             "version": GRAPH_VERSION,
             "name": self.name,
@@ -265,6 +271,9 @@ class _Lowering:
             "loss_reduction": self._loss_reduction(loss),
             "torch_version": torch.__version__.split("+")[0],
         }
+        if self.saved is not None:
+            doc["saved_traced"] = True
+        return doc
 
     def _name_tuple_ops(self) -> None:
         """A tuple-returning op is named after its first result picked by getitem:
@@ -316,6 +325,7 @@ class _Lowering:
                 "batch_dim": batch_dim,
             }
         )
+        self._mark_saved(index, node.name)
         self.refs[node] = [index, 0]
 
     def _op(self, node: torch.fx.Node) -> None:
@@ -344,10 +354,23 @@ class _Lowering:
         if flops > 0:
             ir_node["flops"] = flops
         index = self._append(ir_node)
+        self._mark_saved(index, node.name)
         if isinstance(val, (tuple, list)):
             self.tuples[node] = index
         else:
             self.refs[node] = [index, 0]
+
+    def _mark_saved(self, index: int, fx_name: str) -> None:
+        """Record on IR node ``index`` which of its results the backward pass keeps
+        (``saved``) and the bytes it keeps that are no node's result (``saved_bytes``)."""
+        if self.saved is None:
+            return
+        outputs = self.saved.outputs.get(fx_name)
+        if outputs:
+            self.nodes[index]["saved"] = sorted(outputs)
+        internal = self.saved.internal.get(fx_name, 0.0)
+        if internal > 0:
+            self.nodes[index]["saved_bytes"] = float(internal)
 
     def _getitem(self, node: torch.fx.Node) -> None:
         producer = self.tuples[node.args[0]]

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import msgpack
 
 from hapd.errors import PlanError
-from hapd.compiler.ratios import per_device, program_cost, row_values, sharding_lengths
+from hapd.compiler.ratios import peak_memory, per_device, program_cost, row_values, sharding_lengths
 from hapd.util import atomic_write, format_bytes
 
 PLAN_FORMAT = "hapd.plan"
@@ -102,7 +102,7 @@ def estimate(program: Mapping[str, Any], ratios: list[float]) -> dict[str, Any]:
         "per_iteration": program_cost(program, ratios),
         "compute": per_device(program, ratios, "comp"),
         "communication": per_device(program, ratios, "comm"),
-        "memory": row_values(program["memory"], ratios),
+        "memory": peak_memory(program, ratios),
         "replicated_flop_share": replicated_flop_share(program),
     }
 

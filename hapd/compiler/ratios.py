@@ -55,6 +55,21 @@ def per_device(program: dict[str, Any], ratios: Sequence[float], which: str) -> 
     return totals
 
 
+def memory_rows(program: dict[str, Any]) -> list[dict[str, Sequence[float]]]:
+    """The program's memory rows: bytes held while the backward pass runs, and during the
+    optimizer step (a program from before the second row existed has only the first)."""
+    return [program[key] for key in ("memory", "memory_update") if key in program]
+
+
+def peak_memory(program: dict[str, Any], ratios: Sequence[float]) -> list[float]:
+    """Per-device peak bytes of a training step under ``ratios``: the larger of the
+    memory rows (:func:`memory_rows`)."""
+    peaks = [0.0] * len(ratios)
+    for row in memory_rows(program):
+        peaks = [max(p, v) for p, v in zip(peaks, row_values(row, ratios))]
+    return peaks
+
+
 def _row_groups(program: dict[str, Any]) -> tuple[dict[tuple, tuple[list, list, float]], float]:
     """Group rows that are positive multiples of each other. Returns key -> (normalized
     constant, normalized coef, summed scale) and the constant part of rows without a
@@ -112,9 +127,9 @@ def solve_ratios(program: dict[str, Any], memory_caps: Sequence[float] | None = 
         for d in range(n):
             lp += t[key] >= const[d] + coef[d] * r[d], f"max_{i}_{d}"
     if memory_caps is not None:
-        mem = program["memory"]
-        for d in range(n):
-            lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d], f"memory_{d}"
+        for k, mem in enumerate(memory_rows(program)):
+            for d in range(n):
+                lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d], f"memory_{k}_{d}"
     status = lp.solve(_solver())
     name = pulp.LpStatus.get(status, str(status))
     if name != "Optimal":
@@ -125,9 +140,30 @@ def solve_ratios(program: dict[str, Any], memory_caps: Sequence[float] | None = 
     return LPResult(ratios=ratios, objective=program_cost(program, ratios), variables=len(r) + len(t))
 
 
+def least_overshoot(program: dict[str, Any], memory_caps: Sequence[float]) -> tuple[float, ...]:
+    """The sharding ratios under which ``program``'s worst memory shortfall (peak minus
+    capacity, over devices and memory rows) is smallest: where a program that fits
+    nowhere comes closest, for the error that says by how much."""
+    n = int(program["devices"])
+    lp = pulp.LpProblem("hapd_least_overshoot", pulp.LpMinimize)
+    r = [_variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
+    worst = _variable(lp, "worst")
+    lp += worst
+    lp += pulp.lpSum(r) == 1, "ratios_sum_to_one"
+    for k, mem in enumerate(memory_rows(program)):
+        for d in range(n):
+            lp += mem["constant"][d] + mem["coef"][d] * r[d] - memory_caps[d] <= worst, f"short_{k}_{d}"
+    status = lp.solve(_solver())
+    if pulp.LpStatus.get(status) != "Optimal":
+        return tuple(1.0 / n for _ in range(n))
+    ratios = [max(0.0, float(v.value() or 0.0)) for v in r]
+    total = sum(ratios) or 1.0
+    return tuple(v / total for v in ratios)
+
+
 def _lp_failure(status: str, program: dict[str, Any], memory_caps: Sequence[float] | None) -> str:
     if status == "Infeasible" and memory_caps is not None:
-        mem = program["memory"]
+        mem = max(memory_rows(program), key=lambda row: sum(row["constant"]) + sum(row["coef"]))
         need = sum(mem["coef"])
         spare = [cap - c for cap, c in zip(memory_caps, mem["constant"])]
         worst = min(range(len(spare)), key=lambda d: spare[d])

@@ -14,8 +14,9 @@ What the numbers mean -- exactly what the cost model (``rustcore/core/src/cost.r
   time, so a CPU quota (CFS period 100 ms) shows up as the slower rate it causes rather
   than as bursts at full speed. All ranks measure at the same time, as they compute in
   training.
-* ``memory``: total device memory (GPU), or the memory this process may use (the
-  smallest cgroup memory limit above it, else ``MemTotal``).
+* ``memory``: the memory a rank can use — on a GPU its free memory (what another
+  process already holds is not the rank's), on CPU the smallest cgroup memory limit
+  above this process, capped by ``MemAvailable`` (what the machine can still give).
 * Collectives: the full tensor has ``B`` bytes (``B`` from ``sizes``); every rank
   holds its even shard (``B/N``) or the full tensor, as the collective's input layout
   needs. Per repeat: a barrier, then each rank times one call (with its device
@@ -83,13 +84,17 @@ def cpu_model() -> str:
 
 
 def _meminfo_total(proc: Path) -> int | None:
+    """``MemAvailable`` (bytes the machine can give without swapping), else
+    ``MemTotal`` (kernels before 3.14 have no ``MemAvailable``)."""
+    fields: dict[str, int] = {}
     try:
         for line in (proc / "meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                fields[key] = int(rest.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    return fields.get("MemAvailable", fields.get("MemTotal"))
 
 
 def _cgroup_memory_limits(proc: Path, root: Path) -> list[int]:
@@ -142,7 +147,7 @@ def _cgroup_memory_limits(proc: Path, root: Path) -> list[int]:
 
 def host_memory(proc: Path = Path("/proc"), root: Path = Path("/")) -> int:
     """Bytes this process may use on the CPU: the smallest cgroup memory limit above it,
-    else ``MemTotal``."""
+    capped by ``MemAvailable`` (``MemTotal`` where the kernel has no such line)."""
     total = _meminfo_total(proc)
     candidates = [n for n in _cgroup_memory_limits(proc, root) if n > 0]
     if total is not None:
@@ -262,7 +267,7 @@ def measure_device(device: Any, options: ProfilerOptions, *,
                               "elementwise_numel": numel, "dtype": options.dtype, "load_average_1m": load}
     if cuda:
         props = torch.cuda.get_device_properties(device)
-        model, memory = props.name, int(props.total_memory)
+        model, memory = props.name, int(torch.cuda.mem_get_info(device)[0])  # free bytes
         detail["float32_matmul_precision"] = torch.get_float32_matmul_precision()
         detail["cuda"] = torch.version.cuda
     else:

@@ -218,6 +218,14 @@ pub struct NodeFile {
     /// before the field existed.
     #[serde(default)]
     pub flops: Option<f64>,
+    /// Indices of the results whose storage the backward pass keeps (traced at
+    /// lowering); absent when none, and in files written before the field existed.
+    #[serde(default)]
+    pub saved: Vec<u32>,
+    /// Bytes the op's backward keeps that are no node's result (attention's
+    /// log-sum-exp); absent when none.
+    #[serde(default)]
+    pub saved_bytes: Option<f64>,
 }
 
 /// A result of a node, after validation.
@@ -259,6 +267,11 @@ pub struct Node {
     /// `None` when lowering recorded none. [`crate::rules::rules_for`] prices the op by
     /// the larger of this and its family's formula.
     pub flops: Option<f64>,
+    /// Per result, whether the backward pass keeps its storage (an activation); all
+    /// `false` when the graph's saved tensors were not traced ([`Graph::saved_traced`]).
+    pub saved: Vec<bool>,
+    /// Bytes the op's backward keeps that are no node's result (finite, ≥ 0).
+    pub saved_bytes: f64,
 }
 
 /// The tag torch gives element-wise ops (`torch.Tag.pointwise`): every result element
@@ -316,6 +329,9 @@ pub struct Graph {
     pub loss_reduction: LossReduction,
     /// Buffer updates, in the program's output order (empty when absent in the file).
     pub mutations: Vec<Mutation>,
+    /// Whether lowering traced which results the backward pass keeps (the nodes'
+    /// `saved`); when not, the memory model assumes every result with a gradient.
+    pub saved_traced: bool,
 }
 
 impl Graph {
@@ -415,7 +431,11 @@ pub fn decode(bytes: &[u8]) -> Result<Graph> {
             graph_field("mutations", format!("not a list of {{target, value: [node, output]}}: {e}"))
         })?,
     };
-    Ok(Graph { name, nodes, loss, loss_reduction, mutations })
+    let saved_traced = match get(map, "saved_traced") {
+        None => false,
+        Some(value) => value.as_bool().ok_or_else(|| graph_field("saved_traced", "not true or false"))?,
+    };
+    Ok(Graph { name, nodes, loss, loss_reduction, mutations, saved_traced })
 }
 
 fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
@@ -465,6 +485,23 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
     if let Some(flops) = file.flops.filter(|f| !(f.is_finite() && *f >= 0.0)) {
         return Err(Error::node_field(index, &name, "flops", format!("{flops} is not a finite count ≥ 0")));
     }
+    if let Some(bytes) = file.saved_bytes.filter(|b| !(b.is_finite() && *b >= 0.0)) {
+        return Err(Error::node_field(index, &name, "saved_bytes", format!("{bytes} is not a finite byte count ≥ 0")));
+    }
+    let mut saved = vec![false; outputs.len()];
+    for &k in &file.saved {
+        match saved.get_mut(k as usize) {
+            Some(flag) => *flag = true,
+            None => {
+                return Err(Error::node_field(
+                    index,
+                    &name,
+                    "saved",
+                    format!("result {k} out of range for {} results", outputs.len()),
+                ))
+            }
+        }
+    }
     let batch_dim = match file.batch_dim {
         None => None,
         Some(d) if d >= 0 => Some(d as usize),
@@ -482,6 +519,8 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
         batch_dim,
         tags: file.tags,
         flops: file.flops,
+        saved,
+        saved_bytes: file.saved_bytes.unwrap_or(0.0),
     })
 }
 
@@ -501,7 +540,8 @@ fn failing_field(map: &[(rmpv::Value, rmpv::Value)], message: &str) -> String {
             "requires_grad" => fits::<bool>(value),
             "batch_dim" => fits::<Option<i64>>(value),
             "tags" => fits::<Vec<String>>(value),
-            "flops" => fits::<Option<f64>>(value),
+            "flops" | "saved_bytes" => fits::<Option<f64>>(value),
+            "saved" => fits::<Vec<u32>>(value),
             _ => true,
         };
         if !fits {

@@ -40,17 +40,20 @@ pub use error::{Error, Result};
 pub use ir::Graph;
 
 /// Limits of one search.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Limits {
     pub max_states: usize,
     /// Undominated states kept per position (see [`search::Search::with_front_width`]).
     pub front_width: usize,
     pub max_seconds: Option<f64>,
+    /// Seconds per byte held on each device (see [`search::Search::with_memory_price`]);
+    /// `None`: the search ignores memory.
+    pub memory_price: Option<Vec<f64>>,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_states: 2_000_000, front_width: 24, max_seconds: None }
+        Limits { max_states: 2_000_000, front_width: 24, max_seconds: None, memory_price: None }
     }
 }
 
@@ -83,10 +86,11 @@ pub fn search_program(
     limits: Limits,
     cancel: Option<&std::sync::atomic::AtomicBool>,
 ) -> Result<plan::ProgramOut> {
-    let fallback = (options.mode == problem::Mode::Auto && options.force.is_empty())
+    // under a memory price the cheaper data-parallel program is not the better one
+    let fallback = (options.mode == problem::Mode::Auto && options.force.is_empty() && limits.memory_price.is_none())
         .then(|| problem::Options { mode: problem::Mode::DataParallel, ..options.clone() });
     let problem = problem::Problem::new(graph, profile, options)?;
-    let outcome = limited(search::Search::new(&problem, ratios)?, limits, cancel).run()?;
+    let outcome = limited(search::Search::new(&problem, ratios)?, limits.clone(), cancel).run()?;
     if outcome.stop == search::StopReason::Bounded {
         if let Some(dp_options) = fallback {
             let dp_problem = problem::Problem::new(graph, profile, dp_options)?;
@@ -115,6 +119,9 @@ fn limited<'p, 'a>(
     }
     if let Some(flag) = cancel {
         search = search.with_cancel(flag);
+    }
+    if let Some(price) = limits.memory_price {
+        search = search.with_memory_price(price);
     }
     search
 }

@@ -112,8 +112,13 @@ pub struct ProgramOut {
     pub tensors: Vec<TensorOut>,
     pub splits: Vec<SplitOut>,
     pub loss: String,
-    /// Bytes per device (parameters with gradient and Adam state, saved activations).
+    /// Bytes per device held while the backward pass runs ([`memory`]).
     pub memory: RowOut,
+    /// Bytes per device held during the optimizer step; a step's peak is the larger
+    /// of this and `memory`.
+    pub memory_update: RowOut,
+    /// The parts both are sums of (see [`memory::Breakdown`]).
+    pub memory_parts: BTreeMap<String, RowOut>,
     /// Cost under the ratios the search ran with.
     pub cost: f64,
     pub stats: StatsOut,
@@ -235,6 +240,7 @@ fn gcd(a: usize, b: usize) -> usize {
 pub fn program(problem: &Problem, outcome: &Outcome) -> ProgramOut {
     let mut splits = Splits::default();
     let mut steps = Vec::with_capacity(outcome.steps.len());
+    let parts = memory::breakdown(problem, outcome);
     for chosen in &outcome.steps {
         splits.add_step(problem, chosen);
         steps.push(step_out(problem, chosen));
@@ -246,7 +252,9 @@ pub fn program(problem: &Problem, outcome: &Outcome) -> ProgramOut {
         tensors: tensors_out(problem, outcome),
         splits: splits.classes(problem),
         loss: tensor_name(problem, problem.loss),
-        memory: (&memory::footprint(problem, outcome)).into(),
+        memory: (&parts.backward()).into(),
+        memory_update: (&parts.update()).into(),
+        memory_parts: parts.parts().into_iter().map(|(k, row)| (k.to_string(), row.into())).collect(),
         cost: outcome.cost,
         stats: StatsOut {
             stop_reason: outcome.stop.name().to_string(),

@@ -19,6 +19,7 @@ use crate::cost::Row;
 use crate::error::{Error, Result};
 use crate::ir::NodeKind;
 use crate::layout::{Layout, LayoutSet};
+use crate::memory;
 use crate::problem::{Problem, TensorId};
 
 /// Why the search stopped.
@@ -102,6 +103,9 @@ pub struct Search<'p, 'a> {
     front_width: usize,
     time_limit: Option<Duration>,
     cancel: Option<&'p AtomicBool>,
+    /// Seconds charged per byte a state adds on each device (see
+    /// [`Search::with_memory_price`]); `None`: memory is free.
+    memory_price: Option<Vec<f64>>,
 }
 
 struct Entry {
@@ -175,7 +179,15 @@ impl<'p, 'a> Search<'p, 'a> {
                 message: format!("need {n} finite non-negative sharding ratios, got {ratios:?}"),
             });
         }
-        Ok(Search { problem, ratios: ratios.to_vec(), max_states: 2_000_000, front_width: usize::MAX, time_limit: None, cancel: None })
+        Ok(Search {
+            problem,
+            ratios: ratios.to_vec(),
+            max_states: 2_000_000,
+            front_width: usize::MAX,
+            time_limit: None,
+            cancel: None,
+            memory_price: None,
+        })
     }
 
     pub fn with_state_limit(mut self, states: usize) -> Self {
@@ -197,6 +209,26 @@ impl<'p, 'a> Search<'p, 'a> {
     pub fn with_cancel(mut self, flag: &'p AtomicBool) -> Self {
         self.cancel = Some(flag);
         self
+    }
+
+    /// Charge each byte a step makes a device hold (a parameter with its gradient and
+    /// Adam state, an activation the backward pass keeps: [`memory::is_activation`]) at
+    /// `price[d]` seconds on device `d`: the Lagrangian relaxation of per-device memory
+    /// caps, so the search trades time for memory where a device runs short. The
+    /// heuristic stays admissible (charges are ≥ 0); the program's reported cost does
+    /// not include them.
+    pub fn with_memory_price(mut self, price: Vec<f64>) -> Self {
+        let n = self.problem.profile.world();
+        if price.len() == n && price.iter().all(|p| p.is_finite() && *p >= 0.0) && price.iter().any(|p| *p > 0.0) {
+            self.memory_price = Some(price);
+        }
+        self
+    }
+
+    /// Seconds charged for holding `bytes` (a shard when `sharded`) on every device.
+    fn memory_charge(&self, bytes: f64, sharded: bool) -> f64 {
+        let Some(price) = &self.memory_price else { return 0.0 };
+        price.iter().zip(&self.ratios).map(|(p, r)| p * if sharded { bytes * r } else { bytes }).sum()
     }
 
     fn max(&self, row: &Row) -> f64 {
@@ -518,6 +550,7 @@ impl<'p, 'a> Search<'p, 'a> {
         'combo: for choice in 0..combos {
             let mut local: Vec<(TensorId, LayoutSet)> = Vec::with_capacity(step.inputs.len());
             let mut comm = vec![0.0; n];
+            let mut charge = 0.0;
             let mut c = choice;
             for (k, &(t, _)) in new_sources.iter().enumerate() {
                 let (created, _) = options[k][c % options[k].len()];
@@ -525,6 +558,11 @@ impl<'p, 'a> Search<'p, 'a> {
                 local.push((t, LayoutSet::single(created)));
                 if let Some(values) = self.source_values(t, created) {
                     Self::add_values(&mut comm, &values);
+                }
+                if self.memory_price.is_some() {
+                    let tensor = p.tensor(t);
+                    let copies = if tensor.requires_grad { 2.0 + memory::OPTIMIZER_STATES } else { 1.0 };
+                    charge += self.memory_charge(copies * tensor.bytes(), created.gather_dim().is_some());
                 }
             }
             for (slot, &t) in step.inputs.iter().enumerate() {
@@ -541,6 +579,9 @@ impl<'p, 'a> Search<'p, 'a> {
                 }
                 let Some((_, _, values)) = self.cheapest_comm(t, current, need, memo) else { continue 'combo };
                 Self::add_values(&mut comm, &values);
+                if self.memory_price.is_some() && need.gather_dim().is_none() && memory::is_activation(p, t) {
+                    charge += self.memory_charge(p.tensor(t).bytes(), false);
+                }
                 let updated = current.with(need);
                 match local.iter_mut().find(|(x, _)| *x == t) {
                     Some(entry) => entry.1 = updated,
@@ -587,14 +628,39 @@ impl<'p, 'a> Search<'p, 'a> {
                     next_held[i] = LayoutSet::single(Layout::Reduce);
                 }
             }
+            if self.memory_price.is_some() {
+                charge += self.outputs_charge(pos, rule_index);
+            }
             let comm_max = comm.iter().copied().fold(0.0, f64::max);
             out.push(Transition {
                 held: next_held.into_boxed_slice(),
-                cost: comp_values[pos][rule_index] + comm_max,
+                cost: comp_values[pos][rule_index] + comm_max + charge,
                 choice: choice as u16,
             });
         }
         out
+    }
+
+    /// Seconds charged for the activations step `pos` keeps when it runs rule
+    /// `rule_index`: its kept results in the rule's layouts, and what its backward keeps
+    /// inside (a shard when the rule splits the work).
+    fn outputs_charge(&self, pos: usize, rule_index: usize) -> f64 {
+        let p = self.problem;
+        let step = &p.steps[pos];
+        let rule = &step.rules[rule_index];
+        let mut charge = 0.0;
+        for (k, out) in step.outputs.iter().enumerate() {
+            if let Some(t) = out {
+                if memory::is_activation(p, *t) && (p.graph.saved_traced || rule.work != crate::cost::Work::Free) {
+                    charge += self.memory_charge(p.tensor(*t).bytes(), rule.outputs[k].gather_dim().is_some());
+                }
+            }
+        }
+        let inside = p.graph.nodes[step.node].saved_bytes;
+        if inside > 0.0 {
+            charge += self.memory_charge(inside, rule.work == crate::cost::Work::Sharded);
+        }
+        charge
     }
 
     /// The sources step `pos` creates (those first used there), each with the input slot

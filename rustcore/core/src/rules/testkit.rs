@@ -63,12 +63,15 @@ pub fn graph(op: &str, args: Vec<(&str, A)>, outputs: &[(&[usize], DType)]) -> G
             batch_dim: None,
             tags: vec![],
             flops: None,
+            saved: vec![false],
+            saved_bytes: 0.0,
         });
         inputs.push(TensorRef(nodes.len() as u32 - 1, 0));
         let value = Value::Tensor(inputs.len() as u32 - 1);
         node_args.push(crate::ir::Arg { name: name.to_string(), value });
     }
-    let outputs = outputs.iter().enumerate().map(|(k, (s, d))| meta(format!("out{k}"), s, *d)).collect();
+    let outputs: Vec<_> = outputs.iter().enumerate().map(|(k, (s, d))| meta(format!("out{k}"), s, *d)).collect();
+    let saved = vec![false; outputs.len()];
     nodes.push(Node {
         name: "op".into(),
         kind: NodeKind::Op,
@@ -81,9 +84,11 @@ pub fn graph(op: &str, args: Vec<(&str, A)>, outputs: &[(&[usize], DType)]) -> G
         batch_dim: None,
         tags: vec![],
         flops: None,
+        saved,
+        saved_bytes: 0.0,
     });
     let loss = TensorRef(nodes.len() as u32 - 1, 0);
-    Graph { name: "test".into(), nodes, loss, loss_reduction: LossReduction::Sum, mutations: vec![] }
+    Graph { name: "test".into(), nodes, loss, loss_reduction: LossReduction::Sum, mutations: vec![], saved_traced: false }
 }
 
 /// `rules_for` the op of [`graph`] with float32 results of shapes `outputs`.

@@ -1,0 +1,134 @@
+"""Which results the backward pass keeps: the activations a training step holds.
+
+Lowering records them in the graph IR (``saved`` and ``saved_bytes`` on nodes,
+``saved_traced`` on the graph, ``docs/formats.md``) so that the core's memory model
+counts an op result as an activation only when autograd really keeps it: a linear keeps
+its input, a relu its result, an add nothing, and a view keeps the storage of the
+result it views.
+
+The program's graph runs once on **meta** tensors (nothing is allocated or computed,
+so paper-size models trace in a moment) with the trainable parameters requiring
+gradients, inside :func:`torch.autograd.graph.saved_tensors_hooks`. Every tensor autograd
+saves is attributed by its storage to the first node whose result owns that storage
+(a view shares its base's storage, so the base is what is kept); a saved storage no
+node's result owns (attention's log-sum-exp, a softmax inside a composite op) is
+counted in bytes on the node that was running when it was saved.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_map
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedActivations:
+    """What the backward pass of one program keeps, by fx node name."""
+
+    outputs: dict[str, frozenset[int]] = field(default_factory=dict)
+    """Node name → indices of its results whose storage the backward pass keeps."""
+    internal: dict[str, float] = field(default_factory=dict)
+    """Node name → bytes its backward keeps that are no node's result."""
+
+
+def saved_activations(program: ExportedProgram) -> SavedActivations | None:
+    """The results (and inner tensors) autograd saves for backward when ``program``'s
+    graph runs with its trainable parameters requiring gradients; ``None`` when the
+    graph cannot run on meta tensors (an op without a meta kernel), and the core then
+    counts every result that carries a gradient, as it did before tracing existed."""
+    try:
+        return _trace(program)
+    except Exception as exc:  # an op without a meta kernel: nothing can be said
+        _log.debug("saved activations not traced: %s: %s", type(exc).__name__, exc)
+        return None
+
+
+def _trace(program: ExportedProgram) -> SavedActivations:
+    module = program.graph_module
+    trainable = {
+        spec.arg.name
+        for spec in program.graph_signature.input_specs
+        if spec.kind == InputKind.PARAMETER and _trains(program, spec.target)
+    }
+    args = [_meta_placeholder(node, node.name in trainable) for node in module.graph.nodes if node.op == "placeholder"]
+    tracer = _Tracer(module)
+    with torch.autograd.graph.saved_tensors_hooks(tracer.pack, _unpack):
+        tracer.run(*args)
+    return tracer.result()
+
+
+def _trains(program: ExportedProgram, target: str | None) -> bool:
+    param = program.state_dict.get(target) if target is not None else None
+    return bool(param is not None and param.requires_grad)
+
+
+def _meta_placeholder(node: fx.Node, requires_grad: bool) -> Any:
+    """A meta tensor shaped like the placeholder's value (its scalar value otherwise)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return val
+    t = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device="meta")
+    return t.requires_grad_(requires_grad and t.dtype.is_floating_point)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _on_meta(value: Any) -> Any:
+    """The meta device in place of any device an op is given."""
+    return torch.device("meta") if isinstance(value, torch.device) else value
+
+
+class _Tracer(fx.Interpreter):
+    """Runs the graph node by node, remembering which node's result owns each storage
+    and which storages autograd saves while each node runs."""
+
+    def __init__(self, module: fx.GraphModule):
+        super().__init__(module)
+        self._owner: dict[StorageWeakRef, tuple[str, int]] = {}
+        self._saved: dict[StorageWeakRef, tuple[str, int]] = {}  # storage → (running node, bytes)
+        self._running = ""
+        self._keep: list[torch.Tensor] = []  # keeps storages alive, so weak refs stay unique
+
+    def run_node(self, n: fx.Node) -> Any:
+        self._running = n.name
+        if n.op == "call_function":
+            # ops that name a device (arange, _to_copy) make meta tensors too
+            args, kwargs = tree_map(_on_meta, self.fetch_args_kwargs_from_env(n))
+            out = self.call_function(n.target, args, kwargs)
+        else:
+            out = super().run_node(n)
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        for i, value in enumerate(results):
+            if isinstance(value, torch.Tensor):
+                self._owner.setdefault(StorageWeakRef(value.untyped_storage()), (n.name, i))
+                self._keep.append(value)
+        return out
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        self._saved.setdefault(StorageWeakRef(storage), (self._running, int(storage.nbytes())))
+        self._keep.append(t)
+        return t
+
+    def result(self) -> SavedActivations:
+        outputs: dict[str, set[int]] = {}
+        internal: dict[str, float] = {}
+        for key, (running, nbytes) in self._saved.items():
+            owner = self._owner.get(key)
+            if owner is not None:
+                outputs.setdefault(owner[0], set()).add(owner[1])
+            else:
+                internal[running] = internal.get(running, 0.0) + float(nbytes)
+        return SavedActivations(outputs={k: frozenset(v) for k, v in outputs.items()}, internal=internal)
