@@ -21,6 +21,12 @@ from hapd.errors import SynthesisError
 from hapd.util import format_bytes
 
 
+CAP_MARGIN = 1 - 1e-6
+"""The share of a device's memory the LP may fill: the solver meets its constraints to
+a tolerance, and the ratios are normalized after, so the full capacity could be
+exceeded by a few kilobytes."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LPResult:
     """The optimal ratios of one program."""
@@ -129,7 +135,7 @@ def solve_ratios(program: dict[str, Any], memory_caps: Sequence[float] | None = 
     if memory_caps is not None:
         for k, mem in enumerate(memory_rows(program)):
             for d in range(n):
-                lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d], f"memory_{k}_{d}"
+                lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d] * CAP_MARGIN, f"memory_{k}_{d}"
     status = lp.solve(_solver())
     name = pulp.LpStatus.get(status, str(status))
     if name != "Optimal":
