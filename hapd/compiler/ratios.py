@@ -22,9 +22,9 @@ from hapd.util import format_bytes
 
 
 CAP_MARGIN = 1 - 1e-6
-"""The share of a device's memory the LP may fill: the solver meets its constraints to
-a tolerance, and the ratios are normalized after, so the full capacity could be
-exceeded by a few kilobytes."""
+"""The share of a device's memory the LP fills where it can: the solver meets its
+constraints to a tolerance, and the ratios are normalized after, so a plan that fills
+the whole capacity could exceed it by a few kilobytes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +121,18 @@ def _solver() -> Any:
 
 
 def solve_ratios(program: dict[str, Any], memory_caps: Sequence[float] | None = None) -> LPResult:
-    """Optimal sharding ratios for ``program`` (the core's output)."""
+    """Optimal sharding ratios for ``program`` (the core's output). With memory caps the
+    LP first leaves :data:`CAP_MARGIN` of each device free, and fills it whole only
+    when the program fits no other way."""
+    if memory_caps is None:
+        return _solve(program, None)
+    try:
+        return _solve(program, [cap * CAP_MARGIN for cap in memory_caps])
+    except SynthesisError:
+        return _solve(program, memory_caps)
+
+
+def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPResult:
     n = int(program["devices"])
     groups, fixed = _row_groups(program)
     lp = pulp.LpProblem("hapd_sharding_ratios", pulp.LpMinimize)
@@ -135,7 +146,7 @@ def solve_ratios(program: dict[str, Any], memory_caps: Sequence[float] | None = 
     if memory_caps is not None:
         for k, mem in enumerate(memory_rows(program)):
             for d in range(n):
-                lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d] * CAP_MARGIN, f"memory_{k}_{d}"
+                lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d], f"memory_{k}_{d}"
     status = lp.solve(_solver())
     name = pulp.LpStatus.get(status, str(status))
     if name != "Optimal":
