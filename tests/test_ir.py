@@ -53,10 +53,16 @@ def test_model_lowers_round_trips_and_loads(name, lowered) -> None:
     assert (doc["format"], doc["version"], doc["name"]) == (GRAPH_FORMAT, GRAPH_VERSION, name)
     assert doc["torch_version"] == torch.__version__.split("+")[0]
     assert doc["loss_reduction"] == "sum"
-    assert set(doc) == {"format", "version", "name", "nodes", "loss", "loss_reduction", "mutations", "torch_version"}
+    assert set(doc) == {"format", "version", "name", "nodes", "loss", "loss_reduction", "mutations", "torch_version",
+                        "saved_traced"}
+    assert doc["saved_traced"] is True
     for index, node in enumerate(doc["nodes"]):
-        assert set(node) - {"tags", "flops"} == {"name", "kind", "op", "target", "inputs", "args", "outputs",
-                                                 "requires_grad", "batch_dim"}
+        assert set(node) - {"tags", "flops", "saved", "saved_bytes"} == {
+            "name", "kind", "op", "target", "inputs", "args", "outputs", "requires_grad", "batch_dim"}
+        # optional: the results the backward pass keeps, sorted indices, never empty
+        saved = node.get("saved", [0])
+        assert saved and saved == sorted(set(saved)) and all(0 <= k < len(node["outputs"]) for k in saved)
+        assert node["kind"] == "op" or "saved_bytes" not in node
         # optional: ops only, torch's FLOP count when it counts any
         assert node["kind"] == "op" or "flops" not in node
         assert isinstance(node.get("flops", 1.0), float) and node.get("flops", 1.0) > 0
