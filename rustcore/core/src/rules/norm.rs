@@ -111,26 +111,18 @@ fn batch_norm(ctx: &OpCtx) -> Option<Vec<Rule>> {
     }
     let evaluating = ctx.op() == "aten._native_batch_norm_legit_no_training" || ctx.bool_arg("training") == Some(false);
     let functional = ctx.op() == "aten._native_batch_norm_legit_functional";
-    if functional && !evaluating && x[0] > 1 && ctx.n_outputs() == 5 {
-        let mut outputs = vec![Layout::Identity; 5];
+    // the batch split: the result split on dim 0, every other operand and result whole
+    let batch_split = |name| {
+        let mut outputs = vec![Layout::Identity; ctx.n_outputs()];
         outputs[0] = g0;
-        rules.push(Rule {
-            name: DATA_PARALLEL_SYNCED,
-            inputs: by_name(ctx, &[("input", g0)], Layout::Identity),
-            outputs,
-            work: Work::Sharded,
-        });
+        Rule { name, inputs: by_name(ctx, &[("input", g0)], Layout::Identity), outputs, work: Work::Sharded }
+    };
+    if functional && !evaluating && x[0] > 1 && ctx.n_outputs() == 5 {
+        rules.push(batch_split(DATA_PARALLEL_SYNCED));
     }
     // evaluation: the saved statistics of the native ops are empty ([0])
     if evaluating && x[0] > 1 && (1..ctx.n_outputs()).all(|k| ctx.out_shape(k).iter().product::<usize>() == 0) {
-        let mut outputs = vec![Layout::Identity; ctx.n_outputs()];
-        outputs[0] = g0;
-        rules.push(Rule {
-            name: DATA_PARALLEL,
-            inputs: by_name(ctx, &[("input", g0)], Layout::Identity),
-            outputs,
-            work: Work::Sharded,
-        });
+        rules.push(batch_split(DATA_PARALLEL));
     }
     Some(rules)
 }
