@@ -18,6 +18,7 @@ from conftest import FIXTURES, MODEL_NAMES
 
 import hapd
 from hapd.compiler.driver import CompileOptions
+from hapd.compiler.summary import format_summary
 from hapd.errors import OptionsError, SynthesisError
 from hapd.compiler.plan import Plan
 from hapd.profile.schema import profile_from_dict
@@ -203,7 +204,9 @@ def test_mixtral_on_paper_8_gets_expert_parallelism():
     module, inputs = ZOO["mixtral"](batch=32)
     graph = hapd.lower(hapd.export(module, inputs), name="mixtral")
     plan = hapd.compile(graph, "paper-8")
-    experts = set(hapd.inspect_graph(graph.data)["expert_parallel"])
+    summary = hapd.inspect_graph(graph.data)
+    experts = set(summary["expert_parallel"])
     assert len(experts) == 4  # two expert einsums per layer, two layers
+    assert "expert parallelism possible on 4 ops" in format_summary(summary)
     assert {s["rule"] for s in plan.program["steps"] if s["node"] in experts} == {"expert-parallel"}
     assert plan.estimate["per_iteration"] < plan.doc["baselines"]["dp_cp"]

@@ -57,6 +57,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines += [f"  {count:>5}  {op}" for op, count in opaque]
     else:
         lines.append("opaque ops: none")
+    experts = summary.get("expert_parallel", [])
+    if experts:
+        lines.append(f"expert parallelism possible on {len(experts)} ops (stacked expert weights): {', '.join(experts)}")
     return "\n".join(lines)
 
 
