@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import FIXTURES
 
+import hapd
 from hapd.errors import ProfileError
 from hapd.profile.schema import COLLECTIVES, UNITS, load_profile, profile_from_dict
 
@@ -124,6 +126,8 @@ def _drop_all_to_all(d):
         (lambda d: d["collectives"].pop("broadcast"), "collectives.broadcast"),
         (lambda d: d["collectives"]["all_gather_grouped"].pop("inter"), "collectives.all_gather_grouped"),
         (lambda d: d["collectives"]["all_to_all"]["intra"].update(beta=-5.0), "collectives.all_to_all.intra.beta"),
+        (lambda d: d["collectives"].update(p2p={"inter": {"alpha": 1e-5, "beta": 0}}), "collectives.p2p.inter.beta"),
+        (lambda d: d["collectives"].update(p2p={"intra": {"alpha": 1e-5, "beta": 1e9}}), "collectives.p2p"),
         (lambda d: d["devices"][6].update(flops="3.8e12"), "devices[6].flops"),
         (lambda d: d["devices"][6].update(flops=None), "devices[6].flops"),
         (lambda d: d["devices"][2].update(elementwise_flops="fast"), "devices[2].elementwise_flops"),
@@ -136,6 +140,19 @@ def test_bad_fields_are_named(paper8, edit, field):
         profile_from_dict(bad)
     assert info.value.field == field
     assert field.split(".")[-1].split("[")[0] in str(info.value)
+
+
+def test_a_point_to_point_link_is_optional_and_kept(paper8):
+    """``p2p`` (one rank's message to another) may be given, inter and intra, and the
+    core reads a profile with it; a profile without it is whole too."""
+    with_p2p = copy.deepcopy(paper8)
+    with_p2p["collectives"]["p2p"] = {"inter": {"alpha": 2e-5, "beta": 1.1e9}, "intra": {"alpha": 5e-6, "beta": 9e9}}
+    profile = profile_from_dict(with_p2p)
+    assert profile.collectives["p2p"]["inter"].beta == 1.1e9 and profile.collectives["p2p"]["intra"].alpha == 5e-6
+    assert "p2p" not in profile_from_dict(paper8).collectives
+    assert profile.profile_id != profile_from_dict(paper8).profile_id
+    plan = hapd.compile(FIXTURES / "mlp.hapg", profile)  # the core accepts it
+    assert plan.estimate["per_iteration"] > 0
 
 
 def test_world_size_mismatch(paper8, tmp_path):

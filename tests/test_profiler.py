@@ -176,7 +176,7 @@ def _check_measured(profile: Profile, *, kinds: set[str]) -> None:
         assert d.flops > 1e8, d
         assert d.elementwise_flops is not None and 1e6 < d.elementwise_flops < d.flops, d
         assert d.memory > 2**20, d
-    assert set(profile.collectives) == set(COLLECTIVES)
+    assert set(profile.collectives) == {*COLLECTIVES, "p2p"}  # every collective, and one rank's message to another
     for name, links in profile.collectives.items():
         assert kinds <= set(links), name
         for kind in kinds:
@@ -198,6 +198,7 @@ def test_hapd_profile_quick_on_two_ranks(tmp_path):
     for i, name in enumerate(COLLECTIVES, 1):
         assert f"measuring {name} ({i}/{len(COLLECTIVES)}) …" in proc.stdout
     assert proc.stdout.count("measuring all_gather (1/7)") == 1  # rank 0 only
+    assert proc.stdout.count("measuring p2p") == 1
     assert f"wrote {out}" in proc.stdout
     profile = load_profile(out, world_size=2)
     assert profile.name == "cpu-test"

@@ -316,9 +316,25 @@ def collective_call(name: str, nbytes: int, *, dtype: Any, device: Any, group: A
     }
     if hosts is not None:
         calls["grad_sync"] = lambda: C.two_level_sum_(full, hosts)
+    calls["p2p"] = _point_to_point(full, rank, n, group)
     if name not in calls:
         raise OptionsError(f"unknown collective {name!r}; known: {', '.join(calls)}")
     return calls[name], full.numel() * full.element_size()
+
+
+def _point_to_point(message: Any, rank: int, n: int, group: Any) -> Callable[[], Any]:
+    """One message from each rank of the group's first half to its peer in the second
+    half (``rank + n // 2``; with the ranks of a host together, that crosses hosts
+    when the group spans two): the sender's ``send``, the receiver's ``recv``, nothing
+    for the last rank of an odd group."""
+    import torch.distributed as dist
+
+    half = n // 2
+    if rank < half:
+        return lambda: dist.send(message, group=group, group_dst=rank + half)
+    if rank < 2 * half:
+        return lambda: dist.recv(message, group=group, group_src=rank - half)
+    return lambda: None
 
 
 def _timed(call: Callable[[], Any] | None, device: Any) -> float:
@@ -452,6 +468,9 @@ def measure(options: ProfilerOptions) -> Profile | None:
         _say(rank, "measuring grad_sync (the runtime's two-level gradient all-reduce) …")
         fits["grad_sync"] = {"inter": _measure_link("grad_sync", "inter", None, options, env.device, rank,
                                                     hosts=two_level)}
+    if world > 1:
+        _say(rank, "measuring p2p (one rank's message to another) …")
+        fits["p2p"] = {kind: _measure_link("p2p", kind, group, options, env.device, rank) for kind, group in kinds.items()}
     dist.barrier()
     if rank != 0:
         return None

@@ -49,11 +49,14 @@ COLLECTIVES = (
 )
 """Every collective the cost model prices; a profile must give each one."""
 
-OPTIONAL_COLLECTIVES = ("grad_sync",)
+OPTIONAL_COLLECTIVES = ("grad_sync", "p2p")
 """Collectives a profile may give: ``grad_sync`` is the all-reduce of replicated
 parameters' gradient buckets as the runtime runs it on several hosts with several
 ranks each (within each host, then between hosts; ``hapd.runtime.collectives.HostGroups``).
-The cost model uses ``all_reduce`` where it is absent."""
+The cost model uses ``all_reduce`` where it is absent. ``p2p`` is one message from one
+rank to another (``send``/``recv``; its bytes are the message's), between hosts
+(``inter``) and within one (``intra``): what moves activations between pipeline
+stages."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,6 +51,10 @@ pub struct Collectives {
     /// hosts (two-level); `all_reduce` where the profile does not give it.
     #[serde(default)]
     pub grad_sync: Option<CollectiveCost>,
+    /// One message from one rank to another (`send`/`recv`), for moving activations
+    /// between pipeline stages; not priced by the SPMD search.
+    #[serde(default)]
+    pub p2p: Option<CollectiveCost>,
 }
 
 /// A cluster profile.
@@ -119,7 +123,9 @@ impl Profile {
             ("all_to_all", &c.all_to_all),
             ("broadcast", &c.broadcast),
         ];
-        let optional = c.grad_sync.as_ref().map(|g| ("grad_sync", g));
+        let optional = [("grad_sync", c.grad_sync.as_ref()), ("p2p", c.p2p.as_ref())]
+            .into_iter()
+            .filter_map(|(name, cost)| cost.map(|cost| (name, cost)));
         for (name, cost) in all.into_iter().chain(optional) {
             for (which, link) in [("inter", Some(cost.inter)), ("intra", cost.intra)] {
                 let Some(link) = link else { continue };
