@@ -121,6 +121,7 @@ fn profile(world: usize, flops: f64, alpha: f64, beta: f64) -> Profile {
             all_to_all: cost,
             broadcast: cost,
             grad_sync: None,
+            p2p: None,
         },
     }
 }

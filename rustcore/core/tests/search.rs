@@ -51,6 +51,7 @@ fn profile(flops: &[f64], alpha: f64, beta: f64) -> Profile {
             all_to_all: cost,
             broadcast: cost,
             grad_sync: None,
+            p2p: None,
         },
     }
 }
