@@ -2,7 +2,8 @@
 //! does not read them, and ends the program with each new value whole (`Identity`).
 
 use hapd_core::problem::{Mode, Options, Problem};
-use hapd_core::profile::{CollectiveCost, Collectives, Device, Link, Profile};
+mod common;
+use common::profile;
 use hapd_core::{Error, Graph, Limits};
 use rmpv::Value;
 
@@ -97,37 +98,8 @@ fn update(target: &str, node: u32) -> Value {
     Value::Array(vec![map(vec![("target", Value::from(target)), ("value", tensor_ref(node, 0))])])
 }
 
-/// `world` devices of `flops` FLOP/s on one host; every collective costs α + bytes/β.
-fn profile(world: usize, flops: f64, alpha: f64, beta: f64) -> Profile {
-    let cost = CollectiveCost { inter: Link { alpha, beta }, intra: None };
-    Profile {
-        name: "test".into(),
-        devices: (0..world)
-            .map(|i| Device {
-                rank: i as u32,
-                host: "h0".into(),
-                model: "test".into(),
-                flops,
-                elementwise_flops: None,
-                memory: 16.0 * (1u64 << 30) as f64,
-            })
-            .collect(),
-        collectives: Collectives {
-            all_gather: cost,
-            all_gather_grouped: cost,
-            reduce_scatter: cost,
-            reduce_scatter_grouped: cost,
-            all_reduce: cost,
-            all_to_all: cost,
-            broadcast: cost,
-            grad_sync: None,
-            p2p: None,
-        },
-    }
-}
-
 fn step_names(graph: &Graph, world: usize) -> Vec<String> {
-    let p = profile(world, 1e12, 1e-5, 1e9);
+    let p = profile(&vec![1e12; world], 1e-5, 1e9);
     let problem = Problem::new(graph, &p, Options::default()).expect("problem");
     problem.steps.iter().map(|s| graph.nodes[s.node].name.clone()).collect()
 }
@@ -150,7 +122,7 @@ fn ends_whole(per_row: bool) -> Vec<bool> {
     let graph = Graph::from_msgpack(&graph_bytes(Some(update("bn.running_mean", 5)), per_row)).expect("decode");
     let mut gathered_at_end = Vec::new();
     for (world, mode) in [(1, Mode::Auto), (2, Mode::Auto), (4, Mode::Auto), (2, Mode::DataParallel), (4, Mode::DataParallel)] {
-        let p = profile(world, 1e6, 0.0, 1e15);
+        let p = profile(&vec![1e6; world], 0.0, 1e15);
         let ratios = vec![1.0 / world as f64; world];
         let options = Options { mode, ..Options::default() };
         let program = hapd_core::search_program(&graph, &p, &ratios, options, Limits::default(), None).expect("search");

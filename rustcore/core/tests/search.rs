@@ -7,14 +7,14 @@ use std::time::Duration;
 
 use hapd_core::plan::{self, ProgramOut};
 use hapd_core::problem::{Mode, Options, Problem};
-use hapd_core::profile::{CollectiveCost, Collectives, Device, Link, Profile};
+use hapd_core::profile::{CollectiveCost, Link, Profile};
 use hapd_core::search::{Search, StopReason};
 use hapd_core::{Error, Graph, Limits};
 
 /// The bytes of `tests/fixtures/<name>.hapg`.
 #[macro_use]
 mod common;
-use common::MODELS;
+use common::{profile, MODELS};
 
 fn bytes_of(name: &str) -> &'static [u8] {
     MODELS.iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("no fixture {name}")).1
@@ -22,38 +22,6 @@ fn bytes_of(name: &str) -> &'static [u8] {
 
 fn graph(name: &str) -> Graph {
     Graph::from_msgpack(bytes_of(name)).unwrap_or_else(|e| panic!("{name}.hapg does not load: {e}"))
-}
-
-/// A one-host profile: one device per entry of `flops`, 16 GiB each, and the same
-/// α (s) / β (bytes/s) for every collective.
-fn profile(flops: &[f64], alpha: f64, beta: f64) -> Profile {
-    let cost = CollectiveCost { inter: Link { alpha, beta }, intra: None };
-    Profile {
-        name: "test".into(),
-        devices: flops
-            .iter()
-            .enumerate()
-            .map(|(i, &f)| Device {
-                rank: i as u32,
-                host: "h0".into(),
-                model: "test".into(),
-                flops: f,
-                elementwise_flops: None,
-                memory: 16.0 * (1u64 << 30) as f64,
-            })
-            .collect(),
-        collectives: Collectives {
-            all_gather: cost,
-            all_gather_grouped: cost,
-            reduce_scatter: cost,
-            reduce_scatter_grouped: cost,
-            all_reduce: cost,
-            all_to_all: cost,
-            broadcast: cost,
-            grad_sync: None,
-            p2p: None,
-        },
-    }
 }
 
 fn even(n: usize) -> Vec<f64> {
