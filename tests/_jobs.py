@@ -1,12 +1,18 @@
 """The processes of a launched job, found by the ``HAPD_JOB`` every rank's environment
-carries (ranks and the children they start), for tests that check nothing is left."""
+carries (ranks and the children they start), for tests that check nothing is left, and
+the launcher run as a process that takes its job down with it."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def job_processes(job: str) -> list[int]:
@@ -31,3 +37,23 @@ def kill_job(job: str) -> None:
     for pid in job_processes(job):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def start_launcher(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """``python -m launcher ARGS`` from the repository root, its output piped."""
+    return subprocess.Popen([sys.executable, "-m", "launcher", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=env)
+
+
+@contextlib.contextmanager
+def launched(args: list[str], env: dict[str, str], job: str) -> Iterator[subprocess.Popen]:
+    """The launcher running ``args``; on the way out it is killed if still running, and
+    so is every process of ``job`` left behind."""
+    proc = start_launcher(args, env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        kill_job(job)

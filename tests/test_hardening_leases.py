@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _jobs import job_processes, kill_job
+from _jobs import job_processes, launched
 from _wait import GENEROUS_S, wait_for
 
 from hapd.errors import OptionsError
@@ -91,16 +91,9 @@ def launcher(tmp_path: Path, address: str, key: Path, job: str, *options: str) -
     ``$HAPD_DAEMON``); killed on the way out if still running, and so is the job."""
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", str(script), "-n", "2", "--job-id", job, *options],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=launcher_env(tmp_path, address, key))
-    try:
+    with launched(["run", str(script), "-n", "2", "--job-id", job, *options], launcher_env(tmp_path, address, key),
+                  job) as proc:
         yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        kill_job(job)
 
 
 def wait_ranks_up(proc: subprocess.Popen, count: int) -> None:

@@ -17,7 +17,6 @@ The emulated clusters are ``bench/launcher.py``'s :class:`NamespaceCluster` and
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -29,12 +28,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import _bench
 import pytest
-from _jobs import job_processes, kill_job
+from _jobs import job_processes, launched, start_launcher
 from _wait import GENEROUS_S, wait_for
 
 from hapd.serve.client import Client
@@ -100,23 +98,6 @@ def run_launcher(args: list[str], env: dict[str, str], timeout: float = 180) -> 
                           cwd=ROOT, env=env)
 
 
-def start_launcher(args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launcher", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env=env)
-
-
-@contextlib.contextmanager
-def launched(args: list[str], env: dict[str, str], job: str) -> Iterator[subprocess.Popen]:
-    """The launcher running ``args``; on the way out it is killed if still running, and
-    so is every process of ``job`` left behind."""
-    proc = start_launcher(args, env)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        kill_job(job)
 
 
 def stderr_at_exit(proc: subprocess.Popen) -> str:
