@@ -32,7 +32,7 @@ from pathlib import Path
 
 import _bench
 import pytest
-from _jobs import job_processes, launched, start_launcher
+from _jobs import job_processes, launched
 from _wait import GENEROUS_S, wait_for
 
 from hapd.serve.client import Client
