@@ -248,6 +248,8 @@ class TrainArgs:
     seed: int = 0
     trace: Path | None = None
     json: Path | None = None
+    config: tuple[tuple[str, Any], ...] = ()
+    """``--set KEY=VALUE`` config fields (``hidden``, ``ffn``, ...), in the order given."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -273,7 +275,10 @@ class TrainArgs:
     @property
     def overrides(self) -> dict[str, Any]:
         """Config overrides for :func:`hapd.models.build`."""
-        return {} if self.layers is None else {"layers": self.layers}
+        out = dict(self.config)
+        if self.layers is not None:
+            out["layers"] = self.layers
+        return out
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -284,7 +289,7 @@ class TrainArgs:
         """The :class:`TrainArgs` of parsed flags; :class:`OptionsError` if inconsistent."""
         return cls(model=ns.model, size=ns.size, layers=ns.layers, batch=ns.batch, iterations=ns.iterations,
                    warmup=ns.warmup, profile=ns.profile, dtype=ns.dtype, lr=ns.lr, seed=ns.seed,
-                   trace=ns.trace, json=ns.json)
+                   trace=ns.trace, json=ns.json, config=tuple(getattr(ns, "config", None) or ()))
 
     def build(self) -> tuple[torch.nn.Module, Any]:
         """``torch.manual_seed(seed)``, then the model and config from the registry
@@ -324,6 +329,19 @@ def _positive_float(value: str) -> float:
     return number
 
 
+def _config_field(value: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` as ``(key, value)``: an int, a float, true/false, else the text."""
+    key, sep, raw = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{value!r} is not KEY=VALUE")
+    for convert in (int, float):
+        try:
+            return key, convert(raw)
+        except ValueError:
+            continue
+    return key, {"true": True, "false": False}.get(raw.lower(), raw)
+
+
 def add_train_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the flags of :class:`TrainArgs` to ``parser`` (returned for chaining)."""
     group = parser.add_argument_group("training")
@@ -333,6 +351,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--size", choices=models.SIZES, default="tiny", help="model size preset (default: tiny)")
     group.add_argument("--layers", type=_int_at_least(1), default=None, metavar="N",
                        help="override the model's number of layers")
+    group.add_argument("--set", dest="config", type=_config_field, action="append", default=None,
+                       metavar="KEY=VALUE", help="override a field of the model's config (repeatable), e.g. "
+                                                 "--set hidden=512 --set ffn=1408")
     group.add_argument("--batch", type=_int_at_least(1), default=16, metavar="N",
                        help="GLOBAL batch size, split over the ranks (default: 16)")
     group.add_argument("--iterations", type=_int_at_least(1), default=20, metavar="N",
