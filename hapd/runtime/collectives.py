@@ -49,7 +49,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -167,48 +167,81 @@ def _check_full(name: str, x: Tensor, dim: int, lengths: Sequence[int]) -> None:
 
 
 # --- communication (no autograd) --------------------------------------------------------
+#
+# Each collective is issued asynchronously (``async_op=True``) and returns a
+# :class:`Pending`; the blocking forms below wait on it at once. Overlapped execution
+# (:mod:`hapd.runtime.overlap`) keeps the pending collective in flight while it computes
+# something else, and waits later.
 
 
-def _gather(x: Tensor, dim: int, lengths: tuple[int, ...], grouped: bool, group: dist.ProcessGroup | None) -> Tensor:
+class Pending:
+    """A collective in flight: its work handles, and how to build its result once they
+    are done (unpad, concatenate, convert back from the wire dtype)."""
+
+    __slots__ = ("_works", "_finish")
+
+    def __init__(self, works: Sequence[dist.Work], finish: Callable[[], Tensor]):
+        self._works, self._finish = list(works), finish
+
+    def wait(self) -> Tensor:
+        """Block until every piece has arrived; the result (once)."""
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return self._finish()
+
+
+def _ready(x: Tensor) -> Pending:
+    """A "collective" that needs no communication (one rank, nothing to move)."""
+    return Pending((), lambda: x)
+
+
+def _start_gather(
+    x: Tensor, dim: int, lengths: tuple[int, ...], grouped: bool, group: dist.ProcessGroup | None
+) -> Pending:
     world, rank = _size_rank(group)
     if world == 1 or sum(lengths) == 0:
-        return _fresh(x)
+        return _ready(_fresh(x))
     w = _wire(x, _MOVE_AS)
     if grouped:
-        parts = []
+        parts, works = [], []
         for r, n in enumerate(lengths):
             if n:
                 buf = w.contiguous() if r == rank else w.new_empty(_shape(w, dim, n))
-                dist.broadcast(buf, group=group, group_src=r)
+                works.append(dist.broadcast(buf, group=group, group_src=r, async_op=True))
                 parts.append(buf)
-        return _unwire(torch.cat(parts, dim), x.dtype)
+        return Pending(works, lambda: _unwire(torch.cat(parts, dim), x.dtype))
     size = max(lengths)
     shard = _padded(w, dim, size)
     buf = shard.new_empty((world, *shard.shape))
-    dist.all_gather_into_tensor(buf.view(-1), shard.view(-1), group=group)
-    if dim == 0 and all(n == size for n in lengths):
-        out = buf.view(_shape(w, 0, world * size))
-    else:
-        out = torch.cat([buf[r].narrow(dim, 0, n) for r, n in enumerate(lengths) if n], dim)
-    return _unwire(out, x.dtype)
+    work = dist.all_gather_into_tensor(buf.view(-1), shard.view(-1), group=group, async_op=True)
+
+    def finish() -> Tensor:
+        if dim == 0 and all(n == size for n in lengths):
+            out = buf.view(_shape(w, 0, world * size))
+        else:
+            out = torch.cat([buf[r].narrow(dim, 0, n) for r, n in enumerate(lengths) if n], dim)
+        return _unwire(out, x.dtype)
+
+    return Pending([work], finish)
 
 
-def _reduce_scatter(
+def _start_reduce_scatter(
     x: Tensor, dim: int, lengths: tuple[int, ...], grouped: bool, group: dist.ProcessGroup | None
-) -> Tensor:
+) -> Pending:
     world, rank = _size_rank(group)
     if world == 1 or sum(lengths) == 0:
-        return _fresh(x)
+        return _ready(_fresh(x))
     w = _wire(x, _SUM_AS)
     if grouped:
-        out = w.new_empty(_shape(w, dim, 0))
+        works, mine = [], w.new_empty(_shape(w, dim, 0))
         for r, (start, n) in enumerate(zip(_offsets(lengths), lengths)):
             if n:
                 buf = _fresh(w.narrow(dim, start, n))
-                dist.reduce(buf, group=group, group_dst=r)
+                works.append(dist.reduce(buf, group=group, group_dst=r, async_op=True))
                 if r == rank:
-                    out = buf
-        return _unwire(out, x.dtype)
+                    mine = buf
+        return Pending(works, lambda: _unwire(mine, x.dtype))
     size = max(lengths)
     if dim == 0 and all(n == size for n in lengths):
         buf = w.contiguous()
@@ -217,30 +250,31 @@ def _reduce_scatter(
         for r, (start, n) in enumerate(zip(_offsets(lengths), lengths)):
             buf[r].narrow(dim, 0, n).copy_(w.narrow(dim, start, n))
     chunk = w.new_empty(_shape(w, dim, size))
-    dist.reduce_scatter_tensor(chunk.view(-1), buf.view(-1), group=group)
-    return _unwire(chunk.narrow(dim, 0, lengths[rank]).contiguous(), x.dtype)
+    work = dist.reduce_scatter_tensor(chunk.view(-1), buf.view(-1), group=group, async_op=True)
+    return Pending([work], lambda: _unwire(chunk.narrow(dim, 0, lengths[rank]).contiguous(), x.dtype))
 
 
-def _all_reduce(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+def _start_all_reduce(x: Tensor, group: dist.ProcessGroup | None) -> Pending:
     buf = _fresh(_wire(x, _SUM_AS))
-    if _size_rank(group)[0] > 1:
-        dist.all_reduce(buf, group=group)
-    return _unwire(buf, x.dtype)
+    if _size_rank(group)[0] == 1:
+        return _ready(_unwire(buf, x.dtype))
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    return Pending([work], lambda: _unwire(buf, x.dtype))
 
 
-def _all_to_all(
+def _start_all_to_all(
     x: Tensor,
     src_dim: int,
     dst_dim: int,
     src_lengths: tuple[int, ...],
     dst_lengths: tuple[int, ...],
     group: dist.ProcessGroup | None,
-) -> Tensor:
+) -> Pending:
     """Each block travels with ``src_dim`` first, so what a rank receives is, in rank
     order, its output with ``src_dim`` and ``dst_dim`` moved to the front."""
     world, rank = _size_rank(group)
     if world == 1:
-        return _fresh(x)
+        return _ready(_fresh(x))
     w = _wire(x, _MOVE_AS)
     order = [src_dim, dst_dim, *(d for d in range(x.dim()) if d not in (src_dim, dst_dim))]
     xp = w.permute(order)  # (src_lengths[rank], sum(dst_lengths), *rest)
@@ -252,9 +286,39 @@ def _all_to_all(
     for seg, block in zip(send.split(send_splits), xp.split(list(dst_lengths), dim=1)):
         seg.view(block.shape).copy_(block)
     recv = w.new_empty(sum(recv_splits))
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
-    out = recv.view(sum(src_lengths), dst_lengths[rank], *rest).permute([order.index(d) for d in range(x.dim())])
-    return _unwire(out.contiguous(), x.dtype)
+    work = dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                                  group=group, async_op=True)
+
+    def finish() -> Tensor:
+        out = recv.view(sum(src_lengths), dst_lengths[rank], *rest).permute([order.index(d) for d in range(x.dim())])
+        return _unwire(out.contiguous(), x.dtype)
+
+    return Pending([work], finish)
+
+
+def _gather(x: Tensor, dim: int, lengths: tuple[int, ...], grouped: bool, group: dist.ProcessGroup | None) -> Tensor:
+    return _start_gather(x, dim, lengths, grouped, group).wait()
+
+
+def _reduce_scatter(
+    x: Tensor, dim: int, lengths: tuple[int, ...], grouped: bool, group: dist.ProcessGroup | None
+) -> Tensor:
+    return _start_reduce_scatter(x, dim, lengths, grouped, group).wait()
+
+
+def _all_reduce(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    return _start_all_reduce(x, group).wait()
+
+
+def _all_to_all(
+    x: Tensor,
+    src_dim: int,
+    dst_dim: int,
+    src_lengths: tuple[int, ...],
+    dst_lengths: tuple[int, ...],
+    group: dist.ProcessGroup | None,
+) -> Tensor:
+    return _start_all_to_all(x, src_dim, dst_dim, src_lengths, dst_lengths, group).wait()
 
 
 # --- autograd functions ------------------------------------------------------------------
@@ -324,6 +388,125 @@ class _MaskToRankZero(Function):
     @staticmethod
     def backward(ctx, grad):
         return _MaskToRankZero.apply(grad, ctx.keep), None
+
+
+# --- split collectives (overlapped execution) ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One collective as overlapped execution issues it: :func:`start_exchange` puts it in
+    flight and :func:`finish_exchange` waits for it, so work can run in between; in
+    backward, the finish starts the dual collective and the start waits for it (autograd
+    runs the other duplica's backward in between: it executes ready nodes latest-created
+    first, and the other duplica's nodes were created between the two)."""
+
+    name: str
+    forward: Callable[[Tensor], Pending]
+    backward: Callable[[Tensor], Pending]
+
+
+class Flight:
+    """The pending collectives of one exchange call, forward and backward: what the start
+    hands to the finish. One per call, so several forwards may share one backward."""
+
+    __slots__ = ("exchange", "forward", "backward")
+
+    def __init__(self, exchange: Exchange):
+        self.exchange = exchange
+        self.forward: Pending | None = None
+        self.backward: Pending | None = None
+
+
+class _StartExchange(Function):
+    @staticmethod
+    def forward(ctx, x, flight):
+        flight.forward = flight.exchange.forward(x)
+        ctx.flight = flight
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token):
+        pending, ctx.flight.backward = ctx.flight.backward, None
+        if pending is None:
+            raise PlanError(f"{ctx.flight.exchange.name}: backward reached the start of a collective before its finish")
+        return pending.wait(), None
+
+
+class _FinishExchange(Function):
+    @staticmethod
+    def forward(ctx, token, flight):
+        pending, flight.forward = flight.forward, None
+        if pending is None:
+            raise PlanError(f"{flight.exchange.name}: finished before it was started")
+        ctx.flight = flight
+        return pending.wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.flight.backward = ctx.flight.exchange.backward(grad.contiguous())
+        return grad.new_empty(0), None
+
+
+def start_exchange(x: Tensor, exchange: Exchange) -> tuple[Tensor, Flight]:
+    """Put ``exchange`` in flight on ``x``: a token (an empty tensor that carries the
+    autograd edge) and the flight to finish."""
+    flight = Flight(exchange)
+    return _StartExchange.apply(x, flight), flight
+
+
+def finish_exchange(token: Tensor, flight: Flight) -> Tensor:
+    """Wait for the collective ``flight`` carries; its result. Not twice differentiable."""
+    return _FinishExchange.apply(token, flight)
+
+
+def exchange(
+    kind: str,
+    *,
+    src_dim: int | None = None,
+    dst_dim: int | None = None,
+    src_lengths: Sequence[int] | None = None,
+    dst_lengths: Sequence[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Exchange | None:
+    """The :class:`Exchange` of a plan collective ``kind`` (the names
+    :class:`hapd.runtime.rewrite.Communicate` takes), or None for the local ones
+    (``dynamic_slice``, ``mask_to_rank_zero``: nothing to overlap). Same arguments, checks
+    and dual collectives as the blocking functions of this module."""
+    world, rank = _group(kind, group)
+    if kind in ("dynamic_slice", "mask_to_rank_zero"):
+        return None
+    if kind in ("all_gather", "all_gather_grouped", "reduce_scatter", "reduce_scatter_grouped"):
+        grouped = kind.endswith("grouped")
+        gather = kind.startswith("all_gather")
+        dim = src_dim if gather else dst_dim
+        if dim is None:
+            raise PlanError(f"{kind}: no split dim")
+        lengths = _lengths(kind, src_lengths if gather else dst_lengths, world, dim)
+
+        def gathered(x: Tensor) -> Pending:
+            _check_local(kind, x, dim, lengths, rank)
+            return _start_gather(x, dim, lengths, grouped, group)
+
+        def scattered(x: Tensor) -> Pending:
+            _check_full(kind, x, dim, lengths)
+            return _start_reduce_scatter(x, dim, lengths, grouped, group)
+
+        return Exchange(kind, gathered, scattered) if gather else Exchange(kind, scattered, gathered)
+    if kind == "all_reduce":
+        return Exchange(kind, lambda x: _start_all_reduce(x, group), lambda g: _start_all_reduce(g, group))
+    if kind == "all_to_all":
+        if src_dim is None or dst_dim is None or src_dim == dst_dim:
+            raise PlanError(f"all_to_all: dims {src_dim} and {dst_dim}")
+        sl = _lengths(kind, src_lengths, world, src_dim)
+        dl = _lengths(kind, dst_lengths, world, dst_dim)
+
+        def there(x: Tensor) -> Pending:
+            _check_local(kind, x, src_dim, sl, rank)
+            return _start_all_to_all(x, src_dim, dst_dim, sl, dl, group)
+
+        return Exchange(kind, there, lambda g: _start_all_to_all(g, dst_dim, src_dim, dl, sl, group))
+    raise PlanError(f"unknown collective {kind!r}")
 
 
 # --- public API --------------------------------------------------------------------------
@@ -471,6 +654,12 @@ def two_level_sum_(buf: Tensor, hosts: HostGroups) -> None:
 
 
 __all__ = [
+    "Exchange",
+    "Flight",
+    "Pending",
+    "exchange",
+    "finish_exchange",
+    "start_exchange",
     "HostGroups",
     "host_groups",
     "two_level_sum_",
