@@ -1,0 +1,5 @@
+#!/usr/bin/env python3
+"""Fully sharded data-parallel baseline (PyTorch FSDP): ``torchrun --nproc-per-node N fsdp.py ...``; see hapd/runtime/fsdp.py."""
+import sys
+from hapd.runtime.fsdp import main
+sys.exit(main())
