@@ -11,7 +11,8 @@ ranks, and the peak of the second step (the steady state: Adam's moments exist) 
 measured with :class:`hapd.runtime.memtrack.LiveTensorBytes` — the bytes of live tensor
 storages, counted at every ATen op. The prediction is the plan's ``estimate.memory``
 for that rank (the larger of the bytes held while the backward pass runs and during
-the optimizer step, ``rustcore/core/src/memory.rs``). The table prints both per rank
+the optimizer step, ``rustcore/core/src/memory.rs``, with every split dim priced at the
+integer lengths the rank holds). The table prints both per rank
 with the relative error ``(predicted − measured) / measured``, then the median and
 worst |error| over all ranks of all models.
 """
@@ -40,6 +41,7 @@ from hapd import models  # noqa: E402
 from hapd.compiler.driver import CompileOptions  # noqa: E402
 from hapd.compiler.export import export  # noqa: E402
 from hapd.compiler.lower import lower  # noqa: E402
+from hapd.compiler.ratios import part_memory  # noqa: E402
 from hapd.profile.schema import estimated_profile  # noqa: E402
 from hapd.util import format_bytes  # noqa: E402
 
@@ -137,11 +139,9 @@ def case(name: str, size: str, world: int, batch_per_rank: int) -> list[RankResu
     buf = io.BytesIO()
     torch.export.save(program, buf)
     measured = measure(buf.getvalue(), plan.to_bytes(), inputs, world)
-    parts = plan.program["memory_parts"]
-    ratios = plan.doc["ratios"]
+    parts = part_memory(plan.program, plan.ratios)
     return [
-        RankResult(rank=r, predicted=plan.estimate["memory"][r], measured=m,
-                   parts={k: v["constant"][r] + v["coef"][r] * ratios[r] for k, v in parts.items()})
+        RankResult(rank=r, predicted=plan.estimate["memory"][r], measured=m, parts={k: v[r] for k, v in parts.items()})
         for r, m in enumerate(measured)
     ]
 

@@ -1,16 +1,20 @@
 """The memory model: what lowering records as kept for backward, the live-bytes tracker
-that measures it, and compiles that keep every device's peak under its memory."""
+that measures it, compiles that keep every device's peak under its memory, and peaks
+priced at the integer lengths a rank holds."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from torch import nn
 
 import hapd
-from hapd import models
+from hapd import _core, models
 from hapd.compiler.driver import CompileOptions
 from hapd.compiler.lower import lower
+from hapd.compiler.ratios import linear_peak_memory, part_memory, peak_memory, sharding_lengths, solve_ratios
 from hapd.errors import SynthesisError
 from hapd.profile.schema import estimated_profile
 from hapd.runtime.memtrack import LiveTensorBytes
@@ -99,3 +103,77 @@ def test_memory_caps_off_ignores_device_memory(mlp_graph):
 def test_nothing_fits_names_the_device_its_capacity_and_the_shortfall(mlp_graph):
     with pytest.raises(SynthesisError, match=r"device \d \(estimated on \w+\) has 1.00 KiB and needs .* short"):
         hapd.compile(mlp_graph, estimated_profile(2, flops=[1e10, 1e10], memory=1024.0))
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}
+
+
+def _held_share(program: dict, tensor: dict, ratios) -> float:
+    """The share of ``tensor`` a device holds, read off the plan's tensors and splits
+    (not its memory rows): 1 for a replica, its split class's integer length over the
+    class's units for a split (one entry per device)."""
+    gathers = [int(l[len("Gather("):-1]) for l in tensor["layouts"] if l.startswith("Gather(")]
+    if len(gathers) != len(tensor["layouts"]):
+        return [1.0] * len(ratios)
+    for split in program["splits"]:
+        if [tensor["name"], gathers[0], tensor["shape"][gathers[0]]] in [list(m) for m in split["members"]]:
+            units = int(split["units"])
+            return [n / units for n in sharding_lengths(ratios, units)]
+    raise AssertionError(f"{tensor['name']} is split but in no split class")
+
+
+def test_memory_is_priced_at_the_integer_lengths_a_rank_holds():
+    """4 experts at ratios 0.4/0.3/0.2/0.1 split 2/1/1/0: rank 3 holds no expert (not a
+    tenth of them) and rank 0 half of them, and the plan's peak says so."""
+    spec = models.get("bert_moe")
+    module, config = models.build("bert_moe", "tiny")
+    graph = lower(hapd.export(module, spec.example_inputs(config, 8), batch_dims=spec.batch_dims), name="bert_moe")
+    expert = {n: _core.rule_names()["EXPERT_PARALLEL"] for n in _core.load_graph(graph.data)["expert_parallel"]}
+    ratios = (0.4, 0.3, 0.2, 0.1)
+    plan = hapd.compile(graph, estimated_profile(4, flops=[1e10] * 4),
+                        CompileOptions(ratios=ratios, memory_caps=False, force=expert))
+    program = plan.program
+    experts = [t for t in program["tensors"] if t["kind"] == "parameter" and t["name"].endswith(("mlp_w1", "mlp_w2"))]
+    assert experts and all(_held_share(program, t, ratios) == [0.5, 0.25, 0.25, 0.0] for t in experts)
+    expected = [0.0] * 4
+    for t in program["tensors"]:
+        if t["kind"] in ("parameter", "buffer", "constant"):
+            whole = math.prod(t["shape"]) * DTYPE_BYTES[t["dtype"]]
+            expected = [e + whole * s for e, s in zip(expected, _held_share(program, t, ratios))]
+    assert part_memory(program, ratios)["parameters"] == pytest.approx(expected)
+    assert plan.estimate["memory"] == peak_memory(program, ratios)
+    assert plan.estimate["memory"][3] < linear_peak_memory(program, ratios)[3]
+
+
+def _one_split_program(units: int, shard_bytes: float) -> dict:
+    """Two devices, device 0 twice as fast on one sharded step, and ``shard_bytes`` of
+    memory split by one class of ``units`` units."""
+    return {
+        "devices": 2,
+        "steps": [{"comp": {"constant": [0.0, 0.0], "coef": [1.0, 2.0]},
+                   "comm": {"constant": [0.0, 0.0], "coef": [0.0, 0.0]}}],
+        "splits": [{"units": units, "members": [["w", 0, units]]}],
+        "memory": {"constant": [0.0, 0.0], "coef": [shard_bytes, shard_bytes]},
+        "memory_split": {
+            "backward": {"replica": 0.0, "shards": [[0, shard_bytes]], "largest": []},
+            "update": {"replica": 0.0, "shards": [[0, shard_bytes]], "largest": []},
+            "parts": {},
+        },
+    }
+
+
+def test_ratios_with_memory_caps_fit_at_their_integer_lengths():
+    """Linear in the ratios, device 0 fits at ratio 0.7 of a 100-byte split under a cap of
+    70; 4 units split 3/1 there and it holds 75. The LP lowers its cap and solves again."""
+    program = _one_split_program(4, 100.0)
+    assert solve_ratios(program).ratios[0] == pytest.approx(2 / 3)  # 2.67/1.33 units: 3/1, 75 bytes
+    ratios = solve_ratios(program, memory_caps=[70.0, 70.0]).ratios
+    assert linear_peak_memory(program, (0.7, 0.3))[0] <= 70.0 < peak_memory(program, (0.7, 0.3))[0]
+    assert all(peak <= 70.0 for peak in peak_memory(program, ratios))
+    assert sharding_lengths(ratios, 4) == [2, 2]
+
+
+def test_ratios_no_integer_split_fits_is_an_error():
+    """One indivisible unit of 100 bytes: whichever device holds it has 100 > 70."""
+    with pytest.raises(SynthesisError):
+        solve_ratios(_one_split_program(1, 100.0), memory_caps=[70.0, 70.0])

@@ -7,6 +7,12 @@ positive multiples of each other share it: a 24-layer model has the rows of one 
 subject to ``Σ r = 1``, ``r ≥ 0`` and per-device memory caps. Times are unbounded
 variables (no artificial [0, 1] bound), the constants are kept, and the solver status
 is checked.
+
+The memory rows are linear in the ratios, but the runtime splits each dim into integer
+lengths (:func:`sharding_lengths`): a device whose ratio is 0.1 holds 0 of 4 experts,
+and one whose ratio is 0.4 holds 2. A finished plan's peak (:func:`peak_memory`) is
+priced at those lengths (the program's ``memory_split``), and the LP with memory caps
+solves again with a device's cap lowered where rounding puts it over its capacity.
 """
 
 from __future__ import annotations
@@ -67,13 +73,64 @@ def memory_rows(program: dict[str, Any]) -> list[dict[str, Sequence[float]]]:
     return [program[key] for key in ("memory", "memory_update") if key in program]
 
 
-def peak_memory(program: dict[str, Any], ratios: Sequence[float]) -> list[float]:
-    """Per-device peak bytes of a training step under ``ratios``: the larger of the
-    memory rows (:func:`memory_rows`)."""
+def linear_peak_memory(program: dict[str, Any], ratios: Sequence[float]) -> list[float]:
+    """Per-device peak bytes of a training step with every shard priced at its device's
+    ratio: the larger of the memory rows (:func:`memory_rows`), as the LP sees it."""
     peaks = [0.0] * len(ratios)
     for row in memory_rows(program):
         peaks = [max(p, v) for p, v in zip(peaks, row_values(row, ratios))]
     return peaks
+
+
+def split_shares(program: dict[str, Any], ratios: Sequence[float]) -> list[list[float]]:
+    """Per split class of ``program`` (its ``splits``), the share of the class's dims
+    each device holds under ``ratios``: its integer length over the class's units."""
+    shares = []
+    for split in program["splits"]:
+        units = int(split["units"])
+        shares.append([length / units for length in sharding_lengths(ratios, units)])
+    return shares
+
+
+def split_bytes_values(
+    split: dict[str, Any], shares: Sequence[Sequence[float]], ratios: Sequence[float]
+) -> list[float]:
+    """Per-device bytes of one ``memory_split`` entry: its replica, plus each shard at
+    its class's share (the ratio for a shard of no class), plus the largest of each
+    group of shards."""
+
+    def share(cls: int | None, d: int) -> float:
+        return ratios[d] if cls is None else shares[cls][d]
+
+    values = []
+    for d in range(len(ratios)):
+        total = split["replica"] + sum(b * share(cls, d) for cls, b in split["shards"])
+        total += sum(max((b * share(cls, d) for cls, b in group), default=0.0) for group in split["largest"])
+        values.append(total)
+    return values
+
+
+def peak_memory(program: dict[str, Any], ratios: Sequence[float]) -> list[float]:
+    """Per-device peak bytes of a training step under ``ratios``, every split dim priced
+    at the integer lengths the runtime splits it into (``memory_split``; a program from
+    before it existed: :func:`linear_peak_memory`)."""
+    split = program.get("memory_split")
+    if split is None:
+        return linear_peak_memory(program, ratios)
+    shares = split_shares(program, ratios)
+    backward = split_bytes_values(split["backward"], shares, ratios)
+    update = split_bytes_values(split["update"], shares, ratios)
+    return [max(b, u) for b, u in zip(backward, update)]
+
+
+def part_memory(program: dict[str, Any], ratios: Sequence[float]) -> dict[str, list[float]]:
+    """Per-device bytes of each memory part under ``ratios`` (at the integer lengths,
+    as :func:`peak_memory`)."""
+    split = program.get("memory_split")
+    if split is None:
+        return {k: row_values(row, ratios) for k, row in program.get("memory_parts", {}).items()}
+    shares = split_shares(program, ratios)
+    return {k: split_bytes_values(part, shares, ratios) for k, part in split["parts"].items()}
 
 
 def _row_groups(program: dict[str, Any]) -> tuple[dict[tuple, tuple[list, list, float]], float]:
@@ -120,19 +177,49 @@ def _solver() -> Any:
         return pulp.PULP_CBC_CMD(msg=False)
 
 
+LENGTH_ROUNDS = 8
+"""Most times the LP with memory caps solves again because rounding the ratios to
+integer lengths put a device over its capacity."""
+
+
 def solve_ratios(program: dict[str, Any], memory_caps: Sequence[float] | None = None) -> LPResult:
     """Optimal sharding ratios for ``program`` (the core's output). With memory caps the
     LP first leaves :data:`CAP_MARGIN` of each device free, and fills it whole only
-    when the program fits no other way."""
+    when the program fits no other way; either way the ratios fit at their integer
+    lengths (:func:`_solve_fitting`)."""
     if memory_caps is None:
         return _solve(program, None)
     try:
-        return _solve(program, [cap * CAP_MARGIN for cap in memory_caps])
+        return _solve_fitting(program, [cap * CAP_MARGIN for cap in memory_caps], memory_caps)
     except SynthesisError:
-        return _solve(program, memory_caps)
+        return _solve_fitting(program, memory_caps, memory_caps)
+
+
+def _solve_fitting(program: dict[str, Any], lp_caps: Sequence[float], memory_caps: Sequence[float]) -> LPResult:
+    """The LP under ``lp_caps`` whose ratios' peak at integer lengths (:func:`peak_memory`)
+    fits ``memory_caps``. The LP prices each shard at its device's ratio; where rounding
+    gives a device more (a whole expert for 0.4 of 4), the LP solves again with that
+    device's cap lowered by the excess, at most :data:`LENGTH_ROUNDS` times.
+    :class:`SynthesisError` when the ratios still do not fit."""
+    caps = list(lp_caps)
+    for _ in range(LENGTH_ROUNDS):
+        result = _solve(program, caps)
+        over = [p - cap for p, cap in zip(peak_memory(program, result.ratios), memory_caps)]
+        if all(o <= 0 for o in over):
+            return result
+        caps = [cap - o if o > 0 else cap for cap, o in zip(caps, over)]
+    d = max(range(len(over)), key=lambda k: over[k])
+    raise SynthesisError(
+        f"the sharding ratios do not fit in device memory at integer lengths: device {d} is "
+        f"{format_bytes(over[d])} over its {format_bytes(memory_caps[d])} after {LENGTH_ROUNDS} LP rounds"
+    )
 
 
 def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPResult:
+    if program.get("duplicas", 1) > 1:  # its own LP: hapd.compiler.overlap
+        from hapd.compiler.overlap import solve_overlapped
+
+        return solve_overlapped(program, memory_caps)
     n = int(program["devices"])
     groups, fixed = _row_groups(program)
     lp = pulp.LpProblem("hapd_sharding_ratios", pulp.LpMinimize)

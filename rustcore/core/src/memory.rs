@@ -23,13 +23,20 @@
 //! partial-sum tensors are whole on every device), else as a shard (`coef`). A graph
 //! lowered without traced saved tensors counts every op result that carries a gradient
 //! as kept, except results of free ops (views).
+//!
+//! Each part is also kept by split ([`Bytes`]): a shard remembers the tensor dim it is
+//! split on, so that a finished plan prices it at the integer lengths the runtime
+//! splits that dim into (a device holding 2 of 4 experts holds half of them, whatever
+//! its ratio), while the search and the ratio LP use the linear [`Row`] (`Bytes::row`).
+
+use std::collections::BTreeMap;
 
 use crate::comm::GRAD_BUCKET_BYTES;
 use crate::cost::{Row, Work};
 use crate::ir::NodeKind;
 use crate::layout::{Layout, LayoutSet};
 use crate::problem::{Problem, TensorId};
-use crate::search::Outcome;
+use crate::search::{ChosenStep, Outcome};
 
 /// How many optimizer-state buffers a trainable parameter has (Adam: two moments).
 pub const OPTIMIZER_STATES: f64 = 2.0;
@@ -42,40 +49,114 @@ pub const OPTIMIZER_TEMPORARIES: f64 = 1.0;
 /// activations (an op's result gradient and its input's).
 pub const WORKSPACE_RESULTS: f64 = 2.0;
 
+/// The tensor dim a shard is split on (its split class decides each device's share);
+/// `None`: split by the ratios themselves.
+pub type SplitKey = Option<(TensorId, usize)>;
+
+/// Bytes per device by how they are split: `replica` bytes whole on every device, the
+/// `shards` summed per split key, and groups of shards of which only the largest counts
+/// (`largest`: the backward's transient gradients). Under ratios `r` (every split key's
+/// share `r[d]`) it is the linear [`Row`] `replica + (Σ shards + Σ max group) · r[d]`;
+/// under integer lengths each key's share is its own.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Bytes {
+    pub replica: f64,
+    pub shards: BTreeMap<SplitKey, f64>,
+    pub largest: Vec<BTreeMap<SplitKey, f64>>,
+}
+
+/// How a term's bytes are held: whole on every device, or split on a key.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Share {
+    Replica,
+    Shard(SplitKey),
+}
+
+impl Bytes {
+    /// Add `bytes` held as `share`.
+    fn add(&mut self, bytes: f64, share: Share) {
+        match share {
+            Share::Replica => self.replica += bytes,
+            Share::Shard(key) => *self.shards.entry(key).or_insert(0.0) += bytes,
+        }
+    }
+
+    /// Keep the larger of `bytes` held as `share` and what this part holds so far, as a
+    /// replica against the replica and a shard against the shards of its one group.
+    fn keep_largest(&mut self, bytes: f64, share: Share) {
+        match share {
+            Share::Replica => self.replica = self.replica.max(bytes),
+            Share::Shard(key) => {
+                if self.largest.is_empty() {
+                    self.largest.push(BTreeMap::new());
+                }
+                let v = self.largest[0].entry(key).or_insert(0.0);
+                *v = v.max(bytes);
+            }
+        }
+    }
+
+    /// `factor` times these bytes.
+    fn scaled(&self, factor: f64) -> Bytes {
+        let scale = |m: &BTreeMap<SplitKey, f64>| m.iter().map(|(k, v)| (*k, v * factor)).collect();
+        Bytes { replica: self.replica * factor, shards: scale(&self.shards), largest: self.largest.iter().map(scale).collect() }
+    }
+
+    /// The sum of `parts`.
+    fn sum(parts: &[&Bytes]) -> Bytes {
+        let mut total = Bytes::default();
+        for part in parts {
+            total.replica += part.replica;
+            for (key, v) in &part.shards {
+                *total.shards.entry(*key).or_insert(0.0) += v;
+            }
+            total.largest.extend(part.largest.iter().cloned());
+        }
+        total
+    }
+
+    /// The linear row over `devices` devices: every shard's share is the device's ratio.
+    pub fn row(&self, devices: usize) -> Row {
+        let largest: f64 = self.largest.iter().map(|g| g.values().copied().fold(0.0, f64::max)).sum();
+        let coef = self.shards.values().sum::<f64>() + largest;
+        Row { constant: vec![self.replica; devices], coef: vec![coef; devices] }
+    }
+}
+
 /// The bytes per device a training step holds, by what holds them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Breakdown {
     /// Parameter values, buffers and constants.
-    pub parameters: Row,
+    pub parameters: Bytes,
     /// Gradients of trainable parameters.
-    pub gradients: Row,
+    pub gradients: Bytes,
     /// Adam's moments.
-    pub optimizer: Row,
+    pub optimizer: Bytes,
     /// The optimizer step's temporaries.
-    pub optimizer_temporaries: Row,
+    pub optimizer_temporaries: Bytes,
     /// The batch inputs.
-    pub inputs: Row,
+    pub inputs: Bytes,
     /// What the backward pass keeps.
-    pub activations: Row,
+    pub activations: Bytes,
     /// The largest collective's buffer.
-    pub communication: Row,
+    pub communication: Bytes,
     /// Transient gradients of the backward pass.
-    pub workspace: Row,
+    pub workspace: Bytes,
 }
 
 impl Breakdown {
     /// The bytes held while the backward pass runs.
-    pub fn backward(&self) -> Row {
-        sum(&[&self.parameters, &self.optimizer, &self.inputs, &self.activations, &self.communication, &self.workspace])
+    pub fn backward(&self) -> Bytes {
+        Bytes::sum(&[&self.parameters, &self.optimizer, &self.inputs, &self.activations, &self.communication, &self.workspace])
     }
 
     /// The bytes held during the optimizer step.
-    pub fn update(&self) -> Row {
-        sum(&[&self.parameters, &self.gradients, &self.optimizer, &self.optimizer_temporaries, &self.inputs])
+    pub fn update(&self) -> Bytes {
+        Bytes::sum(&[&self.parameters, &self.gradients, &self.optimizer, &self.optimizer_temporaries, &self.inputs])
     }
 
     /// The parts by name, as the plan reports them.
-    pub fn parts(&self) -> [(&'static str, &Row); 8] {
+    pub fn parts(&self) -> [(&'static str, &Bytes); 8] {
         [
             ("parameters", &self.parameters),
             ("gradients", &self.gradients),
@@ -89,24 +170,15 @@ impl Breakdown {
     }
 }
 
-fn sum(rows: &[&Row]) -> Row {
-    let mut total = rows[0].clone();
-    for row in &rows[1..] {
-        total.add(row);
-    }
-    total
-}
-
 /// The peak bytes per device of the program `outcome` found, by part.
 pub fn breakdown(problem: &Problem, outcome: &Outcome) -> Breakdown {
-    let n = problem.profile.world();
     let stored = stored_layouts(problem, outcome);
     let free = free_outputs(problem, outcome);
-    let mut parameters = Row::zeros(n);
-    let mut trainable = Row::zeros(n);
-    let mut inputs = Row::zeros(n);
-    let mut activations = Row::zeros(n);
-    let mut largest = Row::zeros(n);
+    let mut parameters = Bytes::default();
+    let mut trainable = Bytes::default();
+    let mut inputs = Bytes::default();
+    let mut activations = Bytes::default();
+    let mut largest = Bytes::default();
     let mut synced = 0.0;
     for (id, t) in problem.tensors.iter().enumerate() {
         let held = outcome.held[id];
@@ -114,29 +186,30 @@ pub fn breakdown(problem: &Problem, outcome: &Outcome) -> Breakdown {
             continue;
         }
         let bytes = t.bytes();
+        let tensor = id as TensorId;
         match t.kind {
             NodeKind::Parameter | NodeKind::Buffer | NodeKind::Constant => {
                 let layout = stored[id].map_or(held, LayoutSet::single);
-                add(&mut parameters, bytes, layout);
+                parameters.add(bytes, share(tensor, layout));
                 if t.kind == NodeKind::Parameter && t.requires_grad {
-                    add(&mut trainable, bytes, layout);
-                    if !layout.iter().all(|l| matches!(l, Layout::Gather(_))) {
+                    trainable.add(bytes, share(tensor, layout));
+                    if share(tensor, layout) == Share::Replica {
                         synced += bytes;
                     }
                 }
                 // a copy gathered in another layout that an op's backward keeps
                 let gathered = LayoutSet(held.0 & !layout.0);
-                if !gathered.is_empty() && kept(problem, id as TensorId) {
-                    add(&mut activations, bytes, gathered);
+                if !gathered.is_empty() && kept(problem, tensor) {
+                    activations.add(bytes, share(tensor, gathered));
                 }
             }
-            NodeKind::Input => add(&mut inputs, bytes, held),
+            NodeKind::Input => inputs.add(bytes, share(tensor, held)),
             NodeKind::Op => {
                 let traced = problem.graph.saved_traced;
-                if (traced && kept(problem, id as TensorId)) || (!traced && t.requires_grad && !free[id]) {
-                    add(&mut activations, bytes, held);
+                if (traced && kept(problem, tensor)) || (!traced && t.requires_grad && !free[id]) {
+                    activations.add(bytes, share(tensor, held));
                 }
-                largest_of(&mut largest, bytes, held);
+                largest.keep_largest(bytes, share(tensor, held));
             }
         }
     }
@@ -145,18 +218,18 @@ pub fn breakdown(problem: &Problem, outcome: &Outcome) -> Breakdown {
         let inside = problem.graph.nodes[step.node].saved_bytes;
         if inside > 0.0 {
             let sharded = step.rules[chosen.rule].work == Work::Sharded;
-            add_part(&mut activations, inside, sharded);
+            activations.add(inside, if sharded { Share::Shard(step_split(problem, chosen)) } else { Share::Replica });
         }
     }
     Breakdown {
         parameters,
         gradients: trainable.clone(),
-        optimizer: scaled(&trainable, OPTIMIZER_STATES),
-        optimizer_temporaries: scaled(&trainable, OPTIMIZER_TEMPORARIES),
+        optimizer: trainable.scaled(OPTIMIZER_STATES),
+        optimizer_temporaries: trainable.scaled(OPTIMIZER_TEMPORARIES),
         inputs,
         activations,
         communication: communication(problem, outcome, synced),
-        workspace: scaled(&largest, WORKSPACE_RESULTS),
+        workspace: largest.scaled(WORKSPACE_RESULTS),
     }
 }
 
@@ -177,44 +250,37 @@ fn kept(problem: &Problem, t: TensorId) -> bool {
     problem.graph.nodes[r.node()].saved.get(r.output()).copied().unwrap_or(false)
 }
 
-/// Add `bytes` held in `layouts`: a replica unless every layout is a `Gather`.
-fn add(row: &mut Row, bytes: f64, layouts: LayoutSet) {
-    add_part(row, bytes, layouts.iter().all(|l| matches!(l, Layout::Gather(_))));
-}
-
-fn add_part(row: &mut Row, bytes: f64, sharded: bool) {
-    let target = if sharded { &mut row.coef } else { &mut row.constant };
-    target.iter_mut().for_each(|v| *v += bytes);
-}
-
-/// Keep in `row` the larger of itself and `bytes` held in `layouts` (compared as a
-/// replica against a replica and a shard against a shard: the larger of each).
-fn largest_of(row: &mut Row, bytes: f64, layouts: LayoutSet) {
-    let sharded = layouts.iter().all(|l| matches!(l, Layout::Gather(_)));
-    let target = if sharded { &mut row.coef } else { &mut row.constant };
-    target.iter_mut().for_each(|v| *v = v.max(bytes));
-}
-
-fn scaled(row: &Row, factor: f64) -> Row {
-    Row {
-        constant: row.constant.iter().map(|v| v * factor).collect(),
-        coef: row.coef.iter().map(|v| v * factor).collect(),
+/// How tensor `t` held in `layouts` is held: a replica unless every layout is a
+/// `Gather`, else a shard split on the first layout's dim.
+fn share(t: TensorId, layouts: LayoutSet) -> Share {
+    if layouts.iter().all(|l| matches!(l, Layout::Gather(_))) {
+        Share::Shard(layouts.iter().find_map(Layout::gather_dim).map(|d| (t, d)))
+    } else {
+        Share::Replica
     }
+}
+
+/// The dim a sharded step splits its work on: its first split result's, else its first
+/// split operand's (what an op's backward keeps inside it is split alike).
+fn step_split(problem: &Problem, chosen: &ChosenStep) -> SplitKey {
+    let step = &problem.steps[chosen.step];
+    let rule = &step.rules[chosen.rule];
+    let outputs = step.outputs.iter().zip(&rule.outputs).filter_map(|(t, l)| Some(((*t)?, l.gather_dim()?)));
+    let inputs = step.inputs.iter().zip(&rule.inputs).filter_map(|(t, l)| Some((*t, l.gather_dim()?)));
+    outputs.chain(inputs).next()
 }
 
 /// The largest buffer one collective needs: the largest tensor communicated (whole
 /// on every device: an all-gather's result, an all-reduce's operand), or one bucket
 /// of the `synced` bytes of replicated gradients summed over ranks.
-fn communication(problem: &Problem, outcome: &Outcome, synced: f64) -> Row {
+fn communication(problem: &Problem, outcome: &Outcome, synced: f64) -> Bytes {
     let mut largest: f64 = synced.min(GRAD_BUCKET_BYTES);
     for chosen in &outcome.steps {
         for c in &chosen.comms {
             largest = largest.max(problem.tensor(c.tensor).bytes());
         }
     }
-    let mut row = Row::zeros(problem.profile.world());
-    row.constant.iter_mut().for_each(|v| *v = largest);
-    row
+    Bytes { replica: largest, ..Bytes::default() }
 }
 
 /// The layout each source was created in (its stored layout), `None` for other tensors.

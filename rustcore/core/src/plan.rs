@@ -95,6 +95,29 @@ pub struct SplitOut {
     pub members: Vec<(String, usize, usize)>,
 }
 
+/// Memory bytes by split ([`memory::Bytes`]): `replica` bytes whole on every device,
+/// `shards` as (split class: an index into `splits`, or nil: split by the ratios;
+/// bytes), and `largest` groups of such shards of which only the largest counts. Device
+/// `d` holds `replica + Σ bytes · s[d] + Σ over groups of max bytes · s[d]`, where a
+/// class's share `s[d]` is its integer length `L[d] / units` (the ratio `r[d]` for nil).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SplitBytesOut {
+    pub replica: f64,
+    pub shards: Vec<(Option<usize>, f64)>,
+    pub largest: Vec<Vec<(Option<usize>, f64)>>,
+}
+
+/// The memory rows by split: what a finished plan prices at its integer lengths.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemorySplitOut {
+    /// `memory` by split.
+    pub backward: SplitBytesOut,
+    /// `memory_update` by split.
+    pub update: SplitBytesOut,
+    /// `memory_parts` by split.
+    pub parts: BTreeMap<String, SplitBytesOut>,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StatsOut {
     pub stop_reason: String,
@@ -119,6 +142,8 @@ pub struct ProgramOut {
     pub memory_update: RowOut,
     /// The parts both are sums of (see [`memory::Breakdown`]).
     pub memory_parts: BTreeMap<String, RowOut>,
+    /// The same bytes by split class, priced at the integer lengths.
+    pub memory_split: MemorySplitOut,
     /// Cost under the ratios the search ran with.
     pub cost: f64,
     pub stats: StatsOut,
@@ -206,15 +231,17 @@ impl Splits {
         }
     }
 
-    /// The partitions, each with units = the gcd of its member sizes.
-    fn classes(mut self, problem: &Problem) -> Vec<SplitOut> {
+    /// The partitions, each with units = the gcd of its member sizes, and the index of
+    /// each (tensor, dim)'s partition among them.
+    fn classes(mut self, problem: &Problem) -> (Vec<SplitOut>, BTreeMap<(TensorId, usize), usize>) {
         let mut classes: BTreeMap<usize, Vec<(TensorId, usize)>> = BTreeMap::new();
         let keys: Vec<((TensorId, usize), usize)> = self.index.iter().map(|(k, id)| (*k, *id)).collect();
         for (key, id) in keys {
             let root = self.find(id);
             classes.entry(root).or_default().push(key);
         }
-        classes
+        let index = classes.values().enumerate().flat_map(|(i, members)| members.iter().map(move |k| (*k, i))).collect();
+        let classes = classes
             .into_values()
             .map(|members| {
                 let sizes: Vec<usize> = members.iter().map(|&(t, d)| problem.tensor(t).meta.shape[d]).collect();
@@ -224,7 +251,8 @@ impl Splits {
                     members: members.iter().zip(&sizes).map(|(&(t, d), &s)| (tensor_name(problem, t), d, s)).collect(),
                 }
             })
-            .collect()
+            .collect();
+        (classes, index)
     }
 }
 
@@ -245,16 +273,24 @@ pub fn program(problem: &Problem, outcome: &Outcome) -> ProgramOut {
         splits.add_step(problem, chosen);
         steps.push(step_out(problem, chosen));
     }
+    let n = problem.profile.world();
+    let (splits, class_of) = splits.classes(problem);
+    let by_class = |bytes: &memory::Bytes| split_bytes_out(bytes, &class_of);
     ProgramOut {
         graph: problem.graph.name.clone(),
         devices: problem.profile.world(),
         steps,
         tensors: tensors_out(problem, outcome),
-        splits: splits.classes(problem),
+        splits,
         loss: tensor_name(problem, problem.loss),
-        memory: (&parts.backward()).into(),
-        memory_update: (&parts.update()).into(),
-        memory_parts: parts.parts().into_iter().map(|(k, row)| (k.to_string(), row.into())).collect(),
+        memory: (&parts.backward().row(n)).into(),
+        memory_update: (&parts.update().row(n)).into(),
+        memory_parts: parts.parts().into_iter().map(|(k, bytes)| (k.to_string(), (&bytes.row(n)).into())).collect(),
+        memory_split: MemorySplitOut {
+            backward: by_class(&parts.backward()),
+            update: by_class(&parts.update()),
+            parts: parts.parts().into_iter().map(|(k, bytes)| (k.to_string(), by_class(bytes))).collect(),
+        },
         cost: outcome.cost,
         stats: StatsOut {
             stop_reason: outcome.stop.name().to_string(),
@@ -262,6 +298,25 @@ pub fn program(problem: &Problem, outcome: &Outcome) -> ProgramOut {
             generated: outcome.generated,
             seconds: outcome.seconds,
         },
+    }
+}
+
+/// `bytes` with each split key replaced by its class's index in `splits` (a key in no
+/// class: nil), shards of one class summed and the largest of a group's kept.
+fn split_bytes_out(bytes: &memory::Bytes, class_of: &BTreeMap<(TensorId, usize), usize>) -> SplitBytesOut {
+    let class = |key: &memory::SplitKey| key.and_then(|k| class_of.get(&k).copied());
+    let merge = |shards: &BTreeMap<memory::SplitKey, f64>, combine: fn(f64, f64) -> f64| {
+        let mut out: BTreeMap<Option<usize>, f64> = BTreeMap::new();
+        for (key, v) in shards {
+            let slot = out.entry(class(key)).or_insert(0.0);
+            *slot = combine(*slot, *v);
+        }
+        out.into_iter().collect::<Vec<_>>()
+    };
+    SplitBytesOut {
+        replica: bytes.replica,
+        shards: merge(&bytes.shards, |a, b| a + b),
+        largest: bytes.largest.iter().map(|g| merge(g, f64::max)).collect(),
     }
 }
 
