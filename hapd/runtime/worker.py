@@ -15,7 +15,8 @@ plan came from and how long it took). Each rank then runs its module on its piec
 synthetic global batch with
 Adam and reports its per-iteration times (see :mod:`hapd.runtime.training` for the output
 lines; system ``"hapd"``; ``loss`` is the global-batch loss of the last timed
-iteration, and ``estimate_s`` the plan's predicted seconds per iteration).
+iteration, ``estimate_s`` the plan's predicted seconds per iteration and ``estimate_memory``
+its predicted peak bytes on each rank).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
         "batch": args.batch, "size": args.size, "dtype": args.dtype, "init": ns.init, "profile": plan.key["profile_name"],
         "plan": source.origin, "plan_s": source.seconds, "mode": ns.mode, "estimate_s": plan.estimate["per_iteration"],
         "ratios": plan.ratios, "chosen_from": plan.doc["stats"].get("chosen_from"),
+        "estimate_memory": plan.estimate.get("memory"),
     }
     return report(env, system="hapd", model=args.model, times=times, warmup=args.warmup,
                   loss=module.global_loss(step.last_loss), extra=extra, json_path=args.json)
