@@ -150,16 +150,19 @@ def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
 @click.option("--memory-caps/--no-memory-caps", default=True, show_default=True,
               help="Fit the plan in each device's memory (the profile's).")
 @click.option("--max-seconds", type=float, default=None, help="Time budget of one search.")
+@click.option("--recompute", type=click.Choice(["auto", "never", "always"]), default="auto", show_default=True,
+              help="Recompute blocks' activations in the backward pass: when memory binds, never, or every block.")
 @click.option("--explain/--no-explain", "show", default=False, help="Print the full report.")
 @_import_option
 def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, memory_caps: bool, max_seconds: float | None,
-                show: bool, imports: tuple[str, ...]) -> None:
+                recompute: str, show: bool, imports: tuple[str, ...]) -> None:
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
     from hapd.compiler.driver import CompileOptions, compile as compile_plan
 
     _import(imports)
 
-    plan = compile_plan(graph, profile, CompileOptions(zero=zero, memory_caps=memory_caps, max_seconds=max_seconds))
+    options = CompileOptions(zero=zero, memory_caps=memory_caps, max_seconds=max_seconds, recompute=recompute)
+    plan = compile_plan(graph, profile, options)
     path = plan.save(out or graph.with_suffix(".hplan"))
     est, base, stats = plan.estimate, plan.doc["baselines"], plan.doc["stats"]
     click.echo(

@@ -57,7 +57,7 @@ def test_model_lowers_round_trips_and_loads(name, lowered) -> None:
                         "saved_traced"}
     assert doc["saved_traced"] is True
     for index, node in enumerate(doc["nodes"]):
-        assert set(node) - {"tags", "flops", "saved", "saved_bytes"} == {
+        assert set(node) - {"tags", "flops", "saved", "saved_bytes", "block"} == {
             "name", "kind", "op", "target", "inputs", "args", "outputs", "requires_grad", "batch_dim"}
         # optional: the results the backward pass keeps, sorted indices, never empty
         saved = node.get("saved", [0])
@@ -69,6 +69,9 @@ def test_model_lowers_round_trips_and_loads(name, lowered) -> None:
         # optional: ops only, the torch tags the core reads, sorted, never empty
         assert node.get("tags", ["pointwise"]) and set(node.get("tags", [])) <= {"pointwise", "nondeterministic_seeded"}
         assert node["kind"] == "op" or "tags" not in node
+        # optional: ops only, the repeated block the op runs in (``layers.3``)
+        assert node["kind"] == "op" or "block" not in node
+        assert isinstance(node.get("block", "x.0"), str) and node.get("block", "x.0")[-1].isdigit()
         assert all(ref[0] < index for ref in node["inputs"]), node["name"]
         assert list(node) == sorted(node)  # keys in sorted order at every level
     loss = doc["nodes"][doc["loss"][0]]

@@ -28,6 +28,8 @@ from hapd.compiler.ratios import least_overshoot, peak_memory, program_cost, row
 
 MODES = ("auto", "data_parallel")
 """What ``CompileOptions.mode`` may be."""
+RECOMPUTE = ("auto", "never", "always")
+"""What ``CompileOptions.recompute`` may be."""
 MAX_ROUNDS_LIMIT = 1000
 """Most search ⇄ LP rounds a compile may ask for."""
 MAX_STATES_LIMIT = 2**63 - 1
@@ -100,6 +102,13 @@ class CompileOptions:
     """Restrict ops (by fx node name) to one rule (by name)."""
     ratios: tuple[float, ...] | None = None
     """Use these sharding ratios instead of optimizing them."""
+    recompute: str = "auto"
+    """Activation recomputation: the backward pass runs a block's forward again from its
+    input instead of keeping its activations (the graph's repeated blocks, transformer
+    layers: :mod:`hapd.compiler.recompute`). ``"auto"``: only when memory binds (no
+    program fits without it, or fits only with memory priced or squeezed ratios), as
+    few blocks as fit, and only where the plan is then cheaper; ``"never"``;
+    ``"always"``: every block."""
 
     def __post_init__(self) -> None:
         """Every field's type and range, checked here, before the core sees any of them
@@ -116,6 +125,8 @@ class CompileOptions:
         _force_option(self.force)
         if self.ratios is not None:
             _ratios_option(self.ratios)
+        if not isinstance(self.recompute, str) or self.recompute not in RECOMPUTE:
+            raise OptionsError(f"recompute {self.recompute!r} is not auto, never or always", field="recompute")
 
     def key(self) -> dict[str, Any]:
         out = asdict(self)
@@ -123,7 +134,10 @@ class CompileOptions:
         out["ratios"] = list(self.ratios) if self.ratios is not None else None
         return out
 
-    def core(self, mode: str = "auto", memory_price: Sequence[float] | None = None) -> dict[str, Any]:
+    def core(
+        self, mode: str = "auto", memory_price: Sequence[float] | None = None, recompute: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """The options as the core reads them, with the blocks to ``recompute``."""
         out: dict[str, Any] = {
             "mode": mode,
             "zero": self.zero,
@@ -135,6 +149,8 @@ class CompileOptions:
             out["max_seconds"] = float(self.max_seconds)
         if memory_price is not None:
             out["memory_price"] = [float(p) for p in memory_price]
+        if recompute:
+            out["recompute"] = sorted(recompute)
         return out
 
 
@@ -158,12 +174,14 @@ def synthesize(
     options: CompileOptions,
     mode: str = "auto",
     memory_price: Sequence[float] | None = None,
+    recompute: Sequence[str] = (),
 ) -> dict:
     """One search of the core under fixed ratios (with memory priced at
-    ``memory_price`` seconds per byte on each device, when given); the program as a dict."""
+    ``memory_price`` seconds per byte on each device, when given, and the blocks
+    ``recompute`` recomputed); the program as a dict."""
     from hapd import _core
 
-    raw = _core.synthesize(graph, profile.core_bytes(), list(ratios), options.core(mode, memory_price))
+    raw = _core.synthesize(graph, profile.core_bytes(), list(ratios), options.core(mode, memory_price, recompute))
     return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
@@ -183,6 +201,8 @@ class _Searched:
     """States expanded over all rounds."""
     history: list[float]
     """The LP's objective after each round."""
+    priced: bool = False
+    """Whether the program fits only as searched with memory priced (and ZeRO allowed)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,20 +221,23 @@ class _Baselines:
     """The FLOP/s-proportional split."""
 
 
-def _search_rounds(data: bytes, profile: Profile, options: CompileOptions, caps: list[float] | None) -> _Searched:
-    """The search ⇄ LP rounds; with memory ``caps``, searched again with memory priced
-    ever higher (and ZeRO-style parameters allowed) until a program fits
-    (:data:`MEMORY_PRICES`). :class:`SynthesisError` naming the device that falls
-    shortest when none does."""
+def _search_rounds(
+    data: bytes, profile: Profile, options: CompileOptions, caps: list[float] | None, recompute: Sequence[str] = ()
+) -> _Searched:
+    """The search ⇄ LP rounds (with the blocks ``recompute`` recomputed); with memory
+    ``caps``, searched again with memory priced ever higher (and ZeRO-style parameters
+    allowed) until a program fits (:data:`MEMORY_PRICES`). :class:`SynthesisError`
+    naming the device that falls shortest when none does."""
     if caps is None:
-        return _rounds(data, profile, options, None, None)
+        return _rounds(data, profile, options, None, None, recompute)
     tried: list[dict] = []
     scale_cost: float | None = None
     for zero, scale in _price_schedule(options):
         attempt = replace(options, zero=zero)
         price = None if scale == 0 else [scale * (scale_cost or 0.0) / cap for cap in caps]
         try:
-            return _rounds(data, profile, attempt, caps, price)
+            searched = _rounds(data, profile, attempt, caps, price, recompute)
+            return replace(searched, priced=bool(tried))
         except _DoesNotFit as exc:
             tried.append(exc.program)
             if scale_cost is None:
@@ -243,7 +266,12 @@ class _DoesNotFit(Exception):
 
 
 def _rounds(
-    data: bytes, profile: Profile, options: CompileOptions, caps: list[float] | None, price: list[float] | None
+    data: bytes,
+    profile: Profile,
+    options: CompileOptions,
+    caps: list[float] | None,
+    price: list[float] | None,
+    recompute: Sequence[str] = (),
 ) -> _Searched:
     """Alternate the search and the ratio LP while the cost strictly improves
     (one search only when ``options.ratios`` fixes the ratios)."""
@@ -252,7 +280,7 @@ def _rounds(
     best: tuple[dict, list[float], float] | None = None
     while rounds < options.max_rounds:
         rounds += 1
-        program = synthesize(data, profile, ratios, options, options.mode, price)
+        program = synthesize(data, profile, ratios, options, options.mode, price, recompute)
         expanded += program["stats"]["expanded"]
         if options.ratios is not None:
             if caps is not None and not _fits(program, ratios, caps):
@@ -276,6 +304,83 @@ def _rounds(
     assert best is not None
     program, ratios, cost = best
     return _Searched(program=program, ratios=ratios, cost=cost, rounds=rounds, expanded=expanded, history=history)
+
+
+def _search_with_recompute(data: bytes, profile: Profile, options: CompileOptions, caps: list[float] | None) -> _Searched:
+    """:func:`_search_rounds` with activation recomputation as ``options.recompute``
+    says: never, of every block, or (``"auto"``) only when memory binds — no program
+    fits without it, or one fits only with memory priced or with ratios the memory caps
+    squeeze — and then the cheapest of the program without it and the programs with
+    the fewest blocks recomputed that fit unpriced (:func:`_fewest_recomputed`)."""
+    from hapd.compiler.lower import GraphIR
+    from hapd.compiler.recompute import graph_blocks
+
+    doc = GraphIR(data).doc if options.recompute != "never" else {}
+    blocks = [b.label for b in graph_blocks(doc)] if doc else []
+    if not blocks:
+        return _search_rounds(data, profile, options, caps)
+    if options.recompute == "always":
+        return _search_rounds(data, profile, options, caps, blocks)
+    if caps is None or not doc.get("saved_traced"):  # memory is free, or not modelled
+        return _search_rounds(data, profile, options, caps)
+    failure: SynthesisError | None = None
+    try:
+        plain: _Searched | None = _search_rounds(data, profile, options, caps)
+    except SynthesisError as exc:
+        plain, failure = None, exc
+    if plain is not None and not _memory_binds(plain, options):
+        return plain
+    candidates = _fewest_recomputed(data, profile, options, caps, blocks)
+    if plain is not None:
+        candidates.append(plain)
+    if not candidates:  # recomputing every block still needs memory priced, if it fits at all
+        try:
+            candidates.append(_search_rounds(data, profile, options, caps, blocks))
+        except SynthesisError:
+            assert failure is not None
+            raise SynthesisError(f"{failure} (also with the activations of all {len(blocks)} blocks recomputed)") from None
+    return min(candidates, key=lambda c: program_cost(c.program, c.ratios))
+
+
+def _memory_binds(searched: _Searched, options: CompileOptions) -> bool:
+    """Whether memory constrained ``searched``: it fits only as searched with memory
+    priced, or the ratios without memory caps would be cheaper."""
+    if searched.priced:
+        return True
+    if options.ratios is not None:
+        return False
+    free = solve_ratios(searched.program, None).objective
+    return free < program_cost(searched.program, searched.ratios) * (1 - 1e-6)
+
+
+def _fewest_recomputed(
+    data: bytes, profile: Profile, options: CompileOptions, caps: list[float], blocks: Sequence[str]
+) -> list[_Searched]:
+    """The unpriced search ⇄ LP rounds with the first ``k`` of ``blocks`` (the most
+    memory first) recomputed, for all of them and then by bisection for the fewest
+    that fit: every program found that fits (none when recomputing every block does
+    not fit unpriced)."""
+
+    def attempt(k: int) -> _Searched | None:
+        try:
+            return _rounds(data, profile, options, caps, None, tuple(blocks[:k]))
+        except _DoesNotFit:
+            return None
+
+    found = attempt(len(blocks))
+    if found is None:
+        return []
+    fitting = [found]
+    lo, hi = 0, len(blocks)  # fewer than lo+1 blocks: not known to fit; hi blocks fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        found = attempt(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi = mid
+            fitting.append(found)
+    return fitting
 
 
 def _fits(program: dict, ratios: Sequence[float], caps: Sequence[float]) -> bool:
@@ -366,8 +471,10 @@ def _prefer_data_parallel(
     A search bounded by its front width may miss the data-parallel program, which is
     always in its space: keep whichever is cheaper, with the LP's ratios or the
     FLOP/s-proportional ones (compared by the cost model, not the LP's objective,
-    which the solver only meets to its tolerance). Only for a free ``auto`` compile."""
-    if options.ratios is not None or options.force or options.mode != "auto":
+    which the solver only meets to its tolerance). Only for a free ``auto`` compile that
+    does not ask for recomputation everywhere (the data-parallel program keeps every
+    activation)."""
+    if options.ratios is not None or options.force or options.mode != "auto" or options.recompute == "always":
         return searched.program, searched.ratios, "search"
     program, ratios, chosen_from = searched.program, searched.ratios, "search"
     best_cost = program_cost(program, ratios)
@@ -456,7 +563,7 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
     caps = [float(d.memory) for d in profile.devices] if options.memory_caps else None
     searching, best = options, None
     while True:
-        searched = _search_rounds(data, profile, searching, caps)
+        searched = _search_with_recompute(data, profile, searching, caps)
         searched = _with_expert_parallel_candidate(data, profile, searching, caps, searched)
         synthesis_seconds = time.perf_counter() - start
         baselines = _baselines(data, profile, searching)
@@ -500,7 +607,7 @@ def _with_expert_parallel_candidate(
         return searched
     forced = replace(options, force={name: _core.rule_names()["EXPERT_PARALLEL"] for name in nodes})
     try:
-        candidate = _search_rounds(data, profile, forced, caps)
+        candidate = _search_rounds(data, profile, forced, caps, searched.program.get("recompute", ()))
     except SynthesisError:  # it does not fit, say: the free search's program stands
         return searched
     if program_cost(candidate.program, candidate.ratios) < program_cost(searched.program, searched.ratios):
@@ -535,6 +642,8 @@ def _wider_front(
     program, ratios, _ = chosen
     left = WIDEN_BUDGET_S - elapsed
     if options.mode != "auto" or options.force or options.ratios is not None or left <= 0:
+        return None
+    if program.get("recompute"):  # it pays for recomputation, which DP-CP's price leaves out
         return None
     lost = program_cost(program, ratios) > baselines.dp_cp * (1 + 1e-9)
     if not lost or options.front_width * WIDEN_FACTOR > MAX_FRONT_WIDTH:

@@ -353,6 +353,9 @@ class _Lowering:
         flops = self.flops(node)
         if flops > 0:
             ir_node["flops"] = flops
+        block = module_block(node)
+        if block is not None:
+            ir_node["block"] = block
         index = self._append(ir_node)
         self._mark_saved(index, node.name)
         if isinstance(val, (tuple, list)):
@@ -467,6 +470,24 @@ def op_tags(target: Any) -> list[str]:
     if not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001 - the public type of torch.ops.* overloads
         return []
     return sorted(name for tag, name in _RECORDED_TAGS.items() if tag in target.tags)
+
+
+_INDEXED = re.compile(r"(?:^|\.)\d+$")
+"""A module path whose last part is an index (``blocks.3``: a child of a ModuleList or
+Sequential)."""
+
+
+def module_block(node: torch.fx.Node) -> str | None:
+    """The repeated block ``node`` runs in: the outermost module of its module stack
+    held at an index of a container (``model.layers.3`` for an op of a decoder layer,
+    ``layer2.1`` for one of a ResNet block), ``None`` outside such modules. The unit
+    activation recomputation works in (``CompileOptions.recompute``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for entry in stack.values():
+        path = entry[0] if isinstance(entry, (tuple, list)) and entry else None
+        if isinstance(path, str) and _INDEXED.search(path):
+            return path
+    return None
 
 
 def _schema_args(node: torch.fx.Node) -> Sequence[tuple[str, Any]]:

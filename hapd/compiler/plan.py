@@ -132,6 +132,17 @@ def _replicated_share(doc: Mapping[str, Any]) -> float:
     return float(share) if share is not None else replicated_flop_share(doc["program"])
 
 
+def _recompute_line(program: Mapping[str, Any]) -> str:
+    """What the plan recomputes: the blocks whose activations the backward pass
+    rebuilds (their forward runs again), or that it keeps every activation."""
+    blocks = list(program.get("recompute") or [])
+    if not blocks:
+        return "activation recomputation: none (the backward pass keeps every activation it needs)"
+    shown = ", ".join(blocks[:4]) + (f", … ({len(blocks) - 4} more)" if len(blocks) > 4 else "")
+    return (f"activation recomputation: {len(blocks)} blocks ({shown}): their activations are not kept but "
+            f"recomputed, their forward running again in the backward pass")
+
+
 def explain(plan: Plan) -> str:
     """A readable report: estimate vs baselines, ratios, every step with its layouts and
     collectives, per-device totals, and why replicated ops are replicated."""
@@ -145,6 +156,7 @@ def explain(plan: Plan) -> str:
         f"   DP-EV {_fmt_s(base['dp_ev'])} ({base['dp_ev'] / est['per_iteration']:.2f}×)"
         f"   DP-CP {_fmt_s(base['dp_cp'])} ({base['dp_cp'] / est['per_iteration']:.2f}×)",
         f"replicated FLOPs: {_replicated_share(doc):.1%} of the forward FLOPs run whole on every device",
+        _recompute_line(program),
         f"synthesis: {stats['seconds']:.3f} s, {stats['expanded']} states expanded, "
         f"{stats['lp_rounds']} search/LP rounds, stop reason {stats['stop_reason']}",
         "devices:",
@@ -160,7 +172,9 @@ def explain(plan: Plan) -> str:
         comm = max(row_values(step["comm"], ratios), default=0.0)
         ins = ", ".join(f"{i['tensor']}:{i['layout']}" for i in step["inputs"])
         outs = ", ".join(f"{o['tensor']}:{o['layout']}" for o in step["outputs"])
-        lines.append(f"  {step['node']:<30} {step['op']:<34} {step['rule']:<16} {_fmt_s(comp + comm):>10}")
+        segment = step.get("segment")
+        again = f"  recomputed (segment {segment})" if segment is not None else ""
+        lines.append(f"  {step['node']:<30} {step['op']:<34} {step['rule']:<16} {_fmt_s(comp + comm):>10}{again}")
         lines.append(f"      {ins} -> {outs}")
         for s in step["sources"]:
             sync = f", gradient all-reduce {format_bytes(s['bytes'])} {_fmt_s(max(row_values(s['cost'], ratios)))}" if s["grad_sync"] else ""

@@ -13,7 +13,8 @@ the fx :class:`RankModule` one rank runs. It applies these steps, in order:
    that bring each step's inputs to the layouts its rule needs, the op itself (adapted
    where a rule needs more than the local op: :data:`hapd.runtime.adapters.ADAPTERS`),
    and collectives on its results (the loss masked to rank 0 when it was computed
-   replicated);
+   replicated); the steps of a recomputed segment then run under activation
+   checkpointing (:mod:`hapd.runtime.recompute`);
 4. **write back buffers** (:func:`_write_back_buffers`) — every buffer the step updates
    (batch norm's running statistics) gets its new value, which the plan holds whole
    (``Identity``) at the end, copied into the rank's full copy of it, as
@@ -57,7 +58,7 @@ from hapd.compiler.normalize import buffer_mutations, normalize
 from hapd.compiler.plan import Plan
 from hapd.compiler.tied import aliases_of_read
 from hapd.errors import PlanError
-from hapd.runtime import collectives
+from hapd.runtime import collectives, recompute
 from hapd.runtime.adapters import ADAPTERS, stride_free
 from hapd.runtime.gradsync import GradSync
 from hapd.runtime.weights import Weights, WeightSource, rank_piece, weight_source
@@ -670,9 +671,13 @@ def _shard_sources(em: _Emitter, steps: Sequence[Mapping[str, Any]]) -> None:
 
 
 def _emit_steps(em: _Emitter, steps: Sequence[Mapping[str, Any]]) -> None:
-    """Step 3: every step in plan order."""
+    """Step 3: every step in plan order; the steps of a recomputed segment then run
+    under activation checkpointing (:mod:`hapd.runtime.recompute`)."""
+    marks = recompute.StepMarks(em.graph)
     for step in steps:
+        marks.mark()
         em.step(step)
+    recompute.checkpoint_segments(em.graph, em.root, steps, marks, em.add_module)
 
 
 def _write_back_buffers(em: _Emitter) -> None:

@@ -226,6 +226,12 @@ pub struct NodeFile {
     /// log-sum-exp); absent when none.
     #[serde(default)]
     pub saved_bytes: Option<f64>,
+    /// The repeated block of the model the op belongs to (the outermost module held at
+    /// an index of a container, `layers.3`, from the exported program's module stack):
+    /// the unit activation recomputation works in. Absent outside such blocks, and in
+    /// files written before the field existed.
+    #[serde(default)]
+    pub block: Option<String>,
 }
 
 /// A result of a node, after validation.
@@ -272,6 +278,8 @@ pub struct Node {
     pub saved: Vec<bool>,
     /// Bytes the op's backward keeps that are no node's result (finite, ≥ 0).
     pub saved_bytes: f64,
+    /// The repeated block of the model the op belongs to (see [`NodeFile::block`]).
+    pub block: Option<String>,
 }
 
 /// The tag torch gives element-wise ops (`torch.Tag.pointwise`): every result element
@@ -521,6 +529,7 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
         flops: file.flops,
         saved,
         saved_bytes: file.saved_bytes.unwrap_or(0.0),
+        block: file.block,
     })
 }
 
@@ -542,6 +551,7 @@ fn failing_field(map: &[(rmpv::Value, rmpv::Value)], message: &str) -> String {
             "tags" => fits::<Vec<String>>(value),
             "flops" | "saved_bytes" => fits::<Option<f64>>(value),
             "saved" => fits::<Vec<u32>>(value),
+            "block" => fits::<Option<String>>(value),
             _ => true,
         };
         if !fits {

@@ -31,6 +31,7 @@ pub mod memory;
 pub mod plan;
 pub mod problem;
 pub mod profile;
+pub mod recompute;
 pub mod rules;
 pub mod search;
 pub mod summary;

@@ -216,11 +216,15 @@ pub fn breakdown(problem: &Problem, outcome: &Outcome) -> Breakdown {
     for chosen in &outcome.steps {
         let step = &problem.steps[chosen.step];
         let inside = problem.graph.nodes[step.node].saved_bytes;
-        if inside > 0.0 {
+        if inside > 0.0 && step.segment.is_none() {
             let sharded = step.rules[chosen.rule].work == Work::Sharded;
             activations.add(inside, if sharded { Share::Shard(step_split(problem, chosen)) } else { Share::Replica });
         }
     }
+    // one recomputed segment's activations, rebuilt during the backward pass
+    let (replica, shard) = crate::recompute::largest_segment(problem, outcome);
+    activations.add(replica, Share::Replica);
+    activations.add(shard, Share::Shard(None));
     Breakdown {
         parameters,
         gradients: trainable.clone(),
@@ -244,8 +248,12 @@ pub fn is_activation(problem: &Problem, t: TensorId) -> bool {
     }
 }
 
-/// Whether the backward pass keeps tensor `t`'s storage (the graph's traced flag).
+/// Whether the backward pass keeps tensor `t`'s storage (the graph's traced flag, as
+/// activation recomputation changes it: [`crate::recompute::keeps`]).
 fn kept(problem: &Problem, t: TensorId) -> bool {
+    if let Some(keep) = problem.recompute_keep[t as usize] {
+        return keep;
+    }
     let r = problem.tensor(t).r;
     problem.graph.nodes[r.node()].saved.get(r.output()).copied().unwrap_or(false)
 }

@@ -71,6 +71,9 @@ pub struct StepOut {
     pub outputs: Vec<LayoutOut>,
     pub comp: RowOut,
     pub comm: RowOut,
+    /// The recomputed segment the step is in (see [`crate::recompute`]): the runtime
+    /// runs each segment's steps under activation checkpointing; nil when kept.
+    pub segment: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -135,6 +138,8 @@ pub struct ProgramOut {
     pub tensors: Vec<TensorOut>,
     pub splits: Vec<SplitOut>,
     pub loss: String,
+    /// The blocks whose activations the backward pass recomputes (sorted).
+    pub recompute: Vec<String>,
     /// Bytes per device held while the backward pass runs ([`memory`]).
     pub memory: RowOut,
     /// Bytes per device held during the optimizer step; a step's peak is the larger
@@ -283,6 +288,7 @@ pub fn program(problem: &Problem, outcome: &Outcome) -> ProgramOut {
         tensors: tensors_out(problem, outcome),
         splits,
         loss: tensor_name(problem, problem.loss),
+        recompute: problem.options.recompute.iter().cloned().collect(),
         memory: (&parts.backward().row(n)).into(),
         memory_update: (&parts.update().row(n)).into(),
         memory_parts: parts.parts().into_iter().map(|(k, bytes)| (k.to_string(), (&bytes.row(n)).into())).collect(),
@@ -342,6 +348,7 @@ fn step_out(problem: &Problem, chosen: &ChosenStep) -> StepOut {
         outputs: layouts_out(problem, step.outputs.iter().zip(&rule.outputs).filter_map(|(t, l)| t.map(|t| (t, *l)))),
         comp: (&chosen.comp).into(),
         comm: (&chosen.comm).into(),
+        segment: step.segment,
     }
 }
 

@@ -2,7 +2,7 @@
 //! or to a buffer update in program order, the tensors live between them, every op's rules with their
 //! compute rows, and the options that restrict the search.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::comm::Collective;
 use crate::cost::{compute_row, Row};
@@ -34,6 +34,11 @@ pub struct Options {
     pub force: BTreeMap<String, String>,
     /// Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use).
     pub zero: bool,
+    /// Blocks (the graph's `block` labels) whose activations the backward pass
+    /// recomputes instead of keeping: each run of consecutive steps of one of them is a
+    /// segment that keeps only its inputs, and its forward (compute and collectives) runs
+    /// again in the backward pass.
+    pub recompute: BTreeSet<String>,
 }
 
 /// A tensor of the program.
@@ -71,9 +76,11 @@ pub struct Step {
     /// Tensor of each output (`None` for results nobody reads or that are not tensors).
     pub outputs: Vec<Option<TensorId>>,
     pub rules: Vec<Rule>,
-    /// Compute row of each rule.
+    /// Compute row of each rule (with the forward again for a recomputed step).
     pub comp: Vec<Row>,
     pub flops: f64,
+    /// The recomputed segment the step is in (numbered in program order), if any.
+    pub segment: Option<usize>,
 }
 
 /// Everything the search needs, independent of the sharding ratios.
@@ -91,6 +98,11 @@ pub struct Problem<'a> {
     /// The new value of each buffer update (`graph.mutations`, same order): effects the
     /// program must end with in `Identity` layout.
     pub mutations: Vec<TensorId>,
+    /// Per tensor, whether the backward pass keeps it as recomputation decides
+    /// ([`crate::recompute::keeps`]); `None` where recomputation changes nothing.
+    pub recompute_keep: Vec<Option<bool>>,
+    /// How many recomputed segments the program has.
+    pub segments: usize,
 }
 
 impl<'a> Problem<'a> {
@@ -103,6 +115,7 @@ impl<'a> Problem<'a> {
         let mut ids: HashMap<TensorRef, TensorId> = HashMap::new();
         let mut tensors: Vec<Tensor> = Vec::new();
         let mut steps = Vec::with_capacity(op_nodes.len());
+        let segment_of = crate::recompute::segments(graph, &op_nodes, &options.recompute)?;
         for (s, &n) in op_nodes.iter().enumerate() {
             let node = &graph.nodes[n];
             let mut inputs = Vec::with_capacity(node.inputs.len());
@@ -159,7 +172,9 @@ impl<'a> Problem<'a> {
                     });
                 }
             }
-            // a rule's own collectives (synchronized statistics) count with its compute
+            // a rule's own collectives (synchronized statistics) count with its compute; a
+            // recomputed step runs its forward once more
+            let segment = segment_of[s];
             let comp = rules
                 .iter()
                 .map(|r| {
@@ -167,10 +182,16 @@ impl<'a> Problem<'a> {
                     if let Some(inside) = internal_comm_row(graph, node, r, profile, grad_in) {
                         row.add(&inside);
                     }
+                    if segment.is_some() {
+                        row.add(&compute_row(profile, op.flops, op.class, r.work, false));
+                        if let Some(inside) = internal_comm_row(graph, node, r, profile, false) {
+                            row.add(&inside);
+                        }
+                    }
                     row
                 })
                 .collect();
-            steps.push(Step { node: n, inputs, outputs, rules, comp, flops: op.flops });
+            steps.push(Step { node: n, inputs, outputs, rules, comp, flops: op.flops, segment });
         }
         let loss = *ids.get(&graph.loss).ok_or_else(|| Error::InvalidGraph {
             field: "loss".into(),
@@ -203,7 +224,9 @@ impl<'a> Problem<'a> {
                 slot.push(id as TensorId);
             }
         }
-        Ok(Problem { graph, profile, options, tensors, steps, live, loss, mutations })
+        let recompute_keep = crate::recompute::keeps(&tensors, &steps);
+        let segments = segment_of.iter().flatten().max().map_or(0, |s| s + 1);
+        Ok(Problem { graph, profile, options, tensors, steps, live, loss, mutations, recompute_keep, segments })
     }
 
     pub fn tensor(&self, t: TensorId) -> &Tensor {

@@ -14,7 +14,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::comm::{collective_row, conversions, Collective};
+use crate::comm::{collective_row, conversions, one_way_row, Collective};
 use crate::cost::Row;
 use crate::error::{Error, Result};
 use crate::ir::NodeKind;
@@ -577,8 +577,11 @@ impl<'p, 'a> Search<'p, 'a> {
                 if current.contains(need) {
                     continue;
                 }
-                let Some((_, _, values)) = self.cheapest_comm(t, current, need, memo) else { continue 'combo };
+                let Some((_, collective, values)) = self.cheapest_comm(t, current, need, memo) else { continue 'combo };
                 Self::add_values(&mut comm, &values);
+                if let Some(again) = self.recomputed_comm(pos, t, collective) {
+                    Self::add_values(&mut comm, &again.values(&self.ratios));
+                }
                 if self.memory_price.is_some() && need.gather_dim().is_none() && memory::is_activation(p, t) {
                     charge += self.memory_charge(p.tensor(t).bytes(), false);
                 }
@@ -657,10 +660,18 @@ impl<'p, 'a> Search<'p, 'a> {
             }
         }
         let inside = p.graph.nodes[step.node].saved_bytes;
-        if inside > 0.0 {
+        if inside > 0.0 && step.segment.is_none() {
             charge += self.memory_charge(inside, rule.work == crate::cost::Work::Sharded);
         }
         charge
+    }
+
+    /// The forward of `collective` on tensor `t` once more, when it brings an operand to
+    /// step `pos` of a recomputed segment (the backward pass runs the segment's forward,
+    /// collectives included, again).
+    fn recomputed_comm(&self, pos: usize, t: TensorId, collective: Collective) -> Option<Row> {
+        let p = self.problem;
+        p.steps[pos].segment.map(|_| one_way_row(p.profile, collective, p.tensor(t).bytes()))
     }
 
     /// The sources step `pos` creates (those first used there), each with the input slot
@@ -726,7 +737,10 @@ impl<'p, 'a> Search<'p, 'a> {
                     Error::Synthesis { message: format!("replay: no communication gives {need} at step {pos}") }
                 })?;
                 let tensor = p.tensor(t);
-                let row = collective_row(p.profile, collective, tensor.bytes(), tensor.requires_grad);
+                let mut row = collective_row(p.profile, collective, tensor.bytes(), tensor.requires_grad);
+                if let Some(again) = self.recomputed_comm(pos, t, collective) {
+                    row.add(&again);
+                }
                 comm.add(&row);
                 comms.push(Comm { tensor: t, from, to: need, collective, row });
                 held[t as usize] = current.with(need);

@@ -65,6 +65,7 @@ pub fn graph(op: &str, args: Vec<(&str, A)>, outputs: &[(&[usize], DType)]) -> G
             flops: None,
             saved: vec![false],
             saved_bytes: 0.0,
+            block: None,
         });
         inputs.push(TensorRef(nodes.len() as u32 - 1, 0));
         let value = Value::Tensor(inputs.len() as u32 - 1);
@@ -86,6 +87,7 @@ pub fn graph(op: &str, args: Vec<(&str, A)>, outputs: &[(&[usize], DType)]) -> G
         flops: None,
         saved,
         saved_bytes: 0.0,
+        block: None,
     });
     let loss = TensorRef(nodes.len() as u32 - 1, 0);
     Graph { name: "test".into(), nodes, loss, loss_reduction: LossReduction::Sum, mutations: vec![], saved_traced: false }
