@@ -20,6 +20,7 @@ import msgpack
 
 from hapd import __version__
 from hapd.errors import OptionsError, SynthesisError
+from hapd.compiler.overlap import DUPLICAS, is_overlapped, with_duplica_memory
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
 from hapd.profile.schema import Profile, load_profile
 from hapd.util import format_bytes
@@ -82,6 +83,13 @@ class CompileOptions:
     (replicated parameters, gradients all-reduced), with LP-optimized ratios."""
     zero: bool = False
     """Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use)."""
+    overlap: bool = False
+    """Price programs as two duplicas interleaved, one computing while the other
+    communicates (HiDup; :mod:`hapd.compiler.overlap`). The graph compiled is then one
+    duplica's (export it at half the global batch); the plan records ``overlap`` and
+    ``duplicas`` for the runtime, and its estimate and baselines are for the global
+    batch. Whether it beats the plain plan of the full-batch graph depends on the model
+    and the cluster: compile both and keep the cheaper (``bench/overlap_search.py``)."""
     memory_caps: bool = True
     """Fit the plan in each device's memory (the profile's ``memory``, each device its
     own): the LP keeps every device's predicted peak (parameters, gradients, Adam state,
@@ -116,6 +124,7 @@ class CompileOptions:
         if not isinstance(self.mode, str) or self.mode not in MODES:
             raise OptionsError(f"mode {self.mode!r} is not auto or data_parallel", field="mode")
         _bool_option("zero", self.zero)
+        _bool_option("overlap", self.overlap)
         _bool_option("memory_caps", self.memory_caps)
         _int_option("max_rounds", self.max_rounds, MAX_ROUNDS_LIMIT)
         _int_option("max_states", self.max_states, MAX_STATES_LIMIT)
@@ -141,6 +150,7 @@ class CompileOptions:
         out: dict[str, Any] = {
             "mode": mode,
             "zero": self.zero,
+            "overlap": self.overlap,
             "max_states": self.max_states,
             "front_width": self.front_width,
             "force": dict(self.force) if mode == "auto" else {},
@@ -182,7 +192,8 @@ def synthesize(
     from hapd import _core
 
     raw = _core.synthesize(graph, profile.core_bytes(), list(ratios), options.core(mode, memory_price, recompute))
-    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    program = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    return with_duplica_memory(program) if is_overlapped(program) else program
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -415,14 +426,20 @@ def _baselines(data: bytes, profile: Profile, options: CompileOptions) -> _Basel
     even = [1.0 / profile.world] * profile.world
     flops = profile.flops_ratios()
     dp_program = synthesize(data, profile, flops, options, "data_parallel")
+    duplicas = DUPLICAS if options.overlap else 1
     return _Baselines(
-        dp_ev=ddp_cost(dp_program, even), dp_cp=ddp_cost(dp_program, flops), dp_program=dp_program, flops=flops
+        dp_ev=ddp_cost(dp_program, even, duplicas),
+        dp_cp=ddp_cost(dp_program, flops, duplicas),
+        dp_program=dp_program,
+        flops=flops,
     )
 
 
-def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
+def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int = 1) -> float:
     """Seconds per iteration of the step as DDP runs it with the batch split by
-    ``ratios``, priced from the rows of a data-parallel ``program``.
+    ``ratios``, priced from the rows of a data-parallel ``program`` of ``1/duplicas`` of
+    the batch (an overlapped compile's graph is one duplica's; DDP runs the whole batch:
+    the work of every op that reads it ``duplicas`` times over, the rest once).
 
     DDP runs the whole model on every rank on its share of the batch: **every op that
     reads the batch** — opaque ops and ops hapd's rules cannot batch-split included —
@@ -442,7 +459,7 @@ def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
         row = step["comp"]
         split = any(i["tensor"] in batch for i in step["inputs"])
         full = [c + k for c, k in zip(row["constant"], row["coef"])]
-        compute += max((w * r if split else w for w, r in zip(full, ratios)), default=0.0)
+        compute += max((w * r * duplicas if split else w for w, r in zip(full, ratios)), default=0.0)
         for source in step["sources"]:
             if source["grad_sync"]:
                 sync = [s + v for s, v in zip(sync, row_values(source["cost"], ratios))]
@@ -530,6 +547,8 @@ def _plan_document(
             "options": options.key(),
         },
         "program": program,
+        "overlap": is_overlapped(program),
+        "duplicas": int(program.get("duplicas", 1)),
         "ratios": ratios,
         "lengths": split_lengths(program, ratios),
         "estimate": estimate(program, ratios),

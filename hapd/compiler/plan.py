@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import msgpack
 
 from hapd.errors import PlanError
+from hapd.compiler import overlap
 from hapd.compiler.ratios import peak_memory, per_device, program_cost, row_values, sharding_lengths
 from hapd.util import atomic_write, format_bytes
 
@@ -39,6 +40,17 @@ class Plan:
     @property
     def key(self) -> Mapping[str, Any]:
         return self.doc["key"]
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the runtime runs the program as interleaved duplicas
+        (:mod:`hapd.compiler.overlap`)."""
+        return bool(self.doc.get("overlap", False))
+
+    @property
+    def duplicas(self) -> int:
+        """How many duplicas the global batch is cut into (1 without overlap)."""
+        return int(self.doc.get("duplicas", 1))
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(dict(self.doc), use_bin_type=True)
@@ -97,13 +109,34 @@ def split_lengths(program: Mapping[str, Any], ratios: list[float]) -> list[dict[
 
 def estimate(program: Mapping[str, Any], ratios: list[float]) -> dict[str, Any]:
     """The plan's ``estimate``: seconds per iteration, per-device compute,
-    communication and memory under ``ratios``, and the replicated FLOP share."""
+    communication and memory under ``ratios``, and the replicated FLOP share. For an
+    overlapped program, all of it for the global batch (both duplicas), and
+    ``overlap``: each pass's seconds, the serial collectives', and the communication
+    hidden under compute and exposed."""
+    if not overlap.is_overlapped(program):
+        return {
+            "per_iteration": program_cost(program, ratios),
+            "compute": per_device(program, ratios, "comp"),
+            "communication": per_device(program, ratios, "comm"),
+            "memory": peak_memory(program, ratios),
+            "replicated_flop_share": replicated_flop_share(program),
+        }
+    schedule = overlap.schedule(program, ratios)
+    compute, communication = overlap.per_device(program, ratios)
     return {
-        "per_iteration": program_cost(program, ratios),
-        "compute": per_device(program, ratios, "comp"),
-        "communication": per_device(program, ratios, "comm"),
+        "per_iteration": schedule.cost,
+        "compute": compute,
+        "communication": communication,
         "memory": peak_memory(program, ratios),
         "replicated_flop_share": replicated_flop_share(program),
+        "overlap": {
+            "duplicas": int(program["duplicas"]),
+            "forward": schedule.pass_cost("forward"),
+            "backward": schedule.pass_cost("backward"),
+            "serial": schedule.serial,
+            "hidden": schedule.hidden(),
+            "exposed": schedule.exposed(),
+        },
     }
 
 
@@ -143,6 +176,33 @@ def _recompute_line(program: Mapping[str, Any]) -> str:
             f"recomputed, their forward running again in the backward pass")
 
 
+def _overlap_lines(plan: Plan) -> list[str]:
+    """Where overlap hides communication: per pass the totals, and per communication
+    point its collectives' time (both duplicas'), how much of it compute hides and how
+    much stalls it. Nothing for a plan without overlap."""
+    if not overlap.is_overlapped(plan.program):
+        return []
+    schedule = overlap.schedule(plan.program, plan.ratios)
+    lines = [
+        f"overlap: {plan.duplicas} duplicas interleaved, each 1/{plan.duplicas} of the global batch; "
+        f"communication hidden {_fmt_s(schedule.hidden())}, exposed {_fmt_s(schedule.exposed())}, "
+        f"serial {_fmt_s(schedule.serial)} (parameters' collectives and gradient all-reduce, once)",
+    ]
+    for p in overlap.PASSES:
+        segments = schedule.segments[p]
+        lines.append(
+            f"  {p}: {_fmt_s(schedule.pass_cost(p))} = compute {_fmt_s(schedule.compute(p))} + exposed "
+            f"{_fmt_s(schedule.exposed(p))} ({len(segments) - 1} communication points, hidden {_fmt_s(schedule.hidden(p))})"
+        )
+        for seg in segments[1:]:
+            lines.append(
+                f"    segment {seg.index:<4} at {seg.node:<30} communication {_fmt_s(seg.communication):>10}  "
+                f"hidden {_fmt_s(seg.hidden):>10}  exposed {_fmt_s(seg.exposed):>10}  "
+                f"compute A {_fmt_s(seg.compute_a)} B {_fmt_s(seg.compute_b)}"
+            )
+    return lines
+
+
 def explain(plan: Plan) -> str:
     """A readable report: estimate vs baselines, ratios, every step with its layouts and
     collectives, per-device totals, and why replicated ops are replicated."""
@@ -159,8 +219,9 @@ def explain(plan: Plan) -> str:
         _recompute_line(program),
         f"synthesis: {stats['seconds']:.3f} s, {stats['expanded']} states expanded, "
         f"{stats['lp_rounds']} search/LP rounds, stop reason {stats['stop_reason']}",
-        "devices:",
     ]
+    lines += _overlap_lines(plan)
+    lines.append("devices:")
     for d, r in enumerate(ratios):
         lines.append(
             f"  rank {d:<3} ratio {r:.4f}  compute {_fmt_s(est['compute'][d]):>10}  "

@@ -50,7 +50,13 @@ def row_values(row: dict[str, Sequence[float]], ratios: Sequence[float]) -> list
 
 
 def program_cost(program: dict[str, Any], ratios: Sequence[float]) -> float:
-    """Σ over steps of max_d compute + max_d communication under ``ratios``."""
+    """Σ over steps of max_d compute + max_d communication under ``ratios``; for a
+    program searched with overlap, the two-duplica schedule's cost
+    (:func:`hapd.compiler.overlap.overlap_cost`)."""
+    if program.get("duplicas", 1) > 1:
+        from hapd.compiler.overlap import overlap_cost
+
+        return overlap_cost(program, ratios)
     total = 0.0
     for step in program["steps"]:
         total += max(row_values(step["comp"], ratios), default=0.0)

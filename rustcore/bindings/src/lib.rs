@@ -58,6 +58,7 @@ fn summary_dict<'py>(py: Python<'py>, s: &Summary) -> PyResult<Bound<'py, PyDict
 /// Search for the cheapest program of `graph` on `profile` under `ratios`.
 ///
 /// `options`: `mode` ("auto" | "data_parallel"), `force` ({node: rule}), `zero` (bool),
+/// `overlap` (bool: price the program as two duplicas interleaved),
 /// `recompute` (the blocks whose activations the backward pass recomputes),
 /// `max_states` (int), `max_seconds` (float), `memory_price` (seconds per byte held on
 /// each device: the search trades time for memory). Returns the program as msgpack bytes.
@@ -115,6 +116,7 @@ fn parse_options(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyResul
             }
             "force" => opts.force = value.extract::<BTreeMap<String, String>>()?,
             "zero" => opts.zero = value.extract()?,
+            "overlap" => opts.overlap = value.extract()?,
             "recompute" => opts.recompute = value.extract::<Vec<String>>()?.into_iter().collect(),
             "max_states" => limits.max_states = value.extract()?,
             "front_width" => limits.front_width = value.extract()?,

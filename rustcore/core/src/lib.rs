@@ -28,6 +28,7 @@ pub mod error;
 pub mod ir;
 pub mod layout;
 pub mod memory;
+pub mod overlap;
 pub mod plan;
 pub mod problem;
 pub mod profile;

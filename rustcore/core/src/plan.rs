@@ -10,6 +10,7 @@ use crate::cost::{Row, Work};
 use crate::ir::NodeKind;
 use crate::layout::Layout;
 use crate::memory;
+use crate::overlap::{OverlapOut, DUPLICAS};
 use crate::problem::{Problem, TensorId};
 use crate::search::{ChosenStep, Comm, Outcome, Source};
 
@@ -71,6 +72,9 @@ pub struct StepOut {
     pub outputs: Vec<LayoutOut>,
     pub comp: RowOut,
     pub comm: RowOut,
+    /// The step's part in the two-duplica schedule ([`crate::overlap`]); nil unless the
+    /// program was searched with overlap.
+    pub overlap: Option<OverlapOut>,
     /// The recomputed segment the step is in (see [`crate::recompute`]): the runtime
     /// runs each segment's steps under activation checkpointing; nil when kept.
     pub segment: Option<usize>,
@@ -138,6 +142,9 @@ pub struct ProgramOut {
     pub tensors: Vec<TensorOut>,
     pub splits: Vec<SplitOut>,
     pub loss: String,
+    /// How many duplicas the runtime interleaves: 2 for a program searched with
+    /// overlap ([`crate::overlap`]), else 1.
+    pub duplicas: usize,
     /// The blocks whose activations the backward pass recomputes (sorted).
     pub recompute: Vec<String>,
     /// Bytes per device held while the backward pass runs ([`memory`]).
@@ -288,6 +295,7 @@ pub fn program(problem: &Problem, outcome: &Outcome) -> ProgramOut {
         tensors: tensors_out(problem, outcome),
         splits,
         loss: tensor_name(problem, problem.loss),
+        duplicas: if problem.options.overlap { DUPLICAS } else { 1 },
         recompute: problem.options.recompute.iter().cloned().collect(),
         memory: (&parts.backward().row(n)).into(),
         memory_update: (&parts.update().row(n)).into(),
@@ -348,6 +356,7 @@ fn step_out(problem: &Problem, chosen: &ChosenStep) -> StepOut {
         outputs: layouts_out(problem, step.outputs.iter().zip(&rule.outputs).filter_map(|(t, l)| t.map(|t| (t, *l)))),
         comp: (&chosen.comp).into(),
         comm: (&chosen.comm).into(),
+        overlap: chosen.overlap.as_ref().map(Into::into),
         segment: step.segment,
     }
 }

@@ -34,6 +34,9 @@ pub struct Options {
     pub force: BTreeMap<String, String>,
     /// Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use).
     pub zero: bool,
+    /// Price programs as two duplicas interleaved so that one computes while the other
+    /// communicates ([`crate::overlap`]); the graph is one duplica's.
+    pub overlap: bool,
     /// Blocks (the graph's `block` labels) whose activations the backward pass
     /// recomputes instead of keeping: each run of consecutive steps of one of them is a
     /// segment that keeps only its inputs, and its forward (compute and collectives) runs

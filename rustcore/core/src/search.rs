@@ -8,6 +8,11 @@
 //! cheapest compute — never overestimates (every op must still run, and communication
 //! costs ≥ 0), so the first goal popped is optimal. Each state stores only its parent and
 //! its choice: an expansion costs O(live tensors), not O(program length).
+//!
+//! With the `overlap` option a program's cost is the two-duplica schedule's
+//! ([`crate::overlap`]): a state's cost is a [`Clock`], the dominance between states
+//! compares each of its numbers, and the heuristic counts the rest of the program's
+//! compute for both duplicas less what the last points' collectives can still hide.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -20,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::ir::NodeKind;
 use crate::layout::{Layout, LayoutSet};
 use crate::memory;
+use crate::overlap::{Clock, Schedule, StepRows, StepTimes};
 use crate::problem::{Problem, TensorId};
 
 /// Why the search stopped.
@@ -79,6 +85,8 @@ pub struct ChosenStep {
     pub comms: Vec<Comm>,
     pub comp: Row,
     pub comm: Row,
+    /// The step's part in the two-duplica schedule (with the `overlap` option).
+    pub overlap: Option<StepRows>,
 }
 
 /// A found program and how the search went.
@@ -106,6 +114,8 @@ pub struct Search<'p, 'a> {
     /// Seconds charged per byte a state adds on each device (see
     /// [`Search::with_memory_price`]); `None`: memory is free.
     memory_price: Option<Vec<f64>>,
+    /// The two-duplica schedule, when the problem's options ask for overlap.
+    schedule: Option<Schedule>,
 }
 
 struct Entry {
@@ -116,13 +126,19 @@ struct Entry {
     rule: u16,
     choice: u16,
     g: f64,
+    /// The state's cost in full (`g` is its total): with overlap, what the rest of the
+    /// program costs depends on more than the total.
+    clock: Clock,
     held: Box<[LayoutSet]>,
 }
 
 /// The outcome of applying one rule at one state.
 struct Transition {
     held: Box<[LayoutSet]>,
+    /// Seconds added (with overlap: the memory charge only; the step's times are in
+    /// `times`).
     cost: f64,
+    times: StepTimes,
     choice: u16,
 }
 
@@ -143,12 +159,14 @@ struct Run {
     comp_values: Vec<Vec<f64>>,
     /// Lower bound on the cost from each position to the end.
     heuristic: Vec<f64>,
+    /// With overlap: the part of `heuristic` duplica B runs too (its batch steps).
+    batch_left: Vec<f64>,
     /// Every state generated; a state's index is its id.
     arena: Vec<Entry>,
     /// Per position, the states no other state dominates, cheapest first.
     fronts: Vec<Vec<u32>>,
     /// Cheapest cost seen per (position, held layouts).
-    exact: HashMap<(u32, Box<[LayoutSet]>), f64>,
+    exact: HashMap<(u32, Box<[LayoutSet]>), Clock>,
     /// States to expand by `g + heuristic`, then deepest, then oldest.
     heap: BinaryHeap<(Reverse<u64>, u32, Reverse<u32>)>,
     memo: CommMemo,
@@ -187,6 +205,7 @@ impl<'p, 'a> Search<'p, 'a> {
             time_limit: None,
             cancel: None,
             memory_price: None,
+            schedule: problem.options.overlap.then(|| Schedule::new(problem)),
         })
     }
 
@@ -264,9 +283,13 @@ impl<'p, 'a> Search<'p, 'a> {
             .map(|s| s.comp.iter().map(|row| self.max(row)).collect())
             .collect();
         let mut heuristic = vec![0.0; n_steps + 1];
+        let mut batch_left = vec![0.0; n_steps + 1];
         for i in (0..n_steps).rev() {
             let cheapest = comp_values[i].iter().copied().fold(f64::INFINITY, f64::min);
-            heuristic[i] = heuristic[i + 1] + if cheapest.is_finite() { cheapest } else { 0.0 };
+            let cheapest = if cheapest.is_finite() { cheapest } else { 0.0 };
+            heuristic[i] = heuristic[i + 1] + cheapest;
+            let batch = self.schedule.as_ref().is_some_and(|s| s.step_batch[i]);
+            batch_left[i] = batch_left[i + 1] + if batch { cheapest } else { 0.0 };
         }
         let root = Entry {
             dead: false,
@@ -275,14 +298,16 @@ impl<'p, 'a> Search<'p, 'a> {
             rule: 0,
             choice: 0,
             g: 0.0,
+            clock: Clock::default(),
             held: vec![LayoutSet::default(); p.live[0].len()].into_boxed_slice(),
         };
         let mut heap = BinaryHeap::new();
-        heap.push((Reverse(key(heuristic[0])), 0u32, Reverse(0u32)));
+        heap.push((Reverse(key(heuristic[0] + batch_left[0])), 0u32, Reverse(0u32)));
         Run {
             start: Instant::now(),
             comp_values,
             heuristic,
+            batch_left,
             arena: vec![root],
             fronts: vec![Vec::new(); n_steps + 1],
             exact: HashMap::new(),
@@ -351,11 +376,13 @@ impl<'p, 'a> Search<'p, 'a> {
     /// dominates and, past the front width, the dearest of its position.
     fn add_state(&self, run: &mut Run, idx: u32, rule: usize, t: Transition) {
         let parent = &run.arena[idx as usize];
-        let (pos, g2) = (parent.pos, parent.g + t.cost);
+        let pos = parent.pos;
+        let clock = self.child_clock(parent, &t);
+        let g2 = clock.cost();
         let next = pos as usize + 1;
         let live = &self.problem.live[next];
         let key_held = (next as u32, t.held.clone());
-        if run.exact.get(&key_held).is_some_and(|&b| b <= g2) {
+        if run.exact.get(&key_held).is_some_and(|b| b.dominates(&clock, (0.0, 0.0))) {
             return;
         }
         // dominance against the cheapest states of the front (sorted by cost)
@@ -363,14 +390,16 @@ impl<'p, 'a> Search<'p, 'a> {
         let checked = front.len().min(FRONT_CHECKS);
         if front[..checked].iter().any(|&k| {
             let e = &run.arena[k as usize];
-            e.g + self.switch_cost(live, &e.held, &t.held, &mut run.set_memo, &mut run.memo) <= g2
+            let switch = self.switch_cost(live, &e.held, &t.held, &mut run.set_memo, &mut run.memo);
+            e.clock.dominates(&clock, self.switch_extra(&e.clock, switch))
         }) {
             return; // an existing state reaches this one for less
         }
         let mut dead = Vec::new();
         for (j, &k) in front[..checked].iter().enumerate() {
             let e = &run.arena[k as usize];
-            if g2 + self.switch_cost(live, &t.held, &e.held, &mut run.set_memo, &mut run.memo) <= e.g {
+            let switch = self.switch_cost(live, &t.held, &e.held, &mut run.set_memo, &mut run.memo);
+            if clock.dominates(&e.clock, self.switch_extra(&clock, switch)) {
                 dead.push(j);
             }
         }
@@ -378,7 +407,7 @@ impl<'p, 'a> Search<'p, 'a> {
             let k = run.fronts[next].remove(j);
             run.arena[k as usize].dead = true;
         }
-        run.exact.insert(key_held, g2);
+        run.exact.insert(key_held, clock);
         run.arena.push(Entry {
             dead: false,
             parent: idx,
@@ -386,6 +415,7 @@ impl<'p, 'a> Search<'p, 'a> {
             rule: rule as u16,
             choice: t.choice,
             g: g2,
+            clock,
             held: t.held,
         });
         let child = (run.arena.len() - 1) as u32;
@@ -401,7 +431,8 @@ impl<'p, 'a> Search<'p, 'a> {
                 run.bounded = true;
             }
         }
-        run.heap.push((Reverse(key(g2 + run.heuristic[next])), pos + 1, Reverse(child)));
+        let bound = self.lower_bound(&clock, run.heuristic[next], run.batch_left[next]);
+        run.heap.push((Reverse(key(bound)), pos + 1, Reverse(child)));
     }
 
     /// Finish the run: the stop reason, the program to the goal (or completed greedily
@@ -436,24 +467,25 @@ impl<'p, 'a> Search<'p, 'a> {
         let mut cur = from;
         while (run.arena[cur as usize].pos as usize) < self.problem.steps.len() {
             let pos = run.arena[cur as usize].pos as usize;
-            let mut pick: Option<(f64, usize, Transition)> = None;
+            let mut pick: Option<(Clock, usize, Transition)> = None;
             for rule in 0..self.problem.steps[pos].rules.len() {
                 let held = &run.arena[cur as usize].held;
                 for t in self.transitions(pos, rule, held, &run.comp_values, &mut run.memo) {
-                    if pick.as_ref().is_none_or(|(c, _, _)| t.cost < *c) {
-                        pick = Some((t.cost, rule, t));
+                    let clock = self.child_clock(&run.arena[cur as usize], &t);
+                    if pick.as_ref().is_none_or(|(c, _, _)| clock.cost() < c.cost()) {
+                        pick = Some((clock, rule, t));
                     }
                 }
             }
-            let Some((cost, rule, t)) = pick else { break };
-            let g = run.arena[cur as usize].g + cost;
+            let Some((clock, rule, t)) = pick else { break };
             run.arena.push(Entry {
                 dead: false,
                 parent: cur,
                 pos: pos as u32 + 1,
                 rule: rule as u16,
                 choice: t.choice,
-                g,
+                g: clock.cost(),
+                clock,
                 held: t.held,
             });
             cur = (run.arena.len() - 1) as u32;
@@ -551,6 +583,7 @@ impl<'p, 'a> Search<'p, 'a> {
             let mut local: Vec<(TensorId, LayoutSet)> = Vec::with_capacity(step.inputs.len());
             let mut comm = vec![0.0; n];
             let mut charge = 0.0;
+            let mut rows = self.schedule.as_ref().map(|s| s.step(p, pos, rule_index));
             let mut c = choice;
             for (k, &(t, _)) in new_sources.iter().enumerate() {
                 let (created, _) = options[k][c % options[k].len()];
@@ -558,6 +591,9 @@ impl<'p, 'a> Search<'p, 'a> {
                 local.push((t, LayoutSet::single(created)));
                 if let Some(values) = self.source_values(t, created) {
                     Self::add_values(&mut comm, &values);
+                }
+                if let (Some(rows), Some(row)) = (rows.as_mut(), self.source_row(t, created)) {
+                    rows.add_serial(&row);
                 }
                 if self.memory_price.is_some() {
                     let tensor = p.tensor(t);
@@ -576,6 +612,11 @@ impl<'p, 'a> Search<'p, 'a> {
                 };
                 if current.contains(need) {
                     continue;
+                }
+                if let (Some(rows), Some(schedule)) = (rows.as_mut(), &self.schedule) {
+                    if let Some((_, collective, _)) = self.cheapest_comm(t, current, need, memo) {
+                        schedule.add_comm(p, rows, t, collective);
+                    }
                 }
                 let Some((_, collective, values)) = self.cheapest_comm(t, current, need, memo) else { continue 'combo };
                 Self::add_values(&mut comm, &values);
@@ -617,10 +658,13 @@ impl<'p, 'a> Search<'p, 'a> {
                     if set.contains(Layout::Identity) {
                         continue;
                     }
-                    let Some((_, _, values)) = self.cheapest_comm(t, set, Layout::Identity, memo) else {
+                    let Some((_, collective, values)) = self.cheapest_comm(t, set, Layout::Identity, memo) else {
                         continue 'combo;
                     };
                     Self::add_values(&mut comm, &values);
+                    if let (Some(rows), Some(schedule)) = (rows.as_mut(), &self.schedule) {
+                        schedule.add_comm(p, rows, t, collective);
+                    }
                     next_held[i] = set.with(Layout::Identity);
                 }
                 if let Ok(i) = next.binary_search(&p.loss) {
@@ -635,11 +679,11 @@ impl<'p, 'a> Search<'p, 'a> {
                 charge += self.outputs_charge(pos, rule_index);
             }
             let comm_max = comm.iter().copied().fold(0.0, f64::max);
-            out.push(Transition {
-                held: next_held.into_boxed_slice(),
-                cost: comp_values[pos][rule_index] + comm_max + charge,
-                choice: choice as u16,
-            });
+            let (cost, times) = match &rows {
+                Some(rows) => (charge, rows.times(&self.ratios)),
+                None => (comp_values[pos][rule_index] + comm_max + charge, StepTimes::default()),
+            };
+            out.push(Transition { held: next_held.into_boxed_slice(), cost, times, choice: choice as u16 });
         }
         out
     }
@@ -709,6 +753,7 @@ impl<'p, 'a> Search<'p, 'a> {
         let mut created = vec![LayoutSet::default(); p.tensors.len()];
         let mut steps = Vec::with_capacity(choices.len());
         let mut total = 0.0;
+        let mut clock = Clock::default();
         let mut memo: CommMemo = HashMap::new();
         for (pos, &(rule_index, choice)) in choices.iter().enumerate() {
             let step = &p.steps[pos];
@@ -762,7 +807,11 @@ impl<'p, 'a> Search<'p, 'a> {
             }
             let comp = step.comp[rule_index].clone();
             total += self.max(&comp) + self.max(&comm);
-            steps.push(ChosenStep { step: pos, rule: rule_index, sources, comms, comp, comm });
+            let overlap = self.overlap_rows(pos, rule_index, &sources, &comms);
+            if let Some(rows) = &overlap {
+                clock = clock.advance(&rows.times(&self.ratios));
+            }
+            steps.push(ChosenStep { step: pos, rule: rule_index, sources, comms, comp, comm, overlap });
         }
         // a replicated loss becomes a partial sum by keeping it on rank 0
         if let Some(last) = steps.last_mut() {
@@ -778,7 +827,55 @@ impl<'p, 'a> Search<'p, 'a> {
                 message: format!("the search ended after {} of {} steps", choices.len(), p.steps.len()),
             });
         }
+        let total = if self.schedule.is_some() { clock.cost() } else { total };
         Ok((steps, created, total))
+    }
+}
+
+/// The two-duplica schedule's part of the search ([`crate::overlap`]).
+impl Search<'_, '_> {
+    /// The clock of state `parent`'s child by transition `t`.
+    fn child_clock(&self, parent: &Entry, t: &Transition) -> Clock {
+        if self.schedule.is_some() {
+            parent.clock.advance(&t.times).delayed(t.cost)
+        } else {
+            Clock::plain(parent.g + t.cost)
+        }
+    }
+
+    /// What a state with clock `from` pays at most to reach another's layouts with
+    /// collectives of `switch` seconds ([`Search::switch_cost`]).
+    fn switch_extra(&self, from: &Clock, switch: f64) -> (f64, f64) {
+        if self.schedule.is_some() {
+            from.switch_extra(switch)
+        } else {
+            (switch, 0.0)
+        }
+    }
+
+    /// A lower bound on the program's cost through a state with clock `clock`, when the
+    /// rest of the program computes at least `compute_left` seconds, `batch_left` of
+    /// them in steps each duplica runs.
+    fn lower_bound(&self, clock: &Clock, compute_left: f64, batch_left: f64) -> f64 {
+        if self.schedule.is_some() {
+            clock.lower_bound(compute_left, batch_left)
+        } else {
+            clock.cost() + compute_left
+        }
+    }
+
+    /// The schedule's rows of a replayed step: its compute, the collectives before it,
+    /// and its sources' gradient synchronization (backward only, once).
+    fn overlap_rows(&self, pos: usize, rule: usize, sources: &[Source], comms: &[Comm]) -> Option<StepRows> {
+        let schedule = self.schedule.as_ref()?;
+        let mut rows = schedule.step(self.problem, pos, rule);
+        for s in sources {
+            rows.add_serial(&s.row);
+        }
+        for c in comms {
+            schedule.add_comm(self.problem, &mut rows, c.tensor, c.collective);
+        }
+        Some(rows)
     }
 }
 

@@ -1,0 +1,288 @@
+"""Two duplicas interleaved (``CompileOptions.overlap``): the schedule's cost of a
+program, its sharding-ratio LP, its memory, and where it hides communication.
+
+A program searched with overlap is one duplica's (half the global batch); the runtime
+(:mod:`hapd.runtime.overlap`) runs it twice, duplicas A and B, interleaved at every
+**communication point** (a collective on a batch-dependent tensor): A's collective runs
+while B computes the segment before the point, then B's while A computes the segment
+after it. Each step of such a program carries its ``overlap`` rows
+(``rustcore/core/src/overlap.rs`` says what each holds), and each pass (forward, and
+the backward mirrored) of the global batch costs
+
+    S^A_0 + Σ_k max(S^B_{k-1}, first_k) + inner_k + max(S^A_k, last_k) + S^B_last
+
+with ``S^A_k``/``S^B_k`` duplica A's/B's compute of segment ``k`` (ops that depend on no
+input run in A only), ``first_k``/``last_k`` the first/last of the collectives at the
+point's step and ``inner_k`` the exposed time of any between them. Collectives of
+parameters and the replicated gradients' all-reduce run once, serially. Every time is
+the slowest device's, as in the rest of the cost model. This module mirrors the core's
+``Clock`` in closed form, so that the search, the LP and the plan's estimate price one
+schedule.
+
+The LP is exact for a fixed program: every term is a maximum of functions linear in the
+ratios, added with a positive weight, so an epigraph variable per maximum is at its
+maximum at the optimum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import pulp
+
+from hapd.errors import SynthesisError
+from hapd.compiler.ratios import LPResult, _lp_failure, _solver, _variable, memory_rows, row_values
+
+DUPLICAS = 2
+"""Duplicas an overlapped program runs (the core's ``overlap::DUPLICAS``)."""
+
+PASSES = ("forward", "backward")
+
+
+def is_overlapped(program: Mapping[str, Any]) -> bool:
+    """Whether ``program`` was searched with overlap (runs as interleaved duplicas)."""
+    return int(program.get("duplicas", 1)) > 1
+
+
+def _max(row: Mapping[str, Sequence[float]], ratios: Sequence[float]) -> float:
+    return max(row_values(row, ratios), default=0.0)
+
+
+@dataclass(kw_only=True)
+class Segment:
+    """One pass's computation from one communication point to the next, and the
+    collectives at its point."""
+
+    index: int
+    node: str | None
+    """The step at the point (``None`` for segment 0, before the first point)."""
+    compute_a: float = 0.0
+    """Duplica A's compute in the segment."""
+    compute_b: float = 0.0
+    """Duplica B's (without the steps that depend on no input)."""
+    first: float = 0.0
+    """The first collective at the point: A's runs under B's compute of the previous
+    segment."""
+    last: float = 0.0
+    """The last: B's runs under A's compute of this segment."""
+    inner: float = 0.0
+    """The collectives between, exposed (both duplicas')."""
+    hidden: float = 0.0
+    """Communication time at the point that compute hides."""
+
+    @property
+    def communication(self) -> float:
+        """Both duplicas' collectives at the point (0 for segment 0)."""
+        return self.first + self.inner + self.last if self.node is not None else 0.0
+
+    @property
+    def exposed(self) -> float:
+        """Communication time at the point that stalls compute."""
+        return self.communication - self.hidden
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """An overlapped program's schedule under some ratios."""
+
+    segments: dict[str, list[Segment]]
+    """Per pass (``forward``, ``backward``), its segments in program order."""
+    serial: float
+    """Collectives run once for both duplicas, not overlapped."""
+
+    def compute(self, pass_: str) -> float:
+        """Both duplicas' compute in a pass."""
+        return sum(s.compute_a + s.compute_b for s in self.segments[pass_])
+
+    def hidden(self, pass_: str | None = None) -> float:
+        """Communication hidden under compute, in a pass or both."""
+        passes = PASSES if pass_ is None else (pass_,)
+        return sum(s.hidden for p in passes for s in self.segments[p])
+
+    def exposed(self, pass_: str | None = None) -> float:
+        """Communication that stalls compute, in a pass or both."""
+        passes = PASSES if pass_ is None else (pass_,)
+        return sum(s.exposed for p in passes for s in self.segments[p])
+
+    def pass_cost(self, pass_: str) -> float:
+        return self.compute(pass_) + self.exposed(pass_)
+
+    @property
+    def cost(self) -> float:
+        """Seconds per iteration of the global batch (both duplicas)."""
+        return self.pass_cost("forward") + self.pass_cost("backward") + self.serial
+
+
+def _chain(times: Sequence[float]) -> tuple[float, float, float]:
+    """(first, last, inner) of collectives of these times before one step (the core's
+    ``PassTimes::chain``)."""
+    if not times:
+        return 0.0, 0.0, 0.0
+    return times[0], times[-1], 2.0 * sum(times) - times[0] - times[-1] if len(times) > 1 else 0.0
+
+
+def schedule(program: Mapping[str, Any], ratios: Sequence[float]) -> Schedule:
+    """The segments of overlapped ``program`` under ``ratios``, with how much of each
+    point's communication compute hides."""
+    segments: dict[str, list[Segment]] = {p: [Segment(index=0, node=None)] for p in PASSES}
+    serial = 0.0
+    for step in program["steps"]:
+        rows = step["overlap"]
+        serial += _max(rows["serial"], ratios)
+        for p in PASSES:
+            compute = _max(rows[f"comp_{p}"], ratios)
+            comms = [_max(c, ratios) for c in rows[f"comm_{p}"]]
+            if comms:
+                first, last, inner = _chain(comms)
+                segments[p].append(Segment(index=len(segments[p]), node=step["node"], first=first, last=last, inner=inner))
+            seg = segments[p][-1]
+            seg.compute_a += compute
+            if rows["batch"]:
+                seg.compute_b += compute
+    for p in PASSES:
+        segs = segments[p]
+        for k, seg in enumerate(segs):
+            if k > 0:
+                seg.hidden = min(seg.first, segs[k - 1].compute_b) + min(seg.last, seg.compute_a)
+    return Schedule(segments=segments, serial=serial)
+
+
+def overlap_cost(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
+    """Seconds per iteration of overlapped ``program`` under ``ratios``, for the global
+    batch (both duplicas)."""
+    return schedule(program, ratios).cost
+
+
+def per_device(program: Mapping[str, Any], ratios: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per-device compute and communication seconds of both duplicas (what each device
+    spends on each, however much of it overlaps)."""
+    n = len(ratios)
+    compute, communication = [0.0] * n, [0.0] * n
+    for step in program["steps"]:
+        rows = step["overlap"]
+        runs = DUPLICAS if rows["batch"] else 1
+        for key in ("comp_forward", "comp_backward"):
+            for d, v in enumerate(row_values(rows[key], ratios)):
+                compute[d] += runs * v
+        for row in rows["comm_forward"] + rows["comm_backward"]:
+            for d, v in enumerate(row_values(row, ratios)):
+                communication[d] += DUPLICAS * v
+        for d, v in enumerate(row_values(rows["serial"], ratios)):
+            communication[d] += v
+    return compute, communication
+
+
+def with_duplica_memory(program: dict[str, Any]) -> dict[str, Any]:
+    """``program`` with its backward-pass memory counting every duplica's batch inputs and
+    kept activations: the core's memory rows are one duplica's, and both duplicas run
+    their forward before either runs its backward, while parameters, gradients and
+    optimizer state are held once. Updates ``memory`` and, where present,
+    ``memory_split``, in place."""
+    extra = DUPLICAS - 1
+    parts = program.get("memory_parts", {})
+    row = program["memory"]
+    for name in ("inputs", "activations"):
+        part = parts.get(name)
+        if part is not None:
+            row = {
+                "constant": [c + extra * v for c, v in zip(row["constant"], part["constant"])],
+                "coef": [c + extra * v for c, v in zip(row["coef"], part["coef"])],
+            }
+    program["memory"] = row
+    split = program.get("memory_split")
+    if split is not None:
+        backward = dict(split["backward"])
+        for name in ("inputs", "activations"):
+            part = split["parts"].get(name)
+            if part is None:
+                continue
+            backward["replica"] = backward["replica"] + extra * part["replica"]
+            backward["shards"] = list(backward["shards"]) + [[c, extra * b] for c, b in part["shards"]]
+            backward["largest"] = list(backward["largest"]) + [[[c, extra * b] for c, b in g] for g in part["largest"]]
+        program["memory_split"] = dict(split, backward=backward)
+    return program
+
+
+@dataclass
+class _Maxima:
+    """Epigraph variables of ``max_d row_d(r)`` in one LP, one per distinct row shape
+    (rows that are positive multiples of each other share one, scaled)."""
+
+    lp: pulp.LpProblem
+    r: list[pulp.LpVariable]
+    vars: dict[tuple, pulp.LpVariable] = field(default_factory=dict)
+
+    def of(self, row: Mapping[str, Sequence[float]]) -> Any:
+        """An expression equal to the row's maximum at the LP's optimum (a number where
+        the row does not depend on the ratios)."""
+        const, coef = list(row["constant"]), list(row["coef"])
+        if not any(coef):
+            return max(const, default=0.0)
+        scale = max(max(abs(v) for v in const), max(abs(v) for v in coef))
+        key = tuple(round(v / scale, 9) for v in const + coef)
+        var = self.vars.get(key)
+        if var is None:
+            i = len(self.vars)
+            var = self.vars[key] = _variable(self.lp, f"m_{i}")
+            for d, (c, k) in enumerate(zip(const, coef)):
+                self.lp += var >= c / scale + (k / scale) * self.r[d], f"m_{i}_{d}"
+        return scale * var
+
+
+def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | None) -> LPResult:
+    """Sharding ratios minimizing overlapped ``program``'s cost (:func:`overlap_cost`),
+    under per-device memory caps when given."""
+    n = int(program["devices"])
+    lp = pulp.LpProblem("hapd_overlap_ratios", pulp.LpMinimize)
+    r = [_variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
+    maxima = _Maxima(lp, r)
+    terms: list[Any] = []
+    count = 0
+
+    def at_least(*lower: Any) -> Any:
+        nonlocal count
+        numbers = [b for b in lower if isinstance(b, (int, float))]
+        if len(numbers) == len(lower):
+            return max(numbers)
+        var = _variable(lp, f"x_{count}")
+        for i, bound in enumerate(lower):
+            lp.addConstraint(var >= bound, f"x_{count}_{i}")
+        count += 1
+        return var
+
+    for p in PASSES:
+        # per segment: A's compute, B's compute, and the point's (first, last, inner)
+        segs: list[list[Any]] = [[[], [], None]]
+        for step in program["steps"]:
+            rows = step["overlap"]
+            comms = [maxima.of(c) for c in rows[f"comm_{p}"]]
+            if comms:
+                inner = 2 * pulp.lpSum(comms) - comms[0] - comms[-1] if len(comms) > 1 else 0.0
+                segs.append([[], [], (comms[0], comms[-1], inner)])
+            compute = maxima.of(rows[f"comp_{p}"])
+            segs[-1][0].append(compute)
+            if rows["batch"]:
+                segs[-1][1].append(compute)
+        terms.append(pulp.lpSum(segs[0][0]))
+        for k in range(1, len(segs)):
+            first, last, inner = segs[k][2]
+            terms.append(at_least(pulp.lpSum(segs[k - 1][1]), first))
+            terms.append(inner)
+            terms.append(at_least(pulp.lpSum(segs[k][0]), last))
+        terms.append(pulp.lpSum(segs[-1][1]))
+    terms.extend(maxima.of(step["overlap"]["serial"]) for step in program["steps"])
+    lp += pulp.lpSum(terms)
+    lp += pulp.lpSum(r) == 1, "ratios_sum_to_one"
+    if memory_caps is not None:
+        for k, mem in enumerate(memory_rows(dict(program))):
+            for d in range(n):
+                lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d], f"memory_{k}_{d}"
+    status = lp.solve(_solver())
+    name = pulp.LpStatus.get(status, str(status))
+    if name != "Optimal":
+        raise SynthesisError(_lp_failure(name, dict(program), memory_caps))
+    ratios = [max(0.0, float(v.value() or 0.0)) for v in r]
+    total = sum(ratios)
+    ratios = tuple(v / total for v in ratios)
+    return LPResult(ratios=ratios, objective=overlap_cost(program, ratios), variables=len(lp.variables()))
