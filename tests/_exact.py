@@ -96,6 +96,7 @@ class Spec(NamedTuple):
     mode: str
     force: Force | None
     expect: frozenset  # (op, rule) pairs the plan must run
+    overlap: bool = False  # run as two interleaved duplicas (a plan for half the batch)
 
 
 # --------------------------------------------------------------------------------------
@@ -123,6 +124,7 @@ class Case(NamedTuple):
     grads: dict[str, Tensor]
     expect: frozenset
     forced: dict[str, str]  # node -> the rule forced on it
+    overlap: bool = False  # program and plan are for half the batch, run as two duplicas
 
 
 def reference(build: Build, name: str, steps: int = 0) -> Reference:
@@ -160,10 +162,24 @@ def profile_flops(world: int) -> list[float]:
 def make_case(spec: Spec, ratios: Sequence[float], ref: Reference) -> Case:
     """``spec`` compiled for ``len(ratios)`` estimated devices with ``ratios``."""
     world = len(ratios)
-    force = spec.force(ref.ir.doc) if spec.force else {}
+    saved, ir = ref.saved, ref.ir
+    if spec.overlap:
+        saved, ir = _half_batch(spec, ref)
+    force = spec.force(ir.doc) if spec.force else {}
     profile = estimated_profile(world, flops=profile_flops(world))
-    plan = hapd.compile(ref.ir, profile, CompileOptions(ratios=tuple(ratios), mode=spec.mode, force=force))
-    return Case(spec.name, ref.saved, plan.to_bytes(), ref.inputs, ref.losses, ref.grads, spec.expect, force)
+    plan = hapd.compile(ir, profile, CompileOptions(ratios=tuple(ratios), mode=spec.mode, force=force))
+    return Case(spec.name, saved, plan.to_bytes(), ref.inputs, ref.losses, ref.grads, spec.expect, force, spec.overlap)
+
+
+def _half_batch(spec: Spec, ref: Reference) -> tuple[bytes, Any]:
+    """The spec's model exported and lowered for the first half of its batch (dim 0):
+    what one duplica of an overlapped run computes."""
+    module, _ = spec.build()
+    half = tuple(t.narrow(0, 0, t.shape[0] // 2) for t in ref.inputs)
+    program = hapd.export(module, half)
+    buf = io.BytesIO()
+    torch.export.save(program, buf)
+    return buf.getvalue(), hapd.lower(program, name=spec.name.split("/")[0])
 
 
 def make_cases(specs: Sequence[Spec], ratios: Sequence[float], steps: int = 0,
@@ -230,6 +246,10 @@ def _run_case(rank: int, case: Case, loaded: dict[bytes, Any] | None = None) -> 
 
     plan = Plan.from_bytes(case.plan)
     module = distribute(_load(case.program, {} if loaded is None else loaded), plan, rank)
+    if case.overlap:
+        from hapd.runtime.overlap import overlapped
+
+        module = overlapped(module)
     local_inputs = module.shard_inputs(*case.inputs)
     steps = len(case.losses) - 1
     optimizer = torch.optim.Adam(module.parameters(), lr=LR)
