@@ -32,6 +32,10 @@
 //! backward compute and each collective's dual. `bench/overlap_search.py` prints the
 //! forward and backward estimates apart, for a measurement to check them against.
 //!
+//! A recomputed segment's forward runs again in the backward pass
+//! ([`crate::recompute`]): its compute counts as backward compute, and its collectives,
+//! run again by each duplica inside that compute, as serial time.
+//!
 //! Every time is the slowest device's, as in the bulk-synchronous model of
 //! [`crate::cost`]: a step's compute `max_d`, each collective `max_d`.
 //!
@@ -73,16 +77,15 @@ pub fn batch_dependent(problem: &Problem) -> Vec<bool> {
     dependent
 }
 
-/// The share of step `pos`'s compute row that its forward pass takes: a third when it
-/// carries a gradient (the cost model prices the backward at twice the forward:
-/// [`crate::cost::compute_row`]), all of it otherwise.
+/// The share of step `pos`'s compute row that its forward pass takes: the row prices
+/// the forward once, the backward at twice the forward when the step carries a gradient
+/// ([`crate::cost::compute_row`]), and the forward once more in a recomputed segment
+/// (the backward pass runs it again).
 pub fn forward_share(problem: &Problem, pos: usize) -> f64 {
     let step = &problem.steps[pos];
-    if step.inputs.iter().any(|&t| problem.tensor(t).requires_grad) {
-        1.0 / 3.0
-    } else {
-        1.0
-    }
+    let backward = if step.inputs.iter().any(|&t| problem.tensor(t).requires_grad) { 2.0 } else { 0.0 };
+    let again = if step.segment.is_some() { 1.0 } else { 0.0 };
+    1.0 / (1.0 + backward + again)
 }
 
 /// Forward and backward rows of one collective on a tensor of `bytes` bytes (the
@@ -150,6 +153,14 @@ impl StepRows {
     /// all-reduce).
     pub fn add_serial(&mut self, row: &Row) {
         self.serial.add(row);
+    }
+
+    /// Add the forward of a collective that a recomputed segment's backward runs again:
+    /// each duplica recomputes its own, inside its backward compute, so it is serial.
+    pub fn add_recomputed(&mut self, forward: &Row) {
+        for _ in 0..DUPLICAS {
+            self.serial.add(forward);
+        }
     }
 
     /// The step's times under `ratios` (each the slowest device's).

@@ -622,6 +622,9 @@ impl<'p, 'a> Search<'p, 'a> {
                 Self::add_values(&mut comm, &values);
                 if let Some(again) = self.recomputed_comm(pos, t, collective) {
                     Self::add_values(&mut comm, &again.values(&self.ratios));
+                    if let Some(rows) = rows.as_mut() {
+                        rows.add_recomputed(&again);
+                    }
                 }
                 if self.memory_price.is_some() && need.gather_dim().is_none() && memory::is_activation(p, t) {
                     charge += self.memory_charge(p.tensor(t).bytes(), false);
@@ -761,6 +764,7 @@ impl<'p, 'a> Search<'p, 'a> {
             let mut sources = Vec::new();
             let mut comms = Vec::new();
             let mut comm = Row::zeros(p.profile.world());
+            let mut rows = self.schedule.as_ref().map(|s| s.step(p, pos, rule_index));
             let mut c = choice as usize;
             for (t, slot) in self.new_sources(pos) {
                 let options = p.source_options(t, rule.inputs[slot]);
@@ -770,6 +774,9 @@ impl<'p, 'a> Search<'p, 'a> {
                 created[t as usize] = created[t as usize].with_raw(created_layout);
                 let row = self.source_row(t, created_layout).unwrap_or_else(|| Row::zeros(p.profile.world()));
                 comm.add(&row);
+                if let Some(rows) = rows.as_mut() {
+                    rows.add_serial(&row);
+                }
                 sources.push(Source { tensor: t, layout: created_layout, row });
             }
             for (slot, &t) in step.inputs.iter().enumerate() {
@@ -783,7 +790,13 @@ impl<'p, 'a> Search<'p, 'a> {
                 })?;
                 let tensor = p.tensor(t);
                 let mut row = collective_row(p.profile, collective, tensor.bytes(), tensor.requires_grad);
+                if let (Some(rows), Some(schedule)) = (rows.as_mut(), &self.schedule) {
+                    schedule.add_comm(p, rows, t, collective);
+                }
                 if let Some(again) = self.recomputed_comm(pos, t, collective) {
+                    if let Some(rows) = rows.as_mut() {
+                        rows.add_recomputed(&again);
+                    }
                     row.add(&again);
                 }
                 comm.add(&row);
@@ -800,6 +813,9 @@ impl<'p, 'a> Search<'p, 'a> {
             if pos + 1 == p.steps.len() {
                 for c in self.whole_buffers(&held, &mut memo)? {
                     comm.add(&c.row);
+                    if let (Some(rows), Some(schedule)) = (rows.as_mut(), &self.schedule) {
+                        schedule.add_comm(p, rows, c.tensor, c.collective);
+                    }
                     held[c.tensor as usize] = held[c.tensor as usize].with(Layout::Identity);
                     created[c.tensor as usize] = created[c.tensor as usize].with_raw(Layout::Identity);
                     comms.push(c);
@@ -807,11 +823,10 @@ impl<'p, 'a> Search<'p, 'a> {
             }
             let comp = step.comp[rule_index].clone();
             total += self.max(&comp) + self.max(&comm);
-            let overlap = self.overlap_rows(pos, rule_index, &sources, &comms);
-            if let Some(rows) = &overlap {
+            if let Some(rows) = &rows {
                 clock = clock.advance(&rows.times(&self.ratios));
             }
-            steps.push(ChosenStep { step: pos, rule: rule_index, sources, comms, comp, comm, overlap });
+            steps.push(ChosenStep { step: pos, rule: rule_index, sources, comms, comp, comm, overlap: rows });
         }
         // a replicated loss becomes a partial sum by keeping it on rank 0
         if let Some(last) = steps.last_mut() {
@@ -864,19 +879,6 @@ impl Search<'_, '_> {
         }
     }
 
-    /// The schedule's rows of a replayed step: its compute, the collectives before it,
-    /// and its sources' gradient synchronization (backward only, once).
-    fn overlap_rows(&self, pos: usize, rule: usize, sources: &[Source], comms: &[Comm]) -> Option<StepRows> {
-        let schedule = self.schedule.as_ref()?;
-        let mut rows = schedule.step(self.problem, pos, rule);
-        for s in sources {
-            rows.add_serial(&s.row);
-        }
-        for c in comms {
-            schedule.add_comm(self.problem, &mut rows, c.tensor, c.collective);
-        }
-        Some(rows)
-    }
 }
 
 impl Search<'_, '_> {
