@@ -1,7 +1,7 @@
 """Export without weights; each rank materializes only its own pieces.
 
 A model on the meta device exports, lowers and compiles from shapes alone (the
-benchmark models and a zoo model). On 2 Gloo ranks (ratios 3:1, every linear split),
+benchmark models and a zoo model), to the graph id of the same model built with weights. On 2 Gloo ranks (ratios 3:1, every linear split),
 ``distribute(..., weights=...)`` reads each rank's pieces from an initializer, a
 safetensors file or a hapd checkpoint, one tensor at a time: the pieces are exactly the
 slices of the single-device model (built in this process), and the host memory a rank
@@ -13,6 +13,7 @@ not the process RSS). ``hapd.parallelize`` does the same for a model built under
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -114,6 +115,26 @@ def test_a_model_on_meta_exports_and_lowers_from_shapes_alone(name):
     graph = hapd.lower(program, name=name, batch_dims=dict(zip(user_input_names(program), spec.batch_dims)))
     assert graph.doc["nodes"]
     assert all(t.is_meta for t in model.parameters())  # nothing was materialized
+
+
+@pytest.mark.parametrize("name", ["gpt2_block", "zoo.gpt2"])
+def test_meta_and_real_exports_lower_to_the_same_graph(name):
+    """The same model built with weights and under ``init_on_meta`` lowers to one graph
+    id (a plan cached for one serves the other): attention's ``transpose + reshape`` is
+    a view in both, ``arange`` names the inputs' device, and a tied weight is one
+    source."""
+    if name.startswith("zoo."):
+        pytest.importorskip("transformers")
+    spec = models.get(name)
+
+    def graph_id(meta: bool) -> str:
+        with hapd.init_on_meta() if meta else contextlib.nullcontext():
+            model, config = models.build(name, "tiny")
+        program = hapd.export(model, spec.example_inputs(config, 4), batch_dims=spec.batch_dims)
+        assert all(v.is_meta for v in program.state_dict.values()) == meta
+        return hapd.lower(program, name=name).graph_id
+
+    assert graph_id(meta=True) == graph_id(meta=False)
 
 
 def test_init_on_meta_keeps_buffers_real_and_export_leaves_them():

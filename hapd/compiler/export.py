@@ -14,6 +14,7 @@ import torch
 from torch.export import ExportedProgram
 
 from hapd.errors import ExportError
+from hapd.compiler.fake import model_faked
 from hapd.compiler.lower import EXTRA_FILE
 from hapd.util import atomic_file
 
@@ -38,9 +39,10 @@ def export(
 
     A model whose parameters are on the meta device (built under
     ``torch.device("meta")`` or :func:`hapd.init_on_meta`) is exported from shapes
-    alone: its real buffers and the example inputs are taken to meta for the export
-    (the model keeps its own), and the program holds no weights —
-    :func:`hapd.distribute` and :func:`hapd.parallelize` then take ``weights=``.
+    alone (:func:`hapd.compiler.fake.model_faked`): traced as the same model with real
+    weights on the example inputs' device would be, so both lower to the same graph and
+    share a graph id (and a cached plan), and the program holds no weights — :func:`hapd.distribute`
+    and :func:`hapd.parallelize` then take ``weights=``.
     """
     example_inputs = tuple(example_inputs)
     if batch_dims is None:
@@ -48,11 +50,12 @@ def export(
     if len(batch_dims) != len(example_inputs):
         raise ExportError(f"{len(batch_dims)} batch dims for {len(example_inputs)} example inputs")
     model.train(training)
-    meta = on_meta(model)
-    if meta:
-        example_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in example_inputs)
     try:
-        with buffers_on_meta(model) if meta else contextlib.nullcontext():
+        if on_meta(model):
+            with model_faked(model, example_inputs) as (fake_inputs, restore):
+                program = torch.export.export(model, fake_inputs, strict=False)
+            restore(program)
+        else:
             program = torch.export.export(model, example_inputs, strict=False)
     except Exception as exc:
         raise ExportError(f"torch.export failed for {type(model).__name__}: {type(exc).__name__}: {exc}") from exc
@@ -71,25 +74,6 @@ def on_meta(model: torch.nn.Module) -> bool:
     """Whether some parameter or buffer of ``model`` is on the meta device (it has no
     values: hapd exports it from shapes and materializes it per rank)."""
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
-
-
-@contextlib.contextmanager
-def buffers_on_meta(model: torch.nn.Module) -> Iterator[None]:
-    """Every real buffer of ``model`` swapped for a meta copy for the duration (a meta
-    model's forward cannot mix devices), a buffer registered twice swapped for one
-    copy; the real ones are put back after."""
-    swapped: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
-    copies: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for name, buffer in module._buffers.items():  # noqa: SLF001 - swapping a module's own buffers
-            if buffer is not None and not buffer.is_meta:
-                swapped.append((module, name, buffer))
-                module._buffers[name] = copies.setdefault(id(buffer), buffer.to("meta"))  # noqa: SLF001
-    try:
-        yield
-    finally:
-        for module, name, buffer in swapped:
-            module._buffers[name] = buffer  # noqa: SLF001
 
 
 def user_input_names(program: ExportedProgram) -> list[str]:

@@ -57,6 +57,7 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
+from hapd.compiler.fake import program_faked
 from hapd.errors import ExportError, UnsupportedOpError
 
 _MARK = "_hapd_normalized"
@@ -116,9 +117,15 @@ def is_normalized(program: ExportedProgram) -> bool:
 
 
 def _functionalize(program: ExportedProgram) -> ExportedProgram:
-    """``run_decompositions({})``: functional ATen, higher-order ops inlined."""
+    """``run_decompositions({})``: functional ATen, higher-order ops inlined. A program
+    exported without weights is re-traced on fakes of the device it was exported on, as
+    a real-weight one is (:func:`hapd.compiler.fake.program_faked`: the same decomposed
+    ops, ``reshape`` a view where the device's kernels make it one)."""
     try:
-        return program.run_decompositions({})
+        with program_faked(program) as restore:
+            functional = program.run_decompositions({})
+        restore(functional)
+        return functional
     except Exception as exc:  # torch names the op it could not functionalize
         raise ExportError(f"cannot make the exported program functional: {type(exc).__name__}: {exc}") from exc
 

@@ -28,10 +28,13 @@ _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER)
 
 def tensor_key(value: Tensor) -> tuple | None:
     """What makes two tensors the same memory: storage, offset, shape, strides and
-    dtype (``None`` for a tensor without memory to share: empty, or on the meta
-    device)."""
-    if value.numel() == 0 or value.device.type == "meta":
+    dtype (``None`` for an empty tensor). A tensor on the meta device has no memory to
+    share: two names of one meta tensor (a tied weight of a model built without
+    weights, in the program it was exported to) are the same Python object."""
+    if value.numel() == 0:
         return None
+    if value.device.type == "meta":
+        return ("meta", id(value))
     ptr = value.untyped_storage().data_ptr()
     if ptr == 0:
         return None
