@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import itertools
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.export import ExportedProgram
