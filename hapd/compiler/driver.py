@@ -367,30 +367,33 @@ def _memory_binds(searched: _Searched, options: CompileOptions) -> bool:
 def _fewest_recomputed(
     data: bytes, profile: Profile, options: CompileOptions, caps: list[float], blocks: Sequence[str]
 ) -> list[_Searched]:
-    """The unpriced search ⇄ LP rounds with the first ``k`` of ``blocks`` (the most
-    memory first) recomputed, for all of them and then by bisection for the fewest
-    that fit: every program found that fits (none when recomputing every block does
-    not fit unpriced)."""
+    """Unpriced programs with the first ``k`` of ``blocks`` (the most memory first)
+    recomputed that fit: a probe of one search ⇄ LP round with all of them, then
+    bisection for the fewest that fit, whose program gets every round. Every program
+    found that fits (none when recomputing every block does not fit unpriced)."""
+    probe = replace(options, max_rounds=1)
 
-    def attempt(k: int) -> _Searched | None:
+    def attempt(k: int, attempt_options: CompileOptions) -> _Searched | None:
         try:
-            return _rounds(data, profile, options, caps, None, tuple(blocks[:k]))
+            return _rounds(data, profile, attempt_options, caps, None, tuple(blocks[:k]))
         except _DoesNotFit:
             return None
 
-    found = attempt(len(blocks))
+    found = attempt(len(blocks), probe)
     if found is None:
         return []
     fitting = [found]
     lo, hi = 0, len(blocks)  # fewer than lo+1 blocks: not known to fit; hi blocks fit
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        found = attempt(mid)
+        found = attempt(mid, probe)
         if found is None:
             lo = mid
         else:
             hi = mid
             fitting.append(found)
+    if options.max_rounds > 1:
+        fitting.extend(f for f in [attempt(hi, options)] if f is not None)
     return fitting
 
 
