@@ -50,8 +50,8 @@ def _single_device(init: str) -> tuple[list[float], dict[str, torch.Tensor], dic
 
 def _fsdp_rank(rank: int, world: int) -> dict[str, tuple[list[float], dict[str, Any], dict[str, Any]]]:
     """Per ``--init``: the global loss of two FSDP iterations on ``LENGTHS``, the first
-    one's gradients and every parameter after both, gathered whole (as numpy arrays: pickled by value, not as
-    shared memory the exiting rank would take with it)."""
+    one's gradients and every parameter after both, gathered whole (as numpy arrays:
+    pickled by value, not as shared memory the exiting rank would take with it)."""
     env = init_distributed()  # joins run_ranks's group
     out = {}
     for init in ("eager", "meta"):
