@@ -96,7 +96,7 @@ class Spec(NamedTuple):
     mode: str
     force: Force | None
     expect: frozenset  # (op, rule) pairs the plan must run
-    overlap: bool = False  # run as two interleaved duplicas (a plan for half the batch)
+    overlap: bool = False  # compiled with overlap: a plan for half the batch, run as two duplicas
 
 
 # --------------------------------------------------------------------------------------
@@ -167,7 +167,8 @@ def make_case(spec: Spec, ratios: Sequence[float], ref: Reference) -> Case:
         saved, ir = _half_batch(spec, ref)
     force = spec.force(ir.doc) if spec.force else {}
     profile = estimated_profile(world, flops=profile_flops(world))
-    plan = hapd.compile(ir, profile, CompileOptions(ratios=tuple(ratios), mode=spec.mode, force=force))
+    plan = hapd.compile(ir, profile, CompileOptions(ratios=tuple(ratios), mode=spec.mode, force=force,
+                                                    overlap=spec.overlap))
     return Case(spec.name, saved, plan.to_bytes(), ref.inputs, ref.losses, ref.grads, spec.expect, force, spec.overlap)
 
 
@@ -246,10 +247,8 @@ def _run_case(rank: int, case: Case, loaded: dict[bytes, Any] | None = None) -> 
 
     plan = Plan.from_bytes(case.plan)
     module = distribute(_load(case.program, {} if loaded is None else loaded), plan, rank)
-    if case.overlap:
-        from hapd.runtime.overlap import overlapped
-
-        module = overlapped(module)
+    if case.overlap != plan.overlap:
+        raise AssertionError(f"{case.name}: the plan's overlap is {plan.overlap}")
     local_inputs = module.shard_inputs(*case.inputs)
     steps = len(case.losses) - 1
     optimizer = torch.optim.Adam(module.parameters(), lr=LR)

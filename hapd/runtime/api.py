@@ -262,7 +262,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
                 options: CompileOptions | Mapping[str, Any] | None = None, batch_dims: Sequence[int | None] | None = None,
                 name: str | None = None, device: torch.device | str | None = None, group: Any = None,
                 hosts: Any = "auto", use_daemon: bool = True, verbose: bool = True,
-                weights: Weights | None = None) -> "ParallelModule":
+                weights: Weights | None = None, overlap: str = "auto") -> "ParallelModule":
     """This rank's :class:`ParallelModule` of ``model``, trained on batches shaped like
     ``example_inputs`` (the *global* batch, the same on every rank). Collective.
 
@@ -284,8 +284,15 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     safetensors file, a checkpoint), one tensor at a time; needed when ``model`` is on
     the meta device (too large for one host: only its shapes are exported), whose real
     tensors (buffers built under :func:`hapd.init_on_meta`) fill in what the source lacks.
+
+    ``overlap`` (with ``options.overlap``, the overlap-aware search): ``"auto"`` compiles
+    the program for the whole batch and one duplica's program (half the batch) priced as
+    two interleaved duplicas (:mod:`hapd.runtime.overlap`), and runs the cheaper;
+    ``"always"`` runs the duplicas whatever the estimates say (to measure them).
     """
     _join_job_if_launched()
+    if overlap not in ("auto", "always"):
+        raise OptionsError(f"overlap {overlap!r} is not auto or always", field="overlap")
     weights = _weights_of(model, weights)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     example_inputs = tuple(example_inputs)
@@ -294,17 +301,56 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     recipe = Recipe(model=model, example_inputs=example_inputs, batch_dims=tuple(batch_dims),
                     name=name or type(model).__name__, profile=profile, use_daemon=use_daemon, verbose=verbose,
                     device=_default_device(model, device), weights=weights)
-    program, graph = recipe.export(True, recipe.example_shapes)
-    source = obtain_plan(graph, world=world, rank=rank, profile=profile, options=options, plan=plan, group=group,
-                         use_daemon=use_daemon)
+    program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
+                                            always=overlap == "always")
     if verbose and rank == 0:
         print(source.describe(), flush=True)
     host_groups = _host_groups(group, world) if hosts == "auto" else hosts
     inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
-                       check_graph=False, hosts=host_groups, weights=weights)
+                       check_graph=False, hosts=host_groups, weights=weights, batch_dims=recipe.batch_dims)
     extra = _state_outside_plan(model, inner, weights)
     recipe = dataclasses.replace(recipe, training_ops=op_nodes(graph))
     return ParallelModule(inner, source, group=group, aliases=_aliases(model, inner), extra=extra, recipe=recipe)
+
+
+def _training_plan(recipe: "Recipe", plan: Plan | str | Path | bytes | None,
+                   options: CompileOptions | Mapping[str, Any] | None, *, world: int, rank: int,
+                   group: Any, always: bool = False) -> tuple[Any, GraphIR, PlanSource]:
+    """The training program, its graph and plan. With ``options.overlap`` (and no given
+    plan) both executions are compiled — the program for the whole batch, and one
+    duplica's (half the batch) priced as two interleaved duplicas — and the cheaper
+    estimate wins (``always``: the duplicas' whatever the estimates); the plan source's
+    origin says what the other one was estimated at. A given plan for one duplica's
+    graph (``overlap`` in it) runs on the program exported for half the batch."""
+    opts = compile_options(options)
+    if plan is not None:
+        given = _given_plan(plan)[0]
+        shapes = recipe.half_shapes() if given.overlap else recipe.example_shapes
+        program, graph = recipe.export(True, shapes)
+        return program, graph, obtain_plan(graph, world=world, rank=rank, profile=recipe.profile, options=options,
+                                           plan=plan, group=group, use_daemon=recipe.use_daemon)
+    if not opts.overlap:
+        program, graph = recipe.export(True, recipe.example_shapes)
+        return program, graph, obtain_plan(graph, world=world, rank=rank, profile=recipe.profile, options=options,
+                                           group=group, use_daemon=recipe.use_daemon)
+    half_program, half_graph = recipe.export(True, recipe.half_shapes())
+    both = obtain_plan(half_graph, world=world, rank=rank, profile=recipe.profile, options=opts, group=group,
+                       use_daemon=recipe.use_daemon)
+    if always:
+        return half_program, half_graph, both
+    program, graph = recipe.export(True, recipe.example_shapes)
+    plain = obtain_plan(graph, world=world, rank=rank, profile=recipe.profile,
+                        options=dataclasses.replace(opts, overlap=False), group=group, use_daemon=recipe.use_daemon)
+    plain_s, both_s = plain.plan.estimate["per_iteration"], both.plan.estimate["per_iteration"]
+    if both_s < plain_s:
+        chosen = dataclasses.replace(both, seconds=both.seconds + plain.seconds,
+                                     origin=f"{both.origin}; overlapped {both_s * 1e3:.2f} ms beats "
+                                            f"{plain_s * 1e3:.2f} ms without overlap")
+        return half_program, half_graph, chosen
+    chosen = dataclasses.replace(plain, seconds=both.seconds + plain.seconds,
+                                 origin=f"{plain.origin}; without overlap {plain_s * 1e3:.2f} ms, "
+                                        f"overlapped {both_s * 1e3:.2f} ms")
+    return program, graph, chosen
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,6 +376,19 @@ class Recipe:
     @property
     def example_shapes(self) -> Shapes:
         return tuple(tuple(t.shape) for t in self.example_inputs)
+
+    def half_shapes(self) -> Shapes:
+        """The example batch's shapes with half its samples (one duplica of an
+        overlapped run); :class:`PlanError` for an odd batch."""
+        out = []
+        for shape, d in zip(self.example_shapes, self.batch_dims):
+            if d is None:
+                out.append(shape)
+                continue
+            if shape[d] % 2:
+                raise PlanError(f"overlapped execution cuts the batch in two halves; batch {shape[d]} is odd")
+            out.append((*shape[:d], shape[d] // 2, *shape[d + 1:]))
+        return tuple(out)
 
     def inputs_of(self, shapes: Shapes) -> tuple[Tensor, ...]:
         """Example inputs of these shapes: the example batch's cut or repeated along the
@@ -549,6 +608,8 @@ class ParallelModule(nn.Module):
             program = self._program(self.training, shapes)
         if self.world == 1:
             return [shapes[0][0]] if shapes and shapes[0] else None
+        if getattr(program, "hapd_duplicas", 1) > 1:
+            return None  # each rank reads a piece of each half
         return _sample_split(program)
 
     def _batch_of(self, batch: int) -> Shapes:
@@ -626,7 +687,7 @@ class ParallelModule(nn.Module):
         rules = {step["node"]: step["rule"] for step in self.plan.program["steps"]}
         force = aligned_force(self._recipe.training_ops, rules, op_nodes(graph))
         return dataclasses.replace(compile_options(self.plan.key["options"]), force=force,
-                                   ratios=tuple(self.plan.ratios))
+                                   ratios=tuple(self.plan.ratios), overlap=False)
 
     def _replicated_options(self) -> CompileOptions | None:
         """Options that hold every parameter replicated at the training plan's ratios,
@@ -634,7 +695,7 @@ class ParallelModule(nn.Module):
         if any(layout != IDENTITY for layout in self.parameter_layouts().values()):
             return None
         return dataclasses.replace(compile_options(self.plan.key["options"]), mode="data_parallel", force={},
-                                   ratios=tuple(self.plan.ratios))
+                                   ratios=tuple(self.plan.ratios), overlap=False)
 
     def _distribute(self, program: Any, graph: GraphIR, options: CompileOptions) -> tuple[PlanSource, RankModule]:
         recipe = self._recipe

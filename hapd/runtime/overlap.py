@@ -64,7 +64,9 @@ _LOSSES = {torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_loss.de
 
 class OverlappedModule(RankModule):
     """A rank program run as two interleaved duplicas: ``forward(*a_inputs, *b_inputs)``
-    returns this rank's part of the whole batch's loss (both halves')."""
+    returns this rank's part of the whole batch's loss (both halves'). ``hapd_inputs``
+    and ``hapd_view`` are one duplica's (the plan's); :meth:`shard_inputs` and
+    :meth:`local_shapes` are both halves'."""
 
     hapd_duplicas: int = 2
     hapd_batch_dims: tuple[int | None, ...]
@@ -312,7 +314,7 @@ def overlapped(single: RankModule, batch_dims: Sequence[int | None] | None = Non
             _set_attr(module, name, single.get_parameter(name), parameter=True)
     for attr in ("hapd_view", "hapd_params", "hapd_buffers", "hapd_updated", "hapd_sync"):
         setattr(module, attr, getattr(single, attr))
-    module.hapd_inputs = list(single.hapd_inputs) * 2
+    module.hapd_inputs = list(single.hapd_inputs)  # each half's: forward takes them twice
     module.hapd_batch_dims = tuple(batch_dims)
     module.__dict__["hapd_single"] = single  # not a submodule: its parameters are this module's
     module.hapd_points = len(points)

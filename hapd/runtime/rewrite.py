@@ -577,6 +577,7 @@ def distribute(
     bucket_bytes: int = _core.GRAD_BUCKET_BYTES,
     shared: RankModule | None = None,
     weights: Weights | None = None,
+    batch_dims: Sequence[int | None] | None = None,
 ) -> RankModule:
     """The fx module rank ``rank`` runs for ``plan``.
 
@@ -601,6 +602,10 @@ def distribute(
     safetensors file, a checkpoint): each is read one tensor at a time and only this
     rank's piece is kept, so ``program`` may be exported from a model on the meta
     device; a tensor the source lacks is cut from the program's value.
+
+    A plan with ``overlap`` (compiled for one duplica: half the global batch) gives an
+    :class:`hapd.runtime.overlap.OverlappedModule` running two interleaved duplicas;
+    ``batch_dims``: each input's batch dim in the global batch (default 0).
     """
     ep = normalize(_load_program(program, example_inputs))
     if not isinstance(plan, Plan):
@@ -623,6 +628,10 @@ def distribute(
         _sync_gradients(module, em.synced, group, bucket_bytes, hosts)
     else:
         _share_gradient_sync(module, shared, em.synced)
+    if plan.overlap:
+        from hapd.runtime.overlap import overlapped
+
+        return overlapped(module, batch_dims)
     return module
 
 

@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan", type=Path, default=None, help="Use this .hplan instead of compiling one.")
     parser.add_argument("--mode", choices=["auto", "data_parallel"], default="auto",
                         help="auto: search every rule; data_parallel: only the batch-split program (default: auto)")
+    parser.add_argument("--overlap", choices=["off", "auto", "always"], default="off",
+                        help="off: one program for the whole batch; auto: also compile one duplica's program (half "
+                             "the batch) priced as two interleaved duplicas, one computing while the other "
+                             "communicates, and run the cheaper; always: run the duplicas (default: off)")
     parser.add_argument("--init", choices=["eager", "meta"], default="eager",
                         help="eager: every rank builds the whole model; meta: the model is built on the meta device "
                              "(buffers real), exported from shapes, and each rank initializes only its own pieces, "
@@ -98,7 +102,8 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     model, config, weights = build(args, ns.init)
     full = global_inputs(args, env, config)
     module = parallelize(model, tuple(t.cpu() for t in full), profile=job_profile(args, env.world), plan=ns.plan,
-                         options=CompileOptions(mode=ns.mode), batch_dims=spec.batch_dims, name=args.model,
+                         options=CompileOptions(mode=ns.mode, overlap=ns.overlap != "off"),
+                         overlap="always" if ns.overlap == "always" else "auto", batch_dims=spec.batch_dims, name=args.model,
                          device=env.device, hosts=host_groups(env), weights=weights)
     del model  # trained through its pieces (the module keeps it only to export it again: eval, other batch sizes)
     plan, source = module.plan, module.plan_source
@@ -111,7 +116,7 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
         "batch": args.batch, "size": args.size, "dtype": args.dtype, "init": ns.init, "profile": plan.key["profile_name"],
         "plan": source.origin, "plan_s": source.seconds, "mode": ns.mode, "estimate_s": plan.estimate["per_iteration"],
         "ratios": plan.ratios, "chosen_from": plan.doc["stats"].get("chosen_from"),
-        "estimate_memory": plan.estimate.get("memory"),
+        "estimate_memory": plan.estimate.get("memory"), "overlap": plan.overlap,
     }
     return report(env, system="hapd", model=args.model, times=times, warmup=args.warmup,
                   loss=module.global_loss(step.last_loss), extra=extra, json_path=args.json)
