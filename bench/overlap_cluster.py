@@ -1,0 +1,604 @@
+#!/usr/bin/env python3
+"""Overlapped duplicas (HiDup) against the plain program on the emulated cluster.
+
+    .venv/bin/python bench/overlap_cluster.py                       # bert_moe expert-parallel, bert tensor-parallel
+    .venv/bin/python bench/overlap_cluster.py --cases bert_moe=expert-parallel --rounds 3
+    .venv/bin/python bench/overlap_cluster.py --trace               # also Chrome traces of each run's last round
+    .venv/bin/python bench/overlap_cluster.py --from-json bench/out/overlap_cluster.json
+
+Needs root (network namespaces, tc, cpu cgroups v1); without it, prints why and exits 0.
+Waits (polling every 30 s) while another benchmark's namespaces or cgroups exist.
+
+The cluster is ``bench/emulated_cluster.py``'s (its cluster class and helpers): 2 hosts in
+network namespaces joined by a ``tc tbf`` link at the fast rank's matmul FLOP/s / 4000
+FLOP/B, 4 ranks in cpu cgroups at fast:slow 3:1 quotas (``--variant``), launched
+through the launcher, profiled once. Per case (a model and the parallelism its plans are
+forced into), two plans are compiled here for that profile with the same forced rules:
+
+- **plain**: the whole global batch's graph, ``CompileOptions(force=...)``: every
+  collective inside forward and backward stalls its rank;
+- **overlap**: half the batch's graph (one duplica), ``CompileOptions(overlap=True,
+  force=...)``: the plan runs as two interleaved duplicas, each collective in flight
+  while the other duplica computes (``hapd/runtime/overlap.py``).
+
+Both run through the launcher as ``worker.py --plan FILE`` on the same global batch,
+interleaved ABBA over ``--rounds`` (plain, overlap, overlap, plain, ...), so drift of the
+shared machine falls on both. Reported per case: each plan's measured ms/iteration (mean
+± std over every timed iteration of its rounds; an iteration takes as long as its
+slowest rank), the measured speedup (plain / overlap) and the cost model's predicted
+speedup (ratio of the plans' ``estimate.per_iteration``), and what the unforced search
+picks at this link, plain and overlapped (rules and estimates).
+
+Where the time goes: each rank runs ``worker.py`` through this script's ``rank``
+subcommand, which times, per training step, the forward and backward passes and the
+time the main thread spends blocked in the plan's collectives
+(:meth:`hapd.runtime.collectives.Pending.wait`: exposed communication, forward and
+backward) and in the gradient sum's final wait (:class:`hapd.runtime.gradsync.GradSync`);
+the rest is computation (with the collectives' own send/receive copies). Writes
+``bench/out/overlap_cluster.json`` and each plan's ``hapd explain`` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+DEFAULT_CASES = "bert_moe=expert-parallel,bert=tensor-parallel"
+SPEEDUP_TARGET = {"expert-parallel": 1.2}
+"""Parallelism → the measured overlap speedup the benchmark checks (BERT-MoE's)."""
+SYSTEMS = ("plain", "overlap")
+TP_COLUMN = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.fc1.weight")
+TP_ROW = ("attn.out.weight", "mlp.fc2.weight")
+"""Megatron's pairs in the benchmark transformers: the attention projections and the
+FFN's first linear column-parallel, the attention output and the FFN's second linear
+row-parallel (one all-reduce after each pair, forward and backward)."""
+POLL_S = 30
+
+
+def _load_emulated():
+    name = "hapd_bench_emulated_cluster"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "emulated_cluster.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def log(msg: str) -> None:
+    print(f"[overlap {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- forced rules
+
+
+def _parameter_targets(doc: Mapping[str, Any], node: Mapping[str, Any]) -> list[str]:
+    nodes = doc["nodes"]
+    return [nodes[ref[0]]["target"] for ref in node["inputs"] if nodes[ref[0]]["kind"] == "parameter"]
+
+
+def expert_parallel(doc: Mapping[str, Any]) -> dict[str, str]:
+    """Every einsum over a parameter (BERT-MoE's stacked expert weights ``w1``, ``w2``)
+    → ``expert-parallel``; the rest is searched."""
+    return {n["name"]: "expert-parallel" for n in doc["nodes"]
+            if n.get("op") == "aten.einsum" and _parameter_targets(doc, n)}
+
+
+def tensor_parallel(doc: Mapping[str, Any]) -> dict[str, str]:
+    """Megatron's tensor parallelism: :data:`TP_COLUMN` linears column-parallel,
+    :data:`TP_ROW` linears row-parallel; the rest (attention, the head) is searched."""
+    out = {}
+    for n in doc["nodes"]:
+        if n.get("op") != "aten.linear":
+            continue
+        weight = next(iter(_parameter_targets(doc, n)), "")
+        if weight.endswith(TP_COLUMN):
+            out[n["name"]] = "column-parallel"
+        elif weight.endswith(TP_ROW):
+            out[n["name"]] = "row-parallel"
+    return out
+
+
+FORCES: dict[str, Callable[[Mapping[str, Any]], dict[str, str]]] = {
+    "expert-parallel": expert_parallel, "tensor-parallel": tensor_parallel}
+
+
+def parse_cases(text: str) -> dict[str, str]:
+    """``--cases``: ``MODEL=PARALLELISM,...`` → {model: parallelism}."""
+    from hapd.models import NAMES
+
+    cases = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        model, _, how = item.partition("=")
+        model, how = model.strip(), how.strip()
+        if model not in NAMES:
+            raise ValueError(f"--cases {item!r}: unknown model {model!r}; choose from {', '.join(NAMES)}")
+        if how not in FORCES:
+            raise ValueError(f"--cases {item!r}: parallelism {how!r} is not one of {', '.join(FORCES)}")
+        cases[model] = how
+    if not cases:
+        raise ValueError("--cases is empty")
+    return cases
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def rule_counts(plan) -> dict[str, int]:
+    """How many steps of the plan run each rule."""
+    return dict(collections.Counter(s["rule"] for s in plan.program["steps"]))
+
+
+def not_forced(plan, force: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """(node, forced rule, rule run) of each forced node the plan runs otherwise."""
+    ran = {s["node"]: s["rule"] for s in plan.program["steps"]}
+    return sorted((node, rule, str(ran.get(node))) for node, rule in force.items() if ran.get(node) != rule)
+
+
+def plan_record(plan, path: Path | None) -> dict[str, Any]:
+    estimate = plan.estimate
+    return {"path": str(path) if path else None, "estimate_s": estimate["per_iteration"],
+            "compute": estimate.get("compute"), "communication": estimate.get("communication"),
+            "overlap": estimate.get("overlap"), "ratios": plan.ratios, "rules": rule_counts(plan)}
+
+
+def compile_plans(model: str, how: str, size: str, batch: int, profile: Path, work: Path,
+                  searched: bool = True) -> dict[str, Any]:
+    """The case's forced plain and overlap plans (saved under ``work``, explained under
+    ``bench/out``) and, with ``searched``, what the unforced search picks, plain and
+    overlapped; each as :func:`plan_record` with its compile seconds."""
+    import torch
+
+    import hapd
+    from hapd import models
+    from hapd.compiler.driver import CompileOptions
+    from hapd.profile.schema import load_profile
+    from hapd.runtime.api import Recipe
+
+    prof = load_profile(profile)
+    torch.manual_seed(0)
+    net, config = models.build(model, size)
+    recipe = Recipe(model=net, example_inputs=tuple(models.get(model).example_inputs(config, batch)),
+                    batch_dims=tuple(models.get(model).batch_dims), name=model, profile=prof, use_daemon=False,
+                    verbose=False, device=torch.device("cpu"))
+    graphs = {False: recipe.export(True, recipe.example_shapes)[1], True: recipe.export(True, recipe.half_shapes())[1]}
+    out: dict[str, Any] = {}
+    kinds = [("plain", False, True), ("overlap", True, True)]
+    if searched:
+        kinds += [("searched-plain", False, False), ("searched-overlap", True, False)]
+    for name, overlapped, forced in kinds:
+        graph = graphs[overlapped]
+        force = FORCES[how](graph.doc) if forced else {}
+        t0 = time.monotonic()
+        plan = hapd.compile(graph, prof, CompileOptions(overlap=overlapped, force=force))
+        seconds = time.monotonic() - t0
+        path = None
+        if name in SYSTEMS:
+            path = plan.save(work / f"{model}-{name}.hplan")
+            OUT.mkdir(parents=True, exist_ok=True)
+            (OUT / f"overlap_explain_{model}_{name}.txt").write_text(plan.explain())
+        record = {**plan_record(plan, path), "compile_s": seconds, "forced": len(force)}
+        missed = not_forced(plan, force)
+        if missed:
+            raise RuntimeError(f"{model} {name}: the plan does not run the forced rules {missed[:5]}")
+        out[name] = record
+        log(f"{model} {name}: predicted {record['estimate_s'] * 1e3:.0f} ms, ratios "
+            f"{[round(r, 3) for r in plan.ratios]}, rules {record['rules']} ({seconds:.0f} s)")
+    return out
+
+
+# ----------------------------------------------------------------------------- on each rank
+
+
+class StepClock:
+    """Per training step of this rank: forward and backward seconds, and the seconds the
+    main thread waited on collectives in each (``Pending.wait``) and on the gradient
+    sum (``GradSync._finish``)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.phase: str | None = None
+
+    def waited(self, key: str, seconds: float) -> None:
+        if self.phase is not None and self.steps:
+            step = self.steps[-1]
+            step[key] = step.get(key, 0.0) + seconds
+
+    def install(self) -> None:
+        """Wrap the collectives' wait, the gradient sum's finish and the worker's step."""
+        from hapd.runtime import collectives, gradsync, worker
+
+        clock = self
+        wait, finish = collectives.Pending.wait, gradsync.GradSync._finish
+
+        def timed_wait(pending):
+            t0 = time.perf_counter()
+            try:
+                return wait(pending)
+            finally:
+                clock.waited(f"wait_{clock.phase}", time.perf_counter() - t0)
+
+        def timed_finish(sync):
+            t0 = time.perf_counter()
+            try:
+                return finish(sync)
+            finally:
+                clock.waited("grad_sync", time.perf_counter() - t0)
+
+        def timed_step(step):
+            clock.steps.append({})
+            t0 = time.perf_counter()
+            clock.phase = "forward"
+            loss = step.module(*step.inputs)
+            t1 = time.perf_counter()
+            clock.phase = "backward"
+            loss.backward()
+            t2 = time.perf_counter()
+            clock.phase = None
+            clock.steps[-1].update(forward=t1 - t0, backward=t2 - t1)
+            step.last_loss = loss.detach()
+            return step.last_loss
+
+        collectives.Pending.wait = timed_wait
+        gradsync.GradSync._finish = timed_finish
+        worker.PlanStep.__call__ = timed_step
+
+
+def rank_main(argv: Sequence[str]) -> int:
+    """``overlap_cluster.py rank DIR WORKER-ARGS...``: run ``worker.py`` with a
+    :class:`StepClock`; writes ``DIR/rank<RANK>.json``."""
+    if len(argv) < 1:
+        print("usage: overlap_cluster.py rank DIR WORKER-ARGS...", file=sys.stderr)
+        return 2
+    out, args = Path(argv[0]), list(argv[1:])
+    clock = StepClock()
+    clock.install()
+    from hapd.runtime import worker
+
+    code = worker.main(args)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps({"steps": clock.steps}))
+    return code
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def step_breakdown(waits: Path, warmup: int, iterations: int) -> list[dict[str, float]]:
+    """Per rank (rank order): mean seconds per timed step of forward, backward, waited
+    in each, grad sync and the computation left (the :class:`StepClock` records of
+    ``waits``; the trace's extra steps after the timed ones are left out)."""
+    out = []
+    for path in sorted(waits.glob("rank*.json"), key=lambda p: int(p.stem[4:])):
+        steps = json.loads(path.read_text())["steps"][warmup:iterations]
+        if not steps:
+            continue
+        mean = {k: statistics.fmean(s.get(k, 0.0) for s in steps)
+                for k in ("forward", "backward", "wait_forward", "wait_backward", "grad_sync")}
+        mean["compute"] = (mean["forward"] + mean["backward"] - mean["wait_forward"] - mean["wait_backward"]
+                           - mean["grad_sync"])
+        out.append({"rank": int(path.stem[4:]), **mean})
+    return out
+
+
+def run_plan(runner, model: str, system: str, plan: Path, ns: argparse.Namespace, tag: str,
+             trace: Path | None) -> dict[str, Any]:
+    """One ``worker.py --plan`` job through the launcher (one retry when it fails before
+    every rank reported): its job times per timed iteration, mean ± std, loss, the
+    worker's estimate and each rank's :func:`step_breakdown`."""
+    batch = ns.batch
+    waits = runner.work / f"waits-{tag}"
+    args = [str(Path(__file__).resolve().relative_to(ROOT)), "rank", str(waits), "--model", model, "--size",
+            ns.size, "--batch", str(batch), "--iterations", str(ns.iterations), "--warmup", str(ns.warmup),
+            "--plan", str(plan)]
+    if trace is not None:
+        args += ["--trace", str(trace)]
+    report = runner.work / f"{tag}.json"
+    for attempt in (1, 2):  # a rank now and then aborts in Gloo's teardown
+        shutil.rmtree(waits, ignore_errors=True)
+        report.unlink(missing_ok=True)
+        t0 = time.monotonic()
+        done = runner.launch(args, report, timeout=ns.run_timeout)
+        data = json.loads(report.read_text()) if report.exists() else {}
+        summary = data.get("summary") or {}
+        complete = not data.get("missing_ranks") and summary.get("mean_s")
+        if complete:
+            break
+    row: dict[str, Any] = {"model": model, "system": system, "exit_code": done.returncode, "attempt": attempt,
+                           "wall_s": time.monotonic() - t0}
+    if not complete:
+        row["error"] = (done.stderr or done.stdout)[-800:]
+        return row
+    ranks = summary["ranks"]
+    count = min(len(r["iteration_s"]) for r in ranks)
+    row["job_s"] = [max(r["iteration_s"][i] for r in ranks) for i in range(summary["warmup"], count)]
+    row.update(mean_s=summary["mean_s"], std_s=summary["std_s"], loss=summary.get("loss"),
+               estimate_s=summary.get("estimate_s"), overlap=summary.get("overlap"),
+               per_rank_mean_s=[r["mean_s"] for r in ranks],
+               breakdown=step_breakdown(waits, summary["warmup"], count))
+    return row
+
+
+def pooled(rows: Sequence[Mapping[str, Any]]) -> tuple[float | None, float | None, int]:
+    """Mean and (population) std of every timed iteration of ``rows``, and their count."""
+    times = [t for r in rows for t in r.get("job_s", [])]
+    if not times:
+        return None, None, 0
+    return statistics.fmean(times), statistics.pstdev(times), len(times)
+
+
+def summarize(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per case: each system's pooled ms/iteration, measured and predicted
+    speedups, per-round speedups."""
+    rows = []
+    for model, case in results.get("cases", {}).items():
+        runs = case.get("runs", [])
+        row: dict[str, Any] = {"model": model, "parallelism": case["parallelism"], "batch": case["batch"]}
+        for system in SYSTEMS:
+            mine = [r for r in runs if r["system"] == system]
+            mean, std, n = pooled(mine)
+            row[system] = {"mean_s": mean, "std_s": std, "iterations": n,
+                           "estimate_s": (case.get("plans", {}).get(system) or {}).get("estimate_s"),
+                           "failed": sum(1 for r in mine if r.get("error"))}
+        plain, over = row["plain"], row["overlap"]
+        if plain["mean_s"] and over["mean_s"]:
+            row["speedup"] = plain["mean_s"] / over["mean_s"]
+        if plain["estimate_s"] and over["estimate_s"]:
+            row["predicted_speedup"] = plain["estimate_s"] / over["estimate_s"]
+        by_round: dict[int, dict[str, float]] = {}
+        for r in runs:
+            if r.get("mean_s"):
+                by_round.setdefault(r["round"], {})[r["system"]] = r["mean_s"]
+        row["round_speedups"] = [v["plain"] / v["overlap"] for _, v in sorted(by_round.items()) if len(v) == 2]
+        rows.append(row)
+    return rows
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}"
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    head = (f"{'model':>9} {'parallelism':>15} {'plain ms':>14} {'overlap ms':>14} {'speedup':>8} {'predicted':>9} "
+            f"{'pred plain':>10} {'pred overlap':>12}  per round")
+    out = [head, "-" * len(head)]
+    for r in rows:
+        p, o = r["plain"], r["overlap"]
+        cell = lambda s: f"{_ms(s['mean_s'])} ± {_ms(s['std_s'])}" if s["mean_s"] else "FAILED"  # noqa: E731
+        speed = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        pred = f"{r['predicted_speedup']:.2f}x" if r.get("predicted_speedup") else "-"
+        rounds = ", ".join(f"{s:.2f}x" for s in r.get("round_speedups", []))
+        out.append(f"{r['model']:>9} {r['parallelism']:>15} {cell(p):>14} {cell(o):>14} {speed:>8} {pred:>9} "
+                   f"{_ms(p['estimate_s']):>10} {_ms(o['estimate_s']):>12}  {rounds}")
+    return "\n".join(out)
+
+
+def format_breakdown(results: Mapping[str, Any]) -> str:
+    """Per case and system, each rank's mean ms per step (last round's run)."""
+    lines = [f"{'model':>9} {'system':>7} {'rank':>4} {'forward':>8} {'backward':>8} {'waited fwd':>10} "
+             f"{'waited bwd':>10} {'grad sum':>8} {'compute':>8}"]
+    for model, case in results.get("cases", {}).items():
+        for system in SYSTEMS:
+            runs = [r for r in case.get("runs", []) if r["system"] == system and r.get("breakdown")]
+            if not runs:
+                continue
+            for b in runs[-1]["breakdown"]:
+                lines.append(f"{model:>9} {system:>7} {b['rank']:>4} {_ms(b['forward']):>8} {_ms(b['backward']):>8} "
+                             f"{_ms(b['wait_forward']):>10} {_ms(b['wait_backward']):>10} {_ms(b['grad_sync']):>8} "
+                             f"{_ms(b['compute']):>8}")
+    return "\n".join(lines)
+
+
+def format_searched(results: Mapping[str, Any]) -> str:
+    lines = []
+    for model, case in results.get("cases", {}).items():
+        plans = case.get("plans", {})
+        for name in ("searched-plain", "searched-overlap"):
+            p = plans.get(name)
+            if p:
+                lines.append(f"{model} {name}: predicted {_ms(p['estimate_s'])} ms, rules {p['rules']}")
+    return "\n".join(lines)
+
+
+def targets(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    lines = []
+    for r in rows:
+        goal = SPEEDUP_TARGET.get(r["parallelism"])
+        if goal is not None and r.get("speedup"):
+            lines.append(f"{'MET ' if r['speedup'] >= goal else 'MISS'} {r['model']} {r['parallelism']}: overlap "
+                         f"{r['speedup']:.2f}x the plain program (target ≥{goal}x; predicted "
+                         f"{r.get('predicted_speedup', float('nan')):.2f}x)")
+    return lines
+
+
+def report(results: dict[str, Any], out: Path | None) -> None:
+    rows = summarize(results)
+    results["table"] = rows
+    results["targets"] = targets(rows)
+    print()
+    print(f"Overlapped duplicas on the emulated cluster ({results.get('variant')}): link "
+          f"{results.get('rate_mbit', 0):.1f} Mbit/s, {results.get('iterations')} iterations "
+          f"({results.get('warmup')} warm-up) × {results.get('rounds')} round(s) per plan")
+    print(format_table(rows))
+    print()
+    print("\n".join(results["targets"]))
+    print()
+    print("ms per step on each rank (last round): waited = blocked on collectives; compute = the rest")
+    print(format_breakdown(results))
+    searched = format_searched(results)
+    if searched:
+        print()
+        print("unforced search at this link:")
+        print(searched)
+    if out is not None:
+        _save(results, out)
+
+
+def _save(results: Mapping[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    slim = json.loads(json.dumps(results, default=str))
+    slim.get("profile", {}).pop("device_detail", None)
+    path.write_text(json.dumps(slim, indent=1) + "\n")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def others_active(own: Sequence[str] = ()) -> list[str]:
+    """Other benchmarks' network namespaces and cpu cgroups (names starting ``hapd``)."""
+    emulated = _load_emulated()
+    found = []
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    found += [line.split()[0] for line in listed.stdout.splitlines() if line.startswith("hapd")]
+    if emulated.CG_ROOT.exists():
+        found += [p.name for p in emulated.CG_ROOT.iterdir() if p.is_dir() and p.name.startswith("hapd")]
+    return [f for f in found if f not in own]
+
+
+def wait_for_others(limit_s: float) -> bool:
+    """Poll until no other benchmark's namespaces or cgroups exist; False after ``limit_s``."""
+    t0 = time.monotonic()
+    while busy := others_active():
+        if time.monotonic() - t0 > limit_s:
+            log(f"still in use after {limit_s:.0f} s: {', '.join(busy)}")
+            return False
+        log(f"another benchmark is running ({', '.join(busy)}): waiting {POLL_S} s")
+        time.sleep(POLL_S)
+    return True
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=DEFAULT_CASES,
+                   help=f"MODEL=PARALLELISM,... with PARALLELISM one of {', '.join(FORCES)} (default: {DEFAULT_CASES})")
+    p.add_argument("--variant", default="3:1", help="fast:slow cpu quota ratio (default 3:1)")
+    p.add_argument("--rate-mbit", type=float, default=None, help="link rate (default: fast rank FLOP/s / 4000 FLOP/B)")
+    p.add_argument("--batch", type=int, default=64, help="global batch (even: each duplica has half) (default 64)")
+    p.add_argument("--size", default="small", choices=("tiny", "small", "paper"))
+    p.add_argument("--iterations", type=int, default=15, help="iterations per run, warm-up included (default 15)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="runs of each plan, interleaved ABBA (default 2)")
+    p.add_argument("--no-searched", action="store_true", help="do not compile the unforced plans")
+    p.add_argument("--trace", action="store_true", help="Chrome traces of each plan's last run, into bench/out")
+    p.add_argument("--full-profile", action="store_true", help="the profiler's full sizes/repeats (default quick)")
+    p.add_argument("--wait-others", type=float, default=3 * 3600, help="seconds to wait for another benchmark")
+    p.add_argument("--run-timeout", type=float, default=1200)
+    p.add_argument("--keep", action="store_true", help="skip teardown (debugging)")
+    p.add_argument("--out", type=Path, default=OUT / "overlap_cluster.json")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--from-json", type=Path, default=None, help="run nothing: re-print a saved results JSON")
+    ns = p.parse_args(argv)
+    if ns.batch < 2 or ns.batch % 2:
+        p.error(f"--batch {ns.batch}: must be even (two duplicas of half the batch)")
+    if ns.rounds < 1 or not 0 <= ns.warmup < ns.iterations:
+        p.error("need --rounds ≥ 1 and 0 ≤ --warmup < --iterations")
+    return ns
+
+
+def _on_term(signum, _frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["rank"]:
+        return rank_main(argv[1:])
+    ns = parse_args(argv)
+    if ns.from_json is not None:
+        report(json.loads(ns.from_json.read_text()), None)
+        return 0
+    emulated = _load_emulated()
+    try:
+        cases = parse_cases(ns.cases)
+        fast, slow = emulated.parse_variant(ns.variant)
+    except ValueError as e:
+        print(f"overlap_cluster: {e}", file=sys.stderr)
+        return 2
+    why = emulated.available()
+    if why:
+        print(f"overlap_cluster: skipped: {why}")
+        return 0
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not wait_for_others(ns.wait_others):
+        print("overlap_cluster: skipped: another benchmark's cluster is still up")
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="hapd-overlap-"))
+    cluster = None
+    results: dict[str, Any] = {"variant": ns.variant, "quotas": [fast, fast, slow, slow], "batch": ns.batch,
+                               "size": ns.size, "iterations": ns.iterations, "warmup": ns.warmup, "rounds": ns.rounds,
+                               "period_us": emulated.PERIOD_US, "cases": {}}
+    try:
+        os.environ.setdefault("HAPD_HOME", str(work / "home"))
+        groups = emulated.setup_cgroups([fast] * 4)
+        rank_flops = emulated.measure_rank_flops(groups[0])
+        rate = ns.rate_mbit or rank_flops / emulated.FLOP_PER_BYTE * 8 / 1e6
+        results.update(fast_rank_flops=rank_flops, rate_mbit=rate)
+        log(f"fast rank ({fast:.2f} core): {rank_flops / 1e9:.1f} GFLOP/s matmul -> link {rate:.1f} Mbit/s")
+        cluster = emulated.make_cluster_class()(work)
+        cluster.create()
+        cluster.shape(rate)
+        cluster.start()
+        hostfile = work / "hosts.txt"
+        hostfile.write_text(cluster.host_lines(slots=[emulated.RANKS_PER_HOST] * 2, gpus=["fast", "slow"]))
+        runner = emulated.Runner(cluster, work, hostfile, groups, ns.verbose)
+        emulated.setup_cgroups([fast, fast, slow, slow])
+        prof_path = work / "profile.json"
+        t0 = time.monotonic()
+        prof = runner.profile(prof_path, quick=not ns.full_profile)
+        results["profile"] = prof
+        log(f"profiled in {time.monotonic() - t0:.0f} s: FLOP/s " +
+            ", ".join(f"{d['flops'] / 1e9:.1f}G" for d in prof["devices"]))
+        for model, how in cases.items():
+            case: dict[str, Any] = {"parallelism": how, "batch": ns.batch, "runs": []}
+            results["cases"][model] = case
+            case["plans"] = compile_plans(model, how, ns.size, ns.batch, prof_path, work, searched=not ns.no_searched)
+            _save(results, ns.out)
+            for rnd in range(ns.rounds):
+                order = SYSTEMS if rnd % 2 == 0 else SYSTEMS[::-1]
+                for system in order:
+                    last = rnd == ns.rounds - 1
+                    trace = OUT / f"overlap_trace_{model}_{system}.json" if ns.trace and last else None
+                    row = run_plan(runner, model, system, Path(case["plans"][system]["path"]), ns,
+                                   f"{model}-{system}-r{rnd}", trace)
+                    row["round"] = rnd
+                    case["runs"].append(row)
+                    log(f"{model} {system} round {rnd}: " + (
+                        f"{_ms(row['mean_s'])} ± {_ms(row['std_s'])} ms (predicted {_ms(row.get('estimate_s'))} ms, "
+                        f"loss {row.get('loss')})" if "error" not in row else f"FAILED {row['error'][-400:]}"))
+                    _save(results, ns.out)
+        report(results, ns.out)
+        return 0
+    except KeyboardInterrupt:
+        log("interrupted: tearing down")
+        _save(results, ns.out)
+        return 130
+    finally:
+        if ns.keep:
+            log(f"--keep: leaving the cluster, cgroups and {work}")
+        else:
+            if cluster is not None:
+                cluster.close()
+            emulated.teardown_cgroups()
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
