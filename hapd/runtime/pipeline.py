@@ -182,6 +182,12 @@ class PipelineRank:
             self.sent_values.append(_sent_value(self.module, g, self.post, b))
         self.grad_inputs = [_holding(view, n, layout, len(self.groups[self.s]))
                             for n, layout in self.module.hapd_inputs[n_users + n_recv:]]
+        self.tied = _tied_groups(stages, self.groups)
+        for target, (members, _) in self.tied.items():
+            if rank in members and self.module.hapd_params.get(target, ("", IDENTITY))[1] != IDENTITY:
+                raise PlanError(f"parameter {target} is used by several stages (tied weights) and stage {self.s}'s "
+                                f"plan splits it ({self.module.hapd_params[target][1]}); tied parameters must be "
+                                "replicated in every stage", node=target)
         # how every other stage holds the boundaries this stage exchanges (all ranks know all plans)
         self._peer_holdings = _peer_holdings(stages, plans, self.groups)
         self.n_boundaries = len(boundaries)
@@ -327,13 +333,44 @@ class PipelineRank:
                 total = total + self._backward(states.pop(mb), mb, pending, sync=mb == self.m - 1)
         for work in pending:
             work.wait()
+        self._sum_tied()
         return total
+
+    def _sum_tied(self) -> None:
+        """A parameter several stages use (tied weights) gets the sum of their
+        gradients: each stage's group holds its whole part (replicated, summed inside
+        the group), so one rank per stage contributes it to a sum over the stages."""
+        rank = dist.get_rank()
+        for target, (members, group) in self.tied.items():
+            if rank not in members:
+                continue
+            param = self.module.get_parameter(target)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            part = param.grad if self.local == 0 else torch.zeros_like(param.grad)
+            total = part.clone()
+            dist.all_reduce(total, group=group)
+            param.grad.copy_(total)
 
     def parameters(self):
         return self.module.parameters()
 
     def named_parameters(self):
         return self.module.named_parameters()
+
+
+def _tied_groups(stages: Sequence[Stage], groups: Sequence[Sequence[int]]) -> dict[str, tuple[list[int], Any]]:
+    """Parameter → (ranks of every stage that uses it, their process group), for the
+    parameters several stages use. Every rank creates every group, in the same order."""
+    holders: dict[str, list[int]] = {}
+    for s, stage in enumerate(stages):
+        for target in stage.parameters:
+            holders.setdefault(target, []).append(s)
+    out = {}
+    for target in sorted(t for t, h in holders.items() if len(h) > 1):
+        members = sorted(r for s in holders[target] for r in groups[s])
+        out[target] = (members, dist.new_group(members))
+    return out
 
 
 def _run(interp: fx.Interpreter, env: dict, node: fx.Node) -> Any:
