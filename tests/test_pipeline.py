@@ -2,9 +2,10 @@
 cut into 2 stages, each on its own group of Gloo ranks with its own SPMD plan at uneven
 ratios, run 1F1B over micro-batches, trains exactly as the single-device model on the
 whole batch — the loss, every gradient of every stage's parameters, and the loss after
-each of 20 Adam steps — for 2 stages × 2 ranks (BERT) and 2 stages × (1 + 2) ranks (GPT-2 whose token embedding is tied to its output projection across the two stages, and the
-zoo's ViT). Also the point-to-point resharding plan between two groups' layouts,
-and the programs a cut is refused for.
+each of 20 Adam steps — for 2 stages × 2 ranks (BERT) and 2 stages × (1 + 2) ranks
+(GPT-2, whose token embedding is tied to its output projection across the two stages,
+and the zoo's ViT). Also the point-to-point resharding plan between two groups'
+layouts, and the programs a cut is refused for.
 """
 
 from __future__ import annotations
