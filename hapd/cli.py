@@ -152,17 +152,24 @@ def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
 @click.option("--max-seconds", type=float, default=None, help="Time budget of one search.")
 @click.option("--recompute", type=click.Choice(["auto", "never", "always"]), default="auto", show_default=True,
               help="Recompute blocks' activations in the backward pass: when memory binds, never, or every block.")
+@click.option("--pipeline", type=click.Choice(["off", "auto"]), default="off", show_default=True,
+              help="Also search pipelines: stages on groups of hosts over micro-batches (1F1B); the cheaper plan wins.")
+@click.option("--micro-graph", "micro_graphs", multiple=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="With --pipeline auto: GRAPH's model exported at a smaller batch, one micro-batch of the global "
+                   "batch, to price that micro-batch count (repeatable).")
 @click.option("--explain/--no-explain", "show", default=False, help="Print the full report.")
 @_import_option
 def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, memory_caps: bool, max_seconds: float | None,
-                recompute: str, show: bool, imports: tuple[str, ...]) -> None:
+                recompute: str, pipeline: str, micro_graphs: tuple[Path, ...], show: bool, imports: tuple[str, ...]) -> None:
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
     from hapd.compiler.driver import CompileOptions, compile as compile_plan
 
     _import(imports)
 
-    options = CompileOptions(zero=zero, memory_caps=memory_caps, max_seconds=max_seconds, recompute=recompute)
-    plan = compile_plan(graph, profile, options)
+    options = CompileOptions(zero=zero, memory_caps=memory_caps, max_seconds=max_seconds, recompute=recompute,
+                             pipeline=pipeline)
+    plan = compile_plan(graph, profile, options, micro_graphs=micro_graphs)
     path = plan.save(out or graph.with_suffix(".hplan"))
     est, base, stats = plan.estimate, plan.doc["baselines"], plan.doc["stats"]
     click.echo(
@@ -170,6 +177,13 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, memory_
         f"(speed-up over DP-EV {base['dp_ev'] / est['per_iteration']:.2f}×, over DP-CP {base['dp_cp'] / est['per_iteration']:.2f}×); "
         f"synthesis {stats['synthesis_seconds']:.3f} s, {stats['expanded']} states, {stats['stop_reason']}"
     )
+    found = plan.doc.get("pipeline")
+    if found:
+        click.echo(
+            f"pipeline: {len(found['stages'])} stages, {found['micro_batches']} micro-batches, "
+            f"{found['per_iteration'] * 1e3:.2f} ms/iteration predicted, "
+            + ("chosen over the SPMD plan" if found["chosen"] else "the SPMD plan is cheaper")
+        )
     if show:
         click.echo(plan.explain())
 

@@ -31,6 +31,8 @@ MODES = ("auto", "data_parallel")
 """What ``CompileOptions.mode`` may be."""
 RECOMPUTE = ("auto", "never", "always")
 """What ``CompileOptions.recompute`` may be."""
+PIPELINE = ("off", "auto")
+"""What ``CompileOptions.pipeline`` may be."""
 MAX_ROUNDS_LIMIT = 1000
 """Most search ⇄ LP rounds a compile may ask for."""
 MAX_STATES_LIMIT = 2**63 - 1
@@ -117,6 +119,14 @@ class CompileOptions:
     program fits without it, or fits only with memory priced or squeezed ratios), as
     few blocks as fit, and only where the plan is then cheaper; ``"never"``;
     ``"always"``: every block."""
+    pipeline: str = "off"
+    """Pipeline stages (HSPMD; :mod:`hapd.compiler.pipeline`): ``"auto"`` also searches
+    pipelines that cut the program at block boundaries into stages, each on a group of
+    whole hosts with its own SPMD plan, over micro-batches in the 1F1B order, and keeps
+    one when its predicted time beats the SPMD plan's (the plan's ``pipeline``). It
+    prices each micro-batch count it is given a graph for (``compile``'s
+    ``micro_graphs``); ``"off"``: the SPMD plan only. Not with ``overlap`` or fixed
+    ``ratios`` (the ratios of the whole cluster)."""
 
     def __post_init__(self) -> None:
         """Every field's type and range, checked here, before the core sees any of them
@@ -136,6 +146,14 @@ class CompileOptions:
             _ratios_option(self.ratios)
         if not isinstance(self.recompute, str) or self.recompute not in RECOMPUTE:
             raise OptionsError(f"recompute {self.recompute!r} is not auto, never or always", field="recompute")
+        if not isinstance(self.pipeline, str) or self.pipeline not in PIPELINE:
+            raise OptionsError(f"pipeline {self.pipeline!r} is not off or auto", field="pipeline")
+        if self.pipeline == "auto" and self.overlap:
+            raise OptionsError("pipeline auto and overlap cannot be combined: a pipeline runs micro-batches, "
+                               "not interleaved duplicas", field="pipeline")
+        if self.pipeline == "auto" and self.ratios is not None:
+            raise OptionsError("pipeline auto with fixed ratios: each stage's group gets its own ratios",
+                               field="pipeline")
 
     def key(self) -> dict[str, Any]:
         out = asdict(self)
@@ -512,6 +530,16 @@ def _prefer_data_parallel(
     return program, ratios, chosen_from
 
 
+def search_program(data: bytes, profile: Profile, options: CompileOptions) -> tuple[dict, list[float]]:
+    """The cheapest program for ``profile`` and the ratios it was optimized for, from the
+    search ⇄ LP rounds and the data-parallel candidate, without memory caps or wider
+    fronts: how a pipeline stage's group is priced (:mod:`hapd.compiler.pipeline`)."""
+    searched = _rounds(data, profile, options, None, None)
+    baselines = _baselines(data, profile, options)
+    program, ratios, _ = _prefer_data_parallel(searched, baselines, options, None)
+    return program, ratios
+
+
 def _dp_fits(dp_program: dict, profile: Profile) -> bool:
     """Whether some split of the batch fits data parallelism in every device's memory."""
     try:
@@ -575,10 +603,16 @@ def _plan_document(
     }
 
 
-def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> Plan:  # noqa: A001 - hapd.compile is the public name
+def compile(  # noqa: A001 - hapd.compile is the public name
+    graph: Any, profile: Any, options: CompileOptions | None = None, micro_graphs: Sequence[Any] = ()
+) -> Plan:
     """Compile ``graph`` (GraphIR, .hapg/.pt2 path, bytes or ExportedProgram) for
-    ``profile`` (Profile or path) into a :class:`Plan`."""
+    ``profile`` (Profile or path) into a :class:`Plan`. With ``options.pipeline`` auto,
+    ``micro_graphs`` are the same model exported at smaller batches (the global batch
+    over each micro-batch count to price; the global batch itself is always priced)."""
     options = options or CompileOptions()
+    if micro_graphs and options.pipeline != "auto":
+        raise OptionsError("micro-batch graphs are for pipeline auto", field="micro_graphs")
     profile = load_profile(profile)
     data = _graph_bytes(graph)
     start = time.perf_counter()
@@ -604,7 +638,23 @@ def compile(graph: Any, profile: Any, options: CompileOptions | None = None) -> 
         data, profile, options, searched, baselines, chosen, seconds=seconds, synthesis_seconds=synthesis_seconds
     )
     doc["stats"]["front_width"] = front_width
+    if options.pipeline == "auto":
+        _add_pipeline(doc, data, micro_graphs, profile, options, program_cost(chosen[0], chosen[1]))
     return Plan(doc)
+
+
+def _add_pipeline(doc: dict, data: bytes, micro_graphs: Sequence[Any], profile: Profile, options: CompileOptions,
+                  spmd_only: float) -> None:
+    """The pipeline search (:mod:`hapd.compiler.pipeline`) against the SPMD plan's
+    ``spmd_only`` seconds: the best pipeline as the plan's ``pipeline`` (``chosen`` when
+    it is cheaper) and the search's statistics."""
+    from hapd.compiler import pipeline
+    from hapd.compiler.lower import GraphIR
+
+    graphs = pipeline.micro_batch_graphs(GraphIR(data), [GraphIR(_graph_bytes(g)) for g in micro_graphs])
+    found = pipeline.search(graphs, profile, options, spmd_only)
+    doc["pipeline"] = found.best.to_doc() if found.best is not None else None
+    doc["stats"]["pipeline"] = found.stats()
 
 
 def _with_expert_parallel_candidate(

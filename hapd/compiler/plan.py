@@ -52,6 +52,15 @@ class Plan:
         """How many duplicas the global batch is cut into (1 without overlap)."""
         return int(self.doc.get("duplicas", 1))
 
+    @property
+    def pipeline(self) -> Mapping[str, Any] | None:
+        """The pipeline the runtime runs instead of ``program`` (``docs/formats.md``:
+        stages, their cuts and groups, micro-batches), or ``None``: a compile with
+        ``pipeline`` auto records the best one it found even when the SPMD plan beat it,
+        and that one is not run."""
+        found = self.doc.get("pipeline")
+        return found if found and found.get("chosen") else None
+
     def to_bytes(self) -> bytes:
         return msgpack.packb(dict(self.doc), use_bin_type=True)
 
@@ -203,6 +212,42 @@ def _overlap_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _pipeline_lines(doc: Mapping[str, Any]) -> list[str]:
+    """What the pipeline search found: the stages with their blocks, groups and
+    predicted times, the micro-batches, the bubble, and the SPMD plan it beat or lost
+    to. Nothing for a compile that did not search pipelines."""
+    searched = doc["stats"].get("pipeline")
+    found = doc.get("pipeline")
+    if searched is None:
+        return []
+    if not found:
+        return [f"pipeline: none ({searched.get('reason') or 'no pipeline found'}); the SPMD plan runs"]
+    spmd, cost = found["spmd_only_per_iteration"], found["per_iteration"]
+    verdict = (f"beats the SPMD-only plan's {_fmt_s(spmd)} ({spmd / cost:.2f}×): the pipeline runs" if found["chosen"]
+               else f"loses to the SPMD-only plan's {_fmt_s(spmd)} ({cost / spmd:.2f}× slower): the SPMD plan runs")
+    lines = [
+        f"pipeline: {len(found['stages'])} stages, {found['micro_batches']} micro-batches of {found['micro_batch_size']} "
+        f"({found['schedule'].upper()}), predicted {_fmt_s(cost)} per iteration, bubble {found['bubble']:.1%}; {verdict}",
+    ]
+    for stage in found["stages"]:
+        first, last = stage["blocks"]
+        blocks = first if first == last else f"{first} … {last}"
+        ranks = stage["ranks"]
+        span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+        cut = (f"cut after {stage['last_node']}, sends {format_bytes(stage['boundary_bytes'])} "
+               f"({_fmt_s(stage['boundary_seconds'])} both ways) per micro-batch" if stage["last_node"] else "the loss")
+        lines.append(
+            f"  stage {stage['index']}: {stage['block_count']} blocks ({blocks}) on {', '.join(stage['hosts'])} ({span}); "
+            f"per micro-batch forward {_fmt_s(stage['forward'])}, backward {_fmt_s(stage['backward'])}; "
+            f"gradient sync {_fmt_s(stage['sync'])}; {cut}"
+        )
+    tried = ", ".join(f"m={t['micro_batches']}: {_fmt_s(t['per_iteration']) if t['per_iteration'] is not None else '-'}"
+                      for t in searched.get("tried", []))
+    lines.append(f"  micro-batch counts tried: {tried}; search {searched['seconds']:.3f} s, "
+                 f"{searched['groups_priced']} group searches")
+    return lines
+
+
 def explain(plan: Plan) -> str:
     """A readable report: estimate vs baselines, ratios, every step with its layouts and
     collectives, per-device totals, and why replicated ops are replicated."""
@@ -221,6 +266,7 @@ def explain(plan: Plan) -> str:
         f"{stats['lp_rounds']} search/LP rounds, stop reason {stats['stop_reason']}",
     ]
     lines += _overlap_lines(plan)
+    lines += _pipeline_lines(doc)
     lines.append("devices:")
     for d, r in enumerate(ratios):
         lines.append(

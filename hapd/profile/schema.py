@@ -144,6 +144,28 @@ class Profile:
         total = sum(d.flops for d in self.devices)
         return [d.flops / total for d in self.devices]
 
+    def ranks_of(self, host: str) -> list[int]:
+        """Ranks of the devices on ``host``, in rank order."""
+        return [d.rank for d in self.devices if d.host == host]
+
+    def subset(self, ranks: Sequence[int], *, name: str | None = None, hosts: Mapping[str, str] | None = None) -> "Profile":
+        """The profile of the devices ``ranks`` alone (a pipeline stage's group),
+        renumbered 0… in the order given, with the same collectives; ``hosts`` renames
+        hosts (the cost model only asks whether two devices share one). A compile for it
+        plans those devices as a cluster of their own."""
+        ranks = list(ranks)
+        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world for r in ranks):
+            raise ProfileError(f"ranks {ranks} are not distinct ranks of the profile's {self.world} devices", field="devices")
+        rename = hosts or {}
+        devices = tuple(
+            Device(rank=i, host=rename.get(self.devices[r].host, self.devices[r].host), model=self.devices[r].model,
+                   flops=self.devices[r].flops, memory=self.devices[r].memory,
+                   elementwise_flops=self.devices[r].elementwise_flops)
+            for i, r in enumerate(ranks)
+        )
+        return Profile(name=name or f"{self.name}[{','.join(map(str, ranks))}]", devices=devices,
+                       collectives=self.collectives, description=f"ranks {ranks} of {self.name}")
+
     def to_json(self) -> str:
         doc = {
             "format": PROFILE_FORMAT,

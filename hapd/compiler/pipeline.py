@@ -1,0 +1,655 @@
+"""Pipeline stages in the plan space: cut points, device groups, micro-batches and the
+1F1B cost (HSPMD; ``CompileOptions.pipeline``).
+
+A pipeline plan cuts the program into **stages** at block boundaries (the graph's
+repeated blocks, transformer layers: the IR's ``block`` labels), runs each stage on a
+**group** of whole hosts with its own SPMD plan, and streams ``m`` **micro-batches**
+through the stages in the 1F1B order; what crosses a cut moves point-to-point between
+the groups. The runtime cuts the exported program (:mod:`hapd.compiler.stages`) and
+compiles each stage's program for its group itself, so the plan records only the
+cuts, the groups and ``m`` (:class:`PipelinePlan`).
+
+**Units and cuts.** Unit ``k`` is block ``k`` with the ops before it (unit 0: the
+embedding) or after it (the last unit: the head and the loss); a cut after unit ``k``
+is named by the IR name of block ``k``'s last op node, where the runtime splits.
+A cut where a tensor that is not floating point crosses (it carries no gradient) is
+not a candidate. Which tensors cross a cut follows the runtime's split: the results of
+ops that depend on a trainable parameter, computed before the cut and read after it
+(ops that depend on no parameter run again in every stage that reads them).
+
+**Stage costs without a compile per cut.** For each candidate group (a contiguous run
+of hosts in rank order; groups of the same devices are priced once) and each ``m``,
+the whole graph exported at the micro-batch size ``global/m`` is searched with the
+group's sub-profile (:func:`hapd.compiler.driver.search_program`: the search ⇄ LP
+rounds and the data-parallel candidate, without memory caps), and its steps' costs
+under the LP's ratios are summed per unit. A stage's time per micro-batch on units
+``[k0, k1)`` is then a difference of prefix sums: repeated blocks make a 96-layer model
+a prefix-sum problem like a 2-layer one. A step's compute row is forward plus backward
+(the backward twice the forward, as the core prices it); its collectives are split
+into forward and backward halves where they carry a gradient; the gradient
+all-reduce of its replicated parameters (its sources' ``grad_sync`` rows) is the
+stage's gradient sync, once per iteration.
+
+**The 1F1B critical path** of stages ``s = 0…S−1`` with per-micro-batch compute
+``u_s = f_s + b_s``, point-to-point time ``p_j`` of cut ``j`` (the boundary's
+activations forward and their gradients backward, ``2·Σ (α + bytes/β)`` per
+micro-batch, at the profile's ``p2p`` link across hosts, else ``broadcast``'s) and
+gradient sync ``y_s``::
+
+    T = Σ_s u_s + Σ_j p_j  +  (m − 1) · max_s (u_s + p_in(s) + p_out(s))  +  max_s y_s
+
+The first two terms are one micro-batch's way through every stage and back (the
+pipeline's fill and drain), the third the steady state, paced by the slowest stage with
+its sends and receives, the last the groups' gradient all-reduces, run side by side
+after the last backward. The **bubble** is the share of the pipelined time an average
+stage waits: ``1 − Σ_s m·t_s / (S · (T − max_s y_s))``; ``(S−1)/(m+S−1)`` for equal
+stages.
+
+**The search** (:func:`best_split`): for each ``m``, a dynamic program over (hosts
+used, units used) keeps the Pareto front of (Σ u + Σ p, max t, max y) of the stages
+placed so far, whose end is exactly the optimum of ``T`` (each term grows
+monotonically with its part): O(H²·B²·front) for H hosts and B units. Every pipeline
+uses every host and at least two stages; the pure SPMD plan (the ordinary compile of
+the global batch) is the other candidate, and the cheaper wins.
+
+Not priced: each stage's memory (the group's search runs without memory caps; a stage
+holds only its units' parameters, but 1F1B keeps up to ``S − s`` micro-batches'
+activations on stage ``s``), and ops without a parameter dependency recomputed in
+several stages.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Sequence
+
+from hapd.compiler.ratios import row_values
+from hapd.errors import GraphError, OptionsError, SynthesisError
+from hapd.profile.schema import Link, Profile
+
+if TYPE_CHECKING:
+    from hapd.compiler.driver import CompileOptions
+    from hapd.compiler.lower import GraphIR
+
+SCHEDULE = "1f1b"
+"""The one micro-batch schedule priced and run."""
+DEFAULT_MICRO_BATCHES = (1, 2, 4, 8, 16)
+"""Micro-batch counts a caller exports graphs for by default (:func:`micro_batch_counts`)."""
+
+_FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16"}
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "int8": 1, "uint8": 1, "bool": 1, "none": 0,
+}
+
+
+# --------------------------------------------------------------------------- the graph
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unit:
+    """A block of the graph with the ops that run between it and its neighbours."""
+
+    blocks: tuple[str, ...]
+    """Its block labels (one, unless blocks' ops interleave and cannot be cut apart)."""
+    last_node: str
+    """IR name of its last block op: a cut after this unit splits there."""
+    last_index: int
+    """Index of that node in the graph."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphUnits:
+    """Where a graph may be cut, and what crosses each cut."""
+
+    units: tuple[Unit, ...]
+    """The units in program order."""
+    crossing: tuple[tuple[float, ...] | None, ...]
+    """Per cut ``k`` (after unit ``k-1``; index 0 and ``len(units)`` unused), the bytes
+    of each tensor crossing it, or ``None`` when it cannot be cut there."""
+    unit_of: Mapping[str, int]
+    """Op node name → its unit."""
+
+    @property
+    def cuts(self) -> list[int]:
+        """Cut positions ``k`` (units before the cut) that may be cut."""
+        return [k for k in range(1, len(self.units)) if self.crossing[k] is not None]
+
+
+def graph_units(doc: Mapping[str, Any]) -> GraphUnits:
+    """The units of the lowered graph ``doc`` (blocks in order of their first op; blocks
+    whose op ranges overlap form one unit) and the tensors crossing each cut."""
+    nodes = doc["nodes"]
+    spans: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        label = node.get("block")
+        if node.get("kind") == "op" and label:
+            span = spans.setdefault(label, [i, i])
+            span[1] = i
+    merged: list[tuple[list[str], int, int]] = []
+    for label, (first, last) in sorted(spans.items(), key=lambda item: item[1][0]):
+        if merged and first <= merged[-1][2]:
+            merged[-1] = (merged[-1][0] + [label], merged[-1][1], max(merged[-1][2], last))
+        else:
+            merged.append(([label], first, last))
+    units = tuple(Unit(blocks=tuple(b), last_node=nodes[last]["name"], last_index=last) for b, _, last in merged)
+    ends = [u.last_index for u in units]
+    unit_of: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        if node.get("kind") == "op":
+            unit_of[node["name"]] = min(bisect.bisect_left(ends, i), max(len(units) - 1, 0))
+    return GraphUnits(units=units, crossing=_crossing(nodes, ends), unit_of=unit_of)
+
+
+def _crossing(nodes: Sequence[Mapping[str, Any]], ends: Sequence[int]) -> tuple[tuple[float, ...] | None, ...]:
+    """Per cut after ``ends[k-1]``, the bytes of the parameter-dependent op results
+    computed up to it and read after it (``None`` where one is not floating point)."""
+    heavy = [False] * len(nodes)
+    last_read: dict[tuple[int, int], int] = {}
+    for i, node in enumerate(nodes):
+        kind = node.get("kind")
+        refs = [(int(r[0]), int(r[1])) for r in node.get("inputs", [])]
+        if kind == "parameter":
+            heavy[i] = bool(node.get("requires_grad", True))
+        elif kind == "op":
+            heavy[i] = any(heavy[n] for n, _ in refs)
+        for ref in refs:
+            last_read[ref] = max(last_read.get(ref, -1), i)
+    out: list[tuple[float, ...] | None] = [None]
+    for end in ends[:-1]:
+        sizes: list[float] | None = []
+        for (n, k), reader in sorted(last_read.items()):
+            if n <= end < reader and heavy[n] and nodes[n].get("kind") == "op":
+                meta = nodes[n]["outputs"][k]
+                if meta["dtype"] not in _FLOAT_DTYPES:
+                    sizes = None
+                    break
+                sizes.append(_bytes(meta))
+        out.append(tuple(sizes) if sizes is not None else None)
+    out.append(None)
+    return tuple(out)
+
+
+def _bytes(meta: Mapping[str, Any]) -> float:
+    elements = 1
+    for d in meta["shape"]:
+        elements *= int(d)
+    return float(elements * _DTYPE_BYTES.get(meta["dtype"], 8))
+
+
+def graph_batch(doc: Mapping[str, Any]) -> int:
+    """The batch size of a lowered graph: the length of its inputs' batch dims.
+    :class:`GraphError` when it has no batch dim or its inputs disagree."""
+    sizes = {int(n["outputs"][0]["shape"][n["batch_dim"]]) for n in doc["nodes"]
+             if n.get("kind") == "input" and n.get("batch_dim") is not None}
+    if len(sizes) != 1:
+        raise GraphError(f"graph {doc.get('name')!r}: its inputs have batch sizes {sorted(sizes)}; "
+                         "a pipeline needs one batch size to cut into micro-batches", field="batch_dim")
+    return sizes.pop()
+
+
+def micro_batch_counts(batch: int, candidates: Sequence[int] = DEFAULT_MICRO_BATCHES) -> list[int]:
+    """The micro-batch counts of ``candidates`` that divide the global ``batch``."""
+    return [m for m in candidates if m >= 1 and batch % m == 0]
+
+
+# --------------------------------------------------------------------------- costs
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitCosts:
+    """Per unit, one micro-batch's seconds on one group under its SPMD plan, and the
+    gradient sync per iteration; with prefix sums."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    sync: tuple[float, ...]
+    _prefix: tuple[tuple[float, ...], ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        prefix = []
+        for values in (self.forward, self.backward, self.sync):
+            sums = [0.0]
+            for v in values:
+                sums.append(sums[-1] + v)
+            prefix.append(tuple(sums))
+        object.__setattr__(self, "_prefix", tuple(prefix))
+
+    def range(self, k0: int, k1: int) -> tuple[float, float, float]:
+        """(forward, backward, sync) of units ``[k0, k1)``."""
+        return tuple(p[k1] - p[k0] for p in self._prefix)  # type: ignore[return-value]
+
+
+def unit_costs(program: Mapping[str, Any], ratios: Sequence[float], unit_of: Mapping[str, int], units: int) -> UnitCosts:
+    """The steps of ``program`` under ``ratios`` summed per unit (see the module
+    docstring for the forward/backward split)."""
+    forward, backward, sync = [0.0] * units, [0.0] * units, [0.0] * units
+    n = len(ratios)
+    for step in program["steps"]:
+        u = unit_of.get(step["node"])
+        if u is None:
+            continue
+        comp = max(row_values(step["comp"], ratios), default=0.0)
+        synced = [0.0] * n
+        for source in step["sources"]:
+            if source["grad_sync"]:
+                synced = [a + b for a, b in zip(synced, row_values(source["cost"], ratios))]
+        comm = max((c - s for c, s in zip(row_values(step["comm"], ratios), synced)), default=0.0)
+        comm = max(comm, 0.0)
+        times = [(max(row_values(c["cost"], ratios), default=0.0), bool(c["grad"])) for c in step["comms"]]
+        total = sum(t for t, _ in times)
+        back = 0.5 * sum(t for t, grad in times if grad) / total if total > 0 else 0.0
+        forward[u] += comp / 3 + comm * (1 - back)
+        backward[u] += 2 * comp / 3 + comm * back
+        sync[u] += max(synced, default=0.0)
+    return UnitCosts(forward=tuple(forward), backward=tuple(backward), sync=tuple(sync))
+
+
+def p2p_link(profile: Profile) -> Link:
+    """The link a boundary's activations cross between two hosts: the profile's
+    ``p2p`` (measured by ``hapd profile``), else its ``broadcast`` (one message from
+    one rank to the others)."""
+    links = profile.collectives.get("p2p") or profile.collectives["broadcast"]
+    return links["inter"]
+
+
+def boundary_seconds(sizes: Sequence[float], link: Link) -> float:
+    """Point-to-point seconds of one micro-batch at a cut: each crossing tensor forward
+    and its gradient backward, one message each."""
+    return sum(2 * (link.alpha + b / link.beta) for b in sizes)
+
+
+# --------------------------------------------------------------------------- 1F1B
+
+
+def one_f_one_b(stage_times: Sequence[float], boundaries: Sequence[float], syncs: Sequence[float], micro_batches: int) -> float:
+    """Seconds per iteration of a 1F1B pipeline (the module docstring's ``T``): stages
+    of ``stage_times`` seconds per micro-batch (forward + backward), ``boundaries[j]``
+    the point-to-point seconds of one micro-batch between stages ``j`` and ``j+1``,
+    ``syncs`` each stage's gradient sync, ``micro_batches`` micro-batches."""
+    if len(boundaries) != len(stage_times) - 1 or len(syncs) != len(stage_times):
+        raise ValueError(f"{len(stage_times)} stages need {len(stage_times) - 1} boundaries and as many syncs")
+    return _fill(stage_times, boundaries) + (micro_batches - 1) * max(_paced(stage_times, boundaries)) + max(syncs)
+
+
+def _fill(stage_times: Sequence[float], boundaries: Sequence[float]) -> float:
+    return sum(stage_times) + sum(boundaries)
+
+
+def _paced(stage_times: Sequence[float], boundaries: Sequence[float]) -> list[float]:
+    """Each stage's time per micro-batch in the steady state: its compute, and its
+    sends and receives on both sides."""
+    padded = [0.0, *boundaries, 0.0]
+    return [t + padded[s] + padded[s + 1] for s, t in enumerate(stage_times)]
+
+
+def bubble_fraction(stage_times: Sequence[float], boundaries: Sequence[float], micro_batches: int) -> float:
+    """The share of the pipelined time (without gradient sync) an average stage waits."""
+    paced = _paced(stage_times, boundaries)
+    total = _fill(stage_times, boundaries) + (micro_batches - 1) * max(paced)
+    if total <= 0:
+        return 0.0
+    return max(0.0, 1.0 - micro_batches * sum(paced) / (len(paced) * total))
+
+
+# --------------------------------------------------------------------------- the DP
+
+
+Span = tuple[int, int, int, int]
+"""A stage: hosts ``[h0, h1)`` and units ``[k0, k1)``."""
+
+StageCost = Callable[[int, int, int, int], "tuple[float, float] | None"]
+"""(h0, h1, k0, k1) → (seconds per micro-batch, gradient sync), or ``None`` when that
+group cannot run those units."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Split:
+    """The best stages of one micro-batch count."""
+
+    cost: float
+    """Seconds per iteration (:func:`one_f_one_b`)."""
+    spans: tuple[Span, ...]
+
+
+def split_cost(spans: Sequence[Span], stage: StageCost, boundary: Sequence[float], micro_batches: int) -> float | None:
+    """:func:`one_f_one_b` of the stages ``spans`` (``None`` if one cannot run)."""
+    costs = [stage(*span) for span in spans]
+    if any(c is None for c in costs):
+        return None
+    return one_f_one_b([c[0] for c in costs], [boundary[span[3]] for span in spans[:-1]],  # type: ignore[index]
+                       [c[1] for c in costs], micro_batches)  # type: ignore[index]
+
+
+def best_split(
+    hosts: int, units: int, cuts: Collection[int], stage: StageCost, boundary: Sequence[float], micro_batches: int
+) -> Split | None:
+    """The cheapest pipeline of at least two stages over all ``hosts`` and ``units``,
+    cut only at ``cuts`` (positions ``k``: units before the cut), with ``boundary[k]``
+    the point-to-point seconds of cut ``k``: a DP over (hosts used, units used) keeping
+    the Pareto front of (fill time, slowest paced stage, largest sync) of the stages so
+    far. ``None`` when no pipeline exists (one host, no cut, no group that runs)."""
+    allowed = set(cuts)
+    ends = sorted(allowed) + [units]
+    m = micro_batches
+    # front entries: (fill, paced max, sync max, spans)
+    fronts: dict[tuple[int, int], list[tuple[float, float, float, tuple[Span, ...]]]] = {(0, 0): [(0.0, 0.0, 0.0, ())]}
+    best: Split | None = None
+    for h in range(hosts):
+        for k in [0, *sorted(allowed)]:
+            front = fronts.pop((h, k), None)
+            if not front:
+                continue
+            for h1 in range(h + 1, hosts + 1):
+                for k1 in ends:
+                    if k1 <= k or (h1 == hosts) != (k1 == units) or (h == 0 and h1 == hosts):
+                        continue
+                    cost = stage(h, h1, k, k1)
+                    if cost is None:
+                        continue
+                    compute, sync = cost
+                    p_in = boundary[k] if k > 0 else 0.0
+                    p_out = boundary[k1] if k1 < units else 0.0
+                    paced = compute + p_in + p_out
+                    target = fronts.setdefault((h1, k1), [])
+                    for fill, top, synced, spans in front:
+                        entry = (fill + compute + p_out, max(top, paced), max(synced, sync), spans + ((h, h1, k, k1),))
+                        if h1 == hosts:
+                            total = entry[0] + (m - 1) * entry[1] + entry[2]
+                            if best is None or total < best.cost:
+                                best = Split(cost=total, spans=entry[3])
+                        else:
+                            _insert(target, entry)
+    return best
+
+
+def _insert(front: list[tuple[float, float, float, tuple[Span, ...]]], entry: tuple[float, float, float, tuple[Span, ...]]) -> None:
+    """Add ``entry`` to a Pareto front of (fill, paced, sync) unless one dominates it."""
+    a, b, c = entry[0], entry[1], entry[2]
+    for x, y, z, _ in front:
+        if x <= a and y <= b and z <= c:
+            return
+    front[:] = [e for e in front if not (a <= e[0] and b <= e[1] and c <= e[2])]
+    front.append(entry)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineStage:
+    """One stage of a pipeline plan."""
+
+    index: int
+    hosts: tuple[str, ...]
+    """The hosts of its group."""
+    ranks: tuple[int, ...]
+    """The global ranks of its group, in rank order."""
+    blocks: tuple[str, str]
+    """The first and last block it runs (the ops before the first block run in stage
+    0, those after the last in the last stage)."""
+    block_count: int
+    """How many blocks it runs."""
+    last_node: str | None
+    """IR name of its last block op, where the program is cut after it (``None`` for the
+    last stage)."""
+    forward: float
+    """Predicted forward seconds of one micro-batch."""
+    backward: float
+    """Predicted backward seconds of one micro-batch."""
+    sync: float
+    """Predicted seconds of its gradient all-reduce within its group, once per iteration."""
+    boundary_bytes: float
+    """Bytes it sends the next stage per micro-batch (activations; their gradients come
+    back the same size); 0 for the last stage."""
+    boundary_seconds: float
+    """Point-to-point seconds per micro-batch to the next stage, both ways."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelinePlan:
+    """A pipeline: stages on groups, micro-batches, the 1F1B schedule and its
+    prediction; the ``pipeline`` map of a plan document (``docs/formats.md``)."""
+
+    stages: tuple[PipelineStage, ...]
+    micro_batches: int
+    micro_batch_size: int
+    """The global batch over ``micro_batches``."""
+    micro_batch_graph_id: str
+    """The graph of one micro-batch that the stage costs were priced on."""
+    per_iteration: float
+    """Predicted seconds per iteration (:func:`one_f_one_b`)."""
+    bubble: float
+    """Predicted share of the pipelined time a stage waits (:func:`bubble_fraction`)."""
+    spmd_only_per_iteration: float
+    """The pure SPMD plan's estimate it competed with."""
+    chosen: bool
+    """Whether it beat the SPMD plan: the runtime runs the pipeline only then."""
+    schedule: str = SCHEDULE
+
+    def to_doc(self) -> dict[str, Any]:
+        doc = asdict(self)
+        for stage in doc["stages"]:
+            stage["hosts"], stage["ranks"], stage["blocks"] = list(stage["hosts"]), list(stage["ranks"]), list(stage["blocks"])
+        doc["stages"] = list(doc["stages"])
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> "PipelinePlan":
+        stages = tuple(
+            PipelineStage(**{**s, "hosts": tuple(s["hosts"]), "ranks": tuple(s["ranks"]), "blocks": tuple(s["blocks"])})
+            for s in doc["stages"]
+        )
+        return cls(**{**doc, "stages": stages})
+
+    @property
+    def cuts(self) -> list[str]:
+        """The IR node names the program is cut after, in order."""
+        return [s.last_node for s in self.stages if s.last_node is not None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSearch:
+    """What the pipeline search found: the best pipeline (``None`` when none exists)
+    and its statistics."""
+
+    best: PipelinePlan | None
+    seconds: float
+    """Seconds the search took (pricing the groups included)."""
+    groups_priced: int
+    """Searches run: distinct groups × micro-batch counts."""
+    tried: tuple[dict[str, Any], ...]
+    """Per micro-batch count: ``micro_batches``, ``per_iteration`` (``None``: no
+    pipeline), ``stages``."""
+    reason: str = ""
+    """Why there is no pipeline, when there is none."""
+
+    def stats(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "groups_priced": self.groups_priced, "tried": list(self.tried),
+                "reason": self.reason}
+
+
+# --------------------------------------------------------------------------- search
+
+
+@dataclass(frozen=True)
+class Group:
+    """A contiguous run of hosts of the profile: a stage's devices."""
+
+    hosts: tuple[str, ...]
+    ranks: tuple[int, ...]
+    """Their global ranks, in rank order."""
+    key: str
+    """Equal for groups of the same devices (host names aside): priced once."""
+
+
+def host_groups(profile: Profile) -> dict[tuple[int, int], Group]:
+    """Every group ``[h0, h1)`` of the profile's hosts (in rank order) a stage may run
+    on: all but the whole cluster (whose plan is the SPMD plan)."""
+    hosts = profile.hosts
+    out = {}
+    for h0 in range(len(hosts)):
+        for h1 in range(h0 + 1, len(hosts) + 1):
+            if h0 == 0 and h1 == len(hosts):
+                continue
+            names = tuple(hosts[h0:h1])
+            ranks = tuple(r for h in names for r in profile.ranks_of(h))
+            canon = profile.subset(ranks, name="group", hosts={h: f"h{i}" for i, h in enumerate(names)})
+            key = hashlib.sha256(json.dumps(canon.canonical(), sort_keys=True).encode()).hexdigest()
+            out[(h0, h1)] = Group(hosts=names, ranks=ranks, key=key)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTable:
+    """Stage costs of one micro-batch graph on every group: what :func:`best_split`
+    reads."""
+
+    units: GraphUnits
+    groups: Mapping[tuple[int, int], Group]
+    costs: Mapping[str, UnitCosts | None]
+    """Group key → its units' costs (``None``: the group cannot run the graph)."""
+    boundary: tuple[float, ...]
+    """Per cut position, point-to-point seconds of one micro-batch (0 where no cut)."""
+    searches: int
+    """Searches run to price the groups."""
+
+    @property
+    def hosts(self) -> int:
+        return max((h1 for _, h1 in self.groups), default=1)
+
+    def range(self, h0: int, h1: int, k0: int, k1: int) -> tuple[float, float, float] | None:
+        """(forward, backward, sync) of units ``[k0, k1)`` on group ``[h0, h1)``."""
+        table = self.costs[self.groups[(h0, h1)].key]
+        return None if table is None else table.range(k0, k1)
+
+    def stage(self, h0: int, h1: int, k0: int, k1: int) -> tuple[float, float] | None:
+        """A :data:`StageCost`."""
+        found = self.range(h0, h1, k0, k1)
+        return None if found is None else (found[0] + found[1], found[2])
+
+    def best(self, micro_batches: int) -> Split | None:
+        return best_split(self.hosts, len(self.units.units), self.units.cuts, self.stage, self.boundary, micro_batches)
+
+
+def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions") -> StageTable:
+    """Price the micro-batch graph ``ir`` on every group of ``profile``'s hosts: one
+    search per distinct group (:func:`hapd.compiler.driver.search_program` with the
+    group's sub-profile, no memory caps), its steps summed per unit."""
+    from hapd.compiler.driver import search_program
+
+    group_options = replace(options, pipeline="off", memory_caps=False, recompute="never", overlap=False, ratios=None)
+    units = graph_units(ir.doc)
+    groups = host_groups(profile)
+    batch = graph_batch(ir.doc)
+    costs: dict[str, UnitCosts | None] = {}
+    searches = 0
+    if len(units.units) >= 2 and units.cuts:
+        for group in groups.values():
+            if group.key in costs:
+                continue
+            costs[group.key] = None
+            if batch < len(group.ranks):
+                continue  # fewer samples than ranks
+            sub = profile.subset(group.ranks, name=f"{profile.name}:{'+'.join(group.hosts)}")
+            try:
+                program, ratios = search_program(ir.data, sub, group_options)
+            except SynthesisError:
+                continue
+            searches += 1
+            costs[group.key] = unit_costs(program, ratios, units.unit_of, len(units.units))
+    link = p2p_link(profile)
+    boundary = tuple(boundary_seconds(c, link) if c is not None else 0.0 for c in units.crossing)
+    return StageTable(units=units, groups=groups, costs=costs, boundary=boundary, searches=searches)
+
+
+def search(
+    graphs: Mapping[int, "GraphIR"], profile: Profile, options: "CompileOptions", spmd_only: float
+) -> PipelineSearch:
+    """The best pipeline for ``profile`` over the micro-batch counts of ``graphs``
+    (micro-batch count → the graph exported at the global batch over it), against the
+    SPMD plan's ``spmd_only`` seconds per iteration."""
+    start = time.perf_counter()
+    if len(profile.hosts) < 2:
+        return PipelineSearch(best=None, seconds=0.0, groups_priced=0, tried=(),
+                              reason=f"one host ({profile.hosts[0]}): no groups of hosts to cut stages over")
+    best: tuple[Split, int, StageTable] | None = None
+    tried: list[dict[str, Any]] = []
+    priced = 0
+    reason = "no group of hosts can run a stage"
+    for m in sorted(graphs):
+        table = stage_table(graphs[m], profile, options)
+        priced += table.searches
+        if len(table.units.units) < 2 or not table.units.cuts:
+            reason = f"the graph has {len(table.units.units)} blocks and no cut between them"
+        found = table.best(m)
+        tried.append({"micro_batches": m, "per_iteration": found.cost if found else None,
+                      "stages": len(found.spans) if found else 0})
+        if found is not None and (best is None or found.cost < best[0].cost):
+            best = (found, m, table)
+    seconds = time.perf_counter() - start
+    if best is None:
+        return PipelineSearch(best=None, seconds=seconds, groups_priced=priced, tried=tuple(tried), reason=reason)
+    split, m, table = best
+    plan = _plan(split, m, graphs[m], table, spmd_only)
+    return PipelineSearch(best=plan, seconds=seconds, groups_priced=priced, tried=tuple(tried))
+
+
+def _plan(split: Split, m: int, ir: "GraphIR", table: StageTable, spmd_only: float) -> PipelinePlan:
+    """The :class:`PipelinePlan` of the stages ``split`` found for ``m`` micro-batches."""
+    units = table.units.units
+    stages = []
+    times = []
+    for s, (h0, h1, k0, k1) in enumerate(split.spans):
+        found = table.range(h0, h1, k0, k1)
+        assert found is not None
+        f, b, y = found
+        times.append(f + b)
+        group = table.groups[(h0, h1)]
+        cut = k1 < len(units)
+        stages.append(PipelineStage(
+            index=s, hosts=group.hosts, ranks=group.ranks,
+            blocks=(units[k0].blocks[0], units[k1 - 1].blocks[-1]),
+            block_count=sum(len(u.blocks) for u in units[k0:k1]),
+            last_node=units[k1 - 1].last_node if cut else None,
+            forward=f, backward=b, sync=y,
+            boundary_bytes=float(sum(table.units.crossing[k1] or ())) if cut else 0.0,
+            boundary_seconds=table.boundary[k1] if cut else 0.0,
+        ))
+    cuts = [table.boundary[span[3]] for span in split.spans[:-1]]
+    return PipelinePlan(
+        stages=tuple(stages), micro_batches=m, micro_batch_size=graph_batch(ir.doc), micro_batch_graph_id=ir.graph_id,
+        per_iteration=split.cost, bubble=bubble_fraction(times, cuts, m), spmd_only_per_iteration=spmd_only,
+        chosen=split.cost < spmd_only,
+    )
+
+
+def micro_batch_graphs(full: "GraphIR", others: Sequence["GraphIR"]) -> dict[int, "GraphIR"]:
+    """Micro-batch count → graph: ``full`` (the global batch) at 1 and each of ``others``
+    (the same model exported at a smaller batch) at the count its batch divides the
+    global batch into. :class:`OptionsError` for a graph of another model or a batch
+    that does not divide the global one."""
+    batch = graph_batch(full.doc)
+    out = {1: full}
+    for ir in others:
+        micro = graph_batch(ir.doc)
+        if micro <= 0 or batch % micro != 0:
+            raise OptionsError(f"micro-batch graph {ir.doc.get('name')!r} has batch {micro}, which does not divide "
+                               f"the global batch {batch}", field="micro_graphs")
+        if ir.doc.get("name") != full.doc.get("name"):
+            raise OptionsError(f"micro-batch graph {ir.doc.get('name')!r} is not of {full.doc.get('name')!r}",
+                               field="micro_graphs")
+        out[batch // micro] = ir
+    return out
+
+
+__all__ = [
+    "DEFAULT_MICRO_BATCHES", "Group", "GraphUnits", "StageTable", "host_groups", "stage_table", "PipelinePlan", "PipelineSearch", "PipelineStage",
+    "SCHEDULE", "Split", "Unit", "UnitCosts", "best_split", "boundary_seconds", "bubble_fraction", "graph_batch",
+    "graph_units", "micro_batch_counts", "micro_batch_graphs", "one_f_one_b", "p2p_link", "search", "split_cost",
+    "unit_costs",
+]

@@ -1,0 +1,194 @@
+"""Pipeline stages in the plan space (``CompileOptions.pipeline``): the 1F1B cost, the DP
+over cuts and groups against a brute force, the graph's cut candidates, when a pipeline
+beats the SPMD plan, the plan's record and explanation, and the options."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hapd import models
+from hapd.cli import main
+from hapd.compiler.driver import CompileOptions, compile as compile_plan
+from hapd.compiler.export import export
+from hapd.compiler.lower import GraphIR, lower
+from hapd.compiler.pipeline import (
+    best_split, bubble_fraction, graph_units, micro_batch_graphs, one_f_one_b, split_cost, stage_table,
+)
+from hapd.errors import OptionsError
+from hapd.profile.schema import Link, estimated_profile
+
+FIXTURES = Path(__file__).parent / "fixtures"
+BATCH = 8
+
+
+@functools.cache
+def _mlp(batch: int) -> GraphIR:
+    """An MLP of three 256-wide hidden layers: 0.8 MB of gradients against 8 KiB of
+    activations per sample batch at a cut."""
+    spec = models.get("mlp")
+    model, config = models.build("mlp", "tiny", hidden=256, layers=3)
+    return lower(export(model, spec.example_inputs(config, batch), batch_dims=spec.batch_dims), name="mlp")
+
+
+def _two_hosts(inter_beta: float, world: int = 4):
+    """Two hosts (a fast and a slow one), their ranks linked fast within a host and at
+    ``inter_beta`` bytes/s between the hosts."""
+    half = world // 2
+    profile = estimated_profile(world, flops=[2e10] * half + [1e10] * half, hosts=["a"] * half + ["b"] * half,
+                                alpha=1e-5, beta=inter_beta)
+    links = {name: {"inter": link["inter"], "intra": Link(alpha=1e-6, beta=1e10)} for name, link in profile.collectives.items()}
+    return dataclasses.replace(profile, collectives=links, name=f"two-hosts-{inter_beta:g}")
+
+
+def _compile(profile):
+    return compile_plan(_mlp(BATCH), profile, CompileOptions(pipeline="auto"), micro_graphs=[_mlp(BATCH // 2)])
+
+
+@functools.cache
+def _linked(inter_beta: float):
+    """The pipeline-searching compile on :func:`_two_hosts`."""
+    return _compile(_two_hosts(inter_beta))
+
+
+# --------------------------------------------------------------------------- the 1F1B cost
+
+
+def test_one_f_one_b_by_hand() -> None:
+    # fill: 2 + 3 + 0.5; steady state paced by stage 1 (3 + its receive 0.5) three more times; the larger sync
+    assert one_f_one_b([2.0, 3.0], [0.5], [1.0, 0.25], 4) == pytest.approx(5.5 + 3 * 3.5 + 1.0)
+    assert one_f_one_b([2.0, 3.0], [0.5], [1.0, 0.25], 1) == pytest.approx(5.5 + 1.0)
+    # equal stages without communication: the classic (S-1)/(m+S-1) bubble
+    assert bubble_fraction([1.0, 1.0, 1.0], [0.0, 0.0], 5) == pytest.approx(2 / 7)
+    assert bubble_fraction([1.0, 1.0], [0.0], 1) == pytest.approx(1 / 2)
+    with pytest.raises(ValueError):
+        one_f_one_b([1.0, 1.0], [], [0.0, 0.0], 2)
+
+
+# --------------------------------------------------------------------------- the DP
+
+
+def _brute_force(hosts, units, cuts, stage, boundary, m):
+    """The cheapest pipeline of ≥ 2 stages over every host partition and every cut set."""
+    best = None
+    for s in range(2, hosts + 1):
+        for hcuts in itertools.combinations(range(1, hosts), s - 1):
+            for kcuts in itertools.combinations(sorted(cuts), s - 1):
+                hs, ks = (0, *hcuts, hosts), (0, *kcuts, units)
+                cost = split_cost([(hs[i], hs[i + 1], ks[i], ks[i + 1]) for i in range(s)], stage, boundary, m)
+                if cost is not None and (best is None or cost < best):
+                    best = cost
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_dp_finds_the_brute_force_optimum_of_random_stage_costs(seed: int) -> None:
+    rng = random.Random(seed)
+    hosts, units = rng.randint(2, 4), rng.randint(2, 7)
+    cuts = [k for k in range(1, units) if rng.random() < 0.8]
+    per_unit = {(h0, h1): None if rng.random() < 0.1 else [(rng.uniform(0, 2), rng.uniform(0, 1)) for _ in range(units)]
+                for h0 in range(hosts) for h1 in range(h0 + 1, hosts + 1)}
+    boundary = [rng.uniform(0, 0.5) for _ in range(units + 1)]
+
+    def stage(h0, h1, k0, k1):
+        costs = per_unit[(h0, h1)]
+        return None if costs is None else (sum(c for c, _ in costs[k0:k1]), sum(y for _, y in costs[k0:k1]))
+
+    for m in (1, 3, 8):
+        found = best_split(hosts, units, cuts, stage, boundary, m)
+        expected = _brute_force(hosts, units, cuts, stage, boundary, m)
+        if expected is None:
+            assert found is None
+        else:
+            assert found is not None and found.cost == pytest.approx(expected)
+            assert split_cost(found.spans, stage, boundary, m) == pytest.approx(found.cost)
+
+
+def test_the_dp_finds_the_brute_force_optimum_on_a_graph() -> None:
+    profile = estimated_profile(3, flops=[2e10, 1e10, 1e10], hosts=["a", "b", "c"], alpha=1e-5, beta=1e7)
+    for m, ir in micro_batch_graphs(_mlp(BATCH), [_mlp(BATCH // 2)]).items():
+        table = stage_table(ir, profile, CompileOptions())
+        assert table.searches == 4  # a, a+b, b+c, and b once for b and c (groups of the same devices)
+        units = len(table.units.units)
+        found = table.best(m)
+        expected = _brute_force(3, units, table.units.cuts, table.stage, table.boundary, m)
+        assert found is not None and found.cost == pytest.approx(expected)
+
+
+def test_a_graph_is_cut_between_blocks_where_its_activations_cross() -> None:
+    units = graph_units(GraphIR.load(FIXTURES / "vit.hapg").doc)  # 2 layers, batch 2, width 32, 65 tokens
+    assert [u.blocks for u in units.units] == [("layers.0",), ("layers.1",)]
+    assert units.cuts == [1]
+    assert units.crossing[1] == (2 * 65 * 32 * 4,)  # the hidden state, and nothing else (no mask, no input)
+    doc = GraphIR.load(FIXTURES / "vit.hapg").doc
+    last = [n for n in doc["nodes"] if n.get("block") == "layers.0"][-1]
+    assert units.units[0].last_node == last["name"]
+
+
+# --------------------------------------------------------------------------- pipeline vs SPMD
+
+
+def test_a_slow_link_between_hosts_makes_a_pipeline_win_and_a_fast_one_spmd() -> None:
+    slow = _linked(1e6)
+    found = slow.pipeline
+    assert found is not None and found["chosen"]
+    assert found["per_iteration"] < found["spmd_only_per_iteration"] == pytest.approx(slow.estimate["per_iteration"])
+    assert [s["hosts"] for s in found["stages"]] == [["a"], ["b"]]
+    assert [s["ranks"] for s in found["stages"]] == [[0, 1], [2, 3]]
+    assert found["stages"][0]["last_node"] and found["stages"][1]["last_node"] is None
+    assert found["stages"][0]["boundary_bytes"] == BATCH // found["micro_batches"] * 256 * 4
+    assert found["micro_batches"] in (1, 2) and found["schedule"] == "1f1b"
+
+    fast = _linked(1e11)
+    assert fast.pipeline is None
+    lost = fast.doc["pipeline"]
+    assert lost is not None and not lost["chosen"] and lost["per_iteration"] >= lost["spmd_only_per_iteration"]
+
+
+def test_one_host_has_no_pipeline() -> None:
+    plan = _compile(estimated_profile(2, flops=[2e10, 1e10]))
+    assert plan.doc["pipeline"] is None and plan.pipeline is None
+    assert "one host" in plan.doc["stats"]["pipeline"]["reason"]
+    assert "pipeline: none (one host" in plan.explain()
+
+
+def test_explain_lists_the_stages() -> None:
+    text = _linked(1e6).explain()
+    assert "pipeline: 2 stages" in text and "beats the SPMD-only plan" in text
+    assert "stage 0:" in text and "stage 1:" in text and "bubble" in text and "on a (ranks 0-1)" in text
+    assert "loses to the SPMD-only plan" in _linked(1e11).explain()
+
+
+def test_the_command_line_compiles_a_pipeline(tmp_path: Path) -> None:
+    profile = _two_hosts(1e6).save(tmp_path / "slow.json")
+    full, micro = _mlp(BATCH).save(tmp_path / "mlp.hapg"), _mlp(BATCH // 2).save(tmp_path / "mlp4.hapg")
+    result = CliRunner().invoke(main, ["compile", str(full), "--profile", str(profile), "--pipeline", "auto",
+                                       "--micro-graph", str(micro), "--explain"])
+    assert result.exit_code == 0, result.output
+    assert "chosen over the SPMD plan" in result.output and "stage 1:" in result.output
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_pipeline_options_are_validated_and_keyed() -> None:
+    with pytest.raises(OptionsError) as err:
+        CompileOptions(pipeline="on")
+    assert err.value.field == "pipeline"
+    with pytest.raises(OptionsError):
+        CompileOptions(pipeline="auto", overlap=True)
+    with pytest.raises(OptionsError):
+        CompileOptions(pipeline="auto", ratios=(0.5, 0.5))
+    assert CompileOptions().key()["pipeline"] == "off" and CompileOptions(pipeline="auto").key()["pipeline"] == "auto"
+    with pytest.raises(OptionsError):  # micro-batch graphs without pipeline auto
+        compile_plan(_mlp(BATCH), _two_hosts(1e6), CompileOptions(), micro_graphs=[_mlp(BATCH // 2)])
+    with pytest.raises(OptionsError):  # a batch that does not divide the global one
+        micro_batch_graphs(_mlp(BATCH // 2), [_mlp(BATCH)])
+    plan = compile_plan(_mlp(BATCH), _two_hosts(1e6), CompileOptions())
+    assert "pipeline" not in plan.doc and "pipeline" not in plan.doc["stats"] and "pipeline:" not in plan.explain()
