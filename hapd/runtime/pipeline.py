@@ -254,13 +254,31 @@ class PipelineRank:
             out.append(view.local_value(name, layout, t))
         return out
 
-    def _forward(self, batch: Sequence[Tensor], mb: int, pending: list) -> dict:
-        received = []
+    def _post_forward(self, mb: int) -> list[tuple[Tensor, list]]:
+        """Post the receives of micro-batch ``mb``'s boundaries: (buffer, messages) each."""
+        out = []
         for flow in self.received:
             into = torch.zeros(_local_shape(flow.boundary.shape, flow.holding, self.local), dtype=flow.boundary.dtype)
-            posted = self._receive(flow, flow.boundary.producer, self._peer_holdings[(flow.boundary.name, flow.boundary.producer)],
-                                   into, mb, backward=False)
-            received.append(self._complete(posted, into).requires_grad_(True))
+            peer = self._peer_holdings[(flow.boundary.name, flow.boundary.producer)]
+            out.append((into, self._receive(flow, flow.boundary.producer, peer, into, mb, backward=False)))
+        return out
+
+    def _post_backward(self, mb: int) -> list[tuple[Tensor, list]]:
+        """Post the receives of micro-batch ``mb``'s boundary gradients (from every stage
+        that reads each boundary; summed as they arrive)."""
+        out = []
+        for flow, holding in zip(self.sent, self.grad_inputs):
+            into = torch.zeros(_local_shape(flow.boundary.shape, holding, self.local), dtype=flow.boundary.dtype)
+            posted = []
+            for consumer in flow.boundary.consumers:
+                peer = _grad_holding(self._peer_holdings[(flow.boundary.name, consumer)])
+                posted += [(w, b, where, True) for w, b, where, _ in self._receive(flow, consumer, peer, into, mb,
+                                                                                 backward=True)]
+            out.append((into, posted))
+        return out
+
+    def _forward(self, batch: Sequence[Tensor], mb: int, pending: list, posted: list) -> dict:
+        received = [self._complete(msgs, into).requires_grad_(True) for into, msgs in posted]
         env: dict[fx.Node, Any] = {}
         args = self._inputs(batch, mb) + received
         interp = fx.Interpreter(self.module)
@@ -276,15 +294,11 @@ class PipelineRank:
                            backward=False, pending=pending)
         return {"env": env, "received": received}
 
-    def _backward(self, state: dict, mb: int, pending: list, sync: bool) -> Tensor:
+    def _backward(self, state: dict, mb: int, pending: list, sync: bool, posted: list) -> Tensor:
         env = state.pop("env")
         interp = fx.Interpreter(self.module)
-        for flow, holding, node in zip(self.sent, self.grad_inputs, self.placeholders[len(self.placeholders) - len(self.sent):]):
-            into = torch.zeros(_local_shape(flow.boundary.shape, holding, self.local), dtype=flow.boundary.dtype)
-            for consumer in flow.boundary.consumers:
-                peer = _grad_holding(self._peer_holdings[(flow.boundary.name, consumer)])
-                self._complete(self._receive(flow, consumer, peer, into, mb, backward=True), into)
-            env[node] = into
+        for (into, msgs), node in zip(posted, self.placeholders[len(self.placeholders) - len(self.sent):]):
+            env[node] = self._complete(msgs, into)
         output = None
         for node in self.module.graph.nodes:
             if node.op == "output":
@@ -326,11 +340,21 @@ class PipelineRank:
         pending: list = []
         states: dict[int, dict] = {}
         total = torch.zeros(())
-        for kind, mb in self.schedule():
+        order = self.schedule()
+        posted: dict[int, list] = {}
+
+        def post(i: int) -> None:  # receives are posted one step ahead: they arrive while this rank computes
+            kind, mb = order[i]
+            posted[i] = self._post_forward(mb) if kind == "F" else self._post_backward(mb)
+
+        post(0)
+        for i, (kind, mb) in enumerate(order):
+            if i + 1 < len(order):
+                post(i + 1)
             if kind == "F":
-                states[mb] = self._forward(batch, mb, pending)
+                states[mb] = self._forward(batch, mb, pending, posted.pop(i))
             else:
-                total = total + self._backward(states.pop(mb), mb, pending, sync=mb == self.m - 1)
+                total = total + self._backward(states.pop(mb), mb, pending, mb == self.m - 1, posted.pop(i))
         for work in pending:
             work.wait()
         self._sum_tied()
