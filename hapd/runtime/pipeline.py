@@ -485,4 +485,80 @@ def _check_summed_loss(module: RankModule, loss: fx.Node) -> None:
                         "(use reduction='sum')")
 
 
-__all__ = ["Holding", "PipelineRank", "transfers"]
+
+
+
+# --------------------------------------------------------------------------------------
+# From a model and a plan with a pipeline
+# --------------------------------------------------------------------------------------
+
+
+def _micro_inputs(inputs: Sequence[Tensor], batch_dims: Sequence[int | None], m: int) -> tuple[Tensor, ...]:
+    out = []
+    for t, d in zip(inputs, batch_dims):
+        if d is None:
+            out.append(t)
+            continue
+        if t.shape[d] % m:
+            raise PlanError(f"batch {t.shape[d]} does not split into {m} micro-batches")
+        out.append(t.narrow(d, 0, t.shape[d] // m))
+    return tuple(out)
+
+
+def compile_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dims: Sequence[int | None],
+                     profile: Any, options: Any = None, *, name: str | None = None) -> Any:
+    """The plan for ``model`` on the global batch ``inputs`` with pipelines in the space
+    (``options.pipeline = "auto"``): the model exported at the global batch and at each
+    micro-batch size the search prices (:func:`hapd.compiler.pipeline.micro_batch_counts`).
+    Runs on one process (rank 0 of a job; the caller sends the bytes to the others)."""
+    import dataclasses
+
+    from hapd.compiler import pipeline as search
+    from hapd.compiler.driver import CompileOptions, compile as compile_plan
+    from hapd.compiler.export import export
+    from hapd.compiler.lower import lower
+
+    options = dataclasses.replace(options or CompileOptions(), pipeline="auto")
+    name = name or type(model).__name__
+
+    def graph(m: int) -> Any:
+        program = export(model, _micro_inputs(inputs, batch_dims, m), batch_dims=batch_dims)
+        return lower(program, name=name)
+
+    batch = next((t.shape[d] for t, d in zip(inputs, batch_dims) if d is not None), 1)
+    counts = [m for m in search.micro_batch_counts(batch) if m > 1]
+    return compile_plan(graph(1), profile, options, micro_graphs=[graph(m) for m in counts])
+
+
+def build_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dims: Sequence[int | None],
+                   plan: Plan, profile: Any, options: Any = None, *, device: torch.device | str | None = None) -> PipelineRank:
+    """This rank's :class:`PipelineRank` for a plan whose ``pipeline`` was chosen: the
+    model exported for one micro-batch and cut at the pipeline's cuts; rank 0 compiles
+    every stage's plan for its group (``profile.subset``; ``options`` without pipelines)
+    and sends them to the other ranks. Collective."""
+    import dataclasses
+
+    from hapd.compiler.driver import CompileOptions, compile as compile_plan
+    from hapd.compiler.export import export
+    from hapd.compiler.lower import lower
+    from hapd.compiler.pipeline import PipelinePlan
+    from hapd.compiler.stages import split_program
+
+    doc = plan.pipeline
+    if doc is None:
+        raise PlanError("the plan runs no pipeline")
+    found = PipelinePlan.from_doc(doc)
+    groups = [list(s.ranks) for s in found.stages]
+    m = found.micro_batches
+    program = export(model, _micro_inputs(inputs, batch_dims, m), batch_dims=batch_dims)
+    stages, boundaries = split_program(program, found.cuts)
+    stage_options = dataclasses.replace(options or CompileOptions(), pipeline="off", overlap=False)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        box = [[compile_plan(lower(st.program, name=f"stage{st.index}"), profile.subset(g), stage_options).to_bytes()
+                for st, g in zip(stages, groups)]]
+    dist.broadcast_object_list(box, src=0)
+    plans = [Plan.from_bytes(b) for b in box[0]]
+    return PipelineRank(stages, boundaries, plans, groups, m, batch_dims, device=device)
+
+__all__ = ["Holding", "PipelineRank", "build_pipeline", "compile_pipeline", "transfers"]

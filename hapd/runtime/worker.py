@@ -33,7 +33,10 @@ from torch import Tensor
 from hapd import models
 from hapd.compiler.driver import CompileOptions
 from hapd.profile.schema import Profile
+from hapd.compiler.plan import Plan
+from hapd.errors import HapdError, OptionsError, PlanError
 from hapd.runtime.api import ParallelModule, job_profile as _job_profile, parallelize
+from hapd.runtime.pipeline import build_pipeline, compile_pipeline
 from hapd.runtime.weights import WeightSource, init_on_meta, module_init
 from hapd.runtime.training import (DistEnv, TrainArgs, add_train_flags, host_groups, parse_train_args,
                            report, run_rank, train)
@@ -50,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="off: one program for the whole batch; auto: also compile one duplica's program (half "
                              "the batch) priced as two interleaved duplicas, one computing while the other "
                              "communicates, and run the cheaper; always: run the duplicas (default: off)")
+    parser.add_argument("--pipeline", choices=["off", "auto"], default="off",
+                        help="auto: also search pipelines (stages on groups of hosts, 1F1B over micro-batches) and "
+                             "run one when it is predicted faster than the SPMD plan (default: off)")
     parser.add_argument("--init", choices=["eager", "meta"], default="eager",
                         help="eager: every rank builds the whole model; meta: the model is built on the meta device "
                              "(buffers real), exported from shapes, and each rank initializes only its own pieces, "
@@ -97,11 +103,68 @@ def build(args: TrainArgs, init: str) -> tuple[torch.nn.Module, Any, WeightSourc
     return model, config, module_init(model, args.seed, init=models.module_init_of(model))
 
 
+def _pipeline_plan(args: TrainArgs, ns: argparse.Namespace, env: DistEnv, model: torch.nn.Module,
+                   full: Sequence[Tensor]) -> Plan:
+    """The plan with pipelines in the search space, compiled on rank 0 and sent to the
+    others (the model exported at the global batch and at every micro-batch size)."""
+    import torch.distributed as dist
+
+    box: list[Any] = [None, None]
+    if env.rank == 0:
+        try:
+            plan = compile_pipeline(model, tuple(t.cpu() for t in full), models.get(args.model).batch_dims,
+                                    job_profile(args, env.world), CompileOptions(mode=ns.mode), name=args.model)
+            box = [plan.to_bytes(), None]
+        except HapdError as exc:
+            box = [None, f"{type(exc).__name__}: {exc}"]
+    if env.world > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise PlanError(f"rank 0 could not compile the plan: {box[1]}")
+    return Plan.from_bytes(box[0])
+
+
+def run_pipeline(args: TrainArgs, env: DistEnv, model: torch.nn.Module, full: Sequence[Tensor], plan: Plan) -> dict:
+    """Train with the plan's pipeline: this rank's stage, 1F1B over micro-batches."""
+    import torch.distributed as dist
+
+    spec = models.get(args.model)
+    pipe = build_pipeline(model, tuple(t.cpu() for t in full), spec.batch_dims, plan, job_profile(args, env.world),
+                          device=env.device)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
+    last: list[Tensor] = []
+
+    def step() -> Tensor:
+        last[:] = [pipe.step(*full)]
+        return last[0]
+
+    times = train(step, optimizer, env, iterations=args.iterations, warmup=args.warmup, trace=args.trace)
+    loss = last[0].detach().double()
+    if env.world > 1:
+        dist.all_reduce(loss)
+    found = plan.pipeline
+    extra = {
+        "batch": args.batch, "size": args.size, "dtype": args.dtype, "profile": plan.key["profile_name"],
+        "estimate_s": found["per_iteration"], "spmd_estimate_s": found["spmd_only_per_iteration"],
+        "pipeline": {"stages": [list(s["ranks"]) for s in found["stages"]], "micro_batches": found["micro_batches"],
+                     "stage": pipe.s, "bubble": found["bubble"]},
+    }
+    return report(env, system="hapd", model=args.model, times=times, warmup=args.warmup, loss=float(loss),
+                  extra=extra, json_path=args.json)
+
+
 def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     spec = models.get(args.model)
     model, config, weights = build(args, ns.init)
     full = global_inputs(args, env, config)
-    module = parallelize(model, tuple(t.cpu() for t in full), profile=job_profile(args, env.world), plan=ns.plan,
+    plan_given = ns.plan
+    if ns.pipeline == "auto":
+        if ns.plan is not None or ns.overlap != "off" or ns.init != "eager":
+            raise OptionsError("--pipeline auto compiles its own plan, with --overlap off and --init eager")
+        plan_given = _pipeline_plan(args, ns, env, model, full)
+        if plan_given.pipeline is not None:
+            return run_pipeline(args, env, model, full, plan_given)
+    module = parallelize(model, tuple(t.cpu() for t in full), profile=job_profile(args, env.world), plan=plan_given,
                          options=CompileOptions(mode=ns.mode, overlap=ns.overlap != "off"),
                          overlap="always" if ns.overlap == "always" else "auto", batch_dims=spec.batch_dims, name=args.model,
                          device=env.device, hosts=host_groups(env), weights=weights)
