@@ -101,6 +101,33 @@ def test_worker_builds_on_meta_and_each_rank_initializes_its_pieces():
     assert summary["init"] == "meta" and math.isfinite(summary["loss"])
 
 
+def _two_hosts_slow_link(path: Path) -> Path:
+    """Two hosts of one rank each, a slow link between them: a pipeline's point-to-point
+    activations cost less than the data-parallel gradient sum across it."""
+    import dataclasses
+
+    from hapd.profile.schema import Link
+
+    profile = estimated_profile(2, flops=[2e10, 1e10], hosts=["a", "b"], alpha=1e-5, beta=1e6)
+    links = {name: {"inter": link["inter"], "intra": Link(alpha=1e-6, beta=1e10)} for name, link in profile.collectives.items()}
+    return dataclasses.replace(profile, collectives=links, name="two-hosts-slow").save(path)
+
+
+@pytest.mark.distributed
+def test_worker_runs_the_pipeline_the_search_picks(tmp_path):
+    """``--pipeline auto`` on two hosts with a slow link: the plan's pipeline (one stage
+    per host) trains, to the loss the SPMD plan's run reaches after the same Adam steps."""
+    profile = _two_hosts_slow_link(tmp_path / "slow.json")
+    flags = ["--model", "bert", "--batch", "8", "--iterations", "3", "--warmup", "1", "--profile", str(profile)]
+    lines, _ = torchrun("worker.py", *flags, "--pipeline", "auto")
+    summary = next(x for x in lines if x["hapd"] == "summary")
+    assert summary["pipeline"]["stages"] == [[0], [1]], summary
+    assert summary["estimate_s"] < summary["spmd_estimate_s"]
+    plain, _ = torchrun("worker.py", *flags)
+    expected = next(x for x in plain if x["hapd"] == "summary")["loss"]
+    assert abs(summary["loss"] - expected) <= 1e-5 * abs(expected), (summary["loss"], expected)
+
+
 @pytest.fixture(scope="module")
 def mlp_program_and_plan():
     spec = models.get("mlp")
