@@ -2,7 +2,7 @@
 """hapd vs DDP vs FSDP on ranks with their own memory limits: the largest model each trains.
 
     .venv/bin/python bench/memory_cluster.py              # the sweep (~15 min on 2 cores)
-    .venv/bin/python bench/memory_cluster.py --sizes 512,1024 --no-raw-check --no-timing   # a smoke run
+    .venv/bin/python bench/memory_cluster.py --sizes 512,768 --no-raw-check --no-timing   # a smoke run
     .venv/bin/python bench/memory_cluster.py --from-json bench/out/memory_cluster.json      # re-print
 
 Needs root and the cgroup v1 cpu and memory controllers; without them it says why and
@@ -33,9 +33,10 @@ export and compile machinery, Gloo, the allocator's slack) holds 300-500 MiB tha
 hapd's memory model (``rustcore/core/src/memory.rs``) does not count. So the profile
 hapd compiles against is assembled from the measured one: each rank's memory is its
 limit less a **reserve**, the largest (peak − predicted peak) of a calibration run
-(hapd on the smallest model, every rank) plus ``--margin-mib``. ``--raw-check`` shows
-what happens without it: at the first size the reserved profile refuses, hapd compiles
-against the profiler's raw limits and runs, and a rank is OOM-killed.
+(hapd on the smallest model, every rank) plus ``--margin-mib``. The raw check shows what
+happens without it: from the first size the reserved profile refuses, upward, hapd
+compiles against the profiler's raw limits and runs, until a size fails (a rank
+OOM-killed: the plan fit the limits the profile gave, the process did not).
 
 **The sweep.** hapd's Llama (``llama_block``: 4 blocks, vocabulary 4096, sequence 32,
 global batch 8) at widths ``--sizes`` (heads of 64, SwiGLU width 8/3 of the model's),
@@ -81,7 +82,7 @@ MiB, GiB = 2**20, 2**30
 
 MODEL = "llama_block"
 SEQ, BATCH, HEAD_DIM = 32, 8, 64
-DEFAULT_SIZES = (512, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2560, 2816)
+DEFAULT_SIZES = (512, 640, 768, 1024, 1152, 1280, 1536, 1792, 2048, 2176, 2304, 2560)
 SYSTEMS = ("hapd", "ddp", "fsdp")
 SCRIPTS = {"hapd": "worker.py", "ddp": "ddp.py", "fsdp": "fsdp.py", "fsdp-cp": "fsdp.py"}
 """The script of each system; ``fsdp-cp`` is FSDP with the batch split by the profile's
@@ -447,9 +448,11 @@ def report(results: dict) -> None:
     print()
     print(format_memory(results))
     raw = results.get("raw_check")
+    if isinstance(raw, dict):  # a results file from before the raw check went upward
+        raw = [raw]
     if raw:
-        print(f"\nhapd against the profiler's raw limits at width {raw['hidden']} ({raw['params'] / 1e6:.1f}M): "
-              f"{raw['status']} {raw['message']}")
+        print("\nhapd against the profiler's raw limits (no reserve): " + "; ".join(
+            f"width {r['hidden']} ({r['params'] / 1e6:.1f}M) {_cell(RunResult(**r))}" for r in raw))
     timing = results.get("timing")
     if timing:
         print(f"\nthroughput at FSDP's largest size (width {timing['hidden']}, {timing['params'] / 1e6:.1f}M "
@@ -495,7 +498,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "are mapped and unmapped, so freed tensors leave the rank's memory (default 1024; 0: "
                         "glibc's own sliding threshold, under which freed tensors of up to 32 MiB stay in the heap)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems to sweep (default hapd,ddp,fsdp)")
-    p.add_argument("--no-raw-check", action="store_true", help="skip hapd against the profiler's raw limits")
+    p.add_argument("--no-raw-check", action="store_true",
+                   help="skip hapd against the profiler's raw limits beyond the reserved profile's largest size")
     p.add_argument("--no-timing", action="store_true", help="skip the hapd-vs-FSDP timing")
     p.add_argument("--run-timeout", type=float, default=420.0, help="seconds per job (default 420)")
     p.add_argument("--keep", action="store_true", help="leave the cgroups and the work folder (debugging)")
@@ -574,12 +578,17 @@ def main(argv=None) -> int:
 
         hapd_fail = next((r for r in results["sweep"] if r["system"] == "hapd" and r["status"] != "trains"), None)
         if not ns.no_raw_check and hapd_fail is not None and hapd_fail["status"] == "no plan":
-            log(f"raw check: hapd at width {hapd_fail['hidden']} against the profiler's raw limits")
-            raw = cluster.train("hapd", hapd_fail["hidden"], ns, measured_path, iterations=ns.iterations,
-                                warmup=ns.warmup)
-            results["raw_check"] = asdict(raw)
-            log(f"  raw check: {_cell(raw)} {raw.message}")
-            _save(results, ns.out)
+            results["raw_check"] = []
+            for hidden in [h for h in sizes if h >= hapd_fail["hidden"]]:
+                log(f"raw check: hapd at width {hidden} against the profiler's raw limits")
+                raw = cluster.train("hapd", hidden, ns, measured_path, iterations=ns.iterations, warmup=ns.warmup)
+                results["raw_check"].append(asdict(raw))
+                log(f"  raw check: {_cell(raw)}, peaks {', '.join(_mib(p) for p in raw.peaks)} MiB"
+                    + (f", predicted {', '.join(_mib(p) for p in raw.predicted)} MiB" if raw.predicted else "")
+                    + (f" ({raw.message})" if raw.message else ""))
+                _save(results, ns.out)
+                if raw.status != "trains":
+                    break
 
         fsdp_best = largest(results["sweep"], "fsdp")
         if not ns.no_timing and fsdp_best is not None and "hapd" in systems:

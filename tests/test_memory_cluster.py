@@ -51,7 +51,8 @@ def test_a_job_is_read_as_trains_oom_no_plan_or_error(bench):
 
 def _run(bench, **kw):
     base = dict(system="hapd", hidden=512, params=16_700_000, status="trains", mean_s=0.9,
-                peaks=[500 * MiB, 500 * MiB, 440 * MiB, 450 * MiB], predicted=[118 * MiB, 116 * MiB, 50 * MiB, 49 * MiB])
+                peaks=[500 * MiB, 500 * MiB, 440 * MiB, 450 * MiB],
+                predicted=[118 * MiB, 116 * MiB, 50 * MiB, 49 * MiB])
     return bench.RunResult(**{**base, **kw})
 
 
@@ -118,3 +119,11 @@ def test_in_cgroup_joins_the_ranks_groups_then_runs_the_script(tmp_path):
 def test_without_root_or_cgroups_it_says_why(bench, tmp_path):
     why = bench.available(tmp_path / "cpu", tmp_path / "memory")
     assert why is not None and ("root" in why or "controller" in why)
+
+
+def test_the_timing_is_hapds_speed_up_over_each_baseline(bench):
+    runs = {"hapd": _run(bench, mean_s=1.0), "fsdp": _run(bench, system="fsdp", mean_s=4.0),
+            "fsdp-cp": _run(bench, system="fsdp-cp", status="OOM", mean_s=None, oom_ranks=[2])}
+    timing = bench.timing_summary(1024, 5, runs)
+    assert timing["ms"] == {"hapd": 1000.0, "fsdp": 4000.0, "fsdp-cp": None}
+    assert timing["speedup"] == {"fsdp": 4.0} and timing["iterations"] == 5
