@@ -127,3 +127,11 @@ def test_the_timing_is_hapds_speed_up_over_each_baseline(bench):
     timing = bench.timing_summary(1024, 5, runs)
     assert timing["ms"] == {"hapd": 1000.0, "fsdp": 4000.0, "fsdp-cp": None}
     assert timing["speedup"] == {"fsdp": 4.0} and timing["iterations"] == 5
+
+
+def test_main_without_root_exits_0_and_says_why(bench, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 1000)
+    assert bench.main(["--out", str(tmp_path / "out.json")]) == 0
+    assert "memory_cluster: skipped: needs root" in capsys.readouterr().out
+    assert not (tmp_path / "out.json").exists()
+    assert bench.main(["--sizes", "100"]) == 2  # a bad width is an error, root or not
