@@ -358,8 +358,6 @@ class Cluster:
         if summary is not None:
             result.mean_s, result.std_s = summary.get("mean_s"), summary.get("std_s")
             result.predicted, result.ratios = summary.get("estimate_memory"), summary.get("ratios")
-        elif system == "hapd":
-            result.predicted = None
         return result
 
 

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from hapd import models
 from hapd.errors import HapdError
