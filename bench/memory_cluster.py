@@ -372,14 +372,18 @@ def reserve_from(calibration: RunResult, margin: int) -> int:
     return int(max(p - q for p, q in zip(calibration.peaks, calibration.predicted))) + margin
 
 
-def reserved_profile(measured: dict, reserve: int) -> dict:
-    """The measured profile with each device's memory less ``reserve`` bytes."""
+def reserved_profile(measured: dict, reserve: int, limits: list[int] | None = None) -> dict:
+    """The measured profile with each device's memory less ``reserve`` bytes, or, given
+    the cgroup ``limits``, less what of ``reserve`` the profiler did not already leave out
+    (it reports the headroom under the limit: the limit less its own process's usage)."""
     doc = json.loads(json.dumps(measured))
     for device in doc["devices"]:
-        if device["memory"] <= reserve:
+        already = max(0, limits[device["rank"]] - device["memory"]) if limits else 0
+        cut = max(0, reserve - already)
+        if device["memory"] <= cut:
             raise RuntimeError(f"rank {device['rank']} has {device['memory'] / MiB:.0f} MiB, less than the "
-                               f"{reserve / MiB:.0f} MiB its process needs")
-        device["memory"] = device["memory"] - reserve
+                               f"{cut / MiB:.0f} MiB its process needs")
+        device["memory"] = device["memory"] - cut
     doc["name"] = f"{measured.get('name', 'measured')}-reserved"
     doc["description"] = (f"{measured.get('description', '')} Each device's memory is its cgroup limit less "
                           f"{reserve / MiB:.0f} MiB for the rank's process (Python, torch, export, Gloo).").strip()
@@ -566,7 +570,7 @@ def main(argv=None) -> int:
         reserve = reserve_from(calibration, int(ns.margin_mib * MiB))
         results["reserve"] = reserve
         reserved_path = work / "memory-cluster-reserved.json"
-        reserved_path.write_text(json.dumps(reserved_profile(measured, reserve), indent=1) + "\n")
+        reserved_path.write_text(json.dumps(reserved_profile(measured, reserve, limits), indent=1) + "\n")
         log(f"calibration (hapd, width {sizes[0]}): peaks {', '.join(_mib(p) for p in calibration.peaks)} MiB, "
             f"predicted {', '.join(_mib(p) for p in calibration.predicted)} MiB -> reserve {_mib(reserve)} MiB per "
             f"rank (incl. {ns.margin_mib:.0f} MiB margin); hapd compiles against "

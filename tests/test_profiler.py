@@ -133,6 +133,13 @@ def test_memory_is_the_smallest_cgroup_limit_or_memtotal(tmp_path):
     assert 0 < host_memory() <= 2**50  # this machine
 
 
+def test_memory_is_the_headroom_under_the_cgroup_limit(tmp_path):
+    """A rank already using memory in its cgroup (torch itself) has only the rest."""
+    proc, root = _fake_machine(tmp_path, v1_limit=f"{2**30}\n", v2_limit="max\n")
+    (root / "sys/fs/cgroup/memory/job/memory.usage_in_bytes").write_text(f"{300 * 2**20}\n")
+    assert host_memory(proc, root) == 2**30 - 300 * 2**20
+
+
 def test_memory_is_capped_by_what_the_machine_has_available(tmp_path):
     assert host_memory(*_fake_machine_with_available(tmp_path, 1024)) == 1024 * 1024
 

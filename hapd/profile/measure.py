@@ -97,9 +97,21 @@ def _meminfo_total(proc: Path) -> int | None:
     return fields.get("MemAvailable", fields.get("MemTotal"))
 
 
+def _cgroup_usage(path: Path) -> int:
+    """Bytes a cgroup already uses (``memory.current`` / ``memory.usage_in_bytes``; 0
+    where the file is missing)."""
+    try:
+        raw = path.read_text().strip()
+    except OSError:
+        return 0
+    return int(raw) if raw.isdigit() else 0
+
+
 def _cgroup_memory_limits(proc: Path, root: Path) -> list[int]:
-    """Memory limits (bytes) of this process's cgroup and its ancestors, v1 and v2.
-    ``root`` is where paths in ``/proc/self/mountinfo`` are resolved (``/``)."""
+    """What is left under the memory limit (bytes) of this process's cgroup and each of
+    its ancestors, v1 and v2: the limit less what the cgroup already uses (this process's
+    own torch and Python among it: what a GPU's free memory leaves out too). ``root`` is
+    where paths in ``/proc/self/mountinfo`` are resolved (``/``)."""
     try:
         mountinfo = (proc / "self" / "mountinfo").read_text().splitlines()
         membership = (proc / "self" / "cgroup").read_text().splitlines()
@@ -132,11 +144,12 @@ def _cgroup_memory_limits(proc: Path, root: Path) -> list[int]:
         rel = os.path.relpath(paths[key], mount_root) if paths[key].startswith(mount_root) else paths[key]
         here = (root / mount_point.lstrip("/") / rel.lstrip("/")).resolve()
         top = (root / mount_point.lstrip("/")).resolve()
+        used_name = "memory.current" if key == "v2" else "memory.usage_in_bytes"
         while True:
             try:
                 raw = (here / name).read_text().strip()
                 if raw.isdigit():
-                    limits.append(int(raw))
+                    limits.append(int(raw) - _cgroup_usage(here / used_name))
             except OSError:
                 pass
             if here == top or top not in here.parents:
@@ -146,8 +159,9 @@ def _cgroup_memory_limits(proc: Path, root: Path) -> list[int]:
 
 
 def host_memory(proc: Path = Path("/proc"), root: Path = Path("/")) -> int:
-    """Bytes this process may use on the CPU: the smallest cgroup memory limit above it,
-    capped by ``MemAvailable`` (``MemTotal`` where the kernel has no such line)."""
+    """Bytes this process may still use on the CPU: the least headroom under a cgroup
+    memory limit above it (the limit less the cgroup's usage), capped by ``MemAvailable``
+    (``MemTotal`` where the kernel has no such line)."""
     total = _meminfo_total(proc)
     candidates = [n for n in _cgroup_memory_limits(proc, root) if n > 0]
     if total is not None:
