@@ -79,7 +79,9 @@ pub fn synthesize(
 /// always in the automatic search space (its early steps look dearer than partial
 /// sums that are paid for later). So when an automatic, unforced search was bounded,
 /// the data-parallel search runs too and the cheaper program is returned: the result
-/// never costs more than data parallelism under the same ratios.
+/// never costs more than data parallelism under the same ratios. With overlap, an
+/// unproven search also prices the plain search's program as duplicas
+/// ([`plain_as_overlapped`]) and keeps the cheaper.
 pub fn search_program(
     graph: &Graph,
     profile: &profile::Profile,
@@ -89,25 +91,79 @@ pub fn search_program(
     cancel: Option<&std::sync::atomic::AtomicBool>,
 ) -> Result<plan::ProgramOut> {
     // under a memory price the cheaper data-parallel program is not the better one
-    let fallback = (options.mode == problem::Mode::Auto && options.force.is_empty() && limits.memory_price.is_none())
-        .then(|| problem::Options { mode: problem::Mode::DataParallel, ..options.clone() });
+    let free = options.mode == problem::Mode::Auto && options.force.is_empty() && limits.memory_price.is_none();
+    let fallback = free.then(|| problem::Options { mode: problem::Mode::DataParallel, ..options.clone() });
+    let plain = (free && options.overlap).then(|| options.clone());
     let problem = problem::Problem::new(graph, profile, options)?;
     let outcome = limited(search::Search::new(&problem, ratios)?, limits.clone(), cancel).run()?;
     if outcome.stop == search::StopReason::Bounded {
         if let Some(dp_options) = fallback {
             let dp_problem = problem::Problem::new(graph, profile, dp_options)?;
-            let dp = limited(search::Search::new(&dp_problem, ratios)?, limits, cancel).run()?;
+            let dp = limited(search::Search::new(&dp_problem, ratios)?, limits.clone(), cancel).run()?;
             if dp.cost < outcome.cost {
-                let mut program = plan::program(&dp_problem, &dp);
-                program.stats.expanded += outcome.expanded;
-                program.stats.generated += outcome.generated;
-                program.stats.seconds += outcome.seconds;
-                program.stats.stop_reason = search::StopReason::Bounded.name().to_string();
-                return Ok(program);
+                if let Some(options) = plain {
+                    let (p, o) = plain_as_overlapped(graph, profile, ratios, options, &limits, cancel)?;
+                    if o.cost < dp.cost {
+                        return Ok(candidate(&p, &o, &[&outcome, &dp]));
+                    }
+                }
+                return Ok(candidate(&dp_problem, &dp, &[&outcome]));
+            }
+        }
+    }
+    if outcome.stop != search::StopReason::Optimal {
+        if let Some(options) = plain {
+            let (p, o) = plain_as_overlapped(graph, profile, ratios, options, &limits, cancel)?;
+            if o.cost < outcome.cost {
+                return Ok(candidate(&p, &o, &[&outcome]));
             }
         }
     }
     Ok(plan::program(&problem, &outcome))
+}
+
+/// The program of a search that won over the searches `others`: not proven optimal,
+/// with their states and seconds counted in.
+fn candidate(problem: &problem::Problem, outcome: &search::Outcome, others: &[&search::Outcome]) -> plan::ProgramOut {
+    let mut program = plan::program(problem, outcome);
+    for other in others {
+        program.stats.expanded += other.expanded;
+        program.stats.generated += other.generated;
+        program.stats.seconds += other.seconds;
+    }
+    program.stats.stop_reason = search::StopReason::Bounded.name().to_string();
+    program
+}
+
+/// With overlap: the program the plain (bulk-synchronous) search finds, searched again
+/// under the two-duplica schedule with its rules forced — what it costs run as duplicas.
+/// A bounded search under the schedule can lose programs whose collectives pay off only
+/// later (tensor parallelism's all-gathers, before the compute that hides them); this one
+/// is compared whole, so an overlapped program never costs more than the plain one's.
+fn plain_as_overlapped<'a>(
+    graph: &'a Graph,
+    profile: &'a profile::Profile,
+    ratios: &[f64],
+    options: problem::Options,
+    limits: &Limits,
+    cancel: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<(problem::Problem<'a>, search::Outcome)> {
+    let plain_problem = problem::Problem::new(graph, profile, problem::Options { overlap: false, ..options.clone() })?;
+    let plain = limited(search::Search::new(&plain_problem, ratios)?, limits.clone(), cancel).run()?;
+    let force = plain
+        .steps
+        .iter()
+        .map(|chosen| {
+            let step = &plain_problem.steps[chosen.step];
+            (graph.nodes[step.node].name.clone(), step.rules[chosen.rule].name.to_string())
+        })
+        .collect();
+    let problem = problem::Problem::new(graph, profile, problem::Options { force, ..options })?;
+    let mut outcome = limited(search::Search::new(&problem, ratios)?, limits.clone(), cancel).run()?;
+    outcome.expanded += plain.expanded;
+    outcome.generated += plain.generated;
+    outcome.seconds += plain.seconds;
+    Ok((problem, outcome))
 }
 
 fn limited<'p, 'a>(
