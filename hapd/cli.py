@@ -147,6 +147,9 @@ def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
 @click.option("--profile", "-p", "profile", required=True, help="Cluster profile: a JSON file or a bundled name (paper-8).")
 @click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Output .hplan (default beside GRAPH).")
 @click.option("--zero/--no-zero", default=False, show_default=True, help="Allow ZeRO-style parameters.")
+@click.option("--overlap/--no-overlap", default=False, show_default=True,
+              help="Plan two interleaved duplicas, one computing while the other communicates: GRAPH is one "
+                   "duplica's, exported at half the global batch.")
 @click.option("--memory-caps/--no-memory-caps", default=True, show_default=True,
               help="Fit the plan in each device's memory (the profile's).")
 @click.option("--max-seconds", type=float, default=None, help="Time budget of one search.")
@@ -160,15 +163,16 @@ def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
                    "batch, to price that micro-batch count (repeatable).")
 @click.option("--explain/--no-explain", "show", default=False, help="Print the full report.")
 @_import_option
-def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, memory_caps: bool, max_seconds: float | None,
-                recompute: str, pipeline: str, micro_graphs: tuple[Path, ...], show: bool, imports: tuple[str, ...]) -> None:
+def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap: bool, memory_caps: bool,
+                max_seconds: float | None, recompute: str, pipeline: str, micro_graphs: tuple[Path, ...], show: bool,
+                imports: tuple[str, ...]) -> None:
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
     from hapd.compiler.driver import CompileOptions, compile as compile_plan
 
     _import(imports)
 
-    options = CompileOptions(zero=zero, memory_caps=memory_caps, max_seconds=max_seconds, recompute=recompute,
-                             pipeline=pipeline)
+    options = CompileOptions(zero=zero, overlap=overlap, memory_caps=memory_caps, max_seconds=max_seconds,
+                             recompute=recompute, pipeline=pipeline)
     plan = compile_plan(graph, profile, options, micro_graphs=micro_graphs)
     path = plan.save(out or graph.with_suffix(".hplan"))
     est, base, stats = plan.estimate, plan.doc["baselines"], plan.doc["stats"]

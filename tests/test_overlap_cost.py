@@ -225,3 +225,20 @@ def test_core_rejects_a_non_boolean_overlap(graph4):
     profile = load_profile(PAPER8)
     with pytest.raises(TypeError):
         hapd._core.synthesize(graph4.data, profile.core_bytes(), profile.flops_ratios(), {"overlap": "yes"})
+
+
+def test_cli_compiles_an_overlapped_plan_and_explains_it(graph4, tmp_path):
+    from click.testing import CliRunner
+
+    from hapd.cli import main
+
+    path = graph4.save(tmp_path / "updown.hapg")
+    out = tmp_path / "updown.hplan"
+    result = CliRunner().invoke(main, ["compile", str(path), "-p", str(PAPER8), "-o", str(out), "--overlap"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(out)
+    assert plan.overlap and plan.key["options"]["overlap"] is True
+    explained = CliRunner().invoke(main, ["explain", str(out)], catch_exceptions=False)
+    assert explained.exit_code == 0, explained.output
+    assert "overlap: 2 duplicas interleaved" in explained.output
