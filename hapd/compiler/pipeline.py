@@ -330,50 +330,132 @@ def best_split(
 ) -> Split | None:
     """The cheapest pipeline of at least two stages over all ``hosts`` and ``units``,
     cut only at ``cuts`` (positions ``k``: units before the cut), with ``boundary[k]``
-    the point-to-point seconds of cut ``k``: a DP over (hosts used, units used) keeping
-    the Pareto front of (fill time, slowest paced stage, largest sync) of the stages so
-    far. ``None`` when no pipeline exists (one host, no cut, no group that runs)."""
-    allowed = set(cuts)
-    ends = sorted(allowed) + [units]
-    m = micro_batches
-    # front entries: (fill, paced max, sync max, spans)
-    fronts: dict[tuple[int, int], list[tuple[float, float, float, tuple[Span, ...]]]] = {(0, 0): [(0.0, 0.0, 0.0, ())]}
-    best: Split | None = None
+    the point-to-point seconds of cut ``k``; ``None`` when none exists (one host, no
+    cut, no group that runs). ``stage`` must be additive over units (a stage's compute
+    and sync are the sums of its units', as prefix sums give them).
+
+    A DP over (hosts used, units used) keeping, of the partial pipelines (fill time,
+    slowest paced stage, largest sync, the stages so far) that reach a state, those no
+    other one beats whatever the later stages are (:func:`_insert`): the optimum extends
+    one of them.
+    Entries that cannot beat the best pipeline known are dropped (:class:`_Bound`):
+    first a pass that keeps one entry per state gives a good pipeline, then the exact
+    pass prunes against it."""
+    bound = _Bound.of(hosts, units, stage, micro_batches)
+    greedy = _split_pass(hosts, units, cuts, stage, boundary, micro_batches, bound, None, exact=False)
+    exact = _split_pass(hosts, units, cuts, stage, boundary, micro_batches, bound, greedy, exact=True)
+    return exact or greedy
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """A lower bound on what the units ``k…`` still cost on the hosts ``h…``: each unit
+    on its fastest group there (``rest[h][k]``, the fill it adds at least), and one of at
+    most ``hosts − h`` stages runs at least its share (the slowest stage's least)."""
+
+    rest: tuple[tuple[float, ...], ...]
+    hosts: int
+    micro_batches: int
+
+    @classmethod
+    def of(cls, hosts: int, units: int, stage: StageCost, micro_batches: int) -> "_Bound":
+        inf = float("inf")
+        fastest = [[inf] * units for _ in range(hosts + 1)]  # fastest[h][j]: unit j on a group within hosts h…
+        for h0 in range(hosts - 1, -1, -1):
+            for h1 in range(h0 + 1, hosts + 1):
+                for j in range(units):
+                    cost = stage(h0, h1, j, j + 1) if not (h0 == 0 and h1 == hosts) else None
+                    if cost is not None:
+                        fastest[h0][j] = min(fastest[h0][j], cost[0])
+            fastest[h0] = [min(a, b) for a, b in zip(fastest[h0], fastest[h0 + 1])]
+        rest = []
+        for h in range(hosts + 1):
+            sums = [0.0] * (units + 1)
+            for j in range(units - 1, -1, -1):
+                sums[j] = sums[j + 1] + fastest[h][j]
+            rest.append(tuple(sums))
+        return cls(rest=tuple(rest), hosts=hosts, micro_batches=micro_batches)
+
+    def least(self, h: int, k: int, fill: float, paced: float, sync: float) -> float:
+        """The least final cost of a partial pipeline at (h, k) with these terms."""
+        rest = self.rest[h][k]
+        share = rest / (self.hosts - h) if self.hosts > h else 0.0
+        return fill + rest + (self.micro_batches - 1) * max(paced, share) + sync
+
+
+_Entry = tuple[float, float, float, tuple[Span, ...]]
+"""(fill, slowest paced stage, largest sync, the stages) of a partial pipeline."""
+
+
+def _split_pass(
+    hosts: int, units: int, cuts: Collection[int], stage: StageCost, boundary: Sequence[float], m: int,
+    bound: _Bound, known: Split | None, *, exact: bool,
+) -> Split | None:
+    """One pass of :func:`best_split`'s DP: ``exact`` keeps each state's Pareto front,
+    else only its entry of least partial cost; both drop entries whose least final cost
+    is no better than the best pipeline found so far (``known`` to start with)."""
+    starts = [0, *sorted(set(cuts))]
+    ends = starts[1:] + [units]
+    fronts: dict[tuple[int, int], list[_Entry]] = {(0, 0): [(0.0, 0.0, 0.0, ())]}
+    best = known
     for h in range(hosts):
-        for k in [0, *sorted(allowed)]:
+        for k in starts:
             front = fronts.pop((h, k), None)
             if not front:
                 continue
+            p_in = boundary[k] if k > 0 else 0.0
+            least_fill = min(e[0] for e in front)
+            least_paced = min(e[1] for e in front)
+            least_sync = min(e[2] for e in front)
             for h1 in range(h + 1, hosts + 1):
-                for k1 in ends:
-                    if k1 <= k or (h1 == hosts) != (k1 == units) or (h == 0 and h1 == hosts):
+                final = h1 == hosts
+                if h == 0 and final:
+                    continue  # one stage: the SPMD plan's
+                for k1 in ([units] if final else ends):
+                    if k1 <= k or k1 == units and not final:
                         continue
                     cost = stage(h, h1, k, k1)
                     if cost is None:
                         continue
                     compute, sync = cost
-                    p_in = boundary[k] if k > 0 else 0.0
                     p_out = boundary[k1] if k1 < units else 0.0
                     paced = compute + p_in + p_out
-                    target = fronts.setdefault((h1, k1), [])
+                    if not final and best is not None and bound.least(
+                            h1, k1, least_fill + compute + p_out, max(least_paced, paced), max(least_sync, sync)) >= best.cost:
+                        continue  # no entry of this front can do better through this stage
+                    target = None if final else fronts.setdefault((h1, k1), [])
                     for fill, top, synced, spans in front:
                         entry = (fill + compute + p_out, max(top, paced), max(synced, sync), spans + ((h, h1, k, k1),))
-                        if h1 == hosts:
+                        if final:
                             total = entry[0] + (m - 1) * entry[1] + entry[2]
                             if best is None or total < best.cost:
                                 best = Split(cost=total, spans=entry[3])
-                        else:
-                            _insert(target, entry)
+                            continue
+                        if best is not None and bound.least(h1, k1, *entry[:3]) >= best.cost:
+                            continue
+                        if exact:
+                            _insert(target, entry, m)
+                        elif not target or _partial(entry, m) < _partial(target[0], m):
+                            target[:] = [entry]
     return best
 
 
-def _insert(front: list[tuple[float, float, float, tuple[Span, ...]]], entry: tuple[float, float, float, tuple[Span, ...]]) -> None:
-    """Add ``entry`` to a Pareto front of (fill, paced, sync) unless one dominates it."""
+def _partial(entry: _Entry, m: int) -> float:
+    return entry[0] + (m - 1) * entry[1] + entry[2]
+
+
+def _insert(front: list[_Entry], entry: _Entry, m: int) -> None:
+    """Add ``entry`` to a front unless an entry there is no worse whatever the later
+    stages are, and drop those it is no worse than: ``e`` is no worse than ``f`` when
+    ``fill_e + (m−1)·(paced_e − paced_f)⁺ + (sync_e − sync_f)⁺ ≤ fill_f`` (the later
+    stages add the same fill to both, and raise each max by no more than it raises
+    the other's: max is monotone and 1-Lipschitz)."""
     a, b, c = entry[0], entry[1], entry[2]
+    w = m - 1
     for x, y, z, _ in front:
-        if x <= a and y <= b and z <= c:
+        if x + w * max(0.0, y - b) + max(0.0, z - c) <= a:
             return
-    front[:] = [e for e in front if not (a <= e[0] and b <= e[1] and c <= e[2])]
+    front[:] = [e for e in front if not (a + w * max(0.0, b - e[1]) + max(0.0, c - e[2]) <= e[0])]
     front.append(entry)
 
 
