@@ -192,3 +192,24 @@ def test_pipeline_options_are_validated_and_keyed() -> None:
         micro_batch_graphs(_mlp(BATCH // 2), [_mlp(BATCH)])
     plan = compile_plan(_mlp(BATCH), _two_hosts(1e6), CompileOptions())
     assert "pipeline" not in plan.doc and "pipeline" not in plan.doc["stats"] and "pipeline:" not in plan.explain()
+
+
+def test_a_tied_embedding_is_summed_between_the_stages_it_spans() -> None:
+    units = graph_units(GraphIR.load(FIXTURES / "gpt2_block.hapg").doc)  # 2 blocks, the LM head tied to the tokens
+    (shared,) = units.shared
+    name, first, last, size = shared
+    assert (first, last) == (0, len(units.units) - 1) and size > 0
+    assert units.split_parameters(units.cuts) == [(name, size)]
+    assert units.split_parameters([]) == []
+
+
+def test_a_program_that_updates_buffers_gets_no_pipeline() -> None:
+    from hapd.compiler.pipeline import search
+
+    from hapd.compiler.lower import canonical_bytes
+
+    doc = GraphIR.load(FIXTURES / "vit.hapg").doc
+    layer_norm = next(i for i, n in enumerate(doc["nodes"]) if n["op"] == "aten.layer_norm")
+    doc["mutations"] = [{"target": "norm.running_mean", "value": [layer_norm, 0]}]  # as batch norm's would be
+    found = search({1: GraphIR(canonical_bytes(doc))}, _two_hosts(1e6), CompileOptions(), 1.0)
+    assert found.best is None and "updates buffers" in found.reason and found.groups_priced == 0

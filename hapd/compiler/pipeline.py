@@ -41,7 +41,12 @@ gradient sync ``y_s``::
 The first two terms are one micro-batch's way through every stage and back (the
 pipeline's fill and drain), the third the steady state, paced by the slowest stage with
 its sends and receives, the last the groups' gradient all-reduces, run side by side
-after the last backward. The **bubble** is the share of the pipelined time an average
+after the last backward. A parameter that blocks on both sides of a cut read (a tied
+embedding and head) is held by both stages, and its gradient summed between their
+groups once per iteration, ``α + bytes/β`` at the profile's all-reduce (or
+``grad_sync``) link across hosts, added to ``T``: a constant for the tied embedding
+(every cut splits it); for a parameter shared by blocks in the middle, the DP does
+not see it, and it is added to the pipeline it finds. The **bubble** is the share of the pipelined time an average
 stage waits: ``1 − Σ_s m·t_s / (S · (T − max_s y_s))``; ``(S−1)/(m+S−1)`` for equal
 stages.
 
@@ -51,6 +56,9 @@ placed so far, whose end is exactly the optimum of ``T`` (each term grows
 monotonically with its part): O(H²·B²·front) for H hosts and B units. Every pipeline
 uses every host and at least two stages; the pure SPMD plan (the ordinary compile of
 the global batch) is the other candidate, and the cheaper wins.
+
+A program that updates buffers (batch norm's running statistics) gets no pipeline:
+the runtime's stages do not run it (:mod:`hapd.compiler.stages`).
 
 Not priced: each stage's memory (the group's search runs without memory caps; a stage
 holds only its units' parameters, but 1F1B keeps up to ``S − s`` micro-batches'
@@ -113,11 +121,20 @@ class GraphUnits:
     of each tensor crossing it, or ``None`` when it cannot be cut there."""
     unit_of: Mapping[str, int]
     """Op node name → its unit."""
+    shared: tuple[tuple[str, int, int, float], ...] = ()
+    """Trainable parameters read by several units (tied embeddings): name, first and
+    last unit that read it, bytes. A cut between them puts it in two stages, whose
+    gradients must then be summed across their groups once per iteration."""
 
     @property
     def cuts(self) -> list[int]:
         """Cut positions ``k`` (units before the cut) that may be cut."""
         return [k for k in range(1, len(self.units)) if self.crossing[k] is not None]
+
+    def split_parameters(self, cut_positions: Sequence[int]) -> list[tuple[str, float]]:
+        """The shared parameters (name, bytes) that cuts at ``cut_positions`` split."""
+        return [(name, size) for name, first, last, size in self.shared
+                if any(first < k <= last for k in cut_positions)]
 
 
 def graph_units(doc: Mapping[str, Any]) -> GraphUnits:
@@ -142,7 +159,17 @@ def graph_units(doc: Mapping[str, Any]) -> GraphUnits:
     for i, node in enumerate(nodes):
         if node.get("kind") == "op":
             unit_of[node["name"]] = min(bisect.bisect_left(ends, i), max(len(units) - 1, 0))
-    return GraphUnits(units=units, crossing=_crossing(nodes, ends), unit_of=unit_of)
+    readers: dict[int, set[int]] = {}
+    for node in nodes:
+        if node.get("kind") == "op":
+            for ref in node.get("inputs", []):
+                readers.setdefault(int(ref[0]), set()).add(unit_of[node["name"]])
+    shared = tuple(
+        (node["name"], min(readers[i]), max(readers[i]), _bytes(node["outputs"][0]))
+        for i, node in enumerate(nodes)
+        if node.get("kind") == "parameter" and node.get("requires_grad", True) and len(readers.get(i, ())) > 1
+    )
+    return GraphUnits(units=units, crossing=_crossing(nodes, ends), unit_of=unit_of, shared=shared)
 
 
 def _crossing(nodes: Sequence[Mapping[str, Any]], ends: Sequence[int]) -> tuple[tuple[float, ...] | None, ...]:
@@ -511,10 +538,17 @@ class PipelinePlan:
     """The pure SPMD plan's estimate it competed with."""
     chosen: bool
     """Whether it beat the SPMD plan: the runtime runs the pipeline only then."""
+    shared_sync: float = 0.0
+    """Predicted seconds per iteration of summing the gradients of parameters that
+    several stages read (a tied embedding and head), between their groups; in
+    ``per_iteration``."""
+    shared_parameters: tuple[str, ...] = ()
+    """Those parameters (IR names)."""
     schedule: str = SCHEDULE
 
     def to_doc(self) -> dict[str, Any]:
         doc = asdict(self)
+        doc["shared_parameters"] = list(doc["shared_parameters"])
         for stage in doc["stages"]:
             stage["hosts"], stage["ranks"], stage["blocks"] = list(stage["hosts"]), list(stage["ranks"]), list(stage["blocks"])
         doc["stages"] = list(doc["stages"])
@@ -526,7 +560,7 @@ class PipelinePlan:
             PipelineStage(**{**s, "hosts": tuple(s["hosts"]), "ranks": tuple(s["ranks"]), "blocks": tuple(s["blocks"])})
             for s in doc["stages"]
         )
-        return cls(**{**doc, "stages": stages})
+        return cls(**{**doc, "stages": stages, "shared_parameters": tuple(doc.get("shared_parameters", ()))})
 
     @property
     def cuts(self) -> list[str]:
@@ -599,6 +633,8 @@ class StageTable:
     """Per cut position, point-to-point seconds of one micro-batch (0 where no cut)."""
     searches: int
     """Searches run to price the groups."""
+    sum_link: Link | None = None
+    """The link a shared parameter's gradient is summed over between two groups."""
 
     @property
     def hosts(self) -> int:
@@ -616,6 +652,15 @@ class StageTable:
 
     def best(self, micro_batches: int) -> Split | None:
         return best_split(self.hosts, len(self.units.units), self.units.cuts, self.stage, self.boundary, micro_batches)
+
+    def shared_sync(self, spans: Sequence[Span]) -> tuple[float, list[str]]:
+        """Seconds per iteration of summing the gradients of the shared parameters the
+        stages ``spans`` split (each an all-reduce of its bytes between hosts), and their
+        names."""
+        split = self.units.split_parameters([span[3] for span in spans[:-1]])
+        link = self.sum_link
+        seconds = sum(link.alpha + size / link.beta for _, size in split) if link is not None else 0.0
+        return seconds, [name for name, _ in split]
 
 
 def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions") -> StageTable:
@@ -646,7 +691,8 @@ def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions") -> S
             costs[group.key] = unit_costs(program, ratios, units.unit_of, len(units.units))
     link = p2p_link(profile)
     boundary = tuple(boundary_seconds(c, link) if c is not None else 0.0 for c in units.crossing)
-    return StageTable(units=units, groups=groups, costs=costs, boundary=boundary, searches=searches)
+    summed = (profile.collectives.get("grad_sync") or profile.collectives["all_reduce"])["inter"]
+    return StageTable(units=units, groups=groups, costs=costs, boundary=boundary, searches=searches, sum_link=summed)
 
 
 def search(
@@ -656,6 +702,10 @@ def search(
     (micro-batch count → the graph exported at the global batch over it), against the
     SPMD plan's ``spmd_only`` seconds per iteration."""
     start = time.perf_counter()
+    updated = [m["target"] for ir in graphs.values() for m in ir.doc.get("mutations", [])]
+    if updated:
+        return PipelineSearch(best=None, seconds=0.0, groups_priced=0, tried=(),
+                              reason=f"the program updates buffers ({updated[0]}, …): stages do not run such programs")
     if len(profile.hosts) < 2:
         return PipelineSearch(best=None, seconds=0.0, groups_priced=0, tried=(),
                               reason=f"one host ({profile.hosts[0]}): no groups of hosts to cut stages over")
@@ -669,6 +719,8 @@ def search(
         if len(table.units.units) < 2 or not table.units.cuts:
             reason = f"the graph has {len(table.units.units)} blocks and no cut between them"
         found = table.best(m)
+        if found is not None:
+            found = replace(found, cost=found.cost + table.shared_sync(found.spans)[0])
         tried.append({"micro_batches": m, "per_iteration": found.cost if found else None,
                       "stages": len(found.spans) if found else 0})
         if found is not None and (best is None or found.cost < best[0].cost):
@@ -703,10 +755,11 @@ def _plan(split: Split, m: int, ir: "GraphIR", table: StageTable, spmd_only: flo
             boundary_seconds=table.boundary[k1] if cut else 0.0,
         ))
     cuts = [table.boundary[span[3]] for span in split.spans[:-1]]
+    shared, names = table.shared_sync(split.spans)
     return PipelinePlan(
         stages=tuple(stages), micro_batches=m, micro_batch_size=graph_batch(ir.doc), micro_batch_graph_id=ir.graph_id,
         per_iteration=split.cost, bubble=bubble_fraction(times, cuts, m), spmd_only_per_iteration=spmd_only,
-        chosen=split.cost < spmd_only,
+        chosen=split.cost < spmd_only, shared_sync=shared, shared_parameters=tuple(names),
     )
 
 

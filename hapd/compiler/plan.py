@@ -241,6 +241,9 @@ def _pipeline_lines(doc: Mapping[str, Any]) -> list[str]:
             f"per micro-batch forward {_fmt_s(stage['forward'])}, backward {_fmt_s(stage['backward'])}; "
             f"gradient sync {_fmt_s(stage['sync'])}; {cut}"
         )
+    if found.get("shared_parameters"):
+        lines.append(f"  shared parameters summed between stages' groups: {', '.join(found['shared_parameters'])}, "
+                     f"{_fmt_s(found['shared_sync'])} per iteration")
     tried = ", ".join(f"m={t['micro_batches']}: {_fmt_s(t['per_iteration']) if t['per_iteration'] is not None else '-'}"
                       for t in searched.get("tried", []))
     lines.append(f"  micro-batch counts tried: {tried}; search {searched['seconds']:.3f} s, "
