@@ -32,9 +32,10 @@
 //! backward compute and each collective's dual. `bench/overlap_search.py` prints the
 //! forward and backward estimates apart, for a measurement to check them against.
 //!
-//! A recomputed segment's forward runs again in the backward pass
-//! ([`crate::recompute`]): its compute counts as backward compute, and its collectives,
-//! run again by each duplica inside that compute, as serial time.
+//! A recomputed segment ([`crate::recompute`]) runs under activation checkpointing, its
+//! collectives blocking: they make no point, and count serially for each duplica, forward
+//! and backward; its forward runs again in the backward pass, the compute as backward
+//! compute and the collectives once more, serially.
 //!
 //! Every time is the slowest device's, as in the bulk-synchronous model of
 //! [`crate::cost`]: a step's compute `max_d`, each collective `max_d`.
@@ -102,6 +103,8 @@ pub fn collective_rows(profile: &Profile, collective: Collective, bytes: f64, wi
 pub struct StepRows {
     /// Whether the step depends on the batch (each duplica runs it; else A only, once).
     pub batch: bool,
+    /// Whether the step is in a recomputed segment (its collectives block).
+    pub recomputed: bool,
     /// Forward compute of one duplica.
     pub comp_forward: Row,
     /// Backward compute of one duplica.
@@ -120,13 +123,14 @@ pub struct StepRows {
 impl StepRows {
     /// A step with compute row `comp` (forward + backward, one duplica) whose forward is
     /// `share` of it, and no communication yet.
-    pub fn new(comp: &Row, share: f64, batch: bool) -> StepRows {
+    pub fn new(comp: &Row, share: f64, batch: bool, recomputed: bool) -> StepRows {
         let scaled = |s: f64| Row {
             constant: comp.constant.iter().map(|v| v * s).collect(),
             coef: comp.coef.iter().map(|v| v * s).collect(),
         };
         StepRows {
             batch,
+            recomputed,
             comp_forward: scaled(share),
             comp_backward: scaled(1.0 - share),
             comm_forward: Vec::new(),
@@ -136,9 +140,17 @@ impl StepRows {
     }
 
     /// Add a collective with forward row `forward` and backward row `backward`: a point
-    /// run by each duplica when `per_duplica` (it moves batch data), else once, serially.
+    /// run by each duplica when `per_duplica` (it moves batch data), else once, serially;
+    /// in a recomputed segment serially for each duplica.
     pub fn add_collective(&mut self, forward: Row, backward: Option<Row>, per_duplica: bool) {
-        if per_duplica {
+        if per_duplica && self.recomputed {
+            for _ in 0..DUPLICAS {
+                self.serial.add(&forward);
+                if let Some(back) = &backward {
+                    self.serial.add(back);
+                }
+            }
+        } else if per_duplica {
             self.comm_forward.push(forward);
             self.comm_backward.extend(backward);
         } else {
@@ -382,7 +394,8 @@ impl Schedule {
 
     /// Rows of step `pos` run with rule `rule`, before any communication.
     pub fn step(&self, problem: &Problem, pos: usize, rule: usize) -> StepRows {
-        StepRows::new(&problem.steps[pos].comp[rule], self.share[pos], self.step_batch[pos])
+        let step = &problem.steps[pos];
+        StepRows::new(&step.comp[rule], self.share[pos], self.step_batch[pos], step.segment.is_some())
     }
 
     /// Add `collective` on tensor `t` to `rows` (nothing for a local re-layout).
@@ -492,7 +505,7 @@ mod tests {
     #[test]
     fn step_rows_count_parameter_collectives_once() {
         let comp = Row { constant: vec![3.0, 3.0], coef: vec![0.0, 0.0] };
-        let mut rows = StepRows::new(&comp, 1.0 / 3.0, true);
+        let mut rows = StepRows::new(&comp, 1.0 / 3.0, true, false);
         let fwd = Row { constant: vec![1.0, 1.0], coef: vec![0.0, 0.0] };
         let bwd = Row { constant: vec![0.5, 0.5], coef: vec![0.0, 0.0] };
         rows.add_collective(fwd.clone(), Some(bwd.clone()), true);
@@ -503,5 +516,11 @@ mod tests {
         assert!(close(t.forward.compute, 1.0) && close(t.backward.compute, 2.0));
         assert_eq!((t.forward.first, t.forward.last, t.forward.inner), (1.0, 1.0, 0.0));
         assert_eq!((t.backward.first, t.serial), (0.5, 2.0));
+        // in a recomputed segment a batch collective blocks, in each duplica
+        let mut again = StepRows::new(&comp, 0.25, true, true);
+        again.add_collective(fwd.clone(), Some(bwd.clone()), true);
+        let t = again.times(&[0.5, 0.5]);
+        assert!(!t.forward.point && !t.backward.point);
+        assert_eq!(t.serial, 3.0);
     }
 }
