@@ -17,7 +17,7 @@ from hapd.compiler import overlap
 from hapd.compiler.driver import CompileOptions, synthesize
 from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.plan import Plan
-from hapd.compiler.ratios import program_cost, row_values, solve_ratios
+from hapd.compiler.ratios import peak_memory, program_cost, row_values, solve_ratios
 from hapd.errors import OptionsError
 from hapd.profile.schema import Profile, load_profile, profile_from_dict
 
@@ -181,6 +181,9 @@ def test_both_duplicas_activations_count_in_memory(hand, graph4):
     expected = [p + e for p, e in zip(row_values(plain["memory"], EVEN), extra)]
     assert row_values(both["memory"], EVEN) == pytest.approx(expected)
     assert row_values(both["memory_update"], EVEN) == pytest.approx(row_values(plain["memory_update"], EVEN))
+    # the plan's peak, priced at the integer lengths, counts them too
+    update = row_values(both["memory_update"], EVEN)
+    assert peak_memory(both, EVEN) == pytest.approx([max(b, u) for b, u in zip(expected, update)])
 
 
 def test_plan_records_duplicas_and_explains_overlap(hand, graph4, tmp_path):
