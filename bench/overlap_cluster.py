@@ -4,6 +4,7 @@
     .venv/bin/python bench/overlap_cluster.py                       # bert_moe expert-parallel, bert tensor-parallel
     .venv/bin/python bench/overlap_cluster.py --cases bert_moe=expert-parallel --rounds 3
     .venv/bin/python bench/overlap_cluster.py --trace               # also Chrome traces of each run's last round
+    .venv/bin/python bench/overlap_cluster.py --cases bert_moe=expert-parallel --extra searched-plain,overlap-plain-ratios
     .venv/bin/python bench/overlap_cluster.py --from-json bench/out/overlap_cluster.json
 
 Needs root (network namespaces, tc, cpu cgroups v1); without it, prints why and exits 0.
@@ -27,15 +28,21 @@ shared machine falls on both. Reported per case: each plan's measured ms/iterati
 ± std over every timed iteration of its rounds; an iteration takes as long as its
 slowest rank), the measured speedup (plain / overlap) and the cost model's predicted
 speedup (ratio of the plans' ``estimate.per_iteration``), and what the unforced search
-picks at this link, plain and overlapped (rules and estimates).
+picks at this link, plain and overlapped (rules and estimates). ``--extra`` runs more
+plans in the same rounds, each against plain: ``searched-plain`` (the unforced plain
+plan, what hapd runs without overlap) and ``overlap-plain-ratios`` (the overlap program
+at the plain plan's ratios: how much the overlap LP's ratios matter).
 
 Where the time goes: each rank runs ``worker.py`` through this script's ``rank``
 subcommand, which times, per training step, the forward and backward passes and the
 time the main thread spends blocked in the plan's collectives
 (:meth:`hapd.runtime.collectives.Pending.wait`: exposed communication, forward and
 backward) and in the gradient sum's final wait (:class:`hapd.runtime.gradsync.GradSync`);
-the rest is computation (with the collectives' own send/receive copies). Writes
-``bench/out/overlap_cluster.json`` and each plan's ``hapd explain`` beside it.
+the rest is computation (with the collectives' own send/receive copies). Before the
+cases, a probe (this script's ``probe`` subcommand on the 4 ranks) answers whether Gloo
+moves a collective while the rank's main thread computes inside its cpu quota (Gloo's
+threads share the rank's cgroup): an all-to-all alone, matmuls alone, and both at once.
+Writes ``bench/out/overlap_cluster.json`` and each plan's ``hapd explain`` beside it.
 """
 
 from __future__ import annotations
@@ -62,6 +69,11 @@ DEFAULT_CASES = "bert_moe=expert-parallel,bert=tensor-parallel"
 SPEEDUP_TARGET = {"expert-parallel": 1.2}
 """Parallelism → the measured overlap speedup the benchmark checks (BERT-MoE's)."""
 SYSTEMS = ("plain", "overlap")
+EXTRA_SYSTEMS = {
+    "searched-plain": "the unforced search's plain plan (what hapd runs without overlap)",
+    "overlap-plain-ratios": "the forced overlap program at the plain plan's ratios",
+}
+"""Plans ``--extra`` also runs, each against ``plain``."""
 TP_COLUMN = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.fc1.weight")
 TP_ROW = ("attn.out.weight", "mlp.fc2.weight")
 """Megatron's pairs in the benchmark transformers: the attention projections and the
@@ -160,10 +172,11 @@ def plan_record(plan, path: Path | None) -> dict[str, Any]:
 
 
 def compile_plans(model: str, how: str, size: str, batch: int, profile: Path, work: Path,
-                  searched: bool = True) -> dict[str, Any]:
-    """The case's forced plain and overlap plans (saved under ``work``, explained under
-    ``bench/out``) and, with ``searched``, what the unforced search picks, plain and
-    overlapped; each as :func:`plan_record` with its compile seconds."""
+                  searched: bool = True, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """The case's forced plain and overlap plans, with ``searched`` what the unforced
+    search picks, plain and overlapped, and the ``extra`` systems' plans
+    (:data:`EXTRA_SYSTEMS`); each saved under ``work``, explained under ``bench/out`` and
+    described by :func:`plan_record` with its compile seconds."""
     import torch
 
     import hapd
@@ -181,19 +194,22 @@ def compile_plans(model: str, how: str, size: str, batch: int, profile: Path, wo
     graphs = {False: recipe.export(True, recipe.example_shapes)[1], True: recipe.export(True, recipe.half_shapes())[1]}
     out: dict[str, Any] = {}
     kinds = [("plain", False, True), ("overlap", True, True)]
-    if searched:
+    if searched or "searched-plain" in extra:
         kinds += [("searched-plain", False, False), ("searched-overlap", True, False)]
+    if "overlap-plain-ratios" in extra:
+        kinds += [("overlap-plain-ratios", True, True)]
+    plans: dict[str, Any] = {}
     for name, overlapped, forced in kinds:
         graph = graphs[overlapped]
         force = FORCES[how](graph.doc) if forced else {}
+        ratios = tuple(plans["plain"].ratios) if name == "overlap-plain-ratios" else None
         t0 = time.monotonic()
-        plan = hapd.compile(graph, prof, CompileOptions(overlap=overlapped, force=force))
+        plan = hapd.compile(graph, prof, CompileOptions(overlap=overlapped, force=force, ratios=ratios))
         seconds = time.monotonic() - t0
-        path = None
-        if name in SYSTEMS:
-            path = plan.save(work / f"{model}-{name}.hplan")
-            OUT.mkdir(parents=True, exist_ok=True)
-            (OUT / f"overlap_explain_{model}_{name}.txt").write_text(plan.explain())
+        plans[name] = plan
+        path = plan.save(work / f"{model}-{name}.hplan")
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / f"overlap_explain_{model}_{name}.txt").write_text(plan.explain())
         record = {**plan_record(plan, path), "compile_s": seconds, "forced": len(force)}
         missed = not_forced(plan, force)
         if missed:
@@ -281,6 +297,101 @@ def rank_main(argv: Sequence[str]) -> int:
 # ----------------------------------------------------------------------------- runs
 
 
+PROBE_MIB = 4.0
+"""Bytes each rank sends in the background-progress probe's all-to-all."""
+CALIBRATE_S = 0.5
+"""Seconds of matmuls that measure a rank's rate under its quota (50 CFS periods)."""
+
+
+def probe_main(argv: Sequence[str]) -> int:
+    """``overlap_cluster.py probe DIR [MIB]``: does a collective progress while the main
+    thread computes, inside the rank's cpu cgroup? Times an async all-to-all of ``MIB``
+    per rank alone (``comm``), 256² matmuls sized to take as long alone (``compute``),
+    and both at once (``both``: started together, the wait after the matmuls; ``waited``:
+    that wait). Perfect background progress gives ``both`` ≈ max, none gives the sum.
+    Writes ``DIR/rank<RANK>.json``."""
+    import torch
+    import torch.distributed as dist
+
+    from hapd.runtime.training import init_distributed, shutdown
+
+    out, mib = Path(argv[0]), float(argv[1]) if len(argv) > 1 else PROBE_MIB
+    env = init_distributed()
+    torch.set_num_threads(1)
+    n = max(env.world, int(mib * 2**20 / 4) // env.world * env.world)
+    send, recv, a = torch.randn(n), torch.empty(n), torch.randn(256, 256)
+
+    def comm():
+        return dist.all_to_all_single(recv, send, async_op=True)
+
+    def compute(k: int) -> None:
+        for _ in range(k):
+            a @ a
+
+    comm().wait()
+    reps, clock = 3, time.perf_counter
+    dist.barrier()
+    t0 = clock()
+    for _ in range(reps):
+        comm().wait()
+    comm_s = (clock() - t0) / reps
+    done, t0 = 0, clock()
+    while clock() - t0 < CALIBRATE_S:  # many CFS periods: the rate under the quota, not a burst's
+        compute(1)
+        done += 1
+    k = max(1, round(comm_s / ((clock() - t0) / done)))
+    alone, both, waited = [], [], []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = clock()
+        compute(k)
+        alone.append(clock() - t0)
+        dist.barrier()
+        t0 = clock()
+        work = comm()
+        compute(k)
+        t1 = clock()
+        work.wait()
+        both.append(clock() - t0)
+        waited.append(clock() - t1)
+    compute_s = statistics.fmean(alone)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{env.rank}.json").write_text(json.dumps(
+        {"rank": env.rank, "mib": mib, "comm_s": comm_s, "compute_s": compute_s, "matmuls": k,
+         "both_s": statistics.fmean(both), "waited_s": statistics.fmean(waited)}))
+    shutdown(env, wait=True)
+    return 0
+
+
+def hidden_fraction(p: Mapping[str, float]) -> float:
+    """Of the shorter of comm and compute, the share hidden when both run at once
+    (1: ``both`` = the sum minus it, perfect overlap; 0: serial)."""
+    return (p["comm_s"] + p["compute_s"] - p["both_s"]) / min(p["comm_s"], p["compute_s"])
+
+
+def run_probe(runner, ns: argparse.Namespace) -> list[dict[str, float]]:
+    """:func:`probe_main` on the 4 ranks through the launcher; each rank's record."""
+    out = runner.work / "probe"
+    done = runner.launch([str(Path(__file__).resolve().relative_to(ROOT)), "probe", str(out), str(PROBE_MIB)], None,
+                         timeout=ns.run_timeout)
+    if done.returncode != 0:
+        log(f"probe failed (exit {done.returncode}): {done.stderr[-400:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
+    for r in ranks:
+        r["hidden"] = hidden_fraction(r)
+    return ranks
+
+
+def format_probe(ranks: Sequence[Mapping[str, float]]) -> str:
+    lines = [f"{'rank':>4} {'comm ms':>8} {'compute ms':>10} {'both ms':>8} {'waited ms':>9} {'hidden':>7}"]
+    for r in ranks:
+        lines.append(f"{r['rank']:>4} {_ms(r['comm_s']):>8} {_ms(r['compute_s']):>10} {_ms(r['both_s']):>8} "
+                     f"{_ms(r['waited_s']):>9} {r['hidden']:>7.0%}")
+    return "\n".join(lines)
+
+
+
+
 def step_breakdown(waits: Path, warmup: int, iterations: int) -> list[dict[str, float]]:
     """Per rank (rank order): mean seconds per timed step of forward, backward, waited
     in each, grad sync and the computation left (the :class:`StepClock` records of
@@ -351,7 +462,8 @@ def summarize(results: Mapping[str, Any]) -> list[dict[str, Any]]:
     for model, case in results.get("cases", {}).items():
         runs = case.get("runs", [])
         row: dict[str, Any] = {"model": model, "parallelism": case["parallelism"], "batch": case["batch"]}
-        for system in SYSTEMS:
+        ran = list(dict.fromkeys([*SYSTEMS, *(r["system"] for r in runs)]))
+        for system in ran:
             mine = [r for r in runs if r["system"] == system]
             mean, std, n = pooled(mine)
             row[system] = {"mean_s": mean, "std_s": std, "iterations": n,
@@ -362,11 +474,19 @@ def summarize(results: Mapping[str, Any]) -> list[dict[str, Any]]:
             row["speedup"] = plain["mean_s"] / over["mean_s"]
         if plain["estimate_s"] and over["estimate_s"]:
             row["predicted_speedup"] = plain["estimate_s"] / over["estimate_s"]
+        row["extra"] = {}
+        for system in ran[len(SYSTEMS):]:
+            mine = row[system]
+            row["extra"][system] = {
+                "speedup": plain["mean_s"] / mine["mean_s"] if plain["mean_s"] and mine["mean_s"] else None,
+                "predicted_speedup": (plain["estimate_s"] / mine["estimate_s"]
+                                      if plain["estimate_s"] and mine["estimate_s"] else None)}
         by_round: dict[int, dict[str, float]] = {}
         for r in runs:
             if r.get("mean_s"):
                 by_round.setdefault(r["round"], {})[r["system"]] = r["mean_s"]
-        row["round_speedups"] = [v["plain"] / v["overlap"] for _, v in sorted(by_round.items()) if len(v) == 2]
+        row["round_speedups"] = [v["plain"] / v["overlap"] for _, v in sorted(by_round.items())
+                                 if "plain" in v and "overlap" in v]
         rows.append(row)
     return rows
 
@@ -387,20 +507,25 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         rounds = ", ".join(f"{s:.2f}x" for s in r.get("round_speedups", []))
         out.append(f"{r['model']:>9} {r['parallelism']:>15} {cell(p):>14} {cell(o):>14} {speed:>8} {pred:>9} "
                    f"{_ms(p['estimate_s']):>10} {_ms(o['estimate_s']):>12}  {rounds}")
+        for system, vs in r.get("extra", {}).items():
+            ratio = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
+            out.append(f"{'':>9} {system:>15} {'':>14} {cell(r[system]):>14} {ratio(vs['speedup']):>8} "
+                       f"{ratio(vs['predicted_speedup']):>9} {'':>10} {_ms(r[system]['estimate_s']):>12}  "
+                       f"(plain / this)")
     return "\n".join(out)
 
 
 def format_breakdown(results: Mapping[str, Any]) -> str:
     """Per case and system, each rank's mean ms per step (last round's run)."""
-    lines = [f"{'model':>9} {'system':>7} {'rank':>4} {'forward':>8} {'backward':>8} {'waited fwd':>10} "
+    lines = [f"{'model':>9} {'system':>20} {'rank':>4} {'forward':>8} {'backward':>8} {'waited fwd':>10} "
              f"{'waited bwd':>10} {'grad sum':>8} {'compute':>8}"]
     for model, case in results.get("cases", {}).items():
-        for system in SYSTEMS:
+        for system in dict.fromkeys(r["system"] for r in case.get("runs", [])):
             runs = [r for r in case.get("runs", []) if r["system"] == system and r.get("breakdown")]
             if not runs:
                 continue
             for b in runs[-1]["breakdown"]:
-                lines.append(f"{model:>9} {system:>7} {b['rank']:>4} {_ms(b['forward']):>8} {_ms(b['backward']):>8} "
+                lines.append(f"{model:>9} {system:>20} {b['rank']:>4} {_ms(b['forward']):>8} {_ms(b['backward']):>8} "
                              f"{_ms(b['wait_forward']):>10} {_ms(b['wait_backward']):>10} {_ms(b['grad_sync']):>8} "
                              f"{_ms(b['compute']):>8}")
     return "\n".join(lines)
@@ -442,6 +567,10 @@ def report(results: dict[str, Any], out: Path | None) -> None:
     print()
     print("ms per step on each rank (last round): waited = blocked on collectives; compute = the rest")
     print(format_breakdown(results))
+    if results.get("probe"):
+        print()
+        print(f"background progress: an all-to-all of {PROBE_MIB:g} MiB per rank while the main thread computes")
+        print(format_probe(results["probe"]))
     searched = format_searched(results)
     if searched:
         print()
@@ -496,6 +625,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="runs of each plan, interleaved ABBA (default 2)")
     p.add_argument("--no-searched", action="store_true", help="do not compile the unforced plans")
+    p.add_argument("--extra", default="", help="also run these plans against plain: " +
+                   "; ".join(f"{k}: {v}" for k, v in EXTRA_SYSTEMS.items()))
+    p.add_argument("--no-probe", action="store_true", help="skip the background-progress probe")
     p.add_argument("--trace", action="store_true", help="Chrome traces of each plan's last run, into bench/out")
     p.add_argument("--full-profile", action="store_true", help="the profiler's full sizes/repeats (default quick)")
     p.add_argument("--wait-others", type=float, default=3 * 3600, help="seconds to wait for another benchmark")
@@ -505,6 +637,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("--from-json", type=Path, default=None, help="run nothing: re-print a saved results JSON")
     ns = p.parse_args(argv)
+    ns.extra = [x.strip() for x in ns.extra.split(",") if x.strip()]
+    unknown = [x for x in ns.extra if x not in EXTRA_SYSTEMS]
+    if unknown:
+        p.error(f"--extra {','.join(unknown)}: choose from {', '.join(EXTRA_SYSTEMS)}")
     if ns.batch < 2 or ns.batch % 2:
         p.error(f"--batch {ns.batch}: must be even (two duplicas of half the batch)")
     if ns.rounds < 1 or not 0 <= ns.warmup < ns.iterations:
@@ -520,6 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["rank"]:
         return rank_main(argv[1:])
+    if argv[:1] == ["probe"]:
+        return probe_main(argv[1:])
     ns = parse_args(argv)
     if ns.from_json is not None:
         report(json.loads(ns.from_json.read_text()), None)
@@ -566,13 +704,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["profile"] = prof
         log(f"profiled in {time.monotonic() - t0:.0f} s: FLOP/s " +
             ", ".join(f"{d['flops'] / 1e9:.1f}G" for d in prof["devices"]))
+        if not ns.no_probe:
+            results["probe"] = run_probe(runner, ns)
+            log("background progress probe:\n" + format_probe(results["probe"]))
         for model, how in cases.items():
             case: dict[str, Any] = {"parallelism": how, "batch": ns.batch, "runs": []}
             results["cases"][model] = case
-            case["plans"] = compile_plans(model, how, ns.size, ns.batch, prof_path, work, searched=not ns.no_searched)
+            case["plans"] = compile_plans(model, how, ns.size, ns.batch, prof_path, work, searched=not ns.no_searched,
+                                          extra=ns.extra)
             _save(results, ns.out)
+            systems = (*SYSTEMS, *ns.extra)
             for rnd in range(ns.rounds):
-                order = SYSTEMS if rnd % 2 == 0 else SYSTEMS[::-1]
+                order = systems if rnd % 2 == 0 else systems[::-1]
                 for system in order:
                     last = rnd == ns.rounds - 1
                     trace = OUT / f"overlap_trace_{model}_{system}.json" if ns.trace and last else None

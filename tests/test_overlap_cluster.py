@@ -70,6 +70,17 @@ def test_speedups_pool_every_round_and_the_target_is_checked(bench):
     assert bench.targets(slow)[0].startswith("MISS bert_moe")
 
 
+def test_an_extra_plan_is_compared_with_plain(bench):
+    results = _results(plain=[[3.0]], overlap=[[2.0]])
+    case = results["cases"]["bert_moe"]
+    case["plans"]["searched-plain"] = {"estimate_s": 2.5}
+    case["runs"].append({"system": "searched-plain", "round": 0, "job_s": [2.4], "mean_s": 2.4})
+    (row,) = bench.summarize(results)
+    assert row["extra"]["searched-plain"] == pytest.approx({"speedup": 3.0 / 2.4, "predicted_speedup": 3.0 / 2.5})
+    assert row["round_speedups"] == pytest.approx([1.5])
+    assert "searched-plain" in bench.format_table([row])
+
+
 def test_a_failed_run_leaves_no_speedup(bench):
     results = _results(plain=[[3.0]], overlap=[[2.0]])
     results["cases"]["bert_moe"]["runs"][1] = {"system": "overlap", "round": 0, "error": "boom"}
