@@ -21,7 +21,7 @@ from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.pipeline import (
     best_split, bubble_fraction, graph_units, micro_batch_graphs, one_f_one_b, split_cost, stage_table,
 )
-from hapd.errors import OptionsError
+from hapd.errors import OptionsError, ProfileError
 from hapd.profile.schema import Link, estimated_profile
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -213,3 +213,16 @@ def test_a_program_that_updates_buffers_gets_no_pipeline() -> None:
     doc["mutations"] = [{"target": "norm.running_mean", "value": [layer_norm, 0]}]  # as batch norm's would be
     found = search({1: GraphIR(canonical_bytes(doc))}, _two_hosts(1e6), CompileOptions(), 1.0)
     assert found.best is None and "updates buffers" in found.reason and found.groups_priced == 0
+
+
+def test_a_group_of_devices_is_a_profile_of_its_own() -> None:
+    profile = _two_hosts(1e6)
+    profile = dataclasses.replace(profile, collectives={**profile.collectives, "grad_sync": {"inter": Link(alpha=1e-3, beta=1e6)}})
+    group = profile.subset([2, 3], hosts={"b": "h0"})
+    assert [d.rank for d in group.devices] == [0, 1] and [d.flops for d in group.devices] == [1e10, 1e10]
+    assert group.hosts == ["h0"] and "grad_sync" not in group.collectives  # one host sums with a plain all-reduce
+    assert "grad_sync" in profile.subset([1, 2]).collectives  # two hosts: the two-level sum
+    with pytest.raises(ProfileError):
+        profile.subset([0, 0])
+    with pytest.raises(ProfileError):
+        profile.subset([4])

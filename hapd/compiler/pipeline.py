@@ -783,8 +783,8 @@ def micro_batch_graphs(full: "GraphIR", others: Sequence["GraphIR"]) -> dict[int
 
 
 __all__ = [
-    "DEFAULT_MICRO_BATCHES", "Group", "GraphUnits", "StageTable", "host_groups", "stage_table", "PipelinePlan", "PipelineSearch", "PipelineStage",
-    "SCHEDULE", "Split", "Unit", "UnitCosts", "best_split", "boundary_seconds", "bubble_fraction", "graph_batch",
-    "graph_units", "micro_batch_counts", "micro_batch_graphs", "one_f_one_b", "p2p_link", "search", "split_cost",
-    "unit_costs",
+    "DEFAULT_MICRO_BATCHES", "GraphUnits", "Group", "PipelinePlan", "PipelineSearch", "PipelineStage",
+    "SCHEDULE", "Split", "StageTable", "Unit", "UnitCosts", "best_split", "boundary_seconds",
+    "bubble_fraction", "graph_batch", "graph_units", "host_groups", "micro_batch_counts",
+    "micro_batch_graphs", "one_f_one_b", "p2p_link", "search", "split_cost", "stage_table", "unit_costs",
 ]

@@ -212,6 +212,10 @@ def _overlap_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _pipeline_lines(doc: Mapping[str, Any]) -> list[str]:
     """What the pipeline search found: the stages with their blocks, groups and
     predicted times, the micro-batches, the bubble, and the SPMD plan it beat or lost
@@ -226,7 +230,8 @@ def _pipeline_lines(doc: Mapping[str, Any]) -> list[str]:
     verdict = (f"beats the SPMD-only plan's {_fmt_s(spmd)} ({spmd / cost:.2f}×): the pipeline runs" if found["chosen"]
                else f"loses to the SPMD-only plan's {_fmt_s(spmd)} ({cost / spmd:.2f}× slower): the SPMD plan runs")
     lines = [
-        f"pipeline: {len(found['stages'])} stages, {found['micro_batches']} micro-batches of {found['micro_batch_size']} "
+        f"pipeline: {len(found['stages'])} stages, {_count(found['micro_batches'], 'micro-batch', 'micro-batches')} "
+        f"of {found['micro_batch_size']} "
         f"({found['schedule'].upper()}), predicted {_fmt_s(cost)} per iteration, bubble {found['bubble']:.1%}; {verdict}",
     ]
     for stage in found["stages"]:
@@ -237,7 +242,7 @@ def _pipeline_lines(doc: Mapping[str, Any]) -> list[str]:
         cut = (f"cut after {stage['last_node']}, sends {format_bytes(stage['boundary_bytes'])} "
                f"({_fmt_s(stage['boundary_seconds'])} both ways) per micro-batch" if stage["last_node"] else "the loss")
         lines.append(
-            f"  stage {stage['index']}: {stage['block_count']} blocks ({blocks}) on {', '.join(stage['hosts'])} ({span}); "
+            f"  stage {stage['index']}: {_count(stage['block_count'], 'block', 'blocks')} ({blocks}) on {', '.join(stage['hosts'])} ({span}); "
             f"per micro-batch forward {_fmt_s(stage['forward'])}, backward {_fmt_s(stage['backward'])}; "
             f"gradient sync {_fmt_s(stage['sync'])}; {cut}"
         )

@@ -152,7 +152,9 @@ class Profile:
         """The profile of the devices ``ranks`` alone (a pipeline stage's group),
         renumbered 0… in the order given, with the same collectives; ``hosts`` renames
         hosts (the cost model only asks whether two devices share one). A compile for it
-        plans those devices as a cluster of their own."""
+        plans those devices as a cluster of their own. On one host, ``grad_sync`` (the
+        runtime's sum across hosts) is left out unless it has an ``intra`` link: one
+        host's ranks sum gradients with a plain all-reduce."""
         ranks = list(ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world for r in ranks):
             raise ProfileError(f"ranks {ranks} are not distinct ranks of the profile's {self.world} devices", field="devices")
@@ -163,8 +165,11 @@ class Profile:
                    elementwise_flops=self.devices[r].elementwise_flops)
             for i, r in enumerate(ranks)
         )
+        collectives = dict(self.collectives)
+        if len({d.host for d in devices}) == 1 and "intra" not in collectives.get("grad_sync", {"intra": None}):
+            del collectives["grad_sync"]
         return Profile(name=name or f"{self.name}[{','.join(map(str, ranks))}]", devices=devices,
-                       collectives=self.collectives, description=f"ranks {ranks} of {self.name}")
+                       collectives=collectives, description=f"ranks {ranks} of {self.name}")
 
     def to_json(self) -> str:
         doc = {

@@ -1,0 +1,163 @@
+"""Synthesis with pipelines: the best pipeline the compile finds against the SPMD-only
+plan, on the paper cluster profiles and on the emulated cluster's.
+
+    .venv/bin/python bench/pipeline_search.py            # ViT-24 on paper-8 and paper-64, then the emulated cluster
+    .venv/bin/python bench/pipeline_search.py --quick    # ViT-24 on paper-8 only, m ∈ {1, 4, 16}
+    .venv/bin/python bench/pipeline_search.py --emulated-only
+
+**Paper profiles.** ViT with 24 layers, paper width otherwise, built on the meta device
+(no weights), as configured (dropout 0.1: ``vit-24``) and without dropout
+(``vit-24-nd``, see :data:`NO_DROPOUT`), and exported at the global batch (32 per device, as in HAP) and at the
+global batch over each micro-batch count ``m`` (1, 2, 4, 8, 16 by default), then
+compiled once with ``CompileOptions(pipeline="auto")``: the SPMD plan of the global batch
+as always, and the pipeline search over the micro-batch graphs
+(:mod:`hapd.compiler.pipeline`). Printed per profile: the SPMD compile's and the
+pipeline search's seconds (exports apart), the best pipeline (stages: hosts and blocks,
+``m``, bubble), its predicted seconds per iteration, and how many times faster than the
+SPMD-only plan it is predicted to be (SPMD-only / pipeline: above 1 the pipeline wins).
+
+**Emulated cluster** (``bench/emulated_cluster.py``: 2 machines × 2 CPU ranks, 3:1
+speeds, a shaped link between the machines): the cost model's answer for the
+transformers at their ``small`` sizes and global batch 64 — bert, vit and the zoo's
+GPT-2 (``zoo.gpt2``; ``pip install -e '.[test]'``) — pipeline or not. The profile is
+the one that script measured last (``bench/out/emulated_cluster.json``, variant 3:1)
+when there is one, else an estimate of it (ranks at 6.6e10 and 2.2e10 FLOP/s, loopback
+within a machine, 171 Mbit/s between them).
+
+Writes ``bench/out/pipeline_search.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hapd import models  # noqa: E402
+from hapd.compiler.driver import CompileOptions, compile as compile_plan  # noqa: E402
+from hapd.compiler.export import export  # noqa: E402
+from hapd.compiler.lower import GraphIR, lower  # noqa: E402
+from hapd.compiler.pipeline import micro_batch_counts  # noqa: E402
+from hapd.profile.schema import Link, Profile, estimated_profile, load_profile, profile_from_dict  # noqa: E402
+
+NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0}
+"""The paper ViT without dropout: hapd has no sharding rule for ``aten.native_dropout``
+(training dropout), so the paper config's SPMD plan runs every op after the first
+dropout replicated, and a pipeline of one-device stages escapes that; without dropout
+the SPMD plan can split the batch."""
+EMULATED = ROOT / "bench" / "out" / "emulated_cluster.json"
+EMULATED_MODELS = ("bert", "vit", "zoo.gpt2")
+EMULATED_BATCH = 64
+EMULATED_LINK_BYTES = 171e6 / 8
+"""The emulated cluster's link between machines when no measured profile is at hand."""
+
+
+def graph(name: str, size: str, batch: int, meta: bool, **overrides: Any) -> GraphIR:
+    """Lower ``name`` at ``size`` (with ``overrides``) for a global ``batch``."""
+    spec = models.get(name)
+    config = models.make_config(name, size, **overrides)
+    device = torch.device("meta") if meta else torch.device("cpu")
+    with device:
+        module = spec.build(config)
+        inputs = spec.example_inputs(config, batch)
+    return lower(export(module, inputs, batch_dims=spec.batch_dims), name=name)
+
+
+def graphs(name: str, size: str, batch: int, counts: list[int], meta: bool, **overrides: Any) -> tuple[GraphIR, list[GraphIR], float]:
+    """The global batch's graph, the micro-batch graphs of ``counts`` (those that divide
+    the batch), and the seconds the exports took."""
+    start = time.perf_counter()
+    full = graph(name, size, batch, meta, **overrides)
+    micro = [graph(name, size, batch // m, meta, **overrides) for m in micro_batch_counts(batch, counts) if m > 1]
+    return full, micro, time.perf_counter() - start
+
+
+def emulated_profile() -> tuple[Profile, str]:
+    """The emulated cluster's 3:1 profile as last measured, else an estimate of it."""
+    if EMULATED.is_file():
+        variant = json.loads(EMULATED.read_text()).get("variants", {}).get("3:1")
+        if variant and "profile" in variant:
+            return profile_from_dict(variant["profile"]), f"measured ({EMULATED.relative_to(ROOT)})"
+    fast, slow = 6.6e10, 2.2e10
+    profile = estimated_profile(4, flops=[fast, fast, slow, slow], hosts=["emu0", "emu0", "emu1", "emu1"],
+                                alpha=1e-3, beta=EMULATED_LINK_BYTES, name="emulated-3to1-estimate")
+    loopback = Link(alpha=4e-4, beta=3.5e8)
+    links = {c: {"inter": link["inter"], "intra": loopback} for c, link in profile.collectives.items()}
+    return dataclasses.replace(profile, collectives=links), "estimated (171 Mbit/s between machines)"
+
+
+def pipeline_row(label: str, model: str, full: GraphIR, micro: list[GraphIR], profile: Profile, export_s: float) -> dict:
+    """Compile with pipelines and print one row."""
+    start = time.perf_counter()
+    plan = compile_plan(full, profile, CompileOptions(pipeline="auto"), micro_graphs=micro)
+    wall = time.perf_counter() - start
+    stats = plan.doc["stats"]
+    spmd = plan.estimate["per_iteration"]
+    found = plan.doc.get("pipeline")
+    row = {
+        "profile": label, "model": model, "devices": profile.world, "hosts": len(profile.hosts),
+        "spmd_per_iteration": spmd, "spmd_compile_seconds": stats["seconds"],
+        "pipeline_search_seconds": stats["pipeline"]["seconds"], "groups_priced": stats["pipeline"]["groups_priced"],
+        "synthesis_seconds": wall, "export_seconds": export_s, "tried": stats["pipeline"]["tried"], "pipeline": found,
+    }
+    if found is None:
+        print(f"{label:<22} {model:<9} SPMD {spmd:9.4f} s   no pipeline: {stats['pipeline']['reason']}")
+        return row
+    stages = " | ".join(f"{'+'.join(s['hosts'])}: {s['blocks'][0]}…{s['blocks'][1]} ({s['block_count']})"
+                        for s in found["stages"])
+    speedup = spmd / found["per_iteration"]
+    print(f"{label:<22} {model:<9} SPMD {spmd:9.4f} s  pipeline {found['per_iteration']:9.4f} s  "
+          f"SPMD/pipeline {speedup:5.2f}×  {'pipeline' if found['chosen'] else 'SPMD'} wins   "
+          f"{len(found['stages'])} stages, m={found['micro_batches']}, bubble {found['bubble']:.1%}   "
+          f"synthesis {wall:6.1f} s (SPMD {stats['seconds']:.1f} s + pipeline {stats['pipeline']['seconds']:.1f} s, "
+          f"{stats['pipeline']['groups_priced']} group searches; exports {export_s:.0f} s apart)")
+    print(f"{'':<33}stages: {stages}")
+    print(f"{'':<33}per micro-batch count: " + ", ".join(
+        f"m={t['micro_batches']} {t['per_iteration']:.4f} s ({t['stages']} stages)" if t["per_iteration"] is not None
+        else f"m={t['micro_batches']} none" for t in stats["pipeline"]["tried"]))
+    row["speedup_over_spmd"] = speedup
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="paper-8 only, micro-batch counts 1, 4, 16, no emulated cluster")
+    parser.add_argument("--emulated-only", action="store_true", help="only the emulated cluster's transformers")
+    parser.add_argument("--layers", type=int, default=24, help="ViT layers on the paper profiles")
+    parser.add_argument("--micro-batches", default="1,2,4,8,16", help="micro-batch counts to price")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "pipeline_search.json")
+    args = parser.parse_args()
+    counts = [1, 4, 16] if args.quick else [int(m) for m in args.micro_batches.split(",")]
+    rows = []
+    variants = {f"vit-{args.layers}": {}, f"vit-{args.layers}-nd": NO_DROPOUT}
+    for world in [] if args.emulated_only else [8] if args.quick else [8, 64]:
+        profile = load_profile(ROOT / "profiles" / f"paper-{world}.json")
+        for label, overrides in variants.items():
+            full, micro, export_s = graphs("vit", "paper", 32 * world, counts, meta=True, layers=args.layers, **overrides)
+            rows.append(pipeline_row(f"paper-{world}", label, full, micro, profile, export_s))
+    if not args.quick:
+        profile, where = emulated_profile()
+        print(f"emulated cluster, 3:1, profile {where}: small sizes, global batch {EMULATED_BATCH}")
+        for model in EMULATED_MODELS:
+            try:
+                full, micro, export_s = graphs(model, "small", EMULATED_BATCH, counts, meta=False)
+            except ImportError as exc:  # the zoo needs transformers
+                print(f"{'emulated 3:1':<22} {model:<9} skipped: {exc}")
+                continue
+            rows.append(pipeline_row("emulated 3:1", model, full, micro, profile, export_s))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
