@@ -14,7 +14,7 @@ embedding) or after it (the last unit: the head and the loss); a cut after unit 
 is named by the IR name of block ``k``'s last op node, where the runtime splits.
 A cut where a tensor that is not floating point crosses (it carries no gradient) is
 not a candidate. Which tensors cross a cut follows the runtime's split: the results of
-ops that depend on a trainable parameter, computed before the cut and read after it
+ops that depend on a parameter, computed before the cut and read after it
 (ops that depend on no parameter run again in every stage that reads them).
 
 **Stage costs without a compile per cut.** For each candidate group (a contiguous run
@@ -181,16 +181,19 @@ def _crossing(nodes: Sequence[Mapping[str, Any]], ends: Sequence[int]) -> tuple[
         kind = node.get("kind")
         refs = [(int(r[0]), int(r[1])) for r in node.get("inputs", [])]
         if kind == "parameter":
-            heavy[i] = bool(node.get("requires_grad", True))
+            heavy[i] = True  # as the runtime's split counts them, trainable or not
         elif kind == "op":
             heavy[i] = any(heavy[n] for n, _ in refs)
         for ref in refs:
             last_read[ref] = max(last_read.get(ref, -1), i)
+    results = sorted((ref, reader) for ref, reader in last_read.items() if heavy[ref[0]] and nodes[ref[0]].get("kind") == "op")
     out: list[tuple[float, ...] | None] = [None]
     for end in ends[:-1]:
         sizes: list[float] | None = []
-        for (n, k), reader in sorted(last_read.items()):
-            if n <= end < reader and heavy[n] and nodes[n].get("kind") == "op":
+        for (n, k), reader in results:
+            if n > end:
+                break
+            if end < reader:
                 meta = nodes[n]["outputs"][k]
                 if meta["dtype"] not in _FLOAT_DTYPES:
                     sizes = None
