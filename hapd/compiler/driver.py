@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import msgpack
 
 from hapd import __version__
-from hapd.errors import OptionsError, SynthesisError
+from hapd.errors import GraphError, OptionsError, SynthesisError
 from hapd.compiler.overlap import DUPLICAS, is_overlapped, with_duplica_memory
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
 from hapd.profile.schema import Profile, load_profile
@@ -344,8 +344,11 @@ def _search_with_recompute(data: bytes, profile: Profile, options: CompileOption
     from hapd.compiler.lower import GraphIR
     from hapd.compiler.recompute import graph_blocks
 
-    doc = GraphIR(data).doc if options.recompute != "never" else {}
-    blocks = [b.label for b in graph_blocks(doc)] if doc else []
+    try:
+        doc = GraphIR(data).doc if options.recompute != "never" else {}
+        blocks = [b.label for b in graph_blocks(doc)] if doc else []
+    except (GraphError, KeyError, TypeError, AttributeError):  # not a graph: the core's search says what is wrong
+        doc, blocks = {}, []
     if not blocks:
         return _search_rounds(data, profile, options, caps)
     if options.recompute == "always":

@@ -63,8 +63,12 @@ class GraphIR:
 
     @property
     def doc(self) -> dict[str, Any]:
-        """The decoded document (a fresh copy each call)."""
-        return msgpack.unpackb(self.data, raw=False, strict_map_key=False)
+        """The decoded document (a fresh copy each call); :class:`GraphFormatError` for
+        bytes that are not one msgpack document."""
+        try:
+            return msgpack.unpackb(self.data, raw=False, strict_map_key=False)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise GraphFormatError(f"not a graph IR document: {type(exc).__name__}: {exc}") from exc
 
     def save(self, path: str | Path) -> Path:
         """Write the IR atomically (see :func:`hapd.util.atomic_write`) and return the path."""
