@@ -281,6 +281,56 @@ def stage_prediction(found: Mapping[str, Any]) -> list[dict[str, float]]:
     return out
 
 
+# ----------------------------------------------------------------------------- compute at small batches
+
+PER_RANK_BATCHES = (2, 4, 8, 16, 24)
+"""Per-rank batches whose compute rate is measured: a 16-, 8- or 4-micro-batch pipeline
+gives each rank of a 2-rank stage 2, 4 or 8 samples of the global 64; the SPMD plan gives
+a fast rank about 24."""
+
+
+def sample_seconds(group: Path, model: str, size: str, layers: int, batches: Sequence[int]) -> dict[int, float]:
+    """Seconds per sample of forward + backward of ``model`` in one process in the cpu
+    cgroup ``group`` (1 thread, eager PyTorch) at each per-rank batch of ``batches``: how
+    much slower a rank computes on a pipeline's small micro-batches than on the SPMD
+    plan's share (the cost model prices compute at the profile's FLOP/s at any batch)."""
+    code = (
+        "import os, sys, time, torch\n"
+        f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
+        "torch.set_num_threads(1)\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from hapd import models\n"
+        f"net, cfg = models.build({model!r}, {size!r}, layers={layers})\n"
+        f"for b in {list(batches)!r}:\n"
+        f"    x = models.get({model!r}).example_inputs(cfg, b)\n"
+        "    def step():\n"
+        "        out = net(*x); (out if out.dim() == 0 else out.float().sum()).backward()\n"
+        "    for _ in range(2): step()\n"
+        "    n = 0; t0 = time.perf_counter()\n"
+        "    while time.perf_counter() - t0 < 1.5 or n < 3: step(); n += 1\n"
+        "    print(b, (time.perf_counter() - t0) / n / b, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        log(f"compute-rate probe failed: {done.stderr[-500:]}")
+        return {}
+    return {int(b): float(t) for b, t in (line.split() for line in done.stdout.strip().splitlines())}
+
+
+def format_rates(results: Mapping[str, Any]) -> str:
+    """Per model, ms per sample on one fast rank at each per-rank batch, and how many
+    times the largest batch's rate that is."""
+    lines = []
+    for model, case in results.get("models", {}).items():
+        rates = {int(b): t for b, t in (case.get("sample_s") or {}).items()}
+        if not rates:
+            continue
+        best = rates[max(rates)]
+        lines.append(f"{model}: " + ", ".join(f"batch {b}: {t * 1e3:.1f} ms/sample ({t / best:.2f}x)"
+                                              for b, t in sorted(rates.items())))
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- runs
 
 
@@ -522,6 +572,11 @@ def report(results: dict[str, Any], out: Path | None) -> None:
           "p2p/mb = predicted point-to-point seconds per micro-batch, both ways):")
     print(format_stages(results))
     print()
+    rates = format_rates(results)
+    if rates:
+        print("one fast rank alone (eager, no communication), forward + backward per sample by per-rank batch:")
+        print(rates)
+        print()
     print("ms per step on each rank (last round): recv = blocked receiving from the other stage; coll = blocked in "
           "collectives; compute = forward + backward without the waits; other = step without forward and backward")
     print(format_breakdown(results))
@@ -646,6 +701,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate = ns.rate_mbit or rank_flops / emulated.FLOP_PER_BYTE * 8 / 1e6
         results.update(fast_rank_flops=rank_flops, rate_mbit=rate)
         log(f"fast rank ({fast:.2f} core): {rank_flops / 1e9:.1f} GFLOP/s matmul -> link {rate:.1f} Mbit/s")
+        for model in names:
+            results["models"][model] = {"layers": ns.layers, "batch": ns.batch, "runs": [], "plan": None,
+                                        "flops": emulated.model_flops(model, ns.size, ns.batch, ns.layers),
+                                        "sample_s": sample_seconds(groups[0], model, ns.size, ns.layers,
+                                                                   PER_RANK_BATCHES)}
+        log("one fast rank alone, forward + backward per sample:\n" + format_rates(results))
         cluster = emulated.make_cluster_class()(work)
         cluster.create()
         cluster.shape(rate)
@@ -663,9 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in link_lines(prof, rate):
             log(line)
         for model in names:
-            case: dict[str, Any] = {"layers": ns.layers, "batch": ns.batch, "runs": [], "plan": None,
-                                    "flops": emulated.model_flops(model, ns.size, ns.batch, ns.layers)}
-            results["models"][model] = case
+            case = results["models"][model]
             for rnd in range(ns.rounds):
                 order = [*SYSTEMS, FORCED] if rnd % 2 == 0 else [FORCED, *SYSTEMS[::-1]]
                 for system in order:
