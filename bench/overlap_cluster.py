@@ -603,12 +603,14 @@ def others_active(own: Sequence[str] = ()) -> list[str]:
 
 def wait_for_others(limit_s: float) -> bool:
     """Poll until no other benchmark's namespaces or cgroups exist; False after ``limit_s``."""
-    t0 = time.monotonic()
+    t0, seen = time.monotonic(), None
     while busy := others_active():
         if time.monotonic() - t0 > limit_s:
             log(f"still in use after {limit_s:.0f} s: {', '.join(busy)}")
             return False
-        log(f"another benchmark is running ({', '.join(busy)}): waiting {POLL_S} s")
+        if sorted(busy) != seen:  # once per change, not every poll
+            seen = sorted(busy)
+            log(f"another benchmark is running ({', '.join(seen)}): polling every {POLL_S} s")
         time.sleep(POLL_S)
     return True
 
