@@ -296,31 +296,6 @@ def _start_all_to_all(
     return Pending([work], finish)
 
 
-def _gather(x: Tensor, dim: int, lengths: tuple[int, ...], grouped: bool, group: dist.ProcessGroup | None) -> Tensor:
-    return _start_gather(x, dim, lengths, grouped, group).wait()
-
-
-def _reduce_scatter(
-    x: Tensor, dim: int, lengths: tuple[int, ...], grouped: bool, group: dist.ProcessGroup | None
-) -> Tensor:
-    return _start_reduce_scatter(x, dim, lengths, grouped, group).wait()
-
-
-def _all_reduce(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    return _start_all_reduce(x, group).wait()
-
-
-def _all_to_all(
-    x: Tensor,
-    src_dim: int,
-    dst_dim: int,
-    src_lengths: tuple[int, ...],
-    dst_lengths: tuple[int, ...],
-    group: dist.ProcessGroup | None,
-) -> Tensor:
-    return _start_all_to_all(x, src_dim, dst_dim, src_lengths, dst_lengths, group).wait()
-
-
 # --- autograd functions ------------------------------------------------------------------
 
 
@@ -328,7 +303,7 @@ class _AllGather(Function):
     @staticmethod
     def forward(ctx, x, dim, lengths, grouped, group):
         ctx.args = (dim, lengths, grouped, group)
-        return _gather(x, dim, lengths, grouped, group)
+        return _start_gather(x, dim, lengths, grouped, group).wait()
 
     @staticmethod
     def backward(ctx, grad):
@@ -339,7 +314,7 @@ class _ReduceScatter(Function):
     @staticmethod
     def forward(ctx, x, dim, lengths, grouped, group):
         ctx.args = (dim, lengths, grouped, group)
-        return _reduce_scatter(x, dim, lengths, grouped, group)
+        return _start_reduce_scatter(x, dim, lengths, grouped, group).wait()
 
     @staticmethod
     def backward(ctx, grad):
@@ -350,7 +325,7 @@ class _AllReduce(Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_reduce(x, group)
+        return _start_all_reduce(x, group).wait()
 
     @staticmethod
     def backward(ctx, grad):
@@ -361,7 +336,7 @@ class _AllToAll(Function):
     @staticmethod
     def forward(ctx, x, src_dim, dst_dim, src_lengths, dst_lengths, group):
         ctx.args = (dst_dim, src_dim, dst_lengths, src_lengths, group)
-        return _all_to_all(x, src_dim, dst_dim, src_lengths, dst_lengths, group)
+        return _start_all_to_all(x, src_dim, dst_dim, src_lengths, dst_lengths, group).wait()
 
     @staticmethod
     def backward(ctx, grad):
