@@ -69,8 +69,9 @@ OUT = ROOT / "bench" / "out"
 DEFAULT_MODELS = "bert,gpt2_block,vit"
 DEFAULT_LAYERS = 8
 """Layers of every model by default: the ``small`` width (256) with 8 layers keeps an
-iteration at 2-4 s on the emulated cluster, and the LM head (a quarter of BERT's and
-GPT-2's FLOPs at 4 layers) a smaller share of the last stage."""
+iteration at 1.5-2.5 s on the emulated cluster and the LM head (a quarter of BERT's and
+GPT-2's FLOPs at 4 layers) a smaller share of the last stage, which the slow host runs;
+at 4 layers the search keeps the SPMD plans (docs/emulated_cluster.md, "Pipelines")."""
 SYSTEMS = ("spmd", "pipeline")
 FORCED = "forced"
 SPEEDUP_TARGET = 1.3
