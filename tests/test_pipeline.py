@@ -4,7 +4,8 @@ ratios, run 1F1B over micro-batches, trains exactly as the single-device model o
 whole batch — the loss, every gradient of every stage's parameters, and the loss after
 each of 20 Adam steps — for 2 stages × 2 ranks (BERT) and 2 stages × (1 + 2) ranks
 (GPT-2, whose token embedding is tied to its output projection across the two stages,
-and the zoo's ViT). Also the point-to-point resharding plan between two groups'
+and the zoo's ViT), and GPT-2 on 2 × 2 with its tied embedding split in one stage and
+whole in the other. Also the point-to-point resharding plan between two groups'
 layouts, and the programs a cut is refused for.
 """
 
@@ -35,7 +36,12 @@ CASES = {
     "bert/2x2": ("bert", [[0, 1], [2, 3]], [(0.6, 0.4), (0.7, 0.3)], 2),
     "gpt2/1+2": ("gpt2_block", [[0], [1, 2]], [(1.0,), (0.6, 0.4)], 4),
     "vit/1+2": ("zoo.vit", [[0], [1, 2]], [(1.0,), (0.4, 0.6)], 2),
+    "gpt2/2x2-split-tie": ("gpt2_block", [[0, 1], [2, 3]], [(0.6, 0.4), (0.7, 0.3)], 2),
 }
+SPLIT_TIE = {"gpt2/2x2-split-tie"}
+"""Cases whose first stage holds the tied embedding split (its lookup forced
+``hidden-split``) while the last stage holds it whole: the tied gradient is gathered
+inside the first stage's group before the sum over the stages."""
 
 
 def _model(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], tuple[int, ...]]:
@@ -70,8 +76,13 @@ def _run_case(rank: int, world: int, case: str) -> dict[str, Any]:
     micro = tuple(t.narrow(0, 0, BATCH // m) for t in inputs)
     program = hapd.export(model, micro)
     stages, boundaries = split_program(program, _cuts(hapd.lower(program, name=name).doc, len(groups)))
-    plans = [hapd.compile(hapd.lower(st.program, name=f"{name}-{st.index}"), estimated_profile(len(g)),
-                          CompileOptions(ratios=tuple(r))) for st, g, r in zip(stages, groups, ratios)]
+    plans = []
+    for st, g, r in zip(stages, groups, ratios):
+        ir = hapd.lower(st.program, name=f"{name}-{st.index}")
+        force = {}
+        if case in SPLIT_TIE and st.index == 0:
+            force = {next(n["name"] for n in ir.doc["nodes"] if n.get("op") == "aten.embedding"): "hidden-split"}
+        plans.append(hapd.compile(ir, estimated_profile(len(g)), CompileOptions(ratios=tuple(r), force=force)))
     pipe = PipelineRank(stages, boundaries, plans, groups, m, batch_dims)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-3)
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
@@ -97,7 +108,8 @@ def _run_case(rank: int, world: int, case: str) -> dict[str, Any]:
                 grad_errors[fqn] = float((got - want).abs().max()) / max(float(want.abs().max()), floor)
         optimizer.step()
         ref_optimizer.step()
-    return {"stage": pipe.s, "losses": losses, "grads": grad_errors, "params": len(grad_errors)}
+    layouts = {fqn: layout for fqn, (_, layout) in pipe.module.hapd_params.items()}
+    return {"stage": pipe.s, "losses": losses, "grads": grad_errors, "params": len(grad_errors), "layouts": layouts}
 
 
 def _run_world(rank: int, world: int, cases: list[str]) -> list[dict[str, Any]]:
@@ -122,6 +134,8 @@ def test_pipeline_trains_exactly(case, results) -> None:
     ranks = results[case]
     _, groups, _, _ = CASES[case]
     assert sorted(r["stage"] for r in ranks) == sorted(s for s, g in enumerate(groups) for _ in g)
+    if case in SPLIT_TIE:
+        assert {r["stage"]: r["layouts"]["tokens.weight"] for r in ranks} == {0: "Gather(1)", 1: "Identity"}
     for r in ranks:
         assert r["params"] > 0
         worst = max(r["grads"].items(), key=lambda kv: kv[1])

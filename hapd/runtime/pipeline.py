@@ -183,11 +183,6 @@ class PipelineRank:
         self.grad_inputs = [_holding(view, n, layout, len(self.groups[self.s]))
                             for n, layout in self.module.hapd_inputs[n_users + n_recv:]]
         self.tied = _tied_groups(stages, self.groups)
-        for target, (members, _) in self.tied.items():
-            if rank in members and self.module.hapd_params.get(target, ("", IDENTITY))[1] != IDENTITY:
-                raise PlanError(f"parameter {target} is used by several stages (tied weights) and stage {self.s}'s "
-                                f"plan splits it ({self.module.hapd_params[target][1]}); tied parameters must be "
-                                "replicated in every stage", node=target)
         # how every other stage holds the boundaries this stage exchanges (all ranks know all plans)
         self._peer_holdings = _peer_holdings(stages, plans, self.groups)
         self.n_boundaries = len(boundaries)
@@ -360,10 +355,14 @@ class PipelineRank:
         self._sum_tied()
         return total
 
+    @torch.no_grad()
     def _sum_tied(self) -> None:
         """A parameter several stages use (tied weights) gets the sum of their
-        gradients: each stage's group holds its whole part (replicated, summed inside
-        the group), so one rank per stage contributes it to a sum over the stages."""
+        gradients: each stage's group first holds its whole part (replicated: summed
+        inside the group already; split: its pieces gathered), one rank per stage
+        contributes it to a sum over the stages, and each rank keeps its piece."""
+        from hapd.runtime import collectives
+
         rank = dist.get_rank()
         for target, (members, group) in self.tied.items():
             if rank not in members:
@@ -371,9 +370,19 @@ class PipelineRank:
             param = self.module.get_parameter(target)
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            part = param.grad if self.local == 0 else torch.zeros_like(param.grad)
-            total = part.clone()
+            tensor, layout = self.module.hapd_params[target]
+            d = gather_dim(layout)
+            if d is None and layout != IDENTITY:
+                raise PlanError(f"tied parameter {target} is held as {layout}", node=target)
+            whole = param.grad
+            if d is not None:
+                lengths = self.module.hapd_view.lengths(tensor, d)
+                whole = collectives.all_gather(param.grad, d, lengths, group=self.group)
+            total = (whole if self.local == 0 else torch.zeros_like(whole)).clone()
             dist.all_reduce(total, group=group)
+            if d is not None:
+                start, length = self.module.hapd_view.offset(tensor, d)
+                total = total.narrow(d, start, length)
             param.grad.copy_(total)
 
     def parameters(self):
