@@ -650,10 +650,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return ns
 
 
-def _on_term(signum, _frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["rank"]:
@@ -675,7 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why:
         print(f"overlap_cluster: skipped: {why}")
         return 0
-    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGTERM, emulated._on_term)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if not wait_for_others(ns.wait_others):
         print("overlap_cluster: skipped: another benchmark's cluster is still up")

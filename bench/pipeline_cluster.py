@@ -729,10 +729,6 @@ def _commit() -> str | None:
     return head.stdout.strip() + ("+" if dirty else "")
 
 
-def _on_term(signum, _frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["rank"]:
@@ -752,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why:
         print(f"pipeline_cluster: skipped: {why}")
         return 0
-    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGTERM, emulated._on_term)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if not wait_for_others(ns.wait_others):
         print("pipeline_cluster: skipped: another benchmark's cluster is still up")
