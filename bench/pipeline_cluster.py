@@ -282,30 +282,6 @@ def stage_prediction(found: Mapping[str, Any]) -> list[dict[str, float]]:
     return out
 
 
-def overlapped_estimate(found: Mapping[str, Any]) -> float:
-    """The plan's 1F1B time per iteration from its own stage costs, with the
-    point-to-point transfers overlapping computation (the runtime sends asynchronously
-    and posts each receive a schedule step ahead) instead of adding to every stage's
-    pace as :func:`hapd.compiler.pipeline.one_f_one_b` prices them.
-
-    In the steady state stage ``s`` holds ``n_s = min(S − s, m)`` micro-batches in
-    flight, so the way of one micro-batch from the start of its forward on ``s`` to
-    the end of its backward there (every stage from ``s`` on, forward and backward, and
-    each cut's transfers both ways) spans at most ``n_s`` periods: the period is
-    ``P = max_s max(u_s, (Σ_{k≥s} u_k + Σ_{j≥s} c_j) / n_s)`` (``u``: a stage's forward
-    + backward per micro-batch, ``c``: a cut's transfers per micro-batch, both ways).
-    Fill and drain and the gradient sync as the plan prices them:
-    ``Σ u + Σ c + (m − 1)·P + max sync``. For two stages
-    ``P = max(u_0, u_1, (u_0 + u_1 + c)/2)``: a transfer is hidden while the other
-    stage's micro-batch gives the slack."""
-    stages, m = found["stages"], found["micro_batches"]
-    u = [st["forward"] + st["backward"] for st in stages]
-    c = [st["boundary_seconds"] for st in stages[:-1]]
-    S = len(stages)
-    period = max(max(u[s], (sum(u[s:]) + sum(c[s:])) / min(S - s, m)) for s in range(S))
-    return sum(u) + sum(c) + (m - 1) * period + max(st["sync"] for st in stages)
-
-
 # ----------------------------------------------------------------------------- compute at small batches
 
 PER_RANK_BATCHES = (2, 4, 8, 16, 24)
@@ -444,10 +420,6 @@ def summarize(results: Mapping[str, Any]) -> list[dict[str, Any]]:
                 cell["rel_error"] = (estimate - mean) / mean
             if mean and total_flops and case.get("flops"):
                 cell["fraction_of_ideal"] = case["flops"] / total_flops / mean
-            found = (plan.get("pipeline") if system != "spmd" else None) or {}
-            if cell["ran_pipeline"] and found.get("stages") and mean:
-                cell["overlapped_estimate_s"] = overlapped_estimate(found)
-                cell["overlapped_rel_error"] = (cell["overlapped_estimate_s"] - mean) / mean
             row[system] = cell
         spmd, pipe = row.get("spmd", {}), row.get("pipeline", {})
         if spmd.get("mean_s") and pipe.get("mean_s"):
@@ -538,21 +510,6 @@ def format_stages(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_overlapped(rows: Sequence[Mapping[str, Any]]) -> str:
-    """Per pipeline run: the plan's prediction and :func:`overlapped_estimate`'s, each
-    against the measurement."""
-    lines = []
-    for r in rows:
-        for system in ("pipeline", FORCED):
-            c = r.get(system) or {}
-            if c.get("overlapped_estimate_s") is None:
-                continue
-            lines.append(f"{r['model']} {system}: measured {_ms(c['mean_s'])} ms; the plan's 1F1B {_ms(c['estimate_s'])} ms "
-                         f"({c['rel_error']:+.0%}); with transfers overlapping compute "
-                         f"{_ms(c['overlapped_estimate_s'])} ms ({c['overlapped_rel_error']:+.0%})")
-    return "\n".join(lines)
-
-
 def format_breakdown(results: Mapping[str, Any]) -> str:
     """Per model and system, each rank's mean ms per step (last round's run)."""
     lines = [f"{'model':>10} {'system':>8} {'rank':>4} {'step':>6} {'compute':>7} {'recv act':>8} {'recv grad':>9} "
@@ -580,15 +537,6 @@ def targets(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         med = statistics.median(errors)
         lines.append(f"{'MET ' if med <= ERROR_TARGET else 'MISS'} cost-model median |relative error| {med:.1%} over "
                      f"{len(errors)} plan(s) run (target ≤{ERROR_TARGET:.0%})")
-    overlapped = [abs(r[s]["overlapped_rel_error"]) for r in rows for s in ("pipeline", FORCED)
-                  if r.get(s, {}).get("overlapped_rel_error") is not None]
-    if errors and overlapped:
-        spmd = [abs(r["spmd"]["rel_error"]) for r in rows if r.get("spmd", {}).get("rel_error") is not None]
-        med = statistics.median(spmd + [abs(r["pipeline"]["overlapped_rel_error"]) for r in rows
-                                        if r.get("pipeline", {}).get("overlapped_rel_error") is not None]
-                                + [abs(r["pipeline"]["rel_error"]) for r in rows if r.get("pipeline", {}).get("rel_error")
-                                   is not None and r["pipeline"].get("overlapped_rel_error") is None])
-        lines.append(f"     with the pipelines priced by overlapped_estimate instead: median |relative error| {med:.1%}")
     forced = [abs(r[FORCED]["rel_error"]) for r in rows if r.get(FORCED, {}).get("rel_error") is not None]
     if forced:
         lines.append(f"     forced pipelines (not chosen): |relative error| "
@@ -631,11 +579,6 @@ def report(results: dict[str, Any], out: Path | None) -> None:
     print("what the search found:")
     print(format_plans(results))
     print()
-    overlapped = format_overlapped(rows)
-    if overlapped:
-        print("the pipelines' prediction with point-to-point transfers overlapping compute (overlapped_estimate):")
-        print(overlapped)
-        print()
     print("per stage, predicted against measured (ms per iteration; rest = the iteration without compute; "
           "p2p/mb = predicted point-to-point seconds per micro-batch, both ways):")
     print(format_stages(results))

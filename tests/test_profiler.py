@@ -25,7 +25,7 @@ import pytest
 from hapd.errors import OptionsError, ProfileError
 from hapd.profile.schema import COLLECTIVES, UNITS, Profile, load_profile
 from hapd.profile.fit import fit_alpha_beta
-from hapd.profile.measure import _intra_groups, host_memory, host_name
+from hapd.profile.measure import _intra_groups, host_memory, host_name, pairs_per_host_pair
 from hapd.profile.options import ProfilerOptions, parse_size, parse_sizes
 from hapd.profile.profiler import Rendezvous
 
@@ -266,3 +266,14 @@ def test_measure_link_retries_then_bounds(monkeypatch, capsys):
         out = capsys.readouterr().out
         assert "measuring again" in out
         assert ("using bounds" in out) is bounded
+
+
+def test_p2p_bytes_count_the_pairs_sharing_a_host_pair() -> None:
+    """The profile's p2p link is what one pair of hosts carries: two hosts with two
+    ranks each send two messages between them at once, eight hosts with one rank each
+    one message per host pair."""
+    assert pairs_per_host_pair(["a", "a", "b", "b"]) == 2
+    assert pairs_per_host_pair([f"h{i}" for i in range(8)]) == 1
+    assert pairs_per_host_pair(["a", "a", "a", "b", "b", "b"]) == 3
+    assert pairs_per_host_pair(["a", "a", "b", "b", "c", "c", "d", "d"]) == 2  # a→c and b→d, two each
+    assert pairs_per_host_pair(["a"]) == 1

@@ -31,29 +31,41 @@ all-reduce of its replicated parameters (its sources' ``grad_sync`` rows) is the
 stage's gradient sync, once per iteration.
 
 **The 1F1B critical path** of stages ``s = 0…S−1`` with per-micro-batch compute
-``u_s = f_s + b_s``, point-to-point time ``p_j`` of cut ``j`` (the boundary's
+``u_s = f_s + b_s``, point-to-point time ``c_j`` of cut ``j`` (the boundary's
 activations forward and their gradients backward, ``2·Σ (α + bytes/β)`` per
 micro-batch, at the profile's ``p2p`` link across hosts, else ``broadcast``'s) and
 gradient sync ``y_s``::
 
-    T = Σ_s u_s + Σ_j p_j  +  (m − 1) · max_s (u_s + p_in(s) + p_out(s))  +  max_s y_s
+    T = Σ_s u_s + Σ_j c_j  +  (m − 1) · P  +  max_s y_s
+    P = max_s max(u_s,  c_s / 2,  (Σ_{k≥s} u_k + Σ_{j≥s} c_j) / (S − s)  if m > S − s)
 
-The first two terms are one micro-batch's way through every stage and back (the
-pipeline's fill and drain), the third the steady state, paced by the slowest stage with
-its sends and receives, the last the groups' gradient all-reduces, run side by side
-after the last backward. A parameter that blocks on both sides of a cut read (a tied
+The DP prices its candidates with this closed form; the plan's prediction
+(``per_iteration``, ``bubble``) is the found stages' schedule simulated event by event
+(:func:`simulate_one_f_one_b`, plus the syncs), which the closed form follows within a
+fraction of a period. The first two terms are one micro-batch's way through every stage
+and back (the pipeline's fill and drain), the third the steady state, the last the groups' gradient
+all-reduces, run side by side after the last backward. The runtime sends
+asynchronously and posts each receive a schedule step ahead, so transfers overlap
+computation: the period ``P`` is the slowest stage's compute, the busiest link
+direction (a cut's activations one way, their gradients the other), or a stage's
+round trip — its micro-batch's way through every later stage and back — over the
+``S − s`` micro-batches 1F1B lets stage ``s`` hold in flight (when ``m`` exceeds them;
+with two stages ``(u_0 + u_1 + c)/2``: a transfer hides behind the other stage's
+micro-batch). A parameter that blocks on both sides of a cut read (a tied
 embedding and head) is held by both stages, and its gradient summed between their
 groups once per iteration, ``α + bytes/β`` at the profile's all-reduce (or
 ``grad_sync``) link across hosts, added to ``T``: a constant for the tied embedding
 (every cut splits it); for a parameter shared by blocks in the middle, the DP does
-not see it, and it is added to the pipeline it finds. The **bubble** is the share of the pipelined time an average
-stage waits: ``1 − Σ_s m·t_s / (S · (T − max_s y_s))``; ``(S−1)/(m+S−1)`` for equal
-stages.
+not see it, and it is added to the pipeline it finds. The **bubble** is the share of
+the pipelined time an average stage does not compute:
+``1 − m·Σ_s u_s / (S · (T − max_s y_s))``; ``(S−1)/(m+S−1)`` for equal stages without
+transfers.
 
-**The search** (:func:`best_split`): for each ``m``, a dynamic program over (hosts
-used, units used) keeps the Pareto front of (Σ u + Σ p, max t, max y) of the stages
-placed so far, whose end is exactly the optimum of ``T`` (each term grows
-monotonically with its part): O(H²·B²·front) for H hosts and B units. Every pipeline
+**The search** (:func:`best_split`): for each ``m``, a dynamic program from the last
+stage backwards over (hosts left, units left) keeps the front of (suffix fill, period,
+largest sync, stage count) of the stages placed so far that no other entry beats
+whatever the earlier stages are; the optimum of ``T`` extends one of them:
+O(H²·B²·front) for H hosts and B units. Every pipeline
 uses every host and at least two stages; the pure SPMD plan (the ordinary compile of
 the global batch) is the other candidate, and the cheaper wins.
 
@@ -82,6 +94,7 @@ from hapd.profile.schema import Link, Profile
 if TYPE_CHECKING:
     from hapd.compiler.driver import CompileOptions
     from hapd.compiler.lower import GraphIR
+    from hapd.compiler.repeats import Reduction
 
 SCHEDULE = "1f1b"
 """The one micro-batch schedule priced and run."""
@@ -299,31 +312,96 @@ def boundary_seconds(sizes: Sequence[float], link: Link) -> float:
 def one_f_one_b(stage_times: Sequence[float], boundaries: Sequence[float], syncs: Sequence[float], micro_batches: int) -> float:
     """Seconds per iteration of a 1F1B pipeline (the module docstring's ``T``): stages
     of ``stage_times`` seconds per micro-batch (forward + backward), ``boundaries[j]``
-    the point-to-point seconds of one micro-batch between stages ``j`` and ``j+1``,
-    ``syncs`` each stage's gradient sync, ``micro_batches`` micro-batches."""
+    the point-to-point seconds of one micro-batch between stages ``j`` and ``j+1``
+    (activations forward and their gradients back), ``syncs`` each stage's gradient
+    sync, ``micro_batches`` micro-batches."""
     if len(boundaries) != len(stage_times) - 1 or len(syncs) != len(stage_times):
         raise ValueError(f"{len(stage_times)} stages need {len(stage_times) - 1} boundaries and as many syncs")
-    return _fill(stage_times, boundaries) + (micro_batches - 1) * max(_paced(stage_times, boundaries)) + max(syncs)
+    return (_fill(stage_times, boundaries) + (micro_batches - 1) * steady_period(stage_times, boundaries, micro_batches)
+            + max(syncs))
 
 
 def _fill(stage_times: Sequence[float], boundaries: Sequence[float]) -> float:
     return sum(stage_times) + sum(boundaries)
 
 
-def _paced(stage_times: Sequence[float], boundaries: Sequence[float]) -> list[float]:
-    """Each stage's time per micro-batch in the steady state: its compute, and its
-    sends and receives on both sides."""
-    padded = [0.0, *boundaries, 0.0]
-    return [t + padded[s] + padded[s + 1] for s, t in enumerate(stage_times)]
+def steady_period(stage_times: Sequence[float], boundaries: Sequence[float], micro_batches: int) -> float:
+    """Seconds between two micro-batches in the steady state (the module docstring's
+    ``P``): the slowest stage's compute, the busiest link direction, and each stage's
+    round trip over the micro-batches it may hold in flight."""
+    period, way = 0.0, 0.0
+    last = len(stage_times) - 1
+    for s in range(last, -1, -1):
+        out = boundaries[s] if s < last else 0.0
+        way += stage_times[s] + out
+        period = max(period, stage_times[s], out / 2, _round_trip(way, last + 1 - s, micro_batches))
+    return period
+
+
+def _round_trip(way: float, stages_after: int, micro_batches: int) -> float:
+    """The period a stage's round trip ``way`` (through the ``stages_after`` stages from
+    it to the last and back) forces when 1F1B lets it hold only that many micro-batches
+    in flight; none when every micro-batch fits in flight at once."""
+    return way / stages_after if micro_batches > stages_after else 0.0
 
 
 def bubble_fraction(stage_times: Sequence[float], boundaries: Sequence[float], micro_batches: int) -> float:
-    """The share of the pipelined time (without gradient sync) an average stage waits."""
-    paced = _paced(stage_times, boundaries)
-    total = _fill(stage_times, boundaries) + (micro_batches - 1) * max(paced)
+    """The share of the pipelined time (without gradient sync) an average stage does
+    not compute: fill and drain, waiting on slower stages and on transfers."""
+    total = _fill(stage_times, boundaries) + (micro_batches - 1) * steady_period(stage_times, boundaries, micro_batches)
     if total <= 0:
         return 0.0
-    return max(0.0, 1.0 - micro_batches * sum(paced) / (len(paced) * total))
+    return max(0.0, 1.0 - micro_batches * sum(stage_times) / (len(stage_times) * total))
+
+
+def simulate_one_f_one_b(forward: Sequence[float], backward: Sequence[float], boundaries: Sequence[float],
+                         micro_batches: int) -> float:
+    """Seconds from the first forward to the last backward of a 1F1B pipeline, event by
+    event: stage ``s`` of ``S`` runs ``min(S − s − 1, m)`` warm-up forwards, then one
+    forward and one backward in turn (``forward[s]``, ``backward[s]`` seconds per
+    micro-batch), each as soon as its input is there; a cut's activations take
+    ``boundaries[j] / 2`` one way and their gradients as long the other, one message at
+    a time per direction, sent as the op that makes them ends (sends are asynchronous).
+
+    What the plan predicts for the stages the DP found (:func:`one_f_one_b`'s closed
+    form prices the DP's candidates; it can be off by a fraction of a period where
+    unequal stages interlock, which this is not). Runs in ``O(S·m)``."""
+    S, m = len(forward), micro_batches
+    if len(backward) != S or len(boundaries) != S - 1:
+        raise ValueError(f"{S} stages need {S} backward times and {S - 1} boundaries")
+    order = []
+    for s in range(S):
+        warm = min(S - s - 1, m)
+        ops = [(True, i) for i in range(warm)]
+        for i in range(m):
+            if warm + i < m:
+                ops.append((True, warm + i))
+            ops.append((False, i))
+        order.append(ops)
+    arrive: dict[tuple[bool, int, int], float] = {}
+    link = {(j, d): 0.0 for j in range(S - 1) for d in (True, False)}
+    clock, pos = [0.0] * S, [0] * S
+    moved = True
+    while moved:
+        moved = False
+        for s in range(S):
+            while pos[s] < len(order[s]):
+                is_forward, i = order[s][pos[s]]
+                if is_forward:
+                    ready = 0.0 if s == 0 else arrive.get((True, s, i))
+                else:
+                    ready = 0.0 if s == S - 1 else arrive.get((False, s, i))  # the last: after its forward
+                if ready is None:
+                    break
+                clock[s] = max(clock[s], ready) + (forward[s] if is_forward else backward[s])
+                j, peer = (s, s + 1) if is_forward else (s - 1, s - 1)
+                if 0 <= j < S - 1:
+                    sent = max(clock[s], link[(j, is_forward)]) + boundaries[j] / 2
+                    link[(j, is_forward)] = sent
+                    arrive[(is_forward, peer, i)] = sent
+                pos[s] += 1
+                moved = True
+    return max(clock)
 
 
 # --------------------------------------------------------------------------- the DP
@@ -335,6 +413,11 @@ Span = tuple[int, int, int, int]
 StageCost = Callable[[int, int, int, int], "tuple[float, float] | None"]
 """(h0, h1, k0, k1) → (seconds per micro-batch, gradient sync), or ``None`` when that
 group cannot run those units."""
+
+StageFits = Callable[[int, int, int, int, int], bool]
+"""(h0, h1, k0, k1, in_flight) → whether that group holds those units with
+``in_flight`` micro-batches' activations at once (1F1B's stage ``s`` of ``S`` holds
+up to ``min(S − s, m)``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,112 +439,124 @@ def split_cost(spans: Sequence[Span], stage: StageCost, boundary: Sequence[float
 
 
 def best_split(
-    hosts: int, units: int, cuts: Collection[int], stage: StageCost, boundary: Sequence[float], micro_batches: int
+    hosts: int, units: int, cuts: Collection[int], stage: StageCost, boundary: Sequence[float], micro_batches: int,
+    fits: StageFits | None = None,
 ) -> Split | None:
     """The cheapest pipeline of at least two stages over all ``hosts`` and ``units``,
     cut only at ``cuts`` (positions ``k``: units before the cut), with ``boundary[k]``
     the point-to-point seconds of cut ``k``; ``None`` when none exists (one host, no
     cut, no group that runs). ``stage`` must be additive over units (a stage's compute
-    and sync are the sums of its units', as prefix sums give them).
+    and sync are the sums of its units', as prefix sums give them); ``fits`` (default:
+    every stage fits) rejects stages that would not fit their group's memory.
 
-    A DP over (hosts used, units used) keeping, of the partial pipelines (fill time,
-    slowest paced stage, largest sync, the stages so far) that reach a state, those no
-    other one beats whatever the later stages are (:func:`_insert`): the optimum extends
-    one of them.
+    The period depends on every stage's suffix (its round trip through the later
+    stages), so the DP runs from the last stage backwards over (hosts left, units left),
+    keeping of the partial pipelines that reach a state (their suffix fill, period,
+    largest sync and stage count, :data:`_Entry`) those no other one beats whatever
+    the earlier stages are (:func:`_insert`): the optimum extends one of them.
     Entries that cannot beat the best pipeline known are dropped (:class:`_Bound`):
     first a pass that keeps one entry per state gives a good pipeline, then the exact
     pass prunes against it."""
     bound = _Bound.of(hosts, units, stage, micro_batches)
-    greedy = _split_pass(hosts, units, cuts, stage, boundary, micro_batches, bound, None, exact=False)
-    exact = _split_pass(hosts, units, cuts, stage, boundary, micro_batches, bound, greedy, exact=True)
+    ok = fits or (lambda h0, h1, k0, k1, n: True)
+    greedy = _split_pass(hosts, units, cuts, stage, boundary, micro_batches, bound, None, ok, exact=False)
+    exact = _split_pass(hosts, units, cuts, stage, boundary, micro_batches, bound, greedy, ok, exact=True)
     return exact or greedy
 
 
 @dataclass(frozen=True)
 class _Bound:
-    """A lower bound on what the units ``k…`` still cost on the hosts ``h…``: each unit
-    on its fastest group there (``rest[h][k]``, the fill it adds at least), and one of at
-    most ``hosts − h`` stages runs at least its share (the slowest stage's least)."""
+    """A lower bound on what the units ``…k`` still cost on the hosts ``…h``: each unit
+    on its fastest group there (``rest[h][k]``, the fill it adds at least), one of at
+    most ``h`` stages runs at least its share (the slowest stage's least), and the first
+    stage's round trip is at least the whole fill over the most stages there can be."""
 
     rest: tuple[tuple[float, ...], ...]
-    hosts: int
     micro_batches: int
 
     @classmethod
     def of(cls, hosts: int, units: int, stage: StageCost, micro_batches: int) -> "_Bound":
         inf = float("inf")
-        fastest = [[inf] * units for _ in range(hosts + 1)]  # fastest[h][j]: unit j on a group within hosts h…
-        for h0 in range(hosts - 1, -1, -1):
-            for h1 in range(h0 + 1, hosts + 1):
+        fastest = [[inf] * units for _ in range(hosts + 1)]  # fastest[h][j]: unit j on a group within hosts …h
+        for h1 in range(1, hosts + 1):
+            for h0 in range(h1):
                 for j in range(units):
                     cost = stage(h0, h1, j, j + 1) if not (h0 == 0 and h1 == hosts) else None
                     if cost is not None:
-                        fastest[h0][j] = min(fastest[h0][j], cost[0])
-            fastest[h0] = [min(a, b) for a, b in zip(fastest[h0], fastest[h0 + 1])]
+                        fastest[h1][j] = min(fastest[h1][j], cost[0])
+            fastest[h1] = [min(a, b) for a, b in zip(fastest[h1], fastest[h1 - 1])]
         rest = []
         for h in range(hosts + 1):
             sums = [0.0] * (units + 1)
-            for j in range(units - 1, -1, -1):
-                sums[j] = sums[j + 1] + fastest[h][j]
+            for j in range(units):
+                sums[j + 1] = sums[j] + fastest[h][j]
             rest.append(tuple(sums))
-        return cls(rest=tuple(rest), hosts=hosts, micro_batches=micro_batches)
+        return cls(rest=tuple(rest), micro_batches=micro_batches)
 
-    def least(self, h: int, k: int, fill: float, paced: float, sync: float) -> float:
+    def least(self, h: int, k: int, way: float, period: float, sync: float, count: int) -> float:
         """The least final cost of a partial pipeline at (h, k) with these terms."""
         rest = self.rest[h][k]
-        share = rest / (self.hosts - h) if self.hosts > h else 0.0
-        return fill + rest + (self.micro_batches - 1) * max(paced, share) + sync
+        fill = way + rest
+        share = rest / h if h > 0 else 0.0
+        first = _round_trip(fill, count + h, self.micro_batches) if h > 0 else 0.0
+        return fill + (self.micro_batches - 1) * max(period, share, first) + sync
 
 
-_Entry = tuple[float, float, float, tuple[Span, ...]]
-"""(fill, slowest paced stage, largest sync, the stages) of a partial pipeline."""
+_Entry = tuple[float, float, float, int, tuple[Span, ...]]
+"""(suffix fill, its period, largest sync, stage count, the stages) of a partial
+pipeline of the last stages."""
 
 
 def _split_pass(
     hosts: int, units: int, cuts: Collection[int], stage: StageCost, boundary: Sequence[float], m: int,
-    bound: _Bound, known: Split | None, *, exact: bool,
+    bound: _Bound, known: Split | None, fits: StageFits, *, exact: bool,
 ) -> Split | None:
-    """One pass of :func:`best_split`'s DP: ``exact`` keeps each state's Pareto front,
-    else only its entry of least partial cost; both drop entries whose least final cost
-    is no better than the best pipeline found so far (``known`` to start with)."""
-    starts = [0, *sorted(set(cuts))]
-    ends = starts[1:] + [units]
-    fronts: dict[tuple[int, int], list[_Entry]] = {(0, 0): [(0.0, 0.0, 0.0, ())]}
+    """One pass of :func:`best_split`'s DP, from the last stage backwards: ``exact``
+    keeps each state's front, else only its entry of least partial cost; both drop
+    entries whose least final cost is no better than the best pipeline found so far
+    (``known`` to start with)."""
+    ends = [*sorted(set(cuts), reverse=True), 0]
+    fronts: dict[tuple[int, int], list[_Entry]] = {(hosts, units): [(0.0, 0.0, 0.0, 0, ())]}
     best = known
-    for h in range(hosts):
-        for k in starts:
+    for h in range(hosts, 0, -1):
+        for k in [units, *ends[:-1]]:
             front = fronts.pop((h, k), None)
             if not front:
                 continue
-            p_in = boundary[k] if k > 0 else 0.0
-            least_fill = min(e[0] for e in front)
-            least_paced = min(e[1] for e in front)
+            c = boundary[k] if k < units else 0.0
+            least_way = min(e[0] for e in front)
+            least_period = min(e[1] for e in front)
             least_sync = min(e[2] for e in front)
-            for h1 in range(h + 1, hosts + 1):
-                final = h1 == hosts
-                if h == 0 and final:
+            most = max(e[3] for e in front)
+            for h0 in range(h - 1, -1, -1):
+                final = h0 == 0
+                if final and h == hosts:
                     continue  # one stage: the SPMD plan's
-                for k1 in ([units] if final else ends):
-                    if k1 <= k or k1 == units and not final:
+                for k0 in ([0] if final else ends[:-1]):
+                    if k0 >= k:
                         continue
-                    cost = stage(h, h1, k, k1)
+                    cost = stage(h0, h, k0, k)
                     if cost is None:
                         continue
-                    compute, sync = cost
-                    p_out = boundary[k1] if k1 < units else 0.0
-                    paced = compute + p_in + p_out
-                    if not final and best is not None and bound.least(
-                            h1, k1, least_fill + compute + p_out, max(least_paced, paced), max(least_sync, sync)) >= best.cost:
-                        continue  # no entry of this front can do better through this stage
-                    target = None if final else fronts.setdefault((h1, k1), [])
-                    for fill, top, synced, spans in front:
-                        entry = (fill + compute + p_out, max(top, paced), max(synced, sync), spans + ((h, h1, k, k1),))
-                        if final:
-                            total = entry[0] + (m - 1) * entry[1] + entry[2]
-                            if best is None or total < best.cost:
-                                best = Split(cost=total, spans=entry[3])
+                    u, y = cost
+                    if not final and best is not None:
+                        way = least_way + u + c
+                        period = max(least_period, u, c / 2, _round_trip(way, most + 1, m))
+                        if bound.least(h0, k0, way, period, max(least_sync, y), most + 1) >= best.cost:
+                            continue  # no entry of this front can do better through this stage
+                    target = None if final else fronts.setdefault((h0, k0), [])
+                    for way, period, sync, count, spans in front:
+                        if not fits(h0, h, k0, k, min(count + 1, m)):
                             continue
-                        if best is not None and bound.least(h1, k1, *entry[:3]) >= best.cost:
+                        new_way = way + u + c
+                        entry = (new_way, max(period, u, c / 2, _round_trip(new_way, count + 1, m)), max(sync, y),
+                                 count + 1, ((h0, h, k0, k), *spans))
+                        if final:
+                            total = _partial(entry, m)
+                            if best is None or total < best.cost:
+                                best = Split(cost=total, spans=entry[4])
+                            continue
+                        if best is not None and bound.least(h0, k0, *entry[:4]) >= best.cost:
                             continue
                         if exact:
                             _insert(target, entry, m)
@@ -475,18 +570,32 @@ def _partial(entry: _Entry, m: int) -> float:
 
 
 def _insert(front: list[_Entry], entry: _Entry, m: int) -> None:
-    """Add ``entry`` to a front unless an entry there is no worse whatever the later
-    stages are, and drop those it is no worse than: ``e`` is no worse than ``f`` when
-    ``fill_e + (m−1)·(paced_e − paced_f)⁺ + (sync_e − sync_f)⁺ ≤ fill_f`` (the later
-    stages add the same fill to both, and raise each max by no more than it raises
-    the other's: max is monotone and 1-Lipschitz)."""
-    a, b, c = entry[0], entry[1], entry[2]
+    """Add ``entry`` to a front unless an entry there is no worse, and drop those it is
+    no worse than. ``e`` ends no worse than ``f`` whatever stages come before both when
+    it has at least as many stages (its round trips span no fewer periods) and
+    ``gap + (m−1)·((period_e − period_f)⁺ + gap⁺/(count_f + 1)) + (sync_e − sync_f)⁺ ≤ 0``
+    with ``gap = fill_e − fill_f``: the earlier stages add the same to both fills, and
+    raise each later max term by at most the gap over the round trip's stage count
+    (the last term only while ``m`` exceeds ``count_f + 1``). Written out: this loop is
+    the DP's hot spot."""
+    a, b, c, n = entry[0], entry[1], entry[2], min(entry[3], m)
     w = m - 1
-    for x, y, z, _ in front:
-        if x + w * max(0.0, y - b) + max(0.0, z - c) <= a:
-            return
-    front[:] = [e for e in front if not (a + w * max(0.0, b - e[1]) + max(0.0, c - e[2]) <= e[0])]
-    front.append(entry)
+    later_entry = 1.0 / (entry[3] + 1) if m > entry[3] + 1 else 0.0
+    for x, y, z, count, _ in front:
+        if min(count, m) >= n:
+            gap = x - a
+            if gap + w * ((y - b if y > b else 0.0) + (gap * later_entry if gap > 0 else 0.0)) + (z - c if z > c else 0.0) <= 0.0:
+                return
+    keep = []
+    for e in front:
+        if min(e[3], m) <= n:
+            gap = a - e[0]
+            later = (gap / (e[3] + 1) if gap > 0 else 0.0) if m > e[3] + 1 else 0.0
+            if gap + w * ((b - e[1] if b > e[1] else 0.0) + later) + (c - e[2] if c > e[2] else 0.0) <= 0.0:
+                continue
+        keep.append(e)
+    keep.append(entry)
+    front[:] = keep
 
 
 # --------------------------------------------------------------------------- the plan
@@ -534,9 +643,10 @@ class PipelinePlan:
     micro_batch_graph_id: str
     """The graph of one micro-batch that the stage costs were priced on."""
     per_iteration: float
-    """Predicted seconds per iteration (:func:`one_f_one_b`)."""
+    """Predicted seconds per iteration: the stages' 1F1B schedule simulated
+    (:func:`simulate_one_f_one_b`), the largest gradient sync and ``shared_sync``."""
     bubble: float
-    """Predicted share of the pipelined time a stage waits (:func:`bubble_fraction`)."""
+    """Predicted share of the pipelined time an average stage does not compute."""
     spmd_only_per_iteration: float
     """The pure SPMD plan's estimate it competed with."""
     chosen: bool
@@ -638,6 +748,9 @@ class StageTable:
     """Searches run to price the groups."""
     sum_link: Link | None = None
     """The link a shared parameter's gradient is summed over between two groups."""
+    priced_units: int = 0
+    """Units of the graph the groups were searched on: fewer than the graph's when its
+    repeated blocks were dropped (:mod:`hapd.compiler.repeats`)."""
 
     @property
     def hosts(self) -> int:
@@ -656,6 +769,23 @@ class StageTable:
     def best(self, micro_batches: int) -> Split | None:
         return best_split(self.hosts, len(self.units.units), self.units.cuts, self.stage, self.boundary, micro_batches)
 
+    def simulated(self, spans: Sequence[Span], micro_batches: int) -> tuple[float, float]:
+        """(seconds per iteration, bubble) of the stages ``spans``: their 1F1B schedule
+        simulated (:func:`simulate_one_f_one_b`), the largest gradient sync and the shared
+        parameters' sum; the bubble is the share of the pipelined time an average stage
+        does not compute."""
+        parts = [self.range(*span) for span in spans]
+        if any(p is None for p in parts):
+            raise ValueError("a stage of these spans cannot run on its group")
+        forward = [p[0] for p in parts]  # type: ignore[index]
+        backward = [p[1] for p in parts]  # type: ignore[index]
+        pipelined = simulate_one_f_one_b(forward, backward, [self.boundary[span[3]] for span in spans[:-1]],
+                                         micro_batches)
+        busy = micro_batches * (sum(forward) + sum(backward)) / len(spans)
+        bubble = max(0.0, 1.0 - busy / pipelined) if pipelined > 0 else 0.0
+        total = pipelined + max(p[2] for p in parts) + self.shared_sync(spans)[0]  # type: ignore[index]
+        return total, bubble
+
     def shared_sync(self, spans: Sequence[Span]) -> tuple[float, list[str]]:
         """Seconds per iteration of summing the gradients of the shared parameters the
         stages ``spans`` split (each an all-reduce of its bytes between hosts), and their
@@ -666,19 +796,25 @@ class StageTable:
         return seconds, [name for name, _ in split]
 
 
-def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions") -> StageTable:
+def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions", *, repeats: bool = True) -> StageTable:
     """Price the micro-batch graph ``ir`` on every group of ``profile``'s hosts: one
     search per distinct group (:func:`hapd.compiler.driver.search_program` with the
-    group's sub-profile, no memory caps), its steps summed per unit."""
-    from hapd.compiler.driver import search_program
+    group's sub-profile, no memory caps), its steps summed per unit. With ``repeats``
+    the search runs on the graph with its repeated blocks dropped, when it has some
+    (:mod:`hapd.compiler.repeats`), and each dropped block costs what its
+    representative does; else (or when the core refuses that graph) on the whole graph."""
+    from hapd.compiler.repeats import reduce_graph
 
     group_options = replace(options, pipeline="off", memory_caps=False, recompute="never", overlap=False, ratios=None)
-    units = graph_units(ir.doc)
+    doc = ir.doc
+    units = graph_units(doc)
+    count = len(units.units)
     groups = host_groups(profile)
-    batch = graph_batch(ir.doc)
+    batch = graph_batch(doc)
+    reduction = reduce_graph(doc, units.unit_of, count) if repeats and count >= 2 and units.cuts else None
     costs: dict[str, UnitCosts | None] = {}
     searches = 0
-    if len(units.units) >= 2 and units.cuts:
+    if count >= 2 and units.cuts:
         for group in groups.values():
             if group.key in costs:
                 continue
@@ -687,23 +823,48 @@ def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions") -> S
                 continue  # fewer samples than ranks
             sub = profile.subset(group.ranks, name=f"{profile.name}:{'+'.join(group.hosts)}")
             try:
-                program, ratios = search_program(ir.data, sub, group_options)
+                found, reduction = _group_costs(ir, reduction, units, sub, group_options)
             except SynthesisError:
                 continue
             searches += 1
-            costs[group.key] = unit_costs(program, ratios, units.unit_of, len(units.units))
+            costs[group.key] = found
     link = p2p_link(profile)
     boundary = tuple(boundary_seconds(c, link) if c is not None else 0.0 for c in units.crossing)
     summed = (profile.collectives.get("grad_sync") or profile.collectives["all_reduce"])["inter"]
-    return StageTable(units=units, groups=groups, costs=costs, boundary=boundary, searches=searches, sum_link=summed)
+    return StageTable(units=units, groups=groups, costs=costs, boundary=boundary, searches=searches, sum_link=summed,
+                      priced_units=reduction.kept if reduction is not None else count)
+
+
+def _group_costs(
+    ir: "GraphIR", reduction: "Reduction | None", units: GraphUnits, profile: Profile, options: "CompileOptions"
+) -> "tuple[UnitCosts, Reduction | None]":
+    """One group's unit costs (``profile``: its sub-profile), searched on ``reduction``'s
+    graph when there is one, and the reduction to price the next group with: ``None``
+    once the core refuses the reduced graph (it is then priced whole)."""
+    from hapd.compiler.driver import search_program
+
+    count = len(units.units)
+    if reduction is not None:
+        try:
+            program, ratios = search_program(reduction.ir.data, profile, options, expand=reduction.expand)
+        except GraphError:
+            reduction = None
+        else:
+            kept = unit_costs(program, ratios, reduction.unit_of, count)
+            return UnitCosts(forward=reduction.spread(kept.forward), backward=reduction.spread(kept.backward),
+                             sync=reduction.spread(kept.sync)), reduction
+    program, ratios = search_program(ir.data, profile, options)
+    return unit_costs(program, ratios, units.unit_of, count), None
 
 
 def search(
-    graphs: Mapping[int, "GraphIR"], profile: Profile, options: "CompileOptions", spmd_only: float
+    graphs: Mapping[int, "GraphIR"], profile: Profile, options: "CompileOptions", spmd_only: float,
+    *, repeats: bool = True,
 ) -> PipelineSearch:
     """The best pipeline for ``profile`` over the micro-batch counts of ``graphs``
     (micro-batch count → the graph exported at the global batch over it), against the
-    SPMD plan's ``spmd_only`` seconds per iteration."""
+    SPMD plan's ``spmd_only`` seconds per iteration; ``repeats``: groups priced on the
+    graphs with their repeated blocks dropped (:func:`stage_table`)."""
     start = time.perf_counter()
     updated = [m["target"] for ir in graphs.values() for m in ir.doc.get("mutations", [])]
     if updated:
@@ -717,15 +878,16 @@ def search(
     priced = 0
     reason = "no group of hosts can run a stage"
     for m in sorted(graphs):
-        table = stage_table(graphs[m], profile, options)
+        table = stage_table(graphs[m], profile, options, repeats=repeats)
         priced += table.searches
         if len(table.units.units) < 2 or not table.units.cuts:
             reason = f"the graph has {len(table.units.units)} blocks and no cut between them"
         found = table.best(m)
         if found is not None:
-            found = replace(found, cost=found.cost + table.shared_sync(found.spans)[0])
+            found = replace(found, cost=table.simulated(found.spans, m)[0])
         tried.append({"micro_batches": m, "per_iteration": found.cost if found else None,
-                      "stages": len(found.spans) if found else 0})
+                      "stages": len(found.spans) if found else 0, "units": len(table.units.units),
+                      "priced_units": table.priced_units})
         if found is not None and (best is None or found.cost < best[0].cost):
             best = (found, m, table)
     seconds = time.perf_counter() - start
@@ -740,12 +902,10 @@ def _plan(split: Split, m: int, ir: "GraphIR", table: StageTable, spmd_only: flo
     """The :class:`PipelinePlan` of the stages ``split`` found for ``m`` micro-batches."""
     units = table.units.units
     stages = []
-    times = []
     for s, (h0, h1, k0, k1) in enumerate(split.spans):
         found = table.range(h0, h1, k0, k1)
         assert found is not None
         f, b, y = found
-        times.append(f + b)
         group = table.groups[(h0, h1)]
         cut = k1 < len(units)
         stages.append(PipelineStage(
@@ -757,11 +917,11 @@ def _plan(split: Split, m: int, ir: "GraphIR", table: StageTable, spmd_only: flo
             boundary_bytes=float(sum(table.units.crossing[k1] or ())) if cut else 0.0,
             boundary_seconds=table.boundary[k1] if cut else 0.0,
         ))
-    cuts = [table.boundary[span[3]] for span in split.spans[:-1]]
     shared, names = table.shared_sync(split.spans)
+    per_iteration, bubble = table.simulated(split.spans, m)
     return PipelinePlan(
         stages=tuple(stages), micro_batches=m, micro_batch_size=graph_batch(ir.doc), micro_batch_graph_id=ir.graph_id,
-        per_iteration=split.cost, bubble=bubble_fraction(times, cuts, m), spmd_only_per_iteration=spmd_only,
+        per_iteration=per_iteration, bubble=bubble, spmd_only_per_iteration=spmd_only,
         chosen=split.cost < spmd_only, shared_sync=shared, shared_parameters=tuple(names),
     )
 
@@ -789,5 +949,6 @@ __all__ = [
     "DEFAULT_MICRO_BATCHES", "GraphUnits", "Group", "PipelinePlan", "PipelineSearch", "PipelineStage",
     "SCHEDULE", "Split", "StageTable", "Unit", "UnitCosts", "best_split", "boundary_seconds",
     "bubble_fraction", "graph_batch", "graph_units", "host_groups", "micro_batch_counts",
-    "micro_batch_graphs", "one_f_one_b", "p2p_link", "search", "split_cost", "stage_table", "unit_costs",
+    "micro_batch_graphs", "one_f_one_b", "p2p_link", "search", "simulate_one_f_one_b", "split_cost", "stage_table",
+    "steady_period", "unit_costs",
 ]

@@ -305,10 +305,12 @@ def _shape(nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
 
 
 def collective_call(name: str, nbytes: int, *, dtype: Any, device: Any, group: Any,
-                    hosts: Any = None) -> tuple[Callable[[], Any], int]:
+                    hosts: Any = None, p2p_sharing: int = 1) -> tuple[Callable[[], Any], int]:
     """(a call of collective ``name`` on a full tensor of about ``nbytes`` with even
     shards over ``group``, the full tensor's exact bytes). Inputs are made once.
-    ``grad_sync`` (the runtime's two-level gradient sum) needs ``hosts``."""
+    ``grad_sync`` (the runtime's two-level gradient sum) needs ``hosts``. For ``p2p``
+    the bytes are the message's times ``p2p_sharing``, the pairs that send at once
+    between one pair of hosts (:func:`pairs_per_host_pair`): what crosses that host pair's link."""
     import torch
     import torch.distributed as dist
 
@@ -333,7 +335,21 @@ def collective_call(name: str, nbytes: int, *, dtype: Any, device: Any, group: A
     calls["p2p"] = _point_to_point(full, rank, n, group)
     if name not in calls:
         raise OptionsError(f"unknown collective {name!r}; known: {', '.join(calls)}")
-    return calls[name], full.numel() * full.element_size()
+    return calls[name], full.numel() * full.element_size() * (p2p_sharing if name == "p2p" else 1)
+
+
+def pairs_per_host_pair(hosts: Sequence[str]) -> int:
+    """The most pairs of :func:`_point_to_point` (rank ``r`` of the group's first half to
+    ``r + n // 2``; ``hosts``: each group rank's host) that send between one pair of
+    hosts at once: they share that pair's link, so a host pair carries that many messages
+    in the time measured. A pipeline boundary spread over the ranks of two hosts moves
+    the same way; two hosts with one rank each send one message."""
+    half = len(hosts) // 2
+    pairs: dict[tuple[str, str], int] = {}
+    for r in range(half):
+        key = (hosts[r], hosts[r + half])
+        pairs[key] = pairs.get(key, 0) + 1
+    return max(pairs.values(), default=1)
 
 
 def _point_to_point(message: Any, rank: int, n: int, group: Any) -> Callable[[], Any]:
@@ -375,7 +391,7 @@ def _max_over_ranks(values: Sequence[float], device: Any) -> list[float]:
 
 
 def time_collective(name: str, sizes: Sequence[int], options: ProfilerOptions, *, device: Any,
-                    group: Any, hosts: Any = None) -> list[tuple[int, float]]:
+                    group: Any, hosts: Any = None, p2p_sharing: int = 1) -> list[tuple[int, float]]:
     """[(exact full-tensor bytes, median over repeats of the slowest rank's seconds)] of
     one collective over ``group`` (None: the world) at each size. Every rank of the world
     calls this (the barriers span the world); a rank in a 1-rank group times nothing.
@@ -388,7 +404,8 @@ def time_collective(name: str, sizes: Sequence[int], options: ProfilerOptions, *
 
     dtype = getattr(torch, options.dtype)
     active = dist.get_world_size(group) > 1
-    calls = [collective_call(name, size, dtype=dtype, device=device, group=group, hosts=hosts) if active else (None, 0)
+    calls = [collective_call(name, size, dtype=dtype, device=device, group=group, hosts=hosts,
+                             p2p_sharing=p2p_sharing) if active else (None, 0)
              for size in sizes]
     with torch.no_grad():
         last = [0.0] * len(sizes)
@@ -484,7 +501,10 @@ def measure(options: ProfilerOptions) -> Profile | None:
                                                     hosts=two_level)}
     if world > 1:
         _say(rank, "measuring p2p (one rank's message to another) …")
-        fits["p2p"] = {kind: _measure_link("p2p", kind, group, options, env.device, rank) for kind, group in kinds.items()}
+        members = {"inter": hosts, "intra": [hosts[rank]] * len(next(g for g in groups if rank in g))}
+        fits["p2p"] = {kind: _measure_link("p2p", kind, group, options, env.device, rank,
+                                           p2p_sharing=pairs_per_host_pair(members[kind]))
+                       for kind, group in kinds.items()}
     dist.barrier()
     if rank != 0:
         return None
@@ -495,7 +515,7 @@ def measure(options: ProfilerOptions) -> Profile | None:
 
 
 def _measure_link(name: str, kind: str, group: Any, options: ProfilerOptions, device: Any, rank: int,
-                  hosts: Any = None) -> Fit:
+                  hosts: Any = None, p2p_sharing: int = 1) -> Fit:
     """Time one collective over ``group`` and fit α/β. Times that do not grow with the
     size (a link so fast that latency noise hides the transfer) are measured once more;
     if they still do not grow, α and β are bounded instead (:func:`bound_alpha_beta`) and
@@ -503,7 +523,8 @@ def _measure_link(name: str, kind: str, group: Any, options: ProfilerOptions, de
     rank's, the same everywhere."""
     where = f"collectives.{name}.{kind}"
     for attempt in (1, 2):
-        points = time_collective(name, options.sizes, options, device=device, group=group, hosts=hosts)
+        points = time_collective(name, options.sizes, options, device=device, group=group, hosts=hosts,
+                                 p2p_sharing=p2p_sharing)
         sizes, times = [b for b, _ in points], [t for _, t in points]
         try:
             return fit_alpha_beta(sizes, times, where=where)

@@ -53,10 +53,12 @@ OPTIONAL_COLLECTIVES = ("grad_sync", "p2p")
 """Collectives a profile may give: ``grad_sync`` is the all-reduce of replicated
 parameters' gradient buckets as the runtime runs it on several hosts with several
 ranks each (within each host, then between hosts; ``hapd.runtime.collectives.HostGroups``).
-The cost model uses ``all_reduce`` where it is absent. ``p2p`` is one message from one
-rank to another (``send``/``recv``; its bytes are the message's), between hosts
-(``inter``) and within one (``intra``): what moves activations between pipeline
-stages."""
+The cost model uses ``all_reduce`` where it is absent. ``p2p`` is messages from one
+rank to another (``send``/``recv``), between hosts (``inter``) and within one
+(``intra``): what moves activations between pipeline stages. Its bytes are what crosses
+one pair of hosts at once: the message's times the rank pairs sending between those two
+hosts together (their link's total; a pipeline boundary spread over both hosts' ranks
+moves the same way)."""
 
 
 @dataclass(frozen=True, kw_only=True)
