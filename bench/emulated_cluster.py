@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -332,6 +333,62 @@ class Runner:
         return row
 
 
+class Session:
+    """What one benchmark run sets up on this machine and takes down again: a work folder
+    (``HAPD_HOME`` below it unless set), the 4 ranks' cgroups, and once started the two
+    namespaces joined by the shaped link, their daemons and the launcher's :class:`Runner`
+    over the ranks (host 0 fast, host 1 slow)."""
+
+    def __init__(self, prefix: str, verbose: bool) -> None:
+        self.work = Path(tempfile.mkdtemp(prefix=prefix))
+        self.verbose = verbose
+        self.groups: list[Path] = []
+        self.cluster = None
+        self.runner: Runner | None = None
+        os.environ.setdefault("HAPD_HOME", str(self.work / "home"))
+
+    def measure_link(self, fast_quota: float, rate_mbit: float | None) -> tuple[float, float]:
+        """Every rank's cgroup at ``fast_quota``; the fast rank's matmul FLOP/s and the
+        link rate in Mbit/s it sets (:data:`FLOP_PER_BYTE`), or ``rate_mbit`` when given."""
+        self.groups = setup_cgroups([fast_quota] * 4)
+        rank_flops = measure_rank_flops(self.groups[0])
+        return rank_flops, rate_mbit or rank_flops / FLOP_PER_BYTE * 8 / 1e6
+
+    def start(self, rate_mbit: float) -> Runner:
+        """The cluster up with its link at ``rate_mbit``; the runner that launches jobs on it."""
+        self.cluster = make_cluster_class()(self.work)
+        self.cluster.create()
+        self.cluster.shape(rate_mbit)
+        self.cluster.start()
+        hostfile = self.work / "hosts.txt"
+        hostfile.write_text(self.cluster.host_lines(slots=[RANKS_PER_HOST] * 2, gpus=["fast", "slow"]))
+        self.runner = Runner(self.cluster, self.work, hostfile, self.groups, self.verbose)
+        return self.runner
+
+    def run(self, body: Callable[[], None], save: Callable[[], None], keep: bool, log: Callable[[str], None]) -> int:
+        """``body()``, then the exit code: 0, or 130 when Ctrl-C or SIGTERM
+        (:func:`stop_on_signals`) stopped it, after ``save()`` kept what it measured. The
+        session is taken down either way (``keep``: left up, for debugging)."""
+        try:
+            body()
+            return 0
+        except KeyboardInterrupt:
+            log("interrupted: tearing down")
+            save()
+            return 130
+        finally:
+            if keep:
+                log(f"--keep: leaving namespaces hapd-e0/1, cgroups {CG_NAMES}, daemons, {self.work}")
+            else:
+                self.close()
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+        teardown_cgroups()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
 # ----------------------------------------------------------------------------- model FLOPs and plans
 
 
@@ -353,10 +410,12 @@ def model_flops(model: str, size: str, batch: int, layers: int | None) -> float:
     return float(counter.get_total_flops())
 
 
-def model_rate(group: Path, model: str, size: str, batch: int, layers: int | None, flops: float) -> float:
-    """Achieved FLOP/s of one process in ``group`` (1 thread) training ``model`` on batch/4
-    (one rank's DP-EV share): what the model's ops really reach, next to the profile's
-    matmul rate that "ideal" divides by."""
+def step_seconds(group: Path, model: str, size: str, layers: int | None, batches: Sequence[int], seconds: float,
+                 min_steps: int = 1, timeout: float = 300) -> dict[int, float]:
+    """Seconds per training step (forward + backward) of ``model`` at each batch of
+    ``batches``, in one process inside the cpu cgroup ``group`` (1 thread, eager PyTorch,
+    no communication): 2 warm-up steps, then steps for ``seconds`` and at least
+    ``min_steps``. A failed process raises RuntimeError with the end of its stderr."""
     code = (
         "import os, sys, time, torch\n"
         f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
@@ -364,19 +423,32 @@ def model_rate(group: Path, model: str, size: str, batch: int, layers: int | Non
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "from hapd import models\n"
         f"net, cfg = models.build({model!r}, {size!r}, **({{'layers': {layers}}} if {bool(layers)} else {{}}))\n"
-        f"x = models.get({model!r}).example_inputs(cfg, {max(1, batch // 4)})\n"
-        "def step():\n"
-        "    out = net(*x); (out if out.dim() == 0 else out.float().sum()).backward()\n"
-        "for _ in range(2): step()\n"
-        "n = 0; t0 = time.perf_counter()\n"
-        "while time.perf_counter() - t0 < 2.0: step(); n += 1\n"
-        "print((time.perf_counter() - t0) / n)\n")
-    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=300,
+        f"for b in {list(batches)!r}:\n"
+        f"    x = models.get({model!r}).example_inputs(cfg, b)\n"
+        "    def step():\n"
+        "        out = net(*x); (out if out.dim() == 0 else out.float().sum()).backward()\n"
+        "    for _ in range(2): step()\n"
+        "    n = 0; t0 = time.perf_counter()\n"
+        f"    while time.perf_counter() - t0 < {seconds} or n < {min_steps}: step(); n += 1\n"
+        "    print('step', b, (time.perf_counter() - t0) / n, flush=True)\n")
+    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode != 0:
-        log(f"model rate probe failed: {done.stderr[-500:]}")
+        raise RuntimeError(done.stderr[-500:])
+    rows = (line.split() for line in done.stdout.splitlines() if line.startswith("step "))
+    return {int(b): float(t) for _, b, t in rows}
+
+
+def model_rate(group: Path, model: str, size: str, batch: int, layers: int | None, flops: float) -> float:
+    """Achieved FLOP/s of one process in ``group`` (1 thread) training ``model`` on batch/4
+    (one rank's DP-EV share): what the model's ops really reach, next to the profile's
+    matmul rate that "ideal" divides by."""
+    share = max(1, batch // 4)
+    try:
+        per_step = step_seconds(group, model, size, layers, [share], 2.0)[share]
+    except RuntimeError as e:
+        log(f"model rate probe failed: {e}")
         return float("nan")
-    per_step = float(done.stdout.strip().splitlines()[-1])
     return flops / 4 / per_step
 
 
@@ -572,6 +644,14 @@ def _on_term(signum, _frame):
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt in this script's main thread (SIGINT also
+    when started in the background, where it is ignored), so :meth:`Session.run` tears the
+    cluster down however the run is stopped."""
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def report(results: dict, out: Path | None) -> None:
     """Print the table, the targets and the diagnosis; save the JSON (and PNG) to ``out``."""
     rows = summarize(results)
@@ -593,6 +673,68 @@ def report(results: dict, out: Path | None) -> None:
                   f"link, {results.get('size', 'tiny')} models")
 
 
+def measure(session: Session, ns: argparse.Namespace, models_: list[str], variants: dict[str, tuple[float, float]],
+            results: dict) -> None:
+    """The link rate and each model's compute rate, the cluster up, then per variant its
+    profile and every model's systems; the report."""
+    # the fast rank's speed sets the link rate
+    fast_quota = max(fast for fast, _ in variants.values())
+    rank_flops, rate = session.measure_link(fast_quota, ns.rate_mbit)
+    groups, work = session.groups, session.work
+    results.update(fast_rank_flops=rank_flops, fast_quota=fast_quota, rate_mbit=rate, size=ns.size)
+    results["model_rate"] = {}
+    for model in models_:
+        batch = ns.batch or default_batch(model, ns.size)
+        layers = default_layers(model, ns.size) if ns.layers is None else ns.layers
+        rate_m = model_rate(groups[0], model, ns.size, batch, layers, model_flops(model, ns.size, batch, layers))
+        results["model_rate"][model] = rate_m
+        log(f"{model}: one fast rank trains batch {batch}/4 at {rate_m / 1e9:.1f} GFLOP/s "
+            f"= {rate_m / rank_flops:.0%} of its 512³ matmul rate (bounds 'fraction of ideal')")
+    log(f"fast rank ({fast_quota:.2f} core, 1 thread): {rank_flops / 1e9:.1f} GFLOP/s matmul -> link "
+        f"{rate:.1f} Mbit/s ({rank_flops / (rate * 1e6 / 8):.0f} FLOP/B)")
+
+    runner = session.start(rate)
+    log(f"cluster up: {runner.hostfile.read_text().strip()!r}")
+
+    flops_cache: dict[tuple, float] = {}
+    for variant, (fast, slow) in variants.items():
+        setup_cgroups([fast, fast, slow, slow])
+        log(f"variant {variant}: quotas {fast:.3f},{fast:.3f},{slow:.3f},{slow:.3f} cores (period {PERIOD_US} us)")
+        prof_path = work / f"profile-{variant.replace(':', 'to')}.json"
+        t0 = time.monotonic()
+        prof = runner.profile(prof_path, quick=not ns.full_profile)
+        devices = prof["devices"]
+        log(f"profiled in {time.monotonic() - t0:.0f} s: FLOP/s " +
+            ", ".join(f"{d['flops'] / 1e9:.1f}G" for d in devices) + "; " +
+            ", ".join(f"{k} α={c['inter']['alpha'] * 1e3:.2f}ms β={c['inter']['beta'] / 1e6:.1f}MB/s"
+                      for k, c in prof["collectives"].items() if k in ("all_reduce", "all_gather", "all_to_all")))
+        entry = {"quotas": [fast, fast, slow, slow], "profile": prof, "profile_devices": devices, "models": {}}
+        results["variants"][variant] = entry
+        for model in models_:
+            batch = ns.batch or default_batch(model, ns.size)
+            layers = default_layers(model, ns.size) if ns.layers is None else ns.layers
+            key = (model, batch, layers)
+            if key not in flops_cache:
+                flops_cache[key] = model_flops(model, ns.size, batch, layers)
+            m = {"flops": flops_cache[key], "size": ns.size, "batch": batch, "layers": layers, "runs": []}
+            entry["models"][model] = m
+            for system in SYSTEMS:
+                row = runner.train(system, model, ns, prof_path, variant.replace(":", "to"))
+                m["runs"].append(row)
+                log(f"{variant} {model} {system}: " + (f"{_ms(row.get('mean_s'))} ± {_ms(row.get('std_s'))} ms"
+                    + (f" (predicted {_ms(row.get('estimate_s'))} ms, ratios {row.get('ratios')})"
+                       if system == "hapd" else "") if "error" not in row else f"FAILED {row['error'][-300:]}"))
+            if not ns.no_explain:
+                m["explain"], m["estimate"] = explain_plan(model, ns.size, batch, layers, prof_path, work)
+                log(f"{variant} {model} plan: {m['explain'].splitlines()[2] if m['explain'].count(chr(10)) > 2 else ''}")
+                OUT.mkdir(parents=True, exist_ok=True)
+                (OUT / f"emulated_explain_{variant.replace(':', 'to')}_{model}.txt").write_text(m["explain"])
+            rows = summarize(results)
+            results["table"] = rows
+            _save(results, ns.out)
+    report(results, ns.out)
+
+
 def main(argv=None) -> int:
     ns = parse_args(argv)
     if ns.from_json is not None:
@@ -610,90 +752,12 @@ def main(argv=None) -> int:
     if why:
         print(f"emulated_cluster: skipped: {why}")
         return 0
-    signal.signal(signal.SIGTERM, _on_term)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background (SIGINT ignored)
-    work = Path(tempfile.mkdtemp(prefix="hapd-emulated-"))
-    cluster = None
+    stop_on_signals()
+    session = Session("hapd-emulated-", ns.verbose)
     results: dict[str, Any] = {"variants": {}, "period_us": PERIOD_US, "flop_per_byte": FLOP_PER_BYTE,
-                               "iterations": ns.iterations, "warmup": ns.warmup, "workdir": str(work)}
-    try:
-        os.environ.setdefault("HAPD_HOME", str(work / "home"))
-        # the fast rank's speed sets the link rate
-        fast_quota = max(fast for fast, _ in variants.values())
-        groups = setup_cgroups([fast_quota] * 4)
-        rank_flops = measure_rank_flops(groups[0])
-        rate = ns.rate_mbit or rank_flops / FLOP_PER_BYTE * 8 / 1e6
-        results.update(fast_rank_flops=rank_flops, fast_quota=fast_quota, rate_mbit=rate, size=ns.size)
-        results["model_rate"] = {}
-        for model in models_:
-            batch = ns.batch or default_batch(model, ns.size)
-            layers = default_layers(model, ns.size) if ns.layers is None else ns.layers
-            rate_m = model_rate(groups[0], model, ns.size, batch, layers, model_flops(model, ns.size, batch, layers))
-            results["model_rate"][model] = rate_m
-            log(f"{model}: one fast rank trains batch {batch}/4 at {rate_m / 1e9:.1f} GFLOP/s "
-                f"= {rate_m / rank_flops:.0%} of its 512³ matmul rate (bounds 'fraction of ideal')")
-        log(f"fast rank ({fast_quota:.2f} core, 1 thread): {rank_flops / 1e9:.1f} GFLOP/s matmul -> link "
-            f"{rate:.1f} Mbit/s ({rank_flops / (rate * 1e6 / 8):.0f} FLOP/B)")
-
-        cluster = make_cluster_class()(work)
-        cluster.create()
-        cluster.shape(rate)
-        cluster.start()
-        hostfile = work / "hosts.txt"
-        hostfile.write_text(cluster.host_lines(slots=[RANKS_PER_HOST] * 2, gpus=["fast", "slow"]))
-        log(f"cluster up: {hostfile.read_text().strip()!r}")
-        runner = Runner(cluster, work, hostfile, groups, ns.verbose)
-
-        flops_cache: dict[tuple, float] = {}
-        for variant, (fast, slow) in variants.items():
-            setup_cgroups([fast, fast, slow, slow])
-            log(f"variant {variant}: quotas {fast:.3f},{fast:.3f},{slow:.3f},{slow:.3f} cores (period {PERIOD_US} us)")
-            prof_path = work / f"profile-{variant.replace(':', 'to')}.json"
-            t0 = time.monotonic()
-            prof = runner.profile(prof_path, quick=not ns.full_profile)
-            devices = prof["devices"]
-            log(f"profiled in {time.monotonic() - t0:.0f} s: FLOP/s " +
-                ", ".join(f"{d['flops'] / 1e9:.1f}G" for d in devices) + "; " +
-                ", ".join(f"{k} α={c['inter']['alpha'] * 1e3:.2f}ms β={c['inter']['beta'] / 1e6:.1f}MB/s"
-                          for k, c in prof["collectives"].items() if k in ("all_reduce", "all_gather", "all_to_all")))
-            entry = {"quotas": [fast, fast, slow, slow], "profile": prof, "profile_devices": devices, "models": {}}
-            results["variants"][variant] = entry
-            for model in models_:
-                batch = ns.batch or default_batch(model, ns.size)
-                layers = default_layers(model, ns.size) if ns.layers is None else ns.layers
-                key = (model, batch, layers)
-                if key not in flops_cache:
-                    flops_cache[key] = model_flops(model, ns.size, batch, layers)
-                m = {"flops": flops_cache[key], "size": ns.size, "batch": batch, "layers": layers, "runs": []}
-                entry["models"][model] = m
-                for system in SYSTEMS:
-                    row = runner.train(system, model, ns, prof_path, variant.replace(":", "to"))
-                    m["runs"].append(row)
-                    log(f"{variant} {model} {system}: " + (f"{_ms(row.get('mean_s'))} ± {_ms(row.get('std_s'))} ms"
-                        + (f" (predicted {_ms(row.get('estimate_s'))} ms, ratios {row.get('ratios')})"
-                           if system == "hapd" else "") if "error" not in row else f"FAILED {row['error'][-300:]}"))
-                if not ns.no_explain:
-                    m["explain"], m["estimate"] = explain_plan(model, ns.size, batch, layers, prof_path, work)
-                    log(f"{variant} {model} plan: {m['explain'].splitlines()[2] if m['explain'].count(chr(10)) > 2 else ''}")
-                    OUT.mkdir(parents=True, exist_ok=True)
-                    (OUT / f"emulated_explain_{variant.replace(':', 'to')}_{model}.txt").write_text(m["explain"])
-                rows = summarize(results)
-                results["table"] = rows
-                _save(results, ns.out)
-        report(results, ns.out)
-        return 0
-    except KeyboardInterrupt:
-        log("interrupted: tearing down")
-        _save(results, ns.out)
-        return 130
-    finally:
-        if ns.keep:
-            log(f"--keep: leaving namespaces hapd-e0/1, cgroups {CG_NAMES}, daemons, {work}")
-        else:
-            if cluster is not None:
-                cluster.close()
-            teardown_cgroups()
-            shutil.rmtree(work, ignore_errors=True)
+                               "iterations": ns.iterations, "warmup": ns.warmup, "workdir": str(session.work)}
+    return session.run(lambda: measure(session, ns, models_, variants, results), lambda: _save(results, ns.out),
+                       ns.keep, log)
 
 
 def _save(results: dict, path: Path) -> None:

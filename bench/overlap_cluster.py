@@ -49,22 +49,21 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
-import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "bench" / "out"
+sys.path.insert(0, str(ROOT))
+
+from bench import _abrun as ab  # noqa: E402
+from bench._abrun import OUT, ms, pooled, save  # noqa: E402
+
+SCRIPT = str(Path(__file__).resolve().relative_to(ROOT))
 DEFAULT_CASES = "bert_moe=expert-parallel,bert=tensor-parallel"
 SPEEDUP_TARGET = {"expert-parallel": 1.2}
 """Parallelism → the measured overlap speedup the benchmark checks (BERT-MoE's)."""
@@ -79,21 +78,7 @@ TP_ROW = ("attn.out.weight", "mlp.fc2.weight")
 """Megatron's pairs in the benchmark transformers: the attention projections and the
 FFN's first linear column-parallel, the attention output and the FFN's second linear
 row-parallel (one all-reduce after each pair, forward and backward)."""
-POLL_S = 30
-
-
-def _load_emulated():
-    name = "hapd_bench_emulated_cluster"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "emulated_cluster.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-def log(msg: str) -> None:
-    print(f"[overlap {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = ab.logger("overlap")
 
 
 # ----------------------------------------------------------------------------- forced rules
@@ -223,75 +208,13 @@ def compile_plans(model: str, how: str, size: str, batch: int, profile: Path, wo
 # ----------------------------------------------------------------------------- on each rank
 
 
-class StepClock:
-    """Per training step of this rank: forward and backward seconds, and the seconds the
-    main thread waited on collectives in each (``Pending.wait``) and on the gradient
-    sum (``GradSync._finish``)."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, float]] = []
-        self.phase: str | None = None
-
-    def waited(self, key: str, seconds: float) -> None:
-        if self.phase is not None and self.steps:
-            step = self.steps[-1]
-            step[key] = step.get(key, 0.0) + seconds
-
-    def install(self) -> None:
-        """Wrap the collectives' wait, the gradient sum's finish and the worker's step."""
-        from hapd.runtime import collectives, gradsync, worker
-
-        clock = self
-        wait, finish = collectives.Pending.wait, gradsync.GradSync._finish
-
-        def timed_wait(pending):
-            t0 = time.perf_counter()
-            try:
-                return wait(pending)
-            finally:
-                clock.waited(f"wait_{clock.phase}", time.perf_counter() - t0)
-
-        def timed_finish(sync):
-            t0 = time.perf_counter()
-            try:
-                return finish(sync)
-            finally:
-                clock.waited("grad_sync", time.perf_counter() - t0)
-
-        def timed_step(step):
-            clock.steps.append({})
-            t0 = time.perf_counter()
-            clock.phase = "forward"
-            loss = step.module(*step.inputs)
-            t1 = time.perf_counter()
-            clock.phase = "backward"
-            loss.backward()
-            t2 = time.perf_counter()
-            clock.phase = None
-            clock.steps[-1].update(forward=t1 - t0, backward=t2 - t1)
-            step.last_loss = loss.detach()
-            return step.last_loss
-
-        collectives.Pending.wait = timed_wait
-        gradsync.GradSync._finish = timed_finish
-        worker.PlanStep.__call__ = timed_step
-
-
 def rank_main(argv: Sequence[str]) -> int:
     """``overlap_cluster.py rank DIR WORKER-ARGS...``: run ``worker.py`` with a
-    :class:`StepClock`; writes ``DIR/rank<RANK>.json``."""
+    :class:`~_abrun.RankClock`; writes ``DIR/rank<RANK>.json``."""
     if len(argv) < 1:
         print("usage: overlap_cluster.py rank DIR WORKER-ARGS...", file=sys.stderr)
         return 2
-    out, args = Path(argv[0]), list(argv[1:])
-    clock = StepClock()
-    clock.install()
-    from hapd.runtime import worker
-
-    code = worker.main(args)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps({"steps": clock.steps}))
-    return code
+    return ab.clocked_worker(Path(argv[0]), list(argv[1:]), ab.RankClock())
 
 
 # ----------------------------------------------------------------------------- runs
@@ -372,8 +295,7 @@ def hidden_fraction(p: Mapping[str, float]) -> float:
 def run_probe(runner, ns: argparse.Namespace) -> list[dict[str, float]]:
     """:func:`probe_main` on the 4 ranks through the launcher; each rank's record."""
     out = runner.work / "probe"
-    done = runner.launch([str(Path(__file__).resolve().relative_to(ROOT)), "probe", str(out), str(PROBE_MIB)], None,
-                         timeout=ns.run_timeout)
+    done = runner.launch([SCRIPT, "probe", str(out), str(PROBE_MIB)], None, timeout=ns.run_timeout)
     if done.returncode != 0:
         log(f"probe failed (exit {done.returncode}): {done.stderr[-400:]}")
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
@@ -385,74 +307,36 @@ def run_probe(runner, ns: argparse.Namespace) -> list[dict[str, float]]:
 def format_probe(ranks: Sequence[Mapping[str, float]]) -> str:
     lines = [f"{'rank':>4} {'comm ms':>8} {'compute ms':>10} {'both ms':>8} {'waited ms':>9} {'hidden':>7}"]
     for r in ranks:
-        lines.append(f"{r['rank']:>4} {_ms(r['comm_s']):>8} {_ms(r['compute_s']):>10} {_ms(r['both_s']):>8} "
-                     f"{_ms(r['waited_s']):>9} {r['hidden']:>7.0%}")
+        lines.append(f"{r['rank']:>4} {ms(r['comm_s']):>8} {ms(r['compute_s']):>10} {ms(r['both_s']):>8} "
+                     f"{ms(r['waited_s']):>9} {r['hidden']:>7.0%}")
     return "\n".join(lines)
-
-
 
 
 def step_breakdown(waits: Path, warmup: int, iterations: int) -> list[dict[str, float]]:
     """Per rank (rank order): mean seconds per timed step of forward, backward, waited
-    in each, grad sync and the computation left (the :class:`StepClock` records of
-    ``waits``; the trace's extra steps after the timed ones are left out)."""
-    out = []
-    for path in sorted(waits.glob("rank*.json"), key=lambda p: int(p.stem[4:])):
-        steps = json.loads(path.read_text())["steps"][warmup:iterations]
-        if not steps:
-            continue
-        mean = {k: statistics.fmean(s.get(k, 0.0) for s in steps)
-                for k in ("forward", "backward", "wait_forward", "wait_backward", "grad_sync")}
+    in each, grad sync and the computation left (:func:`_abrun.mean_steps`)."""
+    out = ab.mean_steps(waits, warmup, iterations, ("forward", "backward", "wait_forward", "wait_backward", "grad_sync"))
+    for mean in out:
         mean["compute"] = (mean["forward"] + mean["backward"] - mean["wait_forward"] - mean["wait_backward"]
                            - mean["grad_sync"])
-        out.append({"rank": int(path.stem[4:]), **mean})
     return out
 
 
 def run_plan(runner, model: str, system: str, plan: Path, ns: argparse.Namespace, tag: str,
              trace: Path | None) -> dict[str, Any]:
-    """One ``worker.py --plan`` job through the launcher (one retry when it fails before
-    every rank reported): its job times per timed iteration, mean ± std, loss, the
-    worker's estimate and each rank's :func:`step_breakdown`."""
-    batch = ns.batch
+    """One ``worker.py --plan`` job through the launcher (:func:`_abrun.launch`): its job
+    times per timed iteration, mean ± std, loss, the worker's estimate and each rank's
+    :func:`step_breakdown`."""
     waits = runner.work / f"waits-{tag}"
-    args = [str(Path(__file__).resolve().relative_to(ROOT)), "rank", str(waits), "--model", model, "--size",
-            ns.size, "--batch", str(batch), "--iterations", str(ns.iterations), "--warmup", str(ns.warmup),
-            "--plan", str(plan)]
+    args = [SCRIPT, "rank", str(waits), "--model", model, "--size", ns.size, "--batch", str(ns.batch),
+            "--iterations", str(ns.iterations), "--warmup", str(ns.warmup), "--plan", str(plan)]
     if trace is not None:
         args += ["--trace", str(trace)]
-    report = runner.work / f"{tag}.json"
-    for attempt in (1, 2):  # a rank now and then aborts in Gloo's teardown
-        shutil.rmtree(waits, ignore_errors=True)
-        report.unlink(missing_ok=True)
-        t0 = time.monotonic()
-        done = runner.launch(args, report, timeout=ns.run_timeout)
-        data = json.loads(report.read_text()) if report.exists() else {}
-        summary = data.get("summary") or {}
-        complete = not data.get("missing_ranks") and summary.get("mean_s")
-        if complete:
-            break
-    row: dict[str, Any] = {"model": model, "system": system, "exit_code": done.returncode, "attempt": attempt,
-                           "wall_s": time.monotonic() - t0}
-    if not complete:
+    row, done, summary = ab.launch(runner, model, system, args, waits, tag, ns.run_timeout)
+    if summary is None:
         row["error"] = (done.stderr or done.stdout)[-800:]
         return row
-    ranks = summary["ranks"]
-    count = min(len(r["iteration_s"]) for r in ranks)
-    row["job_s"] = [max(r["iteration_s"][i] for r in ranks) for i in range(summary["warmup"], count)]
-    row.update(mean_s=summary["mean_s"], std_s=summary["std_s"], loss=summary.get("loss"),
-               estimate_s=summary.get("estimate_s"), overlap=summary.get("overlap"),
-               per_rank_mean_s=[r["mean_s"] for r in ranks],
-               breakdown=step_breakdown(waits, summary["warmup"], count))
-    return row
-
-
-def pooled(rows: Sequence[Mapping[str, Any]]) -> tuple[float | None, float | None, int]:
-    """Mean and (population) std of every timed iteration of ``rows``, and their count."""
-    times = [t for r in rows for t in r.get("job_s", [])]
-    if not times:
-        return None, None, 0
-    return statistics.fmean(times), statistics.pstdev(times), len(times)
+    return ab.timed_row(row, summary, waits, step_breakdown, overlap=summary.get("overlap"))
 
 
 def summarize(results: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -481,18 +365,9 @@ def summarize(results: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "speedup": plain["mean_s"] / mine["mean_s"] if plain["mean_s"] and mine["mean_s"] else None,
                 "predicted_speedup": (plain["estimate_s"] / mine["estimate_s"]
                                       if plain["estimate_s"] and mine["estimate_s"] else None)}
-        by_round: dict[int, dict[str, float]] = {}
-        for r in runs:
-            if r.get("mean_s"):
-                by_round.setdefault(r["round"], {})[r["system"]] = r["mean_s"]
-        row["round_speedups"] = [v["plain"] / v["overlap"] for _, v in sorted(by_round.items())
-                                 if "plain" in v and "overlap" in v]
+        row["round_speedups"] = ab.round_speedups(runs, "plain", "overlap")
         rows.append(row)
     return rows
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:.0f}"
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -501,16 +376,16 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     out = [head, "-" * len(head)]
     for r in rows:
         p, o = r["plain"], r["overlap"]
-        cell = lambda s: f"{_ms(s['mean_s'])} ± {_ms(s['std_s'])}" if s["mean_s"] else "FAILED"  # noqa: E731
+        cell = lambda s: f"{ms(s['mean_s'])} ± {ms(s['std_s'])}" if s["mean_s"] else "FAILED"  # noqa: E731
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
         pred = f"{r['predicted_speedup']:.2f}x" if r.get("predicted_speedup") else "-"
         rounds = ", ".join(f"{s:.2f}x" for s in r.get("round_speedups", []))
         out.append(f"{r['model']:>9} {r['parallelism']:>15} {cell(p):>14} {cell(o):>14} {speed:>8} {pred:>9} "
-                   f"{_ms(p['estimate_s']):>10} {_ms(o['estimate_s']):>12}  {rounds}")
+                   f"{ms(p['estimate_s']):>10} {ms(o['estimate_s']):>12}  {rounds}")
         for system, vs in r.get("extra", {}).items():
             ratio = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
             out.append(f"{'':>9} {system:>15} {'':>14} {cell(r[system]):>14} {ratio(vs['speedup']):>8} "
-                       f"{ratio(vs['predicted_speedup']):>9} {'':>10} {_ms(r[system]['estimate_s']):>12}  "
+                       f"{ratio(vs['predicted_speedup']):>9} {'':>10} {ms(r[system]['estimate_s']):>12}  "
                        f"(plain / this)")
     return "\n".join(out)
 
@@ -525,9 +400,9 @@ def format_breakdown(results: Mapping[str, Any]) -> str:
             if not runs:
                 continue
             for b in runs[-1]["breakdown"]:
-                lines.append(f"{model:>9} {system:>20} {b['rank']:>4} {_ms(b['forward']):>8} {_ms(b['backward']):>8} "
-                             f"{_ms(b['wait_forward']):>10} {_ms(b['wait_backward']):>10} {_ms(b['grad_sync']):>8} "
-                             f"{_ms(b['compute']):>8}")
+                lines.append(f"{model:>9} {system:>20} {b['rank']:>4} {ms(b['forward']):>8} {ms(b['backward']):>8} "
+                             f"{ms(b['wait_forward']):>10} {ms(b['wait_backward']):>10} {ms(b['grad_sync']):>8} "
+                             f"{ms(b['compute']):>8}")
     return "\n".join(lines)
 
 
@@ -538,7 +413,7 @@ def format_searched(results: Mapping[str, Any]) -> str:
         for name in ("searched-plain", "searched-overlap"):
             p = plans.get(name)
             if p:
-                lines.append(f"{model} {name}: predicted {_ms(p['estimate_s'])} ms, rules {p['rules']}")
+                lines.append(f"{model} {name}: predicted {ms(p['estimate_s'])} ms, rules {p['rules']}")
     return "\n".join(lines)
 
 
@@ -577,50 +452,17 @@ def report(results: dict[str, Any], out: Path | None) -> None:
         print("unforced search at this link:")
         print(searched)
     if out is not None:
-        _save(results, out)
-
-
-def _save(results: Mapping[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    slim = json.loads(json.dumps(results, default=str))
-    slim.get("profile", {}).pop("device_detail", None)
-    path.write_text(json.dumps(slim, indent=1) + "\n")
+        save(results, out)
 
 
 # ----------------------------------------------------------------------------- main
-
-
-def others_active(own: Sequence[str] = ()) -> list[str]:
-    """Other benchmarks' network namespaces and cpu cgroups (names starting ``hapd``)."""
-    emulated = _load_emulated()
-    found = []
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    found += [line.split()[0] for line in listed.stdout.splitlines() if line.startswith("hapd")]
-    if emulated.CG_ROOT.exists():
-        found += [p.name for p in emulated.CG_ROOT.iterdir() if p.is_dir() and p.name.startswith("hapd")]
-    return [f for f in found if f not in own]
-
-
-def wait_for_others(limit_s: float) -> bool:
-    """Poll until no other benchmark's namespaces or cgroups exist; False after ``limit_s``."""
-    t0, seen = time.monotonic(), None
-    while busy := others_active():
-        if time.monotonic() - t0 > limit_s:
-            log(f"still in use after {limit_s:.0f} s: {', '.join(busy)}")
-            return False
-        if sorted(busy) != seen:  # once per change, not every poll
-            seen = sorted(busy)
-            log(f"another benchmark is running ({', '.join(seen)}): polling every {POLL_S} s")
-        time.sleep(POLL_S)
-    return True
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=DEFAULT_CASES,
                    help=f"MODEL=PARALLELISM,... with PARALLELISM one of {', '.join(FORCES)} (default: {DEFAULT_CASES})")
-    p.add_argument("--variant", default="3:1", help="fast:slow cpu quota ratio (default 3:1)")
-    p.add_argument("--rate-mbit", type=float, default=None, help="link rate (default: fast rank FLOP/s / 4000 FLOP/B)")
+    ab.add_cluster_flags(p)
     p.add_argument("--batch", type=int, default=64, help="global batch (even: each duplica has half) (default 64)")
     p.add_argument("--size", default="small", choices=("tiny", "small", "paper"))
     p.add_argument("--iterations", type=int, default=15, help="iterations per run, warm-up included (default 15)")
@@ -630,14 +472,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra", default="", help="also run these plans against plain: " +
                    "; ".join(f"{k}: {v}" for k, v in EXTRA_SYSTEMS.items()))
     p.add_argument("--no-probe", action="store_true", help="skip the background-progress probe")
-    p.add_argument("--trace", action="store_true", help="Chrome traces of each plan's last run, into bench/out")
-    p.add_argument("--full-profile", action="store_true", help="the profiler's full sizes/repeats (default quick)")
-    p.add_argument("--wait-others", type=float, default=3 * 3600, help="seconds to wait for another benchmark")
-    p.add_argument("--run-timeout", type=float, default=1200)
-    p.add_argument("--keep", action="store_true", help="skip teardown (debugging)")
-    p.add_argument("--out", type=Path, default=OUT / "overlap_cluster.json")
-    p.add_argument("-v", "--verbose", action="store_true")
-    p.add_argument("--from-json", type=Path, default=None, help="run nothing: re-print a saved results JSON")
+    ab.add_run_flags(p, "plan", OUT / "overlap_cluster.json")
     ns = p.parse_args(argv)
     ns.extra = [x.strip() for x in ns.extra.split(",") if x.strip()]
     unknown = [x for x in ns.extra if x not in EXTRA_SYSTEMS]
@@ -650,6 +485,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return ns
 
 
+def measure(session, rate: float, ns: argparse.Namespace, cases: Mapping[str, str], fast: float, slow: float,
+            results: dict[str, Any]) -> None:
+    """The cluster up and profiled, the probe, then per case its plans compiled and run;
+    the report."""
+    prof_path = ab.start_and_profile(session, rate, fast, slow, ns, results, log)
+    if not ns.no_probe:
+        results["probe"] = run_probe(session.runner, ns)
+        log("background progress probe:\n" + format_probe(results["probe"]))
+    for model, how in cases.items():
+        case: dict[str, Any] = {"parallelism": how, "batch": ns.batch, "runs": []}
+        results["cases"][model] = case
+        case["plans"] = compile_plans(model, how, ns.size, ns.batch, prof_path, session.work,
+                                      searched=not ns.no_searched, extra=ns.extra)
+        save(results, ns.out)
+        run_case(session.runner, model, case, ns, results)
+    report(results, ns.out)
+
+
+def run_case(runner, model: str, case: dict[str, Any], ns: argparse.Namespace, results: dict[str, Any]) -> None:
+    """The case's plain and overlap plans (and ``--extra``'s) on the same global batch,
+    interleaved ABBA over ``--rounds``."""
+
+    def run(system: str, rnd: int) -> dict[str, Any]:
+        return run_plan(runner, model, system, Path(case["plans"][system]["path"]), ns, f"{model}-{system}-r{rnd}",
+                        ab.trace_path("overlap", model, system, ns, rnd))
+
+    ab.interleaved((*SYSTEMS, *ns.extra), ns.rounds, case["runs"], run, lambda: save(results, ns.out), log)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["rank"]:
@@ -660,85 +524,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.from_json is not None:
         report(json.loads(ns.from_json.read_text()), None)
         return 0
-    emulated = _load_emulated()
     try:
         cases = parse_cases(ns.cases)
-        fast, slow = emulated.parse_variant(ns.variant)
+        fast, slow = ab.emulated.parse_variant(ns.variant)
     except ValueError as e:
         print(f"overlap_cluster: {e}", file=sys.stderr)
         return 2
-    why = emulated.available()
-    if why:
-        print(f"overlap_cluster: skipped: {why}")
-        return 0
-    signal.signal(signal.SIGTERM, emulated._on_term)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    if not wait_for_others(ns.wait_others):
-        print("overlap_cluster: skipped: another benchmark's cluster is still up")
-        return 0
-    work = Path(tempfile.mkdtemp(prefix="hapd-overlap-"))
-    cluster = None
     results: dict[str, Any] = {"variant": ns.variant, "quotas": [fast, fast, slow, slow], "batch": ns.batch,
                                "size": ns.size, "iterations": ns.iterations, "warmup": ns.warmup, "rounds": ns.rounds,
-                               "period_us": emulated.PERIOD_US, "cases": {}}
-    try:
-        os.environ.setdefault("HAPD_HOME", str(work / "home"))
-        groups = emulated.setup_cgroups([fast] * 4)
-        rank_flops = emulated.measure_rank_flops(groups[0])
-        rate = ns.rate_mbit or rank_flops / emulated.FLOP_PER_BYTE * 8 / 1e6
-        results.update(fast_rank_flops=rank_flops, rate_mbit=rate)
-        log(f"fast rank ({fast:.2f} core): {rank_flops / 1e9:.1f} GFLOP/s matmul -> link {rate:.1f} Mbit/s")
-        cluster = emulated.make_cluster_class()(work)
-        cluster.create()
-        cluster.shape(rate)
-        cluster.start()
-        hostfile = work / "hosts.txt"
-        hostfile.write_text(cluster.host_lines(slots=[emulated.RANKS_PER_HOST] * 2, gpus=["fast", "slow"]))
-        runner = emulated.Runner(cluster, work, hostfile, groups, ns.verbose)
-        emulated.setup_cgroups([fast, fast, slow, slow])
-        prof_path = work / "profile.json"
-        t0 = time.monotonic()
-        prof = runner.profile(prof_path, quick=not ns.full_profile)
-        results["profile"] = prof
-        log(f"profiled in {time.monotonic() - t0:.0f} s: FLOP/s " +
-            ", ".join(f"{d['flops'] / 1e9:.1f}G" for d in prof["devices"]))
-        if not ns.no_probe:
-            results["probe"] = run_probe(runner, ns)
-            log("background progress probe:\n" + format_probe(results["probe"]))
-        for model, how in cases.items():
-            case: dict[str, Any] = {"parallelism": how, "batch": ns.batch, "runs": []}
-            results["cases"][model] = case
-            case["plans"] = compile_plans(model, how, ns.size, ns.batch, prof_path, work, searched=not ns.no_searched,
-                                          extra=ns.extra)
-            _save(results, ns.out)
-            systems = (*SYSTEMS, *ns.extra)
-            for rnd in range(ns.rounds):
-                order = systems if rnd % 2 == 0 else systems[::-1]
-                for system in order:
-                    last = rnd == ns.rounds - 1
-                    trace = OUT / f"overlap_trace_{model}_{system}.json" if ns.trace and last else None
-                    row = run_plan(runner, model, system, Path(case["plans"][system]["path"]), ns,
-                                   f"{model}-{system}-r{rnd}", trace)
-                    row["round"] = rnd
-                    case["runs"].append(row)
-                    log(f"{model} {system} round {rnd}: " + (
-                        f"{_ms(row['mean_s'])} ± {_ms(row['std_s'])} ms (predicted {_ms(row.get('estimate_s'))} ms, "
-                        f"loss {row.get('loss')})" if "error" not in row else f"FAILED {row['error'][-400:]}"))
-                    _save(results, ns.out)
-        report(results, ns.out)
-        return 0
-    except KeyboardInterrupt:
-        log("interrupted: tearing down")
-        _save(results, ns.out)
-        return 130
-    finally:
-        if ns.keep:
-            log(f"--keep: leaving the cluster, cgroups and {work}")
-        else:
-            if cluster is not None:
-                cluster.close()
-            emulated.teardown_cgroups()
-            shutil.rmtree(work, ignore_errors=True)
+                               "period_us": ab.emulated.PERIOD_US, "cases": {}}
+    return ab.run_on_cluster("overlap", ns, fast, results, log,
+                             lambda session, rate: measure(session, rate, ns, cases, fast, slow, results))
 
 
 if __name__ == "__main__":

@@ -49,23 +49,23 @@ too). Writes ``bench/out/pipeline_cluster.json``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "bench" / "out"
+sys.path.insert(0, str(ROOT))
+
+from bench import _abrun as ab  # noqa: E402
+from bench._abrun import OUT, ms, pooled, save  # noqa: E402
+
+SCRIPT = str(Path(__file__).resolve().relative_to(ROOT))
 DEFAULT_MODELS = "bert,gpt2_block,vit"
 DEFAULT_LAYERS = 8
 """Layers of every model by default: the ``small`` width (256) with 8 layers keeps an
@@ -79,98 +79,28 @@ SPEEDUP_TARGET = 1.3
 TARGET_MODELS = 2
 ERROR_TARGET = 0.10
 """Median |relative error| of the cost model over the runs hapd chose."""
-POLL_S = 30
-
-
-def _load_emulated():
-    name = "hapd_bench_emulated_cluster"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "emulated_cluster.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-def log(msg: str) -> None:
-    print(f"[pipeline {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:.0f}"
+log = ab.logger("pipeline")
 
 
 # ----------------------------------------------------------------------------- on each rank
 
 
-class RankClock:
-    """Per training step of this rank, seconds spent in each part (see the module
-    docstring): ``step``, ``forward``, ``backward``, ``recv_forward``,
-    ``recv_backward``, ``tied`` (pipeline ranks), ``wait_forward``, ``wait_backward``
-    (SPMD ranks' collectives) and ``grad_sync`` (both)."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, float]] = []
-        self.phase: str | None = None
-
-    def add(self, key: str, seconds: float) -> None:
-        if self.steps:
-            step = self.steps[-1]
-            step[key] = step.get(key, 0.0) + seconds
-
-    def timed(self, fn, key: str, phase: str | None = None, new_step: bool = False):
-        """``fn`` wrapped: its seconds added to ``key`` (``{phase}`` in ``key`` is the
-        phase it runs in); with ``phase``, the phase while it runs; with ``new_step``, a
-        new step record first."""
-        clock = self
-
-        def wrapper(*args, **kwargs):
-            if new_step:
-                clock.steps.append({})
-            outer = clock.phase
-            if phase is not None:
-                clock.phase = phase
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                clock.add(key.format(phase=outer or clock.phase), time.perf_counter() - t0)
-                clock.phase = outer
-
-        return wrapper
+class RankClock(ab.RankClock):
+    """:class:`_abrun.RankClock` with a pipeline rank's parts too (see the module
+    docstring): ``recv_forward`` and ``recv_backward``, blocked receiving from the other
+    stage, and ``tied``, the tied parameters' sum."""
 
     def install(self) -> None:
-        """Wrap the pipeline rank's step, forward, backward, receives and tied sum, the
-        SPMD step's forward and backward, the collectives' wait and the gradient sum."""
-        from hapd.runtime import collectives, gradsync, worker
+        """Wrap the pipeline rank's step, forward, backward, receives and tied sum, and
+        what :meth:`_abrun.RankClock.install` wraps."""
         from hapd.runtime.pipeline import PipelineRank
 
-        clock = self
         PipelineRank.step = self.timed(PipelineRank.step, "step", new_step=True)
         PipelineRank._forward = self.timed(PipelineRank._forward, "forward", phase="forward")
         PipelineRank._backward = self.timed(PipelineRank._backward, "backward", phase="backward")
         PipelineRank._complete = staticmethod(self.timed(PipelineRank._complete, "recv_{phase}"))
         PipelineRank._sum_tied = self.timed(PipelineRank._sum_tied, "tied")
-        gradsync.GradSync._finish = self.timed(gradsync.GradSync._finish, "grad_sync")
-        collectives.Pending.wait = self.timed(collectives.Pending.wait, "wait_{phase}")
-
-        def plan_step(step):
-            clock.steps.append({})
-            t0 = time.perf_counter()
-            clock.phase = "forward"
-            loss = step.module(*step.inputs)
-            t1 = time.perf_counter()
-            clock.phase = "backward"
-            loss.backward()
-            t2 = time.perf_counter()
-            clock.phase = None
-            clock.add("forward", t1 - t0)
-            clock.add("backward", t2 - t1)
-            clock.add("step", t2 - t0)
-            step.last_loss = loss.detach()
-            return step.last_loss
-
-        worker.PlanStep.__call__ = plan_step
+        super().install()
 
 
 def plan_record(plan) -> dict[str, Any]:
@@ -224,32 +154,20 @@ def rank_main(argv: Sequence[str]) -> int:
     if force:
         args = args[1:]
     record_plan(out, force)
-    clock = RankClock()
-    clock.install()
-    from hapd.runtime import worker
-
-    code = worker.main(args)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps({"steps": clock.steps}))
-    return code
+    return ab.clocked_worker(out, args, RankClock())
 
 
 def step_breakdown(waits: Path, warmup: int, iterations: int) -> list[dict[str, float]]:
     """Per rank (rank order): mean seconds per timed step of each part the
     :class:`RankClock` recorded, ``compute`` (forward + backward without the waits) and
     ``other`` (the step without forward and backward)."""
-    out = []
     keys = ("step", "forward", "backward", "recv_forward", "recv_backward", "wait_forward", "wait_backward",
             "grad_sync", "tied")
-    for path in sorted(waits.glob("rank*.json"), key=lambda p: int(p.stem[4:])):
-        steps = json.loads(path.read_text())["steps"][warmup:iterations]
-        if not steps:
-            continue
-        mean = {k: statistics.fmean(s.get(k, 0.0) for s in steps) for k in keys}
+    out = ab.mean_steps(waits, warmup, iterations, keys)
+    for mean in out:
         waited = sum(mean[k] for k in ("recv_forward", "recv_backward", "wait_forward", "wait_backward", "grad_sync"))
         mean["compute"] = mean["forward"] + mean["backward"] - waited
         mean["other"] = mean["step"] - mean["forward"] - mean["backward"]
-        out.append({"rank": int(path.stem[4:]), **mean})
     return out
 
 
@@ -295,27 +213,12 @@ def sample_seconds(group: Path, model: str, size: str, layers: int, batches: Seq
     cgroup ``group`` (1 thread, eager PyTorch) at each per-rank batch of ``batches``: how
     much slower a rank computes on a pipeline's small micro-batches than on the SPMD
     plan's share (the cost model prices compute at the profile's FLOP/s at any batch)."""
-    code = (
-        "import os, sys, time, torch\n"
-        f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
-        "torch.set_num_threads(1)\n"
-        f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from hapd import models\n"
-        f"net, cfg = models.build({model!r}, {size!r}, layers={layers})\n"
-        f"for b in {list(batches)!r}:\n"
-        f"    x = models.get({model!r}).example_inputs(cfg, b)\n"
-        "    def step():\n"
-        "        out = net(*x); (out if out.dim() == 0 else out.float().sum()).backward()\n"
-        "    for _ in range(2): step()\n"
-        "    n = 0; t0 = time.perf_counter()\n"
-        "    while time.perf_counter() - t0 < 1.5 or n < 3: step(); n += 1\n"
-        "    print(b, (time.perf_counter() - t0) / n / b, flush=True)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if done.returncode != 0:
-        log(f"compute-rate probe failed: {done.stderr[-500:]}")
+    try:
+        steps = ab.emulated.step_seconds(group, model, size, layers, batches, 1.5, min_steps=3, timeout=600)
+    except RuntimeError as e:
+        log(f"compute-rate probe failed: {e}")
         return {}
-    return {int(b): float(t) for b, t in (line.split() for line in done.stdout.strip().splitlines())}
+    return {b: t / b for b, t in steps.items()}
 
 
 def format_rates(results: Mapping[str, Any]) -> str:
@@ -342,7 +245,7 @@ def run_system(runner, model: str, system: str, ns: argparse.Namespace, profile:
     rank reported: job seconds per timed iteration, mean ± std, the worker's estimates,
     its pipeline and each rank's :func:`step_breakdown`."""
     waits = runner.work / f"waits-{tag}"
-    args = [str(Path(__file__).resolve().relative_to(ROOT)), "rank", str(waits)]
+    args = [SCRIPT, "rank", str(waits)]
     if system == FORCED:
         args.append("--force")
     args += ["--model", model, "--size", ns.size, "--batch", str(ns.batch), "--layers", str(ns.layers),
@@ -351,34 +254,16 @@ def run_system(runner, model: str, system: str, ns: argparse.Namespace, profile:
         args += ["--pipeline", "auto"]
     if trace is not None:
         args += ["--trace", str(trace)]
-    report = runner.work / f"{tag}.json"
-    for attempt in (1, 2):  # a rank now and then aborts in Gloo's teardown
-        shutil.rmtree(waits, ignore_errors=True)
-        report.unlink(missing_ok=True)
-        t0 = time.monotonic()
-        done = runner.launch(args, report, timeout=ns.run_timeout)
-        data = json.loads(report.read_text()) if report.exists() else {}
-        summary = data.get("summary") or {}
-        complete = not data.get("missing_ranks") and summary.get("mean_s")
-        if complete:
-            break
-    row: dict[str, Any] = {"model": model, "system": system, "exit_code": done.returncode, "attempt": attempt,
-                           "wall_s": time.monotonic() - t0}
+    row, done, summary = ab.launch(runner, model, system, args, waits, tag, ns.run_timeout)
     if (waits / "plan.json").exists():
         row["plan"] = json.loads((waits / "plan.json").read_text())
         OUT.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(waits / "explain.txt", OUT / f"pipeline_explain_{model}_{system}.txt")
-    if not complete:
+    if summary is None:
         row["error"] = error_line(done.stderr or done.stdout)
         return row
-    ranks = summary["ranks"]
-    count = min(len(r["iteration_s"]) for r in ranks)
-    row["job_s"] = [max(r["iteration_s"][i] for r in ranks) for i in range(summary["warmup"], count)]
-    row.update(mean_s=summary["mean_s"], std_s=summary["std_s"], loss=summary.get("loss"),
-               estimate_s=summary.get("estimate_s"), spmd_estimate_s=summary.get("spmd_estimate_s"),
-               pipeline=summary.get("pipeline"), per_rank_mean_s=[r["mean_s"] for r in ranks],
-               breakdown=step_breakdown(waits, summary["warmup"], count))
-    return row
+    return ab.timed_row(row, summary, waits, step_breakdown, spmd_estimate_s=summary.get("spmd_estimate_s"),
+                        pipeline=summary.get("pipeline"))
 
 
 def error_line(text: str) -> str:
@@ -387,14 +272,6 @@ def error_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     named = [line for line in lines if re.search(r"\b\w*(Error|Exception): ", line)]
     return (named or lines or [""])[-1][-400:]
-
-
-def pooled(rows: Sequence[Mapping[str, Any]]) -> tuple[float | None, float | None, int]:
-    """Mean and (population) std of every timed iteration of ``rows``, and their count."""
-    times = [t for r in rows for t in r.get("job_s", [])]
-    if not times:
-        return None, None, 0
-    return statistics.fmean(times), statistics.pstdev(times), len(times)
 
 
 def summarize(results: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -429,12 +306,7 @@ def summarize(results: Mapping[str, Any]) -> list[dict[str, Any]]:
             row["forced_speedup"] = spmd["mean_s"] / forced["mean_s"]
         if plan.get("spmd_estimate_s") and plan.get("pipeline_estimate_s"):
             row["predicted_speedup"] = plan["spmd_estimate_s"] / plan["pipeline_estimate_s"]
-        by_round: dict[int, dict[str, float]] = {}
-        for r in runs:
-            if r.get("mean_s"):
-                by_round.setdefault(r["round"], {})[r["system"]] = r["mean_s"]
-        row["round_speedups"] = [v["spmd"] / v["pipeline"] for _, v in sorted(by_round.items())
-                                 if "spmd" in v and "pipeline" in v]
+        row["round_speedups"] = ab.round_speedups(runs, "spmd", "pipeline")
         rows.append(row)
     return rows
 
@@ -446,15 +318,15 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     out = [head, "-" * len(head)]
     for r in rows:
         s, p, f = r.get("spmd", {}), r.get("pipeline", {}), r.get(FORCED, {})
-        cell = lambda c: f"{_ms(c['mean_s'])} ± {_ms(c['std_s'])}" if c.get("mean_s") else "FAILED"  # noqa: E731
+        cell = lambda c: f"{ms(c['mean_s'])} ± {ms(c['std_s'])}" if c.get("mean_s") else "FAILED"  # noqa: E731
         pct = lambda c, k, fmt: fmt.format(c[k]) if c.get(k) is not None else "-"  # noqa: E731
         forced = "-"
         if f:
-            forced = (f"{cell(f)} ({pct(r, 'forced_speedup', '{:.2f}x')}, {_ms(f.get('estimate_s'))}, "
+            forced = (f"{cell(f)} ({pct(r, 'forced_speedup', '{:.2f}x')}, {ms(f.get('estimate_s'))}, "
                       f"{pct(f, 'rel_error', '{:+.0%}')})")
         out.append(f"{r['model']:>10} {r['layers']:>2} {cell(s):>12} {cell(p):>12} {pct(r, 'speedup', '{:.2f}x'):>7} "
-                   f"{pct(r, 'predicted_speedup', '{:.2f}x'):>6} {_ms(s.get('estimate_s')):>9} "
-                   f"{pct(s, 'rel_error', '{:+.0%}'):>6} {_ms(p.get('estimate_s')):>9} {pct(p, 'rel_error', '{:+.0%}'):>6} "
+                   f"{pct(r, 'predicted_speedup', '{:.2f}x'):>6} {ms(s.get('estimate_s')):>9} "
+                   f"{pct(s, 'rel_error', '{:+.0%}'):>6} {ms(p.get('estimate_s')):>9} {pct(p, 'rel_error', '{:+.0%}'):>6} "
                    f"{pct(s, 'fraction_of_ideal', '{:.0%}'):>12} {pct(p, 'fraction_of_ideal', '{:.0%}'):>6}  {forced}")
     return "\n".join(out)
 
@@ -475,11 +347,11 @@ def format_plans(results: Mapping[str, Any]) -> str:
         if not plan:
             continue
         verdict = "chosen" if plan.get("chosen") else f"not chosen{': ' + plan['reason'] if plan.get('reason') else ''}"
-        tried = ", ".join(f"m={t['micro_batches']}: {_ms(t['per_iteration'])} ms" for t in plan.get("tried", []))
-        lines.append(f"{model}: SPMD predicted {_ms(plan['spmd_estimate_s'])} ms (slowest device: compute "
-                     f"{_ms(max(plan['spmd_compute'], default=None))} ms, communication "
-                     f"{_ms(max(plan['spmd_communication'], default=None))} ms); best pipeline "
-                     f"{_ms(plan.get('pipeline_estimate_s'))} ms ({verdict}): {describe_pipeline(plan.get('pipeline'))}; "
+        tried = ", ".join(f"m={t['micro_batches']}: {ms(t['per_iteration'])} ms" for t in plan.get("tried", []))
+        lines.append(f"{model}: SPMD predicted {ms(plan['spmd_estimate_s'])} ms (slowest device: compute "
+                     f"{ms(max(plan['spmd_compute'], default=None))} ms, communication "
+                     f"{ms(max(plan['spmd_communication'], default=None))} ms); best pipeline "
+                     f"{ms(plan.get('pipeline_estimate_s'))} ms ({verdict}): {describe_pipeline(plan.get('pipeline'))}; "
                      f"tried {tried or 'nothing'}")
     return "\n".join(lines)
 
@@ -505,8 +377,8 @@ def format_stages(results: Mapping[str, Any]) -> str:
             compute = statistics.fmean(b["compute"] for b in mine)
             rest = statistics.fmean(b["step"] - b["compute"] for b in mine)
             lines.append(f"{model:>10} {run['system']:>8} {st['index']:>5} {','.join(map(str, st['ranks'])):>5} "
-                         f"{st['block_count']:>6} {_ms(pred['compute']):>12} {_ms(compute):>8} "
-                         f"{_ms(pred['idle'] + pred['sync']):>9} {_ms(rest):>8} {_ms(pred['boundary']):>6}")
+                         f"{st['block_count']:>6} {ms(pred['compute']):>12} {ms(compute):>8} "
+                         f"{ms(pred['idle'] + pred['sync']):>9} {ms(rest):>8} {ms(pred['boundary']):>6}")
     return "\n".join(lines)
 
 
@@ -520,9 +392,9 @@ def format_breakdown(results: Mapping[str, Any]) -> str:
             if not runs:
                 continue
             for b in runs[-1]["breakdown"]:
-                lines.append(f"{model:>10} {system:>8} {b['rank']:>4} {_ms(b['step']):>6} {_ms(b['compute']):>7} "
-                             f"{_ms(b['recv_forward']):>8} {_ms(b['recv_backward']):>9} {_ms(b['wait_forward']):>8} "
-                             f"{_ms(b['wait_backward']):>8} {_ms(b['grad_sync']):>8} {_ms(b['other']):>6}")
+                lines.append(f"{model:>10} {system:>8} {b['rank']:>4} {ms(b['step']):>6} {ms(b['compute']):>7} "
+                             f"{ms(b['recv_forward']):>8} {ms(b['recv_backward']):>9} {ms(b['wait_forward']):>8} "
+                             f"{ms(b['wait_backward']):>8} {ms(b['grad_sync']):>8} {ms(b['other']):>6}")
     return "\n".join(lines)
 
 
@@ -592,39 +464,10 @@ def report(results: dict[str, Any], out: Path | None) -> None:
           "collectives; compute = forward + backward without the waits; other = step without forward and backward")
     print(format_breakdown(results))
     if out is not None:
-        _save(results, out)
-
-
-def _save(results: Mapping[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    slim = json.loads(json.dumps(results, default=str))
-    slim.get("profile", {}).pop("device_detail", None)
-    path.write_text(json.dumps(slim, indent=1) + "\n")
+        save(results, out)
 
 
 # ----------------------------------------------------------------------------- main
-
-
-def others_active() -> list[str]:
-    """Other benchmarks' network namespaces and cpu cgroups (names starting ``hapd``)."""
-    emulated = _load_emulated()
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    found = [line.split()[0] for line in listed.stdout.splitlines() if line.startswith("hapd")]
-    if emulated.CG_ROOT.exists():
-        found += [p.name for p in emulated.CG_ROOT.iterdir() if p.is_dir() and p.name.startswith("hapd")]
-    return found
-
-
-def wait_for_others(limit_s: float) -> bool:
-    """Poll until no other benchmark's namespaces or cgroups exist; False after ``limit_s``."""
-    t0 = time.monotonic()
-    while busy := others_active():
-        if time.monotonic() - t0 > limit_s:
-            log(f"still in use after {limit_s:.0f} s: {', '.join(busy)}")
-            return False
-        log(f"another benchmark is running ({', '.join(busy)}): waiting {POLL_S} s")
-        time.sleep(POLL_S)
-    return True
 
 
 def model_list(text: str) -> list[str]:
@@ -641,22 +484,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated models (default: {DEFAULT_MODELS})")
     p.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help=f"layers of every model (default {DEFAULT_LAYERS})")
-    p.add_argument("--variant", default="3:1", help="fast:slow cpu quota ratio (default 3:1)")
-    p.add_argument("--rate-mbit", type=float, default=None, help="link rate (default: fast rank FLOP/s / 4000 FLOP/B)")
+    ab.add_cluster_flags(p)
     p.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
     p.add_argument("--size", default="small", choices=("tiny", "small", "paper"))
     p.add_argument("--iterations", type=int, default=14, help="iterations per run, warm-up included (default 14)")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2, help="runs of each system, interleaved ABBA (default 2)")
     p.add_argument("--no-forced", action="store_true", help="do not run the best pipeline when it is not chosen")
-    p.add_argument("--trace", action="store_true", help="Chrome traces of each system's last run, into bench/out")
-    p.add_argument("--full-profile", action="store_true", help="the profiler's full sizes/repeats (default quick)")
-    p.add_argument("--wait-others", type=float, default=3 * 3600, help="seconds to wait for another benchmark")
-    p.add_argument("--run-timeout", type=float, default=1200)
-    p.add_argument("--keep", action="store_true", help="skip teardown (debugging)")
-    p.add_argument("--out", type=Path, default=OUT / "pipeline_cluster.json")
-    p.add_argument("-v", "--verbose", action="store_true")
-    p.add_argument("--from-json", type=Path, default=None, help="run nothing: re-print a saved results JSON")
+    ab.add_run_flags(p, "system", OUT / "pipeline_cluster.json")
     ns = p.parse_args(argv)
     if ns.rounds < 1 or not 0 <= ns.warmup < ns.iterations or ns.layers < 2 or ns.batch < 4:
         p.error("need --rounds ≥ 1, 0 ≤ --warmup < --iterations, --layers ≥ 2 and --batch ≥ 4")
@@ -672,6 +507,44 @@ def _commit() -> str | None:
     return head.stdout.strip() + ("+" if dirty else "")
 
 
+def measure(session, rate: float, ns: argparse.Namespace, names: Sequence[str], fast: float, slow: float,
+            results: dict[str, Any]) -> None:
+    """Each model's compute rate on one fast rank, the cluster up and profiled, then per
+    model its systems run; the report."""
+    results["commit"] = _commit()  # when the run starts: the checkout may change while it waits for others
+    for model in names:
+        results["models"][model] = {"layers": ns.layers, "batch": ns.batch, "runs": [], "plan": None,
+                                    "flops": ab.emulated.model_flops(model, ns.size, ns.batch, ns.layers),
+                                    "sample_s": sample_seconds(session.groups[0], model, ns.size, ns.layers,
+                                                               PER_RANK_BATCHES)}
+    log("one fast rank alone, forward + backward per sample:\n" + format_rates(results))
+    prof_path = ab.start_and_profile(session, rate, fast, slow, ns, results, log)
+    for line in link_lines(results["profile"], rate):
+        log(line)
+    for model in names:
+        run_model(session.runner, model, results["models"][model], ns, prof_path, results)
+    report(results, ns.out)
+
+
+def run_model(runner, model: str, case: dict[str, Any], ns: argparse.Namespace, profile: Path,
+              results: dict[str, Any]) -> None:
+    """The model's systems interleaved ABBA over ``--rounds`` (round 0: spmd, pipeline[,
+    forced]; round 1 reversed); the plan the first pipeline run compiled is the case's."""
+
+    def run(system: str, rnd: int) -> dict[str, Any] | None:
+        if system == FORCED and not wants_forced(case, ns):
+            return None
+        row = run_system(runner, model, system, ns, profile, f"{model}-{system}-r{rnd}",
+                         ab.trace_path("pipeline", model, system, ns, rnd))
+        if system == "pipeline" and case["plan"] is None and row.get("plan"):
+            case["plan"] = row["plan"]
+            log(format_plans({"models": {model: case}}))
+        return row
+
+    ab.interleaved([*SYSTEMS, FORCED], ns.rounds, case["runs"], run, lambda: save(results, ns.out), log,
+                   shown=("pipeline",))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["rank"]:
@@ -680,91 +553,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.from_json is not None:
         report(json.loads(ns.from_json.read_text()), None)
         return 0
-    emulated = _load_emulated()
     try:
         names = model_list(ns.models)
-        fast, slow = emulated.parse_variant(ns.variant)
+        fast, slow = ab.emulated.parse_variant(ns.variant)
     except ValueError as e:
         print(f"pipeline_cluster: {e}", file=sys.stderr)
         return 2
-    why = emulated.available()
-    if why:
-        print(f"pipeline_cluster: skipped: {why}")
-        return 0
-    signal.signal(signal.SIGTERM, emulated._on_term)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    if not wait_for_others(ns.wait_others):
-        print("pipeline_cluster: skipped: another benchmark's cluster is still up")
-        return 0
-    work = Path(tempfile.mkdtemp(prefix="hapd-pipeline-"))
-    cluster = None
     results: dict[str, Any] = {"variant": ns.variant, "quotas": [fast, fast, slow, slow], "batch": ns.batch,
                                "size": ns.size, "layers": ns.layers, "iterations": ns.iterations, "warmup": ns.warmup,
-                               "rounds": ns.rounds, "period_us": emulated.PERIOD_US, "commit": _commit(), "models": {}}
-    try:
-        os.environ.setdefault("HAPD_HOME", str(work / "home"))
-        groups = emulated.setup_cgroups([fast] * 4)
-        rank_flops = emulated.measure_rank_flops(groups[0])
-        rate = ns.rate_mbit or rank_flops / emulated.FLOP_PER_BYTE * 8 / 1e6
-        results.update(fast_rank_flops=rank_flops, rate_mbit=rate)
-        log(f"fast rank ({fast:.2f} core): {rank_flops / 1e9:.1f} GFLOP/s matmul -> link {rate:.1f} Mbit/s")
-        for model in names:
-            results["models"][model] = {"layers": ns.layers, "batch": ns.batch, "runs": [], "plan": None,
-                                        "flops": emulated.model_flops(model, ns.size, ns.batch, ns.layers),
-                                        "sample_s": sample_seconds(groups[0], model, ns.size, ns.layers,
-                                                                   PER_RANK_BATCHES)}
-        log("one fast rank alone, forward + backward per sample:\n" + format_rates(results))
-        cluster = emulated.make_cluster_class()(work)
-        cluster.create()
-        cluster.shape(rate)
-        cluster.start()
-        hostfile = work / "hosts.txt"
-        hostfile.write_text(cluster.host_lines(slots=[emulated.RANKS_PER_HOST] * 2, gpus=["fast", "slow"]))
-        runner = emulated.Runner(cluster, work, hostfile, groups, ns.verbose)
-        emulated.setup_cgroups([fast, fast, slow, slow])
-        prof_path = work / "profile.json"
-        t0 = time.monotonic()
-        prof = runner.profile(prof_path, quick=not ns.full_profile)
-        results["profile"] = prof
-        log(f"profiled in {time.monotonic() - t0:.0f} s: FLOP/s " +
-            ", ".join(f"{d['flops'] / 1e9:.1f}G" for d in prof["devices"]))
-        for line in link_lines(prof, rate):
-            log(line)
-        for model in names:
-            case = results["models"][model]
-            for rnd in range(ns.rounds):
-                order = [*SYSTEMS, FORCED] if rnd % 2 == 0 else [FORCED, *SYSTEMS[::-1]]
-                for system in order:
-                    if system == FORCED and not wants_forced(case, ns):
-                        continue
-                    last = rnd == ns.rounds - 1
-                    trace = OUT / f"pipeline_trace_{model}_{system}.json" if ns.trace and last else None
-                    row = run_system(runner, model, system, ns, prof_path, f"{model}-{system}-r{rnd}", trace)
-                    row["round"] = rnd
-                    case["runs"].append(row)
-                    if system == "pipeline" and case["plan"] is None and row.get("plan"):
-                        case["plan"] = row["plan"]
-                        log(format_plans({"models": {model: case}}))
-                    log(f"{model} {system} round {rnd}: " + (
-                        f"{_ms(row['mean_s'])} ± {_ms(row['std_s'])} ms (predicted {_ms(row.get('estimate_s'))} ms, "
-                        f"pipeline {row.get('pipeline')}, loss {row.get('loss')})"
-                        if "error" not in row else f"FAILED {row['error']}"))
-                    _save(results, ns.out)
-        report(results, ns.out)
-        return 0
-    except KeyboardInterrupt:
-        log("interrupted: tearing down")
-        _save(results, ns.out)
-        return 130
-    finally:
-        if ns.keep:
-            log(f"--keep: leaving the cluster, cgroups and {work}")
-        else:
-            if cluster is not None:
-                cluster.close()
-            emulated.teardown_cgroups()
-            shutil.rmtree(work, ignore_errors=True)
-
+                               "rounds": ns.rounds, "period_us": ab.emulated.PERIOD_US, "commit": None, "models": {}}
+    return ab.run_on_cluster("pipeline", ns, fast, results, log,
+                             lambda session, rate: measure(session, rate, ns, names, fast, slow, results))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,16 +4,9 @@ here builds a cluster (that needs root and half an hour: ``bench/emulated_cluste
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 import _bench
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +93,6 @@ def test_a_failed_run_is_a_table_row_not_a_crash(bench):
 
 
 def test_a_saved_run_is_reprinted_and_bad_arguments_exit_2(tmp_path):
-    saved = tmp_path / "run.json"
-    saved.write_text(json.dumps(_results(hapd=4.0, ev=8.0, cp=5.0, estimate=4.4)))
-    script = str(ROOT / "bench" / "emulated_cluster.py")
-    done = subprocess.run([sys.executable, script, "--from-json", str(saved)], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "MET  3:1 bert: hapd 2.00x EV" in done.stdout and "1.25x" in done.stdout
-    for args, message in ((["--variants", "3:x"], "not FAST:SLOW"), (["--models", "nope"], "unknown")):
-        done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and message in done.stderr
+    out = _bench.reprint("emulated_cluster", _results(hapd=4.0, ev=8.0, cp=5.0, estimate=4.4), tmp_path,
+                         bad=((["--variants", "3:x"], "not FAST:SLOW"), (["--models", "nope"], "unknown")))
+    assert "MET  3:1 bert: hapd 2.00x EV" in out and "1.25x" in out

@@ -6,6 +6,7 @@ needs root and a quarter of an hour: ``bench/overlap_cluster.py``."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,13 +91,31 @@ def test_a_failed_run_leaves_no_speedup(bench):
 
 
 def test_a_saved_run_is_reprinted_and_bad_arguments_exit_2(tmp_path):
-    saved = tmp_path / "run.json"
-    saved.write_text(json.dumps(_results(plain=[[3.0, 3.0]], overlap=[[2.0, 2.0]])))
-    script = str(ROOT / "bench" / "overlap_cluster.py")
-    done = subprocess.run([sys.executable, script, "--from-json", str(saved)], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "1.50x" in done.stdout and "MET  bert_moe expert-parallel" in done.stdout
-    for args, message in ((["--cases", "bert=x"], "not one of"), (["--variant", "3:x"], "not FAST:SLOW")):
-        done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and message in done.stderr, done.stderr
+    out = _bench.reprint("overlap_cluster", _results(plain=[[3.0, 3.0]], overlap=[[2.0, 2.0]]), tmp_path,
+                         bad=((["--cases", "bert=x"], "not one of"), (["--variant", "3:x"], "not FAST:SLOW")))
+    assert "1.50x" in out and "MET  bert_moe expert-parallel" in out
+
+
+@pytest.mark.distributed
+def test_the_rank_hook_times_each_step_and_its_waits(bench, tmp_path):
+    """``overlap_cluster.py rank DIR`` on 2 Gloo ranks, BERT-MoE's duplicas: each rank's
+    steps are timed, forward and backward apart, with the time blocked in the plan's
+    collectives in each pass and in the gradient sum, and the breakdown reads them back."""
+    waits = tmp_path / "waits"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "bench" / "overlap_cluster.py"), "rank", str(waits), "--model", "bert_moe", "--batch", "8",
+           "--iterations", "3", "--warmup", "1", "--overlap", "always"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "HAPD_HOME": str(tmp_path / "home")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        steps = json.loads((waits / f"rank{rank}.json").read_text())["steps"]
+        assert len(steps) == 3
+        for s in steps:
+            assert {"forward", "backward", "wait_forward", "wait_backward", "grad_sync"} <= set(s)
+            assert s["step"] >= s["forward"] > 0 and s["backward"] > 0
+    rows = bench.step_breakdown(waits, warmup=1, iterations=3)
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["compute"] == pytest.approx(r["forward"] + r["backward"] - r["wait_forward"] - r["wait_backward"]
+                                             - r["grad_sync"])

@@ -132,17 +132,10 @@ def test_a_failed_run_leaves_no_speedup(bench):
 
 
 def test_a_saved_run_is_reprinted_and_bad_arguments_exit_2(tmp_path):
-    saved = tmp_path / "run.json"
-    saved.write_text(json.dumps(_results(spmd=[[2.0, 2.0]], pipeline=[[1.5, 1.5]])))
-    script = str(ROOT / "bench" / "pipeline_cluster.py")
-    done = subprocess.run([sys.executable, script, "--from-json", str(saved)], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "1.33x" in done.stdout and "per stage, predicted against measured" in done.stdout
-    for args, message in ((["--models", "nope"], "unknown"), (["--variant", "3:x"], "not FAST:SLOW"),
-                          (["--layers", "1"], "--layers")):
-        done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and message in done.stderr, done.stderr
+    out = _bench.reprint("pipeline_cluster", _results(spmd=[[2.0, 2.0]], pipeline=[[1.5, 1.5]]), tmp_path,
+                         bad=((["--models", "nope"], "unknown"), (["--variant", "3:x"], "not FAST:SLOW"),
+                              (["--layers", "1"], "--layers")))
+    assert "1.33x" in out and "per stage, predicted against measured" in out
 
 
 def _two_hosts_fast_link(path: Path) -> Path:
