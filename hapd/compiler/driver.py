@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
 
@@ -301,15 +301,20 @@ def _rounds(
     caps: list[float] | None,
     price: list[float] | None,
     recompute: Sequence[str] = (),
+    weigh: Callable[[dict], dict] | None = None,
 ) -> _Searched:
     """Alternate the search and the ratio LP while the cost strictly improves
-    (one search only when ``options.ratios`` fixes the ratios)."""
+    (one search only when ``options.ratios`` fixes the ratios); with ``weigh``, each
+    program the core returns is priced as the program it stands for (see
+    :func:`search_program`)."""
     ratios = list(options.ratios) if options.ratios is not None else profile.flops_ratios()
     rounds, expanded, history = 0, 0, []
     best: tuple[dict, list[float], float] | None = None
     while rounds < options.max_rounds:
         rounds += 1
         program = synthesize(data, profile, ratios, options, options.mode, price, recompute)
+        if weigh is not None:
+            program = weigh(program)
         expanded += program["stats"]["expanded"]
         if options.ratios is not None:
             if caps is not None and not _fits(program, ratios, caps):
@@ -533,12 +538,20 @@ def _prefer_data_parallel(
     return program, ratios, chosen_from
 
 
-def search_program(data: bytes, profile: Profile, options: CompileOptions) -> tuple[dict, list[float]]:
+def search_program(
+    data: bytes, profile: Profile, options: CompileOptions, weigh: Callable[[dict], dict] | None = None
+) -> tuple[dict, list[float]]:
     """The cheapest program for ``profile`` and the ratios it was optimized for, from the
     search ⇄ LP rounds and the data-parallel candidate, without memory caps or wider
-    fronts: how a pipeline stage's group is priced (:mod:`hapd.compiler.pipeline`)."""
-    searched = _rounds(data, profile, options, None, None)
+    fronts: how a pipeline stage's group is priced (:mod:`hapd.compiler.pipeline`).
+    ``weigh`` maps each program the core returns for ``data`` to the program the LP and
+    the comparison with data parallelism price, and which is returned: for a graph
+    with its repeated blocks dropped, its steps weighed as the whole graph's
+    (:mod:`hapd.compiler.repeats`)."""
+    searched = _rounds(data, profile, options, None, None, weigh=weigh)
     baselines = _baselines(data, profile, options)
+    if weigh is not None:
+        baselines = replace(baselines, dp_program=weigh(baselines.dp_program))
     program, ratios, _ = _prefer_data_parallel(searched, baselines, options, None)
     return program, ratios
 

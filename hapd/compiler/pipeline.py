@@ -19,16 +19,20 @@ ops that depend on a parameter, computed before the cut and read after it
 
 **Stage costs without a compile per cut.** For each candidate group (a contiguous run
 of hosts in rank order; groups of the same devices are priced once) and each ``m``,
-the whole graph exported at the micro-batch size ``global/m`` is searched with the
-group's sub-profile (:func:`hapd.compiler.driver.search_program`: the search ⇄ LP
-rounds and the data-parallel candidate, without memory caps), and its steps' costs
-under the LP's ratios are summed per unit. A stage's time per micro-batch on units
-``[k0, k1)`` is then a difference of prefix sums: repeated blocks make a 96-layer model
-a prefix-sum problem like a 2-layer one. A step's compute row is forward plus backward
-(the backward twice the forward, as the core prices it); its collectives are split
-into forward and backward halves where they carry a gradient; the gradient
-all-reduce of its replicated parameters (its sources' ``grad_sync`` rows) is the
-stage's gradient sync, once per iteration.
+the graph exported at the micro-batch size ``global/m`` is searched with the group's
+sub-profile (:func:`hapd.compiler.driver.search_program`: the search ⇄ LP rounds and
+the data-parallel candidate, without memory caps), and its steps' costs under the LP's
+ratios are summed per unit. Repeated blocks are searched once: the graph searched
+keeps three of each run of identical blocks (besides the embedding and the head), its
+programs are weighed as the whole graph's for the LP, and the blocks dropped cost what
+the kept ones they repeat do (:mod:`hapd.compiler.repeats`; a group whose program
+there stands for none of the whole graph is searched on the whole graph), so a
+96-layer transformer's groups cost the searches of a 5-layer one. A stage's time per
+micro-batch on units ``[k0, k1)`` is then a difference of prefix sums. A step's
+compute row is forward plus backward (the backward twice the forward, as the core
+prices it); its collectives are split into forward and backward halves where they
+carry a gradient; the gradient all-reduce of its replicated parameters (its sources'
+``grad_sync`` rows) is the stage's gradient sync, once per iteration.
 
 **The 1F1B critical path** of stages ``s = 0…S−1`` with per-micro-batch compute
 ``u_s = f_s + b_s``, point-to-point time ``c_j`` of cut ``j`` (the boundary's
@@ -751,6 +755,9 @@ class StageTable:
     priced_units: int = 0
     """Units of the graph the groups were searched on: fewer than the graph's when its
     repeated blocks were dropped (:mod:`hapd.compiler.repeats`)."""
+    whole_searches: int = 0
+    """Of the searches, those run on the whole graph although it has repeated blocks
+    (the reduced graph's program stood for none of the whole graph's)."""
 
     @property
     def hosts(self) -> int:
@@ -801,8 +808,10 @@ def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions", *, r
     search per distinct group (:func:`hapd.compiler.driver.search_program` with the
     group's sub-profile, no memory caps), its steps summed per unit. With ``repeats``
     the search runs on the graph with its repeated blocks dropped, when it has some
-    (:mod:`hapd.compiler.repeats`), and each dropped block costs what its
-    representative does; else (or when the core refuses that graph) on the whole graph."""
+    (:mod:`hapd.compiler.repeats`), and each dropped block costs what the kept blocks
+    it repeats do; a group whose search there fails, or finds a program that stands
+    for none of the whole graph, is searched on the whole graph."""
+    from hapd.compiler.driver import search_program
     from hapd.compiler.repeats import reduce_graph
 
     group_options = replace(options, pipeline="off", memory_caps=False, recompute="never", overlap=False, ratios=None)
@@ -812,8 +821,9 @@ def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions", *, r
     groups = host_groups(profile)
     batch = graph_batch(doc)
     reduction = reduce_graph(doc, units.unit_of, count) if repeats and count >= 2 and units.cuts else None
+    priced_units = reduction.kept if reduction is not None else count
     costs: dict[str, UnitCosts | None] = {}
-    searches = 0
+    searches = whole = 0
     if count >= 2 and units.cuts:
         for group in groups.values():
             if group.key in costs:
@@ -822,39 +832,40 @@ def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions", *, r
             if batch < len(group.ranks):
                 continue  # fewer samples than ranks
             sub = profile.subset(group.ranks, name=f"{profile.name}:{'+'.join(group.hosts)}")
-            try:
-                found, reduction = _group_costs(ir, reduction, units, sub, group_options)
-            except SynthesisError:
-                continue
+            found = _reduced_costs(reduction, count, sub, group_options) if reduction is not None else None
+            if found is None:
+                if reduction is not None:
+                    whole += 1
+                try:
+                    program, ratios = search_program(ir.data, sub, group_options)
+                except SynthesisError:
+                    continue
+                found = unit_costs(program, ratios, units.unit_of, count)
             searches += 1
             costs[group.key] = found
     link = p2p_link(profile)
     boundary = tuple(boundary_seconds(c, link) if c is not None else 0.0 for c in units.crossing)
     summed = (profile.collectives.get("grad_sync") or profile.collectives["all_reduce"])["inter"]
     return StageTable(units=units, groups=groups, costs=costs, boundary=boundary, searches=searches, sum_link=summed,
-                      priced_units=reduction.kept if reduction is not None else count)
+                      priced_units=priced_units, whole_searches=whole)
 
 
-def _group_costs(
-    ir: "GraphIR", reduction: "Reduction | None", units: GraphUnits, profile: Profile, options: "CompileOptions"
-) -> "tuple[UnitCosts, Reduction | None]":
-    """One group's unit costs (``profile``: its sub-profile), searched on ``reduction``'s
-    graph when there is one, and the reduction to price the next group with: ``None``
-    once the core refuses the reduced graph (it is then priced whole)."""
+def _reduced_costs(reduction: "Reduction", count: int, profile: Profile, options: "CompileOptions") -> UnitCosts | None:
+    """The ``count`` units' costs on the group of ``profile`` (its sub-profile) searched
+    on ``reduction``'s graph; ``None`` when that search fails or its program stands for
+    no program of the whole graph (:meth:`hapd.compiler.repeats.Reduction.cycles`)."""
     from hapd.compiler.driver import search_program
 
-    count = len(units.units)
-    if reduction is not None:
-        try:
-            program, ratios = search_program(reduction.ir.data, profile, options, expand=reduction.expand)
-        except GraphError:
-            reduction = None
-        else:
-            kept = unit_costs(program, ratios, reduction.unit_of, count)
-            return UnitCosts(forward=reduction.spread(kept.forward), backward=reduction.spread(kept.backward),
-                             sync=reduction.spread(kept.sync)), reduction
-    program, ratios = search_program(ir.data, profile, options)
-    return unit_costs(program, ratios, units.unit_of, count), None
+    try:
+        program, ratios = search_program(reduction.ir.data, profile, options, weigh=reduction.weigh)
+    except (GraphError, SynthesisError):
+        return None
+    cycles = reduction.cycles(program)
+    if cycles is None:
+        return None
+    kept = unit_costs(program, ratios, reduction.unit_of, count)
+    return UnitCosts(forward=reduction.spread(kept.forward, cycles), backward=reduction.spread(kept.backward, cycles),
+                     sync=reduction.spread(kept.sync, cycles))
 
 
 def search(
@@ -887,7 +898,7 @@ def search(
             found = replace(found, cost=table.simulated(found.spans, m)[0])
         tried.append({"micro_batches": m, "per_iteration": found.cost if found else None,
                       "stages": len(found.spans) if found else 0, "units": len(table.units.units),
-                      "priced_units": table.priced_units})
+                      "priced_units": table.priced_units, "whole_searches": table.whole_searches})
         if found is not None and (best is None or found.cost < best[0].cost):
             best = (found, m, table)
     seconds = time.perf_counter() - start
