@@ -225,9 +225,12 @@ def _run(graph: "_Units", start: int, period: int, periods: int) -> Run:
 def _longest_run(graph: "_Units", start: int) -> tuple[int, int]:
     """(period, whole periods) of the run from unit ``start`` that drops the most
     units (the shortest period of those that drop as many), counting only the periods
-    up to the first one that may not be dropped."""
+    up to the first one that may not be dropped. A multiple of a period that drops
+    units is not tried: it keeps more of the same run."""
     best = (1, KEPT)
     for period in range(1, MAX_PERIOD + 1):
+        if best[1] > KEPT and period % best[0] == 0:
+            continue
         end = start
         while end + period < graph.count and graph.repeats(end, end + period):
             end += 1
