@@ -1,9 +1,10 @@
 """Synthesis with pipelines: the best pipeline the compile finds against the SPMD-only
 plan, on the paper cluster profiles and on the emulated cluster's.
 
-    .venv/bin/python bench/pipeline_search.py            # ViT-24 on paper-8 and paper-64, then the emulated cluster
+    .venv/bin/python bench/pipeline_search.py            # ViT-24 on paper-8 and paper-64, deep ViTs, the emulated cluster
     .venv/bin/python bench/pipeline_search.py --quick    # ViT-24 on paper-8 only, m ∈ {1, 4, 16}
     .venv/bin/python bench/pipeline_search.py --emulated-only
+    .venv/bin/python bench/pipeline_search.py --deep-only --deep 24,96
 
 **Paper profiles.** ViT with 24 layers, paper width otherwise, built on the meta device
 (no weights), as configured (dropout 0.1: ``vit-24``) and without dropout
@@ -15,6 +16,16 @@ as always, and the pipeline search over the micro-batch graphs
 pipeline search's seconds (exports apart), the best pipeline (stages: hosts and blocks,
 ``m``, bubble), its predicted seconds per iteration, and how many times faster than the
 SPMD-only plan it is predicted to be (SPMD-only / pipeline: above 1 the pipeline wins).
+
+**Repeated blocks.** The pipeline search prices its groups on the graph with its
+repeated blocks dropped (:mod:`hapd.compiler.repeats`); each row also runs the search
+with every group priced on the whole graph (``repeats=False``, what the search did
+before; ``--no-whole`` skips it) and prints both searches' seconds, how many times
+faster the reduced one is, and both best pipelines' predicted seconds per iteration
+with their relative difference. **Deep models** (``--deep``, layers of the paper ViT
+on paper-8, 24, 48 and 96 by default): the same for a model 4× deeper, whose reduced
+search should take about as long as the 24-layer one's while the whole graph's grows
+with depth.
 
 **Emulated cluster** (``bench/emulated_cluster.py``: 2 machines × 2 CPU ranks, 3:1
 speeds, a shaped link between the machines): the cost model's answer for the
@@ -46,7 +57,7 @@ from hapd import models  # noqa: E402
 from hapd.compiler.driver import CompileOptions, compile as compile_plan  # noqa: E402
 from hapd.compiler.export import export  # noqa: E402
 from hapd.compiler.lower import GraphIR, lower  # noqa: E402
-from hapd.compiler.pipeline import micro_batch_counts  # noqa: E402
+from hapd.compiler.pipeline import micro_batch_counts, micro_batch_graphs, search as pipeline_search  # noqa: E402
 from hapd.profile.schema import Link, Profile, estimated_profile, load_profile, profile_from_dict  # noqa: E402
 
 NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0}
@@ -95,8 +106,11 @@ def emulated_profile() -> tuple[Profile, str]:
     return dataclasses.replace(profile, collectives=links), "estimated (171 Mbit/s between machines)"
 
 
-def pipeline_row(label: str, model: str, full: GraphIR, micro: list[GraphIR], profile: Profile, export_s: float) -> dict:
-    """Compile with pipelines and print one row."""
+def pipeline_row(
+    label: str, model: str, full: GraphIR, micro: list[GraphIR], profile: Profile, export_s: float, whole: bool = True
+) -> dict:
+    """Compile with pipelines and print one row; with ``whole``, also the pipeline
+    search with every group priced on the whole graph, and the two compared."""
     start = time.perf_counter()
     plan = compile_plan(full, profile, CompileOptions(pipeline="auto"), micro_graphs=micro)
     wall = time.perf_counter() - start
@@ -109,6 +123,8 @@ def pipeline_row(label: str, model: str, full: GraphIR, micro: list[GraphIR], pr
         "pipeline_search_seconds": stats["pipeline"]["seconds"], "groups_priced": stats["pipeline"]["groups_priced"],
         "synthesis_seconds": wall, "export_seconds": export_s, "tried": stats["pipeline"]["tried"], "pipeline": found,
     }
+    if whole:
+        row["whole_graph"] = whole_graph_row(full, micro, profile, spmd, stats["pipeline"], found)
     if found is None:
         print(f"{label:<22} {model:<9} SPMD {spmd:9.4f} s   no pipeline: {stats['pipeline']['reason']}")
         return row
@@ -128,23 +144,69 @@ def pipeline_row(label: str, model: str, full: GraphIR, micro: list[GraphIR], pr
     return row
 
 
+def whole_graph_row(
+    full: GraphIR, micro: list[GraphIR], profile: Profile, spmd: float, reduced: dict, found: dict | None
+) -> dict:
+    """The pipeline search with every group priced on the whole graph, against the
+    reduced graphs' search (``reduced``: its stats; ``found``: its best pipeline):
+    seconds, searches and the best pipelines' predictions, printed."""
+    searched = pipeline_search(micro_batch_graphs(full, micro), profile, CompileOptions(pipeline="auto"), spmd,
+                               repeats=False)
+    best = searched.best.per_iteration if searched.best is not None else None
+    mine = found["per_iteration"] if found is not None else None
+    units = sorted({(t.get("units"), t.get("priced_units")) for t in reduced["tried"]})
+    whole_searches = sum(t.get("whole_searches", 0) for t in reduced["tried"])
+    out = {"seconds": searched.seconds, "groups_priced": searched.groups_priced, "per_iteration": best,
+           "speedup": searched.seconds / reduced["seconds"] if reduced["seconds"] > 0 else None,
+           "relative_difference": mine / best - 1 if mine is not None and best else None,
+           "units_priced": units, "reduced_whole_searches": whole_searches}
+    difference = f"{out['relative_difference']:+.3%}" if out["relative_difference"] is not None else "n/a"
+    print(f"{'':<33}repeated blocks: pipeline search {reduced['seconds']:.1f} s against {searched.seconds:.1f} s on the "
+          f"whole graphs ({out['speedup']:.1f}× faster; units priced {', '.join(f'{p} of {u}' for u, p in units)}; "
+          f"{reduced['groups_priced']} and {searched.groups_priced} group searches, {whole_searches} of them on the "
+          f"whole graph); best pipeline {_seconds(mine)} against {_seconds(best)} ({difference})")
+    return out
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:.4f} s" if value is not None else "none"
+
+
+def deep_rows(layers: list[int], counts: list[int], whole: bool) -> list[dict]:
+    """The paper ViT (no dropout) at each depth of ``layers`` on paper-8: the pipeline
+    search's seconds as the model deepens."""
+    profile = load_profile(ROOT / "profiles" / "paper-8.json")
+    print(f"deep models: vit-nd at paper width on paper-8, layers {', '.join(map(str, layers))}")
+    rows = []
+    for depth in layers:
+        full, micro, export_s = graphs("vit", "paper", 32 * profile.world, counts, meta=True, layers=depth, **NO_DROPOUT)
+        rows.append(pipeline_row("paper-8 deep", f"vit-{depth}-nd", full, micro, profile, export_s, whole))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="paper-8 only, micro-batch counts 1, 4, 16, no emulated cluster")
     parser.add_argument("--emulated-only", action="store_true", help="only the emulated cluster's transformers")
+    parser.add_argument("--deep-only", action="store_true", help="only the deep models")
     parser.add_argument("--layers", type=int, default=24, help="ViT layers on the paper profiles")
+    parser.add_argument("--deep", default="24,48,96", help="layers of the deep models ('' for none)")
+    parser.add_argument("--no-whole", action="store_true", help="skip the search with groups priced on the whole graph")
     parser.add_argument("--micro-batches", default="1,2,4,8,16", help="micro-batch counts to price")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "pipeline_search.json")
     args = parser.parse_args()
     counts = [1, 4, 16] if args.quick else [int(m) for m in args.micro_batches.split(",")]
+    whole = not args.no_whole
     rows = []
     variants = {f"vit-{args.layers}": {}, f"vit-{args.layers}-nd": NO_DROPOUT}
-    for world in [] if args.emulated_only else [8] if args.quick else [8, 64]:
+    for world in [] if args.emulated_only or args.deep_only else [8] if args.quick else [8, 64]:
         profile = load_profile(ROOT / "profiles" / f"paper-{world}.json")
         for label, overrides in variants.items():
             full, micro, export_s = graphs("vit", "paper", 32 * world, counts, meta=True, layers=args.layers, **overrides)
-            rows.append(pipeline_row(f"paper-{world}", label, full, micro, profile, export_s))
-    if not args.quick:
+            rows.append(pipeline_row(f"paper-{world}", label, full, micro, profile, export_s, whole))
+    if not args.quick and not args.emulated_only and args.deep:
+        rows.extend(deep_rows([int(n) for n in args.deep.split(",")], counts, whole))
+    if not args.quick and not args.deep_only:
         profile, where = emulated_profile()
         print(f"emulated cluster, 3:1, profile {where}: small sizes, global batch {EMULATED_BATCH}")
         for model in EMULATED_MODELS:
@@ -153,7 +215,7 @@ def main() -> None:
             except ImportError as exc:  # the zoo needs transformers
                 print(f"{'emulated 3:1':<22} {model:<9} skipped: {exc}")
                 continue
-            rows.append(pipeline_row("emulated 3:1", model, full, micro, profile, export_s))
+            rows.append(pipeline_row("emulated 3:1", model, full, micro, profile, export_s, whole))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.json}")
