@@ -21,6 +21,7 @@ from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.pipeline import (
     best_split, bubble_fraction, graph_units, micro_batch_graphs, one_f_one_b, split_cost, stage_table,
     simulate_one_f_one_b, steady_period,
+    search as pipeline_search,
 )
 from hapd.errors import OptionsError, ProfileError
 from hapd.profile.schema import Link, estimated_profile
@@ -116,14 +117,18 @@ def test_the_closed_form_1f1b_price_follows_the_simulated_schedule(seed: int) ->
 # --------------------------------------------------------------------------- the DP
 
 
-def _brute_force(hosts, units, cuts, stage, boundary, m):
-    """The cheapest pipeline of ≥ 2 stages over every host partition and every cut set."""
+def _brute_force(hosts, units, cuts, stage, boundary, m, fits=None):
+    """The cheapest pipeline of ≥ 2 stages over every host partition and every cut set
+    (whose stages ``fits`` with their micro-batches in flight, ``min(S − s, m)``)."""
     best = None
     for s in range(2, hosts + 1):
         for hcuts in itertools.combinations(range(1, hosts), s - 1):
             for kcuts in itertools.combinations(sorted(cuts), s - 1):
                 hs, ks = (0, *hcuts, hosts), (0, *kcuts, units)
-                cost = split_cost([(hs[i], hs[i + 1], ks[i], ks[i + 1]) for i in range(s)], stage, boundary, m)
+                spans = [(hs[i], hs[i + 1], ks[i], ks[i + 1]) for i in range(s)]
+                if fits is not None and not all(fits(*span, min(s - i, m)) for i, span in enumerate(spans)):
+                    continue
+                cost = split_cost(spans, stage, boundary, m)
                 if cost is not None and (best is None or cost < best):
                     best = cost
     return best
@@ -142,14 +147,23 @@ def test_the_dp_finds_the_brute_force_optimum_of_random_stage_costs(seed: int) -
         costs = per_unit[(h0, h1)]
         return None if costs is None else (sum(c for c, _ in costs[k0:k1]), sum(y for _, y in costs[k0:k1]))
 
+    # memory: a group holds at most `room` units' worth, each micro-batch in flight a unit's worth more
+    room = {(h0, h1): rng.uniform(1, 4) * (h1 - h0) for h0 in range(hosts) for h1 in range(h0 + 1, hosts + 1)}
+
+    def fits(h0, h1, k0, k1, in_flight):
+        return (k1 - k0) * (1 + 0.3 * in_flight) <= room[(h0, h1)]
+
     for m in (1, 3, 8):
-        found = best_split(hosts, units, cuts, stage, boundary, m)
-        expected = _brute_force(hosts, units, cuts, stage, boundary, m)
-        if expected is None:
-            assert found is None
-        else:
-            assert found is not None and found.cost == pytest.approx(expected)
-            assert split_cost(found.spans, stage, boundary, m) == pytest.approx(found.cost)
+        for check in (None, fits):
+            found = best_split(hosts, units, cuts, stage, boundary, m, check)
+            expected = _brute_force(hosts, units, cuts, stage, boundary, m, check)
+            if expected is None:
+                assert found is None
+            else:
+                assert found is not None and found.cost == pytest.approx(expected)
+                assert split_cost(found.spans, stage, boundary, m) == pytest.approx(found.cost)
+                if check is not None:
+                    assert all(fits(*span, min(len(found.spans) - i, m)) for i, span in enumerate(found.spans))
 
 
 def test_the_dp_finds_the_brute_force_optimum_on_a_graph() -> None:
@@ -268,3 +282,91 @@ def test_a_group_of_devices_is_a_profile_of_its_own() -> None:
         profile.subset([0, 0])
     with pytest.raises(ProfileError):
         profile.subset([4])
+
+
+# --------------------------------------------------------------------------- stage memory
+
+
+def test_a_stages_memory_estimate_follows_the_stage_compiled_alone() -> None:
+    """The search's estimate of a stage's peak (the group's whole-graph plan scaled to the
+    stage's units) against the stage's own program compiled alone: the whole graph
+    exactly, every stage of every cut on the safe side and within half again."""
+    from hapd.compiler.pipeline import unit_memory
+    from hapd.compiler.ratios import peak_memory
+    from hapd.compiler.stages import split_program
+    from hapd.compiler.driver import search_program
+
+    spec = models.get("bert")
+    model, config = models.build("bert", "tiny", layers=3)
+    program = export(model, spec.example_inputs(config, BATCH), batch_dims=spec.batch_dims)
+    ir = lower(program, name="bert")
+    profile = estimated_profile(2, flops=[2e10, 1e10], hosts=["a", "b"], alpha=1e-5, beta=1e9)
+    options = CompileOptions(memory_caps=False, recompute="never")
+    units = graph_units(ir.doc)
+    whole, ratios = search_program(ir.data, profile, options)
+    memory = unit_memory(whole, ratios, ir.doc, units.unit_of, len(units.units), [d.memory for d in profile.devices])
+    count = len(units.units)
+    assert memory.peak(0, count, 1) == pytest.approx(peak_memory(whole, ratios))
+    assert memory.peak(0, count, 2) > memory.peak(0, count, 1)  # a second micro-batch's activations
+    for k in units.cuts:
+        stages, _ = split_program(program, [units.units[k - 1].last_node])
+        for stage, (k0, k1) in zip(stages, ((0, k), (k, count))):
+            alone = compile_plan(lower(stage.program, name=f"stage{stage.index}"), profile, options)
+            for estimated, actual in zip(memory.peak(k0, k1, 1), alone.estimate["memory"]):
+                assert 0.95 * actual <= estimated <= 1.5 * actual, (k, stage.index)
+    tight = dataclasses.replace(memory, capacity=tuple(0.9 * p for p in memory.peak(0, 1, 1)))
+    assert memory.fits(0, 1, 1) and not tight.fits(0, 1, 1)
+
+
+def test_the_search_keeps_stages_within_their_groups_memory() -> None:
+    """Two hosts, the second with too little memory for more than the head: the
+    pipeline the search finds leaves it the fewest units, and with less memory still no
+    pipeline fits; without memory caps the memory is not looked at."""
+    spec = models.get("bert")
+    model, config = models.build("bert", "tiny", layers=4)
+    graphs = {m: lower(export(model, spec.example_inputs(config, BATCH // m), batch_dims=spec.batch_dims), name="bert")
+              for m in (1, 2)}
+    base = _two_hosts(1e8)
+    unlimited = stage_table(graphs[2], base, CompileOptions())
+    key = unlimited.groups[(1, 2)].key
+    memory = unlimited.memory[key]
+    units = len(unlimited.units.units)
+    # room for the last unit with one micro-batch, not for two units
+    need_one = max(memory.peak(units - 1, units, 1))
+    need_two = min(memory.peak(units - 2, units, 1))
+    assert need_one < need_two
+    capped = dataclasses.replace(base, devices=tuple(
+        dataclasses.replace(d, memory=(need_one + need_two) / 2 if d.host == "b" else d.memory) for d in base.devices))
+    table = stage_table(graphs[2], capped, CompileOptions())
+    found = table.best(2)
+    assert found is not None and found.spans[-1][:3] == (1, 2, units - 1)
+    assert all(table.fits(*span, min(len(found.spans) - i, 2)) for i, span in enumerate(found.spans))
+    starved = dataclasses.replace(base, devices=tuple(
+        dataclasses.replace(d, memory=need_one / 2 if d.host == "b" else d.memory) for d in base.devices))
+    assert stage_table(graphs[2], starved, CompileOptions()).best(2) is None
+    assert stage_table(graphs[2], starved, CompileOptions(memory_caps=False)).best(2) is not None
+
+
+def test_with_no_stage_fitting_the_search_says_memory_is_why() -> None:
+    spec = models.get("bert")
+    model, config = models.build("bert", "tiny", layers=2)
+    graphs = {m: lower(export(model, spec.example_inputs(config, BATCH // m), batch_dims=spec.batch_dims), name="bert")
+              for m in (1, 2)}
+    base = _two_hosts(1e8)
+    starved = dataclasses.replace(base, devices=tuple(dataclasses.replace(d, memory=2**16) for d in base.devices))
+    found = pipeline_search(graphs, starved, CompileOptions(), spmd_only=1.0)
+    assert found.best is None and "memory" in found.reason
+
+
+def test_a_stages_memory_from_the_graph_without_its_repeated_blocks_is_the_whole_graphs() -> None:
+    spec = models.get("bert")
+    model, config = models.build("bert", "tiny", layers=8)
+    ir = lower(export(model, spec.example_inputs(config, BATCH), batch_dims=spec.batch_dims), name="bert")
+    profile = _two_hosts(1e8)
+    reduced = stage_table(ir, profile, CompileOptions())
+    whole = stage_table(ir, profile, CompileOptions(), repeats=False)
+    assert reduced.priced_units < len(reduced.units.units) and reduced.whole_searches == 0
+    units = len(whole.units.units)
+    for key, memory in whole.memory.items():
+        for k0, k1, n in ((0, 3, 2), (3, units, 1), (0, units, 1), (2, 6, 3)):
+            assert reduced.memory[key].peak(k0, k1, n) == pytest.approx(memory.peak(k0, k1, n), rel=0.02)

@@ -76,10 +76,13 @@ the global batch) is the other candidate, and the cheaper wins.
 A program that updates buffers (batch norm's running statistics) gets no pipeline:
 the runtime's stages do not run it (:mod:`hapd.compiler.stages`).
 
-Not priced: each stage's memory (the group's search runs without memory caps; a stage
-holds only its units' parameters, but 1F1B keeps up to ``S − s`` micro-batches'
-activations on stage ``s``), and ops without a parameter dependency recomputed in
-several stages.
+**Memory** (with ``CompileOptions.memory_caps``, the default): a stage must fit its
+group. The group's search runs without caps; its plan's memory parts are scaled to a
+stage's units (:class:`UnitMemory`: parameter state by the units' share of parameter
+bytes, saved activations by their share of op result bytes times the
+``min(S − s, m)`` micro-batches 1F1B keeps in flight on stage ``s``, the rest whole),
+and the DP drops the stages that do not fit (:data:`StageFits`). Not priced: ops
+without a parameter dependency recomputed in several stages.
 """
 
 from __future__ import annotations
@@ -294,6 +297,105 @@ def unit_costs(program: Mapping[str, Any], ratios: Sequence[float], unit_of: Map
         backward[u] += 2 * comp / 3 + comm * back
         sync[u] += max(synced, default=0.0)
     return UnitCosts(forward=tuple(forward), backward=tuple(backward), sync=tuple(sync))
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitMemory:
+    """A stage's peak bytes per device on one group, from the group's plan of the whole
+    micro-batch graph, as the core's memory model adds its parts
+    (``rustcore/core/src/memory.rs``, ``Breakdown``): the larger of the backward pass's
+    bytes (parameters, optimizer state, inputs, saved activations, the largest
+    collective's buffer, the transient workspace) and the optimizer step's (parameters,
+    gradients, optimizer state and temporaries, inputs). The parameter parts are scaled
+    by the stage's share of the parameter bytes, the saved activations by its share of
+    the op results' bytes times the micro-batches it holds in flight; inputs, buffers and
+    workspace count whole. An estimate by proportion, not a compile of the stage:
+    repeated blocks make it close, and the whole-graph rest keeps it on the safe side."""
+
+    parts: Mapping[str, tuple[float, ...]]
+    """Per part (the plan's ``memory_parts`` names), per device, of the whole graph."""
+    capacity: tuple[float, ...]
+    """Per device, its memory."""
+    state_share: tuple[float, ...]
+    """Prefix sums over units of each unit's share of the parameter bytes."""
+    activation_share: tuple[float, ...]
+    """Prefix sums over units of each unit's share of the op results' bytes."""
+
+    def peak(self, k0: int, k1: int, in_flight: int) -> list[float]:
+        """Per device, the bytes of units ``[k0, k1)`` with ``in_flight`` micro-batches."""
+        fs = self.state_share[k1] - self.state_share[k0]
+        fa = (self.activation_share[k1] - self.activation_share[k0]) * in_flight
+        out = []
+        for d in range(len(self.capacity)):
+            part = {name: values[d] for name, values in self.parts.items()}.get
+            state = fs * (part("parameters", 0.0) + part("optimizer", 0.0))
+            backward = (state + part("inputs", 0.0) + fa * part("activations", 0.0) + part("communication", 0.0)
+                        + part("workspace", 0.0))
+            update = (state + fs * (part("gradients", 0.0) + part("optimizer_temporaries", 0.0))
+                      + part("inputs", 0.0))
+            out.append(max(backward, update))
+        return out
+
+    def fits(self, k0: int, k1: int, in_flight: int) -> bool:
+        return all(p <= c for p, c in zip(self.peak(k0, k1, in_flight), self.capacity))
+
+
+def unit_memory(program: Mapping[str, Any], ratios: Sequence[float], doc: Mapping[str, Any], unit_of: Mapping[str, int],
+                units: int, capacity: Sequence[float], *, searched: Mapping[str, Any] | None = None) -> UnitMemory:
+    """:class:`UnitMemory` of ``program`` (a group's plan of the graph ``doc``, or of
+    ``searched``, the graph with repeated blocks dropped that stands for it) under
+    ``ratios`` on devices of ``capacity`` bytes. A program of ``searched`` has its
+    parameter and activation parts scaled by how many more parameter and op result
+    bytes ``doc`` has (the dropped blocks repeat the kept ones' layouts), and its
+    collectives' buffer at least the gradient bucket the scaled gradients fill. A parameter
+    counts in every unit that reads it (a tied embedding is held by both its stages)."""
+    from hapd.compiler.ratios import part_memory
+
+    parts = {name: tuple(values) for name, values in part_memory(dict(program), ratios).items()}
+    state, acts, total_state = _unit_bytes(doc, unit_of, units)
+    if searched is not None:
+        _, searched_acts, searched_state = _unit_bytes(searched, {}, 0)
+        scale = {"activations": sum(acts) / searched_acts[0] if searched_acts[0] > 0 else 1.0}
+        for name in ("parameters", "gradients", "optimizer", "optimizer_temporaries"):
+            scale[name] = total_state / searched_state if searched_state > 0 else 1.0
+        parts = {name: tuple(v * scale.get(name, 1.0) for v in values) for name, values in parts.items()}
+        if "communication" in parts and "gradients" in parts:  # its gradient bucket grows with the parameters
+            from hapd._core import GRAD_BUCKET_BYTES
+
+            parts["communication"] = tuple(max(c, min(g, GRAD_BUCKET_BYTES))
+                                           for c, g in zip(parts["communication"], parts["gradients"]))
+
+    def prefix(values: Sequence[float], total: float) -> tuple[float, ...]:
+        out = [0.0]
+        for v in values:
+            out.append(out[-1] + (v / total if total > 0 else 0.0))
+        return tuple(out)
+
+    return UnitMemory(parts=parts, capacity=tuple(float(c) for c in capacity), state_share=prefix(state, total_state),
+                      activation_share=prefix(acts, sum(acts)))
+
+
+def _unit_bytes(doc: Mapping[str, Any], unit_of: Mapping[str, int], units: int) -> tuple[list[float], list[float], float]:
+    """(parameter bytes each unit reads, op result bytes of each unit, all parameter
+    bytes) of the graph ``doc``; with no units, every op counts in one."""
+    nodes = doc["nodes"]
+    state = [0.0] * max(units, 1)
+    acts = [0.0] * max(units, 1)
+    readers: dict[int, set[int]] = {}
+    for node in nodes:
+        if node.get("kind") == "op" and (node["name"] in unit_of or not units):
+            u = unit_of.get(node["name"], 0)
+            acts[u] += sum(_bytes(meta) for meta in node.get("outputs", []))
+            for ref in node.get("inputs", []):
+                readers.setdefault(int(ref[0]), set()).add(u)
+    total_state = 0.0
+    for i, node in enumerate(nodes):
+        if node.get("kind") == "parameter":
+            size = _bytes(node["outputs"][0])
+            total_state += size
+            for u in readers.get(i, ()):
+                state[u] += size
+    return state, acts, total_state
 
 
 def p2p_link(profile: Profile) -> Link:
@@ -758,6 +860,9 @@ class StageTable:
     whole_searches: int = 0
     """Of the searches, those run on the whole graph although it has repeated blocks
     (the reduced graph's program stood for none of the whole graph's)."""
+    memory: Mapping[str, UnitMemory] = field(default_factory=dict)
+    """Group key → its stages' memory estimate; a group without one is not checked
+    (memory caps off)."""
 
     @property
     def hosts(self) -> int:
@@ -773,8 +878,15 @@ class StageTable:
         found = self.range(h0, h1, k0, k1)
         return None if found is None else (found[0] + found[1], found[2])
 
+    def fits(self, h0: int, h1: int, k0: int, k1: int, in_flight: int) -> bool:
+        """A :data:`StageFits`: whether group ``[h0, h1)`` holds units ``[k0, k1)`` with
+        ``in_flight`` micro-batches (:class:`UnitMemory`)."""
+        memory = self.memory.get(self.groups[(h0, h1)].key)
+        return memory is None or memory.fits(k0, k1, in_flight)
+
     def best(self, micro_batches: int) -> Split | None:
-        return best_split(self.hosts, len(self.units.units), self.units.cuts, self.stage, self.boundary, micro_batches)
+        return best_split(self.hosts, len(self.units.units), self.units.cuts, self.stage, self.boundary, micro_batches,
+                          self.fits if self.memory else None)
 
     def simulated(self, spans: Sequence[Span], micro_batches: int) -> tuple[float, float]:
         """(seconds per iteration, bubble) of the stages ``spans``: their 1F1B schedule
@@ -823,6 +935,7 @@ def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions", *, r
     reduction = reduce_graph(doc, units.unit_of, count) if repeats and count >= 2 and units.cuts else None
     priced_units = reduction.kept if reduction is not None else count
     costs: dict[str, UnitCosts | None] = {}
+    memory: dict[str, UnitMemory] = {}
     searches = whole = 0
     if count >= 2 and units.cuts:
         for group in groups.values():
@@ -832,7 +945,9 @@ def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions", *, r
             if batch < len(group.ranks):
                 continue  # fewer samples than ranks
             sub = profile.subset(group.ranks, name=f"{profile.name}:{'+'.join(group.hosts)}")
+            capacity = [d.memory for d in sub.devices]
             found = _reduced_costs(reduction, count, sub, group_options) if reduction is not None else None
+            searched = reduction.ir.doc if found is not None and reduction is not None else None
             if found is None:
                 if reduction is not None:
                     whole += 1
@@ -840,20 +955,26 @@ def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions", *, r
                     program, ratios = search_program(ir.data, sub, group_options)
                 except SynthesisError:
                     continue
-                found = unit_costs(program, ratios, units.unit_of, count)
+                found = unit_costs(program, ratios, units.unit_of, count), (program, ratios)
             searches += 1
-            costs[group.key] = found
+            costs[group.key] = found[0]
+            if options.memory_caps:
+                program, ratios = found[1]
+                memory[group.key] = unit_memory(program, ratios, doc, units.unit_of, count, capacity, searched=searched)
     link = p2p_link(profile)
     boundary = tuple(boundary_seconds(c, link) if c is not None else 0.0 for c in units.crossing)
     summed = (profile.collectives.get("grad_sync") or profile.collectives["all_reduce"])["inter"]
     return StageTable(units=units, groups=groups, costs=costs, boundary=boundary, searches=searches, sum_link=summed,
-                      priced_units=priced_units, whole_searches=whole)
+                      priced_units=priced_units, whole_searches=whole, memory=memory)
 
 
-def _reduced_costs(reduction: "Reduction", count: int, profile: Profile, options: "CompileOptions") -> UnitCosts | None:
+def _reduced_costs(
+    reduction: "Reduction", count: int, profile: Profile, options: "CompileOptions"
+) -> "tuple[UnitCosts, tuple[dict, list[float]]] | None":
     """The ``count`` units' costs on the group of ``profile`` (its sub-profile) searched
-    on ``reduction``'s graph; ``None`` when that search fails or its program stands for
-    no program of the whole graph (:meth:`hapd.compiler.repeats.Reduction.cycles`)."""
+    on ``reduction``'s graph, and that program with its ratios; ``None`` when that
+    search fails or its program stands for no program of the whole graph
+    (:meth:`hapd.compiler.repeats.Reduction.cycles`)."""
     from hapd.compiler.driver import search_program
 
     try:
@@ -865,7 +986,7 @@ def _reduced_costs(reduction: "Reduction", count: int, profile: Profile, options
         return None
     kept = unit_costs(program, ratios, reduction.unit_of, count)
     return UnitCosts(forward=reduction.spread(kept.forward, cycles), backward=reduction.spread(kept.backward, cycles),
-                     sync=reduction.spread(kept.sync, cycles))
+                     sync=reduction.spread(kept.sync, cycles)), (program, ratios)
 
 
 def search(
@@ -894,6 +1015,9 @@ def search(
         if len(table.units.units) < 2 or not table.units.cuts:
             reason = f"the graph has {len(table.units.units)} blocks and no cut between them"
         found = table.best(m)
+        if found is None and table.memory and replace(table, memory={}).best(m) is not None:
+            reason = (f"no pipeline's stages fit their groups' memory (1F1B holds up to {m} micro-batches' "
+                      "activations on the first stage)")
         if found is not None:
             found = replace(found, cost=table.simulated(found.spans, m)[0])
         tried.append({"micro_batches": m, "per_iteration": found.cost if found else None,
