@@ -370,3 +370,28 @@ def test_a_stages_memory_from_the_graph_without_its_repeated_blocks_is_the_whole
     for key, memory in whole.memory.items():
         for k0, k1, n in ((0, 3, 2), (3, units, 1), (0, units, 1), (2, 6, 3)):
             assert reduced.memory[key].peak(k0, k1, n) == pytest.approx(memory.peak(k0, k1, n), rel=0.02)
+
+
+def test_every_op_pays_the_profiles_small_op_seconds_once_per_micro_batch() -> None:
+    """With ``op_seconds`` in the profile a stage's micro-batch costs its ops' dispatch
+    more (once forward, twice backward), so more micro-batches pay it more often; the
+    SPMD plan it competes with pays it once."""
+    from hapd.compiler.pipeline import op_counts
+
+    base = _two_hosts(1e8)
+    slow_ops = dataclasses.replace(base, devices=tuple(dataclasses.replace(d, op_seconds=1e-4) for d in base.devices))
+    ir = _mlp(BATCH // 2)
+    plain, paying = stage_table(ir, base, CompileOptions()), stage_table(ir, slow_ops, CompileOptions())
+    ops = op_counts(ir.doc, plain.units.unit_of, len(plain.units.units))
+    assert sum(ops) > 0
+    for span, group in plain.groups.items():
+        costs, paid = plain.costs[group.key], paying.costs[paying.groups[span].key]
+        assert costs is not None and paid is not None
+        for u, n in enumerate(ops):
+            assert paid.forward[u] == pytest.approx(costs.forward[u] + n * 1e-4)
+            assert paid.backward[u] == pytest.approx(costs.backward[u] + 2 * n * 1e-4)
+    graphs = micro_batch_graphs(_mlp(BATCH), [_mlp(BATCH // 2)])
+    total_ops = sum(1 for n in graphs[1].doc["nodes"] if n.get("kind") == "op")
+    found = pipeline_search(graphs, slow_ops, CompileOptions(), spmd_only=1.0)
+    assert found.best is not None
+    assert found.best.spmd_only_per_iteration == pytest.approx(1.0 + 3 * total_ops * 1e-4)

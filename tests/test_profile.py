@@ -155,6 +155,22 @@ def test_a_point_to_point_link_is_optional_and_kept(paper8):
     assert plan.estimate["per_iteration"] > 0
 
 
+def test_a_small_ops_seconds_are_optional_kept_and_checked(paper8):
+    with_op = copy.deepcopy(paper8)
+    for d in with_op["devices"]:
+        d["op_seconds"] = 1.5e-5
+    profile = profile_from_dict(with_op)
+    assert {d.op_seconds for d in profile.devices} == {1.5e-5}
+    assert profile_from_dict(paper8).devices[0].op_seconds is None
+    assert profile.profile_id != profile_from_dict(paper8).profile_id
+    assert profile_from_dict(json.loads(profile.to_json())).profile_id == profile.profile_id
+    assert profile.subset([0, 1]).devices[1].op_seconds == 1.5e-5
+    with_op["devices"][3]["op_seconds"] = -1.0
+    with pytest.raises(ProfileError) as info:
+        profile_from_dict(with_op)
+    assert info.value.field == "devices[3].op_seconds"
+
+
 def test_world_size_mismatch(paper8, tmp_path):
     assert profile_from_dict(paper8, world_size=8).world == 8
     with pytest.raises(ProfileError, match="8 devices but the job has 4 ranks") as info:

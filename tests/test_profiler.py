@@ -183,6 +183,7 @@ def _check_measured(profile: Profile, *, kinds: set[str]) -> None:
         assert d.flops > 1e8, d
         assert d.elementwise_flops is not None and 1e6 < d.elementwise_flops < d.flops, d
         assert d.memory > 2**20, d
+        assert d.op_seconds is not None and 1e-8 < d.op_seconds < 1e-2, d  # a small op: µs, not FLOPs
     assert set(profile.collectives) == {*COLLECTIVES, "p2p"}  # every collective, and one rank's message to another
     for name, links in profile.collectives.items():
         assert kinds <= set(links), name

@@ -32,7 +32,10 @@ micro-batch on units ``[k0, k1)`` is then a difference of prefix sums. A step's
 compute row is forward plus backward (the backward twice the forward, as the core
 prices it); its collectives are split into forward and backward halves where they
 carry a gradient; the gradient all-reduce of its replicated parameters (its sources'
-``grad_sync`` rows) is the stage's gradient sync, once per iteration.
+``grad_sync`` rows) is the stage's gradient sync, once per iteration. Each op also costs the profile's
+``op_seconds`` (the slowest device's) once forward and twice backward per micro-batch:
+the core prices FLOPs, and 16 micro-batches run every op 16 times (the SPMD plan it
+competes with gets its ops' dispatch once).
 
 **The 1F1B critical path** of stages ``s = 0…S−1`` with per-micro-batch compute
 ``u_s = f_s + b_s``, point-to-point time ``c_j`` of cut ``j`` (the boundary's
@@ -297,6 +300,31 @@ def unit_costs(program: Mapping[str, Any], ratios: Sequence[float], unit_of: Map
         backward[u] += 2 * comp / 3 + comm * back
         sync[u] += max(synced, default=0.0)
     return UnitCosts(forward=tuple(forward), backward=tuple(backward), sync=tuple(sync))
+
+
+def op_counts(doc: Mapping[str, Any], unit_of: Mapping[str, int], units: int) -> list[int]:
+    """Op nodes of the graph ``doc`` per unit."""
+    counts = [0] * units
+    for node in doc["nodes"]:
+        if node.get("kind") == "op" and node["name"] in unit_of:
+            counts[unit_of[node["name"]]] += 1
+    return counts
+
+
+def op_dispatch(profile: Profile) -> float:
+    """Seconds one op costs beyond its FLOPs on the slowest of ``profile``'s devices
+    (their ``op_seconds``; 0 when the profile does not give it)."""
+    return max((d.op_seconds or 0.0 for d in profile.devices), default=0.0)
+
+
+def with_dispatch(costs: UnitCosts, ops: Sequence[int], seconds: float) -> UnitCosts:
+    """``costs`` with each unit's ops dispatched once forward and twice backward at
+    ``seconds`` each: the core prices FLOPs, not how many ops carry them, and a stage
+    runs every op once per micro-batch (so many small micro-batches pay it many times)."""
+    if seconds <= 0:
+        return costs
+    return UnitCosts(forward=tuple(f + n * seconds for f, n in zip(costs.forward, ops)),
+                     backward=tuple(b + 2 * n * seconds for b, n in zip(costs.backward, ops)), sync=costs.sync)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -754,7 +782,8 @@ class PipelinePlan:
     bubble: float
     """Predicted share of the pipelined time an average stage does not compute."""
     spmd_only_per_iteration: float
-    """The pure SPMD plan's estimate it competed with."""
+    """The pure SPMD plan's estimate it competed with, with its ops' dispatch added as
+    the stages' is (the profile's ``op_seconds``: once per op forward, twice backward)."""
     chosen: bool
     """Whether it beat the SPMD plan: the runtime runs the pipeline only then."""
     shared_sync: float = 0.0
@@ -936,6 +965,7 @@ def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions", *, r
     priced_units = reduction.kept if reduction is not None else count
     costs: dict[str, UnitCosts | None] = {}
     memory: dict[str, UnitMemory] = {}
+    ops = op_counts(doc, units.unit_of, count)
     searches = whole = 0
     if count >= 2 and units.cuts:
         for group in groups.values():
@@ -957,7 +987,7 @@ def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions", *, r
                     continue
                 found = unit_costs(program, ratios, units.unit_of, count), (program, ratios)
             searches += 1
-            costs[group.key] = found[0]
+            costs[group.key] = with_dispatch(found[0], ops, op_dispatch(sub))
             if options.memory_caps:
                 program, ratios = found[1]
                 memory[group.key] = unit_memory(program, ratios, doc, units.unit_of, count, capacity, searched=searched)
@@ -998,6 +1028,8 @@ def search(
     SPMD plan's ``spmd_only`` seconds per iteration; ``repeats``: groups priced on the
     graphs with their repeated blocks dropped (:func:`stage_table`)."""
     start = time.perf_counter()
+    whole = graphs[min(graphs)].doc
+    spmd_only += 3 * sum(1 for n in whole["nodes"] if n.get("kind") == "op") * op_dispatch(profile)
     updated = [m["target"] for ir in graphs.values() for m in ir.doc.get("mutations", [])]
     if updated:
         return PipelineSearch(best=None, seconds=0.0, groups_priced=0, tried=(),

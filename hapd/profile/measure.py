@@ -10,6 +10,8 @@ What the numbers mean -- exactly what the cost model (``rustcore/core/src/cost.r
   tensors, counted as the core counts them (1, 1 and 8 FLOPs per output element,
   ``rules/binary.rs`` and ``rules/unary.rs``): total counted FLOPs over total time of one
   of each.
+* ``op_seconds``: the time of one small op (an ``add`` of two 16×16 tensors into a new
+  one), whose FLOPs are nothing: the dispatch (and on a GPU the launch) every op pays.
 * Each rate sample runs the op back to back for at least ``window_s`` seconds of wall
   time, so a CPU quota (CFS period 100 ms) shows up as the slower rate it causes rather
   than as bursts at full speed. All ranks measure at the same time, as they compute in
@@ -259,6 +261,18 @@ class DeviceMeasurement:
     memory: int
     detail: dict[str, Any] = field(default_factory=dict)
     """Per-size and per-op rates, threads, dtype: kept in the profile's ``extra``."""
+    op_seconds: float | None = None
+    """Seconds of one small op (:func:`op_seconds`)."""
+
+
+def op_seconds(device: Any, dtype: Any, *, repeats: int, window_s: float) -> float:
+    """Seconds of one small op: the median rate of ``add`` on two 16×16 tensors into a
+    new one, back to back for ``window_s`` (so a CPU quota shows), inverted."""
+    import torch
+
+    a = torch.randn(16, 16, device=device, dtype=dtype)
+    b = torch.randn(16, 16, device=device, dtype=dtype)
+    return 1.0 / statistics.median(sample_rate(lambda: torch.add(a, b), 1.0, device, repeats=repeats, window_s=window_s))
 
 
 def measure_device(device: Any, options: ProfilerOptions, *,
@@ -277,6 +291,9 @@ def measure_device(device: Any, options: ProfilerOptions, *,
                                    barrier=barrier)
     ew, per_op = elementwise_flops(device, dtype, numel, repeats=options.speed_repeats, window_s=options.window_s,
                                    barrier=barrier)
+    if barrier is not None:
+        barrier()
+    per_op_s = op_seconds(device, dtype, repeats=options.speed_repeats, window_s=options.window_s)
     detail: dict[str, Any] = {"matmul_flops_by_size": per_size, "elementwise_flops_by_op": per_op,
                               "elementwise_numel": numel, "dtype": options.dtype, "load_average_1m": load}
     if cuda:
@@ -288,7 +305,7 @@ def measure_device(device: Any, options: ProfilerOptions, *,
         model, memory = cpu_model(), host_memory()
         detail["threads"] = torch.get_num_threads()
     return DeviceMeasurement(host=host_name(), model=model, flops=flops, elementwise_flops=ew,
-                             memory=memory, detail=detail)
+                             memory=memory, detail=detail, op_seconds=per_op_s)
 
 
 # --------------------------------------------------------------------------

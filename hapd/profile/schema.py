@@ -14,7 +14,9 @@ error (:data:`UNITS`). Every number must be finite and within the documented ran
 its quantity (:data:`RANGES`: FLOP/s 1e6 to 1e24, memory 1 B to 2⁶⁰ B, latency 0 to
 1 h, bandwidth 1 B/s to 1e24 B/s), so that no cost the compiler derives from a
 profile is infinite or zero. ``flops`` is the achieved rate on matmul-heavy work;
-``elementwise_flops`` (optional) the rate on element-wise work. ``intra`` (optional) is
+``elementwise_flops`` (optional) the rate on element-wise work; ``op_seconds`` (optional)
+what one small op costs whatever its FLOPs (dispatch and launch: what a pipeline's
+many small micro-batches pay once per op each). ``intra`` (optional) is
 the cost within one host; ``inter`` across hosts. The **profile id** is the sha256 of
 the canonical form of the devices and collectives: names, descriptions, extra fields,
 key order and formatting do not change it. ``hapd profile`` (:mod:`hapd.profile.profiler`)
@@ -87,6 +89,9 @@ class Device:
     """Memory in bytes."""
     elementwise_flops: float | None = None
     """Achieved FLOP/s on element-wise work (default: ``flops``)."""
+    op_seconds: float | None = None
+    """Seconds one small op takes beyond its FLOPs (default: none): a pipeline stage runs
+    every op once per micro-batch (:mod:`hapd.compiler.pipeline`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +128,7 @@ class Profile:
                 "flops": float(d.flops),
                 "memory": float(d.memory),
                 **({"elementwise_flops": float(d.elementwise_flops)} if d.elementwise_flops is not None else {}),
+                **({"op_seconds": float(d.op_seconds)} if d.op_seconds is not None else {}),
             }
             for d in self.devices
         ]
@@ -164,7 +170,7 @@ class Profile:
         devices = tuple(
             Device(rank=i, host=rename.get(self.devices[r].host, self.devices[r].host), model=self.devices[r].model,
                    flops=self.devices[r].flops, memory=self.devices[r].memory,
-                   elementwise_flops=self.devices[r].elementwise_flops)
+                   elementwise_flops=self.devices[r].elementwise_flops, op_seconds=self.devices[r].op_seconds)
             for i, r in enumerate(ranks)
         )
         collectives = dict(self.collectives)
@@ -244,6 +250,7 @@ def _check_units(units: Any) -> None:
 RANGES: dict[str, tuple[float, float, str]] = {
     "flops": (1e6, 1e24, "FLOP/s"),
     "elementwise_flops": (1e6, 1e24, "FLOP/s"),
+    "op_seconds": (0.0, 1.0, "s"),
     "memory": (1.0, float(2**60), "bytes"),
     "alpha": (0.0, 3600.0, "s"),
     "beta": (1.0, 1e24, "bytes/s"),
@@ -298,6 +305,7 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
         if not isinstance(host, str) or not host:
             raise ProfileError(f"{where}.host: expected a host name", field=f"{where}.host")
         ew = d.get("elementwise_flops")
+        op = d.get("op_seconds")
         devices.append(
             Device(
                 rank=i,
@@ -306,6 +314,7 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
                 flops=_number(d, "flops", where),
                 memory=_number(d, "memory", where),
                 elementwise_flops=None if ew is None else _number(d, "elementwise_flops", where),
+                op_seconds=None if op is None else _number(d, "op_seconds", where),
             )
         )
     if world_size is not None and world_size != len(devices):
