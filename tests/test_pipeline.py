@@ -190,6 +190,20 @@ def test_transfers_give_every_rank_its_piece(src, dst) -> None:
         assert torch.allclose(got, want), (q, got, want)
 
 
+@pytest.mark.parametrize("src,dst", [
+    (Holding("Reduce", None, 3), Holding("Reduce", None, 2)),
+    (Holding("Reduce", None, 2), Holding("Reduce", None, 3)),
+    (Holding("Reduce", None, 1), Holding("Reduce", None, 2)),
+])
+def test_partial_sums_received_as_partial_sums_still_add_up(src, dst) -> None:
+    shape = (8, 4)
+    full = torch.arange(32.0).view(shape)
+    parts = _assemble(shape, src, dst, full)
+    assert len(parts) == dst.ranks
+    assert torch.allclose(sum(parts), full)
+    assert len(transfers(shape, src, dst)) == src.ranks  # each source's part goes once
+
+
 def test_identity_source_sends_each_block_once() -> None:
     msgs = transfers((6, 2), Holding("Identity", None, 2), Holding("Gather(0)", (3, 3), 2))
     assert sorted((r, q) for r, q, _ in msgs) == [(0, 0), (1, 1)]

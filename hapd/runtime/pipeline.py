@@ -92,9 +92,13 @@ def transfers(shape: Sequence[int], src: Holding, dst: Holding) -> list[tuple[in
     destination rank its piece: each block a ``Gather`` or ``Reduce`` source holds goes
     to every destination rank that needs part of it (``Reduce`` parts are summed by the
     receiver); a block every source holds (``Identity``) comes from one of them, spread
-    over the sources by destination rank. Empty blocks are not sent."""
+    over the sources by destination rank; partial sums received as partial sums go
+    whole, source rank ``r`` to destination rank ``r mod n`` (summed there; ranks sent
+    nothing hold zeros): the parts still add up to the tensor. Empty blocks are not
+    sent."""
     if src.layout == REDUCE and dst.layout == REDUCE:
-        raise PlanError("a partial sum cannot be received as a partial sum")
+        whole = tuple((0, n) for n in shape)
+        return [] if any(n == 0 for n in shape) else [(r, r % dst.ranks, whole) for r in range(src.ranks)]
     out = []
     for q in range(dst.ranks):
         need = dst.box(shape, q)
