@@ -19,7 +19,7 @@ from hapd.compiler.driver import CompileOptions, compile as compile_plan
 from hapd.compiler.export import export
 from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.pipeline import (
-    best_split, bubble_fraction, graph_units, micro_batch_graphs, one_f_one_b, split_cost, stage_table,
+    best_split, graph_units, micro_batch_graphs, one_f_one_b, split_cost, stage_table,
     simulate_one_f_one_b, steady_period,
     search as pipeline_search,
 )
@@ -74,8 +74,9 @@ def test_one_f_one_b_by_hand() -> None:
     # three stages: stage 0's round trip 1+1+1 + 0.5+0.5 over 3 in flight, stage 1's 1+1 + 0.5 over 2
     assert steady_period([1.0, 1.0, 1.0], [0.5, 0.5], 8) == pytest.approx(max(1.0, 4.0 / 3, 2.5 / 2))
     # equal stages without communication: the classic (S-1)/(m+S-1) bubble
-    assert bubble_fraction([1.0, 1.0, 1.0], [0.0, 0.0], 5) == pytest.approx(2 / 7)
-    assert bubble_fraction([1.0, 1.0], [0.0], 1) == pytest.approx(1 / 2)
+    for stages, m in ((3, 5), (2, 1)):
+        pipelined = simulate_one_f_one_b([0.5] * stages, [0.5] * stages, [0.0] * (stages - 1), m)
+        assert 1 - m * stages / (stages * pipelined) == pytest.approx((stages - 1) / (m + stages - 1))
     with pytest.raises(ValueError):
         one_f_one_b([1.0, 1.0], [], [0.0, 0.0], 2)
 

@@ -451,12 +451,8 @@ def one_f_one_b(stage_times: Sequence[float], boundaries: Sequence[float], syncs
     sync, ``micro_batches`` micro-batches."""
     if len(boundaries) != len(stage_times) - 1 or len(syncs) != len(stage_times):
         raise ValueError(f"{len(stage_times)} stages need {len(stage_times) - 1} boundaries and as many syncs")
-    return (_fill(stage_times, boundaries) + (micro_batches - 1) * steady_period(stage_times, boundaries, micro_batches)
-            + max(syncs))
-
-
-def _fill(stage_times: Sequence[float], boundaries: Sequence[float]) -> float:
-    return sum(stage_times) + sum(boundaries)
+    fill = sum(stage_times) + sum(boundaries)  # one micro-batch's way there and back
+    return fill + (micro_batches - 1) * steady_period(stage_times, boundaries, micro_batches) + max(syncs)
 
 
 def steady_period(stage_times: Sequence[float], boundaries: Sequence[float], micro_batches: int) -> float:
@@ -477,15 +473,6 @@ def _round_trip(way: float, stages_after: int, micro_batches: int) -> float:
     it to the last and back) forces when 1F1B lets it hold only that many micro-batches
     in flight; none when every micro-batch fits in flight at once."""
     return way / stages_after if micro_batches > stages_after else 0.0
-
-
-def bubble_fraction(stage_times: Sequence[float], boundaries: Sequence[float], micro_batches: int) -> float:
-    """The share of the pipelined time (without gradient sync) an average stage does
-    not compute: fill and drain, waiting on slower stages and on transfers."""
-    total = _fill(stage_times, boundaries) + (micro_batches - 1) * steady_period(stage_times, boundaries, micro_batches)
-    if total <= 0:
-        return 0.0
-    return max(0.0, 1.0 - micro_batches * sum(stage_times) / (len(stage_times) * total))
 
 
 def simulate_one_f_one_b(forward: Sequence[float], backward: Sequence[float], boundaries: Sequence[float],
@@ -1115,7 +1102,7 @@ def micro_batch_graphs(full: "GraphIR", others: Sequence["GraphIR"]) -> dict[int
 __all__ = [
     "DEFAULT_MICRO_BATCHES", "GraphUnits", "Group", "PipelinePlan", "PipelineSearch", "PipelineStage",
     "SCHEDULE", "Split", "StageTable", "Unit", "UnitCosts", "best_split", "boundary_seconds",
-    "bubble_fraction", "graph_batch", "graph_units", "host_groups", "micro_batch_counts",
+    "graph_batch", "graph_units", "host_groups", "micro_batch_counts",
     "micro_batch_graphs", "one_f_one_b", "p2p_link", "search", "simulate_one_f_one_b", "split_cost", "stage_table",
     "steady_period", "unit_costs",
 ]
