@@ -58,8 +58,10 @@ def paper_graph(name: str, layers: int, world: int):
 
 
 INTERRUPTIBLE = """
+import signal
 import sys
 from hapd import _core
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even where a background start ignores it
 from hapd.profile.schema import load_profile
 graph = open(sys.argv[1], "rb").read()
 profile = load_profile("paper-64")

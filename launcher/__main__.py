@@ -33,8 +33,10 @@ from launcher.job import (DEFAULT_LEASE_S, EXIT_INTERRUPTED, EXIT_LAUNCH_ERROR, 
 LAUNCHER_START = time.time()
 """When this process started (the report's ``launcher_start``)."""
 
-STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-"""Signals that stop the job everywhere, as Ctrl-C does (while a job runs)."""
+STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop the job everywhere (while a job runs). SIGINT is among them so that
+a launcher started with it ignored (in the background of a script, under ``nohup``) still
+stops on ``kill -INT``, as it does on Ctrl-C."""
 
 
 class _Group(click.Group):
