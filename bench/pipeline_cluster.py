@@ -565,5 +565,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return ab.run_on_cluster("pipeline", ns, fast, results, log,
                              lambda session, rate: measure(session, rate, ns, names, fast, slow, results))
 
+
 if __name__ == "__main__":
     sys.exit(main())
