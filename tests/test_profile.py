@@ -12,6 +12,7 @@ from conftest import FIXTURES
 
 import hapd
 from hapd.errors import ProfileError
+from hapd.profile.assemble import summary
 from hapd.profile.schema import COLLECTIVES, UNITS, load_profile, profile_from_dict
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
@@ -169,6 +170,35 @@ def test_a_small_ops_seconds_are_optional_kept_and_checked(paper8):
     with pytest.raises(ProfileError) as info:
         profile_from_dict(with_op)
     assert info.value.field == "devices[3].op_seconds"
+
+
+def test_a_sync_overlap_is_optional_kept_and_checked(paper8):
+    """``sync_overlap`` (the share of a gradient all-reduce hidden behind compute)
+    round-trips, survives a subset, and leaves the id of a profile without it alone."""
+    with_overlap = copy.deepcopy(paper8)
+    for i, d in enumerate(with_overlap["devices"]):
+        d["sync_overlap"] = [0.0, 0.62, 1][i % 3]
+    profile = profile_from_dict(with_overlap)
+    assert [d.sync_overlap for d in profile.devices[:3]] == [0.0, 0.62, 1.0]
+    assert profile_from_dict(json.loads(profile.to_json())) == profile
+    assert profile_from_dict(json.loads(profile.to_json())).profile_id == profile.profile_id
+    assert profile.profile_id != profile_from_dict(paper8).profile_id
+    assert profile.subset([2, 1]).devices[1].sync_overlap == 0.62
+    assert "62% of a gradient sum hidden behind compute" in summary(profile)
+    plain = profile_from_dict(paper8)
+    assert plain.devices[0].sync_overlap is None
+    assert all("sync_overlap" not in d for d in plain.canonical()["devices"])
+    assert "hidden behind compute" not in summary(plain)
+    assert hapd.compile(FIXTURES / "mlp.hapg", profile).estimate["per_iteration"] > 0  # the core accepts it
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "x", float("inf"), True])
+def test_a_sync_overlap_outside_zero_to_one_is_named(paper8, value):
+    bad = copy.deepcopy(paper8)
+    bad["devices"][5]["sync_overlap"] = value
+    with pytest.raises(ProfileError, match=r"devices\[5\]\.sync_overlap") as info:
+        profile_from_dict(bad)
+    assert info.value.field == "devices[5].sync_overlap"
 
 
 def test_world_size_mismatch(paper8, tmp_path):

@@ -25,7 +25,8 @@ import pytest
 from hapd.errors import OptionsError, ProfileError
 from hapd.profile.schema import COLLECTIVES, UNITS, Profile, load_profile
 from hapd.profile.fit import fit_alpha_beta
-from hapd.profile.measure import _intra_groups, host_memory, host_name, pairs_per_host_pair
+from hapd.profile.measure import (OP_PROBE_BLOCKS, _intra_groups, host_memory, host_name, op_probe, overlap_share,
+                                  pairs_per_host_pair, probe_ops)
 from hapd.profile.options import ProfilerOptions, parse_size, parse_sizes
 from hapd.profile.profiler import Rendezvous
 
@@ -144,6 +145,40 @@ def test_memory_is_capped_by_what_the_machine_has_available(tmp_path):
     assert host_memory(*_fake_machine_with_available(tmp_path, 1024)) == 1024 * 1024
 
 
+def test_the_op_probe_divides_by_the_ops_its_graph_runs():
+    """``op_seconds`` divides a forward and backward of the probe's graph by 3 × its op
+    nodes: each repeat of the mix is ten ops (linear, add, layer_norm, gelu, mul,
+    transpose, matmul, softmax, matmul, reshape), then one sum; the weights are read by
+    ``get_attr`` nodes, which are no ops."""
+    import operator
+
+    import torch
+    import torch.nn.functional as F
+
+    graph_module, x = op_probe(torch.device("cpu"), torch.float32)
+    nodes = list(graph_module.graph.nodes)
+    ops = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
+    assert probe_ops(graph_module) == len(ops) == 10 * OP_PROBE_BLOCKS + 1
+    assert sum(n.op == "get_attr" for n in nodes) == OP_PROBE_BLOCKS
+    per_target = {t: sum(n.target == t for n in ops) for t in (F.linear, operator.add, F.layer_norm, F.gelu,
+                                                                operator.mul, "transpose", torch.softmax, "reshape")}
+    assert per_target == dict.fromkeys(per_target, OP_PROBE_BLOCKS)
+    assert sum(n.target is operator.matmul for n in ops) == 2 * OP_PROBE_BLOCKS
+    loss = graph_module(x)
+    loss.backward()  # trainable weights: the probe times a backward too
+    assert torch.isfinite(loss) and all(p.grad is not None for p in graph_module.parameters())
+
+
+def test_overlap_share_is_the_hidden_part_of_the_shorter_one():
+    assert overlap_share(2.0, 1.0, 2.0) == 1.0  # the compute hid whole behind the collective
+    assert overlap_share(1.0, 3.0, 3.0) == 1.0  # the collective hid whole behind the compute
+    assert overlap_share(2.0, 1.0, 3.0) == 0.0  # one after the other
+    assert overlap_share(2.0, 2.0, 3.0) == pytest.approx(0.5)
+    assert overlap_share(2.0, 1.0, 3.5) == 0.0  # slower together than apart: clamped
+    assert overlap_share(2.0, 1.0, 1.5) == 1.0  # faster together than alone (noise): clamped
+    assert overlap_share(0.0, 1.0, 1.0) == 0.0
+
+
 def test_links_measured_depend_on_the_hosts():
     assert _intra_groups(["a", "a"]) == ([[0, 1]], None)
     assert _intra_groups(["a", "a", "b", "b"]) == ([[0, 1], [2, 3]], None)
@@ -184,6 +219,7 @@ def _check_measured(profile: Profile, *, kinds: set[str]) -> None:
         assert d.elementwise_flops is not None and 1e6 < d.elementwise_flops < d.flops, d
         assert d.memory > 2**20, d
         assert d.op_seconds is not None and 1e-8 < d.op_seconds < 1e-2, d  # a small op: µs, not FLOPs
+        assert d.sync_overlap is not None and 0.0 <= d.sync_overlap <= 1.0, d  # several ranks: measured
     assert set(profile.collectives) == {*COLLECTIVES, "p2p"}  # every collective, and one rank's message to another
     for name, links in profile.collectives.items():
         assert kinds <= set(links), name
@@ -207,6 +243,8 @@ def test_hapd_profile_quick_on_two_ranks(tmp_path):
         assert f"measuring {name} ({i}/{len(COLLECTIVES)}) …" in proc.stdout
     assert proc.stdout.count("measuring all_gather (1/7)") == 1  # rank 0 only
     assert proc.stdout.count("measuring p2p") == 1
+    assert proc.stdout.count("measuring how much of a gradient all-reduce hides behind compute") == 1
+    assert proc.stdout.count("of a gradient sum hidden behind compute") == 2  # the summary: both devices
     assert f"wrote {out}" in proc.stdout
     profile = load_profile(out, world_size=2)
     assert profile.name == "cpu-test"

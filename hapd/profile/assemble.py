@@ -59,7 +59,8 @@ def assemble(devices: Sequence[Mapping[str, Any]], fits: Mapping[str, Mapping[st
         devices=tuple(
             Device(rank=r, host=d["host"], model=d["model"], flops=float(d["flops"]), memory=float(d["memory"]),
                    elementwise_flops=float(d["elementwise_flops"]),
-                   op_seconds=float(d["op_seconds"]) if d.get("op_seconds") is not None else None)
+                   op_seconds=float(d["op_seconds"]) if d.get("op_seconds") is not None else None,
+                   sync_overlap=float(d["sync_overlap"]) if d.get("sync_overlap") is not None else None)
             for r, d in enumerate(devices)
         ),
         collectives=collectives,
@@ -73,7 +74,8 @@ def summary(profile: Profile) -> str:
              f"id {profile.profile_id[:12]}…"]
     for d in profile.devices:
         ew = f", {d.elementwise_flops:.3g} element-wise" if d.elementwise_flops else ""
-        ew += f", {d.op_seconds * 1e6:.1f} µs per small op" if d.op_seconds else ""
+        ew += f", {d.op_seconds * 1e6:.1f} µs per op beyond its FLOPs" if d.op_seconds else ""
+        ew += f", {d.sync_overlap:.0%} of a gradient sum hidden behind compute" if d.sync_overlap is not None else ""
         lines.append(f"  rank {d.rank} {d.host} {d.model}: {d.flops:.3g} FLOP/s matmul{ew}, "
                      f"{format_bytes(d.memory)}")
     fits = profile.extra.get("fits", {})

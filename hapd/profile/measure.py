@@ -10,12 +10,26 @@ What the numbers mean -- exactly what the cost model (``rustcore/core/src/cost.r
   tensors, counted as the core counts them (1, 1 and 8 FLOPs per output element,
   ``rules/binary.rs`` and ``rules/unary.rs``): total counted FLOPs over total time of one
   of each.
-* ``op_seconds``: the time of one small op (an ``add`` of two 16×16 tensors into a new
-  one), whose FLOPs are nothing: the dispatch (and on a GPU the launch) every op pays.
+* ``op_seconds``: what a training op costs beyond its FLOPs, as a pipeline stage runs
+  it: a small fx graph of a transformer-like op mix on tiny tensors (:func:`op_probe`)
+  run node by node through ``torch.fx.Interpreter`` with autograd recording, then its
+  backward; the time of one forward and backward over three times its op count (the
+  compiler charges it once forward and twice backward per op). Dispatch, autograd, the
+  interpreter and on a GPU the launch. The probe's counted FLOPs (under a MFLOP a
+  sample) are at most a few percent of its time on a CPU core, negligible on a GPU.
 * Each rate sample runs the op back to back for at least ``window_s`` seconds of wall
   time, so a CPU quota (CFS period 100 ms) shows up as the slower rate it causes rather
   than as bursts at full speed. All ranks measure at the same time, as they compute in
   training.
+* ``sync_overlap`` (η, several ranks only): the share of a gradient all-reduce's time
+  that hides behind compute (:func:`sync_overlap`). C: one all-reduce of a gradient
+  bucket (``GRAD_BUCKET_BYTES``), launched ``async_op`` as the runtime's ``GradSync``
+  launches it, the slowest rank's time; D: matmuls sized to last about C; T: both at
+  once. η = (C + D − T) / min(C, D), clamped to [0, 1]: 1 when the shorter one
+  hides whole, 0 when they run one after the other (a rank's CPU quota shared by Gloo's
+  threads and the compute; NCCL kernels sharing the SMs). D and T run rounds back to
+  back for a third of ``window_s`` or more, so a CPU quota throttles them as it does a
+  backward pass.
 * ``memory``: the memory a rank can use — on a GPU its free memory (what another
   process already holds is not the rank's), on CPU the smallest cgroup memory limit
   above this process, capped by ``MemAvailable`` (what the machine can still give).
@@ -48,7 +62,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -262,17 +276,159 @@ class DeviceMeasurement:
     detail: dict[str, Any] = field(default_factory=dict)
     """Per-size and per-op rates, threads, dtype: kept in the profile's ``extra``."""
     op_seconds: float | None = None
-    """Seconds of one small op (:func:`op_seconds`)."""
+    """Seconds a training op costs beyond its FLOPs, a third of its forward and backward
+    (:func:`op_seconds`)."""
+    sync_overlap: float | None = None
+    """Share of a gradient all-reduce hidden behind compute (:func:`sync_overlap`); None
+    with one rank or without a process group."""
+
+
+OP_PROBE_BLOCKS = 32
+"""Repeats of the op mix in :func:`op_probe`'s graph."""
+OP_PROBE_ROWS, OP_PROBE_WIDTH = 8, 16
+"""Shape of the op probe's activations (rows × width; its weights are width × width)."""
+
+
+def op_probe(device: Any, dtype: Any) -> tuple[Any, Any]:
+    """(a ``torch.fx.GraphModule``, its input): :data:`OP_PROBE_BLOCKS` repeats of a
+    transformer-like op mix on tiny tensors — ``linear`` by a trainable weight, ``add``,
+    ``layer_norm``, ``gelu``, ``mul``, ``transpose``, ``matmul``, ``softmax``,
+    ``matmul``, ``reshape`` — ending in a ``sum``; traced with ``symbolic_trace``, so each
+    op is one node, as in the programs a pipeline stage runs. The activations stay of
+    order one through the repeats (normalized, then averaged), so no dtype underflows."""
+    import torch
+    import torch.nn.functional as F
+    from torch import fx, nn
+
+    rows, width = OP_PROBE_ROWS, OP_PROBE_WIDTH
+
+    class OpMix(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for i in range(OP_PROBE_BLOCKS):
+                weight = torch.randn(width, width, device=device, dtype=dtype) / math.sqrt(width)
+                self.register_parameter(f"w{i}", nn.Parameter(weight))
+
+        def forward(self, x: Any) -> Any:
+            for i in range(OP_PROBE_BLOCKS):
+                h = F.layer_norm(F.linear(x, getattr(self, f"w{i}")) + x, (width,))
+                h = F.gelu(h) * h
+                x = (torch.softmax(h @ h.transpose(0, 1), dim=-1) @ h).reshape(rows, width)
+            return x.sum()
+
+    return fx.symbolic_trace(OpMix()), torch.randn(rows, width, device=device, dtype=dtype)
+
+
+def probe_ops(graph_module: Any) -> int:
+    """The ops of a graph module: its ``call_function``, ``call_method`` and
+    ``call_module`` nodes (what a stage dispatches one by one)."""
+    return sum(1 for node in graph_module.graph.nodes if node.op in ("call_function", "call_method", "call_module"))
 
 
 def op_seconds(device: Any, dtype: Any, *, repeats: int, window_s: float) -> float:
-    """Seconds of one small op: the median rate of ``add`` on two 16×16 tensors into a
-    new one, back to back for ``window_s`` (so a CPU quota shows), inverted."""
-    import torch
+    """Seconds a training op costs beyond its FLOPs, a third of one op's forward and
+    backward: :func:`op_probe`'s graph run forward node by node through
+    ``torch.fx.Interpreter`` (as :mod:`hapd.runtime.pipeline` runs a stage) and then
+    backward, back to back for ``window_s`` (so a CPU quota shows); the median time of
+    one such sample over 3 × :func:`probe_ops`. A third, because the compiler charges it
+    once forward and twice backward per op."""
+    from torch import fx
 
-    a = torch.randn(16, 16, device=device, dtype=dtype)
-    b = torch.randn(16, 16, device=device, dtype=dtype)
-    return 1.0 / statistics.median(sample_rate(lambda: torch.add(a, b), 1.0, device, repeats=repeats, window_s=window_s))
+    graph_module, x = op_probe(device, dtype)
+    nodes = list(graph_module.graph.nodes)
+
+    def sample() -> None:
+        interp = fx.Interpreter(graph_module)
+        env: dict[Any, Any] = {}
+        for node in nodes:
+            if node.op == "placeholder":
+                env[node] = x
+            elif node.op == "output":
+                env[node.args[0]].backward()
+            else:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                env[node] = getattr(interp, node.op)(node.target, args, kwargs)
+
+    per_sample = 1.0 / statistics.median(sample_rate(sample, 1.0, device, repeats=repeats, window_s=window_s))
+    return per_sample / (3 * probe_ops(graph_module))
+
+
+SYNC_OVERLAP_CALLS = 3
+"""Timed single all-reduces of :func:`sync_overlap`'s C (the median is kept)."""
+SYNC_OVERLAP_ROUNDS = (3, 1000)
+"""Fewest and most rounds of :func:`sync_overlap`'s D and T."""
+
+
+def overlap_share(comm: float, compute: float, together: float) -> float:
+    """η = (C + D − T) / min(C, D) clamped to [0, 1]: the share of the shorter of a
+    collective (C seconds alone) and a compute load (D) that hides when both run at once
+    (T): T = max(C, D) gives 1, T = C + D gives 0."""
+    shorter = min(comm, compute)
+    if not shorter > 0:
+        return 0.0
+    return min(1.0, max(0.0, (comm + compute - together) / shorter))
+
+
+def sync_overlap(device: Any, dtype: Any, matmul_n: int, matmul_flops: float, *, window_s: float) -> float:
+    """η, the share of a gradient all-reduce's time that hides behind compute on this
+    device (:func:`overlap_share` of R·C, D and T). Every rank of the world calls it at
+    once.
+
+    * C: one ``all_reduce`` of a gradient bucket (``GRAD_BUCKET_BYTES`` of ``dtype``)
+      launched ``async_op`` and waited for, as the runtime's ``GradSync`` runs it, after
+      a barrier: the slowest rank's time, the median of :data:`SYNC_OVERLAP_CALLS` after
+      an untimed call. The single call the collectives' fits time too, which is what the
+      compiler prices a gradient sync at.
+    * D: R rounds of ``k`` ``matmul_n``-square matmuls, back to back on every rank at
+      once; ``k`` (at least one) makes a round last about C at the measured rate
+      ``matmul_flops``.
+    * T: R rounds of: the all-reduce launched, the ``k`` matmuls, the all-reduce waited
+      for; back to back.
+
+    R (the same on every rank, whose all-reduces must match) makes D last about a third
+    of ``window_s`` (T up to twice that): the compute runs without a pause, as a
+    backward pass does, so a CPU quota that Gloo's threads share with it throttles both
+    as in training. (One short round after a pause runs in a burst at full speed and
+    shows an overlap that a throttled rank does not have.)"""
+    import torch
+    import torch.distributed as dist
+
+    from hapd._core import GRAD_BUCKET_BYTES
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bucket = torch.zeros(GRAD_BUCKET_BYTES // itemsize, dtype=dtype, device=device)
+    a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+    b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+    out = torch.empty(matmul_n, matmul_n, device=device, dtype=dtype)
+
+    def reduce() -> None:
+        dist.all_reduce(bucket, async_op=True).wait()
+
+    def compute() -> None:
+        for _ in range(k):
+            torch.mm(a, b, out=out)
+
+    def both() -> None:
+        handle = dist.all_reduce(bucket, async_op=True)
+        compute()
+        handle.wait()
+
+    def repeated(call: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(rounds):
+                call()
+
+        return run
+
+    _timed(reduce, device)
+    comm = statistics.median(_max_over_ranks([_timed(reduce, device) for _ in range(SYNC_OVERLAP_CALLS)], device))
+    per_matmul = 2.0 * matmul_n**3 / matmul_flops
+    k = max(1, round(comm / per_matmul))
+    (round_s,) = _max_over_ranks([max(comm, k * per_matmul)], device)
+    low, high = SYNC_OVERLAP_ROUNDS
+    rounds = min(high, max(low, math.ceil(window_s / (3 * round_s))))
+    alone = _timed(repeated(compute), device)
+    return overlap_share(rounds * comm, alone, _timed(repeated(both), device))
 
 
 def measure_device(device: Any, options: ProfilerOptions, *,
@@ -474,6 +630,7 @@ def _intra_groups(hosts: Sequence[str]) -> tuple[list[list[int]], str | None]:
 def measure(options: ProfilerOptions) -> Profile | None:
     """Run on every rank of an initialized job: measure and return the profile on rank
     0 (None elsewhere). Each rank measures its own device; collectives are timed by all."""
+    import torch
     import torch.distributed as dist
 
     from hapd.runtime.training import init_distributed
@@ -484,6 +641,12 @@ def measure(options: ProfilerOptions) -> Profile | None:
     _say(rank, f"hapd profile: {world} rank(s), backend {env.backend}, dtype {options.dtype}")
     _say(rank, "measuring device speed and memory on every rank …")
     mine = measure_device(env.device, options, barrier=dist.barrier)
+    if world > 1:  # with one rank nothing is summed, so nothing overlaps
+        _say(rank, "measuring how much of a gradient all-reduce hides behind compute …")
+        n = min(int(size) for size in mine.detail["matmul_flops_by_size"])
+        mine = replace(mine, sync_overlap=sync_overlap(env.device, getattr(torch, options.dtype), n,
+                                                       mine.detail["matmul_flops_by_size"][str(n)],
+                                                       window_s=options.window_s))
     devices: list[dict[str, Any]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(devices, asdict(mine))
     hosts = [d["host"] for d in devices]
@@ -525,8 +688,6 @@ def measure(options: ProfilerOptions) -> Profile | None:
     dist.barrier()
     if rank != 0:
         return None
-    import torch
-
     return assemble(devices, fits, options, started=started, backend=env.backend, world=world,
                     no_intra=no_intra if multi_host else None, torch_version=torch.__version__)
 

@@ -15,8 +15,10 @@ its quantity (:data:`RANGES`: FLOP/s 1e6 to 1e24, memory 1 B to 2⁶⁰ B, laten
 1 h, bandwidth 1 B/s to 1e24 B/s), so that no cost the compiler derives from a
 profile is infinite or zero. ``flops`` is the achieved rate on matmul-heavy work;
 ``elementwise_flops`` (optional) the rate on element-wise work; ``op_seconds`` (optional)
-what one small op costs whatever its FLOPs (dispatch and launch: what a pipeline's
-many small micro-batches pay once per op each). ``intra`` (optional) is
+what one training op costs beyond its FLOPs (dispatch, launch, autograd, run node by
+node: what a pipeline's many small micro-batches pay once per op each);
+``sync_overlap`` (optional, 0 to 1) the share of a gradient all-reduce's time that hides
+behind the backward pass's compute on the device. ``intra`` (optional) is
 the cost within one host; ``inter`` across hosts. The **profile id** is the sha256 of
 the canonical form of the devices and collectives: names, descriptions, extra fields,
 key order and formatting do not change it. ``hapd profile`` (:mod:`hapd.profile.profiler`)
@@ -90,8 +92,14 @@ class Device:
     elementwise_flops: float | None = None
     """Achieved FLOP/s on element-wise work (default: ``flops``)."""
     op_seconds: float | None = None
-    """Seconds one small op takes beyond its FLOPs (default: none): a pipeline stage runs
-    every op once per micro-batch (:mod:`hapd.compiler.pipeline`)."""
+    """Seconds a training op costs beyond its FLOPs, a third of its forward and backward
+    (default: none): a pipeline stage runs every op node by node once per micro-batch
+    (:mod:`hapd.compiler.pipeline` charges it once forward and twice backward)."""
+    sync_overlap: float | None = None
+    """Share (0 to 1) of a gradient all-reduce's time that hides behind the backward
+    pass's compute on this device (default: none, not measured). The runtime launches
+    each gradient bucket's all-reduce during the backward pass; its threads or kernels
+    share the device with that compute, so the overlap is seldom whole."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +137,7 @@ class Profile:
                 "memory": float(d.memory),
                 **({"elementwise_flops": float(d.elementwise_flops)} if d.elementwise_flops is not None else {}),
                 **({"op_seconds": float(d.op_seconds)} if d.op_seconds is not None else {}),
+                **({"sync_overlap": float(d.sync_overlap)} if d.sync_overlap is not None else {}),
             }
             for d in self.devices
         ]
@@ -170,7 +179,8 @@ class Profile:
         devices = tuple(
             Device(rank=i, host=rename.get(self.devices[r].host, self.devices[r].host), model=self.devices[r].model,
                    flops=self.devices[r].flops, memory=self.devices[r].memory,
-                   elementwise_flops=self.devices[r].elementwise_flops, op_seconds=self.devices[r].op_seconds)
+                   elementwise_flops=self.devices[r].elementwise_flops, op_seconds=self.devices[r].op_seconds,
+                   sync_overlap=self.devices[r].sync_overlap)
             for i, r in enumerate(ranks)
         )
         collectives = dict(self.collectives)
@@ -251,6 +261,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "flops": (1e6, 1e24, "FLOP/s"),
     "elementwise_flops": (1e6, 1e24, "FLOP/s"),
     "op_seconds": (0.0, 1.0, "s"),
+    "sync_overlap": (0.0, 1.0, ""),
     "memory": (1.0, float(2**60), "bytes"),
     "alpha": (0.0, 3600.0, "s"),
     "beta": (1.0, 1e24, "bytes/s"),
@@ -258,7 +269,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
 """Each profile number's allowed range (inclusive) and unit: a megaFLOP/s to a
 yottaFLOP/s, a byte to an exbibyte, no latency to an hour, a byte per second to 1e24
 (the profiler records 1e18 for a link nothing crosses). Outside them a cost the compiler
-derives could overflow to infinity or vanish."""
+derives could overflow to infinity or vanish. ``sync_overlap`` is a share: no unit."""
 
 
 def check_range(key: str, value: float, where: str) -> float:
@@ -266,7 +277,8 @@ def check_range(key: str, value: float, where: str) -> float:
     ``where.key`` otherwise."""
     low, high, unit = RANGES[key]
     if not (math.isfinite(value) and low <= value <= high):
-        raise ProfileError(f"{where}.{key}: {value:g} {unit} is outside {low:g}..{high:g} {unit}", field=f"{where}.{key}")
+        unit = f" {unit}" if unit else ""
+        raise ProfileError(f"{where}.{key}: {value:g}{unit} is outside {low:g}..{high:g}{unit}", field=f"{where}.{key}")
     return value
 
 
@@ -306,6 +318,7 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
             raise ProfileError(f"{where}.host: expected a host name", field=f"{where}.host")
         ew = d.get("elementwise_flops")
         op = d.get("op_seconds")
+        overlap = d.get("sync_overlap")
         devices.append(
             Device(
                 rank=i,
@@ -315,6 +328,7 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
                 memory=_number(d, "memory", where),
                 elementwise_flops=None if ew is None else _number(d, "elementwise_flops", where),
                 op_seconds=None if op is None else _number(d, "op_seconds", where),
+                sync_overlap=None if overlap is None else _number(d, "sync_overlap", where),
             )
         )
     if world_size is not None and world_size != len(devices):
