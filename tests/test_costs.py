@@ -185,3 +185,35 @@ def test_ddp_cost_splits_batch_work_and_adds_the_gradient_all_reduce():
     ratios = [0.75, 0.25]
     # step 1: max(4·0.75, 8·0.25); step 2 whole: max(1, 2); step 3: max(6·0.75, 12·0.25); all-reduce 0.5
     assert ddp_cost(program, ratios) == pytest.approx(3.0 + 2.0 + 4.5 + 0.5)
+    # the all-reduce overlaps backward (2/3 of the 9.5 s of compute) by the program's share
+    assert ddp_cost({**program, "sync_overlap": 0.6}, ratios) == pytest.approx(3.0 + 2.0 + 4.5 + 0.5 - 0.6 * 0.5)
+    program["steps"][1]["sources"][0]["cost"] = _row([20.0, 20.0], [0.0, 0.0])  # a sync longer than backward
+    assert ddp_cost({**program, "sync_overlap": 0.6}, ratios) == pytest.approx(9.5 + 20.0 - 0.6 * (2 / 3) * 9.5)
+
+
+def test_profile_sync_overlap_reaches_the_plan(dense_graph):
+    """A profile whose devices measured ``sync_overlap`` gives every program its
+    smallest share; the plan's estimate hides that much of the gradient sync behind
+    backward and explain says so. Without it the same program prices serially."""
+    from dataclasses import replace
+
+    from hapd.compiler.ratios import hidden_sync, serial_cost, sync_seconds
+
+    profile = load_profile(PAPER8)
+    shares = [0.9, 0.5] + [0.7] * (profile.world - 2)
+    measured = replace(profile, devices=tuple(replace(d, sync_overlap=s) for d, s in zip(profile.devices, shares)))
+    ratios = profile.flops_ratios()
+    program = synthesize(dense_graph, measured, ratios, CompileOptions(), "data_parallel")
+    assert program["sync_overlap"] == 0.5
+    assert sync_seconds(program, ratios) > 0
+    assert program_cost(program, ratios) == pytest.approx(serial_cost(program, ratios) - hidden_sync(program, ratios))
+    assert hidden_sync(program, ratios) > 0
+    assert synthesize(dense_graph, profile, ratios, CompileOptions(), "data_parallel")["sync_overlap"] == 0.0
+    partial = replace(measured, devices=(replace(measured.devices[0], sync_overlap=None), *measured.devices[1:]))
+    assert synthesize(dense_graph, partial, ratios, CompileOptions(), "data_parallel")["sync_overlap"] == 0.0
+    plan = hapd.compile(dense_graph, measured)
+    sync = plan.estimate["gradient_sync"]
+    assert sync["share"] == 0.5 and 0 < sync["hidden"] <= 0.5 * sync["seconds"] + 1e-12
+    assert plan.estimate["per_iteration"] == pytest.approx(program_cost(plan.program, plan.ratios))
+    assert "hidden behind the backward pass" in plan.explain()
+    assert "gradient_sync" not in hapd.compile(dense_graph, profile).estimate

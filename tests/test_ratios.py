@@ -121,3 +121,63 @@ def test_program_cost_by_hand():
     assert per_device(prog, ratios, "comp") == pytest.approx([1.75, 2.75])
     assert per_device(prog, ratios, "comm") == pytest.approx([0.5, 3.0])
     assert program_cost(program([]), ratios) == 0.0
+
+
+def synced(comp, sync_seconds, other=None):
+    """A step whose communication row is a gradient all-reduce of ``sync_seconds`` (plus
+    ``other``), with the all-reduce also listed as its parameter source's cost."""
+    sync = row([sync_seconds, sync_seconds], [0.0, 0.0])
+    comm = row([sync_seconds + (other or ZERO)["constant"][0], sync_seconds + (other or ZERO)["constant"][1]],
+               (other or ZERO)["coef"])
+    return {"comp": comp, "comm": comm, "sources": [{"grad_sync": True, "cost": sync}]}
+
+
+def overlapped(steps, eta):
+    return {"devices": 2, "steps": steps, "memory": row([0.0, 0.0], [0.0, 0.0]), "sync_overlap": eta}
+
+
+@pytest.mark.parametrize("eta", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("sync", [0.05, 0.2, 2.0])
+def test_gradient_sync_hides_behind_backward(eta, sync):
+    # one unit of work split by speed: compute 1/3 at the LP's ratios, backward 2/9 of it
+    prog = overlapped([synced(SHARDED, sync)], eta)
+    result = solve_ratios(prog)
+    assert result.ratios == pytest.approx((2 / 3, 1 / 3), abs=1e-6)
+    backward = 2 / 3 * 1 / 3
+    assert result.objective == pytest.approx(1 / 3 + sync - eta * min(sync, backward), abs=1e-6)
+    assert program_cost(prog, result.ratios) == pytest.approx(result.objective, abs=1e-9)
+
+
+def test_lp_with_overlap_is_optimal():
+    lopsided = row([0.0, 0.3], [0.0, 0.0])  # a step that runs on device 1 only
+    other = row([0.0, 0.0], [0.1, 0.8])  # ratio-dependent communication, never hidden
+    for sync in (0.01, 5.0):
+        steps = [synced(SHARDED, sync), {"comp": lopsided, "comm": other}]
+        for eta in (0.0, 0.5, 1.0):
+            prog = overlapped(steps, eta)
+            result = solve_ratios(prog)
+            grid = [i / 2000 for i in range(2001)]
+            best = min(program_cost(prog, (r, 1 - r)) for r in grid)
+            assert result.objective <= best + 1e-6
+            assert result.objective == pytest.approx(program_cost(prog, result.ratios), abs=1e-9)
+
+
+def test_overlap_moves_the_split_when_backward_hides_a_long_sync():
+    # device 0's communication grows with its share. Serially the LP balances compute
+    # (r0/2 against r1) against it at r0 = 2/3; when the backward (2/3 of compute) hides
+    # a long sync whole, compute costs only its forward third and device 0 gets nothing
+    grows = row([0.0, 0.0], [0.5, 0.0])
+    steps = [synced(SHARDED, 5.0), {"comp": ZERO, "comm": grows}]
+    serial = solve_ratios(overlapped(steps, 0.0))
+    assert serial.ratios == pytest.approx((2 / 3, 1 / 3), abs=1e-6)
+    assert serial.objective == pytest.approx(2 / 3 + 5.0, abs=1e-6)
+    hidden = solve_ratios(overlapped(steps, 1.0))
+    assert hidden.ratios == pytest.approx((0.0, 1.0), abs=1e-6)
+    assert hidden.objective == pytest.approx(1 / 3 + 5.0, abs=1e-6)
+
+
+def test_program_without_overlap_share_prices_serially():
+    prog = overlapped([synced(SHARDED, 0.5)], 0.0)
+    del prog["sync_overlap"]
+    ratios = (0.5, 0.5)
+    assert program_cost(prog, ratios) == pytest.approx(0.5 + 0.5)  # max(0.25, 0.5) + sync

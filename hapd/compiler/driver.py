@@ -24,7 +24,15 @@ from hapd.compiler.overlap import DUPLICAS, is_overlapped, with_duplica_memory
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
 from hapd.profile.schema import Profile, load_profile
 from hapd.util import format_bytes
-from hapd.compiler.ratios import least_overshoot, peak_memory, program_cost, row_values, solve_ratios
+from hapd.compiler.ratios import (
+    BACKWARD_SHARE,
+    least_overshoot,
+    peak_memory,
+    program_cost,
+    row_values,
+    solve_ratios,
+    sync_overlap,
+)
 
 
 MODES = ("auto", "data_parallel")
@@ -211,7 +219,20 @@ def synthesize(
 
     raw = _core.synthesize(graph, profile.core_bytes(), list(ratios), options.core(mode, memory_price, recompute))
     program = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    return with_duplica_memory(program) if is_overlapped(program) else program
+    if is_overlapped(program):
+        return with_duplica_memory(program)
+    program["sync_overlap"] = profile_sync_overlap(profile)
+    return program
+
+
+def profile_sync_overlap(profile: Profile) -> float:
+    """η of a program for ``profile`` (:func:`hapd.compiler.ratios.hidden_sync`): the
+    smallest share of a gradient sum any device hides behind its backward (every rank
+    waits for the same sums), 0 when a device does not give it."""
+    shares = [d.sync_overlap for d in profile.devices]
+    if not shares or any(s is None for s in shares):
+        return 0.0
+    return min(float(s) for s in shares if s is not None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -475,9 +496,10 @@ def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int 
     does fraction ``r[d]`` of its forward and backward FLOPs on device ``d``, and needs
     no collective; an op that reads only parameters and constants runs whole on every
     rank. The only communication is the gradient all-reduce of every trainable
-    parameter (bucketed, as the core prices it). As in the cost model, each op costs
-    its slowest device's time and the iteration is the sum over ops plus the
-    all-reduce. A step's full work on device ``d`` is ``constant[d] + coef[d]`` of its
+    parameter (bucketed, as the core prices it), overlapping the backward pass as
+    hapd's own sync does (:func:`hapd.compiler.ratios.hidden_sync`). As in the cost
+    model, each op costs its slowest device's time and the iteration is the sum over
+    ops plus the all-reduce not hidden. A step's full work on device ``d`` is ``constant[d] + coef[d]`` of its
     compute row (a replicated step has only the constant, a sharded one only the
     coefficient), so the price does not depend on which rules the program chose.
     """
@@ -492,7 +514,8 @@ def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int 
         for source in step["sources"]:
             if source["grad_sync"]:
                 sync = [s + v for s, v in zip(sync, row_values(source["cost"], ratios))]
-    return compute + max(sync, default=0.0)
+    total_sync = max(sync, default=0.0)
+    return compute + total_sync - sync_overlap(program) * min(total_sync, BACKWARD_SHARE * compute)
 
 
 def _batch_tensors(program: Mapping[str, Any]) -> set[str]:

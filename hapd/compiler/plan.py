@@ -12,7 +12,16 @@ import msgpack
 
 from hapd.errors import PlanError
 from hapd.compiler import overlap
-from hapd.compiler.ratios import peak_memory, per_device, program_cost, row_values, sharding_lengths
+from hapd.compiler.ratios import (
+    hidden_sync,
+    peak_memory,
+    per_device,
+    program_cost,
+    row_values,
+    sharding_lengths,
+    sync_overlap,
+    sync_seconds,
+)
 from hapd.util import atomic_write, format_bytes
 
 PLAN_FORMAT = "hapd.plan"
@@ -123,13 +132,17 @@ def estimate(program: Mapping[str, Any], ratios: list[float]) -> dict[str, Any]:
     ``overlap``: each pass's seconds, the serial collectives', and the communication
     hidden under compute and exposed."""
     if not overlap.is_overlapped(program):
-        return {
+        out = {
             "per_iteration": program_cost(program, ratios),
             "compute": per_device(program, ratios, "comp"),
             "communication": per_device(program, ratios, "comm"),
             "memory": peak_memory(program, ratios),
             "replicated_flop_share": replicated_flop_share(program),
         }
+        if sync_overlap(program) > 0:
+            out["gradient_sync"] = {"seconds": sync_seconds(program, ratios), "hidden": hidden_sync(program, ratios),
+                                    "share": sync_overlap(program)}
+        return out
     schedule = overlap.schedule(program, ratios)
     compute, communication = overlap.per_device(program, ratios)
     return {
@@ -256,6 +269,15 @@ def _pipeline_lines(doc: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _sync_lines(est: Mapping[str, Any]) -> list[str]:
+    """How much of the gradient sync the estimate hides behind the backward pass."""
+    sync = est.get("gradient_sync")
+    if not sync or sync["seconds"] <= 0:
+        return []
+    return [f"gradient sync: {_fmt_s(sync['seconds'])}, of it {_fmt_s(sync['hidden'])} hidden behind the backward "
+            f"pass (the devices hide {sync['share']:.0%} of a sum behind compute, profile sync_overlap)"]
+
+
 def explain(plan: Plan) -> str:
     """A readable report: estimate vs baselines, ratios, every step with its layouts and
     collectives, per-device totals, and why replicated ops are replicated."""
@@ -274,6 +296,7 @@ def explain(plan: Plan) -> str:
         f"{stats['lp_rounds']} search/LP rounds, stop reason {stats['stop_reason']}",
     ]
     lines += _overlap_lines(plan)
+    lines += _sync_lines(est)
     lines += _pipeline_lines(doc)
     lines.append("devices:")
     for d, r in enumerate(ratios):

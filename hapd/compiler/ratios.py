@@ -13,13 +13,24 @@ lengths (:func:`sharding_lengths`): a device whose ratio is 0.1 holds 0 of 4 exp
 and one whose ratio is 0.4 holds 2. A finished plan's peak (:func:`peak_memory`) is
 priced at those lengths (the program's ``memory_split``), and the LP with memory caps
 solves again with a device's cap lowered where rounding puts it over its capacity.
+
+**The gradient sync overlaps the backward pass.** The runtime all-reduces replicated
+gradients in buckets launched while backward still runs (:class:`hapd.runtime.gradsync.GradSync`),
+so a program's time is its steps' serial sum less what of that sync hides behind the
+backward's compute: ``serial − η · min(S, B)``, with ``S`` the steps' gradient sync,
+``B`` the backward's share of compute (two thirds of a training op's, the core's
+forward-to-backward ratio) and ``η`` the program's ``sync_overlap`` — the smallest
+share any device measured hiding (the profile's ``Device.sync_overlap``; 0 where a
+device does not give it, so older profiles price serially). The search ranks programs
+serially (an upper bound on this); the LP and every estimate credit the overlap. The LP
+keeps its epigraph form: ``T ≥ serial − η·S`` and ``T ≥ serial − η·B`` are both linear.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import pulp
 
@@ -49,19 +60,64 @@ def row_values(row: dict[str, Sequence[float]], ratios: Sequence[float]) -> list
     return [c + k * r for c, k, r in zip(row["constant"], row["coef"], ratios)]
 
 
-def program_cost(program: dict[str, Any], ratios: Sequence[float]) -> float:
-    """Σ over steps of max_d compute + max_d communication under ``ratios``; for a
-    program searched with overlap, the two-duplica schedule's cost
+BACKWARD_SHARE = 2.0 / 3.0
+"""The backward pass's share of a training op's compute row (the core prices backward at
+twice the forward)."""
+
+
+def program_cost(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
+    """Σ over steps of max_d compute + max_d communication under ``ratios``, less the
+    gradient sync hidden behind the backward pass (:func:`hidden_sync`); for a program
+    searched with overlap, the two-duplica schedule's cost
     (:func:`hapd.compiler.overlap.overlap_cost`)."""
     if program.get("duplicas", 1) > 1:
         from hapd.compiler.overlap import overlap_cost
 
         return overlap_cost(program, ratios)
+    return serial_cost(program, ratios) - hidden_sync(program, ratios)
+
+
+def serial_cost(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
+    """Σ over steps of max_d compute + max_d communication under ``ratios``: every step
+    after the one before, nothing overlapped."""
     total = 0.0
     for step in program["steps"]:
         total += max(row_values(step["comp"], ratios), default=0.0)
         total += max(row_values(step["comm"], ratios), default=0.0)
     return total
+
+
+def sync_overlap(program: Mapping[str, Any]) -> float:
+    """η: the share of the gradient sync that hides behind backward compute (the
+    program's ``sync_overlap``, set from the profile; 0 when absent)."""
+    return min(1.0, max(0.0, float(program.get("sync_overlap") or 0.0)))
+
+
+def sync_seconds(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
+    """``S``: seconds of the gradient all-reduce of replicated parameters, Σ over steps
+    of the slowest device's (part of the steps' communication rows)."""
+    total = 0.0
+    for step in program["steps"]:
+        rows = [s["cost"] for s in step.get("sources", ()) if s.get("grad_sync")]
+        if rows:
+            per_device = [0.0] * len(ratios)
+            for row in rows:
+                per_device = [a + b for a, b in zip(per_device, row_values(row, ratios))]
+            total += max(per_device, default=0.0)
+    return total
+
+
+def backward_seconds(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
+    """``B``: the backward pass's compute, :data:`BACKWARD_SHARE` of the steps' compute."""
+    return BACKWARD_SHARE * sum(max(row_values(step["comp"], ratios), default=0.0) for step in program["steps"])
+
+
+def hidden_sync(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
+    """Seconds of gradient sync the backward pass hides: ``η · min(S, B)``."""
+    eta = sync_overlap(program)
+    if eta <= 0.0:
+        return 0.0
+    return eta * min(sync_seconds(program, ratios), backward_seconds(program, ratios))
 
 
 def per_device(program: dict[str, Any], ratios: Sequence[float], which: str) -> list[float]:
@@ -139,28 +195,39 @@ def part_memory(program: dict[str, Any], ratios: Sequence[float]) -> dict[str, l
     return {k: split_bytes_values(part, shares, ratios) for k, part in split["parts"].items()}
 
 
-def _row_groups(program: dict[str, Any]) -> tuple[dict[tuple, tuple[list, list, float]], float]:
-    """Group rows that are positive multiples of each other. Returns key -> (normalized
-    constant, normalized coef, summed scale) and the constant part of rows without a
-    ratio term."""
+def _row_groups(program: dict[str, Any]) -> tuple[dict[tuple, tuple[list, list, float]], dict[str, float]]:
+    """Group rows that are positive multiples of each other (compute rows apart from
+    communication rows: the backward's share of compute hides gradient sync). Returns
+    ``(which, *normalized row)`` -> (normalized constant, normalized coef, summed scale)
+    and, per ``which``, the constant part of rows without a ratio term."""
     groups: dict[tuple, list] = {}
-    fixed = 0.0
+    fixed = {"comp": 0.0, "comm": 0.0}
     for step in program["steps"]:
         for which in ("comp", "comm"):
             row = step[which]
             const, coef = list(row["constant"]), list(row["coef"])
             if not any(coef):
-                fixed += max(const, default=0.0)
+                fixed[which] += max(const, default=0.0)
                 continue
             scale = max(max(abs(v) for v in const), max(abs(v) for v in coef))
             nc = [v / scale for v in const]
             nk = [v / scale for v in coef]
-            key = tuple(round(v, 9) for v in nc + nk)
+            key = (which, *(round(v, 9) for v in nc + nk))
             if key in groups:
                 groups[key][2] += scale
             else:
                 groups[key] = [nc, nk, scale]
     return {k: (v[0], v[1], v[2]) for k, v in groups.items()}, fixed
+
+
+def _constant_sync(program: Mapping[str, Any]) -> float | None:
+    """``S`` when no gradient sync row depends on the ratios (all-reduces of replicated
+    gradients never do), else None: the LP then prices the sync serially."""
+    for step in program["steps"]:
+        for source in step.get("sources", ()):
+            if source.get("grad_sync") and any(source["cost"]["coef"]):
+                return None
+    return sync_seconds(program, [0.0] * int(program["devices"]))
 
 
 def _variable(lp: pulp.LpProblem, name: str, lowBound: float | None = None) -> pulp.LpVariable:
@@ -231,7 +298,16 @@ def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPRe
     lp = pulp.LpProblem("hapd_sharding_ratios", pulp.LpMinimize)
     r = [_variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
     t = {key: _variable(lp, f"t_{i}") for i, key in enumerate(groups)}
-    lp += pulp.lpSum(scale * t[key] for key, (_, _, scale) in groups.items()) + fixed
+    serial = pulp.lpSum(scale * t[key] for key, (_, _, scale) in groups.items()) + sum(fixed.values())
+    eta, sync = sync_overlap(program), _constant_sync(program)
+    if eta > 0 and sync:  # T ≥ serial − η·min(S, B), as two linear rows
+        total = _variable(lp, "total")
+        compute = pulp.lpSum(scale * t[key] for key, (_, _, scale) in groups.items() if key[0] == "comp")
+        lp += total
+        lp += total >= serial - eta * sync, "sync_hidden_whole"
+        lp += total >= serial - eta * BACKWARD_SHARE * (compute + fixed["comp"]), "sync_hidden_by_backward"
+    else:
+        lp += serial
     lp += pulp.lpSum(r) == 1, "ratios_sum_to_one"
     for i, (key, (const, coef, _)) in enumerate(groups.items()):
         for d in range(n):
@@ -247,7 +323,8 @@ def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPRe
     ratios = tuple(max(0.0, float(v.value() or 0.0)) for v in r)
     total = sum(ratios)
     ratios = tuple(v / total for v in ratios)
-    return LPResult(ratios=ratios, objective=program_cost(program, ratios), variables=len(r) + len(t))
+    extra = 1 if eta > 0 and sync else 0
+    return LPResult(ratios=ratios, objective=program_cost(program, ratios), variables=len(r) + len(t) + extra)
 
 
 def least_overshoot(program: dict[str, Any], memory_caps: Sequence[float]) -> tuple[float, ...]:
