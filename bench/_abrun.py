@@ -85,8 +85,11 @@ def save(results: Mapping[str, Any], path: Path) -> None:
 
 
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:
-    """``--variant`` and ``--rate-mbit``: the ranks' quotas and the link's rate."""
+    """``--variant``, ``--cores`` and ``--rate-mbit``: the ranks' quotas and the link's rate."""
     p.add_argument("--variant", default="3:1", help="fast:slow cpu quota ratio (default 3:1)")
+    p.add_argument("--cores", type=float, default=2.0,
+                   help="cores the 4 ranks' quotas sum to (default 2.0: the whole machine; less leaves networking "
+                        "and Gloo's threads room, as separate machines would)")
     p.add_argument("--rate-mbit", type=float, default=None, help="link rate (default: fast rank FLOP/s / 4000 FLOP/B)")
 
 

@@ -172,15 +172,19 @@ def model_names(text: str) -> list[str]:
     return names
 
 
-def parse_variant(text: str) -> tuple[float, float]:
-    """'3:1' → quotas (fast, slow) in cores, 2 fast + 2 slow summing to 2 cores."""
+def parse_variant(text: str, cores: float = 2.0) -> tuple[float, float]:
+    """'3:1' → quotas (fast, slow) in cores, 2 fast + 2 slow summing to ``cores`` (the
+    whole 2-core machine by default; less leaves the kernel's networking and Gloo's
+    threads a core share of their own, as separate machines would have)."""
+    if not (math.isfinite(cores) and 0 < cores <= 64):
+        raise ValueError(f"cores {cores!r}: the quotas must sum to a positive number of cores")
     try:
         fast, slow = (float(x) for x in text.split(":"))
     except ValueError:
         raise ValueError(f"variant {text!r} is not FAST:SLOW (e.g. 3:1)") from None
     if not (fast > 0 and slow > 0 and math.isfinite(fast) and math.isfinite(slow)):
         raise ValueError(f"variant {text!r}: both parts must be positive numbers")
-    scale = 2.0 / (2 * fast + 2 * slow)
+    scale = cores / (2 * fast + 2 * slow)
     return fast * scale, slow * scale
 
 

@@ -526,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         cases = parse_cases(ns.cases)
-        fast, slow = ab.emulated.parse_variant(ns.variant)
+        fast, slow = ab.emulated.parse_variant(ns.variant, ns.cores)
     except ValueError as e:
         print(f"overlap_cluster: {e}", file=sys.stderr)
         return 2

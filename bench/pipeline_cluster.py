@@ -437,7 +437,9 @@ def report(results: dict[str, Any], out: Path | None) -> None:
     results["table"] = rows
     results["targets"] = targets(rows)
     print()
-    print(f"Pipelines on the emulated cluster ({results.get('variant')}, commit {results.get('commit')}): link {results.get('rate_mbit', 0):.1f} Mbit/s, "
+    quotas = results.get("quotas") or []
+    print(f"Pipelines on the emulated cluster ({results.get('variant')}, quotas {'/'.join(f'{q:.2f}' for q in quotas)} "
+          f"= {sum(quotas):.2f} cores, commit {results.get('commit')}): link {results.get('rate_mbit', 0):.1f} Mbit/s, "
           f"global batch {results.get('batch')}, {results.get('iterations')} iterations ({results.get('warmup')} "
           f"warm-up) × {results.get('rounds')} round(s) per system")
     print("\n".join(link_lines(results.get("profile", {}), results.get("rate_mbit"))))
@@ -555,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         names = model_list(ns.models)
-        fast, slow = ab.emulated.parse_variant(ns.variant)
+        fast, slow = ab.emulated.parse_variant(ns.variant, ns.cores)
     except ValueError as e:
         print(f"pipeline_cluster: {e}", file=sys.stderr)
         return 2

@@ -34,6 +34,10 @@ def test_variants_scale_to_the_machines_two_cores(bench):
     assert bench.parse_variant("1:1") == pytest.approx((0.5, 0.5))
     fast, slow = bench.parse_variant("2:1")
     assert 2 * fast + 2 * slow == pytest.approx(2.0) and fast == pytest.approx(2 * slow)
+    assert bench.parse_variant("3:1", 1.6) == pytest.approx((0.6, 0.2))  # headroom left on the machine
+    for cores in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="cores"):
+            bench.parse_variant("3:1", cores)
 
 
 @pytest.mark.parametrize("text", ["3", "3:x", "0:1", "3:-1", "1:2:3", "inf:1"])
