@@ -21,12 +21,13 @@ from pathlib import Path
 
 import _bench
 import pytest
+from _dist import run_ranks
 
 from hapd.errors import OptionsError, ProfileError
 from hapd.profile.schema import COLLECTIVES, UNITS, Profile, load_profile
 from hapd.profile.fit import fit_alpha_beta
-from hapd.profile.measure import (OP_PROBE_BLOCKS, _intra_groups, host_memory, host_name, op_probe, overlap_share,
-                                  pairs_per_host_pair, probe_ops)
+from hapd.profile.measure import (OP_PROBE_BLOCKS, SYNC_PROBE_MAX_ROWS, SyncProbe, _intra_groups, _rows_lasting,
+                                  host_memory, host_name, op_probe, overlap_share, pairs_per_host_pair, probe_ops)
 from hapd.profile.options import ProfilerOptions, parse_size, parse_sizes
 from hapd.profile.profiler import Rendezvous
 
@@ -177,6 +178,78 @@ def test_overlap_share_is_the_hidden_part_of_the_shorter_one():
     assert overlap_share(2.0, 1.0, 3.5) == 0.0  # slower together than apart: clamped
     assert overlap_share(2.0, 1.0, 1.5) == 1.0  # faster together than alone (noise): clamped
     assert overlap_share(0.0, 1.0, 1.0) == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_sync_probe_fills_several_gradient_buckets(dtype):
+    """The overlap probe's model gives ``GradSync`` at least four buckets of
+    ``GRAD_BUCKET_BYTES``, so backward launches buckets while it still has work."""
+    import torch
+
+    from hapd._core import GRAD_BUCKET_BYTES
+
+    probe = SyncProbe(torch.device("cpu"), getattr(torch, dtype), None, rows=2)  # no process group: no hooks
+    assert sum(p.numel() * p.element_size() for p in probe.params) >= 4 * GRAD_BUCKET_BYTES
+    assert len(probe.sync.buckets) >= 4
+    assert all(isinstance(m, torch.nn.Linear) and m.bias is not None for m in probe.model[::2])
+
+
+def test_the_sync_probe_batch_lasts_about_one_sync():
+    """Rows from two timed steps fitted as a + b·rows; a flattened slope is capped at
+    twice plain scaling; the result stays within [1, SYNC_PROBE_MAX_ROWS]."""
+    assert _rows_lasting(0.1, {8: 0.01, 32: 0.02}) == 224  # on the line 0.01 s + (rows - 8) · 0.01/24 s
+    assert _rows_lasting(0.1, {8: 0.019, 32: 0.02}) == 2 * 32 * 5  # near-flat: 2 x 32 rows x 0.1/0.02
+    assert _rows_lasting(0.1, {8: 0.03, 32: 0.02}) == 32 * 5  # shrinking (noise): scaled
+    assert _rows_lasting(0.001, {8: 0.01, 32: 0.02}) == 1  # a sync shorter than the fixed cost
+    assert _rows_lasting(100.0, {8: 0.01, 32: 0.02}) == SYNC_PROBE_MAX_ROWS
+
+
+def _fingerprint(params, seed: int) -> list[float]:
+    """A linear fingerprint of each parameter's gradient: its dot product with fixed
+    random weights (the same on every rank), so that sums over ranks carry over."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [float((p.grad.double() * torch.rand(p.shape, generator=gen, dtype=torch.float64)).sum())
+            for p in params]
+
+
+def _probe_sums(rank: int, world: int) -> dict[str, object]:
+    """On every rank: the probe's gradients before and after a synced step, with a flat
+    sync and with the two-level one of two hosts of two ranks (its leaders' helper
+    thread); then η measured on the two-level sync."""
+    import torch
+
+    from hapd.profile.measure import sync_overlap
+    from hapd.runtime.collectives import host_groups
+
+    two_level = host_groups([0, 0, 1, 1])
+    assert two_level is not None
+    out: dict[str, object] = {}
+    for name, hosts in (("flat", None), ("two_level", two_level)):
+        torch.manual_seed(rank)  # each rank its own weights and batch: the parts differ
+        probe = SyncProbe(torch.device("cpu"), torch.float32, hosts, rows=3)
+        probe.step(synced=False)
+        local = _fingerprint(probe.params, seed=7)
+        probe.step(synced=True)  # what the probe's T runs
+        out[name] = (local, _fingerprint(probe.params, seed=7))
+    out["eta"] = sync_overlap(torch.device("cpu"), torch.float32, hosts=two_level, window_s=0.05)
+    return out
+
+
+@pytest.mark.distributed
+def test_the_sync_probe_sums_gradients_over_ranks():
+    """The step the overlap probe times with the sync on really sums every gradient over
+    the ranks, flat and in two levels: each rank ends with the sum of all ranks' local
+    gradients (which differ, so a sync that did nothing would fail)."""
+    ranks = run_ranks(4, _probe_sums, timeout=180)
+    for name in ("flat", "two_level"):
+        locals_ = [r[name][0] for r in ranks]
+        assert locals_[0] != pytest.approx(locals_[1], rel=1e-3)
+        total = [sum(parts) for parts in zip(*locals_)]
+        for r in ranks:
+            assert r[name][1] == pytest.approx(total, rel=1e-4, abs=1e-6), name
+    assert all(0.0 <= r["eta"] <= 1.0 for r in ranks)
 
 
 def test_links_measured_depend_on_the_hosts():

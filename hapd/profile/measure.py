@@ -21,15 +21,18 @@ What the numbers mean -- exactly what the cost model (``rustcore/core/src/cost.r
   time, so a CPU quota (CFS period 100 ms) shows up as the slower rate it causes rather
   than as bursts at full speed. All ranks measure at the same time, as they compute in
   training.
-* ``sync_overlap`` (η, several ranks only): the share of a gradient all-reduce's time
-  that hides behind compute (:func:`sync_overlap`). C: one all-reduce of a gradient
-  bucket (``GRAD_BUCKET_BYTES``), launched ``async_op`` as the runtime's ``GradSync``
-  launches it, the slowest rank's time; D: matmuls sized to last about C; T: both at
-  once. η = (C + D − T) / min(C, D), clamped to [0, 1]: 1 when the shorter one
-  hides whole, 0 when they run one after the other (a rank's CPU quota shared by Gloo's
-  threads and the compute; NCCL kernels sharing the SMs). D and T run rounds back to
-  back for a third of ``window_s`` or more, so a CPU quota throttles them as it does a
-  backward pass.
+* ``sync_overlap`` (η, several ranks only): the share of the gradient sync's time that
+  hides behind the backward pass (:func:`sync_overlap`), timed on the mechanism itself: a
+  model of many ``Linear`` layers whose gradients fill several buckets
+  (``GRAD_BUCKET_BYTES``), summed by the runtime's ``GradSync`` as training sums them
+  (buckets launched from gradient hooks during backward; two levels, with a helper
+  thread on each host leader, when hosts hold several ranks). C: the sync alone; D:
+  forward and backward without communication, B its backward; T: forward and backward
+  with the sync. η = (C + D − T) / min(C, B), clamped to [0, 1]: 1 when the shorter one
+  hides whole, 0 when they run one after the other (a rank's CPU quota shared by
+  autograd, its hooks and Gloo's threads; NCCL kernels sharing the SMs). Each rank's batch
+  makes a backward last about one sync; rounds of the three, taking turns without a
+  pause for about ``window_s``, so a CPU quota throttles them as it does training.
 * ``memory``: the memory a rank can use — on a GPU its free memory (what another
   process already holds is not the rank's), on CPU the smallest cgroup memory limit
   above this process, capped by ``MemAvailable`` (what the machine can still give).
@@ -353,10 +356,18 @@ def op_seconds(device: Any, dtype: Any, *, repeats: int, window_s: float) -> flo
     return per_sample / (3 * probe_ops(graph_module))
 
 
-SYNC_OVERLAP_CALLS = 3
-"""Timed single all-reduces of :func:`sync_overlap`'s C (the median is kept)."""
-SYNC_OVERLAP_ROUNDS = (3, 1000)
-"""Fewest and most rounds of :func:`sync_overlap`'s D and T."""
+SYNC_PROBE_WIDTH = 512
+"""Width of :func:`sync_probe_model`'s layers (``width × width`` weights, a bias each)."""
+SYNC_PROBE_BUCKETS = 4
+"""Gradient buckets (``GRAD_BUCKET_BYTES``) the probe's parameters fill at least."""
+SYNC_PROBE_ROWS = (8, 32)
+"""Batch rows of the two calibrating steps of :func:`sync_overlap`."""
+SYNC_PROBE_SAMPLES = 2
+"""Steps timed at each of :data:`SYNC_PROBE_ROWS` (the fastest is kept)."""
+SYNC_PROBE_MAX_ROWS = 4096
+"""Most batch rows of the timed steps (their activations stay within a few hundred MiB)."""
+SYNC_OVERLAP_ROUNDS = (1, 1000)
+"""Fewest and most rounds of :func:`sync_overlap`'s C, D and T."""
 
 
 def overlap_share(comm: float, compute: float, together: float) -> float:
@@ -369,66 +380,185 @@ def overlap_share(comm: float, compute: float, together: float) -> float:
     return min(1.0, max(0.0, (comm + compute - together) / shorter))
 
 
-def sync_overlap(device: Any, dtype: Any, matmul_n: int, matmul_flops: float, *, window_s: float) -> float:
-    """η, the share of a gradient all-reduce's time that hides behind compute on this
-    device (:func:`overlap_share` of R·C, D and T). Every rank of the world calls it at
-    once.
-
-    * C: one ``all_reduce`` of a gradient bucket (``GRAD_BUCKET_BYTES`` of ``dtype``)
-      launched ``async_op`` and waited for, as the runtime's ``GradSync`` runs it, after
-      a barrier: the slowest rank's time, the median of :data:`SYNC_OVERLAP_CALLS` after
-      an untimed call. The single call the collectives' fits time too, which is what the
-      compiler prices a gradient sync at.
-    * D: R rounds of ``k`` ``matmul_n``-square matmuls, back to back on every rank at
-      once; ``k`` (at least one) makes a round last about C at the measured rate
-      ``matmul_flops``.
-    * T: R rounds of: the all-reduce launched, the ``k`` matmuls, the all-reduce waited
-      for; back to back.
-
-    R (the same on every rank, whose all-reduces must match) makes D last about a third
-    of ``window_s`` (T up to twice that): the compute runs without a pause, as a
-    backward pass does, so a CPU quota that Gloo's threads share with it throttles both
-    as in training. (One short round after a pause runs in a burst at full speed and
-    shows an overlap that a throttled rank does not have.)"""
+def sync_probe_model(device: Any, dtype: Any) -> Any:
+    """The model :func:`sync_overlap` trains: ``Linear(w, w)`` (with bias) and ``GELU``
+    layers, ``w`` = :data:`SYNC_PROBE_WIDTH`, as many as make its parameters fill at
+    least :data:`SYNC_PROBE_BUCKETS` gradient buckets of ``dtype`` (fp32: 16 layers,
+    16 MiB). Many layers of moderate width: backward is a sequence of ops, each parameter's
+    gradient arriving through autograd and its hooks, as in a real model."""
     import torch
-    import torch.distributed as dist
+    from torch import nn
 
     from hapd._core import GRAD_BUCKET_BYTES
 
+    width = SYNC_PROBE_WIDTH
     itemsize = torch.empty((), dtype=dtype).element_size()
-    bucket = torch.zeros(GRAD_BUCKET_BYTES // itemsize, dtype=dtype, device=device)
-    a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
-    b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
-    out = torch.empty(matmul_n, matmul_n, device=device, dtype=dtype)
+    layers = math.ceil(SYNC_PROBE_BUCKETS * GRAD_BUCKET_BYTES / (width * (width + 1) * itemsize))
+    blocks = [block for _ in range(layers) for block in (nn.Linear(width, width), nn.GELU())]
+    return nn.Sequential(*blocks).to(device=device, dtype=dtype)
 
-    def reduce() -> None:
-        dist.all_reduce(bucket, async_op=True).wait()
 
-    def compute() -> None:
-        for _ in range(k):
-            torch.mm(a, b, out=out)
+class SyncProbe:
+    """:func:`sync_probe_model` with the runtime's gradient sync
+    (:class:`hapd.runtime.gradsync.GradSync` over the world, two-level with ``hosts``)
+    and an input batch: the training step whose sync :func:`sync_overlap` times."""
 
-    def both() -> None:
-        handle = dist.all_reduce(bucket, async_op=True)
-        compute()
-        handle.wait()
+    def __init__(self, device: Any, dtype: Any, hosts: Any, rows: int) -> None:
+        from hapd.runtime.gradsync import GradSync
 
-    def repeated(call: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(rounds):
-                call()
+        self.device, self.dtype = device, dtype
+        self.model = sync_probe_model(device, dtype)
+        self.params = list(self.model.parameters())
+        self.sync = GradSync(self.params, None, hosts=hosts)
+        self.set_rows(rows)
 
-        return run
+    def set_rows(self, rows: int) -> None:
+        """Use a batch of ``rows`` rows from now on."""
+        import torch
 
-    _timed(reduce, device)
-    comm = statistics.median(_max_over_ranks([_timed(reduce, device) for _ in range(SYNC_OVERLAP_CALLS)], device))
-    per_matmul = 2.0 * matmul_n**3 / matmul_flops
-    k = max(1, round(comm / per_matmul))
-    (round_s,) = _max_over_ranks([max(comm, k * per_matmul)], device)
+        self.x = torch.randn(rows, SYNC_PROBE_WIDTH, device=self.device, dtype=self.dtype)
+
+    def step(self, *, synced: bool) -> float:
+        """One training step's forward and backward, as the runtime runs it: gradients
+        set to None (``zero_grad``), the sync reset (the rank module's forward pre-hook),
+        forward, backward — which with ``synced`` sums the gradients over ranks as
+        backward produces them, else (``no_sync``) communicates nothing. Returns the
+        forward's seconds."""
+        for p in self.params:
+            p.grad = None
+        self.sync.reset()
+        start = time.perf_counter()
+        loss = self.model(self.x).sum()
+        _sync(self.device)
+        forward = time.perf_counter() - start
+        if synced:
+            loss.backward()
+        else:
+            with self.sync.no_sync():
+                loss.backward()
+        _sync(self.device)
+        return forward
+
+    def timed_step(self) -> tuple[float, float]:
+        """(forward, backward) seconds of one :meth:`step` under ``no_sync``."""
+        start = time.perf_counter()
+        forward = self.step(synced=False)
+        return forward, time.perf_counter() - start - forward
+
+    def sync_alone(self) -> None:
+        """The sync of the gradients as they stand, with no compute: every parameter
+        reported ready in bucket order through the hook ``GradSync`` registers (what
+        backward calls as each gradient lands), so the buckets launch back to back and
+        the sums are waited for and written back — the sync's whole path without the
+        backward around it. A backward of a graph with no compute would still allocate
+        and write every gradient (megabytes, a fair part of a fast sync's time)."""
+        self.sync.reset()
+        for bucket in self.sync.buckets:
+            for p in bucket:
+                self.sync._on_grad(p)
+
+
+def _affine(timed: dict[int, float]) -> tuple[float, float]:
+    """(a, b) of ``a + b·rows`` through the two points of ``timed`` (``{rows: seconds}``)."""
+    (r0, t0), (r1, t1) = sorted(timed.items())
+    slope = (t1 - t0) / (r1 - r0)
+    return t0 - slope * r0, slope
+
+
+def _rows_lasting(seconds: float, timed: dict[int, float]) -> int:
+    """Batch rows whose time is ``seconds``, from times at two row counts (``{rows:
+    seconds}``) fitted as ``a + b·rows``; at most twice the larger count scaled by
+    ``seconds`` over its time (a slope flattened by noise would give far too many rows;
+    scaling alone counts the fixed cost ``a`` per row, too few); within [1,
+    :data:`SYNC_PROBE_MAX_ROWS`]."""
+    offset, slope = _affine(timed)
+    largest = max(timed)
+    scaled = largest * seconds / max(timed[largest], 1e-9)
+    rows = min((seconds - offset) / slope, 2 * scaled) if slope > 0 else scaled
+    return int(min(SYNC_PROBE_MAX_ROWS, max(1, round(rows))))
+
+
+def _warm_up_groups(hosts: Any, device: Any, dtype: Any) -> None:
+    """One element summed as the sync sums (two levels with ``hosts``): a process
+    group's first collective may set up its connections (NCCL does), which no timing
+    should include."""
+    import torch
+    import torch.distributed as dist
+
+    from hapd.runtime.collectives import two_level_sum_
+
+    one = torch.ones(1, device=device, dtype=dtype)
+    if hosts is None:
+        dist.all_reduce(one)
+    else:
+        two_level_sum_(one, hosts)
+    _sync(device)
+
+
+def sync_overlap(device: Any, dtype: Any, *, hosts: Any, window_s: float) -> float:
+    """η, the share of the gradient sync's time that hides behind the backward pass in
+    a training step (:func:`overlap_share` of C, B and T − F below), timed on the mechanism
+    the compiler prices: a :class:`SyncProbe` — a model of many ``Linear`` layers whose
+    gradients fill several buckets, summed by the runtime's ``GradSync`` (``hosts``: the
+    job's :class:`~hapd.runtime.collectives.HostGroups`, None for a flat all-reduce, as
+    the runtime builds them), its buckets launched from the gradient hooks as backward
+    produces them, on a leader through its helper thread. Every rank of the world calls
+    it at once.
+
+    Each of R rounds runs, every phase after a barrier (the ranks sharing a machine run
+    the same phase), each phase's time the slowest rank's (a training step ends when its
+    slowest rank's does):
+
+    * a step (forward and backward) under ``no_sync``: D, B its backward's share;
+    * the sync alone (:meth:`SyncProbe.sync_alone`) of that step's gradients: C;
+    * a step with the sync: T.
+
+    η = (ΣC + ΣD − ΣT) / min(ΣC, ΣB), the same on every rank: the forward is in both D
+    and T, so it cancels in the hidden time, while what the sync can hide behind is the
+    backward only (as the compiler's ``serial − η·min(S, B)``, with B and S the
+    slowest device's). The phases take turns, so a burst of other work on the machine
+    slows all three alike, and they follow each other without a pause, as training's
+    steps do, so a CPU quota that the sync's threads share with autograd throttles them
+    as in training.
+
+    Each rank's batch makes its backward last about one sync (fitted from steps of
+    :data:`SYNC_PROBE_ROWS` rows and a first sync timed alone), so the ranks' backwards
+    end together, as they do when a plan gives each device a share of the batch in
+    proportion to its speed. R (the same on every rank, whose collectives must match)
+    makes the rounds last about ``window_s``, at least one. With R = 1 (a sync about as
+    long as the window, so its first call's costs are negligible) that first sync is C,
+    which saves timing it again on a slow link."""
+    import torch.distributed as dist
+
+    probe = SyncProbe(device, dtype, hosts, rows=SYNC_PROBE_ROWS[0])
+    probe.step(synced=False)  # allocations, first-call costs
+    forward, backward = {}, {}
+    for rows in SYNC_PROBE_ROWS:
+        probe.set_rows(rows)
+        forward[rows], backward[rows] = min((probe.timed_step() for _ in range(SYNC_PROBE_SAMPLES)), key=sum)
+    _warm_up_groups(hosts, device, dtype)
+    (first_sync,) = _max_over_ranks([_timed(probe.sync_alone, device)], device)
+    rows = _rows_lasting(first_sync, backward)
+    offset, slope = _affine({r: forward[r] + backward[r] for r in SYNC_PROBE_ROWS})
+    (round_s,) = _max_over_ranks([2 * (first_sync + max(0.0, offset + slope * rows))], device)
     low, high = SYNC_OVERLAP_ROUNDS
-    rounds = min(high, max(low, math.ceil(window_s / (3 * round_s))))
-    alone = _timed(repeated(compute), device)
-    return overlap_share(rounds * comm, alone, _timed(repeated(both), device))
+    rounds = min(high, max(low, math.ceil(window_s / round_s)))
+    probe.set_rows(rows)
+    steps, backwards, syncs, togethers = [], [], [], []
+    for _ in range(rounds):
+        dist.barrier()
+        _sync(device)
+        f, b = probe.timed_step()
+        steps.append(f + b)
+        backwards.append(b)
+        if rounds > 1:
+            syncs.append(_timed(probe.sync_alone, device))
+        togethers.append(_timed(lambda: probe.step(synced=True), device))
+    slowest = _max_over_ranks([*steps, *backwards, *syncs, *togethers], device)  # each round's slowest rank
+    compute, backward_s = sum(slowest[:rounds]), sum(slowest[rounds:2 * rounds])
+    comm = sum(slowest[2 * rounds:-rounds]) if rounds > 1 else first_sync
+    together = sum(slowest[-rounds:])
+    return overlap_share(comm, backward_s, together - (compute - backward_s))
 
 
 def measure_device(device: Any, options: ProfilerOptions, *,
@@ -633,6 +763,7 @@ def measure(options: ProfilerOptions) -> Profile | None:
     import torch
     import torch.distributed as dist
 
+    from hapd.runtime.collectives import host_groups
     from hapd.runtime.training import init_distributed
 
     env = init_distributed()
@@ -641,15 +772,17 @@ def measure(options: ProfilerOptions) -> Profile | None:
     _say(rank, f"hapd profile: {world} rank(s), backend {env.backend}, dtype {options.dtype}")
     _say(rank, "measuring device speed and memory on every rank …")
     mine = measure_device(env.device, options, barrier=dist.barrier)
+    hosts: list[str] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(hosts, mine.host)
+    # the runtime's two-level gradient sums (None: one host, or one rank per host)
+    index = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
+    two_level = host_groups([index[h] for h in hosts]) if world > 1 else None
     if world > 1:  # with one rank nothing is summed, so nothing overlaps
         _say(rank, "measuring how much of a gradient all-reduce hides behind compute …")
-        n = min(int(size) for size in mine.detail["matmul_flops_by_size"])
-        mine = replace(mine, sync_overlap=sync_overlap(env.device, getattr(torch, options.dtype), n,
-                                                       mine.detail["matmul_flops_by_size"][str(n)],
+        mine = replace(mine, sync_overlap=sync_overlap(env.device, getattr(torch, options.dtype), hosts=two_level,
                                                        window_s=options.window_s))
     devices: list[dict[str, Any]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(devices, asdict(mine))
-    hosts = [d["host"] for d in devices]
     groups, no_intra = _intra_groups(hosts)
     multi_host = len(groups) > 1
     host_group = None
@@ -663,10 +796,6 @@ def measure(options: ProfilerOptions) -> Profile | None:
     if host_group is not None:
         kinds["intra"] = host_group
     fits: dict[str, dict[str, Fit]] = {}
-    from hapd.runtime.collectives import host_groups
-
-    index = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
-    two_level = host_groups([index[h] for h in hosts]) if world > 1 else None
     for i, name in enumerate(COLLECTIVES, 1):
         if world == 1:  # nothing is communicated, and the cost model charges nothing
             fits[name] = {"intra": NOT_COMMUNICATED}
