@@ -26,8 +26,8 @@ from _dist import run_ranks
 from hapd.errors import OptionsError, ProfileError
 from hapd.profile.schema import COLLECTIVES, UNITS, Profile, load_profile
 from hapd.profile.fit import fit_alpha_beta
-from hapd.profile.measure import (OP_PROBE_BLOCKS, SYNC_PROBE_MAX_ROWS, SyncProbe, _intra_groups, _rows_lasting,
-                                  host_memory, host_name, op_probe, overlap_share, pairs_per_host_pair, probe_ops)
+from hapd.profile.measure import (LINEAR_PROBE_LAYERS, OP_PROBE_BLOCKS, SYNC_PROBE_MAX_ROWS, SyncProbe, _intra_groups, _rows_lasting,
+                                  host_memory, host_name, linear_probe, op_probe, overlap_share, pairs_per_host_pair, probe_ops)
 from hapd.profile.options import ProfilerOptions, parse_size, parse_sizes
 from hapd.profile.profiler import Rendezvous
 
@@ -50,6 +50,10 @@ def test_sizes_parse_in_binary_units():
         ProfilerOptions(sizes=(4096, 4096))
     with pytest.raises(OptionsError, match="window"):
         ProfilerOptions.quick(window_s=0)
+    with pytest.raises(OptionsError, match="linear widths"):
+        ProfilerOptions(linear_widths=(256, 0))
+    with pytest.raises(OptionsError, match="linear rows"):
+        ProfilerOptions(linear_rows=0)
 
 
 def test_fit_recovers_alpha_and_beta():
@@ -168,6 +172,33 @@ def test_the_op_probe_divides_by_the_ops_its_graph_runs():
     loss = graph_module(x)
     loss.backward()  # trainable weights: the probe times a backward too
     assert torch.isfinite(loss) and all(p.grad is not None for p in graph_module.parameters())
+
+
+@pytest.mark.parametrize("width, rows", [(32, 8), (48, 5)])
+def test_the_linear_probe_counts_the_flops_its_training_step_runs(width, rows):
+    """``flops`` divides the probe's FLOPs by its time: 3 · 2 · rows · width² a layer, but
+    the first layer's input gradient, must be what the step multiplies -- as torch's FLOP
+    counter counts it."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    step, work = linear_probe(torch.device("cpu"), torch.float32, width, rows)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    assert counter.get_total_flops() == work == 2 * rows * width * width * (3 * LINEAR_PROBE_LAYERS - 1)
+
+
+def test_the_linear_probe_keeps_its_weights_within_its_memory_bound(monkeypatch):
+    """A wide probe trains fewer layers, so weights and gradients stay under the bound
+    (at least one layer)."""
+    import torch
+
+    from hapd.profile import measure
+
+    monkeypatch.setattr(measure, "LINEAR_PROBE_BYTES", 3 * 2 * 4 * 64 * 64)  # three layers' weights and grads
+    assert linear_probe(torch.device("cpu"), torch.float32, 64, 4)[1] == 2 * 4 * 64 * 64 * (3 * 3 - 1)
+    assert linear_probe(torch.device("cpu"), torch.float32, 512, 4)[1] == 2 * 4 * 512 * 512 * 2
 
 
 def test_overlap_share_is_the_hidden_part_of_the_shorter_one():

@@ -4,8 +4,14 @@ costs (DESIGN.md §3). torch is imported by the functions that use it, never at 
 What the numbers mean -- exactly what the cost model (``rustcore/core/src/cost.rs``,
 ``comm.rs``) charges:
 
-* ``flops``: achieved FLOP/s of ``dtype`` matmuls of a few square sizes, FLOPs
-  = 2·m·n·k; the median over sizes of each size's median rate.
+* ``flops``: achieved FLOP/s of ``dtype`` ``Linear`` layers trained as a step trains
+  them (:func:`linear_flops`): a stack of :data:`LINEAR_PROBE_LAYERS` layers of a few
+  widths, forward and backward (the weight's and the input's gradient), FLOPs = 3 · 2 ·
+  rows · width² per layer (but the first layer's input gradient); the median over widths of each width's median rate. The
+  rows are a rank's share of a (micro-)batch in tokens (128 on a CPU, 2048 on a GPU):
+  training's matmuls are tall and thin, each weight is read once a pass and the
+  backward multiplies by transposes, which on a CPU core runs 14–17%
+  below a square matmul repeated on operands the cache already holds.
 * ``elementwise_flops``: achieved rate on ``add``, ``mul`` and ``gelu`` over large
   tensors, counted as the core counts them (1, 1 and 8 FLOPs per output element,
   ``rules/binary.rs`` and ``rules/unary.rs``): total counted FLOPs over total time of one
@@ -241,6 +247,57 @@ def matmul_flops(device: Any, dtype: Any, sizes: Sequence[int], *, repeats: int,
         per_size[str(n)] = statistics.median(rates)
         del a, b, out
     return statistics.median(per_size.values()), per_size
+
+
+LINEAR_PROBE_LAYERS = 16
+"""Layers of :func:`linear_flops`'s stack (fewer where their weights and gradients would
+pass :data:`LINEAR_PROBE_BYTES`)."""
+LINEAR_PROBE_BYTES = 1 << 30
+"""Most bytes of the probe stack's weights and their gradients."""
+
+
+def linear_probe(device: Any, dtype: Any, width: int, rows: int) -> tuple[Callable[[], None], float]:
+    """(one training call of a stack of ``width × width`` ``Linear`` layers on a
+    ``rows × width`` input, its FLOPs). The call is a forward through the stack and the
+    backward of its sum: each layer's forward ``x·Wᵀ``, its input's gradient ``g·W`` and
+    its weight's gradient ``gᵀ·x``, 3 · 2 · rows · width² FLOPs a layer (less the first
+    layer's input gradient, which nothing needs), the weights read
+    from memory once a pass as in a training step (the stack outgrows a CPU's caches at
+    all but the smallest width). :data:`LINEAR_PROBE_LAYERS` layers, fewer where their
+    weights and gradients would pass :data:`LINEAR_PROBE_BYTES`."""
+    import torch
+    import torch.nn.functional as F
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    layers = max(1, min(LINEAR_PROBE_LAYERS, LINEAR_PROBE_BYTES // (2 * itemsize * width * width)))
+    weights = [(torch.randn(width, width, device=device, dtype=dtype) / math.sqrt(width)).requires_grad_()
+               for _ in range(layers)]
+    x = torch.randn(rows, width, device=device, dtype=dtype)
+
+    def step() -> None:
+        h = x
+        for w in weights:
+            h = F.linear(h, w)
+        h.sum().backward()
+        for w in weights:
+            w.grad = None
+
+    return step, 2.0 * rows * width * width * (3 * layers - 1)  # the input needs no gradient
+
+
+def linear_flops(device: Any, dtype: Any, widths: Sequence[int], rows: int, *, repeats: int, window_s: float,
+                 barrier: Callable[[], Any] | None = None) -> tuple[float, dict[str, float]]:
+    """(median over widths of the median FLOP/s of :func:`linear_probe` at that width,
+    {width: rate}). ``barrier`` runs before each width, so ranks sharing a machine measure
+    the same workload at the same time."""
+    per_width: dict[str, float] = {}
+    for width in widths:
+        step, work = linear_probe(device, dtype, width, rows)
+        if barrier is not None:
+            barrier()
+        per_width[str(width)] = statistics.median(sample_rate(step, work, device, repeats=repeats, window_s=window_s))
+        del step
+    return statistics.median(per_width.values()), per_width
 
 
 def elementwise_flops(device: Any, dtype: Any, numel: int, *, repeats: int, window_s: float,
@@ -571,16 +628,18 @@ def measure_device(device: Any, options: ProfilerOptions, *,
     dtype = getattr(torch, options.dtype)
     cuda = device.type == "cuda"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # busy machine → slower numbers
-    sizes = options.matmul_sizes or ((2048, 4096, 8192) if cuda else (256, 512, 1024))
+    widths = options.linear_widths or ((2048, 4096, 8192) if cuda else (256, 512, 1024))
+    rows = options.linear_rows or (2048 if cuda else 128)
     numel = options.elementwise_numel or (2**26 if cuda else 2**22)
-    flops, per_size = matmul_flops(device, dtype, sizes, repeats=options.speed_repeats, window_s=options.window_s,
-                                   barrier=barrier)
+    flops, per_width = linear_flops(device, dtype, widths, rows, repeats=options.speed_repeats,
+                                    window_s=options.window_s, barrier=barrier)
     ew, per_op = elementwise_flops(device, dtype, numel, repeats=options.speed_repeats, window_s=options.window_s,
                                    barrier=barrier)
     if barrier is not None:
         barrier()
     per_op_s = op_seconds(device, dtype, repeats=options.speed_repeats, window_s=options.window_s)
-    detail: dict[str, Any] = {"matmul_flops_by_size": per_size, "elementwise_flops_by_op": per_op,
+    detail: dict[str, Any] = {"linear_flops_by_width": per_width, "linear_rows": rows,
+                              "elementwise_flops_by_op": per_op,
                               "elementwise_numel": numel, "dtype": options.dtype, "load_average_1m": load}
     if cuda:
         props = torch.cuda.get_device_properties(device)

@@ -36,8 +36,12 @@ class ProfilerOptions:
     """Wall seconds of one device-speed sample."""
     speed_repeats: int = 5
     """Samples per device-speed workload (the median is kept)."""
-    matmul_sizes: tuple[int, ...] | None = None
-    """Square matmul sizes (default: 256, 512, 1024 on CPU; 2048, 4096, 8192 on GPU)."""
+    linear_widths: tuple[int, ...] | None = None
+    """Widths of the ``Linear`` layers trained to time ``flops`` (default: 256, 512, 1024
+    on CPU; 2048, 4096, 8192 on GPU)."""
+    linear_rows: int | None = None
+    """Rows (tokens) of their input: a rank's share of a micro-batch (default 128 on CPU,
+    2048 on GPU)."""
     elementwise_numel: int | None = None
     """Elements per element-wise operand (default 2^22 on CPU, 2^26 on GPU)."""
     dtype: str = "float32"
@@ -58,8 +62,10 @@ class ProfilerOptions:
             problems.append(f"window {self.window_s} s must be > 0")
         if not (math.isfinite(self.point_s) and self.point_s >= 0):
             problems.append(f"point time {self.point_s} s must be ≥ 0")
-        if self.matmul_sizes is not None and (not self.matmul_sizes or min(self.matmul_sizes) < 1):
-            problems.append(f"matmul sizes {self.matmul_sizes} must be ≥ 1")
+        if self.linear_widths is not None and (not self.linear_widths or min(self.linear_widths) < 1):
+            problems.append(f"linear widths {self.linear_widths} must be ≥ 1")
+        if self.linear_rows is not None and self.linear_rows < 1:
+            problems.append(f"linear rows {self.linear_rows} must be ≥ 1")
         if self.elementwise_numel is not None and self.elementwise_numel < 1:
             problems.append(f"elementwise numel {self.elementwise_numel} must be ≥ 1")
         if self.dtype not in ("float32", "float16", "bfloat16"):
