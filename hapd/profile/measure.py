@@ -7,11 +7,11 @@ What the numbers mean -- exactly what the cost model (``rustcore/core/src/cost.r
 * ``flops``: achieved FLOP/s of ``dtype`` ``Linear`` layers trained as a step trains
   them (:func:`linear_flops`): a stack of :data:`LINEAR_PROBE_LAYERS` layers of a few
   widths, forward and backward (the weight's and the input's gradient), FLOPs = 3 · 2 ·
-  rows · width² per layer (but the first layer's input gradient); the median over widths of each width's median rate. The
-  rows are a rank's share of a (micro-)batch in tokens (128 on a CPU, 2048 on a GPU):
-  training's matmuls are tall and thin, each weight is read once a pass and the
-  backward multiplies by transposes, which on a CPU core runs 14–17%
-  below a square matmul repeated on operands the cache already holds.
+  rows · width² a layer (less the first layer's input gradient); the median over widths
+  of each width's median rate. The rows are a rank's share of a (micro-)batch in tokens
+  (128 on a CPU, 2048 on a GPU): training's matmuls are tall and thin, each weight is
+  read once a pass and the backward multiplies by transposes, which on a CPU core runs
+  14–17% below a square matmul repeated on operands the cache already holds.
 * ``elementwise_flops``: achieved rate on ``add``, ``mul`` and ``gelu`` over large
   tensors, counted as the core counts them (1, 1 and 8 FLOPs per output element,
   ``rules/binary.rs`` and ``rules/unary.rs``): total counted FLOPs over total time of one
