@@ -362,13 +362,16 @@ class PipelineRank:
     @torch.no_grad()
     def _sum_tied(self) -> None:
         """A parameter several stages use (tied weights) gets the sum of their
-        gradients: each stage's group first holds its whole part (replicated: summed
-        inside the group already; split: its pieces gathered), one rank per stage
-        contributes it to a sum over the stages, and each rank keeps its piece."""
+        gradients, in two levels as the compiler prices it (the profile's ``grad_sync``
+        link between hosts): each stage's group first holds its whole part (replicated:
+        summed inside the group already; split: its pieces gathered), the stages' first
+        ranks sum it among themselves -- only they cross the link between groups, once
+        each -- and each passes the sum to its group, whose ranks keep their pieces."""
         from hapd.runtime import collectives
 
         rank = dist.get_rank()
-        for target, (members, group) in self.tied.items():
+        leader = self.groups[self.s][0]
+        for target, (members, leaders) in self.tied.items():
             if rank not in members:
                 continue
             param = self.module.get_parameter(target)
@@ -382,8 +385,11 @@ class PipelineRank:
             if d is not None:
                 lengths = self.module.hapd_view.lengths(tensor, d)
                 whole = collectives.all_gather(param.grad, d, lengths, group=self.group)
-            total = (whole if self.local == 0 else torch.zeros_like(whole)).clone()
-            dist.all_reduce(total, group=group)
+            total = whole.clone()
+            if rank == leader:
+                dist.all_reduce(total, group=leaders)
+            if len(self.groups[self.s]) > 1:
+                dist.broadcast(total, src=leader, group=self.group)
             if d is not None:
                 start, length = self.module.hapd_view.offset(tensor, d)
                 total = total.narrow(d, start, length)
@@ -397,8 +403,9 @@ class PipelineRank:
 
 
 def _tied_groups(stages: Sequence[Stage], groups: Sequence[Sequence[int]]) -> dict[str, tuple[list[int], Any]]:
-    """Parameter → (ranks of every stage that uses it, their process group), for the
-    parameters several stages use. Every rank creates every group, in the same order."""
+    """Parameter → (ranks of every stage that uses it, the process group of those
+    stages' first ranks, which sum its gradient across the stages), for the parameters
+    several stages use. Every rank creates every group, in the same order."""
     holders: dict[str, list[int]] = {}
     for s, stage in enumerate(stages):
         for target in stage.parameters:
@@ -406,7 +413,7 @@ def _tied_groups(stages: Sequence[Stage], groups: Sequence[Sequence[int]]) -> di
     out = {}
     for target in sorted(t for t, h in holders.items() if len(h) > 1):
         members = sorted(r for s in holders[target] for r in groups[s])
-        out[target] = (members, dist.new_group(members))
+        out[target] = (members, dist.new_group(sorted(groups[s][0] for s in holders[target])))
     return out
 
 
