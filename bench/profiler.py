@@ -4,7 +4,7 @@ printed as measured / expected ratios.
     .venv/bin/python bench/profiler.py               # both measurements (about a minute)
     .venv/bin/python bench/profiler.py --only cpu    # or: --only link
 
-- **device speed**: the profiler's single-thread matmul rate (``matmul_flops``, sampled
+- **device speed**: the profiler's single-thread ``flops`` (``linear_flops``, sampled
   over windows several cfs periods long) in a cpu cgroup allowed 50 ms of CPU per
   100 ms, over the same loop free. Expected ratio 0.5. Each side is the best of two
   alternating runs, so a burst of other load on the machine (which slows the free run
@@ -140,26 +140,26 @@ def _remove_cgroup(path: Path, mount: Path) -> None:
     raise RuntimeError(f"could not remove the cgroup {path}")
 
 
-_MATMUL_LOOP = """
+_FLOPS_LOOP = """
 import os, sys, torch
-from hapd.profile.measure import matmul_flops
+from hapd.profile.measure import linear_flops
 torch.set_num_threads(1)
 os.setpriority(os.PRIO_PROCESS, 0, -20)  # root: other work on the machine barely slows it
 if len(sys.argv) > 1:
     open(sys.argv[1], "w").write(str(os.getpid()))  # moves every thread of this process
-rate, _ = matmul_flops(torch.device("cpu"), torch.float32, (384,), repeats=3, window_s=0.6)
+rate, _ = linear_flops(torch.device("cpu"), torch.float32, (384,), 128, repeats=3, window_s=0.6)
 print(rate)
 """
 
 
 def single_thread_flops(procs: Path | None) -> float:
-    """The profiler's matmul FLOP/s of one single-threaded process, moved into the
+    """The profiler's ``flops`` of one single-threaded process, moved into the
     cgroup whose ``cgroup.procs`` is ``procs`` (if given) before it measures."""
-    cmd = [sys.executable, "-c", _MATMUL_LOOP, *([str(procs)] if procs else [])]
+    cmd = [sys.executable, "-c", _FLOPS_LOOP, *([str(procs)] if procs else [])]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
-        raise RuntimeError(f"the matmul loop failed:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"the flops loop failed:\n{proc.stderr[-2000:]}")
     return float(proc.stdout.split()[-1])
 
 

@@ -26,8 +26,9 @@ from _dist import run_ranks
 from hapd.errors import OptionsError, ProfileError
 from hapd.profile.schema import COLLECTIVES, UNITS, Profile, load_profile
 from hapd.profile.fit import fit_alpha_beta
-from hapd.profile.measure import (LINEAR_PROBE_LAYERS, OP_PROBE_BLOCKS, SYNC_PROBE_MAX_ROWS, SyncProbe, _intra_groups, _rows_lasting,
-                                  host_memory, host_name, linear_probe, op_probe, overlap_share, pairs_per_host_pair, probe_ops)
+from hapd.profile.measure import (LINEAR_PROBE_LAYERS, OP_PROBE_BLOCKS, SYNC_PROBE_MAX_ROWS, SyncProbe, _intra_groups,
+                                  _rows_lasting, host_memory, host_name, linear_probe, op_probe, overlap_share,
+                                  pairs_per_host_pair, probe_ops)
 from hapd.profile.options import ProfilerOptions, parse_size, parse_sizes
 from hapd.profile.profiler import Rendezvous
 

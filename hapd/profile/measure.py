@@ -229,26 +229,6 @@ def sample_rate(step: Callable[[], None], work: float, device: Any, *, repeats: 
     return rates
 
 
-def matmul_flops(device: Any, dtype: Any, sizes: Sequence[int], *, repeats: int, window_s: float,
-                 barrier: Callable[[], Any] | None = None) -> tuple[float, dict[str, float]]:
-    """(median over sizes of the median FLOP/s of an ``n×n @ n×n`` matmul, {n: rate}).
-    ``barrier`` runs before each size, so ranks sharing a machine measure the same
-    workload at the same time."""
-    import torch
-
-    per_size: dict[str, float] = {}
-    for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        out = torch.empty(n, n, device=device, dtype=dtype)
-        if barrier is not None:
-            barrier()
-        rates = sample_rate(lambda: torch.mm(a, b, out=out), 2.0 * n**3, device, repeats=repeats, window_s=window_s)
-        per_size[str(n)] = statistics.median(rates)
-        del a, b, out
-    return statistics.median(per_size.values()), per_size
-
-
 LINEAR_PROBE_LAYERS = 16
 """Layers of :func:`linear_flops`'s stack (fewer where their weights and gradients would
 pass :data:`LINEAR_PROBE_BYTES`)."""
@@ -261,10 +241,10 @@ def linear_probe(device: Any, dtype: Any, width: int, rows: int) -> tuple[Callab
     ``rows × width`` input, its FLOPs). The call is a forward through the stack and the
     backward of its sum: each layer's forward ``x·Wᵀ``, its input's gradient ``g·W`` and
     its weight's gradient ``gᵀ·x``, 3 · 2 · rows · width² FLOPs a layer (less the first
-    layer's input gradient, which nothing needs), the weights read
-    from memory once a pass as in a training step (the stack outgrows a CPU's caches at
-    all but the smallest width). :data:`LINEAR_PROBE_LAYERS` layers, fewer where their
-    weights and gradients would pass :data:`LINEAR_PROBE_BYTES`."""
+    layer's input gradient, which nothing needs), the weights read from memory once a
+    pass as in a training step (the stack outgrows a CPU's caches at all but the
+    smallest width). :data:`LINEAR_PROBE_LAYERS` layers, fewer where their weights and
+    gradients would pass :data:`LINEAR_PROBE_BYTES`."""
     import torch
     import torch.nn.functional as F
 
