@@ -92,6 +92,22 @@ def test_lp_infeasible_memory_is_a_synthesis_error():
         solve_ratios(program([(SHARDED, ZERO)], memory=mem), memory_caps=[40.0, 40.0])
 
 
+def test_one_device_takes_everything_without_starting_cbc(monkeypatch):
+    """One device: ratio 1 and the program's cost at it, as the LP would give, but no
+    solver process; a memory row over the cap is the LP's infeasible error."""
+    from hapd.compiler import ratios
+
+    monkeypatch.setattr(ratios, "_solver", lambda: pytest.fail("one device must not start the LP solver"))
+    work = row([0.5], [2.0])
+    mem = row([10.0], [100.0])
+    result = solve_ratios(program([(work, row([0.25], [0.0]))], memory=mem, devices=1), memory_caps=[200.0])
+    assert result.ratios == (1.0,)
+    assert result.objective == pytest.approx(2.5 + 0.25)
+    assert solve_ratios(program([(work, row([0.0], [0.0]))], devices=1)).objective == pytest.approx(2.5)
+    with pytest.raises(SynthesisError, match="does not fit in device memory"):
+        solve_ratios(program([(work, row([0.0], [0.0]))], memory=mem, devices=1), memory_caps=[100.0])
+
+
 def test_lp_keeps_constants():
     fixed = row([0.25, 0.1], [0.0, 0.0])  # a constant-only row: max is 0.25
     comm = row([0.05, 0.05], [0.0, 0.0])

@@ -294,6 +294,8 @@ def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPRe
 
         return solve_overlapped(program, memory_caps)
     n = int(program["devices"])
+    if n == 1:  # the one device holds everything: no LP to solve (nor a CBC process to start)
+        return _one_device(program, memory_caps)
     groups, fixed = _row_groups(program)
     lp = pulp.LpProblem("hapd_sharding_ratios", pulp.LpMinimize)
     r = [_variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
@@ -325,6 +327,17 @@ def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPRe
     ratios = tuple(v / total for v in ratios)
     extra = 1 if eta > 0 and sync else 0
     return LPResult(ratios=ratios, objective=program_cost(program, ratios), variables=len(r) + len(t) + extra)
+
+
+def _one_device(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPResult:
+    """The LP's answer for one device without solving it: ratio 1, and infeasible
+    (:class:`SynthesisError`, as the LP words it) when a memory row at ratio 1 passes
+    the device's cap."""
+    if memory_caps is not None:
+        for mem in memory_rows(program):
+            if mem["constant"][0] + mem["coef"][0] > memory_caps[0]:
+                raise SynthesisError(_lp_failure("Infeasible", program, memory_caps))
+    return LPResult(ratios=(1.0,), objective=program_cost(program, (1.0,)), variables=1)
 
 
 def least_overshoot(program: dict[str, Any], memory_caps: Sequence[float]) -> tuple[float, ...]:
