@@ -564,8 +564,8 @@ def diagnosis(results: dict) -> list[str]:
     for model, rate in results.get("model_rate", {}).items():
         if rank_flops and rate == rate:
             lines.append(f"compute: {model} trains at {rate / 1e9:.1f} GFLOP/s on one fast rank alone (no communication) "
-                         f"= {rate / rank_flops:.0%} of the 512³-matmul rate the profile (and 'ideal') uses, which "
-                         f"bounds 'fraction of ideal' at ~{rate / rank_flops:.0%}")
+                         f"= {rate / rank_flops:.0%} of that rank's 512³-matmul rate (the profile's own rate, which "
+                         f"'ideal' divides by, trains Linear layers on a micro-batch's rows: lower)")
     for variant, v in results.get("variants", {}).items():
         for model, m in v.get("models", {}).items():
             est = m.get("estimate") or {}
@@ -693,7 +693,7 @@ def measure(session: Session, ns: argparse.Namespace, models_: list[str], varian
         rate_m = model_rate(groups[0], model, ns.size, batch, layers, model_flops(model, ns.size, batch, layers))
         results["model_rate"][model] = rate_m
         log(f"{model}: one fast rank trains batch {batch}/4 at {rate_m / 1e9:.1f} GFLOP/s "
-            f"= {rate_m / rank_flops:.0%} of its 512³ matmul rate (bounds 'fraction of ideal')")
+            f"= {rate_m / rank_flops:.0%} of its 512³ matmul rate")
     log(f"fast rank ({fast_quota:.2f} core, 1 thread): {rank_flops / 1e9:.1f} GFLOP/s matmul -> link "
         f"{rate:.1f} Mbit/s ({rank_flops / (rate * 1e6 / 8):.0f} FLOP/B)")
 
