@@ -492,7 +492,7 @@ class SyncProbe:
         self.sync.reset()
         for bucket in self.sync.buckets:
             for p in bucket:
-                self.sync._on_grad(p)
+                self.sync.grad_ready(p)
 
 
 def _affine(timed: dict[int, float]) -> tuple[float, float]:

@@ -76,7 +76,7 @@ class GradSync:
         if self.active:
             for p in params:
                 p.register_hook(self._before_accumulate(p))
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(self.grad_ready)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -125,7 +125,10 @@ class GradSync:
         self._handles = []
         self._relay = None
 
-    def _on_grad(self, param: nn.Parameter) -> None:
+    def grad_ready(self, param: nn.Parameter) -> None:
+        """``param``'s gradient is complete: count it into its bucket and launch the
+        bucket's sum when it is full (the hook backward calls as each gradient lands;
+        the profiler calls it to time the sync without a backward)."""
         if not self.enabled:
             return
         b = self._bucket_of[id(param)]
