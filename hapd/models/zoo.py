@@ -92,7 +92,7 @@ class TextConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ViTConfig:
+class TorchvisionViTConfig:
     """Sizes of the zoo's torchvision ViT."""
 
     image: int
@@ -117,17 +117,17 @@ class ViTConfig:
         check_divisible("image", self.image, "patch", self.patch)
 
     @classmethod
-    def tiny(cls) -> ViTConfig:
+    def tiny(cls) -> TorchvisionViTConfig:
         """32×32 images, 8×8 patches, width 64, 2 layers, 10 classes."""
         return cls(image=32, patch=8, hidden=64, layers=2, heads=4, ffn=128, classes=10)
 
     @classmethod
-    def small(cls) -> ViTConfig:
+    def small(cls) -> TorchvisionViTConfig:
         """64×64 images, 8×8 patches, width 256, 4 layers, 10 classes (~3.2M parameters)."""
         return cls(image=64, patch=8, hidden=256, layers=4, heads=4, ffn=1024, classes=10)
 
     @classmethod
-    def paper(cls) -> ViTConfig:
+    def paper(cls) -> TorchvisionViTConfig:
         """ViT-B/16 on 224×224 images, 1000 classes (~86M parameters)."""
         return cls(image=224, patch=16, hidden=768, layers=12, heads=12, ffn=3072, classes=1000)
 
@@ -199,7 +199,7 @@ def text_inputs(config: TextConfig, batch: int) -> tuple[Tensor, Tensor]:
     return ids, ids.clone()
 
 
-def image_inputs(config: ViTConfig | ResNetConfig, batch: int) -> tuple[Tensor, Tensor]:
+def image_inputs(config: TorchvisionViTConfig | ResNetConfig, batch: int) -> tuple[Tensor, Tensor]:
     """``(images [batch, 3, image, image], targets [batch] in [0, classes))``; deterministic."""
     g = torch.Generator().manual_seed(0)
     return (torch.randn(batch, 3, config.image, config.image, generator=g),
@@ -291,7 +291,7 @@ def build_resnet18(c: ResNetConfig) -> nn.Module:
     return ClassifierLoss(_extra("torchvision.models").resnet18(num_classes=c.classes))
 
 
-def build_vit(c: ViTConfig) -> nn.Module:
+def build_vit(c: TorchvisionViTConfig) -> nn.Module:
     model = _extra("torchvision.models").VisionTransformer(
         image_size=c.image, patch_size=c.patch, num_layers=c.layers, num_heads=c.heads, hidden_dim=c.hidden,
         mlp_dim=c.ffn, num_classes=c.classes)
@@ -331,7 +331,7 @@ MODELS: dict[str, ZooModel] = {
                           "transformers Qwen2-MoE: 4 experts, top-2, shared expert, hapd's dense experts"),
     "t5": ZooModel(TextConfig, build_t5, text_inputs, "mean", "transformers T5 (T5ForConditionalGeneration)"),
     "resnet18": ZooModel(ResNetConfig, build_resnet18, image_inputs, "sum", "torchvision resnet18 (batch norm)"),
-    "vit": ZooModel(ViTConfig, build_vit, image_inputs, "sum", "torchvision VisionTransformer"),
+    "vit": ZooModel(TorchvisionViTConfig, build_vit, image_inputs, "sum", "torchvision VisionTransformer"),
 }
 """Zoo name → how to size, build and feed it."""
 
