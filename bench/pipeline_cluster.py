@@ -125,7 +125,7 @@ def record_plan(out: Path, force: bool) -> None:
     every rank then runs the best pipeline the compile found even when the SPMD plan
     was predicted faster (the plan's pipeline marked chosen)."""
     from hapd.compiler.plan import Plan
-    from hapd.runtime import worker
+    from hapd.harness import worker
 
     compiled = worker._pipeline_plan
 
