@@ -104,7 +104,7 @@ def build(args: TrainArgs, init: str) -> tuple[torch.nn.Module, Any, WeightSourc
     return model, config, module_init(model, args.seed, init=models.module_init_of(model))
 
 
-def _pipeline_plan(args: TrainArgs, ns: argparse.Namespace, env: DistEnv, model: torch.nn.Module,
+def pipeline_plan(args: TrainArgs, ns: argparse.Namespace, env: DistEnv, model: torch.nn.Module,
                    full: Sequence[Tensor]) -> Plan:
     """The plan with pipelines in the search space, compiled on rank 0 and sent to the
     others (the model exported at the global batch and at every micro-batch size)."""
@@ -158,7 +158,7 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     if ns.pipeline == "auto":
         if ns.plan is not None or ns.overlap != "off" or ns.init != "eager":
             raise OptionsError("--pipeline auto compiles its own plan, with --overlap off and --init eager")
-        plan_given = _pipeline_plan(args, ns, env, model, full)
+        plan_given = pipeline_plan(args, ns, env, model, full)
         if plan_given.pipeline is not None:
             return run_pipeline(args, env, model, full, plan_given)
     module = parallelize(model, tuple(t.cpu() for t in full), profile=job_profile(args, env.world), plan=plan_given,
