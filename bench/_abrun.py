@@ -150,7 +150,8 @@ class RankClock:
     def install(self) -> None:
         """Wrap the collectives' wait, the gradient sum's finish and the SPMD worker's
         step (its forward and backward timed apart)."""
-        from hapd.runtime import collectives, gradsync, worker
+        from hapd.harness import worker
+        from hapd.runtime import collectives, gradsync
 
         clock = self
         gradsync.GradSync._finish = self.timed(gradsync.GradSync._finish, "grad_sync")
@@ -179,7 +180,7 @@ def clocked_worker(out: Path, args: list[str], clock: RankClock) -> int:
     """``worker.py ARGS`` on this rank with ``clock`` installed; writes the steps it
     recorded to ``out/rank<RANK>.json``."""
     clock.install()
-    from hapd.runtime import worker
+    from hapd.harness import worker
 
     code = worker.main(args)
     out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ global batch ``--batch-per-rank`` × ranks and compiled for an estimated profile
 unequal devices with uneven sharding ratios (``RATIOS``), every rank runs two training
 steps (``zero_grad(set_to_none=True)``, forward, backward, Adam's step) on Gloo CPU
 ranks, and the peak of the second step (the steady state: Adam's moments exist) is
-measured with :class:`hapd.runtime.memtrack.LiveTensorBytes` — the bytes of live tensor
+measured with :class:`hapd.harness.memtrack.LiveTensorBytes` — the bytes of live tensor
 storages, counted at every ATen op. The prediction is the plan's ``estimate.memory``
 for that rank (the larger of the bytes held while the backward pass runs and during
 the optimizer step, ``rustcore/core/src/memory.rs``, with every split dim priced at the
@@ -70,7 +70,7 @@ def _rank_main(rank: int, world: int, store: str, program: bytes, plan: bytes, i
 
     from hapd.compiler.normalize import normalize
     from hapd.compiler.plan import Plan
-    from hapd.runtime.memtrack import LiveTensorBytes
+    from hapd.harness.memtrack import LiveTensorBytes
     from hapd.runtime.rewrite import distribute
 
     import warnings

@@ -236,7 +236,8 @@ def probe_main(argv: Sequence[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from hapd.runtime.training import init_distributed, shutdown
+    from hapd.harness.training import shutdown
+    from hapd.runtime.distributed import init_distributed
 
     out, mib = Path(argv[0]), float(argv[1]) if len(argv) > 1 else PROBE_MIB
     env = init_distributed()

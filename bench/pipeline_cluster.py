@@ -125,9 +125,9 @@ def record_plan(out: Path, force: bool) -> None:
     every rank then runs the best pipeline the compile found even when the SPMD plan
     was predicted faster (the plan's pipeline marked chosen)."""
     from hapd.compiler.plan import Plan
-    from hapd.runtime import worker
+    from hapd.harness import worker
 
-    compiled = worker._pipeline_plan
+    compiled = worker.pipeline_plan
 
     def recorded(args, ns, env, model, full):
         plan = compiled(args, ns, env, model, full)
@@ -140,7 +140,7 @@ def record_plan(out: Path, force: bool) -> None:
             plan = Plan({**plan.doc, "pipeline": {**found, "chosen": True}})
         return plan
 
-    worker._pipeline_plan = recorded
+    worker.pipeline_plan = recorded
 
 
 def rank_main(argv: Sequence[str]) -> int:

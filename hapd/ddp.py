@@ -1,8 +1,8 @@
-"""``python -m hapd.ddp``: the DP-EV / DP-CP baselines (:mod:`hapd.runtime.ddp`)."""
+"""``python -m hapd.ddp``: the DP-EV / DP-CP baselines (:mod:`hapd.harness.ddp`)."""
 
 import sys
 
-from hapd.runtime.ddp import main
+from hapd.harness.ddp import main
 
 if __name__ == "__main__":
     sys.exit(main())

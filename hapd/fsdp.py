@@ -1,8 +1,8 @@
-"""``python -m hapd.fsdp``: the fully sharded data-parallel baseline (:mod:`hapd.runtime.fsdp`)."""
+"""``python -m hapd.fsdp``: the fully sharded data-parallel baseline (:mod:`hapd.harness.fsdp`)."""
 
 import sys
 
-from hapd.runtime.fsdp import main
+from hapd.harness.fsdp import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,8 +1,8 @@
-"""``python -m hapd.worker``: hapd's training worker (:mod:`hapd.runtime.worker`)."""
+"""``python -m hapd.worker``: hapd's training worker (:mod:`hapd.harness.worker`)."""
 
 import sys
 
-from hapd.runtime.worker import main
+from hapd.harness.worker import main
 
 if __name__ == "__main__":
     sys.exit(main())

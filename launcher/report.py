@@ -1,7 +1,7 @@
 """Per-iteration timings the ranks print, gathered into one table and one JSON file.
 
 A training script's stdout lines that are JSON objects with a ``"hapd"`` key are for
-the launcher (:mod:`hapd.runtime.training` documents them): ``{"hapd": "timings", ...}`` once per
+the launcher (:mod:`hapd.harness.training` documents them): ``{"hapd": "timings", ...}`` once per
 rank (``iteration_s``: seconds of every timed iteration, the first ``warmup`` of them
 warm-up) and ``{"hapd": "summary", ...}`` once on rank 0. :class:`Timings` collects
 them from the event stream (the launcher's ``[rank N]`` prefix is never part of the
@@ -16,7 +16,7 @@ table people read:
 - the job's loss (rank 0's summary line).
 
 This is the job's one table: a rank under the launcher (``HAPD_JOB`` set) prints none
-of its own (:func:`hapd.runtime.training.report`), and the ``{"hapd": ...}`` lines are
+of its own (:func:`hapd.harness.training.report`), and the ``{"hapd": ...}`` lines are
 not echoed unless asked (``-v``).
 
 The JSON report (``format`` ``hapd.launcher.report``, ``version`` 1) also holds the

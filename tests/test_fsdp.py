@@ -1,4 +1,4 @@
-"""The FSDP baseline (hapd/runtime/fsdp.py): its units, its flags, and its training on 2
+"""The FSDP baseline (hapd/harness/fsdp.py): its units, its flags, and its training on 2
 Gloo ranks against single-device training of the same model."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch
 
 from _dist import run_ranks
 from hapd import models
-from hapd.runtime import fsdp
-from hapd.runtime.training import TrainArgs, init_distributed, local_batch, parse_train_args, train
+from hapd.harness import fsdp
+from hapd.harness.training import TrainArgs, local_batch, parse_train_args, train
+from hapd.runtime.distributed import init_distributed
 from hapd.runtime.weights import init_on_meta, materialize, module_init
 
 MODEL, BATCH, LR = "llama_block", 8, 1e-3

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hapd.runtime.training import DistEnv, report
+from hapd.harness.training import report
+from hapd.runtime.distributed import DistEnv
 from launcher.report import Timings, build_report, format_table
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -40,6 +40,7 @@ def test_import_contracts_hold(tmp_path: Path) -> None:
     ("hapd/serve/keys.py", "import torch", "never import torch"),
     ("launcher/hosts.py", "import hapd.runtime.collectives", "never import torch"),
     ("hapd/compiler/plan.py", "import hapd.runtime.rewrite", "imports only the rooms below it"),
+    ("hapd/runtime/distributed.py", "import hapd.harness.training", "imports only the rooms below it"),
     ("hapd/errors.py", "import hapd.serve.protocol", "imports only the rooms below it"),
 ])
 def test_contract_breaks_on_a_violation(tmp_path: Path, module: str, line: str, contract: str) -> None:

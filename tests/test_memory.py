@@ -17,7 +17,7 @@ from hapd.compiler.lower import lower
 from hapd.compiler.ratios import linear_peak_memory, part_memory, peak_memory, sharding_lengths, solve_ratios
 from hapd.errors import SynthesisError
 from hapd.profile.schema import estimated_profile
-from hapd.runtime.memtrack import LiveTensorBytes
+from hapd.harness.memtrack import LiveTensorBytes
 
 
 class _Block(nn.Module):

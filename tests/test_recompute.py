@@ -116,7 +116,7 @@ def _run_and_measure(rank: int, world: int, cases: list[Case]) -> list[dict]:
     training step (forward, backward, Adam's step)."""
     import _exact
     from hapd.compiler.plan import Plan
-    from hapd.runtime.memtrack import LiveTensorBytes
+    from hapd.harness.memtrack import LiveTensorBytes
     from hapd.runtime.recompute import Checkpointed
     from hapd.runtime.rewrite import distribute, global_loss
 

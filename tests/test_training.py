@@ -1,4 +1,4 @@
-"""The training harness (hapd/runtime/training.py) and the DDP baseline (ddp.py, hapd/runtime/ddp.py):
+"""The training harness (hapd/harness/training.py) and the DDP baseline (ddp.py, hapd/harness/ddp.py):
 flags, data slicing, report format, torchrun end to end on 2 CPU ranks, and the
 baseline's exactness against single-process full-batch training."""
 
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from hapd import models
-from hapd.runtime.ddp import DDPStep, loss_weight, main, split_lengths, wrap
 from hapd.errors import HapdError
+from hapd.harness.ddp import DDPStep, loss_weight, main, split_lengths, wrap
+from hapd.harness.training import TrainArgs, local_batch, summarize, trace_path, train
 from hapd.profile.schema import Device, Link, Profile, load_profile
-from hapd.runtime.training import (DistEnv, TrainArgs, init_distributed, local_batch, summarize, trace_path,
-                           train)
+from hapd.runtime.distributed import DistEnv, init_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,7 +79,7 @@ def test_bad_flags_exit_2_with_a_clear_message(argv, message, capsys):
 def test_defaults_and_trace_flag():
     import argparse
 
-    from hapd.runtime.training import add_train_flags, parse_train_args
+    from hapd.harness.training import add_train_flags, parse_train_args
 
     parser = add_train_flags(argparse.ArgumentParser())
     args, _ = parse_train_args(parser, [])

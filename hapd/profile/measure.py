@@ -803,7 +803,7 @@ def measure(options: ProfilerOptions) -> Profile | None:
     import torch.distributed as dist
 
     from hapd.runtime.collectives import host_groups
-    from hapd.runtime.training import init_distributed
+    from hapd.runtime.distributed import init_distributed
 
     env = init_distributed()
     rank, world = env.rank, env.world

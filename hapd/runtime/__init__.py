@@ -10,9 +10,8 @@
   replicated parameters' gradients over ranks during backward;
 - :mod:`~hapd.runtime.collectives` — uneven collectives between layouts, as autograd
   functions;
-- :mod:`~hapd.runtime.training` — the training harness shared by the worker and the
-  baselines (process group, synthetic batches, timing lines);
-- :mod:`~hapd.runtime.worker` — ``worker.py`` / ``python -m hapd.worker``;
-- :mod:`~hapd.runtime.ddp` — ``ddp.py`` / ``python -m hapd.ddp``: the DP-EV and DP-CP
-  baselines.
+- :mod:`~hapd.runtime.distributed` — :func:`~hapd.runtime.distributed.init_distributed`:
+  joining the job (the process group and this rank's device).
+
+The benchmark worker and baselines built on it live in :mod:`hapd.harness`.
 """

@@ -463,7 +463,7 @@ def _join_job_if_launched() -> None:
         return
     world = os.environ.get("WORLD_SIZE")
     if world and world.isdigit() and int(world) > 1:
-        from hapd.runtime.training import init_distributed
+        from hapd.runtime.distributed import init_distributed
 
         init_distributed()
 

@@ -587,7 +587,7 @@ def distribute(
     the program's are). ``check_graph=False`` skips lowering the program again to
     compare graph ids (only when the caller just compiled the plan from it).
     ``hosts``: sum replicated gradients in two levels across hosts
-    (:func:`hapd.runtime.training.host_groups`; default: one all-reduce over ``group``).
+    (:func:`hapd.harness.training.host_groups`; default: one all-reduce over ``group``).
     ``bucket_bytes``: gradient bytes per all-reduce (the cost model assumes the default).
 
     ``shared``: the rank module of another program of the same model (its training

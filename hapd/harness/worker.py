@@ -13,7 +13,7 @@ profile of this job's ranks when none is given), and sends it to the others: ran
 synthesize on their own (:func:`hapd.runtime.api.obtain_plan`; rank 0 prints where the
 plan came from and how long it took). Each rank then runs its module on its piece of a
 synthetic global batch with
-Adam and reports its per-iteration times (see :mod:`hapd.runtime.training` for the output
+Adam and reports its per-iteration times (see :mod:`hapd.harness.training` for the output
 lines; system ``"hapd"``; ``loss`` is the global-batch loss of the last timed
 iteration, ``estimate_s`` the plan's predicted seconds per iteration and ``estimate_memory``
 its predicted peak bytes on each rank).
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from hapd import models
@@ -35,11 +36,11 @@ from hapd.compiler.driver import CompileOptions
 from hapd.profile.schema import Profile
 from hapd.compiler.plan import Plan
 from hapd.errors import HapdError, OptionsError, PlanError
+from hapd.harness.training import TrainArgs, add_train_flags, host_groups, parse_train_args, report, run_rank, train
 from hapd.runtime.api import ParallelModule, job_profile as _job_profile, parallelize
+from hapd.runtime.distributed import DistEnv
 from hapd.runtime.pipeline import build_pipeline, compile_pipeline
 from hapd.runtime.weights import WeightSource, init_on_meta, module_init
-from hapd.runtime.training import (DistEnv, TrainArgs, add_train_flags, host_groups, parse_train_args,
-                           report, run_rank, train)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,12 +104,10 @@ def build(args: TrainArgs, init: str) -> tuple[torch.nn.Module, Any, WeightSourc
     return model, config, module_init(model, args.seed, init=models.module_init_of(model))
 
 
-def _pipeline_plan(args: TrainArgs, ns: argparse.Namespace, env: DistEnv, model: torch.nn.Module,
+def pipeline_plan(args: TrainArgs, ns: argparse.Namespace, env: DistEnv, model: torch.nn.Module,
                    full: Sequence[Tensor]) -> Plan:
     """The plan with pipelines in the search space, compiled on rank 0 and sent to the
     others (the model exported at the global batch and at every micro-batch size)."""
-    import torch.distributed as dist
-
     box: list[Any] = [None, None]
     if env.rank == 0:
         try:
@@ -126,8 +125,6 @@ def _pipeline_plan(args: TrainArgs, ns: argparse.Namespace, env: DistEnv, model:
 
 def run_pipeline(args: TrainArgs, env: DistEnv, model: torch.nn.Module, full: Sequence[Tensor], plan: Plan) -> dict:
     """Train with the plan's pipeline: this rank's stage, 1F1B over micro-batches."""
-    import torch.distributed as dist
-
     spec = models.get(args.model)
     pipe = build_pipeline(model, tuple(t.cpu() for t in full), spec.batch_dims, plan, job_profile(args, env.world),
                           device=env.device)
@@ -161,7 +158,7 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     if ns.pipeline == "auto":
         if ns.plan is not None or ns.overlap != "off" or ns.init != "eager":
             raise OptionsError("--pipeline auto compiles its own plan, with --overlap off and --init eager")
-        plan_given = _pipeline_plan(args, ns, env, model, full)
+        plan_given = pipeline_plan(args, ns, env, model, full)
         if plan_given.pipeline is not None:
             return run_pipeline(args, env, model, full, plan_given)
     module = parallelize(model, tuple(t.cpu() for t in full), profile=job_profile(args, env.world), plan=plan_given,

@@ -1,7 +1,8 @@
 """The training and timing harness shared by the hapd worker and the DDP baseline.
 
 One process per rank, started by ``torchrun`` (or alone: a 1-rank group). The pieces:
-:func:`init_distributed` / :func:`shutdown` (the process group and this rank's device),
+:func:`run_rank` / :func:`shutdown` (join the process group with
+:func:`hapd.runtime.distributed.init_distributed`, run the rank, leave the group),
 :func:`add_train_flags` / :func:`parse_train_args` (the flags every training script
 takes, as a :class:`TrainArgs`), :func:`local_batch` (this rank's slice of the
 synthetic global batch), :func:`train` (the timed loop, optionally traced) and
@@ -50,7 +51,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,8 @@ from torch import Tensor
 
 from hapd import models
 from hapd.errors import HapdError, OptionsError
+from hapd.runtime import collectives
+from hapd.runtime.distributed import DistEnv, env_int, init_distributed
 from hapd.util import atomic_write, summarize as summarize_times
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,119 +79,15 @@ DEFAULT_TRACE = "trace.json"
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class DistEnv:
-    """This process's place in the job."""
-
-    rank: int
-    """Global rank."""
-    world: int
-    """Number of ranks."""
-    local_rank: int
-    """Rank within this host (selects the GPU)."""
-    backend: str
-    """``"nccl"`` (GPU) or ``"gloo"`` (CPU)."""
-    device: torch.device
-    """Where this rank computes: ``cuda:LOCAL_RANK`` or ``cpu``."""
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def synchronize(self) -> None:
-        """Wait for this rank's queued GPU work (no-op on CPU)."""
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-
-
-def _env_int(environ: dict[str, str] | os._Environ, name: str) -> int | None:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise HapdError(f"environment variable {name}={raw!r} is not an integer", field=name) from None
-
-
-def _read_env(environ: dict[str, str] | os._Environ) -> tuple[int, int, int]:
-    """``(rank, world, local_rank)`` from torchrun's variables; (0, 1, 0) when unset."""
-    rank, world = _env_int(environ, "RANK"), _env_int(environ, "WORLD_SIZE")
-    if rank is None and world is None:
-        local = _env_int(environ, "LOCAL_RANK")
-        return 0, 1, 0 if local is None else local
-    if rank is None or world is None:
-        missing = "RANK" if rank is None else "WORLD_SIZE"
-        raise HapdError(f"{missing} is not set but {'WORLD_SIZE' if rank is None else 'RANK'} is: "
-                        "set both (torchrun does) or neither (a single process)", field=missing)
-    if world < 1:
-        raise HapdError(f"WORLD_SIZE={world} must be at least 1", field="WORLD_SIZE")
-    if not 0 <= rank < world:
-        raise HapdError(f"RANK={rank} is not in [0, WORLD_SIZE={world})", field="RANK")
-    local = _env_int(environ, "LOCAL_RANK")
-    local = rank if local is None else local
-    if not 0 <= local <= rank:
-        raise HapdError(f"LOCAL_RANK={local} is not in [0, RANK={rank}]", field="LOCAL_RANK")
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if not environ.get(name):
-            raise HapdError(f"{name} is not set (RANK and WORLD_SIZE are): launch with torchrun", field=name)
-    _env_int(environ, "MASTER_PORT")
-    return rank, world, local
-
-
-def init_distributed(*, timeout_s: float = 600.0) -> DistEnv:
-    """Join the job torchrun started (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``MASTER_ADDR``, ``MASTER_PORT``), or with neither ``RANK`` nor ``WORLD_SIZE`` set
-    run alone in a 1-rank group on a free loopback port, so collectives still work.
-
-    NCCL on ``cuda:LOCAL_RANK`` (made the current device) when CUDA is available, else
-    Gloo on the CPU. When a default process group already exists it is joined as is.
-    Raises :class:`~hapd.errors.HapdError` when the environment is inconsistent.
-    """
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        local = _env_int(os.environ, "LOCAL_RANK")
-        local = rank if local is None else local
-        return _make_env(rank, world, local, dist.get_backend(), cuda)
-    rank, world, local = _read_env(os.environ)
-    env = _make_env(rank, world, local, backend, cuda)
-    timeout = timedelta(seconds=timeout_s)
-    extra: dict[str, Any] = {"device_id": env.device} if env.is_cuda else {}
-    if _env_int(os.environ, "RANK") is not None:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timeout, **extra)
-    else:
-        # port 0: the store binds a free port itself, so there is no race for it
-        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, **extra)
-    return env
-
-
 def host_groups(env: DistEnv) -> Any:
     """This rank's :class:`hapd.runtime.collectives.HostGroups` (two-level gradient sums) from
     every rank's ``GROUP_RANK`` (torchrun's node index; 0 when unset), or None when the
     job runs on one host or with one rank per host. Call on every rank."""
-    from hapd.runtime.collectives import host_groups as make
-
     if env.world == 1:
         return None
     nodes: list[Any] = [None] * env.world
-    dist.all_gather_object(nodes, _env_int(os.environ, "GROUP_RANK") or 0)
-    return make([int(n) for n in nodes])
-
-
-def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> DistEnv:
-    if cuda:
-        count = torch.cuda.device_count()
-        if local >= count:
-            raise HapdError(f"LOCAL_RANK={local} but this host has {count} CUDA device(s)", field="LOCAL_RANK")
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    return DistEnv(rank=rank, world=world, local_rank=local, backend=backend, device=device)
+    dist.all_gather_object(nodes, env_int(os.environ, "GROUP_RANK") or 0)
+    return collectives.host_groups([int(n) for n in nodes])
 
 
 def shutdown(env: DistEnv, *, wait: bool = True) -> None:
@@ -563,6 +461,5 @@ def report(env: DistEnv, *, system: str, model: str, times: Sequence[float], war
     return summary
 
 
-__all__ = ["DTYPES", "DistEnv", "TRACE_ITERATIONS", "TrainArgs", "add_train_flags", "format_table", "under_launcher",
-           "init_distributed", "local_batch", "parse_train_args", "report", "shutdown", "summarize",
-           "trace_path", "train"]
+__all__ = ["DTYPES", "TRACE_ITERATIONS", "TrainArgs", "add_train_flags", "format_table", "under_launcher",
+           "local_batch", "parse_train_args", "report", "shutdown", "summarize", "trace_path", "train"]

@@ -24,7 +24,7 @@ rank joins every gradient all-reduce bucket and contributes 0. (Every benchmark 
 does this; tests/test_training.py checks the all-reduce with a ``[n, 0]`` split.) A mean
 over no samples is not a number, so a model with a mean loss needs samples on every rank.
 
-Output: see :mod:`hapd.runtime.training` (system ``"ddp-ev"`` or ``"ddp-cp"``); the reported
+Output: see :mod:`hapd.harness.training` (system ``"ddp-ev"`` or ``"ddp-cp"``); the reported
 ``loss`` is the global batch's loss (its sum, or its mean) of the last timed iteration,
 all-reduced after the timing, the same on every rank.
 """
@@ -44,8 +44,8 @@ from hapd import models
 from hapd.errors import HapdError
 from hapd.profile.schema import Profile, load_profile
 from hapd.compiler.ratios import sharding_lengths
-from hapd.runtime.training import (DistEnv, TrainArgs, add_train_flags, local_batch,
-                           parse_train_args, report, run_rank, train)
+from hapd.harness.training import TrainArgs, add_train_flags, local_batch, parse_train_args, report, run_rank, train
+from hapd.runtime.distributed import DistEnv
 
 SPLITS = {"even": "ddp-ev", "flops": "ddp-cp"}
 """``--split`` value -> the system name it reports."""

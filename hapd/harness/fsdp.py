@@ -3,11 +3,11 @@
     torchrun --nproc-per-node 4 fsdp.py --model llama_block --size small --init meta
     torchrun --nproc-per-node 2 -m hapd.fsdp --model mlp --split flops --profile paper-8
 
-The same flags and output as the DDP baseline (:mod:`hapd.runtime.ddp`): every rank
+The same flags and output as the DDP baseline (:mod:`hapd.harness.ddp`): every rank
 trains on its slice of the global batch (``--split even``: system ``"fsdp"``, ``--split
 flops``: shares proportional to each device's FLOP/s in ``--profile``, system
 ``"fsdp-cp"``), with Adam, and reports its per-iteration times
-(:mod:`hapd.runtime.training`).
+(:mod:`hapd.harness.training`).
 
 **Sharding.** FSDP2's ``torch.distributed.fsdp.fully_shard`` (it runs on CPU with
 Gloo; FSDP1's ``FullyShardedDataParallel`` needs an accelerator): every element of the
@@ -18,7 +18,7 @@ FULL_SHARD); gradients are reduce-scattered, so parameters, gradients and Adam's
 are all 1/world of the model on each rank, whatever its memory.
 
 **Gradient scaling.** FSDP averages the gradients over the ranks as DDP does, so each
-rank's loss is weighted the same way (:func:`hapd.runtime.ddp.loss_weight`) and scaled
+rank's loss is weighted the same way (:func:`hapd.harness.ddp.loss_weight`) and scaled
 by the world size: the gradient is exactly the global batch's.
 
 **Weights.** ``--init eager`` builds the whole model on every rank (seeded, so every
@@ -41,9 +41,9 @@ from torch import nn
 from hapd import models
 from hapd.errors import HapdError
 from hapd.profile.schema import load_profile
-from hapd.runtime.ddp import DDPStep, loss_weight, split_lengths
-from hapd.runtime.training import (DistEnv, TrainArgs, add_train_flags, local_batch, parse_train_args, report,
-                                   run_rank, train)
+from hapd.harness.ddp import DDPStep, loss_weight, split_lengths
+from hapd.harness.training import TrainArgs, add_train_flags, local_batch, parse_train_args, report, run_rank, train
+from hapd.runtime.distributed import DistEnv
 from hapd.runtime.weights import WeightSource, init_on_meta, module_init
 
 SPLITS = {"even": "fsdp", "flops": "fsdp-cp"}
@@ -81,6 +81,7 @@ def shard(model: nn.Module, env: DistEnv) -> nn.Module:
     """``model`` (on ``env.device`` or the meta device) sharded in place: each of its
     :func:`units`, then the model itself, ``fully_shard`` with FULL_SHARD over every
     rank. Returns ``model``."""
+    # FSDP2 loads when a model is sharded, not at import: --help and the flags need none of it
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -1,0 +1,127 @@
+"""Joining the job: the process group and this rank's device.
+
+:func:`init_distributed` joins the job ``torchrun`` (or the launcher's daemons) started,
+reading torchrun's environment, or runs alone in a 1-rank group; it returns this
+process's place in the job as a :class:`DistEnv`. :func:`hapd.parallelize` calls it when
+it runs under torchrun and no process group exists yet; the benchmark harness
+(:mod:`hapd.harness.training`) and the profiler start every rank with it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hapd.errors import HapdError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job."""
+
+    rank: int
+    """Global rank."""
+    world: int
+    """Number of ranks."""
+    local_rank: int
+    """Rank within this host (selects the GPU)."""
+    backend: str
+    """``"nccl"`` (GPU) or ``"gloo"`` (CPU)."""
+    device: torch.device
+    """Where this rank computes: ``cuda:LOCAL_RANK`` or ``cpu``."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued GPU work (no-op on CPU)."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def env_int(environ: dict[str, str] | os._Environ, name: str) -> int | None:
+    """The integer value of environment variable ``name`` in ``environ``; None when it is
+    unset or empty, :class:`~hapd.errors.HapdError` naming it when it is not an integer."""
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise HapdError(f"environment variable {name}={raw!r} is not an integer", field=name) from None
+
+
+def _read_env(environ: dict[str, str] | os._Environ) -> tuple[int, int, int]:
+    """``(rank, world, local_rank)`` from torchrun's variables; (0, 1, 0) when unset."""
+    rank, world = env_int(environ, "RANK"), env_int(environ, "WORLD_SIZE")
+    if rank is None and world is None:
+        local = env_int(environ, "LOCAL_RANK")
+        return 0, 1, 0 if local is None else local
+    if rank is None or world is None:
+        missing = "RANK" if rank is None else "WORLD_SIZE"
+        raise HapdError(f"{missing} is not set but {'WORLD_SIZE' if rank is None else 'RANK'} is: "
+                        "set both (torchrun does) or neither (a single process)", field=missing)
+    if world < 1:
+        raise HapdError(f"WORLD_SIZE={world} must be at least 1", field="WORLD_SIZE")
+    if not 0 <= rank < world:
+        raise HapdError(f"RANK={rank} is not in [0, WORLD_SIZE={world})", field="RANK")
+    local = env_int(environ, "LOCAL_RANK")
+    local = rank if local is None else local
+    if not 0 <= local <= rank:
+        raise HapdError(f"LOCAL_RANK={local} is not in [0, RANK={rank}]", field="LOCAL_RANK")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not environ.get(name):
+            raise HapdError(f"{name} is not set (RANK and WORLD_SIZE are): launch with torchrun", field=name)
+    env_int(environ, "MASTER_PORT")
+    return rank, world, local
+
+
+def init_distributed(*, timeout_s: float = 600.0) -> DistEnv:
+    """Join the job torchrun started (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``), or with neither ``RANK`` nor ``WORLD_SIZE`` set
+    run alone in a 1-rank group on a free loopback port, so collectives still work.
+
+    NCCL on ``cuda:LOCAL_RANK`` (made the current device) when CUDA is available, else
+    Gloo on the CPU. When a default process group already exists it is joined as is.
+    Raises :class:`~hapd.errors.HapdError` when the environment is inconsistent.
+    """
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = env_int(os.environ, "LOCAL_RANK")
+        local = rank if local is None else local
+        return _make_env(rank, world, local, dist.get_backend(), cuda)
+    rank, world, local = _read_env(os.environ)
+    env = _make_env(rank, world, local, backend, cuda)
+    timeout = timedelta(seconds=timeout_s)
+    extra: dict[str, Any] = {"device_id": env.device} if env.is_cuda else {}
+    if env_int(os.environ, "RANK") is not None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=timeout, **extra)
+    else:
+        # port 0: the store binds a free port itself, so there is no race for it
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, **extra)
+    return env
+
+
+def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> DistEnv:
+    if cuda:
+        count = torch.cuda.device_count()
+        if local >= count:
+            raise HapdError(f"LOCAL_RANK={local} but this host has {count} CUDA device(s)", field="LOCAL_RANK")
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return DistEnv(rank=rank, world=world, local_rank=local, backend=backend, device=device)
+
+
+__all__ = ["DistEnv", "env_int", "init_distributed"]
