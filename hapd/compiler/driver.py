@@ -21,6 +21,7 @@ import msgpack
 from hapd import __version__
 from hapd.errors import GraphError, OptionsError, SynthesisError
 from hapd.compiler.overlap import DUPLICAS, is_overlapped, with_duplica_memory
+from hapd.compiler.lp import row_values
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
 from hapd.profile.schema import Profile, load_profile
 from hapd.util import format_bytes
@@ -29,7 +30,6 @@ from hapd.compiler.ratios import (
     least_overshoot,
     peak_memory,
     program_cost,
-    row_values,
     solve_ratios,
     sync_overlap,
 )

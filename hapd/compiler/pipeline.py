@@ -97,7 +97,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Sequence
 
-from hapd.compiler.ratios import row_values
+from hapd.compiler.lp import row_values
 from hapd.errors import GraphError, OptionsError, SynthesisError
 from hapd.profile.schema import Link, Profile
 
