@@ -46,7 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
-from hapd.compiler.driver import CompileOptions, synthesize  # noqa: E402
+from hapd.compiler.driver import synthesize  # noqa: E402
+from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.compiler.driver import compile as compile_plan  # noqa: E402
 from hapd.compiler.export import export  # noqa: E402
 from hapd.compiler.lower import GraphIR, lower  # noqa: E402

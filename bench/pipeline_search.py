@@ -54,7 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
-from hapd.compiler.driver import CompileOptions, compile as compile_plan  # noqa: E402
+from hapd.compiler.driver import compile as compile_plan  # noqa: E402
+from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.compiler.export import export  # noqa: E402
 from hapd.compiler.lower import GraphIR, lower  # noqa: E402
 from hapd.compiler.pipeline import micro_batch_counts, micro_batch_graphs, search as pipeline_search  # noqa: E402

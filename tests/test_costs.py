@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import hapd
-from hapd.compiler.driver import CompileOptions, ddp_cost, synthesize
+from hapd.compiler.driver import ddp_cost, synthesize
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.ratios import program_cost
 from hapd.compiler.summary import format_summary, inspect_graph

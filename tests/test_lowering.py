@@ -34,7 +34,7 @@ from torch import fx, nn
 import hapd
 from hapd.cli import main
 from hapd.runtime.check import check
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.driver import compile as compile_plan
 from hapd.compiler.export import export
 from hapd.compiler.lower import load_exported, lower

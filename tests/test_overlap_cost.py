@@ -14,7 +14,8 @@ from torch import nn
 
 import hapd
 from hapd.compiler import overlap
-from hapd.compiler.driver import CompileOptions, synthesize
+from hapd.compiler.driver import synthesize
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.lp import row_values
 from hapd.compiler.plan import Plan

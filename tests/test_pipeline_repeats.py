@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from hapd import models
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.export import export
 from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.pipeline import graph_units, search, stage_table

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from hapd import models
 from hapd.cli import main
-from hapd.compiler.driver import CompileOptions, compile as compile_plan
+from hapd.compiler.driver import compile as compile_plan
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.export import export
 from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.pipeline import (

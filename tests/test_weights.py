@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 import hapd
 from hapd import models
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.export import user_input_names
 from hapd.errors import WeightsError
 from hapd.profile.schema import estimated_profile

@@ -102,7 +102,7 @@ from hapd.errors import GraphError, OptionsError, SynthesisError
 from hapd.profile.schema import Link, Profile
 
 if TYPE_CHECKING:
-    from hapd.compiler.driver import CompileOptions
+    from hapd.compiler.options import CompileOptions
     from hapd.compiler.lower import GraphIR
     from hapd.compiler.repeats import Reduction
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from hapd.errors import PlanError
 
 if TYPE_CHECKING:
-    from hapd.compiler.driver import CompileOptions
+    from hapd.compiler.options import CompileOptions
     from hapd.compiler.plan import Plan
     from hapd.profile.schema import Profile
 

@@ -534,7 +534,8 @@ def compile_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dim
     import dataclasses
 
     from hapd.compiler import pipeline as search
-    from hapd.compiler.driver import CompileOptions, compile as compile_plan
+    from hapd.compiler.driver import compile as compile_plan
+    from hapd.compiler.options import CompileOptions
     from hapd.compiler.export import export
     from hapd.compiler.lower import lower
 
@@ -558,7 +559,8 @@ def build_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dims:
     and sends them to the other ranks. Collective."""
     import dataclasses
 
-    from hapd.compiler.driver import CompileOptions, compile as compile_plan
+    from hapd.compiler.driver import compile as compile_plan
+    from hapd.compiler.options import CompileOptions
     from hapd.compiler.export import export
     from hapd.compiler.lower import lower
     from hapd.compiler.pipeline import PipelinePlan
