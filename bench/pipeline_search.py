@@ -55,9 +55,9 @@ sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
 from hapd.compiler.driver import compile as compile_plan  # noqa: E402
-from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.compiler.export import export  # noqa: E402
 from hapd.compiler.lower import GraphIR, lower  # noqa: E402
+from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.compiler.pipeline import micro_batch_counts, micro_batch_graphs, search as pipeline_search  # noqa: E402
 from hapd.profile.schema import Link, Profile, estimated_profile, load_profile, profile_from_dict  # noqa: E402
 

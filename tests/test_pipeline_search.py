@@ -16,9 +16,9 @@ from click.testing import CliRunner
 from hapd import models
 from hapd.cli import main
 from hapd.compiler.driver import compile as compile_plan
-from hapd.compiler.options import CompileOptions
 from hapd.compiler.export import export
 from hapd.compiler.lower import GraphIR, lower
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.pipeline import (
     best_split, graph_units, micro_batch_graphs, one_f_one_b, split_cost, stage_table,
     simulate_one_f_one_b, steady_period,
@@ -295,8 +295,8 @@ def test_a_stages_memory_estimate_follows_the_stage_compiled_alone() -> None:
     exactly, every stage of every cut on the safe side and within half again."""
     from hapd.compiler.pipeline import unit_memory
     from hapd.compiler.ratios import peak_memory
+    from hapd.compiler.search import search_program
     from hapd.compiler.stages import split_program
-    from hapd.compiler.driver import search_program
 
     spec = models.get("bert")
     model, config = models.build("bert", "tiny", layers=3)

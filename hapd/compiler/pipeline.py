@@ -98,12 +98,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Sequence
 
 from hapd.compiler.lp import row_values
+from hapd.compiler.repeats import reduce_graph
+from hapd.compiler.search import search_program
 from hapd.errors import GraphError, OptionsError, SynthesisError
 from hapd.profile.schema import Link, Profile
 
 if TYPE_CHECKING:
-    from hapd.compiler.options import CompileOptions
     from hapd.compiler.lower import GraphIR
+    from hapd.compiler.options import CompileOptions
     from hapd.compiler.repeats import Reduction
 
 SCHEDULE = "1f1b"
@@ -939,9 +941,6 @@ def stage_table(ir: "GraphIR", profile: Profile, options: "CompileOptions", *, r
     (:mod:`hapd.compiler.repeats`), and each dropped block costs what the kept blocks
     it repeats do; a group whose search there fails, or finds a program that stands
     for none of the whole graph, is searched on the whole graph."""
-    from hapd.compiler.driver import search_program
-    from hapd.compiler.repeats import reduce_graph
-
     group_options = replace(options, pipeline="off", memory_caps=False, recompute="never", overlap=False, ratios=None)
     doc = ir.doc
     units = graph_units(doc)
@@ -992,8 +991,6 @@ def _reduced_costs(
     on ``reduction``'s graph, and that program with its ratios; ``None`` when that
     search fails or its program stands for no program of the whole graph
     (:meth:`hapd.compiler.repeats.Reduction.cycles`)."""
-    from hapd.compiler.driver import search_program
-
     try:
         program, ratios = search_program(reduction.ir.data, profile, options, weigh=reduction.weigh)
     except (GraphError, SynthesisError):

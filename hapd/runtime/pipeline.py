@@ -535,9 +535,9 @@ def compile_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dim
 
     from hapd.compiler import pipeline as search
     from hapd.compiler.driver import compile as compile_plan
-    from hapd.compiler.options import CompileOptions
     from hapd.compiler.export import export
     from hapd.compiler.lower import lower
+    from hapd.compiler.options import CompileOptions
 
     options = dataclasses.replace(options or CompileOptions(), pipeline="auto")
     name = name or type(model).__name__
@@ -560,9 +560,9 @@ def build_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dims:
     import dataclasses
 
     from hapd.compiler.driver import compile as compile_plan
-    from hapd.compiler.options import CompileOptions
     from hapd.compiler.export import export
     from hapd.compiler.lower import lower
+    from hapd.compiler.options import CompileOptions
     from hapd.compiler.pipeline import PipelinePlan
     from hapd.compiler.stages import split_program
 
