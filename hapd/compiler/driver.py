@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hapd import __version__, _core
-from hapd.compiler import pipeline
+from hapd.compiler import pipeline_search
 from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.overlap import is_overlapped
@@ -103,7 +103,7 @@ def _add_pipeline(doc: dict, data: bytes, micro_graphs: Sequence[Any], profile: 
     """The pipeline search (:mod:`hapd.compiler.pipeline_search`) against the SPMD plan's
     ``spmd_only`` seconds: the best pipeline as the plan's ``pipeline`` (``chosen`` when
     it is cheaper) and the search's statistics."""
-    graphs = pipeline.micro_batch_graphs(GraphIR(data), [GraphIR(_graph_bytes(g)) for g in micro_graphs])
-    found = pipeline.search(graphs, profile, options, spmd_only)
+    graphs = pipeline_search.micro_batch_graphs(GraphIR(data), [GraphIR(_graph_bytes(g)) for g in micro_graphs])
+    found = pipeline_search.search(graphs, profile, options, spmd_only)
     doc["pipeline"] = found.best.to_doc() if found.best is not None else None
     doc["stats"]["pipeline"] = found.stats()

@@ -529,11 +529,11 @@ def compile_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dim
                      profile: Any, options: Any = None, *, name: str | None = None) -> Any:
     """The plan for ``model`` on the global batch ``inputs`` with pipelines in the space
     (``options.pipeline = "auto"``): the model exported at the global batch and at each
-    micro-batch size the search prices (:func:`hapd.compiler.pipeline.micro_batch_counts`).
+    micro-batch size the search prices (:func:`hapd.compiler.pipeline_search.micro_batch_counts`).
     Runs on one process (rank 0 of a job; the caller sends the bytes to the others)."""
     import dataclasses
 
-    from hapd.compiler import pipeline as search
+    from hapd.compiler import pipeline_search as search
     from hapd.compiler.driver import compile as compile_plan
     from hapd.compiler.export import export
     from hapd.compiler.lower import lower
@@ -563,7 +563,7 @@ def build_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dims:
     from hapd.compiler.export import export
     from hapd.compiler.lower import lower
     from hapd.compiler.options import CompileOptions
-    from hapd.compiler.pipeline import PipelinePlan
+    from hapd.compiler.pipeline_search import PipelinePlan
     from hapd.compiler.stages import split_program
 
     doc = plan.pipeline
