@@ -38,10 +38,10 @@ sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
 from hapd.serve.client import Client  # noqa: E402
-from hapd.compiler.driver import CompileOptions  # noqa: E402
 from hapd.compiler.driver import compile as compile_plan  # noqa: E402
 from hapd.compiler.export import export  # noqa: E402
 from hapd.compiler.lower import lower  # noqa: E402
+from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.profile.schema import load_profile  # noqa: E402
 from hapd.compiler.replan import relp_plan  # noqa: E402
 from hapd.util import summarize  # noqa: E402

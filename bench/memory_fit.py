@@ -39,10 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
-from hapd.compiler.driver import CompileOptions  # noqa: E402
 from hapd.compiler.driver import compile as compile_plan  # noqa: E402
 from hapd.compiler.export import export  # noqa: E402
 from hapd.compiler.lower import lower  # noqa: E402
+from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.compiler.ratios import part_memory  # noqa: E402
 from hapd.errors import SynthesisError  # noqa: E402
 from hapd.profile.schema import load_profile  # noqa: E402

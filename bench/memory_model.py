@@ -38,9 +38,9 @@ import torch  # noqa: E402
 
 import hapd  # noqa: E402
 from hapd import models  # noqa: E402
-from hapd.compiler.driver import CompileOptions  # noqa: E402
 from hapd.compiler.export import export  # noqa: E402
 from hapd.compiler.lower import lower  # noqa: E402
+from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.compiler.ratios import part_memory  # noqa: E402
 from hapd.profile.schema import estimated_profile  # noqa: E402
 from hapd.util import format_bytes  # noqa: E402

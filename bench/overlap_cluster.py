@@ -166,7 +166,7 @@ def compile_plans(model: str, how: str, size: str, batch: int, profile: Path, wo
 
     import hapd
     from hapd import models
-    from hapd.compiler.driver import CompileOptions
+    from hapd.compiler.options import CompileOptions
     from hapd.profile.schema import load_profile
     from hapd.runtime.api import Recipe
 

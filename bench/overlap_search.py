@@ -46,11 +46,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
-from hapd.compiler.driver import CompileOptions, synthesize  # noqa: E402
 from hapd.compiler.driver import compile as compile_plan  # noqa: E402
 from hapd.compiler.export import export  # noqa: E402
 from hapd.compiler.lower import GraphIR, lower  # noqa: E402
+from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.compiler.ratios import program_cost, solve_ratios  # noqa: E402
+from hapd.compiler.search import synthesize  # noqa: E402
 from hapd.profile.schema import Profile, load_profile  # noqa: E402
 
 MODELS = (("bert_moe", 12), ("vit", 24))

@@ -12,7 +12,7 @@ plan, on the paper cluster profiles and on the emulated cluster's.
 global batch over each micro-batch count ``m`` (1, 2, 4, 8, 16 by default), then
 compiled once with ``CompileOptions(pipeline="auto")``: the SPMD plan of the global batch
 as always, and the pipeline search over the micro-batch graphs
-(:mod:`hapd.compiler.pipeline`). Printed per profile: the SPMD compile's and the
+(:mod:`hapd.compiler.pipeline_search`). Printed per profile: the SPMD compile's and the
 pipeline search's seconds (exports apart), the best pipeline (stages: hosts and blocks,
 ``m``, bubble), its predicted seconds per iteration, and how many times faster than the
 SPMD-only plan it is predicted to be (SPMD-only / pipeline: above 1 the pipeline wins).
@@ -54,10 +54,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
-from hapd.compiler.driver import CompileOptions, compile as compile_plan  # noqa: E402
+from hapd.compiler.driver import compile as compile_plan  # noqa: E402
 from hapd.compiler.export import export  # noqa: E402
 from hapd.compiler.lower import GraphIR, lower  # noqa: E402
-from hapd.compiler.pipeline import micro_batch_counts, micro_batch_graphs, search as pipeline_search  # noqa: E402
+from hapd.compiler.options import CompileOptions  # noqa: E402
+from hapd.compiler.pipeline_search import micro_batch_counts, micro_batch_graphs, search as pipeline_search  # noqa: E402
 from hapd.profile.schema import Link, Profile, estimated_profile, load_profile, profile_from_dict  # noqa: E402
 
 NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0}

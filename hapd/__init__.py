@@ -20,7 +20,7 @@ _LAZY = {
     "GraphIR": "hapd.compiler.lower",
     "inspect_graph": "hapd.compiler.summary",
     "compile": "hapd.compiler.driver",
-    "CompileOptions": "hapd.compiler.driver",
+    "CompileOptions": "hapd.compiler.options",
     "Plan": "hapd.compiler.plan",
     "load_profile": "hapd.profile.schema",
     "distribute": "hapd.runtime.rewrite",

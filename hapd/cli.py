@@ -167,7 +167,8 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
                 max_seconds: float | None, recompute: str, pipeline: str, micro_graphs: tuple[Path, ...], show: bool,
                 imports: tuple[str, ...]) -> None:
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
-    from hapd.compiler.driver import CompileOptions, compile as compile_plan
+    from hapd.compiler.driver import compile as compile_plan
+    from hapd.compiler.options import CompileOptions
 
     _import(imports)
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import hapd.serve.cache as cache_mod
 from hapd.serve.cache import CacheKey, PlanCache, _pack_entry
-from hapd.compiler.driver import CompileOptions
 from hapd.compiler.driver import compile as compile_plan
+from hapd.compiler.options import CompileOptions
 from hapd.errors import SynthesisError
 from hapd.compiler.plan import Plan
 from hapd.profile.schema import load_profile

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 import hapd
-from hapd.compiler.driver import CompileOptions, ddp_cost, synthesize
 from hapd.compiler.lower import GraphIR, lower
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.ratios import program_cost
+from hapd.compiler.search import ddp_cost, synthesize
 from hapd.compiler.summary import format_summary, inspect_graph
 from hapd.profile.schema import load_profile
 

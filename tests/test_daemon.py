@@ -451,7 +451,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigkill_during_a_compile_then_restart(tmp_path, fixture_bytes):
-    from hapd.compiler.driver import CompileOptions
+    from hapd.compiler.options import CompileOptions
     from hapd.profile.schema import estimated_profile
 
     world = 3000  # large enough that one compile takes about a second

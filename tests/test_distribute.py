@@ -23,7 +23,7 @@ from conftest import MODEL_NAMES
 
 import hapd
 from hapd import models
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import COLLECTIVES, estimated_profile
 
 BATCH = 8

@@ -13,7 +13,7 @@ import pytest
 from _hardening_daemon import FIXTURES, ServedDaemon, can_mount_tmpfs
 from _wait import GENEROUS_S, wait_for
 
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import load_profile
 from hapd.serve.cache import CACHE_FULL, PlanCache
 

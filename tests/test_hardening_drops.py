@@ -173,7 +173,7 @@ def test_a_drop_that_cannot_be_moved_is_answered_once(tmp_path, monkeypatch, cap
     (its error written) and said to stay, once: the rescan's later hand-overs of the
     unchanged file are not answered, or logged, again."""
     import hapd.serve.drops as drops_mod
-    from hapd.compiler.driver import CompileOptions
+    from hapd.compiler.options import CompileOptions
     from hapd.profile.schema import load_profile
     from hapd.serve.cache import PlanCache
     from hapd.serve.drops import SUBFOLDERS, DropProcessor

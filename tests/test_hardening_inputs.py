@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 from _hardening_daemon import FIXTURES, ROOT, ServedDaemon, signed_request
 
-from hapd.compiler.driver import MAX_SEARCH_SECONDS, CompileOptions
+from hapd.compiler.options import MAX_SEARCH_SECONDS, CompileOptions
 from hapd.errors import OptionsError, ProfileError, ProtocolError, RemoteError
 from hapd.profile.schema import RANGES, estimated_profile, profile_from_dict
-from hapd.serve.daemon import compile_options
 from hapd.serve.guard import MAX_LOGGED_CHARS
 from hapd.serve.protocol import MAX_JOB_ID_CHARS, Session
 
@@ -59,7 +58,7 @@ def test_bad_compile_options_are_named(options, field):
         CompileOptions(**options)
     assert info.value.field == field and field in str(info.value)
     with pytest.raises(OptionsError) as info:  # as the daemon builds them from a request
-        compile_options(options)
+        CompileOptions.from_mapping(options)
     assert info.value.field == f"options.{field}"
 
 

@@ -34,11 +34,11 @@ from torch import fx, nn
 import hapd
 from hapd.cli import main
 from hapd.runtime.check import check
-from hapd.compiler.driver import CompileOptions
 from hapd.compiler.driver import compile as compile_plan
 from hapd.compiler.export import export
 from hapd.compiler.lower import load_exported, lower
 from hapd.compiler.normalize import _check_node, buffer_mutations, is_normalized, normalize
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.plan import Plan
 from hapd.errors import ExportError, UnsupportedOpError
 from hapd.profile.schema import estimated_profile

@@ -12,8 +12,8 @@ from torch import nn
 
 import hapd
 from hapd import _core, models
-from hapd.compiler.driver import CompileOptions
 from hapd.compiler.lower import lower
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.ratios import linear_peak_memory, part_memory, peak_memory, sharding_lengths, solve_ratios
 from hapd.errors import SynthesisError
 from hapd.profile.schema import estimated_profile

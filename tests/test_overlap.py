@@ -24,7 +24,7 @@ from test_zoo import BUILDS, DENSE_OPS, TENSOR_PARALLEL
 from torch import nn
 
 import hapd
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.errors import PlanError
 from hapd.profile.schema import estimated_profile
 from hapd.runtime import collectives

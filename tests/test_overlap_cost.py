@@ -14,10 +14,12 @@ from torch import nn
 
 import hapd
 from hapd.compiler import overlap
-from hapd.compiler.driver import CompileOptions, synthesize
 from hapd.compiler.lower import GraphIR, lower
+from hapd.compiler.lp import row_values
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.plan import Plan
-from hapd.compiler.ratios import peak_memory, program_cost, row_values, solve_ratios
+from hapd.compiler.ratios import peak_memory, program_cost, solve_ratios
+from hapd.compiler.search import synthesize
 from hapd.errors import OptionsError
 from hapd.profile.schema import Profile, load_profile, profile_from_dict
 

@@ -21,7 +21,7 @@ from torch import nn
 
 import hapd
 import hapd.models as M
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.stages import split_program
 from hapd.errors import PlanError
 from hapd.profile.schema import estimated_profile

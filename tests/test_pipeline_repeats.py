@@ -9,10 +9,11 @@ import functools
 import pytest
 
 from hapd import models
-from hapd.compiler.driver import CompileOptions
 from hapd.compiler.export import export
 from hapd.compiler.lower import GraphIR, lower
-from hapd.compiler.pipeline import graph_units, search, stage_table
+from hapd.compiler.options import CompileOptions
+from hapd.compiler.pipeline_cost import graph_units
+from hapd.compiler.pipeline_search import search, stage_table
 from hapd.compiler.repeats import KEPT, Run, reduce_graph
 from hapd.profile.schema import Link, estimated_profile
 

@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import hapd
-from hapd.compiler.driver import CompileOptions
 from hapd.compiler.driver import compile as compile_plan
+from hapd.compiler.options import CompileOptions
 from hapd.errors import PlanError
 from hapd.profile.schema import estimated_profile
 from hapd.runtime.api import Recipe, aligned_force, op_nodes

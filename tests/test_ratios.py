@@ -97,7 +97,7 @@ def test_one_device_takes_everything_without_starting_cbc(monkeypatch):
     solver process; a memory row over the cap is the LP's infeasible error."""
     from hapd.compiler import ratios
 
-    monkeypatch.setattr(ratios, "_solver", lambda: pytest.fail("one device must not start the LP solver"))
+    monkeypatch.setattr(ratios, "solver", lambda: pytest.fail("one device must not start the LP solver"))
     work = row([0.5], [2.0])
     mem = row([10.0], [100.0])
     result = solve_ratios(program([(work, row([0.25], [0.0]))], memory=mem, devices=1), memory_caps=[200.0])

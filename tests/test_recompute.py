@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import hapd
 from hapd import models
 from hapd.cli import main
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.recompute import graph_blocks
 from hapd.errors import OptionsError, SynthesisError
 from hapd.profile.schema import estimated_profile

@@ -17,7 +17,7 @@ from _wait import GENEROUS_S
 from conftest import FIXTURES, MODEL_NAMES
 
 import hapd
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.summary import format_summary
 from hapd.errors import OptionsError, SynthesisError
 from hapd.compiler.plan import Plan

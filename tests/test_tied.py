@@ -21,7 +21,7 @@ from _dist import run_ranks
 from torch import Tensor, nn
 
 import hapd
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import estimated_profile
 
 BATCH = 8

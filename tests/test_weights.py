@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_leaves
 
 import hapd
 from hapd import models
-from hapd.compiler.driver import CompileOptions
 from hapd.compiler.export import user_input_names
+from hapd.compiler.options import CompileOptions
 from hapd.errors import WeightsError
 from hapd.profile.schema import estimated_profile
 from hapd.runtime.weights import materialize, module_init

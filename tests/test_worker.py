@@ -13,7 +13,7 @@ import torch
 
 import hapd
 from hapd import models
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.errors import PlanError
 from hapd.profile.schema import estimated_profile
 from hapd.runtime.rewrite import distribute

@@ -1,198 +1,51 @@
 """The compile driver: graph + profile → plan.
 
-Alternates the core's search with the sharding-ratio LP (HAP §6, without its defects):
-start from FLOP/s-proportional ratios, search the cheapest program under the current
-ratios, solve the LP for that program, and repeat while the cost strictly improves.
-Each program is kept with the ratios it was optimized for. The data-parallel baselines
-(DP-EV: even split, DP-CP: FLOP/s-proportional split) are priced as DDP runs them
-(:func:`ddp_cost`), from the per-device speeds and collective costs of the same profile.
+A compile reads the graph (lowering a ``.pt2`` program), runs the SPMD search — the
+core's search alternating with the sharding-ratio LP, against the data-parallel
+baselines (:mod:`hapd.compiler.search`) — writes the plan document of the program it
+keeps, and with ``CompileOptions.pipeline`` auto adds the best pipeline
+(:mod:`hapd.compiler.pipeline_search`).
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Sequence
 
-import msgpack
-
-from hapd import __version__
-from hapd.errors import GraphError, OptionsError, SynthesisError
-from hapd.compiler.overlap import DUPLICAS, is_overlapped, with_duplica_memory
+from hapd import __version__, _core
+from hapd.compiler import pipeline_search
+from hapd.compiler.lower import GraphIR, lower
+from hapd.compiler.options import CompileOptions
+from hapd.compiler.overlap import is_overlapped
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
+from hapd.compiler.ratios import peak_memory, program_cost
+from hapd.compiler.search import SpmdSearch, dp_fits, search_spmd
+from hapd.errors import OptionsError
 from hapd.profile.schema import Profile, load_profile
-from hapd.util import format_bytes
-from hapd.compiler.ratios import (
-    BACKWARD_SHARE,
-    least_overshoot,
-    peak_memory,
-    program_cost,
-    row_values,
-    solve_ratios,
-    sync_overlap,
-)
 
 
-MODES = ("auto", "data_parallel")
-"""What ``CompileOptions.mode`` may be."""
-RECOMPUTE = ("auto", "never", "always")
-"""What ``CompileOptions.recompute`` may be."""
-PIPELINE = ("off", "auto")
-"""What ``CompileOptions.pipeline`` may be."""
-MAX_ROUNDS_LIMIT = 1000
-"""Most search ⇄ LP rounds a compile may ask for."""
-MAX_STATES_LIMIT = 2**63 - 1
-"""Largest state budget (the core counts states in a 64-bit integer)."""
-MAX_FRONT_WIDTH = 2**63 - 1
-"""Largest front width (a 64-bit integer in the core)."""
-MAX_SEARCH_SECONDS = 7 * 24 * 3600.0
-"""Longest time budget of one search: a week (the core's timer takes finite seconds)."""
-
-
-def _int_option(name: str, value: Any, most: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise OptionsError(f"{name} {value!r} must be an integer", field=name)
-    if not 1 <= value <= most:
-        raise OptionsError(f"{name} {value} must be in 1..{most}", field=name)
-
-
-def _bool_option(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise OptionsError(f"{name} {value!r} must be true or false", field=name)
-
-
-def _seconds_option(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise OptionsError(f"{name} {value!r} must be a number of seconds", field=name)
-    if not (math.isfinite(value) and 0 < value <= MAX_SEARCH_SECONDS):
-        raise OptionsError(f"{name} {value!r} must be a finite number of seconds in (0, {MAX_SEARCH_SECONDS:g}]", field=name)
-
-
-def _force_option(value: Any) -> None:
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise OptionsError("force must map node names to rule names (strings)", field="force")
-
-
-def _ratios_option(value: Any) -> None:
-    if not isinstance(value, (tuple, list)) or not value:
-        raise OptionsError(f"ratios {value!r} must be a non-empty list of numbers", field="ratios")
-    if any(isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0 for r in value):
-        raise OptionsError(f"ratios {list(value)} must be finite numbers ≥ 0", field="ratios")
-    if abs(sum(value) - 1) > 1e-6:
-        raise OptionsError(f"ratios {list(value)} must sum to 1", field="ratios")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CompileOptions:
-    """Options of one compile; part of the plan cache key."""
-
-    mode: str = "auto"
-    """``"auto"``: search every rule; ``"data_parallel"``: only the batch-split program
-    (replicated parameters, gradients all-reduced), with LP-optimized ratios."""
-    zero: bool = False
-    """Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use)."""
-    overlap: bool = False
-    """Price programs as two duplicas interleaved, one computing while the other
-    communicates (HiDup; :mod:`hapd.compiler.overlap`). The graph compiled is then one
-    duplica's (export it at half the global batch); the plan records ``overlap`` and
-    ``duplicas`` for the runtime, and its estimate and baselines are for the global
-    batch. Whether it beats the plain plan of the full-batch graph depends on the model
-    and the cluster: compile both and keep the cheaper (``bench/overlap_search.py``)."""
-    memory_caps: bool = True
-    """Fit the plan in each device's memory (the profile's ``memory``, each device its
-    own): the LP keeps every device's predicted peak (parameters, gradients, Adam state,
-    kept activations, communication buffers and workspace: ``rustcore/core/src/memory.rs``)
-    under its capacity, and a program that does not fit is searched again with memory
-    priced (the search then trades time for memory: tensor or expert parallelism,
-    ZeRO-style parameters). :class:`~hapd.errors.SynthesisError` naming the device, its
-    capacity and the shortfall when nothing fits."""
-    max_rounds: int = 4
-    """Most search ⇄ LP rounds."""
-    max_states: int = 2_000_000
-    """State budget of one search."""
-    front_width: int = 24
-    """Undominated states kept per program position (larger: slower, closer to proven optimal)."""
-    max_seconds: float | None = None
-    """Time budget of one search."""
-    force: Mapping[str, str] = field(default_factory=dict)
-    """Restrict ops (by fx node name) to one rule (by name)."""
-    ratios: tuple[float, ...] | None = None
-    """Use these sharding ratios instead of optimizing them."""
-    recompute: str = "auto"
-    """Activation recomputation: the backward pass runs a block's forward again from its
-    input instead of keeping its activations (the graph's repeated blocks, transformer
-    layers: :mod:`hapd.compiler.recompute`). ``"auto"``: only when memory binds (no
-    program fits without it, or fits only with memory priced or squeezed ratios), as
-    few blocks as fit, and only where the plan is then cheaper; ``"never"``;
-    ``"always"``: every block."""
-    pipeline: str = "off"
-    """Pipeline stages (HSPMD; :mod:`hapd.compiler.pipeline`): ``"auto"`` also searches
-    pipelines that cut the program at block boundaries into stages, each on a group of
-    whole hosts with its own SPMD plan, over micro-batches in the 1F1B order, and keeps
-    one when its predicted time beats the SPMD plan's (the plan's ``pipeline``). It
-    prices each micro-batch count it is given a graph for (``compile``'s
-    ``micro_graphs``); ``"off"``: the SPMD plan only. Not with ``overlap`` or fixed
-    ``ratios`` (the ratios of the whole cluster)."""
-
-    def __post_init__(self) -> None:
-        """Every field's type and range, checked here, before the core sees any of them
-        (the options come from the command line, the API and config files)."""
-        if not isinstance(self.mode, str) or self.mode not in MODES:
-            raise OptionsError(f"mode {self.mode!r} is not auto or data_parallel", field="mode")
-        _bool_option("zero", self.zero)
-        _bool_option("overlap", self.overlap)
-        _bool_option("memory_caps", self.memory_caps)
-        _int_option("max_rounds", self.max_rounds, MAX_ROUNDS_LIMIT)
-        _int_option("max_states", self.max_states, MAX_STATES_LIMIT)
-        _int_option("front_width", self.front_width, MAX_FRONT_WIDTH)
-        if self.max_seconds is not None:
-            _seconds_option("max_seconds", self.max_seconds)
-        _force_option(self.force)
-        if self.ratios is not None:
-            _ratios_option(self.ratios)
-        if not isinstance(self.recompute, str) or self.recompute not in RECOMPUTE:
-            raise OptionsError(f"recompute {self.recompute!r} is not auto, never or always", field="recompute")
-        if not isinstance(self.pipeline, str) or self.pipeline not in PIPELINE:
-            raise OptionsError(f"pipeline {self.pipeline!r} is not off or auto", field="pipeline")
-        if self.pipeline == "auto" and self.overlap:
-            raise OptionsError("pipeline auto and overlap cannot be combined: a pipeline runs micro-batches, "
-                               "not interleaved duplicas", field="pipeline")
-        if self.pipeline == "auto" and self.ratios is not None:
-            raise OptionsError("pipeline auto with fixed ratios: each stage's group gets its own ratios",
-                               field="pipeline")
-
-    def key(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["force"] = dict(sorted(self.force.items()))
-        out["ratios"] = list(self.ratios) if self.ratios is not None else None
-        return out
-
-    def core(
-        self, mode: str = "auto", memory_price: Sequence[float] | None = None, recompute: Sequence[str] = ()
-    ) -> dict[str, Any]:
-        """The options as the core reads them, with the blocks to ``recompute``."""
-        out: dict[str, Any] = {
-            "mode": mode,
-            "zero": self.zero,
-            "overlap": self.overlap,
-            "max_states": self.max_states,
-            "front_width": self.front_width,
-            "force": dict(self.force) if mode == "auto" else {},
-        }
-        if self.max_seconds is not None:
-            out["max_seconds"] = float(self.max_seconds)
-        if memory_price is not None:
-            out["memory_price"] = [float(p) for p in memory_price]
-        if recompute:
-            out["recompute"] = sorted(recompute)
-        return out
+def compile(  # noqa: A001 - hapd.compile is the public name
+    graph: Any, profile: Any, options: CompileOptions | None = None, micro_graphs: Sequence[Any] = ()
+) -> Plan:
+    """Compile ``graph`` (GraphIR, .hapg/.pt2 path, bytes or ExportedProgram) for
+    ``profile`` (Profile or path) into a :class:`Plan`. With ``options.pipeline`` auto,
+    ``micro_graphs`` are the same model exported at smaller batches (the global batch
+    over each micro-batch count to price; the global batch itself is always priced)."""
+    options = options or CompileOptions()
+    if micro_graphs and options.pipeline != "auto":
+        raise OptionsError("micro-batch graphs are for pipeline auto", field="micro_graphs")
+    profile = load_profile(profile)
+    data = _graph_bytes(graph)
+    start = time.perf_counter()
+    found = search_spmd(data, profile, options)
+    doc = _plan_document(data, profile, options, found, seconds=time.perf_counter() - start)
+    if options.pipeline == "auto":
+        _add_pipeline(doc, data, micro_graphs, profile, options, program_cost(found.program, found.ratios))
+    return Plan(doc)
 
 
 def _graph_bytes(graph: Any) -> bytes:
-    from hapd.compiler.lower import GraphIR, lower
-
     if isinstance(graph, GraphIR):
         return graph.data
     if isinstance(graph, (bytes, bytearray)):
@@ -203,408 +56,10 @@ def _graph_bytes(graph: Any) -> bytes:
     return lower(graph).data  # an ExportedProgram
 
 
-def synthesize(
-    graph: bytes,
-    profile: Profile,
-    ratios: list[float],
-    options: CompileOptions,
-    mode: str = "auto",
-    memory_price: Sequence[float] | None = None,
-    recompute: Sequence[str] = (),
-) -> dict:
-    """One search of the core under fixed ratios (with memory priced at
-    ``memory_price`` seconds per byte on each device, when given, and the blocks
-    ``recompute`` recomputed); the program as a dict."""
-    from hapd import _core
-
-    raw = _core.synthesize(graph, profile.core_bytes(), list(ratios), options.core(mode, memory_price, recompute))
-    program = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    if is_overlapped(program):
-        return with_duplica_memory(program)
-    program["sync_overlap"] = profile_sync_overlap(profile)
-    return program
-
-
-def profile_sync_overlap(profile: Profile) -> float:
-    """η of a program for ``profile`` (:func:`hapd.compiler.ratios.hidden_sync`): the
-    smallest share of a gradient sum any device hides behind its backward (every rank
-    waits for the same sums), 0 when a device does not give it."""
-    shares = [d.sync_overlap for d in profile.devices]
-    if not shares or any(s is None for s in shares):
-        return 0.0
-    return min(float(s) for s in shares if s is not None)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Searched:
-    """The outcome of the search ⇄ LP rounds."""
-
-    program: dict
-    """The cheapest program found."""
-    ratios: list[float]
-    """The sharding ratios it was optimized for."""
-    cost: float
-    """Its cost under those ratios (the LP's objective, or the cost model's with fixed ratios)."""
-    rounds: int
-    """Search ⇄ LP rounds run."""
-    expanded: int
-    """States expanded over all rounds."""
-    history: list[float]
-    """The LP's objective after each round."""
-    priced: bool = False
-    """Whether the program fits only as searched with memory priced (and ZeRO allowed)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Baselines:
-    """The data-parallel baselines, priced as DDP runs them (:func:`ddp_cost`)."""
-
-    dp_ev: float
-    """DDP's seconds per iteration under an even split."""
-    dp_cp: float
-    """DDP's seconds per iteration under the FLOP/s-proportional split."""
-    dp_program: dict
-    """The data-parallel program searched under the FLOP/s-proportional split (what
-    hapd itself runs when it chooses data parallelism: ops without a batch-split rule
-    run replicated in it)."""
-    flops: list[float]
-    """The FLOP/s-proportional split."""
-
-
-def _search_rounds(
-    data: bytes, profile: Profile, options: CompileOptions, caps: list[float] | None, recompute: Sequence[str] = ()
-) -> _Searched:
-    """The search ⇄ LP rounds (with the blocks ``recompute`` recomputed); with memory
-    ``caps``, searched again with memory priced ever higher (and ZeRO-style parameters
-    allowed) until a program fits (:data:`MEMORY_PRICES`). :class:`SynthesisError`
-    naming the device that falls shortest when none does."""
-    if caps is None:
-        return _rounds(data, profile, options, None, None, recompute)
-    tried: list[dict] = []
-    scale_cost: float | None = None
-    for zero, scale in _price_schedule(options):
-        attempt = replace(options, zero=zero)
-        price = None if scale == 0 else [scale * (scale_cost or 0.0) / cap for cap in caps]
-        try:
-            searched = _rounds(data, profile, attempt, caps, price, recompute)
-            return replace(searched, priced=bool(tried))
-        except _DoesNotFit as exc:
-            tried.append(exc.program)
-            if scale_cost is None:
-                scale_cost = max(program_cost(exc.program, profile.flops_ratios()), 1e-9)
-    raise SynthesisError(_no_fit_message(tried, caps, profile))
-
-
-MEMORY_PRICES = (0.0, 1.0, 4.0, 16.0, 64.0, 256.0)
-"""Memory prices a compile with memory caps tries in turn, each in units of the
-unpriced program's seconds per device capacity: at price 1 filling a device costs as
-much time as the whole program."""
-
-
-def _price_schedule(options: CompileOptions) -> list[tuple[bool, float]]:
-    """(zero, price scale) of each attempt: the options' own ZeRO setting unpriced, then
-    ZeRO-style parameters allowed at every price."""
-    return [(options.zero, MEMORY_PRICES[0])] + [(True, p) for p in MEMORY_PRICES[1:]]
-
-
-class _DoesNotFit(Exception):
-    """The sharding-ratio LP found no ratios under which ``program`` fits."""
-
-    def __init__(self, program: dict):
-        super().__init__("the program does not fit in device memory")
-        self.program = program
-
-
-def _rounds(
-    data: bytes,
-    profile: Profile,
-    options: CompileOptions,
-    caps: list[float] | None,
-    price: list[float] | None,
-    recompute: Sequence[str] = (),
-    weigh: Callable[[dict], dict] | None = None,
-) -> _Searched:
-    """Alternate the search and the ratio LP while the cost strictly improves
-    (one search only when ``options.ratios`` fixes the ratios); with ``weigh``, each
-    program the core returns is priced as the program it stands for (see
-    :func:`search_program`)."""
-    ratios = list(options.ratios) if options.ratios is not None else profile.flops_ratios()
-    rounds, expanded, history = 0, 0, []
-    best: tuple[dict, list[float], float] | None = None
-    while rounds < options.max_rounds:
-        rounds += 1
-        program = synthesize(data, profile, ratios, options, options.mode, price, recompute)
-        if weigh is not None:
-            program = weigh(program)
-        expanded += program["stats"]["expanded"]
-        if options.ratios is not None:
-            if caps is not None and not _fits(program, ratios, caps):
-                raise _DoesNotFit(program)
-            best = (program, ratios, program_cost(program, ratios))
-            break
-        try:
-            lp = solve_ratios(program, caps)
-        except SynthesisError:
-            if best is None and caps is not None:
-                raise _DoesNotFit(program) from None
-            if best is None:
-                raise
-            break  # this round's program does not fit; the last one that did is kept
-        cost = lp.objective
-        history.append(cost)
-        if best is not None and cost >= best[2] * (1 - 1e-9):
-            break
-        best = (program, list(lp.ratios), cost)
-        ratios = list(lp.ratios)
-    assert best is not None
-    program, ratios, cost = best
-    return _Searched(program=program, ratios=ratios, cost=cost, rounds=rounds, expanded=expanded, history=history)
-
-
-def _search_with_recompute(data: bytes, profile: Profile, options: CompileOptions, caps: list[float] | None) -> _Searched:
-    """:func:`_search_rounds` with activation recomputation as ``options.recompute``
-    says: never, of every block, or (``"auto"``) only when memory binds — no program
-    fits without it, or one fits only with memory priced or with ratios the memory caps
-    squeeze — and then the cheapest of the program without it and the programs with
-    the fewest blocks recomputed that fit unpriced (:func:`_fewest_recomputed`)."""
-    from hapd.compiler.lower import GraphIR
-    from hapd.compiler.recompute import graph_blocks
-
-    try:
-        doc = GraphIR(data).doc if options.recompute != "never" else {}
-        blocks = [b.label for b in graph_blocks(doc)] if doc else []
-    except (GraphError, KeyError, TypeError, AttributeError):  # not a graph: the core's search says what is wrong
-        doc, blocks = {}, []
-    if not blocks:
-        return _search_rounds(data, profile, options, caps)
-    if options.recompute == "always":
-        return _search_rounds(data, profile, options, caps, blocks)
-    if caps is None or not doc.get("saved_traced"):  # memory is free, or not modelled
-        return _search_rounds(data, profile, options, caps)
-    failure: SynthesisError | None = None
-    try:
-        plain: _Searched | None = _search_rounds(data, profile, options, caps)
-    except SynthesisError as exc:
-        plain, failure = None, exc
-    if plain is not None and not _memory_binds(plain, options):
-        return plain
-    candidates = _fewest_recomputed(data, profile, options, caps, blocks)
-    if plain is not None:
-        candidates.append(plain)
-    if not candidates:  # recomputing every block still needs memory priced, if it fits at all
-        try:
-            candidates.append(_search_rounds(data, profile, options, caps, blocks))
-        except SynthesisError:
-            assert failure is not None
-            raise SynthesisError(f"{failure} (also with the activations of all {len(blocks)} blocks recomputed)") from None
-    return min(candidates, key=lambda c: program_cost(c.program, c.ratios))
-
-
-def _memory_binds(searched: _Searched, options: CompileOptions) -> bool:
-    """Whether memory constrained ``searched``: it fits only as searched with memory
-    priced, or the ratios without memory caps would be cheaper."""
-    if searched.priced:
-        return True
-    if options.ratios is not None:
-        return False
-    free = solve_ratios(searched.program, None).objective
-    return free < program_cost(searched.program, searched.ratios) * (1 - 1e-6)
-
-
-def _fewest_recomputed(
-    data: bytes, profile: Profile, options: CompileOptions, caps: list[float], blocks: Sequence[str]
-) -> list[_Searched]:
-    """Unpriced programs with the first ``k`` of ``blocks`` (the most memory first)
-    recomputed that fit: a probe of one search ⇄ LP round with all of them, then
-    bisection for the fewest that fit, whose program gets every round. Every program
-    found that fits (none when recomputing every block does not fit unpriced)."""
-    probe = replace(options, max_rounds=1)
-
-    def attempt(k: int, attempt_options: CompileOptions) -> _Searched | None:
-        try:
-            return _rounds(data, profile, attempt_options, caps, None, tuple(blocks[:k]))
-        except _DoesNotFit:
-            return None
-
-    found = attempt(len(blocks), probe)
-    if found is None:
-        return []
-    fitting = [found]
-    lo, hi = 0, len(blocks)  # fewer than lo+1 blocks: not known to fit; hi blocks fit
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        found = attempt(mid, probe)
-        if found is None:
-            lo = mid
-        else:
-            hi = mid
-            fitting.append(found)
-    if options.max_rounds > 1:
-        fitting.extend(f for f in [attempt(hi, options)] if f is not None)
-    return fitting
-
-
-def _fits(program: dict, ratios: Sequence[float], caps: Sequence[float]) -> bool:
-    """Whether ``program``'s peak under ``ratios`` fits every device's memory."""
-    return all(p <= c for p, c in zip(peak_memory(program, ratios), caps))
-
-
-def _no_fit_message(programs: list[dict], caps: list[float], profile: Profile) -> str:
-    """Why nothing fits: of the programs tried, the one that falls shortest under the
-    ratios that minimize its worst shortfall, with the device that lacks the most."""
-    best: tuple[float, int, float, dict] | None = None
-    for program in programs:
-        ratios = least_overshoot(program, caps)
-        peaks = peak_memory(program, ratios)
-        d = max(range(len(caps)), key=lambda k: peaks[k] - caps[k])
-        if best is None or peaks[d] - caps[d] < best[0]:
-            best = (peaks[d] - caps[d], d, peaks[d], program)
-    assert best is not None
-    short, d, peak, _ = best
-    device = profile.devices[d]
-    return (
-        f"the model does not fit in device memory: device {d} ({device.model} on {device.host}) has "
-        f"{format_bytes(caps[d])} and needs {format_bytes(peak)}, {format_bytes(short)} short, in the best of "
-        f"{len(programs)} programs tried (data parallel, tensor/expert parallel and ZeRO-style parameters); "
-        f"use a smaller batch, more devices, or devices with more memory"
-    )
-
-
-def _baselines(data: bytes, profile: Profile, options: CompileOptions) -> _Baselines:
-    """DDP's time per iteration (:func:`ddp_cost`) under the even (DP-EV) and the
-    FLOP/s-proportional (DP-CP) splits, read off the data-parallel program's rows."""
-    even = [1.0 / profile.world] * profile.world
-    flops = profile.flops_ratios()
-    dp_program = synthesize(data, profile, flops, options, "data_parallel")
-    duplicas = DUPLICAS if options.overlap else 1
-    return _Baselines(
-        dp_ev=ddp_cost(dp_program, even, duplicas),
-        dp_cp=ddp_cost(dp_program, flops, duplicas),
-        dp_program=dp_program,
-        flops=flops,
-    )
-
-
-def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int = 1) -> float:
-    """Seconds per iteration of the step as DDP runs it with the batch split by
-    ``ratios``, priced from the rows of a data-parallel ``program`` of ``1/duplicas`` of
-    the batch (an overlapped compile's graph is one duplica's; DDP runs the whole batch:
-    the work of every op that reads it ``duplicas`` times over, the rest once).
-
-    DDP runs the whole model on every rank on its share of the batch: **every op that
-    reads the batch** — opaque ops and ops hapd's rules cannot batch-split included —
-    does fraction ``r[d]`` of its forward and backward FLOPs on device ``d``, and needs
-    no collective; an op that reads only parameters and constants runs whole on every
-    rank. The only communication is the gradient all-reduce of every trainable
-    parameter (bucketed, as the core prices it), overlapping the backward pass as
-    hapd's own sync does (:func:`hapd.compiler.ratios.hidden_sync`). As in the cost
-    model, each op costs its slowest device's time and the iteration is the sum over
-    ops plus the all-reduce not hidden. A step's full work on device ``d`` is ``constant[d] + coef[d]`` of its
-    compute row (a replicated step has only the constant, a sharded one only the
-    coefficient), so the price does not depend on which rules the program chose.
-    """
-    batch = _batch_tensors(program)
-    compute = 0.0
-    sync = [0.0] * len(ratios)
-    for step in program["steps"]:
-        row = step["comp"]
-        split = any(i["tensor"] in batch for i in step["inputs"])
-        full = [c + k for c, k in zip(row["constant"], row["coef"])]
-        compute += max((w * r * duplicas if split else w for w, r in zip(full, ratios)), default=0.0)
-        for source in step["sources"]:
-            if source["grad_sync"]:
-                sync = [s + v for s, v in zip(sync, row_values(source["cost"], ratios))]
-    total_sync = max(sync, default=0.0)
-    return compute + total_sync - sync_overlap(program) * min(total_sync, BACKWARD_SHARE * compute)
-
-
-def _batch_tensors(program: Mapping[str, Any]) -> set[str]:
-    """Tensors that depend on a batch-split user input (in a data-parallel program the
-    inputs with a batch dim are the sources held in a ``Gather`` layout)."""
-    batch: set[str] = set()
-    for step in program["steps"]:
-        for source in step["sources"]:
-            if source["kind"] == "input" and source["layout"].startswith("Gather"):
-                batch.add(source["tensor"])
-        if any(i["tensor"] in batch for i in step["inputs"]):
-            batch.update(o["tensor"] for o in step["outputs"])
-    return batch
-
-
-def _prefer_data_parallel(
-    searched: _Searched, baselines: _Baselines, options: CompileOptions, caps: list[float] | None
-) -> tuple[dict, list[float], str]:
-    """The program to keep, its ratios, and where it came from (``"search"`` or
-    ``"data_parallel"``).
-
-    A search bounded by its front width may miss the data-parallel program, which is
-    always in its space: keep whichever is cheaper, with the LP's ratios or the
-    FLOP/s-proportional ones (compared by the cost model, not the LP's objective,
-    which the solver only meets to its tolerance). Only for a free ``auto`` compile that
-    does not ask for recomputation everywhere (the data-parallel program keeps every
-    activation)."""
-    if options.ratios is not None or options.force or options.mode != "auto" or options.recompute == "always":
-        return searched.program, searched.ratios, "search"
-    program, ratios, chosen_from = searched.program, searched.ratios, "search"
-    best_cost = program_cost(program, ratios)
-    dp_program = baselines.dp_program
-    # the FLOP/s-proportional split where it fits (with memory caps), and the LP's
-    dp_splits = [baselines.flops] if caps is None or _fits(dp_program, baselines.flops, caps) else []
-    try:
-        dp_splits.append(list(solve_ratios(dp_program, caps).ratios))
-    except SynthesisError:
-        pass  # no data-parallel split fits
-    for split in dp_splits:
-        cost = program_cost(dp_program, split)
-        if cost < best_cost:
-            program, ratios, best_cost, chosen_from = dp_program, split, cost, "data_parallel"
-    return program, ratios, chosen_from
-
-
-def search_program(
-    data: bytes, profile: Profile, options: CompileOptions, weigh: Callable[[dict], dict] | None = None
-) -> tuple[dict, list[float]]:
-    """The cheapest program for ``profile`` and the ratios it was optimized for, from the
-    search ⇄ LP rounds and the data-parallel candidate, without memory caps or wider
-    fronts: how a pipeline stage's group is priced (:mod:`hapd.compiler.pipeline`).
-    ``weigh`` maps each program the core returns for ``data`` to the program the LP and
-    the comparison with data parallelism price, and which is returned: for a graph
-    with its repeated blocks dropped, its steps weighed as the whole graph's
-    (:mod:`hapd.compiler.repeats`)."""
-    searched = _rounds(data, profile, options, None, None, weigh=weigh)
-    baselines = _baselines(data, profile, options)
-    if weigh is not None:
-        baselines = replace(baselines, dp_program=weigh(baselines.dp_program))
-    program, ratios, _ = _prefer_data_parallel(searched, baselines, options, None)
-    return program, ratios
-
-
-def _dp_fits(dp_program: dict, profile: Profile) -> bool:
-    """Whether some split of the batch fits data parallelism in every device's memory."""
-    try:
-        solve_ratios(dp_program, [float(d.memory) for d in profile.devices])
-    except SynthesisError:
-        return False
-    return True
-
-
-def _plan_document(
-    data: bytes,
-    profile: Profile,
-    options: CompileOptions,
-    searched: _Searched,
-    baselines: _Baselines,
-    chosen: tuple[dict, list[float], str],
-    *,
-    seconds: float,
-    synthesis_seconds: float,
-) -> dict:
+def _plan_document(data: bytes, profile: Profile, options: CompileOptions, found: SpmdSearch, *, seconds: float) -> dict:
     """The plan document: its cache key, the chosen program with its ratios and split
     lengths, the estimate, the baselines and the compile's statistics."""
-    from hapd import _core
-    from hapd.compiler.lower import GraphIR
-
-    program, ratios, chosen_from = chosen
+    program, ratios, baselines, searched = found.program, found.ratios, found.baselines, found.searched
     summary = _core.load_graph(data)
     return {
         "format": PLAN_FORMAT,
@@ -626,138 +81,29 @@ def _plan_document(
             "dp_ev": baselines.dp_ev,
             "dp_cp": baselines.dp_cp,
             "dp_memory": peak_memory(baselines.dp_program, baselines.flops),
-            "dp_fits": _dp_fits(baselines.dp_program, profile),
+            "dp_fits": dp_fits(baselines.dp_program, profile),
         },
         "opaque_ops": [op for op, _ in summary["opaque_ops"]],
         "stats": {
             "seconds": seconds,
-            "synthesis_seconds": synthesis_seconds,
+            "synthesis_seconds": found.synthesis_seconds,
             "search_seconds": program["stats"]["seconds"],
             "expanded": searched.expanded,
             "lp_rounds": searched.rounds,
             "lp_costs": searched.history,
             "stop_reason": program["stats"]["stop_reason"],
-            "chosen_from": chosen_from,
+            "chosen_from": found.chosen_from,
+            "front_width": found.front_width,
         },
     }
 
 
-def compile(  # noqa: A001 - hapd.compile is the public name
-    graph: Any, profile: Any, options: CompileOptions | None = None, micro_graphs: Sequence[Any] = ()
-) -> Plan:
-    """Compile ``graph`` (GraphIR, .hapg/.pt2 path, bytes or ExportedProgram) for
-    ``profile`` (Profile or path) into a :class:`Plan`. With ``options.pipeline`` auto,
-    ``micro_graphs`` are the same model exported at smaller batches (the global batch
-    over each micro-batch count to price; the global batch itself is always priced)."""
-    options = options or CompileOptions()
-    if micro_graphs and options.pipeline != "auto":
-        raise OptionsError("micro-batch graphs are for pipeline auto", field="micro_graphs")
-    profile = load_profile(profile)
-    data = _graph_bytes(graph)
-    start = time.perf_counter()
-    caps = [float(d.memory) for d in profile.devices] if options.memory_caps else None
-    searching, best = options, None
-    while True:
-        searched = _search_with_recompute(data, profile, searching, caps)
-        searched = _with_expert_parallel_candidate(data, profile, searching, caps, searched)
-        synthesis_seconds = time.perf_counter() - start
-        baselines = _baselines(data, profile, searching)
-        chosen = _prefer_data_parallel(searched, baselines, searching, caps)
-        cost = program_cost(chosen[0], chosen[1])
-        if best is None or cost < best[0]:
-            best = (cost, searched, baselines, chosen, synthesis_seconds, searching.front_width)
-        # a plan dearer than a data parallelism that does not fit lost nothing to the front
-        dp_out = caps is not None and chosen[2] != "data_parallel" and not _dp_fits(baselines.dp_program, profile)
-        searching = None if dp_out else _wider_front(searching, chosen, baselines, time.perf_counter() - start)
-        if searching is None:
-            break
-    _, searched, baselines, chosen, synthesis_seconds, front_width = best
-    seconds = time.perf_counter() - start
-    doc = _plan_document(
-        data, profile, options, searched, baselines, chosen, seconds=seconds, synthesis_seconds=synthesis_seconds
-    )
-    doc["stats"]["front_width"] = front_width
-    if options.pipeline == "auto":
-        _add_pipeline(doc, data, micro_graphs, profile, options, program_cost(chosen[0], chosen[1]))
-    return Plan(doc)
-
-
 def _add_pipeline(doc: dict, data: bytes, micro_graphs: Sequence[Any], profile: Profile, options: CompileOptions,
                   spmd_only: float) -> None:
-    """The pipeline search (:mod:`hapd.compiler.pipeline`) against the SPMD plan's
+    """The pipeline search (:mod:`hapd.compiler.pipeline_search`) against the SPMD plan's
     ``spmd_only`` seconds: the best pipeline as the plan's ``pipeline`` (``chosen`` when
     it is cheaper) and the search's statistics."""
-    from hapd.compiler import pipeline
-    from hapd.compiler.lower import GraphIR
-
-    graphs = pipeline.micro_batch_graphs(GraphIR(data), [GraphIR(_graph_bytes(g)) for g in micro_graphs])
-    found = pipeline.search(graphs, profile, options, spmd_only)
+    graphs = pipeline_search.micro_batch_graphs(GraphIR(data), [GraphIR(_graph_bytes(g)) for g in micro_graphs])
+    found = pipeline_search.search(graphs, profile, options, spmd_only)
     doc["pipeline"] = found.best.to_doc() if found.best is not None else None
     doc["stats"]["pipeline"] = found.stats()
-
-
-def _with_expert_parallel_candidate(
-    data: bytes, profile: Profile, options: CompileOptions, caps: list[float] | None, searched: _Searched
-) -> _Searched:
-    """``searched``, or the search with every expert-weight op forced expert-parallel
-    when that is cheaper.
-
-    Expert parallelism pays off only over a whole mixture-of-experts block (the tokens
-    all-to-all'd to their experts and back, the experts' gradients never all-reduced),
-    while its first all-to-all costs at once, so a search whose front keeps the states
-    cheapest so far drops it before its saving shows (the zoo's Mixtral at batch 32 on
-    paper-8: data parallelism at 24 states per position, expert parallelism at 384).
-    Searched as a candidate of its own, it is compared whole. Only for a free ``auto``
-    compile of a graph with expert weights."""
-    from hapd import _core
-
-    if options.mode != "auto" or options.force or options.ratios is not None:
-        return searched
-    nodes = _core.load_graph(data)["expert_parallel"]
-    if not nodes:
-        return searched
-    forced = replace(options, force={name: _core.rule_names()["EXPERT_PARALLEL"] for name in nodes})
-    try:
-        candidate = _search_rounds(data, profile, forced, caps, searched.program.get("recompute", ()))
-    except SynthesisError:  # it does not fit, say: the free search's program stands
-        return searched
-    if program_cost(candidate.program, candidate.ratios) < program_cost(searched.program, searched.ratios):
-        return replace(candidate, rounds=searched.rounds + candidate.rounds, expanded=searched.expanded + candidate.expanded)
-    return searched
-
-
-WIDEN_FACTOR = 4
-"""How much wider each repeated search's front is."""
-WIDEN_BUDGET_S = 10.0
-"""A compile searches with wider fronts only within this many seconds (the wider search
-gets what is left as its time limit)."""
-
-
-def _wider_front(
-    options: CompileOptions, chosen: tuple[dict, list[float], str], baselines: _Baselines, elapsed: float
-) -> CompileOptions | None:
-    """Options for a search with a wider front when the search's pruning evidently lost
-    the better programs, else ``None``.
-
-    Every program DDP runs is in the search's space, so a plan that costs more than
-    DP-CP was cut short by the front width: a state that holds a tensor in a layout
-    that is cheap now and costly later crowded out the one that is not (T5's position
-    buckets, split and all-gathered later). Only a free ``auto`` compile widens, and
-    only within :data:`WIDEN_BUDGET_S`.
-
-    A plan that merely ties with data parallelism does not widen: that is the common
-    case (data parallelism is optimal for most models on most clusters) and widening
-    there would multiply every compile's time; a user who expects more sets
-    ``front_width`` (the zoo's Mixtral at batch 32 on paper-8 finds expert parallelism
-    at 384)."""
-    program, ratios, _ = chosen
-    left = WIDEN_BUDGET_S - elapsed
-    if options.mode != "auto" or options.force or options.ratios is not None or left <= 0:
-        return None
-    if program.get("recompute"):  # it pays for recomputation, which DP-CP's price leaves out
-        return None
-    lost = program_cost(program, ratios) > baselines.dp_cp * (1 + 1e-9)
-    if not lost or options.front_width * WIDEN_FACTOR > MAX_FRONT_WIDTH:
-        return None
-    limit = left if options.max_seconds is None else min(left, options.max_seconds)
-    return replace(options, front_width=options.front_width * WIDEN_FACTOR, max_seconds=limit)

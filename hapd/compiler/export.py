@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 
 from hapd.errors import ExportError
 from hapd.compiler.fake import model_faked
@@ -77,8 +78,6 @@ def on_meta(model: torch.nn.Module) -> bool:
 
 def user_input_names(program: ExportedProgram) -> list[str]:
     """Placeholder names of the user inputs, in call order."""
-    from torch.export.graph_signature import InputKind
-
     return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
 
 

@@ -31,8 +31,8 @@ from typing import Any, Mapping, Sequence
 
 import pulp
 
+from hapd.compiler.lp import LPResult, cap_memory, lp_failure, row_values, solver, variable
 from hapd.errors import SynthesisError
-from hapd.compiler.ratios import LPResult, _lp_failure, _solver, _variable, memory_rows, row_values
 
 DUPLICAS = 2
 """Duplicas an overlapped program runs (the core's ``overlap::DUPLICAS``)."""
@@ -224,7 +224,7 @@ class _Maxima:
         var = self.vars.get(key)
         if var is None:
             i = len(self.vars)
-            var = self.vars[key] = _variable(self.lp, f"m_{i}")
+            var = self.vars[key] = variable(self.lp, f"m_{i}")
             for d, (c, k) in enumerate(zip(const, coef)):
                 self.lp += var >= c / scale + (k / scale) * self.r[d], f"m_{i}_{d}"
         return scale * var
@@ -235,7 +235,7 @@ def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | 
     under per-device memory caps when given."""
     n = int(program["devices"])
     lp = pulp.LpProblem("hapd_overlap_ratios", pulp.LpMinimize)
-    r = [_variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
+    r = [variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
     maxima = _Maxima(lp, r)
     terms: list[Any] = []
     count = 0
@@ -245,7 +245,7 @@ def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | 
         numbers = [b for b in lower if isinstance(b, (int, float))]
         if len(numbers) == len(lower):
             return max(numbers)
-        var = _variable(lp, f"x_{count}")
+        var = variable(lp, f"x_{count}")
         for i, bound in enumerate(lower):
             lp.addConstraint(var >= bound, f"x_{count}_{i}")
         count += 1
@@ -275,13 +275,11 @@ def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | 
     lp += pulp.lpSum(terms)
     lp += pulp.lpSum(r) == 1, "ratios_sum_to_one"
     if memory_caps is not None:
-        for k, mem in enumerate(memory_rows(dict(program))):
-            for d in range(n):
-                lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d], f"memory_{k}_{d}"
-    status = lp.solve(_solver())
+        cap_memory(lp, program, r, memory_caps)
+    status = lp.solve(solver())
     name = pulp.LpStatus.get(status, str(status))
     if name != "Optimal":
-        raise SynthesisError(_lp_failure(name, dict(program), memory_caps))
+        raise SynthesisError(lp_failure(name, dict(program), memory_caps))
     ratios = [max(0.0, float(v.value() or 0.0)) for v in r]
     total = sum(ratios)
     ratios = tuple(v / total for v in ratios)

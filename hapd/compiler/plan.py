@@ -12,12 +12,12 @@ import msgpack
 
 from hapd.errors import PlanError
 from hapd.compiler import overlap
+from hapd.compiler.lp import row_values
 from hapd.compiler.ratios import (
     hidden_sync,
     peak_memory,
     per_device,
     program_cost,
-    row_values,
     sharding_lengths,
     sync_overlap,
     sync_seconds,

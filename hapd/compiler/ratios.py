@@ -28,12 +28,12 @@ keeps its epigraph form: ``T ≥ serial − η·S`` and ``T ≥ serial − η·B
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import pulp
 
+from hapd.compiler.lp import LPResult, cap_memory, lp_failure, memory_rows, row_values, solver, variable
+from hapd.compiler.overlap import is_overlapped, overlap_cost, solve_overlapped
 from hapd.errors import SynthesisError
 from hapd.util import format_bytes
 
@@ -42,22 +42,6 @@ CAP_MARGIN = 1 - 1e-6
 """The share of a device's memory the LP fills where it can: the solver meets its
 constraints to a tolerance, and the ratios are normalized after, so a plan that fills
 the whole capacity could exceed it by a few kilobytes."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class LPResult:
-    """The optimal ratios of one program."""
-
-    ratios: tuple[float, ...]
-    """Sharding ratio of each device (sums to 1)."""
-    objective: float
-    """Estimated seconds per iteration under those ratios."""
-    variables: int
-    """LP size: ratio + auxiliary variables."""
-
-
-def row_values(row: dict[str, Sequence[float]], ratios: Sequence[float]) -> list[float]:
-    return [c + k * r for c, k, r in zip(row["constant"], row["coef"], ratios)]
 
 
 BACKWARD_SHARE = 2.0 / 3.0
@@ -70,9 +54,7 @@ def program_cost(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
     gradient sync hidden behind the backward pass (:func:`hidden_sync`); for a program
     searched with overlap, the two-duplica schedule's cost
     (:func:`hapd.compiler.overlap.overlap_cost`)."""
-    if program.get("duplicas", 1) > 1:
-        from hapd.compiler.overlap import overlap_cost
-
+    if is_overlapped(program):
         return overlap_cost(program, ratios)
     return serial_cost(program, ratios) - hidden_sync(program, ratios)
 
@@ -127,12 +109,6 @@ def per_device(program: dict[str, Any], ratios: Sequence[float], which: str) -> 
         for d, v in enumerate(row_values(step[which], ratios)):
             totals[d] += v
     return totals
-
-
-def memory_rows(program: dict[str, Any]) -> list[dict[str, Sequence[float]]]:
-    """The program's memory rows: bytes held while the backward pass runs, and during the
-    optimizer step (a program from before the second row existed has only the first)."""
-    return [program[key] for key in ("memory", "memory_update") if key in program]
 
 
 def linear_peak_memory(program: dict[str, Any], ratios: Sequence[float]) -> list[float]:
@@ -230,26 +206,6 @@ def _constant_sync(program: Mapping[str, Any]) -> float | None:
     return sync_seconds(program, [0.0] * int(program["devices"]))
 
 
-def _variable(lp: pulp.LpProblem, name: str, lowBound: float | None = None) -> pulp.LpVariable:
-    """A continuous LP variable; ``LpProblem.add_variable`` where PuLP has it (PuLP ≥ 3.3
-    deprecates constructing ``LpVariable`` directly)."""
-    if hasattr(lp, "add_variable"):
-        return lp.add_variable(name, lowBound=lowBound)
-    return pulp.LpVariable(name, lowBound=lowBound)
-
-
-def _solver() -> Any:
-    """CBC: the system one (``COIN_CMD``) where installed, else the one bundled with PuLP
-    (``PULP_CBC_CMD``, which PuLP ≥ 3.3 deprecates; its warning is PuLP's, not the
-    caller's, so it is silenced here)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        coin = pulp.COIN_CMD(msg=False)
-        if coin.available():
-            return coin
-        return pulp.PULP_CBC_CMD(msg=False)
-
-
 LENGTH_ROUNDS = 8
 """Most times the LP with memory caps solves again because rounding the ratios to
 integer lengths put a device over its capacity."""
@@ -289,21 +245,19 @@ def _solve_fitting(program: dict[str, Any], lp_caps: Sequence[float], memory_cap
 
 
 def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPResult:
-    if program.get("duplicas", 1) > 1:  # its own LP: hapd.compiler.overlap
-        from hapd.compiler.overlap import solve_overlapped
-
+    if is_overlapped(program):  # its own LP: hapd.compiler.overlap
         return solve_overlapped(program, memory_caps)
     n = int(program["devices"])
     if n == 1:  # the one device holds everything: no LP to solve (nor a CBC process to start)
         return _one_device(program, memory_caps)
     groups, fixed = _row_groups(program)
     lp = pulp.LpProblem("hapd_sharding_ratios", pulp.LpMinimize)
-    r = [_variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
-    t = {key: _variable(lp, f"t_{i}") for i, key in enumerate(groups)}
+    r = [variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
+    t = {key: variable(lp, f"t_{i}") for i, key in enumerate(groups)}
     serial = pulp.lpSum(scale * t[key] for key, (_, _, scale) in groups.items()) + sum(fixed.values())
     eta, sync = sync_overlap(program), _constant_sync(program)
     if eta > 0 and sync:  # T ≥ serial − η·min(S, B), as two linear rows
-        total = _variable(lp, "total")
+        total = variable(lp, "total")
         compute = pulp.lpSum(scale * t[key] for key, (_, _, scale) in groups.items() if key[0] == "comp")
         lp += total
         lp += total >= serial - eta * sync, "sync_hidden_whole"
@@ -315,13 +269,11 @@ def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPRe
         for d in range(n):
             lp += t[key] >= const[d] + coef[d] * r[d], f"max_{i}_{d}"
     if memory_caps is not None:
-        for k, mem in enumerate(memory_rows(program)):
-            for d in range(n):
-                lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d], f"memory_{k}_{d}"
-    status = lp.solve(_solver())
+        cap_memory(lp, program, r, memory_caps)
+    status = lp.solve(solver())
     name = pulp.LpStatus.get(status, str(status))
     if name != "Optimal":
-        raise SynthesisError(_lp_failure(name, program, memory_caps))
+        raise SynthesisError(lp_failure(name, program, memory_caps))
     ratios = tuple(max(0.0, float(v.value() or 0.0)) for v in r)
     total = sum(ratios)
     ratios = tuple(v / total for v in ratios)
@@ -336,7 +288,7 @@ def _one_device(program: dict[str, Any], memory_caps: Sequence[float] | None) ->
     if memory_caps is not None:
         for mem in memory_rows(program):
             if mem["constant"][0] + mem["coef"][0] > memory_caps[0]:
-                raise SynthesisError(_lp_failure("Infeasible", program, memory_caps))
+                raise SynthesisError(lp_failure("Infeasible", program, memory_caps))
     return LPResult(ratios=(1.0,), objective=program_cost(program, (1.0,)), variables=1)
 
 
@@ -346,34 +298,19 @@ def least_overshoot(program: dict[str, Any], memory_caps: Sequence[float]) -> tu
     nowhere comes closest, for the error that says by how much."""
     n = int(program["devices"])
     lp = pulp.LpProblem("hapd_least_overshoot", pulp.LpMinimize)
-    r = [_variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
-    worst = _variable(lp, "worst")
+    r = [variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
+    worst = variable(lp, "worst")
     lp += worst
     lp += pulp.lpSum(r) == 1, "ratios_sum_to_one"
     for k, mem in enumerate(memory_rows(program)):
         for d in range(n):
             lp += mem["constant"][d] + mem["coef"][d] * r[d] - memory_caps[d] <= worst, f"short_{k}_{d}"
-    status = lp.solve(_solver())
+    status = lp.solve(solver())
     if pulp.LpStatus.get(status) != "Optimal":
         return tuple(1.0 / n for _ in range(n))
     ratios = [max(0.0, float(v.value() or 0.0)) for v in r]
     total = sum(ratios) or 1.0
     return tuple(v / total for v in ratios)
-
-
-def _lp_failure(status: str, program: dict[str, Any], memory_caps: Sequence[float] | None) -> str:
-    if status == "Infeasible" and memory_caps is not None:
-        mem = max(memory_rows(program), key=lambda row: sum(row["constant"]) + sum(row["coef"]))
-        need = sum(mem["coef"])
-        spare = [cap - c for cap, c in zip(memory_caps, mem["constant"])]
-        worst = min(range(len(spare)), key=lambda d: spare[d])
-        return (
-            f"the sharding-ratio LP is infeasible: the program does not fit in device memory "
-            f"(replicated state needs {format_bytes(mem['constant'][worst])} on device {worst}, "
-            f"which has {format_bytes(memory_caps[worst])}; sharded state totals {format_bytes(need)} "
-            f"over {len(spare)} devices with {format_bytes(sum(max(0.0, s) for s in spare))} to spare)"
-        )
-    return f"the sharding-ratio LP ended with status {status!r}"
 
 
 def sharding_lengths(ratios: Sequence[float], units: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Repeated blocks: price a deep model's pipeline stages on a graph that keeps a few
 periods of each run of identical blocks.
 
-The pipeline search (:mod:`hapd.compiler.pipeline`) prices every group of hosts by
+The pipeline search (:mod:`hapd.compiler.pipeline_search`) prices every group of hosts by
 searching the micro-batch graph and summing the program's steps per **unit** (a block
 with the ops between it and its neighbours). A transformer's units are mostly the same
 unit over and over: the same ops on the same shapes, wired the same way to the units
@@ -169,7 +169,7 @@ class Reduction:
 def reduce_graph(doc: Mapping[str, Any], unit_of: Mapping[str, int], units: int) -> Reduction | None:
     """The reduced graph of the lowered graph ``doc`` whose op nodes are in the units
     ``unit_of`` (op node name → unit, ``units`` of them, in program order: what
-    :func:`hapd.compiler.pipeline.graph_units` finds), or ``None`` when it has no run
+    :func:`hapd.compiler.pipeline_cost.graph_units` finds), or ``None`` when it has no run
     of more than :data:`KEPT` periods."""
     if doc.get("mutations"):
         return None  # the pipeline search does not cut such programs

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
+from hapd.compiler.driver import compile as compile_plan
+from hapd.compiler.options import CompileOptions
+from hapd.compiler.plan import Plan
 from hapd.errors import PlanError
-
-if TYPE_CHECKING:
-    from hapd.compiler.driver import CompileOptions
-    from hapd.compiler.plan import Plan
-    from hapd.profile.schema import Profile
+from hapd.profile.schema import Profile
 
 
-def forced_rules(plan: "Plan") -> dict[str, str]:
+def forced_rules(plan: Plan) -> dict[str, str]:
     """``{fx node name: rule}`` for every step of the plan's program."""
     try:
         return {str(step["node"]): str(step["rule"]) for step in plan.program["steps"]}
@@ -38,13 +36,10 @@ def forced_rules(plan: "Plan") -> dict[str, str]:
         raise PlanError(f"the cached plan has no readable program steps ({exc})") from exc
 
 
-def relp_plan(graph: bytes, old: "Plan", profile: "Profile", options: "CompileOptions") -> "Plan":
+def relp_plan(graph: bytes, old: Plan, profile: Profile, options: CompileOptions) -> Plan:
     """``old``'s program re-costed for ``profile`` with the LP re-solved (see the module
     docstring). Raises a :class:`~hapd.errors.HapdError` when the program does not fit
     the new profile (the caller then compiles from scratch)."""
-    from hapd.compiler.driver import compile as compile_plan
-    from hapd.compiler.plan import Plan
-
     start = time.perf_counter()
     forced = {**forced_rules(old), **dict(options.force)}
     plan = compile_plan(graph, profile, dataclasses.replace(options, force=forced))

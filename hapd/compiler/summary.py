@@ -5,15 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hapd.compiler.lower import GraphIR
+from hapd import _core
+from hapd.compiler.lower import GraphIR, lower
 
 
 def inspect_graph(source: GraphIR | bytes | str | Path) -> dict[str, Any]:
     """Validate a graph with the core and return its summary (ops by count,
     parameters, buffers, inputs, opaque ops, forward FLOPs of all ops and of the
     opaque ones as the cost model prices them, graph id)."""
-    from hapd import _core
-
     ir = _as_ir(source)
     summary = _core.load_graph(ir.data)
     summary["graph_id"] = ir.graph_id
@@ -27,8 +26,6 @@ def _as_ir(source: GraphIR | bytes | str | Path) -> GraphIR:
         return GraphIR(source)
     path = Path(source)
     if path.suffix == ".pt2":
-        from hapd.compiler.lower import lower
-
         return lower(path)
     return GraphIR.load(path)
 

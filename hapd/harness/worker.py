@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hapd import models
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import Profile
 from hapd.compiler.plan import Plan
 from hapd.errors import HapdError, OptionsError, PlanError

@@ -94,7 +94,7 @@ class Device:
     op_seconds: float | None = None
     """Seconds a training op costs beyond its FLOPs, a third of its forward and backward
     (default: none): a pipeline stage runs every op node by node once per micro-batch
-    (:mod:`hapd.compiler.pipeline` charges it once forward and twice backward)."""
+    (:mod:`hapd.compiler.pipeline_cost` charges it once forward and twice backward)."""
     sync_overlap: float | None = None
     """Share (0 to 1) of a gradient all-reduce's time that hides behind the backward
     pass's compute on this device (default: none, not measured). The runtime launches

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hapd.compiler.driver import CompileOptions
+from hapd.compiler.options import CompileOptions
 from hapd.compiler.lower import GraphIR
 from hapd.compiler.plan import Plan
 from hapd.errors import HapdError, OptionsError, PlanError, UnsupportedOpError, WeightsError
@@ -238,18 +238,8 @@ def job_profile(profile: Profile | str | Path | Mapping | None, world: int) -> P
 
 
 def compile_options(options: CompileOptions | Mapping[str, Any] | None) -> CompileOptions:
-    """``options`` as :class:`CompileOptions` (a map gives its fields)."""
-    if options is None:
-        return CompileOptions()
-    if isinstance(options, CompileOptions):
-        return options
-    try:
-        fields = dict(options)
-        if fields.get("ratios") is not None:
-            fields["ratios"] = tuple(fields["ratios"])
-        return CompileOptions(**fields)
-    except TypeError as exc:
-        raise OptionsError(f"bad compile options: {exc}", field="options") from exc
+    """``options`` as :class:`CompileOptions` (a map gives its fields: :meth:`CompileOptions.from_mapping`)."""
+    return CompileOptions.from_mapping(options)
 
 
 # --------------------------------------------------------------------------------------

@@ -529,14 +529,15 @@ def compile_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dim
                      profile: Any, options: Any = None, *, name: str | None = None) -> Any:
     """The plan for ``model`` on the global batch ``inputs`` with pipelines in the space
     (``options.pipeline = "auto"``): the model exported at the global batch and at each
-    micro-batch size the search prices (:func:`hapd.compiler.pipeline.micro_batch_counts`).
+    micro-batch size the search prices (:func:`hapd.compiler.pipeline_search.micro_batch_counts`).
     Runs on one process (rank 0 of a job; the caller sends the bytes to the others)."""
     import dataclasses
 
-    from hapd.compiler import pipeline as search
-    from hapd.compiler.driver import CompileOptions, compile as compile_plan
+    from hapd.compiler import pipeline_search as search
+    from hapd.compiler.driver import compile as compile_plan
     from hapd.compiler.export import export
     from hapd.compiler.lower import lower
+    from hapd.compiler.options import CompileOptions
 
     options = dataclasses.replace(options or CompileOptions(), pipeline="auto")
     name = name or type(model).__name__
@@ -558,10 +559,11 @@ def build_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dims:
     and sends them to the other ranks. Collective."""
     import dataclasses
 
-    from hapd.compiler.driver import CompileOptions, compile as compile_plan
+    from hapd.compiler.driver import compile as compile_plan
     from hapd.compiler.export import export
     from hapd.compiler.lower import lower
-    from hapd.compiler.pipeline import PipelinePlan
+    from hapd.compiler.options import CompileOptions
+    from hapd.compiler.pipeline_search import PipelinePlan
     from hapd.compiler.stages import split_program
 
     doc = plan.pipeline

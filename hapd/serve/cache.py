@@ -50,7 +50,7 @@ from hapd.errors import HapdError, OptionsError, PlanError
 from hapd.util import atomic_write, format_bytes
 
 if TYPE_CHECKING:
-    from hapd.compiler.driver import CompileOptions
+    from hapd.compiler.options import CompileOptions
     from hapd.compiler.plan import Plan
     from hapd.profile.schema import Profile
 

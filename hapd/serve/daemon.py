@@ -40,11 +40,12 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import zmq
 
 from hapd import __version__
+from hapd.compiler.options import CompileOptions
 from hapd.serve.cache import DEFAULT_MAX_CACHE_BYTES, PlanCache
 from hapd.errors import GraphFormatError, HapdError, OptionsError, ProtocolError
 from hapd.serve.jobs import JobManager
@@ -55,9 +56,6 @@ from hapd.serve.drops import SUBFOLDERS, DropProcessor
 from hapd.serve.guard import MAX_LOGGED_CHARS, MAX_REPLY_ERROR_CHARS, ConnectionGate, RateLimitedLog, shorten, source_fd
 from hapd.serve.watch import DEFAULT_RESCAN_S, DEFAULT_SETTLE_S, Drop
 from hapd.util import atomic_write
-
-if TYPE_CHECKING:
-    from hapd.compiler.driver import CompileOptions
 
 log = logging.getLogger("hapd.daemon")
 
@@ -192,29 +190,6 @@ def is_loopback(address: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
-def compile_options(fields: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None = None) -> "CompileOptions":
-    """CompileOptions from wire/config fields; :class:`OptionsError` names a bad one."""
-    from dataclasses import fields as dc_fields
-
-    from hapd.compiler.driver import CompileOptions
-
-    merged = {**dict(defaults or {}), **dict(fields or {})}
-    known = {f.name for f in dc_fields(CompileOptions)}
-    unknown = sorted(set(merged) - known)
-    if unknown:
-        raise OptionsError(f"unknown compile option {unknown[0]!r} (known: {', '.join(sorted(known))})", field=f"options.{unknown[0]}")
-    if merged.get("ratios") is not None:
-        merged["ratios"] = tuple(merged["ratios"]) if isinstance(merged["ratios"], (list, tuple)) else merged["ratios"]
-    if "force" in merged and not (isinstance(merged["force"], Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in merged["force"].items())):
-        raise OptionsError("option force must map node names to rule names", field="options.force")
-    try:
-        return CompileOptions(**merged)
-    except OptionsError as exc:  # name the option as the request does
-        raise OptionsError(f"compile option {exc}", field=f"options.{exc.field}") from None
-    except (TypeError, ValueError) as exc:
-        raise OptionsError(f"bad compile options: {exc}", field="options") from exc
-
-
 @dataclass
 class _Request:
     """A compile request waiting for the worker."""
@@ -224,7 +199,7 @@ class _Request:
     graph: bytes
     kind: str
     profile: Profile
-    options: "CompileOptions"
+    options: CompileOptions
     received: float
 
 
@@ -324,7 +299,7 @@ class Daemon:
         for stale in (cfg.home / "tmp").glob("*.pt2"):  # private copies a killed daemon left
             stale.unlink(missing_ok=True)
         self.profile = load_profile(cfg.profile)
-        self.options = compile_options(cfg.options)
+        self.options = CompileOptions.from_mapping(cfg.options)
         key = load_or_create_key(cfg.key_file)
         self.session = Session(key, limits=Limits(max_body_bytes=cfg.max_body_bytes))
         self.cache = PlanCache(cfg.cache, cfg.max_cache_bytes, clean_tmp=True)
@@ -512,7 +487,7 @@ class Daemon:
         if not graph:
             raise GraphFormatError("the graph is empty (0 bytes)")
         profile = self.profile if body.get("profile") is None else load_profile(body["profile"])
-        options = compile_options(body.get("options"), self.config.options)
+        options = CompileOptions.from_mapping({**(self.config.options or {}), **(body.get("options") or {})})
         lowered = graph if kind == "hapg" else self.cache.get_lowered(self._lowered_key(graph))
         served = self.cache.lookup(lowered, profile, options) if lowered is not None else None
         if served is not None:

@@ -41,7 +41,7 @@ from hapd.serve.watch import INCOMING, Drop, DropWatcher, move_out
 from hapd.util import atomic_write
 
 if TYPE_CHECKING:
-    from hapd.compiler.driver import CompileOptions
+    from hapd.compiler.options import CompileOptions
 
 log = logging.getLogger("hapd.drops")
 

@@ -1,0 +1,86 @@
+"""What the sharding-ratio LPs share: the core's cost and memory rows read under some
+ratios, PuLP's variables and solver, the memory-cap constraints, the result of a solve
+and the error that says why one failed. The LP of a plain program is
+:mod:`hapd.compiler.ratios`'s, the LP of two interleaved duplicas
+:mod:`hapd.compiler.overlap`'s."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import pulp
+
+from hapd.util import format_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class LPResult:
+    """The optimal ratios of one program."""
+
+    ratios: tuple[float, ...]
+    """Sharding ratio of each device (sums to 1)."""
+    objective: float
+    """Estimated seconds per iteration under those ratios."""
+    variables: int
+    """LP size: ratio + auxiliary variables."""
+
+
+def row_values(row: Mapping[str, Sequence[float]], ratios: Sequence[float]) -> list[float]:
+    """Per device ``d``, a cost or memory row of the core, ``constant[d] + coef[d]·r[d]``."""
+    return [c + k * r for c, k, r in zip(row["constant"], row["coef"], ratios)]
+
+
+def memory_rows(program: Mapping[str, Any]) -> list[Mapping[str, Sequence[float]]]:
+    """The program's memory rows: bytes held while the backward pass runs, and during the
+    optimizer step (a program from before the second row existed has only the first)."""
+    return [program[key] for key in ("memory", "memory_update") if key in program]
+
+
+def variable(lp: pulp.LpProblem, name: str, lowBound: float | None = None) -> pulp.LpVariable:
+    """A continuous LP variable; ``LpProblem.add_variable`` where PuLP has it (PuLP ≥ 3.3
+    deprecates constructing ``LpVariable`` directly)."""
+    if hasattr(lp, "add_variable"):
+        return lp.add_variable(name, lowBound=lowBound)
+    return pulp.LpVariable(name, lowBound=lowBound)
+
+
+def solver() -> Any:
+    """CBC: the system one (``COIN_CMD``) where installed, else the one bundled with PuLP
+    (``PULP_CBC_CMD``, which PuLP ≥ 3.3 deprecates; its warning is PuLP's, not the
+    caller's, so it is silenced here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        coin = pulp.COIN_CMD(msg=False)
+        if coin.available():
+            return coin
+        return pulp.PULP_CBC_CMD(msg=False)
+
+
+def cap_memory(
+    lp: pulp.LpProblem, program: Mapping[str, Any], r: Sequence[pulp.LpVariable], memory_caps: Sequence[float]
+) -> None:
+    """Add to ``lp`` that every memory row of ``program`` (:func:`memory_rows`) stays under
+    each device's cap at the ratios ``r``."""
+    for k, mem in enumerate(memory_rows(program)):
+        for d in range(len(r)):
+            lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d], f"memory_{k}_{d}"
+
+
+def lp_failure(status: str, program: Mapping[str, Any], memory_caps: Sequence[float] | None) -> str:
+    """Why the LP of ``program`` ended with ``status`` instead of an optimum: for an
+    infeasible LP with memory caps, the device with the least to spare and what the
+    replicated and the sharded state need."""
+    if status == "Infeasible" and memory_caps is not None:
+        mem = max(memory_rows(program), key=lambda row: sum(row["constant"]) + sum(row["coef"]))
+        need = sum(mem["coef"])
+        spare = [cap - c for cap, c in zip(memory_caps, mem["constant"])]
+        worst = min(range(len(spare)), key=lambda d: spare[d])
+        return (
+            f"the sharding-ratio LP is infeasible: the program does not fit in device memory "
+            f"(replicated state needs {format_bytes(mem['constant'][worst])} on device {worst}, "
+            f"which has {format_bytes(memory_caps[worst])}; sharded state totals {format_bytes(need)} "
+            f"over {len(spare)} devices with {format_bytes(sum(max(0.0, s) for s in spare))} to spare)"
+        )
+    return f"the sharding-ratio LP ended with status {status!r}"

@@ -1,0 +1,209 @@
+"""The options of one compile (:class:`CompileOptions`): every field documented and
+validated on construction, and :meth:`CompileOptions.from_mapping`, the one way a map of
+fields (the API's ``options=``, a daemon request's or its config's, a plan's key)
+becomes options. Imports neither torch nor the core: the daemon's room reads options
+before it loads the compiler."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+from hapd.errors import OptionsError
+
+
+MODES = ("auto", "data_parallel")
+"""What ``CompileOptions.mode`` may be."""
+RECOMPUTE = ("auto", "never", "always")
+"""What ``CompileOptions.recompute`` may be."""
+PIPELINE = ("off", "auto")
+"""What ``CompileOptions.pipeline`` may be."""
+MAX_ROUNDS_LIMIT = 1000
+"""Most search ⇄ LP rounds a compile may ask for."""
+MAX_STATES_LIMIT = 2**63 - 1
+"""Largest state budget (the core counts states in a 64-bit integer)."""
+MAX_FRONT_WIDTH = 2**63 - 1
+"""Largest front width (a 64-bit integer in the core)."""
+MAX_SEARCH_SECONDS = 7 * 24 * 3600.0
+"""Longest time budget of one search: a week (the core's timer takes finite seconds)."""
+
+
+def _int_option(name: str, value: Any, most: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionsError(f"{name} {value!r} must be an integer", field=name)
+    if not 1 <= value <= most:
+        raise OptionsError(f"{name} {value} must be in 1..{most}", field=name)
+
+
+def _bool_option(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise OptionsError(f"{name} {value!r} must be true or false", field=name)
+
+
+def _seconds_option(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptionsError(f"{name} {value!r} must be a number of seconds", field=name)
+    if not (math.isfinite(value) and 0 < value <= MAX_SEARCH_SECONDS):
+        raise OptionsError(f"{name} {value!r} must be a finite number of seconds in (0, {MAX_SEARCH_SECONDS:g}]", field=name)
+
+
+def _is_force(value: Any) -> bool:
+    """Whether ``value`` maps node names to rule names (strings), as ``force`` must."""
+    return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def _force_option(value: Any) -> None:
+    if not _is_force(value):
+        raise OptionsError("force must map node names to rule names (strings)", field="force")
+
+
+def _ratios_option(value: Any) -> None:
+    if not isinstance(value, (tuple, list)) or not value:
+        raise OptionsError(f"ratios {value!r} must be a non-empty list of numbers", field="ratios")
+    if any(isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0 for r in value):
+        raise OptionsError(f"ratios {list(value)} must be finite numbers ≥ 0", field="ratios")
+    if abs(sum(value) - 1) > 1e-6:
+        raise OptionsError(f"ratios {list(value)} must sum to 1", field="ratios")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """Options of one compile; part of the plan cache key."""
+
+    mode: str = "auto"
+    """``"auto"``: search every rule; ``"data_parallel"``: only the batch-split program
+    (replicated parameters, gradients all-reduced), with LP-optimized ratios."""
+    zero: bool = False
+    """Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use)."""
+    overlap: bool = False
+    """Price programs as two duplicas interleaved, one computing while the other
+    communicates (HiDup; :mod:`hapd.compiler.overlap`). The graph compiled is then one
+    duplica's (export it at half the global batch); the plan records ``overlap`` and
+    ``duplicas`` for the runtime, and its estimate and baselines are for the global
+    batch. Whether it beats the plain plan of the full-batch graph depends on the model
+    and the cluster: compile both and keep the cheaper (``bench/overlap_search.py``)."""
+    memory_caps: bool = True
+    """Fit the plan in each device's memory (the profile's ``memory``, each device its
+    own): the LP keeps every device's predicted peak (parameters, gradients, Adam state,
+    kept activations, communication buffers and workspace: ``rustcore/core/src/memory.rs``)
+    under its capacity, and a program that does not fit is searched again with memory
+    priced (the search then trades time for memory: tensor or expert parallelism,
+    ZeRO-style parameters). :class:`~hapd.errors.SynthesisError` naming the device, its
+    capacity and the shortfall when nothing fits."""
+    max_rounds: int = 4
+    """Most search ⇄ LP rounds."""
+    max_states: int = 2_000_000
+    """State budget of one search."""
+    front_width: int = 24
+    """Undominated states kept per program position (larger: slower, closer to proven optimal)."""
+    max_seconds: float | None = None
+    """Time budget of one search."""
+    force: Mapping[str, str] = field(default_factory=dict)
+    """Restrict ops (by fx node name) to one rule (by name)."""
+    ratios: tuple[float, ...] | None = None
+    """Use these sharding ratios instead of optimizing them."""
+    recompute: str = "auto"
+    """Activation recomputation: the backward pass runs a block's forward again from its
+    input instead of keeping its activations (the graph's repeated blocks, transformer
+    layers: :mod:`hapd.compiler.recompute`). ``"auto"``: only when memory binds (no
+    program fits without it, or fits only with memory priced or squeezed ratios), as
+    few blocks as fit, and only where the plan is then cheaper; ``"never"``;
+    ``"always"``: every block."""
+    pipeline: str = "off"
+    """Pipeline stages (HSPMD; ``docs/pipelines.md``): ``"auto"`` also searches
+    pipelines that cut the program at block boundaries into stages, each on a group of
+    whole hosts with its own SPMD plan, over micro-batches in the 1F1B order, and keeps
+    one when its predicted time beats the SPMD plan's (the plan's ``pipeline``). It
+    prices each micro-batch count it is given a graph for (``compile``'s
+    ``micro_graphs``); ``"off"``: the SPMD plan only. Not with ``overlap`` or fixed
+    ``ratios`` (the ratios of the whole cluster)."""
+
+    def __post_init__(self) -> None:
+        """Every field's type and range, checked here, before the core sees any of them
+        (the options come from the command line, the API and config files)."""
+        if not isinstance(self.mode, str) or self.mode not in MODES:
+            raise OptionsError(f"mode {self.mode!r} is not auto or data_parallel", field="mode")
+        _bool_option("zero", self.zero)
+        _bool_option("overlap", self.overlap)
+        _bool_option("memory_caps", self.memory_caps)
+        _int_option("max_rounds", self.max_rounds, MAX_ROUNDS_LIMIT)
+        _int_option("max_states", self.max_states, MAX_STATES_LIMIT)
+        _int_option("front_width", self.front_width, MAX_FRONT_WIDTH)
+        if self.max_seconds is not None:
+            _seconds_option("max_seconds", self.max_seconds)
+        _force_option(self.force)
+        if self.ratios is not None:
+            _ratios_option(self.ratios)
+        if not isinstance(self.recompute, str) or self.recompute not in RECOMPUTE:
+            raise OptionsError(f"recompute {self.recompute!r} is not auto, never or always", field="recompute")
+        if not isinstance(self.pipeline, str) or self.pipeline not in PIPELINE:
+            raise OptionsError(f"pipeline {self.pipeline!r} is not off or auto", field="pipeline")
+        if self.pipeline == "auto" and self.overlap:
+            raise OptionsError("pipeline auto and overlap cannot be combined: a pipeline runs micro-batches, "
+                               "not interleaved duplicas", field="pipeline")
+        if self.pipeline == "auto" and self.ratios is not None:
+            raise OptionsError("pipeline auto with fixed ratios: each stage's group gets its own ratios",
+                               field="pipeline")
+
+    @classmethod
+    def from_mapping(cls, mapping: CompileOptions | Mapping[str, Any] | None) -> CompileOptions:
+        """Options from a map of their fields (the API's ``options=``, a daemon request's
+        or its config's ``options``, a plan's key); ``None`` gives the defaults, and
+        options are returned as they are. A list of ``ratios`` becomes a tuple.
+        :class:`OptionsError` naming the option as a request does (``options.<field>``):
+        an unknown one (the message lists the known ones) or a bad value."""
+        if mapping is None:
+            return cls()
+        if isinstance(mapping, cls):
+            return mapping
+        try:
+            fields = dict(mapping)
+        except (TypeError, ValueError) as exc:
+            raise OptionsError(f"bad compile options: {exc}", field="options") from exc
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known, key=str)
+        if unknown:
+            raise OptionsError(f"unknown compile option {unknown[0]!r} (known: {', '.join(sorted(known))})",
+                               field=f"options.{unknown[0]}")
+        ratios = fields.get("ratios")
+        if ratios is not None and not isinstance(ratios, (str, bytes, Mapping)):
+            try:
+                fields["ratios"] = tuple(ratios)
+            except TypeError:
+                pass  # not a sequence: the check of ratios says so
+        if "force" in fields and not _is_force(fields["force"]):
+            raise OptionsError("option force must map node names to rule names", field="options.force")
+        try:
+            return cls(**fields)
+        except OptionsError as exc:  # name the option as the request does
+            raise OptionsError(f"compile option {exc}", field=f"options.{exc.field}") from None
+        except (TypeError, ValueError) as exc:
+            raise OptionsError(f"bad compile options: {exc}", field="options") from exc
+
+    def key(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["force"] = dict(sorted(self.force.items()))
+        out["ratios"] = list(self.ratios) if self.ratios is not None else None
+        return out
+
+    def core(
+        self, mode: str = "auto", memory_price: Sequence[float] | None = None, recompute: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """The options as the core reads them, with the blocks to ``recompute``."""
+        out: dict[str, Any] = {
+            "mode": mode,
+            "zero": self.zero,
+            "overlap": self.overlap,
+            "max_states": self.max_states,
+            "front_width": self.front_width,
+            "force": dict(self.force) if mode == "auto" else {},
+        }
+        if self.max_seconds is not None:
+            out["max_seconds"] = float(self.max_seconds)
+        if memory_price is not None:
+            out["memory_price"] = [float(p) for p in memory_price]
+        if recompute:
+            out["recompute"] = sorted(recompute)
+        return out
