@@ -64,7 +64,9 @@ from hapd.compiler.lower import GraphIR
 from hapd.compiler.plan import Plan
 from hapd.errors import HapdError, OptionsError, PlanError, UnsupportedOpError, WeightsError
 from hapd.profile.schema import Profile, estimated_profile, load_profile
-from hapd.runtime.rewrite import IDENTITY, RankModule, distribute, gather_dim, global_loss
+from hapd.runtime.layout import IDENTITY, gather_dim
+from hapd.runtime.rank import RankModule
+from hapd.runtime.rewrite import distribute, global_loss
 from hapd.runtime.weights import Chain, ModelTensors, Weights, WeightSource, rank_piece, weight_source
 
 DAEMON_PING_S = 2.0

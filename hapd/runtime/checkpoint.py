@@ -156,7 +156,7 @@ def _held_by_rank(module: Any) -> list[Held]:
 
 
 def _placed(module: Any, key: str, tensor: str, layout: str, local: Tensor) -> Held:
-    from hapd.runtime.rewrite import IDENTITY, gather_dim
+    from hapd.runtime.layout import IDENTITY, gather_dim
 
     view = module.inner.hapd_view
     size = tuple(view.full_shape(tensor)) if tensor in view.tensors else tuple(local.shape)

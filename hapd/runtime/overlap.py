@@ -46,7 +46,7 @@ from torch import Tensor, fx, nn
 from hapd.errors import PlanError
 from hapd.runtime import collectives
 from hapd.runtime.adapters import GlobalSum, SyncedBatchNorm
-from hapd.runtime.rewrite import Communicate, RankModule, _set_attr
+from hapd.runtime.rank import Communicate, RankModule, set_attr
 
 DUPLICAS = ("a", "b")
 _HOLDER = "hapd_exchanges"
@@ -311,7 +311,7 @@ def overlapped(single: RankModule, batch_dims: Sequence[int | None] | None = Non
     have = dict(module.named_parameters(remove_duplicate=False))
     for name in single.hapd_params:  # every name of a tied parameter, as the one-duplica module has them
         if name not in have:
-            _set_attr(module, name, single.get_parameter(name), parameter=True)
+            set_attr(module, name, single.get_parameter(name), parameter=True)
     for attr in ("hapd_view", "hapd_params", "hapd_buffers", "hapd_updated", "hapd_sync"):
         setattr(module, attr, getattr(single, attr))
     module.hapd_inputs = list(single.hapd_inputs)  # each half's: forward takes them twice

@@ -47,7 +47,9 @@ from hapd.compiler.plan import Plan
 from hapd.compiler.stages import GRAD_PREFIX, Boundary, Stage
 from hapd.errors import PlanError
 from hapd.runtime.overlap import _loss_counts
-from hapd.runtime.rewrite import IDENTITY, REDUCE, RankModule, distribute, gather_dim
+from hapd.runtime.layout import IDENTITY, REDUCE, gather_dim
+from hapd.runtime.rank import RankModule
+from hapd.runtime.rewrite import distribute
 
 Box = tuple[tuple[int, int], ...]
 """A block of a full tensor: (start, length) along every dim."""
