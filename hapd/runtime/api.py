@@ -62,12 +62,13 @@ from torch import Tensor, nn
 from hapd.compiler.driver import CompileOptions
 from hapd.compiler.lower import GraphIR
 from hapd.compiler.plan import Plan
-from hapd.errors import HapdError, OptionsError, PlanError, UnsupportedOpError, WeightsError
+from hapd.errors import HapdError, OptionsError, PlanError, UnsupportedOpError
 from hapd.profile.schema import Profile, estimated_profile, load_profile
 from hapd.runtime.layout import IDENTITY, gather_dim
 from hapd.runtime.rank import RankModule
 from hapd.runtime.rewrite import distribute, global_loss
-from hapd.runtime.weights import Chain, ModelTensors, Weights, WeightSource, rank_piece, weight_source
+from hapd.runtime.held import Held, whole
+from hapd.runtime.weights import Weights, WeightSource, rank_piece, weight_source
 
 DAEMON_PING_S = 2.0
 """How long rank 0 waits for the daemon to answer a ping before compiling itself."""
@@ -295,7 +296,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     _join_job_if_launched()
     if overlap not in ("auto", "always"):
         raise OptionsError(f"overlap {overlap!r} is not auto or always", field="overlap")
-    weights = _weights_of(model, weights)
+    weights = weight_source(weights, model)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     example_inputs = tuple(example_inputs)
     if batch_dims is None:
@@ -478,20 +479,6 @@ def _default_device(model: nn.Module, device: torch.device | str | None) -> torc
     for tensor in model.parameters():
         return tensor.device if not tensor.is_meta else torch.device("cpu")
     return torch.device("cpu")
-
-
-def _weights_of(model: nn.Module, weights: Weights | None) -> WeightSource | None:
-    """The source of this rank's pieces: ``weights`` then ``model``'s real tensors;
-    None (the exported program's state) for a real model without ``weights``."""
-    from hapd.compiler.export import on_meta
-
-    source = weight_source(weights)
-    if source is None:
-        if on_meta(model):
-            raise WeightsError(f"{type(model).__name__} is on the meta device: pass weights= (hapd.module_init(model), "
-                               "a safetensors file or a checkpoint folder) for each rank to read its pieces from")
-        return None
-    return Chain([source, ModelTensors(model)])
 
 
 def _host_groups(group: Any, world: int) -> Any:
@@ -751,6 +738,58 @@ class ParallelModule(nn.Module):
     def parameter_layouts(self) -> dict[str, str]:
         """Each parameter's layout (``Identity``: replicated; ``Gather(d)``: split on d)."""
         return {name: layout for name, (_tensor, layout) in self.inner.hapd_params.items()}
+
+    def held_tensors(self) -> list[Held]:
+        """This rank's pieces (what checkpoints save and load: :mod:`hapd.runtime.held`):
+        parameters and read-only buffers as the plan lays them out, updated buffers and
+        state outside the plan whole; once each, in name order."""
+        inner = self.inner
+        out: list[Held] = []
+        seen: set[int] = set()
+        params = dict(inner.named_parameters(remove_duplicate=False))
+        for key in sorted(inner.hapd_params):
+            tensor, layout = inner.hapd_params[key]
+            param = params[key]
+            if id(param) not in seen:
+                seen.add(id(param))
+                out.append(self._placed(key, tensor, layout, param))
+        for key in sorted(inner.hapd_buffers):
+            tensor, layout, attr = inner.hapd_buffers[key]
+            buffer = inner.get_buffer(attr)
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                out.append(self._placed(key, tensor, layout, buffer))
+        out += [whole(key, inner.get_buffer(key)) for key in sorted(inner.hapd_updated)]
+        out += [whole(key, self.extra[key]) for key in sorted(self.extra)]
+        return sorted(out, key=lambda h: h.key)
+
+    def _placed(self, key: str, tensor: str, layout: str, local: Tensor) -> Held:
+        view = self.inner.hapd_view
+        size = tuple(view.full_shape(tensor)) if tensor in view.tensors else tuple(local.shape)
+        offsets = [0] * len(size)
+        d = gather_dim(layout)
+        if d is not None:
+            offsets[d] = view.offset(tensor, d)[0]
+        elif layout != IDENTITY:
+            raise PlanError(f"{key} is held as {layout}: no piece of the whole tensor to checkpoint", node=tensor)
+        return Held(key, local, tuple(offsets), size)
+
+    def tied_names(self) -> list[list[str]]:
+        """Groups of state-dict keys that name one tensor: every name of each parameter
+        (several for tied weights), and each key in :attr:`aliases` with the key it
+        names."""
+        by_id: dict[int, list[str]] = {}
+        params = dict(self.inner.named_parameters(remove_duplicate=False))
+        for key in self.inner.hapd_params:
+            by_id.setdefault(id(params[key]), []).append(key)
+        groups = list(by_id.values())
+        for key, target in self.aliases.items():  # names the rank module does not hold
+            group = next((g for g in groups if target in g), None)
+            if group is None:
+                group = [target]
+                groups.append(group)
+            group.append(key)
+        return groups
 
     def _params_by_kind(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(split, replicated) trainable parameters with gradients."""
