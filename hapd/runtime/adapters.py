@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, fx, nn
 
 from hapd import _core
+from hapd.compiler.op_facts import BATCH_SPLIT_LOSSES, MEAN, SUM
 from hapd.runtime.collectives import all_reduce
 from hapd.runtime.rank import RankView
 
@@ -251,15 +252,17 @@ def _sharded_mean(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tup
 
 
 def _sharded_mean_loss(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
-    """cross_entropy/nll with mean reduction on a split batch: the local sum over the
-    global divisor (the count, or class weight, of the counted targets over all ranks,
-    all-reduced since ignore_index makes it data-dependent)."""
-    defaults = [None, None, None, 1, -100]
+    """A loss the core splits over the batch (cross_entropy/nll:
+    :data:`~hapd.compiler.op_facts.BATCH_SPLIT_LOSSES`) with mean reduction on a split
+    batch: the local sum over the global divisor (the count, or class weight, of the
+    counted targets over all ranks, all-reduced since ignore_index makes it
+    data-dependent)."""
+    defaults = [None, None, None, MEAN, -100]
     names = ["self", "target", "weight", "reduction", "ignore_index"]
     kwargs = dict(kwargs)
     args = list(args) + [kwargs.pop(n, d) for n, d in zip(names[len(args) :], defaults[len(args) :])]
     weight, ignore = args[2], args[4]
-    args[3] = 2  # sum; divided below
+    args[3] = SUM  # divided below
     summed = em.graph.call_function(node.target, tuple(args), kwargs)
     target_name = step["inputs"][1]["tensor"]
     g = em.graph
@@ -302,8 +305,7 @@ ADAPTERS: Mapping[tuple[str, str], Adapter] = MappingProxyType({
     ("aten.embedding", VOCAB_PARALLEL): _vocab_parallel,
     ("aten.mean", SHARDED_MEAN): _sharded_mean,
     ("aten.mean.dim", SHARDED_MEAN): _sharded_mean,
-    ("aten.cross_entropy_loss", SHARDED_MEAN): _sharded_mean_loss,
-    ("aten.nll_loss", SHARDED_MEAN): _sharded_mean_loss,
+    **{(op, SHARDED_MEAN): _sharded_mean_loss for op in BATCH_SPLIT_LOSSES},
 })
 """(op name, rule name) -> the :data:`Adapter` that emits the op for that rule; a step
 whose pair is not here runs its op unchanged on the local pieces."""

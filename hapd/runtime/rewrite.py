@@ -56,6 +56,7 @@ from hapd import _core
 from hapd.compiler.export import export
 from hapd.compiler.lower import load_exported, lower
 from hapd.compiler.normalize import buffer_mutations, normalize
+from hapd.compiler.op_facts import NO_EMPTY_SPLIT_OPS
 from hapd.compiler.plan import Plan
 from hapd.compiler.tied import aliases_of_read
 from hapd.errors import PlanError
@@ -102,11 +103,6 @@ def _check(program: ExportedProgram, plan: Plan, rank: int, world: int, *, graph
             f"the plan was compiled for graph {plan.key['graph_id'][:12]}…, this program is {graph_id[:12]}… "
             "(a different model, batch size or torch version)"
         )
-
-
-_NO_EMPTY_SPLITS = frozenset({"aten.conv2d", "aten.max_pool2d", "aten.scaled_dot_product_attention"})
-"""Ops whose kernels reject (or crash on) a zero-length split dim: an empty piece is
-padded with one zero slice and the output cut back (see ``_Emitter.pad_empty``)."""
 
 
 class _Emitter:
@@ -297,7 +293,7 @@ class _Emitter:
         kwargs = dict(fx.node.map_arg(node.kwargs, arg))
         if self.device is not None and "device" in kwargs:
             kwargs["device"] = self.device
-        empty = self.empty_pieces(step) if step["op"] in _NO_EMPTY_SPLITS else {}
+        empty = self.empty_pieces(step) if step["op"] in NO_EMPTY_SPLIT_OPS else {}
         if empty:
             args, kwargs = self.pad_empty(empty, args, kwargs)
         adapt = ADAPTERS.get((step["op"], step["rule"]))
