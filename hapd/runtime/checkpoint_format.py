@@ -232,6 +232,6 @@ def quiet_dcp() -> Iterator[None]:
         yield
 
 
-__all__ = ["ASIDE", "EXTRA", "FORMAT", "FORMAT_VERSION", "GROUPS", "MANIFEST", "MODEL", "OPTIM", "RNG", "SAFETENSORS_NAME",
-           "SAMPLER", "TEMP", "PieceLoadPlanner", "PieceSavePlanner", "Pieces", "describe_entry", "find_checkpoint",
-           "quiet_dcp", "read_manifest", "safetensors_file", "sibling", "siblings", "write_manifest"]
+__all__ = ["ASIDE", "EXTRA", "FORMAT", "FORMAT_VERSION", "GROUPS", "MANIFEST", "MODEL", "OPTIM", "RNG",
+           "SAFETENSORS_NAME", "SAMPLER", "TEMP", "PieceLoadPlanner", "PieceSavePlanner", "Pieces", "describe_entry",
+           "find_checkpoint", "quiet_dcp", "read_manifest", "safetensors_file", "sibling", "siblings", "write_manifest"]
