@@ -456,7 +456,7 @@ def export_safetensors(module: nn.Module, path: str | Path, *, strip_prefix: str
     ``AutoModel.from_pretrained(folder)`` loads it. Tied weights are written under each
     of their names, so a plain ``model.load_state_dict(safetensors.torch.load_file(…))``
     is complete. Collective for a ParallelModule; rank 0 writes. Returns the file."""
-    from safetensors.torch import save
+    from safetensors.torch import save  # optional (not a dependency of hapd): only when a file is written
 
     state = _single_device_state(module)
     if strip_prefix:
@@ -493,7 +493,7 @@ def import_safetensors(module: nn.Module, path: str | Path, *, strip_prefix: str
     file and keeps its pieces. ``strip_prefix``: the prefix the module's keys have and
     the file's lack. A tied weight the file holds under one of its names only is loaded
     under every name."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # optional (not a dependency of hapd): only when a file is read
 
     file = safetensors_file(path)
     if not file.is_file():

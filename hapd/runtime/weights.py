@@ -264,7 +264,7 @@ class SafetensorsWeights(WeightSource):
     cast to the model's dtype."""
 
     def __init__(self, path: str | Path, *, strip_prefix: str | None = None):
-        from safetensors import safe_open  # loaded only when a safetensors file is read
+        from safetensors import safe_open  # optional (not a dependency of hapd): only when a file is read
 
         self.file = safetensors_file(path)
         if not self.file.is_file():
