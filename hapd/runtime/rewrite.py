@@ -68,6 +68,10 @@ from hapd.runtime.overlap import overlapped
 from hapd.runtime.rank import Communicate, RankModule, RankView, set_attr
 from hapd.runtime.weights import Weights, WeightSource, rank_piece, weight_source
 
+# --------------------------------------------------------------------------------------
+# Building the rank's graph
+# --------------------------------------------------------------------------------------
+
 
 def _sources_of(program: ExportedProgram) -> dict[str, tuple[str, str, Tensor | None]]:
     """placeholder name -> (kind, target, value) for parameters, buffers and constants."""
