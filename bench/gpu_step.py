@@ -255,7 +255,7 @@ def describe_profile(profile: Any) -> str:
     """The profile ``parallelize`` plans for with ``profile`` on one rank (its own
     ``job_profile``), in one line."""
     try:
-        from hapd.runtime.api import job_profile
+        from hapd.runtime.plan_source import job_profile
 
         p = job_profile(profile, 1)
         d = p.devices[0]

@@ -168,7 +168,7 @@ def compile_plans(model: str, how: str, size: str, batch: int, profile: Path, wo
     from hapd import models
     from hapd.compiler.options import CompileOptions
     from hapd.profile.schema import load_profile
-    from hapd.runtime.api import Recipe
+    from hapd.runtime.programs import Recipe
 
     prof = load_profile(profile)
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import hapd
 from hapd import models
 from hapd.errors import CheckpointError
-from hapd.runtime.checkpoint import MANIFEST, read_manifest
+from hapd.runtime.checkpoint_format import MANIFEST, read_manifest
 from hapd.runtime.data import UnevenBatchSampler
 
 B = 8

@@ -29,7 +29,7 @@ from hapd.compiler.driver import compile as compile_plan
 from hapd.compiler.options import CompileOptions
 from hapd.errors import PlanError
 from hapd.profile.schema import estimated_profile
-from hapd.runtime.api import Recipe, aligned_force, op_nodes
+from hapd.runtime.programs import Recipe, aligned_force, op_nodes
 
 B = 8
 SAMPLES = 22

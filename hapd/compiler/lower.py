@@ -28,6 +28,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from hapd.compiler.flops import FlopCounter
 from hapd.compiler.normalize import buffer_mutations, normalize
+from hapd.compiler.op_facts import LOSS_OPS, REDUCTIONS
 from hapd.compiler.saved import SavedActivations, saved_activations
 from hapd.compiler.tied import unread_aliases
 from hapd.errors import ExportError, GraphError, GraphFormatError
@@ -44,9 +45,6 @@ _SOURCE_KINDS = {
     InputKind.CONSTANT_TENSOR: "constant",
     InputKind.USER_INPUT: "input",
 }
-
-# reduction enum of aten's loss ops
-_LOSS_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
 @dataclass(frozen=True)
@@ -450,10 +448,10 @@ class _Lowering:
     def _loss_reduction(self, loss: list[int]) -> str:
         node = self.nodes[loss[0]]
         op = node["op"]
-        if op in ("aten.cross_entropy_loss", "aten.nll_loss", "aten.nll_loss_forward", "aten.mse_loss"):
+        if op in LOSS_OPS:
             for arg in node["args"]:
                 if arg["name"] == "reduction":
-                    reduction = _LOSS_REDUCTIONS.get(arg["value"].get("i"), "unknown")
+                    reduction = REDUCTIONS.get(arg["value"].get("i"), "unknown")
                     return reduction if reduction in ("sum", "mean") else "unknown"
             return "mean"  # the schema default
         if op.startswith("aten.sum"):

@@ -13,16 +13,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, fx, nn
 
 from hapd import _core
-
-if TYPE_CHECKING:
-    from hapd.runtime.rewrite import _Emitter
+from hapd.compiler.op_facts import BATCH_SPLIT_LOSSES, MEAN, SUM
+from hapd.runtime.collectives import all_reduce
+from hapd.runtime.rank import RankView
 
 _RULES: Mapping[str, str] = _core.rule_names()
 """The core's rule names (one source of truth: ``rustcore/core/src/rules/rule_names.rs``)."""
@@ -46,7 +46,28 @@ SHARDED_MEAN = _RULES["SHARDED_MEAN"]
 DATA_PARALLEL_SYNCED = _RULES["DATA_PARALLEL_SYNCED"]
 """Batch norm in training on a split batch, its statistics all-reduced (synchronized)."""
 
-Adapter = Callable[["_Emitter", Mapping[str, Any], fx.Node, tuple, dict], fx.Node]
+
+class Emitter(Protocol):
+    """What an adapter uses of the builder of the rank's fx graph
+    (:func:`hapd.runtime.rewrite.distribute`'s)."""
+
+    graph: fx.Graph
+    """The rank's graph being built: an adapter adds its nodes to it."""
+    view: RankView
+    """The plan seen from this rank."""
+    group: Any
+    """The process group the collectives run in."""
+
+    def add_module(self, prefix: str, module: nn.Module) -> str:
+        """Register ``module`` for the graph to call; returns its target name."""
+        ...
+
+    def local_out_shape(self, step: Mapping[str, Any]) -> list[int]:
+        """This rank's shape of ``step``'s (first) output."""
+        ...
+
+
+Adapter = Callable[[Emitter, Mapping[str, Any], fx.Node, tuple, dict], fx.Node]
 """``adapt(emitter, step, fx node of the op, local args, local kwargs) -> result node``."""
 
 
@@ -113,8 +134,6 @@ class SyncedBatchNorm(nn.Module):
 
     def forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
                 running_var: Tensor | None, training: bool, momentum: float, eps: float) -> tuple[Tensor, ...]:
-        from hapd.runtime.collectives import all_reduce
-
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         mean = all_reduce(x.sum(dims), group=self.group) / self.count
@@ -162,7 +181,7 @@ def _with_local_size(arg_index: int) -> Adapter:
     """Views/reshapes/expands: the size argument becomes the local output shape (views
     run as reshapes: :func:`stride_free`)."""
 
-    def adapt(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    def adapt(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
         args = list(args)
         args[arg_index] = em.local_out_shape(step)
         return em.graph.call_function(stride_free(node.target), tuple(args), kwargs)
@@ -170,7 +189,7 @@ def _with_local_size(arg_index: int) -> Adapter:
     return adapt
 
 
-def _unflatten(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+def _unflatten(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
     """``unflatten`` (a view underneath, so stride-bound like ``view``): a reshape of the
     local piece to the local output shape."""
     return em.graph.call_function(torch.ops.aten.reshape.default, (args[0], em.local_out_shape(step)))
@@ -181,7 +200,7 @@ def _bias_on_rank_zero(bias_index: int) -> Adapter:
     ranks add ``0 · bias``, which keeps the bias in their graph: every rank then gets a
     (zero) gradient for it and joins its gradient all-reduce."""
 
-    def adapt(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    def adapt(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
         args, kwargs = list(args), dict(kwargs)
         if em.view.rank != 0:
             if len(args) > bias_index and args[bias_index] is not None:
@@ -197,7 +216,7 @@ def _local_batch(arg_index: int) -> Adapter:
     """Ops told their batch size as an argument (``native_group_norm``'s ``N``): with the
     batch split, the local batch size."""
 
-    def adapt(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    def adapt(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
         args = list(args)
         args[arg_index] = em.local_out_shape(step)[0]
         return em.graph.call_function(node.target, tuple(args), kwargs)
@@ -205,7 +224,7 @@ def _local_batch(arg_index: int) -> Adapter:
     return adapt
 
 
-def _vocab_parallel(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+def _vocab_parallel(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
     """Embedding with the table split by rows: this rank's lookup of the ids in its rows
     (zero rows for the others), a partial sum of the full lookup."""
     weight_name = step["inputs"][0]["tensor"]
@@ -215,7 +234,7 @@ def _vocab_parallel(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: 
     return em.graph.call_module(target, (args[0], args[1], padding))
 
 
-def _sharded_mean(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+def _sharded_mean(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
     """mean over a split dim: the local sum over the full element count (a partial sum;
     a zero-length piece gives 0, not NaN)."""
     x_name = step["inputs"][0]["tensor"]
@@ -232,16 +251,18 @@ def _sharded_mean(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tu
     return em.graph.call_function(torch.ops.aten.div.Tensor, (summed, float(count)))
 
 
-def _sharded_mean_loss(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
-    """cross_entropy/nll with mean reduction on a split batch: the local sum over the
-    global divisor (the count, or class weight, of the counted targets over all ranks,
-    all-reduced since ignore_index makes it data-dependent)."""
-    defaults = [None, None, None, 1, -100]
+def _sharded_mean_loss(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """A loss the core splits over the batch (cross_entropy/nll:
+    :data:`~hapd.compiler.op_facts.BATCH_SPLIT_LOSSES`) with mean reduction on a split
+    batch: the local sum over the global divisor (the count, or class weight, of the
+    counted targets over all ranks, all-reduced since ignore_index makes it
+    data-dependent)."""
+    defaults = [None, None, None, MEAN, -100]
     names = ["self", "target", "weight", "reduction", "ignore_index"]
     kwargs = dict(kwargs)
     args = list(args) + [kwargs.pop(n, d) for n, d in zip(names[len(args) :], defaults[len(args) :])]
     weight, ignore = args[2], args[4]
-    args[3] = 2  # sum; divided below
+    args[3] = SUM  # divided below
     summed = em.graph.call_function(node.target, tuple(args), kwargs)
     target_name = step["inputs"][1]["tensor"]
     g = em.graph
@@ -261,7 +282,7 @@ def _sharded_mean_loss(em: _Emitter, step: Mapping[str, Any], node: fx.Node, arg
     return g.call_function(torch.ops.aten.div.Tensor, (summed, total))
 
 
-def _synced_batch_norm(em: _Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+def _synced_batch_norm(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
     """Batch norm in training with the batch split: :class:`SyncedBatchNorm` over the
     whole batch's element count per channel."""
     full = em.view.full_shape(step["inputs"][0]["tensor"])
@@ -284,8 +305,7 @@ ADAPTERS: Mapping[tuple[str, str], Adapter] = MappingProxyType({
     ("aten.embedding", VOCAB_PARALLEL): _vocab_parallel,
     ("aten.mean", SHARDED_MEAN): _sharded_mean,
     ("aten.mean.dim", SHARDED_MEAN): _sharded_mean,
-    ("aten.cross_entropy_loss", SHARDED_MEAN): _sharded_mean_loss,
-    ("aten.nll_loss", SHARDED_MEAN): _sharded_mean_loss,
+    **{(op, SHARDED_MEAN): _sharded_mean_loss for op in BATCH_SPLIT_LOSSES},
 })
 """(op name, rule name) -> the :data:`Adapter` that emits the op for that rule; a step
 whose pair is not here runs its op unchanged on the local pieces."""

@@ -28,7 +28,12 @@ import torch
 from torch import Tensor, nn
 from torch.export import ExportedProgram
 
+from hapd.compiler.driver import compile as compile_plan
+from hapd.compiler.lower import load_exported, lower
+from hapd.compiler.normalize import buffer_mutations, normalize
 from hapd.errors import ExportError
+from hapd.profile.schema import estimated_profile
+from hapd.runtime.rewrite import distribute
 
 DEFAULT_RTOL = 1e-5
 """Relative tolerance (float32 arithmetic on the same ops in another grouping)."""
@@ -116,9 +121,6 @@ def check(
     use (default: compile one for an estimated one-device profile). ``inputs``: the full
     batch (default: the program's example inputs, float ones perturbed with ``seed``).
     """
-    from hapd.compiler.lower import load_exported, lower
-    from hapd.compiler.normalize import normalize
-
     if not isinstance(program, ExportedProgram):
         program, _ = load_exported(program)
     inputs = tuple(inputs) if inputs is not None else example_inputs(program, perturb=perturb, seed=seed)
@@ -155,9 +157,6 @@ def example_inputs(program: ExportedProgram, *, perturb: bool = True, seed: int 
 
 def _one_device_plan(ir: Any) -> Any:
     """A plan for one estimated device (every op runs, nothing is communicated)."""
-    from hapd.compiler.driver import compile as compile_plan
-    from hapd.profile.schema import estimated_profile
-
     return compile_plan(ir, estimated_profile(1, name="check"))
 
 
@@ -173,9 +172,6 @@ class _Step:
 
 def _distributed_step(program: ExportedProgram, plan: Any, inputs: tuple[Tensor, ...], seed: int) -> _Step:
     """One forward and backward of the rank-0 program of a one-device plan."""
-    from hapd.compiler.normalize import buffer_mutations
-    from hapd.runtime.rewrite import distribute
-
     module = distribute(program, plan, rank=0, world=1)
     torch.manual_seed(seed)
     loss = module(*module.shard_inputs(*inputs))

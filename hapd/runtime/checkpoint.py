@@ -5,32 +5,17 @@
     state = hapd.load_checkpoint("ckpt/run", module, optimizer, sampler=loader)
     step = state["step"]
 
-The format is ``torch.distributed.checkpoint`` (DCP): every rank writes its own pieces
-in parallel (``__<rank>_0.distcp``), rank 0 writes DCP's ``.metadata`` and hapd's
-manifest ``hapd.json``. Tensors are stored under the single-device model's names and
-shapes, each rank's piece as a DCP chunk with its global offsets — the plan's uneven
-splits (3:1 …) are not DCP's even ``DTensor`` shards, so :class:`PieceSavePlanner` and
-:class:`PieceLoadPlanner` (DCP's planner extension points) give each piece its
-offsets. Loading asks DCP for the pieces *this* rank's plan holds, and DCP's resharding
-reads the overlapping parts of whatever pieces were saved: any world size, profile or
-plan, one process without a process group included. A replicated tensor is written
-once (DCP deduplicates equal chunks).
-
-What a checkpoint holds:
-
-* ``model/<name>``: parameters and buffers (tied parameters once, under their
-  alphabetically first name).
-* ``optim/<name>/<state>``: the optimizer state of parameter ``<name>``; a state tensor
-  shaped like the parameter's piece (Adam's ``exp_avg``, ``exp_avg_sq``) is split like
-  the parameter, a scalar (``step``) is whole. ``optim/param_groups``: the
-  hyperparameters of each group and the names of its parameters.
-* ``hapd/sampler``: the sampler's (or loader's) ``state_dict()``: its epoch and the
-  global batches of it already read, which no world size changes.
-* ``hapd/rng/<rank>``: each rank's torch CPU (and CUDA) RNG state; ``hapd.json`` holds the
-  global seed (rank 0's ``torch.initial_seed()``). A rank that did not exist when the
-  checkpoint was written is seeded with ``seed + rank``: a fresh stream, not a
-  continuation (dropout masks on another plan differ anyway).
-* ``hapd/extra``: the ``extra`` dict (anything ``torch.save`` takes), and ``step``.
+The format (:mod:`hapd.runtime.checkpoint_format`) is ``torch.distributed.checkpoint``
+(DCP): every rank writes its own pieces in parallel, under the single-device model's
+names and shapes, each as a DCP chunk with its global offsets; rank 0 writes DCP's
+``.metadata`` and hapd's manifest ``hapd.json``. Loading asks DCP for the pieces *this*
+rank's plan holds (:func:`held_tensors`), and DCP's resharding reads the overlapping
+parts of whatever pieces were saved: any world size, profile or plan, one process
+without a process group included. A checkpoint holds the model's parameters and
+buffers, the optimizer state split like its parameter, the sampler's state, every
+rank's RNG state and ``extra``. A rank that did not exist when the checkpoint was
+written is seeded with ``seed + rank`` (the manifest's global seed): a fresh stream,
+not a continuation (dropout masks on another plan differ anyway).
 
 Writes are atomic: the ranks write into a hidden sibling folder
 (``.<name>.tmp-<tag>``); only after every rank finished, DCP wrote its metadata and rank
@@ -42,15 +27,10 @@ checkpoint; a crash between the two renames leaves it at ``.<name>.old-<tag>``, 
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import secrets
 import shutil
 import time
-import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,193 +39,50 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    create_default_local_load_plan,
-    create_default_local_save_plan,
-)
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from hapd.errors import CheckpointError, OptionsError, PlanError
+from hapd import __version__
+from hapd.errors import CheckpointError, OptionsError
+from hapd.runtime.checkpoint_format import (
+    ASIDE,
+    EXTRA,
+    GROUPS,
+    MANIFEST,
+    MODEL,
+    OPTIM,
+    RNG,
+    SAMPLER,
+    TEMP,
+    PieceLoadPlanner,
+    PieceSavePlanner,
+    describe_entry,
+    find_checkpoint,
+    quiet_dcp,
+    read_manifest,
+    safetensors_file,
+    sibling,
+    siblings,
+    write_manifest,
+)
+from hapd.runtime.held import Held, HoldsPieces, whole
 from hapd.util import atomic_write, fsync_folder
-
-FORMAT = "hapd-checkpoint"
-FORMAT_VERSION = 1
-MANIFEST = "hapd.json"
-"""Rank 0's manifest: written last, so a folder without it is no checkpoint."""
-
-MODEL, OPTIM, GROUPS = "model/", "optim/", "optim/param_groups"
-SAMPLER, EXTRA, RNG = "hapd/sampler", "hapd/extra", "hapd/rng/"
-
 
 # --------------------------------------------------------------------------------------
 # What a module holds: each tensor's local piece and where it lies in the whole
 # --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Held:
-    """One state-dict entry as this rank holds it."""
-
-    key: str
-    """The single-device state-dict name (the first of a tied parameter's names)."""
-    local: Tensor
-    """This rank's piece: the live parameter or buffer (loading copies into it)."""
-    offsets: tuple[int, ...]
-    """Where the piece starts in the whole tensor."""
-    size: tuple[int, ...]
-    """The whole tensor's shape."""
-
-    @property
-    def partial(self) -> bool:
-        return tuple(self.local.shape) != self.size
-
-    def chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.local.shape)
-
-
 def held_tensors(module: nn.Module) -> list[Held]:
-    """Every parameter and buffer ``module`` (a :class:`~hapd.runtime.api.ParallelModule`
-    or a plain single-device module) holds, once each, in name order."""
-    from hapd.runtime.api import ParallelModule
-
-    if isinstance(module, ParallelModule):
-        return _held_by_rank(module)
+    """Every parameter and buffer ``module`` (one that holds a rank's pieces,
+    :class:`~hapd.runtime.held.HoldsPieces`, or a plain single-device module) holds, once
+    each, in name order."""
+    if isinstance(module, HoldsPieces):
+        return module.held_tensors()
     first: dict[int, str] = {}
     state = module.state_dict(keep_vars=True)
     for key in sorted(state):
         first.setdefault(id(state[key]), key)
-    return [_whole(key, state[key]) for key in sorted(state) if first[id(state[key])] == key]
-
-
-def _whole(key: str, tensor: Tensor) -> Held:
-    return Held(key, tensor, (0,) * tensor.dim(), tuple(tensor.shape))
-
-
-def _held_by_rank(module: Any) -> list[Held]:
-    """A ParallelModule's pieces: parameters and read-only buffers as the plan lays them
-    out, updated buffers and state outside the plan whole."""
-    inner = module.inner
-    out: list[Held] = []
-    seen: set[int] = set()
-    params = dict(inner.named_parameters(remove_duplicate=False))
-    for key in sorted(inner.hapd_params):
-        tensor, layout = inner.hapd_params[key]
-        param = params[key]
-        if id(param) not in seen:
-            seen.add(id(param))
-            out.append(_placed(module, key, tensor, layout, param))
-    for key in sorted(inner.hapd_buffers):
-        tensor, layout, attr = inner.hapd_buffers[key]
-        buffer = inner.get_buffer(attr)
-        if id(buffer) not in seen:
-            seen.add(id(buffer))
-            out.append(_placed(module, key, tensor, layout, buffer))
-    out += [_whole(key, inner.get_buffer(key)) for key in sorted(inner.hapd_updated)]
-    out += [_whole(key, module.extra[key]) for key in sorted(module.extra)]
-    return sorted(out, key=lambda h: h.key)
-
-
-def _placed(module: Any, key: str, tensor: str, layout: str, local: Tensor) -> Held:
-    from hapd.runtime.rewrite import IDENTITY, gather_dim
-
-    view = module.inner.hapd_view
-    size = tuple(view.full_shape(tensor)) if tensor in view.tensors else tuple(local.shape)
-    offsets = [0] * len(size)
-    d = gather_dim(layout)
-    if d is not None:
-        offsets[d] = view.offset(tensor, d)[0]
-    elif layout != IDENTITY:
-        raise PlanError(f"{key} is held as {layout}: no piece of the whole tensor to checkpoint", node=tensor)
-    return Held(key, local, tuple(offsets), size)
-
-
-# --------------------------------------------------------------------------------------
-# DCP planners for pieces with explicit offsets
-# --------------------------------------------------------------------------------------
-
-
-class PieceSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, plus entries that are pieces of a larger tensor:
-    ``pieces`` maps such a key to its ``(offsets, whole size)``; the state dict holds the
-    piece itself. Whole tensors and other objects go the default way (replicated ones
-    are written once)."""
-
-    def __init__(self, pieces: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = dict(pieces)
-
-    def create_local_plan(self) -> SavePlan:
-        rest = {k: v for k, v in self.state_dict.items() if k not in self.pieces}
-        plan = create_default_local_save_plan(rest, self.is_coordinator)
-        items = [self._piece_item(key) for key in self.pieces]
-        self.plan = SavePlan(list(plan.items) + items)
-        return self.plan
-
-    def _piece_item(self, key: str) -> WriteItem:
-        offsets, size = self.pieces[key]
-        local = self.state_dict[key]
-        return WriteItem(
-            index=MetadataIndex(key, torch.Size(offsets)),
-            type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=local.shape),
-                properties=TensorProperties.create_from_tensor(local),
-                size=torch.Size(size),
-            ),
-        )
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        if index.fqn in self.pieces:
-            return self.state_dict[index.fqn]
-        return super().lookup_object(index)
-
-
-class PieceLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, plus entries that are pieces of a larger tensor
-    (``pieces``: key -> ``(offsets, whole size)``): DCP reads into each piece the parts of
-    the saved chunks that overlap it, however the checkpoint was split."""
-
-    def __init__(self, pieces: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = dict(pieces)
-
-    def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None
-        rest = {k: v for k, v in self.state_dict.items() if k not in self.pieces}
-        plan = create_default_local_load_plan(rest, self.metadata, True)
-        items = list(plan.items)
-        for key, (offsets, size) in self.pieces.items():
-            md = self.metadata.state_dict_metadata.get(key)
-            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(size):
-                raise CheckpointError(f"{key}: the checkpoint has {_describe(md)}, this rank needs a piece of a tensor "
-                                      f"of shape {list(size)}", node=key)
-            local = self.state_dict[key]
-            items += create_read_items_for_chunk_list(
-                key, md, [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=local.shape)])
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
-        if index.fqn in self.pieces:
-            return self.state_dict[index.fqn]
-        return super().lookup_tensor(index)
-
-
-def _describe(md: Any) -> str:
-    if md is None:
-        return "no such entry"
-    if isinstance(md, TensorStorageMetadata):
-        return f"a tensor of shape {list(md.size)}"
-    return "a non-tensor entry"
+    return [whole(key, state[key]) for key in sorted(state) if first[id(state[key])] == key]
 
 
 # --------------------------------------------------------------------------------------
@@ -272,23 +109,10 @@ class _Job:
 
 
 def _job(module: nn.Module) -> _Job:
-    from hapd.runtime.api import ParallelModule
-
-    group = module.group if isinstance(module, ParallelModule) else None
+    group = module.group if isinstance(module, HoldsPieces) else None
     if dist.is_available() and dist.is_initialized():
         return _Job(dist.get_rank(group), dist.get_world_size(group), group, True)
     return _Job(0, 1, None, False)
-
-
-@contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    """Silence two warnings DCP gives that are not the caller's to act on: that it
-    assumes one process when there is no process group (here the intent), and its own
-    use of ``tensor.storage()`` (TypedStorage deprecation, inside torch)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
-        yield
 
 
 # --------------------------------------------------------------------------------------
@@ -318,7 +142,7 @@ def save_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
             state[SAMPLER] = sampler.state_dict()
     temp = _temp_folder(target, job)
     try:
-        with _quiet_dcp():
+        with quiet_dcp():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(temp), planner=PieceSavePlanner(pieces),
                      process_group=job.group, no_dist=not job.distributed)
     except BaseException:
@@ -431,19 +255,15 @@ def _prepare(target: Path) -> Path:
         if not target.is_dir() or any(target.iterdir()):
             raise CheckpointError(f"{target} exists and is not a hapd checkpoint: not replacing it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    temp = target.with_name(f".{target.name}.tmp-{secrets.token_hex(4)}")
+    temp = sibling(target, TEMP)
     temp.mkdir()
     return temp
 
 
 def _write_manifest(folder: Path, module: nn.Module, held: list[Held], job: _Job, step: int) -> None:
-    from hapd import __version__
-
     plan = getattr(module, "plan", None)
     layouts = module.parameter_layouts() if hasattr(module, "parameter_layouts") else {}
-    manifest = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
+    write_manifest(folder, {
         "step": int(step),
         "world": job.world,
         "seed": torch.initial_seed(),
@@ -453,8 +273,7 @@ def _write_manifest(folder: Path, module: nn.Module, held: list[Held], job: _Job
         "hapd": __version__,
         "torch": torch.__version__,
         "saved_at": time.time(),
-    }
-    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    })
 
 
 def _publish(temp: Path, target: Path) -> None:
@@ -462,13 +281,12 @@ def _publish(temp: Path, target: Path) -> None:
     aside, then deleted), and remove leftovers of interrupted saves of ``target``."""
     old = None
     if target.exists():
-        old = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
+        old = sibling(target, ASIDE)
         os.rename(target, old)
     os.rename(temp, target)
     fsync_folder(target.parent)
-    for leftover in target.parent.glob(glob.escape(f".{target.name}.") + "*"):
-        if leftover.name.startswith((f".{target.name}.tmp-", f".{target.name}.old-")):
-            shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in siblings(target, TEMP) + siblings(target, ASIDE):
+        shutil.rmtree(leftover, ignore_errors=True)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -476,37 +294,6 @@ def _publish(temp: Path, target: Path) -> None:
 # --------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder for ``path``: ``path`` when it holds a manifest, else the
-    previous checkpoint a save interrupted between its two renames left beside it.
-    :class:`~hapd.errors.CheckpointError` when there is none."""
-    target = Path(path)
-    if (target / MANIFEST).is_file():
-        return target
-    aside = sorted(target.parent.glob(glob.escape(f".{target.name}.old-") + "*"), key=lambda p: p.stat().st_mtime,
-                   reverse=True)
-    for candidate in aside:
-        if (candidate / MANIFEST).is_file():
-            return candidate
-    if not target.exists():
-        raise CheckpointError(f"no checkpoint at {target}: it does not exist")
-    raise CheckpointError(f"no checkpoint at {target}: it has no {MANIFEST} (not a checkpoint, or its save did not "
-                          "finish)")
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``path``."""
-    folder = find_checkpoint(path)
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder / MANIFEST}: {exc}") from exc
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{folder}: format {manifest.get('format')!r} version {manifest.get('version')!r}, this "
-                              f"hapd reads {FORMAT!r} version {FORMAT_VERSION}")
-    return manifest
 
 
 def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -537,7 +324,7 @@ def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
         if SAMPLER not in saved:
             raise CheckpointError(f"{folder} holds no sampler state")
         state[SAMPLER] = None
-    with _quiet_dcp():
+    with quiet_dcp():
         dcp.load(state, storage_reader=dcp.FileSystemReader(folder), planner=PieceLoadPlanner(pieces),
                  process_group=job.group, no_dist=not job.distributed)
     _copy_model(held, state)
@@ -559,7 +346,7 @@ def _check_model_keys(held: list[Held], saved: Mapping[str, Any], folder: Path) 
     for h in held:
         md = saved[MODEL + h.key]
         if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != h.size:
-            raise CheckpointError(f"{h.key}: the checkpoint has {_describe(md)}, the model's is {list(h.size)}",
+            raise CheckpointError(f"{h.key}: the checkpoint has {describe_entry(md)}, the model's is {list(h.size)}",
                                   node=h.key)
 
 
@@ -653,19 +440,8 @@ def _set_rng(saved: Mapping[str, Any] | None, seed: int) -> None:
 # The single-device state dict as safetensors
 # --------------------------------------------------------------------------------------
 
-SAFETENSORS_NAME = "model.safetensors"
-
-
-def _file_of(path: str | Path) -> Path:
-    """``path`` itself when it names a ``.safetensors`` file, else ``path/model.safetensors``."""
-    path = Path(path)
-    return path if path.suffix == ".safetensors" else path / SAFETENSORS_NAME
-
-
 def _single_device_state(module: nn.Module) -> dict[str, Tensor]:
-    from hapd.runtime.api import ParallelModule
-
-    if isinstance(module, ParallelModule):
+    if isinstance(module, HoldsPieces):
         return module.full_state_dict()
     return {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
@@ -680,13 +456,13 @@ def export_safetensors(module: nn.Module, path: str | Path, *, strip_prefix: str
     ``AutoModel.from_pretrained(folder)`` loads it. Tied weights are written under each
     of their names, so a plain ``model.load_state_dict(safetensors.torch.load_file(…))``
     is complete. Collective for a ParallelModule; rank 0 writes. Returns the file."""
-    from safetensors.torch import save
+    from safetensors.torch import save  # optional (not a dependency of hapd): only when a file is written
 
     state = _single_device_state(module)
     if strip_prefix:
         state = _strip(state, strip_prefix)
     job = _job(module)
-    target = _file_of(path)
+    target = safetensors_file(path)
     error = None
     if job.rank == 0:
         try:
@@ -717,18 +493,16 @@ def import_safetensors(module: nn.Module, path: str | Path, *, strip_prefix: str
     file and keeps its pieces. ``strip_prefix``: the prefix the module's keys have and
     the file's lack. A tied weight the file holds under one of its names only is loaded
     under every name."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # optional (not a dependency of hapd): only when a file is read
 
-    file = _file_of(path)
+    file = safetensors_file(path)
     if not file.is_file():
         raise CheckpointError(f"no safetensors file at {file}")
     state = load_file(str(file))
     if strip_prefix:
         state = {strip_prefix + k: v for k, v in state.items()}
     _fill_tied(module, state)
-    from hapd.runtime.api import ParallelModule
-
-    if isinstance(module, ParallelModule):
+    if isinstance(module, HoldsPieces):
         module.load_full_state_dict(state, strict=strict)
     else:
         module.load_state_dict(state, strict=strict)
@@ -736,23 +510,13 @@ def import_safetensors(module: nn.Module, path: str | Path, *, strip_prefix: str
 
 def _fill_tied(module: nn.Module, state: dict[str, Tensor]) -> None:
     """Every name of a tied tensor, from whichever of its names ``state`` has."""
-    from hapd.runtime.api import ParallelModule
-
-    by_id: dict[int, list[str]] = {}
-    if isinstance(module, ParallelModule):
-        params = dict(module.inner.named_parameters(remove_duplicate=False))
-        for key in module.inner.hapd_params:
-            by_id.setdefault(id(params[key]), []).append(key)
+    if isinstance(module, HoldsPieces):
+        groups = module.tied_names()
     else:
+        by_id: dict[int, list[str]] = {}
         for key, tensor in module.state_dict(keep_vars=True).items():
             by_id.setdefault(id(tensor), []).append(key)
-    groups = list(by_id.values())
-    for key, target in getattr(module, "aliases", {}).items():  # names the rank module does not hold
-        group = next((g for g in groups if target in g), None)
-        if group is None:
-            group = [target]
-            groups.append(group)
-        group.append(key)
+        groups = list(by_id.values())
     for group in groups:
         present = next((k for k in group if k in state), None)
         if present is not None:
@@ -760,6 +524,4 @@ def _fill_tied(module: nn.Module, state: dict[str, Tensor]) -> None:
                 state.setdefault(k, state[present])
 
 
-__all__ = ["CheckpointError", "Held", "PieceLoadPlanner", "PieceSavePlanner", "export_safetensors",
-           "find_checkpoint", "held_tensors", "import_safetensors", "load_checkpoint", "read_manifest",
-           "save_checkpoint"]
+__all__ = ["export_safetensors", "held_tensors", "import_safetensors", "load_checkpoint", "save_checkpoint"]

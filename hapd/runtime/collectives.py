@@ -445,7 +445,7 @@ def exchange(
     group: dist.ProcessGroup | None = None,
 ) -> Exchange | None:
     """The :class:`Exchange` of a plan collective ``kind`` (the names
-    :class:`hapd.runtime.rewrite.Communicate` takes), or None for the local ones
+    :class:`hapd.runtime.rank.Communicate` takes), or None for the local ones
     (``dynamic_slice``, ``mask_to_rank_zero``: nothing to overlap). Same arguments, checks
     and dual collectives as the blocking functions of this module."""
     world, rank = _group(kind, group)

@@ -4,7 +4,7 @@ A plan splits the global batch of ``B`` samples into per-rank lengths
 ``lengths[0] + … + lengths[world-1] = B`` (uneven on a mixed cluster).
 :class:`UnevenBatchSampler` yields, for one rank, the indices of its contiguous share of
 each global batch of a shuffled epoch, so the pieces the ranks read are exactly what
-:meth:`hapd.runtime.rewrite.RankModule.shard_inputs` would cut from the collated global
+:meth:`hapd.runtime.rank.RankModule.shard_inputs` would cut from the collated global
 batch::
 
     sampler = hapd.UnevenBatchSampler(len(dataset), lengths=[3, 1], rank=rank, seed=0)
@@ -18,7 +18,7 @@ epoch across ranks. The last ``len(dataset) % B`` samples form a short batch, dr
 with ``drop_last``, else split in the ``tail`` lengths given (:func:`loader` gives those
 of the module's program for that batch) or by the same ratios (largest remainder).
 :class:`UnevenSampler` is the flat-index form (like ``DistributedSampler``), and
-:func:`loader` gives a rank the ``DataLoader`` of a :class:`~hapd.runtime.api.ParallelModule`.
+:func:`loader` gives a rank the ``DataLoader`` of a :class:`~hapd.runtime.parallel_module.ParallelModule`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _size_of(data: Any) -> int:
 def tail_lengths(lengths: Sequence[int], tail: int) -> list[int]:
     """``tail`` samples split in the ratios of ``lengths`` (largest remainder, ties to
     the lower rank, as the plan splits its batch)."""
-    from hapd.compiler.ratios import sharding_lengths
+    from hapd.compiler.ratios import sharding_lengths  # the LP module (pulp) loads only for a short batch
 
     return sharding_lengths([float(n) for n in lengths], tail)
 
@@ -50,7 +50,7 @@ class UnevenBatchSampler(Sampler[list[int]]):
     """One rank's indices of every global batch of an epoch (see the module docstring).
 
     ``data``: the dataset or its size. ``lengths``: every rank's samples per global
-    batch (the plan's split; :meth:`~hapd.runtime.api.ParallelModule.sample_lengths`).
+    batch (the plan's split; :meth:`~hapd.runtime.parallel_module.ParallelModule.sample_lengths`).
     ``start_batch`` / :meth:`load_state_dict` skip the batches an interrupted epoch has
     already read (resuming mid-epoch). :meth:`state_dict` says where it is: the epoch
     and the global batches of it handed out (``position``), which no world size or
@@ -181,7 +181,7 @@ def _narrow_empty(batch: Any) -> Any:
 
 
 class RankLoader:
-    """A rank's batches for a :class:`~hapd.runtime.api.ParallelModule`: each item is
+    """A rank's batches for a :class:`~hapd.runtime.parallel_module.ParallelModule`: each item is
     the tuple of this rank's forward inputs of one global batch. Its
     :meth:`state_dict` counts the batches the training loop took (a ``DataLoader``
     with workers reads its sampler ahead), for :func:`hapd.save_checkpoint`."""

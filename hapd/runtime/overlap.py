@@ -43,23 +43,21 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
+from hapd.compiler.op_facts import (BATCH_SPLIT_LOSSES, LOSS_OPS, MEAN, PASS_THROUGH_OPS, SUM, SUM_OPS, overloads,
+                                    resolve)
 from hapd.errors import PlanError
 from hapd.runtime import collectives
 from hapd.runtime.adapters import GlobalSum, SyncedBatchNorm
-from hapd.runtime.rewrite import Communicate, RankModule, _set_attr
+from hapd.runtime.rank import Communicate, RankModule, set_attr
 
 DUPLICAS = ("a", "b")
 _HOLDER = "hapd_exchanges"
 """Submodule of the one-duplica module holding the :class:`StartExchange` modules."""
 
-_PASS_THROUGH = {
-    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.clone.default,
-    torch.ops.aten._to_copy.default, torch.ops.aten.squeeze.default, torch.ops.aten.squeeze.dims,
-    torch.ops.aten.unsqueeze.default, torch.ops.aten.alias.default, torch.ops.aten.detach.default,
-}
-"""Ops a loss may pass through after its reduction (they keep values)."""
-_SUMS = {torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList}
-_LOSSES = {torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_loss.default}
+_PASS_THROUGH = overloads(PASS_THROUGH_OPS)
+_SUMS = overloads(SUM_OPS)
+_LOSSES = {resolve(name): LOSS_OPS[name] for name in BATCH_SPLIT_LOSSES}
+"""The losses whose mean over counted targets the plan can split over the batch."""
 
 
 class OverlappedModule(RankModule):
@@ -153,7 +151,7 @@ def _check_batch_independent(gm: RankModule, batch: set[fx.Node]) -> None:
                             "two halves would each use their own", node=node.name)
 
 
-def _loss_counts(gm: RankModule, output: fx.Node) -> list[fx.Node]:
+def loss_counts(gm: RankModule, output: fx.Node) -> list[fx.Node]:
     """The :class:`GlobalSum` nodes dividing the loss (a mean over counted targets), or
     [] for a sum over samples; a :class:`PlanError` naming the op for any other loss."""
     node = output
@@ -163,8 +161,9 @@ def _loss_counts(gm: RankModule, output: fx.Node) -> list[fx.Node]:
     if node.op == "call_function" and node.target in _SUMS:
         return []
     if node.op == "call_function" and node.target in _LOSSES:
-        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-        if reduction == 2:
+        at = _LOSSES[node.target].reduction_arg
+        reduction = node.args[at] if len(node.args) > at else node.kwargs.get("reduction", MEAN)
+        if reduction == SUM:
             return []
     if node.op == "call_function" and node.target is torch.ops.aten.div.Tensor:
         divisor = node.args[1]
@@ -275,7 +274,7 @@ def overlapped(single: RankModule, batch_dims: Sequence[int | None] | None = Non
     loss = output.args[0]
     if not isinstance(loss, fx.Node):
         raise PlanError("overlapped execution needs a program whose output is one loss tensor")
-    b = _Builder(single, batch, _loss_counts(single, loss))
+    b = _Builder(single, batch, loss_counts(single, loss))
     for dup in DUPLICAS:
         for p in placeholders:
             b.env[(dup, p)] = b.graph.placeholder(f"{p.name}_{dup}")
@@ -311,7 +310,7 @@ def overlapped(single: RankModule, batch_dims: Sequence[int | None] | None = Non
     have = dict(module.named_parameters(remove_duplicate=False))
     for name in single.hapd_params:  # every name of a tied parameter, as the one-duplica module has them
         if name not in have:
-            _set_attr(module, name, single.get_parameter(name), parameter=True)
+            set_attr(module, name, single.get_parameter(name), parameter=True)
     for attr in ("hapd_view", "hapd_params", "hapd_buffers", "hapd_updated", "hapd_sync"):
         setattr(module, attr, getattr(single, attr))
     module.hapd_inputs = list(single.hapd_inputs)  # each half's: forward takes them twice
@@ -322,4 +321,4 @@ def overlapped(single: RankModule, batch_dims: Sequence[int | None] | None = Non
     return module
 
 
-__all__ = ["OverlappedModule", "overlapped", "split_batch"]
+__all__ = ["OverlappedModule", "loss_counts", "overlapped", "split_batch"]

@@ -34,7 +34,7 @@ over samples (``reduction="sum"``): a mean would be averaged per micro-batch
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,11 +43,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, fx
 
+from hapd.compiler import pipeline_search as search
+from hapd.compiler.driver import compile as compile_plan
+from hapd.compiler.export import export
+from hapd.compiler.lower import lower
+from hapd.compiler.options import CompileOptions
+from hapd.compiler.pipeline_search import PipelinePlan
 from hapd.compiler.plan import Plan
-from hapd.compiler.stages import GRAD_PREFIX, Boundary, Stage
+from hapd.compiler.stages import GRAD_PREFIX, Boundary, Stage, split_program
 from hapd.errors import PlanError
-from hapd.runtime.overlap import _loss_counts
-from hapd.runtime.rewrite import IDENTITY, REDUCE, RankModule, distribute, gather_dim
+from hapd.runtime import collectives
+from hapd.runtime.layout import IDENTITY, REDUCE, gather_dim
+from hapd.runtime.overlap import loss_counts
+from hapd.runtime.rank import RankModule
+from hapd.runtime.rewrite import distribute
 
 Box = tuple[tuple[int, int], ...]
 """A block of a full tensor: (start, length) along every dim."""
@@ -367,8 +376,6 @@ class PipelineRank:
         summed inside the group already; split: its pieces gathered), the stages' first
         ranks sum it among themselves -- only they cross the link between groups, once
         each -- and each passes the sum to its group, whose ranks keep their pieces."""
-        from hapd.runtime import collectives
-
         rank = dist.get_rank()
         leader = self.groups[self.s][0]
         for target, (members, leaders) in self.tied.items():
@@ -500,7 +507,7 @@ def _peer_holdings(stages: Sequence[Stage], plans: Sequence[Plan], groups: Seque
 
 
 def _check_summed_loss(module: RankModule, loss: fx.Node) -> None:
-    if _loss_counts(module, loss):
+    if loss_counts(module, loss):
         raise PlanError("pipeline micro-batches add their losses; the loss is a mean over counted targets "
                         "(use reduction='sum')")
 
@@ -531,14 +538,6 @@ def compile_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dim
     (``options.pipeline = "auto"``): the model exported at the global batch and at each
     micro-batch size the search prices (:func:`hapd.compiler.pipeline_search.micro_batch_counts`).
     Runs on one process (rank 0 of a job; the caller sends the bytes to the others)."""
-    import dataclasses
-
-    from hapd.compiler import pipeline_search as search
-    from hapd.compiler.driver import compile as compile_plan
-    from hapd.compiler.export import export
-    from hapd.compiler.lower import lower
-    from hapd.compiler.options import CompileOptions
-
     options = dataclasses.replace(options or CompileOptions(), pipeline="auto")
     name = name or type(model).__name__
 
@@ -557,15 +556,6 @@ def build_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dims:
     model exported for one micro-batch and cut at the pipeline's cuts; rank 0 compiles
     every stage's plan for its group (``profile.subset``; ``options`` without pipelines)
     and sends them to the other ranks. Collective."""
-    import dataclasses
-
-    from hapd.compiler.driver import compile as compile_plan
-    from hapd.compiler.export import export
-    from hapd.compiler.lower import lower
-    from hapd.compiler.options import CompileOptions
-    from hapd.compiler.pipeline_search import PipelinePlan
-    from hapd.compiler.stages import split_program
-
     doc = plan.pipeline
     if doc is None:
         raise PlanError("the plan runs no pipeline")

@@ -1,7 +1,8 @@
 """Rewriting an exported program for one rank of a plan.
 
-:func:`distribute` turns a ``torch.export`` program and a :class:`~hapd.compiler.plan.Plan` into
-the fx :class:`RankModule` one rank runs. It applies these steps, in order:
+:func:`distribute` turns a ``torch.export`` program and a :class:`~hapd.compiler.plan.Plan`
+into the fx :class:`~hapd.runtime.rank.RankModule` one rank runs. It applies these steps,
+in order:
 
 1. **check** (:func:`_check`) — the program lowers to the plan's graph id, the plan is
    for this world size, and the rank is in it;
@@ -26,9 +27,10 @@ the fx :class:`RankModule` one rank runs. It applies these steps, in order:
 The program is first made functional with :func:`hapd.compiler.normalize.normalize`,
 as the lowering does, so the plan's fx node names are the names of the nodes replayed.
 
-The module takes this rank's inputs (:meth:`RankModule.shard_inputs` cuts them from
-the full batch) and returns this rank's part of the loss: the sum over ranks is the
-single-device loss, and after ``backward()`` every parameter holds its exact gradient.
+The module takes this rank's inputs (:meth:`~hapd.runtime.rank.RankModule.shard_inputs`
+cuts them from the full batch) and returns this rank's part of the loss: the sum over
+ranks is the single-device loss, and after ``backward()`` every parameter holds its
+exact gradient.
 
 A second program of the same model (its eval forward, or a batch of another size) is
 distributed with ``shared=`` the first rank module: it then holds no state of its own
@@ -40,10 +42,7 @@ gradient sync, so an optimizer of the first trains through either.
 from __future__ import annotations
 
 import operator
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -54,184 +53,24 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from hapd import _core
+from hapd.compiler.export import export
+from hapd.compiler.lower import load_exported, lower
 from hapd.compiler.normalize import buffer_mutations, normalize
+from hapd.compiler.op_facts import NO_EMPTY_SPLIT_OPS
 from hapd.compiler.plan import Plan
 from hapd.compiler.tied import aliases_of_read
 from hapd.errors import PlanError
 from hapd.runtime import collectives, recompute
 from hapd.runtime.adapters import ADAPTERS, stride_free
 from hapd.runtime.gradsync import GradSync
+from hapd.runtime.layout import IDENTITY, REDUCE, check_layout, gather_dim
+from hapd.runtime.overlap import overlapped
+from hapd.runtime.rank import Communicate, RankModule, RankView, set_attr
 from hapd.runtime.weights import Weights, WeightSource, rank_piece, weight_source
 
-IDENTITY, REDUCE = "Identity", "Reduce"
-_GATHER = re.compile(r"Gather\((\d+)\)")
-
-
-def gather_dim(layout: str) -> int | None:
-    """``d`` for ``"Gather(d)"``, ``None`` for ``Identity`` and ``Reduce``."""
-    m = _GATHER.fullmatch(layout)
-    return int(m.group(1)) if m else None
-
-
-def _check_layout(layout: str, where: str) -> str:
-    if layout not in (IDENTITY, REDUCE) and gather_dim(layout) is None:
-        raise PlanError(f"{where}: unknown layout {layout!r}")
-    return layout
-
-
 # --------------------------------------------------------------------------------------
-# What the plan says about this rank
+# Building the rank's graph
 # --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankView:
-    """The plan seen from one rank: lengths and local shapes of tensors."""
-
-    plan: Plan
-    rank: int
-    world: int
-
-    def lengths(self, tensor: str, dim: int) -> list[int]:
-        lengths = self.plan.lengths_of(tensor, dim)
-        if len(lengths) != self.world:
-            raise PlanError(f"tensor {tensor} dim {dim}: {len(lengths)} lengths for {self.world} ranks", node=tensor)
-        return lengths
-
-    def offset(self, tensor: str, dim: int) -> tuple[int, int]:
-        """(start, length) of this rank's slice of ``tensor`` along ``dim``."""
-        lengths = self.lengths(tensor, dim)
-        return sum(lengths[: self.rank]), lengths[self.rank]
-
-    def full_shape(self, tensor: str) -> list[int]:
-        return list(self.tensors[tensor]["shape"])
-
-    def local_shape(self, tensor: str, layout: str) -> list[int]:
-        shape = self.full_shape(tensor)
-        d = gather_dim(layout)
-        if d is not None:
-            shape[d] = self.offset(tensor, d)[1]
-        return shape
-
-    def output_index(self, tensor: str) -> int:
-        return int(self.tensors[tensor]["output"])
-
-    def dtype(self, tensor: str) -> str:
-        return str(self.tensors[tensor]["dtype"])
-
-    @cached_property
-    def tensors(self) -> Mapping[str, Mapping[str, Any]]:
-        """The plan's tensors by name."""
-        return {t["name"]: t for t in self.plan.program["tensors"]}
-
-    def local_value(self, tensor: str, layout: str, value: Tensor) -> Tensor:
-        """This rank's piece of the full ``value`` of ``tensor`` held in ``layout``
-        (a fresh tensor that shares no storage with ``value``)."""
-        d = gather_dim(layout)
-        if d is not None:
-            start, length = self.offset(tensor, d)
-            return value.narrow(d, start, length).clone()
-        if layout == REDUCE:
-            return value.clone() if self.rank == 0 else torch.zeros_like(value)
-        return value.clone()
-
-
-# --------------------------------------------------------------------------------------
-# The module the rewritten graph calls for a collective (fx code can call modules with
-# state; the state here is the collective's dims, lengths and process group)
-# --------------------------------------------------------------------------------------
-
-
-class Communicate(nn.Module):
-    """One collective of the plan on one tensor: ``from_layout → to_layout``."""
-
-    def __init__(self, kind: str, tensor: str, src: str, dst: str, view: RankView, group: Any):
-        super().__init__()
-        self.kind, self.tensor, self.src, self.dst = kind, tensor, src, dst
-        self.group = group
-        self.rank = view.rank
-        i, j = gather_dim(src), gather_dim(dst)
-        self.src_dim, self.dst_dim = i, j
-        self.src_lengths = view.lengths(tensor, i) if i is not None else None
-        self.dst_lengths = view.lengths(tensor, j) if j is not None else None
-        expected = {
-            "all_gather": (i is not None and dst == IDENTITY),
-            "all_gather_grouped": (i is not None and dst == IDENTITY),
-            "reduce_scatter": (src == REDUCE and j is not None),
-            "reduce_scatter_grouped": (src == REDUCE and j is not None),
-            "all_reduce": (src == REDUCE and dst == IDENTITY),
-            "all_to_all": (i is not None and j is not None and i != j),
-            "dynamic_slice": (src == IDENTITY and j is not None),
-            "mask_to_rank_zero": (src == IDENTITY and dst == REDUCE),
-        }
-        if not expected.get(kind, False):
-            raise PlanError(f"tensor {tensor}: collective {kind!r} cannot turn {src} into {dst}", node=tensor)
-
-    def forward(self, x: Tensor) -> Tensor:
-        kind, group = self.kind, self.group
-        if kind in ("all_gather", "all_gather_grouped"):
-            return collectives.all_gather(x, self.src_dim, self.src_lengths, grouped=kind.endswith("grouped"), group=group)
-        if kind in ("reduce_scatter", "reduce_scatter_grouped"):
-            return collectives.reduce_scatter(
-                x, self.dst_dim, self.dst_lengths, grouped=kind.endswith("grouped"), group=group
-            )
-        if kind == "all_reduce":
-            return collectives.all_reduce(x, group=group)
-        if kind == "all_to_all":
-            return collectives.all_to_all(
-                x, self.src_dim, self.dst_dim, self.src_lengths, self.dst_lengths, group=group
-            )
-        if kind == "dynamic_slice":
-            return collectives.dynamic_slice(x, self.dst_dim, self.dst_lengths, group=group)
-        return collectives.mask_to_rank_zero(x, group=group)
-
-    def extra_repr(self) -> str:
-        return f"{self.kind}: {self.tensor} {self.src} -> {self.dst}"
-
-
-# --------------------------------------------------------------------------------------
-# The rank's module
-# --------------------------------------------------------------------------------------
-
-
-class RankModule(fx.GraphModule):
-    """One rank's program: ``forward(*local_inputs) -> this rank's loss part``."""
-
-    hapd_view: RankView
-    hapd_inputs: list[tuple[str, str]]
-    """(input name, layout) of each forward argument."""
-    hapd_params: dict[str, tuple[str, str]]
-    """parameter name (as in the original model) -> (plan tensor, layout); every name of
-    a tied parameter is a key, and names the same ``nn.Parameter`` of this module
-    (``named_parameters(remove_duplicate=False)`` lists each)."""
-    hapd_buffers: dict[str, tuple[str, str, str]]
-    """buffer or constant name (as in the original model) -> (plan tensor, layout,
-    attribute of this module holding the rank's piece) for those read but not updated."""
-    hapd_updated: list[str]
-    """buffers the step updates, held whole on every rank at their own name."""
-    hapd_sync: GradSync
-
-    def shard_inputs(self, *full: Tensor) -> tuple[Tensor, ...]:
-        """This rank's pieces of the full (global-batch) inputs, in forward order."""
-        if len(full) != len(self.hapd_inputs):
-            raise PlanError(f"expected {len(self.hapd_inputs)} inputs ({', '.join(n for n, _ in self.hapd_inputs)}), got {len(full)}")
-        out = []
-        for (name, layout), value in zip(self.hapd_inputs, full):
-            expected = self.hapd_view.full_shape(name) if name in self.hapd_view.tensors else list(value.shape)
-            if list(value.shape) != expected:
-                raise PlanError(f"input {name}: shape {list(value.shape)}, the plan was compiled for {expected}", node=name)
-            d = gather_dim(layout)
-            if d is None:
-                out.append(value)
-            else:
-                start, length = self.hapd_view.offset(name, d)
-                out.append(value.narrow(d, start, length))
-        return tuple(out)
-
-    def local_shapes(self) -> list[list[int]]:
-        """The shape of each input this rank's forward takes."""
-        view = self.hapd_view
-        return [view.local_shape(n, layout) if n in view.tensors else [] for n, layout in self.hapd_inputs]
 
 
 def _sources_of(program: ExportedProgram) -> dict[str, tuple[str, str, Tensor | None]]:
@@ -253,26 +92,8 @@ def _user_inputs(program: ExportedProgram) -> list[str]:
     return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
 
 
-def _set_attr(root: nn.Module, target: str, value: Tensor, *, parameter: bool) -> None:
-    """Register ``value`` at the dotted path ``target`` under ``root``."""
-    *path, leaf = target.split(".")
-    module = root
-    for part in path:
-        child = getattr(module, part, None) if part in module._modules else None  # noqa: SLF001 - nn.Module's own registry
-        if child is None:
-            child = nn.Module()
-            module.add_module(part, child)
-        module = child
-    if parameter:
-        module.register_parameter(leaf, value if isinstance(value, nn.Parameter) else nn.Parameter(value))
-    else:
-        module.register_buffer(leaf, value)
-
-
 def _check(program: ExportedProgram, plan: Plan, rank: int, world: int, *, graph: bool) -> None:
     """Step 1: the plan fits this job (and, with ``graph``, this program)."""
-    from hapd.compiler.lower import lower
-
     devices = int(plan.program["devices"])
     if devices != world:
         raise PlanError(f"the plan is for {devices} devices, this job has {world} ranks")
@@ -286,11 +107,6 @@ def _check(program: ExportedProgram, plan: Plan, rank: int, world: int, *, graph
             f"the plan was compiled for graph {plan.key['graph_id'][:12]}…, this program is {graph_id[:12]}… "
             "(a different model, batch size or torch version)"
         )
-
-
-_NO_EMPTY_SPLITS = frozenset({"aten.conv2d", "aten.max_pool2d", "aten.scaled_dot_product_attention"})
-"""Ops whose kernels reject (or crash on) a zero-length split dim: an empty piece is
-padded with one zero slice and the output cut back (see ``_Emitter.pad_empty``)."""
 
 
 class _Emitter:
@@ -356,7 +172,7 @@ class _Emitter:
             self.inputs.append((name, layout))
 
     def source(self, src: Mapping[str, Any]) -> None:
-        name, layout = src["tensor"], _check_layout(src["layout"], f"source {src['tensor']}")
+        name, layout = src["tensor"], check_layout(src["layout"], f"source {src['tensor']}")
         if src["kind"] == "input":
             if (name, layout) not in self.env:
                 raise PlanError(f"input {name} is not an input of the exported program", node=name)
@@ -372,7 +188,7 @@ class _Emitter:
         attr = f"hapd_src.{target}" if kind != "parameter" else target
         if kind == "parameter" and self.shared is not None:
             param = self.shared_parameter(target, name, layout)
-            _set_attr(self.root, attr, param, parameter=True)
+            set_attr(self.root, attr, param, parameter=True)
             for alias in (target, *self.aliases.get(target, ())):
                 self.params[alias] = (name, layout)
             if src.get("grad_sync") and param.requires_grad:
@@ -384,13 +200,13 @@ class _Emitter:
             local = local.to(self.device)
         if kind == "parameter":
             param = nn.Parameter(local, requires_grad=value.requires_grad)
-            _set_attr(self.root, attr, param, parameter=True)
+            set_attr(self.root, attr, param, parameter=True)
             for alias in (target, *self.aliases.get(target, ())):  # tied: one parameter, every name
                 self.params[alias] = (name, layout)
             if src.get("grad_sync") and param.requires_grad:
                 self.synced.append(param)
         else:
-            _set_attr(self.root, attr, local, parameter=False)
+            set_attr(self.root, attr, local, parameter=False)
             for alias in (target, *self.aliases.get(target, ())):
                 self.buffers[alias] = (name, layout, attr)
         self.env[(name, layout)] = self.graph.get_attr(attr)
@@ -402,13 +218,13 @@ class _Emitter:
         by_target = {target: value for _kind, target, value in self.sources.values()}
         for target in sorted(self.whole):
             if self.shared is not None and target in self.shared.hapd_updated:
-                _set_attr(self.root, target, self.shared.get_buffer(target), parameter=False)
+                set_attr(self.root, target, self.shared.get_buffer(target), parameter=False)
                 continue
             value = by_target.get(target)
             if value is None:
                 raise PlanError(f"buffer {target} is updated but has no value in the exported program", node=target)
             whole = self.local_value(target, IDENTITY, target, value)
-            _set_attr(self.root, target, whole.to(self.device) if self.device is not None else whole, parameter=False)
+            set_attr(self.root, target, whole.to(self.device) if self.device is not None else whole, parameter=False)
 
     def local_value(self, name: str, layout: str, target: str, value: Tensor) -> Tensor:
         """This rank's piece of source ``target`` (plan tensor ``name``) held in
@@ -468,7 +284,7 @@ class _Emitter:
             raise PlanError(f"step {step['node']} is not an op of the exported program", node=step["node"])
         layouts: dict[str, str] = {}
         for inp in step["inputs"]:
-            lay = _check_layout(inp["layout"], f"step {step['node']}")
+            lay = check_layout(inp["layout"], f"step {step['node']}")
             if layouts.setdefault(inp["tensor"], lay) != lay:
                 raise PlanError(f"step {step['node']} reads {inp['tensor']} in two layouts", node=step["node"])
 
@@ -481,7 +297,7 @@ class _Emitter:
         kwargs = dict(fx.node.map_arg(node.kwargs, arg))
         if self.device is not None and "device" in kwargs:
             kwargs["device"] = self.device
-        empty = self.empty_pieces(step) if step["op"] in _NO_EMPTY_SPLITS else {}
+        empty = self.empty_pieces(step) if step["op"] in NO_EMPTY_SPLIT_OPS else {}
         if empty:
             args, kwargs = self.pad_empty(empty, args, kwargs)
         adapt = ADAPTERS.get((step["op"], step["rule"]))
@@ -530,7 +346,7 @@ class _Emitter:
     def bind_outputs(self, step: Mapping[str, Any], node: fx.Node, result: fx.Node) -> None:
         tuple_result = isinstance(node.meta.get("val"), (tuple, list))
         for out in step["outputs"]:
-            layout = _check_layout(out["layout"], f"step {step['node']}")
+            layout = check_layout(out["layout"], f"step {step['node']}")
             if tuple_result:
                 k = self.view.output_index(out["tensor"])
                 self.env[(out["tensor"], layout)] = self.graph.call_function(operator.getitem, (result, k))
@@ -555,11 +371,7 @@ def _load_program(program: ExportedProgram | str | Path | nn.Module, example_inp
     if isinstance(program, nn.Module):
         if example_inputs is None:
             raise PlanError("distributing an nn.Module needs example_inputs (the global batch it was compiled for)")
-        from hapd.compiler.export import export
-
         return export(program, tuple(example_inputs))
-    from hapd.compiler.lower import load_exported
-
     return load_exported(program)[0]
 
 
@@ -629,8 +441,6 @@ def distribute(
     else:
         _share_gradient_sync(module, shared, em.synced)
     if plan.overlap:
-        from hapd.runtime.overlap import overlapped
-
         return overlapped(module, batch_dims)
     return module
 
@@ -723,7 +533,7 @@ def _register_tied(module: RankModule, em: _Emitter) -> None:
         if target in em.params:
             param = module.get_parameter(target)
             for alias in aliases:
-                _set_attr(module, alias, param, parameter=True)
+                set_attr(module, alias, param, parameter=True)
 
 
 def _sync_gradients(module: RankModule, synced: Sequence[nn.Parameter], group: Any, bucket_bytes: int,

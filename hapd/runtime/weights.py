@@ -55,9 +55,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from hapd.compiler.export import on_meta
 from hapd.errors import CheckpointError, WeightsError
+from hapd.runtime.checkpoint_format import (
+    MANIFEST,
+    MODEL,
+    SAFETENSORS_NAME,
+    PieceLoadPlanner,
+    find_checkpoint,
+    quiet_dcp,
+    read_manifest,
+    safetensors_file,
+)
 
 Region = tuple[int, int, int]
 """``(dim, start, length)``: the slice of a tensor a rank holds along one dim."""
@@ -251,11 +264,9 @@ class SafetensorsWeights(WeightSource):
     cast to the model's dtype."""
 
     def __init__(self, path: str | Path, *, strip_prefix: str | None = None):
-        from safetensors import safe_open
+        from safetensors import safe_open  # optional (not a dependency of hapd): only when a file is read
 
-        from hapd.runtime.checkpoint import _file_of
-
-        self.file = _file_of(path)
+        self.file = safetensors_file(path)
         if not self.file.is_file():
             raise CheckpointError(f"no safetensors file at {self.file}")
         try:
@@ -293,20 +304,11 @@ class CheckpointWeights(WeightSource):
     that overlap it, whatever world size and plan wrote them."""
 
     def __init__(self, path: str | Path):
-        import torch.distributed.checkpoint as dcp
-
-        from hapd.runtime.checkpoint import find_checkpoint, read_manifest
-
         self.folder = find_checkpoint(path)
         read_manifest(self.folder)
         self.metadata = dcp.FileSystemReader(self.folder).read_metadata().state_dict_metadata
 
     def read(self, names: Sequence[str], like: Tensor, region: Region | None) -> Tensor | None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        from hapd.runtime.checkpoint import MODEL, PieceLoadPlanner, _quiet_dcp
-
         key = next((MODEL + n for n in names if MODEL + n in self.metadata), None)
         if key is None:
             return None
@@ -320,7 +322,7 @@ class CheckpointWeights(WeightSource):
         piece = torch.empty(shape, dtype=md.properties.dtype)
         if piece.numel():
             pieces = {key: (tuple(offsets), tuple(like.shape))} if region is not None else {}
-            with _quiet_dcp():
+            with quiet_dcp():
                 dcp.load({key: piece}, storage_reader=dcp.FileSystemReader(self.folder),
                          planner=PieceLoadPlanner(pieces), no_dist=True)
         return piece.to(like.dtype)
@@ -359,13 +361,37 @@ Weights = WeightSource | str | Path | Callable[[str, Tensor], Tensor | None] | S
 """What ``weights=`` takes (see :func:`weight_source`)."""
 
 
-def weight_source(weights: Weights | None) -> WeightSource | None:
-    """A :class:`WeightSource` for ``weights``: a source as is; a path to a
-    ``.safetensors`` file (or a folder with ``model.safetensors``) or to a hapd
-    checkpoint; a callable ``(name, like) -> tensor`` (an :class:`Initializer`); a list
-    of these (a :class:`Chain`); ``None`` stays ``None``."""
-    from hapd.runtime.checkpoint import MANIFEST, SAFETENSORS_NAME, find_checkpoint
+# --------------------------------------------------------------------------------------
+# Where a rank's weights come from
+# --------------------------------------------------------------------------------------
 
+
+def weight_source(weights: Weights | None, model: nn.Module | None = None) -> WeightSource | None:
+    """Where a rank's pieces of the parameters and buffers come from: the one place
+    that decides it (:func:`hapd.parallelize`, :func:`hapd.distribute` and
+    :func:`materialize` ask here).
+
+    ``weights``: a :class:`WeightSource` as is; a path to a ``.safetensors`` file (or a
+    folder with ``model.safetensors``) or to a hapd checkpoint; a callable
+    ``(name, like) -> tensor`` (an :class:`Initializer`); a list of these (a
+    :class:`Chain`). With ``model`` (the model the program is exported from), its own
+    real tensors come after ``weights`` (:class:`ModelTensors`: buffers built under
+    :func:`init_on_meta`), and a ``model`` on the meta device without ``weights`` is a
+    :class:`~hapd.errors.WeightsError`. ``None``: no source, the pieces are cut from
+    the exported program's state dict."""
+    source = _source_of(weights)
+    if model is None:
+        return source
+    if source is None:
+        if on_meta(model):
+            raise WeightsError(f"{type(model).__name__} is on the meta device: pass weights= (hapd.module_init(model), "
+                               "a safetensors file or a checkpoint folder) for each rank to read its pieces from")
+        return None
+    return Chain([source, ModelTensors(model)])
+
+
+def _source_of(weights: Weights | None) -> WeightSource | None:
+    """``weights=`` as a :class:`WeightSource` (see :func:`weight_source`)."""
     if weights is None or isinstance(weights, WeightSource):
         return weights
     if isinstance(weights, (str, Path)):
@@ -375,7 +401,7 @@ def weight_source(weights: Weights | None) -> WeightSource | None:
         find_checkpoint(path)  # a clear error when it is neither
         return CheckpointWeights(path)
     if isinstance(weights, Sequence):
-        return Chain([s for s in (weight_source(w) for w in weights) if s is not None])
+        return Chain([s for s in (_source_of(w) for w in weights) if s is not None])
     if callable(weights):
         return Initializer(weights)
     raise WeightsError(f"weights= takes a weight source, a safetensors file, a checkpoint folder, an initializer "

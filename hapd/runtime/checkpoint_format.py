@@ -1,0 +1,237 @@
+"""The on-disk format of hapd checkpoints and single-device safetensors files.
+
+A checkpoint is a folder in the ``torch.distributed.checkpoint`` (DCP) format: every
+rank writes its own pieces in parallel (``__<rank>_0.distcp``), rank 0 writes DCP's
+``.metadata`` and hapd's manifest ``hapd.json`` (:data:`MANIFEST`, written last).
+Tensors are stored under the single-device model's names and shapes, each rank's piece
+as a DCP chunk with its global offsets — the plan's uneven splits (3:1 …) are not DCP's
+even ``DTensor`` shards, so :class:`PieceSavePlanner` and :class:`PieceLoadPlanner`
+(DCP's planner extension points) give each piece its offsets. A reader asks DCP for
+the pieces it needs, and DCP's resharding reads the overlapping parts of whatever
+pieces were saved. A replicated tensor is written once (DCP deduplicates equal chunks).
+
+What a checkpoint holds:
+
+* ``model/<name>`` (:data:`MODEL`): parameters and buffers (tied parameters once,
+  under their alphabetically first name).
+* ``optim/<name>/<state>`` (:data:`OPTIM`): the optimizer state of parameter
+  ``<name>``; a state tensor shaped like the parameter's piece (Adam's ``exp_avg``,
+  ``exp_avg_sq``) is split like the parameter, a scalar (``step``) is whole.
+  ``optim/param_groups`` (:data:`GROUPS`): the hyperparameters of each group and the
+  names of its parameters.
+* ``hapd/sampler`` (:data:`SAMPLER`): the sampler's (or loader's) ``state_dict()``: its
+  epoch and the global batches of it already read, which no world size changes.
+* ``hapd/rng/<rank>`` (:data:`RNG`): each rank's torch CPU (and CUDA) RNG state;
+  ``hapd.json`` holds the global seed (rank 0's ``torch.initial_seed()``).
+* ``hapd/extra`` (:data:`EXTRA`): the ``extra`` dict (anything ``torch.save`` takes),
+  and ``step``.
+
+A save writes into a hidden sibling folder ``.<name>.tmp-<tag>`` and puts the previous
+checkpoint aside at ``.<name>.old-<tag>`` while it renames (:func:`sibling`);
+:func:`find_checkpoint` finds a checkpoint left aside there. The single-device state
+dict is a safetensors file, ``model.safetensors`` in a folder (:func:`safetensors_file`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import secrets
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+    create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from hapd.errors import CheckpointError
+from hapd.util import atomic_write
+
+FORMAT = "hapd-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "hapd.json"
+"""Rank 0's manifest: written last, so a folder without it is no checkpoint."""
+
+MODEL, OPTIM, GROUPS = "model/", "optim/", "optim/param_groups"
+SAMPLER, EXTRA, RNG = "hapd/sampler", "hapd/extra", "hapd/rng/"
+
+SAFETENSORS_NAME = "model.safetensors"
+
+TEMP, ASIDE = "tmp", "old"
+"""The kinds of hidden folder a save leaves beside its target (:func:`sibling`): the one
+the ranks write into, and the previous checkpoint put aside."""
+
+Pieces = Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]
+"""State-dict key -> ``(offsets, whole size)`` of an entry that is a piece of a larger
+tensor."""
+
+
+# --------------------------------------------------------------------------------------
+# Files and folders
+# --------------------------------------------------------------------------------------
+
+
+def safetensors_file(path: str | Path) -> Path:
+    """``path`` itself when it names a ``.safetensors`` file, else ``path/model.safetensors``."""
+    path = Path(path)
+    return path if path.suffix == ".safetensors" else path / SAFETENSORS_NAME
+
+
+def sibling(target: Path, kind: str) -> Path:
+    """A fresh name for a hidden folder of ``kind`` (:data:`TEMP`, :data:`ASIDE`) beside
+    ``target``: ``.<name>.<kind>-<tag>``."""
+    return target.with_name(f".{target.name}.{kind}-{secrets.token_hex(4)}")
+
+
+def siblings(target: Path, kind: str) -> list[Path]:
+    """The hidden folders of ``kind`` beside ``target`` (see :func:`sibling`)."""
+    return list(target.parent.glob(glob.escape(f".{target.name}.{kind}-") + "*"))
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder for ``path``: ``path`` when it holds a manifest, else the
+    previous checkpoint a save interrupted between its two renames left beside it.
+    :class:`~hapd.errors.CheckpointError` when there is none."""
+    target = Path(path)
+    if (target / MANIFEST).is_file():
+        return target
+    aside = sorted(siblings(target, ASIDE), key=lambda p: p.stat().st_mtime, reverse=True)
+    for candidate in aside:
+        if (candidate / MANIFEST).is_file():
+            return candidate
+    if not target.exists():
+        raise CheckpointError(f"no checkpoint at {target}: it does not exist")
+    raise CheckpointError(f"no checkpoint at {target}: it has no {MANIFEST} (not a checkpoint, or its save did not "
+                          "finish)")
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path``."""
+    folder = find_checkpoint(path)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder / MANIFEST}: {exc}") from exc
+    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{folder}: format {manifest.get('format')!r} version {manifest.get('version')!r}, this "
+                              f"hapd reads {FORMAT!r} version {FORMAT_VERSION}")
+    return manifest
+
+
+def write_manifest(folder: Path, fields: Mapping[str, Any]) -> None:
+    """Write the manifest of the checkpoint in ``folder``: the format, its version and
+    ``fields`` (atomically)."""
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, **fields}
+    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+
+
+# --------------------------------------------------------------------------------------
+# DCP planners for pieces with explicit offsets
+# --------------------------------------------------------------------------------------
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, plus entries that are pieces of a larger tensor:
+    ``pieces`` maps such a key to its ``(offsets, whole size)``; the state dict holds the
+    piece itself. Whole tensors and other objects go the default way (replicated ones
+    are written once)."""
+
+    def __init__(self, pieces: Pieces):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = dict(pieces)
+
+    def create_local_plan(self) -> SavePlan:
+        rest = {k: v for k, v in self.state_dict.items() if k not in self.pieces}
+        plan = create_default_local_save_plan(rest, self.is_coordinator)
+        items = [self._piece_item(key) for key in self.pieces]
+        self.plan = SavePlan(list(plan.items) + items)
+        return self.plan
+
+    def _piece_item(self, key: str) -> WriteItem:
+        offsets, size = self.pieces[key]
+        local = self.state_dict[key]
+        return WriteItem(
+            index=MetadataIndex(key, torch.Size(offsets)),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=local.shape),
+                properties=TensorProperties.create_from_tensor(local),
+                size=torch.Size(size),
+            ),
+        )
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        if index.fqn in self.pieces:
+            return self.state_dict[index.fqn]
+        return super().lookup_object(index)
+
+
+class PieceLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, plus entries that are pieces of a larger tensor
+    (``pieces``: key -> ``(offsets, whole size)``): DCP reads into each piece the parts of
+    the saved chunks that overlap it, however the checkpoint was split."""
+
+    def __init__(self, pieces: Pieces):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = dict(pieces)
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        rest = {k: v for k, v in self.state_dict.items() if k not in self.pieces}
+        plan = create_default_local_load_plan(rest, self.metadata, True)
+        items = list(plan.items)
+        for key, (offsets, size) in self.pieces.items():
+            md = self.metadata.state_dict_metadata.get(key)
+            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(size):
+                raise CheckpointError(f"{key}: the checkpoint has {describe_entry(md)}, this rank needs a piece of a "
+                                      f"tensor of shape {list(size)}", node=key)
+            local = self.state_dict[key]
+            items += create_read_items_for_chunk_list(
+                key, md, [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=local.shape)])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        if index.fqn in self.pieces:
+            return self.state_dict[index.fqn]
+        return super().lookup_tensor(index)
+
+
+def describe_entry(md: Any) -> str:
+    """What a checkpoint holds under a key (its DCP metadata ``md``), in words."""
+    if md is None:
+        return "no such entry"
+    if isinstance(md, TensorStorageMetadata):
+        return f"a tensor of shape {list(md.size)}"
+    return "a non-tensor entry"
+
+
+@contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """Silence two warnings DCP gives that are not the caller's to act on: that it
+    assumes one process when there is no process group (here the intent), and its own
+    use of ``tensor.storage()`` (TypedStorage deprecation, inside torch)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+        yield
+
+
+__all__ = ["ASIDE", "EXTRA", "FORMAT", "FORMAT_VERSION", "GROUPS", "MANIFEST", "MODEL", "OPTIM", "RNG",
+           "SAFETENSORS_NAME", "SAMPLER", "TEMP", "PieceLoadPlanner", "PieceSavePlanner", "Pieces", "describe_entry",
+           "find_checkpoint", "quiet_dcp", "read_manifest", "safetensors_file", "sibling", "siblings", "write_manifest"]

@@ -1,0 +1,199 @@
+"""The public training API: :func:`parallelize` a model, train it with any optimizer.
+
+    import hapd, torch
+    module = hapd.parallelize(model, example_batch)        # collective: every rank calls it
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    for batch in hapd.loader(dataset, module):             # this rank's samples only
+        optimizer.zero_grad(set_to_none=True)
+        module(*batch).backward()                          # this rank's part of the loss
+        module.clip_grad_norm_(1.0)
+        optimizer.step()
+    torch.save(module.full_state_dict(), "model.pt")       # the single-device names and shapes
+
+The model's ``forward`` returns the scalar loss of a batch (the labels among its inputs),
+as for :func:`hapd.export`. :func:`parallelize` exports it for ``example_inputs`` (the
+global batch of a training step), gets a plan
+(:func:`~hapd.runtime.plan_source.obtain_plan`: a given plan, the daemon at
+``$HAPD_DAEMON``, or a compile on rank 0; every other rank receives its bytes), reads
+this rank's pieces from where :func:`~hapd.runtime.weights.weight_source` says, and
+returns this rank's :class:`~hapd.runtime.parallel_module.ParallelModule`. With one
+process and no process group it runs the plan for one device. ``eval()`` and batches
+of other sizes: see :mod:`hapd.runtime.parallel_module`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hapd.compiler.options import CompileOptions
+from hapd.compiler.lower import GraphIR
+from hapd.compiler.plan import Plan
+from hapd.errors import OptionsError
+from hapd.profile.schema import Profile
+from hapd.runtime import collectives
+from hapd.runtime.distributed import init_distributed
+from hapd.runtime.parallel_module import ParallelModule
+from hapd.runtime.plan_source import PlanSource, compile_options, given_plan, obtain_plan
+from hapd.runtime.programs import Recipe, op_nodes
+from hapd.runtime.rank import RankModule
+from hapd.runtime.rewrite import distribute
+from hapd.runtime.weights import Weights, WeightSource, rank_piece, weight_source
+
+
+def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
+                profile: Profile | str | Path | Mapping | None = None, plan: Plan | str | Path | bytes | None = None,
+                options: CompileOptions | Mapping[str, Any] | None = None, batch_dims: Sequence[int | None] | None = None,
+                name: str | None = None, device: torch.device | str | None = None, group: Any = None,
+                hosts: Any = "auto", use_daemon: bool = True, verbose: bool = True,
+                weights: Weights | None = None, overlap: str = "auto") -> ParallelModule:
+    """This rank's :class:`ParallelModule` of ``model``, trained on batches shaped like
+    ``example_inputs`` (the *global* batch, the same on every rank). Collective.
+
+    Exports ``model`` (``batch_dims``: each input's batch dim, default 0), gets the plan
+    (:func:`obtain_plan`: ``plan``, or the daemon's or rank 0's for ``profile`` and
+    ``options``) and distributes it (:func:`hapd.distribute`). Every rank must build
+    ``model`` with the same parameters (the same seed, or a loaded state dict): each
+    keeps only its pieces. ``device``: where this rank's pieces live (default: the
+    current CUDA device with NCCL, else where the model's parameters are). ``hosts``:
+    ``"auto"`` sums replicated gradients in two levels across hosts when the ranks of
+    several hosts share it (torchrun's ``GROUP_RANK``); None: one flat all-reduce.
+    With ``verbose``, rank 0 prints where the plan came from and how long it took.
+
+    Joins the job torchrun started when ``WORLD_SIZE`` is set and no process group
+    exists; one process without either runs the plan for one device.
+
+    ``weights``: where this rank reads its pieces of the parameters and buffers
+    instead of ``model`` (:mod:`hapd.runtime.weights`: :func:`hapd.module_init`, a
+    safetensors file, a checkpoint), one tensor at a time; needed when ``model`` is on
+    the meta device (too large for one host: only its shapes are exported), whose real
+    tensors (buffers built under :func:`hapd.init_on_meta`) fill in what the source lacks.
+
+    ``overlap`` (with ``options.overlap``, the overlap-aware search): ``"auto"`` compiles
+    the program for the whole batch and one duplica's program (half the batch) priced as
+    two interleaved duplicas (:mod:`hapd.runtime.overlap`), and runs the cheaper;
+    ``"always"`` runs the duplicas whatever the estimates say (to measure them).
+    """
+    _join_job_if_launched()
+    if overlap not in ("auto", "always"):
+        raise OptionsError(f"overlap {overlap!r} is not auto or always", field="overlap")
+    weights = weight_source(weights, model)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    example_inputs = tuple(example_inputs)
+    if batch_dims is None:
+        batch_dims = [0 if t.dim() > 0 else None for t in example_inputs]
+    recipe = Recipe(model=model, example_inputs=example_inputs, batch_dims=tuple(batch_dims),
+                    name=name or type(model).__name__, profile=profile, use_daemon=use_daemon, verbose=verbose,
+                    device=_default_device(model, device), weights=weights)
+    program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
+                                            always=overlap == "always")
+    if verbose and rank == 0:
+        print(source.describe(), flush=True)
+    host_groups = _host_groups(group, world) if hosts == "auto" else hosts
+    inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
+                       check_graph=False, hosts=host_groups, weights=weights, batch_dims=recipe.batch_dims)
+    extra = _state_outside_plan(model, inner, weights)
+    recipe = dataclasses.replace(recipe, training_ops=op_nodes(graph))
+    return ParallelModule(inner, source, group=group, aliases=_aliases(model, inner), extra=extra, recipe=recipe)
+
+
+def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
+                   options: CompileOptions | Mapping[str, Any] | None, *, world: int, rank: int,
+                   group: Any, always: bool = False) -> tuple[Any, GraphIR, PlanSource]:
+    """The training program, its graph and plan. With ``options.overlap`` (and no given
+    plan) both executions are compiled — the program for the whole batch, and one
+    duplica's (half the batch) priced as two interleaved duplicas — and the cheaper
+    estimate wins (``always``: the duplicas' whatever the estimates); the plan source's
+    origin says what the other one was estimated at. A given plan for one duplica's
+    graph (``overlap`` in it) runs on the program exported for half the batch."""
+    opts = compile_options(options)
+    if plan is not None:
+        given = given_plan(plan)[0]
+        shapes = recipe.half_shapes() if given.overlap else recipe.example_shapes
+        program, graph = recipe.export(True, shapes)
+        return program, graph, obtain_plan(graph, world=world, rank=rank, profile=recipe.profile, options=options,
+                                           plan=plan, group=group, use_daemon=recipe.use_daemon)
+    if not opts.overlap:
+        program, graph = recipe.export(True, recipe.example_shapes)
+        return program, graph, obtain_plan(graph, world=world, rank=rank, profile=recipe.profile, options=options,
+                                           group=group, use_daemon=recipe.use_daemon)
+    half_program, half_graph = recipe.export(True, recipe.half_shapes())
+    both = obtain_plan(half_graph, world=world, rank=rank, profile=recipe.profile, options=opts, group=group,
+                       use_daemon=recipe.use_daemon)
+    if always:
+        return half_program, half_graph, both
+    program, graph = recipe.export(True, recipe.example_shapes)
+    plain = obtain_plan(graph, world=world, rank=rank, profile=recipe.profile,
+                        options=dataclasses.replace(opts, overlap=False), group=group, use_daemon=recipe.use_daemon)
+    plain_s, both_s = plain.plan.estimate["per_iteration"], both.plan.estimate["per_iteration"]
+    if both_s < plain_s:
+        chosen = dataclasses.replace(both, seconds=both.seconds + plain.seconds,
+                                     origin=f"{both.origin}; overlapped {both_s * 1e3:.2f} ms beats "
+                                            f"{plain_s * 1e3:.2f} ms without overlap")
+        return half_program, half_graph, chosen
+    chosen = dataclasses.replace(plain, seconds=both.seconds + plain.seconds,
+                                 origin=f"{plain.origin}; without overlap {plain_s * 1e3:.2f} ms, "
+                                        f"overlapped {both_s * 1e3:.2f} ms")
+    return program, graph, chosen
+
+
+def _join_job_if_launched() -> None:
+    """Join torchrun's job (``WORLD_SIZE`` > 1) when no process group exists yet."""
+    if dist.is_initialized():
+        return
+    world = os.environ.get("WORLD_SIZE")
+    if world and world.isdigit() and int(world) > 1:
+        init_distributed()
+
+
+def _default_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    for tensor in model.parameters():
+        return tensor.device if not tensor.is_meta else torch.device("cpu")
+    return torch.device("cpu")
+
+
+def _host_groups(group: Any, world: int) -> Any:
+    """Two-level gradient sums across hosts (torchrun's ``GROUP_RANK`` of every rank),
+    or None on one host, with one rank per host, or in a sub-group."""
+    if world == 1 or group is not None:
+        return None
+    nodes: list[Any] = [None] * world
+    raw = os.environ.get("GROUP_RANK", "0")
+    dist.all_gather_object(nodes, int(raw) if raw.isdigit() else 0)
+    return collectives.host_groups([int(n) for n in nodes])
+
+
+def _aliases(model: nn.Module, inner: RankModule) -> dict[str, str]:
+    """state-dict key -> the key the rank module holds it under, for keys naming the
+    same tensor as another (tied weights: GPT-2's ``lm_head.weight``)."""
+    held = set(inner.hapd_params) | set(inner.hapd_buffers) | set(inner.hapd_updated)
+    by_tensor: dict[int, str] = {}
+    state = model.state_dict(keep_vars=True)
+    for key, tensor in state.items():
+        if key in held:
+            by_tensor.setdefault(id(tensor), key)
+    return {key: by_tensor[id(t)] for key, t in state.items() if key not in held and id(t) in by_tensor}
+
+
+def _state_outside_plan(model: nn.Module, inner: RankModule, weights: WeightSource | None = None) -> dict[str, Tensor]:
+    """Copies of the state-dict entries no step of the plan reads (parameters the loss
+    does not use): training cannot change them, and the full state dict keeps them
+    (read whole from ``weights`` when there is one)."""
+    held = set(inner.hapd_params) | set(inner.hapd_buffers) | set(inner.hapd_updated)
+    aliases = _aliases(model, inner)
+    return {k: t.detach().clone() if weights is None else rank_piece(weights, [k], t.detach(), None)
+            for k, t in model.state_dict(keep_vars=True).items() if k not in held and k not in aliases}
+
+
+__all__ = ["parallelize"]

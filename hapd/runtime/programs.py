@@ -1,0 +1,135 @@
+"""A model's other programs: its eval forward and batches of other sizes.
+
+A :class:`~hapd.runtime.parallel_module.ParallelModule` runs another program than its
+training one in ``eval()`` mode or for a global batch of other shapes. :class:`Recipe`
+keeps what :func:`~hapd.runtime.parallelize.parallelize` was given, to export the model
+again for that mode and batch (:meth:`Recipe.export`); :func:`aligned_force` keeps the
+training plan's choices for every op the two graphs share (:func:`op_nodes`), so the
+other program's plan holds every parameter as the training plan does.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hapd.compiler.export import export, user_input_names
+from hapd.compiler.lower import GraphIR, lower
+from hapd.compiler.op_facts import EVAL_RULE, SAME_OP_IN_EVAL
+from hapd.errors import PlanError
+from hapd.profile.schema import Profile
+from hapd.runtime.weights import WeightSource
+
+Shapes = tuple[tuple[int, ...], ...]
+"""The shapes of a global batch's inputs, in forward order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """What :func:`~hapd.runtime.parallelize.parallelize` was given, kept to export and
+    distribute the model again for another program (its eval forward, another batch
+    size). The model is kept by reference: its parameters' values are never read again
+    (a program runs on the training program's pieces), only its structure and
+    forward."""
+
+    model: nn.Module
+    example_inputs: tuple[Tensor, ...]
+    batch_dims: tuple[int | None, ...]
+    name: str
+    profile: Profile | str | Path | Mapping | None
+    use_daemon: bool
+    verbose: bool
+    device: torch.device
+    training_ops: tuple[tuple[str, str], ...] = ()
+    """(node name, op) of the training graph's op nodes, in graph order."""
+    weights: WeightSource | None = None
+    """Where the buffers another program reads come from (a model on the meta device)."""
+
+    @property
+    def example_shapes(self) -> Shapes:
+        return tuple(tuple(t.shape) for t in self.example_inputs)
+
+    def half_shapes(self) -> Shapes:
+        """The example batch's shapes with half its samples (one duplica of an
+        overlapped run); :class:`PlanError` for an odd batch."""
+        out = []
+        for shape, d in zip(self.example_shapes, self.batch_dims):
+            if d is None:
+                out.append(shape)
+                continue
+            if shape[d] % 2:
+                raise PlanError(f"overlapped execution cuts the batch in two halves; batch {shape[d]} is odd")
+            out.append((*shape[:d], shape[d] // 2, *shape[d + 1:]))
+        return tuple(out)
+
+    def inputs_of(self, shapes: Shapes) -> tuple[Tensor, ...]:
+        """Example inputs of these shapes: the example batch's cut or repeated along the
+        batch dim where only that dim differs (real values: token ids stay ids), else
+        zeros."""
+        if len(shapes) != len(self.example_inputs):
+            raise PlanError(f"{len(shapes)} inputs, the model takes {len(self.example_inputs)}")
+        return tuple(_resized(t, list(shape), d) for t, shape, d in zip(self.example_inputs, shapes, self.batch_dims))
+
+    def export(self, training: bool, shapes: Shapes) -> tuple[Any, GraphIR]:
+        """The model exported in that mode for a global batch of ``shapes``, and its
+        lowered graph (the model's own mode is left as it was)."""
+        was = self.model.training
+        try:
+            with torch.enable_grad():  # as for training, also when asked inside torch.no_grad()
+                program = export(self.model, self.inputs_of(shapes), batch_dims=self.batch_dims, training=training)
+                graph = lower(program, name=self.name,
+                              batch_dims=dict(zip(user_input_names(program), self.batch_dims)))
+        finally:
+            self.model.train(was)
+        return program, graph
+
+
+def _resized(example: Tensor, shape: list[int], batch_dim: int | None) -> Tensor:
+    """A tensor of ``shape`` like ``example`` (see :meth:`Recipe.inputs_of`)."""
+    have = list(example.shape)
+    if have == shape:
+        return example
+    d = batch_dim
+    only_batch = d is not None and len(have) == len(shape) and have[:d] + have[d + 1:] == shape[:d] + shape[d + 1:]
+    if not only_batch or have[d] == 0:
+        return torch.zeros(shape, dtype=example.dtype, device=example.device)
+    repeats = -(-shape[d] // have[d])
+    whole = torch.cat([example] * repeats, dim=d) if repeats > 1 else example
+    return whole.narrow(d, 0, shape[d])
+
+
+def op_nodes(graph: GraphIR) -> tuple[tuple[str, str], ...]:
+    """(node name, op) of a lowered graph's op nodes, in graph order."""
+    return tuple((n["name"], n["op"]) for n in graph.doc["nodes"] if n["kind"] == "op")
+
+
+def aligned_force(training: Sequence[tuple[str, str]], rules: Mapping[str, str],
+                  other: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """``CompileOptions.force`` for another graph of the model (``other``'s op nodes)
+    that keeps the training plan's choices: the op nodes of the two graphs are aligned
+    in graph order (the longest matching runs of ops, :class:`difflib.SequenceMatcher`;
+    an eval graph lacks dropout and has batch norm on running statistics, so names
+    alone shift), and each node of ``other`` aligned with a training node gets the rule
+    the training plan chose for it (``rules``: node -> rule), in its eval form
+    (:data:`~hapd.compiler.op_facts.EVAL_RULE`) where the ops differ."""
+    def key(op: str) -> str:
+        return SAME_OP_IN_EVAL.get(op, op)
+
+    matcher = difflib.SequenceMatcher(None, [key(op) for _, op in training], [key(op) for _, op in other], autojunk=False)
+    force: dict[str, str] = {}
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            (name, op), (other_name, other_op) = training[block.a + k], other[block.b + k]
+            rule = rules.get(name)
+            if rule is not None:
+                force[other_name] = rule if op == other_op else EVAL_RULE.get(rule, rule)
+    return force
+
+
+__all__ = ["Recipe", "Shapes", "aligned_force", "op_nodes"]
