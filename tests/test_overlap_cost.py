@@ -96,7 +96,7 @@ def test_cost_of_a_fixed_program_by_hand(hand, graph4):
     # forward seconds of one duplica: `up` split evenly, `down` whole (relu and sum free)
     up = _step(program, "linear")["flops"] / FLOPS * 0.5
     down = _step(program, "linear_1")["flops"] / FLOPS
-    # segment 0 is `up`; the all-gather (ALPHA) is the point; segment 1 is `down`:
+    # interval 0 is `up`; the all-gather (ALPHA) is the point; interval 1 is `down`:
     # A's up, then B's up under A's all-gather, A's down under B's all-gather, B's down
     forward = up + max(up, ALPHA) + max(down, ALPHA) + down
     # mirrored with twice the compute and the all-gather's dual (a reduce-scatter, ALPHA)
@@ -198,7 +198,7 @@ def test_plan_records_duplicas_and_explains_overlap(hand, graph4, tmp_path):
     assert "overlap: 2 duplicas interleaved" in text
     (forward,) = [line for line in text.splitlines() if line.strip().startswith("forward:")]
     assert "1 communication points" in forward
-    assert any("segment 1" in line and "linear_1" in line and "hidden" in line for line in text.splitlines())
+    assert any("interval 1" in line and "linear_1" in line and "hidden" in line for line in text.splitlines())
     plain = hapd.compile(graph4, hand, CompileOptions(ratios=EVEN, force=GATHERED))
     assert plain.doc["overlap"] is False and plain.doc["duplicas"] == 1
     assert "overlap:" not in plain.explain()

@@ -68,11 +68,11 @@ def test_lowering_labels_each_op_with_its_block() -> None:
 def test_a_plan_recomputes_what_the_option_says() -> None:
     kept = _compile("never", ratios=RATIOS)
     rebuilt = _compile("always", ratios=RATIOS)
-    assert kept.program["recompute"] == [] and {s["segment"] for s in kept.program["steps"]} == {None}
+    assert kept.program["recompute"] == [] and {s["recompute_span"] for s in kept.program["steps"]} == {None}
     assert rebuilt.program["recompute"] == ["blocks.0", "blocks.1"]
-    segments = [s["segment"] for s in rebuilt.program["steps"]]
-    assert {s for s in segments if s is not None} == {0, 1}
-    assert segments[0] is None and segments[-1] is None  # the embedding and the loss are kept
+    spans = [s["recompute_span"] for s in rebuilt.program["steps"]]
+    assert {s for s in spans if s is not None} == {0, 1}
+    assert spans[0] is None and spans[-1] is None  # the embedding and the loss are kept
     # recomputation trades time for memory: every device holds less, every iteration costs more
     assert all(r < k for r, k in zip(rebuilt.estimate["memory"], kept.estimate["memory"]))
     assert rebuilt.estimate["per_iteration"] > kept.estimate["per_iteration"]
@@ -152,7 +152,7 @@ def _run_and_measure(rank: int, world: int, cases: list[Case]) -> list[dict]:
 
 def _tensor_parallel() -> dict[str, str]:
     """Every linear of the blocks split on its output features: the blocks' steps then
-    all-gather activations, so recomputed segments hold collectives."""
+    all-gather activations, so recompute spans hold collectives."""
     doc = _llama().ir.doc
     return {n["name"]: "column-parallel" for n in doc["nodes"] if n.get("op") == "aten.linear" and n.get("block")}
 
@@ -161,7 +161,7 @@ def test_recomputed_plan_trains_exactly_with_less_memory() -> None:
     ref = _llama()
     plans = {rc: _compile(rc, ratios=RATIOS) for rc in ("never", "always")}
     plans["always, tensor parallel"] = _compile("always", ratios=RATIOS, force=_tensor_parallel())
-    inside = [c["collective"] for s in plans["always, tensor parallel"].program["steps"] if s["segment"] is not None
+    inside = [c["collective"] for s in plans["always, tensor parallel"].program["steps"] if s["recompute_span"] is not None
               for c in s["comms"]]
     assert "all_gather" in inside or "all_gather_grouped" in inside
     cases = [Case(rc, ref.saved, plan.to_bytes(), ref.inputs, ref.losses, ref.grads, frozenset(), {})

@@ -4,14 +4,14 @@ program, its sharding-ratio LP, its memory, and where it hides communication.
 A program searched with overlap is one duplica's (half the global batch); the runtime
 (:mod:`hapd.runtime.overlap`) runs it twice, duplicas A and B, interleaved at every
 **communication point** (a collective on a batch-dependent tensor): A's collective runs
-while B computes the segment before the point, then B's while A computes the segment
+while B computes the interval before the point, then B's while A computes the interval
 after it. Each step of such a program carries its ``overlap`` rows
 (``rustcore/core/src/overlap.rs`` says what each holds), and each pass (forward, and
 the backward mirrored) of the global batch costs
 
     S^A_0 + Σ_k max(S^B_{k-1}, first_k) + inner_k + max(S^A_k, last_k) + S^B_last
 
-with ``S^A_k``/``S^B_k`` duplica A's/B's compute of segment ``k`` (ops that depend on no
+with ``S^A_k``/``S^B_k`` duplica A's/B's compute of interval ``k`` (ops that depend on no
 input run in A only), ``first_k``/``last_k`` the first/last of the collectives at the
 point's step and ``inner_k`` the exposed time of any between them. Collectives of
 parameters and the replicated gradients' all-reduce run once, serially. Every time is
@@ -50,22 +50,22 @@ def _max(row: Mapping[str, Sequence[float]], ratios: Sequence[float]) -> float:
 
 
 @dataclass(kw_only=True)
-class Segment:
+class Interval:
     """One pass's computation from one communication point to the next, and the
     collectives at its point."""
 
     index: int
     node: str | None
-    """The step at the point (``None`` for segment 0, before the first point)."""
+    """The step at the point (``None`` for interval 0, before the first point)."""
     compute_a: float = 0.0
-    """Duplica A's compute in the segment."""
+    """Duplica A's compute in the interval."""
     compute_b: float = 0.0
     """Duplica B's (without the steps that depend on no input)."""
     first: float = 0.0
     """The first collective at the point: A's runs under B's compute of the previous
-    segment."""
+    interval."""
     last: float = 0.0
-    """The last: B's runs under A's compute of this segment."""
+    """The last: B's runs under A's compute of this interval."""
     inner: float = 0.0
     """The collectives between, exposed (both duplicas')."""
     hidden: float = 0.0
@@ -73,7 +73,7 @@ class Segment:
 
     @property
     def communication(self) -> float:
-        """Both duplicas' collectives at the point (0 for segment 0)."""
+        """Both duplicas' collectives at the point (0 for interval 0)."""
         return self.first + self.inner + self.last if self.node is not None else 0.0
 
     @property
@@ -86,24 +86,24 @@ class Segment:
 class Schedule:
     """An overlapped program's schedule under some ratios."""
 
-    segments: dict[str, list[Segment]]
-    """Per pass (``forward``, ``backward``), its segments in program order."""
+    intervals: dict[str, list[Interval]]
+    """Per pass (``forward``, ``backward``), its intervals in program order."""
     serial: float
     """Collectives run once for both duplicas, not overlapped."""
 
     def compute(self, pass_: str) -> float:
         """Both duplicas' compute in a pass."""
-        return sum(s.compute_a + s.compute_b for s in self.segments[pass_])
+        return sum(s.compute_a + s.compute_b for s in self.intervals[pass_])
 
     def hidden(self, pass_: str | None = None) -> float:
         """Communication hidden under compute, in a pass or both."""
         passes = PASSES if pass_ is None else (pass_,)
-        return sum(s.hidden for p in passes for s in self.segments[p])
+        return sum(s.hidden for p in passes for s in self.intervals[p])
 
     def exposed(self, pass_: str | None = None) -> float:
         """Communication that stalls compute, in a pass or both."""
         passes = PASSES if pass_ is None else (pass_,)
-        return sum(s.exposed for p in passes for s in self.segments[p])
+        return sum(s.exposed for p in passes for s in self.intervals[p])
 
     def pass_cost(self, pass_: str) -> float:
         return self.compute(pass_) + self.exposed(pass_)
@@ -123,9 +123,9 @@ def _chain(times: Sequence[float]) -> tuple[float, float, float]:
 
 
 def schedule(program: Mapping[str, Any], ratios: Sequence[float]) -> Schedule:
-    """The segments of overlapped ``program`` under ``ratios``, with how much of each
+    """The intervals of overlapped ``program`` under ``ratios``, with how much of each
     point's communication compute hides."""
-    segments: dict[str, list[Segment]] = {p: [Segment(index=0, node=None)] for p in PASSES}
+    intervals: dict[str, list[Interval]] = {p: [Interval(index=0, node=None)] for p in PASSES}
     serial = 0.0
     for step in program["steps"]:
         rows = step["overlap"]
@@ -135,17 +135,17 @@ def schedule(program: Mapping[str, Any], ratios: Sequence[float]) -> Schedule:
             comms = [_max(c, ratios) for c in rows[f"comm_{p}"]]
             if comms:
                 first, last, inner = _chain(comms)
-                segments[p].append(Segment(index=len(segments[p]), node=step["node"], first=first, last=last, inner=inner))
-            seg = segments[p][-1]
-            seg.compute_a += compute
+                intervals[p].append(Interval(index=len(intervals[p]), node=step["node"], first=first, last=last, inner=inner))
+            part = intervals[p][-1]
+            part.compute_a += compute
             if rows["batch"]:
-                seg.compute_b += compute
+                part.compute_b += compute
     for p in PASSES:
-        segs = segments[p]
-        for k, seg in enumerate(segs):
+        chain = intervals[p]
+        for k, part in enumerate(chain):
             if k > 0:
-                seg.hidden = min(seg.first, segs[k - 1].compute_b) + min(seg.last, seg.compute_a)
-    return Schedule(segments=segments, serial=serial)
+                part.hidden = min(part.first, chain[k - 1].compute_b) + min(part.last, part.compute_a)
+    return Schedule(intervals=intervals, serial=serial)
 
 
 def overlap_cost(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
@@ -154,7 +154,7 @@ def overlap_cost(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
     return schedule(program, ratios).cost
 
 
-def per_device(program: Mapping[str, Any], ratios: Sequence[float]) -> tuple[list[float], list[float]]:
+def device_seconds(program: Mapping[str, Any], ratios: Sequence[float]) -> tuple[list[float], list[float]]:
     """Per-device compute and communication seconds of both duplicas (what each device
     spends on each, however much of it overlaps)."""
     n = len(ratios)
@@ -252,25 +252,25 @@ def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | 
         return var
 
     for p in PASSES:
-        # per segment: A's compute, B's compute, and the point's (first, last, inner)
-        segs: list[list[Any]] = [[[], [], None]]
+        # per interval: A's compute, B's compute, and the point's (first, last, inner)
+        chain: list[list[Any]] = [[[], [], None]]
         for step in program["steps"]:
             rows = step["overlap"]
             comms = [maxima.of(c) for c in rows[f"comm_{p}"]]
             if comms:
                 inner = 2 * pulp.lpSum(comms) - comms[0] - comms[-1] if len(comms) > 1 else 0.0
-                segs.append([[], [], (comms[0], comms[-1], inner)])
+                chain.append([[], [], (comms[0], comms[-1], inner)])
             compute = maxima.of(rows[f"comp_{p}"])
-            segs[-1][0].append(compute)
+            chain[-1][0].append(compute)
             if rows["batch"]:
-                segs[-1][1].append(compute)
-        terms.append(pulp.lpSum(segs[0][0]))
-        for k in range(1, len(segs)):
-            first, last, inner = segs[k][2]
-            terms.append(at_least(pulp.lpSum(segs[k - 1][1]), first))
+                chain[-1][1].append(compute)
+        terms.append(pulp.lpSum(chain[0][0]))
+        for k in range(1, len(chain)):
+            first, last, inner = chain[k][2]
+            terms.append(at_least(pulp.lpSum(chain[k - 1][1]), first))
             terms.append(inner)
-            terms.append(at_least(pulp.lpSum(segs[k][0]), last))
-        terms.append(pulp.lpSum(segs[-1][1]))
+            terms.append(at_least(pulp.lpSum(chain[k][0]), last))
+        terms.append(pulp.lpSum(chain[-1][1]))
     terms.extend(maxima.of(step["overlap"]["serial"]) for step in program["steps"])
     lp += pulp.lpSum(terms)
     lp += pulp.lpSum(r) == 1, "ratios_sum_to_one"

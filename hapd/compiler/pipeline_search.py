@@ -362,7 +362,7 @@ class Group:
     """Equal for groups of the same devices (host names aside): priced once."""
 
 
-def host_groups(profile: Profile) -> dict[tuple[int, int], Group]:
+def stage_groups(profile: Profile) -> dict[tuple[int, int], Group]:
     """Every group ``[h0, h1)`` of the profile's hosts (in rank order) a stage may run
     on: all but the whole cluster (whose plan is the SPMD plan)."""
     hosts = profile.hosts
@@ -467,7 +467,7 @@ def stage_table(ir: GraphIR, profile: Profile, options: CompileOptions, *, repea
     doc = ir.doc
     units = graph_units(doc)
     count = len(units.units)
-    groups = host_groups(profile)
+    groups = stage_groups(profile)
     batch = graph_batch(doc)
     reduction = reduce_graph(doc, units.unit_of, count) if repeats and count >= 2 and units.cuts else None
     priced_units = reduction.kept if reduction is not None else count
@@ -620,5 +620,5 @@ def micro_batch_graphs(full: GraphIR, others: Sequence[GraphIR]) -> dict[int, Gr
 
 __all__ = [
     "DEFAULT_MICRO_BATCHES", "Group", "PipelinePlan", "PipelineSearch", "PipelineStage", "SCHEDULE", "Split", "StageTable",
-    "best_split", "host_groups", "micro_batch_counts", "micro_batch_graphs", "search", "split_cost", "stage_table",
+    "best_split", "micro_batch_counts", "micro_batch_graphs", "search", "split_cost", "stage_groups", "stage_table",
 ]

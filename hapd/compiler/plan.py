@@ -25,7 +25,7 @@ from hapd.compiler.ratios import (
 from hapd.util import atomic_write, format_bytes
 
 PLAN_FORMAT = "hapd.plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def estimate(program: Mapping[str, Any], ratios: list[float]) -> dict[str, Any]:
                                     "share": sync_overlap(program)}
         return out
     schedule = overlap.schedule(program, ratios)
-    compute, communication = overlap.per_device(program, ratios)
+    compute, communication = overlap.device_seconds(program, ratios)
     return {
         "per_iteration": schedule.cost,
         "compute": compute,
@@ -211,16 +211,16 @@ def _overlap_lines(plan: Plan) -> list[str]:
         f"serial {_fmt_s(schedule.serial)} (parameters' collectives and gradient all-reduce, once)",
     ]
     for p in overlap.PASSES:
-        segments = schedule.segments[p]
+        intervals = schedule.intervals[p]
         lines.append(
             f"  {p}: {_fmt_s(schedule.pass_cost(p))} = compute {_fmt_s(schedule.compute(p))} + exposed "
-            f"{_fmt_s(schedule.exposed(p))} ({len(segments) - 1} communication points, hidden {_fmt_s(schedule.hidden(p))})"
+            f"{_fmt_s(schedule.exposed(p))} ({len(intervals) - 1} communication points, hidden {_fmt_s(schedule.hidden(p))})"
         )
-        for seg in segments[1:]:
+        for part in intervals[1:]:
             lines.append(
-                f"    segment {seg.index:<4} at {seg.node:<30} communication {_fmt_s(seg.communication):>10}  "
-                f"hidden {_fmt_s(seg.hidden):>10}  exposed {_fmt_s(seg.exposed):>10}  "
-                f"compute A {_fmt_s(seg.compute_a)} B {_fmt_s(seg.compute_b)}"
+                f"    interval {part.index:<4} at {part.node:<30} communication {_fmt_s(part.communication):>10}  "
+                f"hidden {_fmt_s(part.hidden):>10}  exposed {_fmt_s(part.exposed):>10}  "
+                f"compute A {_fmt_s(part.compute_a)} B {_fmt_s(part.compute_b)}"
             )
     return lines
 
@@ -310,8 +310,8 @@ def explain(plan: Plan) -> str:
         comm = max(row_values(step["comm"], ratios), default=0.0)
         ins = ", ".join(f"{i['tensor']}:{i['layout']}" for i in step["inputs"])
         outs = ", ".join(f"{o['tensor']}:{o['layout']}" for o in step["outputs"])
-        segment = step.get("segment")
-        again = f"  recomputed (segment {segment})" if segment is not None else ""
+        span = step.get("recompute_span")
+        again = f"  recomputed (span {span})" if span is not None else ""
         lines.append(f"  {step['node']:<30} {step['op']:<34} {step['rule']:<16} {_fmt_s(comp + comm):>10}{again}")
         lines.append(f"      {ins} -> {outs}")
         for s in step["sources"]:

@@ -60,8 +60,7 @@ from torch import Tensor
 
 from hapd import models
 from hapd.errors import HapdError, OptionsError
-from hapd.runtime import collectives
-from hapd.runtime.distributed import DistEnv, env_int, init_distributed
+from hapd.runtime.distributed import DistEnv, init_distributed
 from hapd.util import atomic_write, summarize as summarize_times
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,17 +76,6 @@ DEFAULT_TRACE = "trace.json"
 # --------------------------------------------------------------------------
 # Process group
 # --------------------------------------------------------------------------
-
-
-def host_groups(env: DistEnv) -> Any:
-    """This rank's :class:`hapd.runtime.collectives.HostGroups` (two-level gradient sums) from
-    every rank's ``GROUP_RANK`` (torchrun's node index; 0 when unset), or None when the
-    job runs on one host or with one rank per host. Call on every rank."""
-    if env.world == 1:
-        return None
-    nodes: list[Any] = [None] * env.world
-    dist.all_gather_object(nodes, env_int(os.environ, "GROUP_RANK") or 0)
-    return collectives.host_groups([int(n) for n in nodes])
 
 
 def shutdown(env: DistEnv, *, wait: bool = True) -> None:

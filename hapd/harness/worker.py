@@ -36,8 +36,8 @@ from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import Profile
 from hapd.compiler.plan import Plan
 from hapd.errors import HapdError, OptionsError, PlanError
-from hapd.harness.training import TrainArgs, add_train_flags, host_groups, parse_train_args, report, run_rank, train
-from hapd.runtime.distributed import DistEnv
+from hapd.harness.training import TrainArgs, add_train_flags, parse_train_args, report, run_rank, train
+from hapd.runtime.distributed import DistEnv, job_host_groups
 from hapd.runtime.parallel_module import ParallelModule
 from hapd.runtime.parallelize import parallelize
 from hapd.runtime.plan_source import job_profile as _job_profile
@@ -166,7 +166,7 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     module = parallelize(model, tuple(t.cpu() for t in full), profile=job_profile(args, env.world), plan=plan_given,
                          options=CompileOptions(mode=ns.mode, overlap=ns.overlap != "off"),
                          overlap="always" if ns.overlap == "always" else "auto", batch_dims=spec.batch_dims, name=args.model,
-                         device=env.device, hosts=host_groups(env), weights=weights)
+                         device=env.device, hosts=job_host_groups(env.world), weights=weights)
     del model  # trained through its pieces (the module keeps it only to export it again: eval, other batch sizes)
     plan, source = module.plan, module.plan_source
     inputs = module.shard_inputs(*full)

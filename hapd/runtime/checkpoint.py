@@ -86,12 +86,14 @@ def held_tensors(module: nn.Module) -> list[Held]:
 
 
 # --------------------------------------------------------------------------------------
-# The job: rank, world, group
+# The ranks a checkpoint is saved or loaded by: rank, world, group
 # --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Job:
+class _Ranks:
+    """The ranks that save or load a checkpoint together."""
+
     rank: int
     world: int
     group: Any
@@ -108,11 +110,11 @@ class _Job:
         return box[0]
 
 
-def _job(module: nn.Module) -> _Job:
+def _ranks(module: nn.Module) -> _Ranks:
     group = module.group if isinstance(module, HoldsPieces) else None
     if dist.is_available() and dist.is_initialized():
-        return _Job(dist.get_rank(group), dist.get_world_size(group), group, True)
-    return _Job(0, 1, None, False)
+        return _Ranks(dist.get_rank(group), dist.get_world_size(group), group, True)
+    return _Ranks(0, 1, None, False)
 
 
 # --------------------------------------------------------------------------------------
@@ -128,36 +130,36 @@ def save_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
     to the folder ``path``, replacing a checkpoint there all at once. Collective: every
     rank calls it and writes its own pieces. Returns ``path``."""
     target = Path(path)
-    job = _job(module)
+    ranks = _ranks(module)
     held = held_tensors(module)
     state, pieces = _model_state(held)
     if optimizer is not None:
         optim_state, optim_pieces = _optimizer_state(optimizer, held)
         state.update(optim_state)
         pieces.update(optim_pieces)
-    state[f"{RNG}{job.rank}"] = _rng_state()
-    if job.rank == 0:
+    state[f"{RNG}{ranks.rank}"] = _rng_state()
+    if ranks.rank == 0:
         state[EXTRA] = {"step": int(step), "extra": dict(extra or {})}
         if sampler is not None:
             state[SAMPLER] = sampler.state_dict()
-    temp = _temp_folder(target, job)
+    temp = _temp_folder(target, ranks)
     try:
         with quiet_dcp():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(temp), planner=PieceSavePlanner(pieces),
-                     process_group=job.group, no_dist=not job.distributed)
+                     process_group=ranks.group, no_dist=not ranks.distributed)
     except BaseException:
-        if job.rank == 0:  # DCP raises on every rank once every rank is done writing
+        if ranks.rank == 0:  # DCP raises on every rank once every rank is done writing
             shutil.rmtree(temp, ignore_errors=True)
         raise
     error = None
-    if job.rank == 0:
+    if ranks.rank == 0:
         try:
-            _write_manifest(temp, module, held, job, step)
+            _write_manifest(temp, module, held, ranks, step)
             _publish(temp, target)
         except OSError as exc:
             shutil.rmtree(temp, ignore_errors=True)
             error = f"{type(exc).__name__}: {exc}"
-    error = job.broadcast(error)  # also: no rank returns before the checkpoint is in place
+    error = ranks.broadcast(error)  # also: no rank returns before the checkpoint is in place
     if error is not None:
         raise CheckpointError(f"could not put the checkpoint in place at {target}: {error}")
     return target
@@ -234,16 +236,16 @@ def _rng_state() -> dict[str, Any]:
     return out
 
 
-def _temp_folder(target: Path, job: _Job) -> Path:
+def _temp_folder(target: Path, ranks: _Ranks) -> Path:
     """The hidden folder rank 0 made beside ``target`` for every rank to write into
     (collective: a refusal on rank 0 is an error on every rank)."""
     made: tuple[str | None, str | None] = (None, None)
-    if job.rank == 0:
+    if ranks.rank == 0:
         try:
             made = (str(_prepare(target)), None)
         except (CheckpointError, OSError) as exc:
             made = (None, str(exc))
-    temp, error = job.broadcast(made)
+    temp, error = ranks.broadcast(made)
     if error is not None:
         raise CheckpointError(error)
     return Path(temp)
@@ -260,12 +262,12 @@ def _prepare(target: Path) -> Path:
     return temp
 
 
-def _write_manifest(folder: Path, module: nn.Module, held: list[Held], job: _Job, step: int) -> None:
+def _write_manifest(folder: Path, module: nn.Module, held: list[Held], ranks: _Ranks, step: int) -> None:
     plan = getattr(module, "plan", None)
     layouts = module.parameter_layouts() if hasattr(module, "parameter_layouts") else {}
     write_manifest(folder, {
         "step": int(step),
-        "world": job.world,
+        "world": ranks.world,
         "seed": torch.initial_seed(),
         "graph_id": plan.key.get("graph_id") if plan is not None else None,
         "layouts": layouts,
@@ -306,7 +308,7 @@ def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
     manifest = read_manifest(folder)
     metadata = dcp.FileSystemReader(folder).read_metadata()
     saved = metadata.state_dict_metadata
-    job = _job(module)
+    ranks = _ranks(module)
     held = held_tensors(module)
     _check_model_keys(held, saved, folder)
     state, pieces = _model_request(held)
@@ -317,7 +319,7 @@ def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
         state.update(optim_state)
         pieces.update(optim_pieces)
     state[EXTRA] = None
-    rng_key = f"{RNG}{job.rank}"
+    rng_key = f"{RNG}{ranks.rank}"
     if rng_key in saved:
         state[rng_key] = None
     if sampler is not None:
@@ -326,13 +328,13 @@ def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
         state[SAMPLER] = None
     with quiet_dcp():
         dcp.load(state, storage_reader=dcp.FileSystemReader(folder), planner=PieceLoadPlanner(pieces),
-                 process_group=job.group, no_dist=not job.distributed)
+                 process_group=ranks.group, no_dist=not ranks.distributed)
     _copy_model(held, state)
     if optimizer is not None:
         _load_optimizer(optimizer, held, state, saved)
     if sampler is not None:
         sampler.load_state_dict(state[SAMPLER])
-    _set_rng(state.get(rng_key), int(manifest.get("seed", 0)) + job.rank)
+    _set_rng(state.get(rng_key), int(manifest.get("seed", 0)) + ranks.rank)
     return {"step": int(state[EXTRA]["step"]), "extra": dict(state[EXTRA]["extra"])}
 
 
@@ -461,10 +463,10 @@ def export_safetensors(module: nn.Module, path: str | Path, *, strip_prefix: str
     state = _single_device_state(module)
     if strip_prefix:
         state = _strip(state, strip_prefix)
-    job = _job(module)
+    ranks = _ranks(module)
     target = safetensors_file(path)
     error = None
-    if job.rank == 0:
+    if ranks.rank == 0:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}  # no shared storage
@@ -473,7 +475,7 @@ def export_safetensors(module: nn.Module, path: str | Path, *, strip_prefix: str
                 config.save_pretrained(target.parent)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
-    error = job.broadcast(error)
+    error = ranks.broadcast(error)
     if error is not None:
         raise CheckpointError(f"could not write {target}: {error}")
     return target

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hapd.errors import HapdError
+from hapd.runtime import collectives
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,18 @@ def env_int(environ: dict[str, str] | os._Environ, name: str) -> int | None:
         return int(raw)
     except ValueError:
         raise HapdError(f"environment variable {name}={raw!r} is not an integer", field=name) from None
+
+
+def job_host_groups(world: int, group: Any = None) -> collectives.HostGroups | None:
+    """This rank's :class:`~hapd.runtime.collectives.HostGroups` (two-level gradient sums
+    across hosts) from every rank's ``GROUP_RANK`` (torchrun's node index; 0 when unset),
+    or None with one rank, in a sub-group ``group``, on one host or with one rank per
+    host. Collective: call on every rank of the job."""
+    if world == 1 or group is not None:
+        return None
+    nodes: list[Any] = [None] * world
+    dist.all_gather_object(nodes, env_int(os.environ, "GROUP_RANK") or 0)
+    return collectives.host_groups([int(n) for n in nodes])
 
 
 def _read_env(environ: dict[str, str] | os._Environ) -> tuple[int, int, int]:

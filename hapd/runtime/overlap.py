@@ -8,10 +8,10 @@ input's batch dim); a plan compiled for the half batch runs on both, and
 collective is in flight the other computes. Per communication point ``k`` (the plan's
 collectives on batch-dependent tensors, in program order) the graph runs::
 
-    start comm_k(A); compute segment k-1 (B); finish comm_k(A)
-    start comm_k(B); compute segment k   (A); finish comm_k(B)
+    start comm_k(A); compute interval k-1 (B); finish comm_k(A)
+    start comm_k(B); compute interval k   (A); finish comm_k(B)
 
-where segment ``k`` is the computation between points ``k`` and ``k+1``. The
+where interval ``k`` is the computation between points ``k`` and ``k+1``. The
 collectives are :func:`hapd.runtime.collectives.start_exchange` /
 :func:`~hapd.runtime.collectives.finish_exchange` pairs (async work handles on Gloo;
 NCCL's own stream on a GPU). Backward overlaps the same way in reverse: a finish's
@@ -253,7 +253,7 @@ class _Builder:
         flight = self.graph.call_function(operator.getitem, (pair, 1))
         self.env[key] = self.graph.call_function(collectives.finish_exchange, (token, flight))
 
-    def segment(self, dup: str, nodes: Sequence[fx.Node]) -> None:
+    def interval(self, dup: str, nodes: Sequence[fx.Node]) -> None:
         for node in nodes:
             self.value(dup, node)
 
@@ -280,25 +280,25 @@ def overlapped(single: RankModule, batch_dims: Sequence[int | None] | None = Non
             b.env[(dup, p)] = b.graph.placeholder(f"{p.name}_{dup}")
             b.env[(dup, p)].meta = dict(p.meta)
 
-    # segments between communication points, in program order
+    # intervals between communication points, in program order
     points = [n for n in graph.nodes if n in b.exchanges]
-    segments: list[list[fx.Node]] = [[]]
+    intervals: list[list[fx.Node]] = [[]]
     for node in graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         if node in b.exchanges:
-            segments.append([])
+            intervals.append([])
         else:
-            segments[-1].append(node)
-    b.segment("a", segments[0])
+            intervals[-1].append(node)
+    b.interval("a", intervals[0])
     for k, point in enumerate(points, start=1):
         b.start("a", point)
-        b.segment("b", segments[k - 1])
+        b.interval("b", intervals[k - 1])
         b.finish("a", point)
         b.start("b", point)
-        b.segment("a", segments[k])
+        b.interval("a", intervals[k])
         b.finish("b", point)
-    b.segment("b", segments[-1])
+    b.interval("b", intervals[-1])
     total = b.graph.call_function(operator.add, (b.value("a", loss), b.value("b", loss)))
     b.graph.output(total)
     b.graph.lint()

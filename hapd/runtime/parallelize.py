@@ -38,8 +38,7 @@ from hapd.compiler.lower import GraphIR
 from hapd.compiler.plan import Plan
 from hapd.errors import OptionsError
 from hapd.profile.schema import Profile
-from hapd.runtime import collectives
-from hapd.runtime.distributed import init_distributed
+from hapd.runtime.distributed import init_distributed, job_host_groups
 from hapd.runtime.parallel_module import ParallelModule
 from hapd.runtime.plan_source import PlanSource, compile_options, given_plan, obtain_plan
 from hapd.runtime.programs import Recipe, op_nodes
@@ -96,7 +95,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
                                             always=overlap == "always")
     if verbose and rank == 0:
         print(source.describe(), flush=True)
-    host_groups = _host_groups(group, world) if hosts == "auto" else hosts
+    host_groups = job_host_groups(world, group) if hosts == "auto" else hosts
     inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
                        check_graph=False, hosts=host_groups, weights=weights, batch_dims=recipe.batch_dims)
     extra = _state_outside_plan(model, inner, weights)
@@ -161,17 +160,6 @@ def _default_device(model: nn.Module, device: torch.device | str | None) -> torc
     for tensor in model.parameters():
         return tensor.device if not tensor.is_meta else torch.device("cpu")
     return torch.device("cpu")
-
-
-def _host_groups(group: Any, world: int) -> Any:
-    """Two-level gradient sums across hosts (torchrun's ``GROUP_RANK`` of every rank),
-    or None on one host, with one rank per host, or in a sub-group."""
-    if world == 1 or group is not None:
-        return None
-    nodes: list[Any] = [None] * world
-    raw = os.environ.get("GROUP_RANK", "0")
-    dist.all_gather_object(nodes, int(raw) if raw.isdigit() else 0)
-    return collectives.host_groups([int(n) for n in nodes])
 
 
 def _aliases(model: nn.Module, inner: RankModule) -> dict[str, str]:

@@ -1,15 +1,15 @@
-"""Activation recomputation at run time: a plan's recomputed segments run under
+"""Activation recomputation at run time: a plan's recompute spans run under
 ``torch.utils.checkpoint``.
 
 A plan compiled with recomputation (``CompileOptions.recompute``) marks each step of a
-recomputed block with its segment (``step["segment"]``: a run of consecutive steps of
+recomputed block with its recompute span (``step["recompute_span"]``: a run of consecutive steps of
 one block, ``rustcore/core/src/recompute.rs``). The per-rank rewrite emits every step
 into one fx graph, noting where each step's nodes begin (:class:`StepMarks`); then
-:func:`checkpoint_segments` moves each segment's nodes into a graph module of its own
+:func:`checkpoint_recompute_spans` moves each span's nodes into a graph module of its own
 and calls it as ``torch.utils.checkpoint.checkpoint(body, *inputs,
-use_reentrant=False)``. The forward keeps only the segment's inputs (the previous
-block's output, the parameters it reads); the backward runs the segment's forward
-again, then its backward. A collective inside a segment runs again too, in the same
+use_reentrant=False)``. The forward keeps only the span's inputs (the previous
+block's output, the parameters it reads); the backward runs the span's forward
+again, then its backward. A collective inside a span runs again too, in the same
 order on every rank (every rank runs the same program), so the ranks stay matched.
 """
 
@@ -24,20 +24,20 @@ from torch.utils.checkpoint import checkpoint
 
 
 class Checkpointed(nn.Module):
-    """One recomputed segment: ``body`` (its nodes as a graph module returning the
+    """One recompute span: ``body`` (its nodes as a graph module returning the
     values the rest of the program reads) run under non-reentrant activation
     checkpointing."""
 
-    def __init__(self, body: fx.GraphModule, segment: int):
+    def __init__(self, body: fx.GraphModule, span: int):
         super().__init__()
         self.body = body
-        self.segment = segment
+        self.span = span
 
     def forward(self, *inputs: Any) -> Any:
         return checkpoint(self.body, *inputs, use_reentrant=False)
 
     def extra_repr(self) -> str:
-        return f"segment {self.segment}"
+        return f"recompute span {self.span}"
 
 
 class StepMarks:
@@ -58,32 +58,32 @@ class StepMarks:
         return list(zip(self.starts, ends))
 
 
-def checkpoint_segments(
+def checkpoint_recompute_spans(
     graph: fx.Graph,
     root: nn.Module,
     steps: Sequence[Mapping[str, Any]],
     marks: StepMarks,
     add_module: Callable[[str, nn.Module], str],
 ) -> int:
-    """Run every recomputed segment of the plan's ``steps`` (emitted into ``graph``,
+    """Run every recompute span of the plan's ``steps`` (emitted into ``graph``,
     ``marks`` says where) under activation checkpointing; ``root`` holds the modules
     the graph calls, ``add_module(prefix, module)`` registers one and returns its
-    name. Returns how many segments were checkpointed."""
+    name. Returns how many spans were checkpointed."""
     nodes = list(graph.nodes)
-    spans = marks.spans()
-    segments: dict[int, list[int]] = {}
+    ranges = marks.spans()
+    members_of: dict[int, list[int]] = {}
     for i, step in enumerate(steps):
-        if step.get("segment") is not None:
-            segments.setdefault(int(step["segment"]), []).append(i)
-    for segment, members in sorted(segments.items()):
-        body = [n for i in members for n in nodes[spans[i][0] : spans[i][1]] if n.op not in ("get_attr", "placeholder")]
+        if step.get("recompute_span") is not None:
+            members_of.setdefault(int(step["recompute_span"]), []).append(i)
+    for span, members in sorted(members_of.items()):
+        body = [n for i in members for n in nodes[ranges[i][0] : ranges[i][1]] if n.op not in ("get_attr", "placeholder")]
         if body:
-            _checkpoint(graph, root, body, segment, add_module)
-    return len(segments)
+            _checkpoint(graph, root, body, span, add_module)
+    return len(members_of)
 
 
 def _checkpoint(
-    graph: fx.Graph, root: nn.Module, body: list[fx.Node], segment: int, add_module: Callable[[str, nn.Module], str]
+    graph: fx.Graph, root: nn.Module, body: list[fx.Node], span: int, add_module: Callable[[str, nn.Module], str]
 ) -> None:
     """Replace ``body`` (nodes of ``graph`` in program order) by one call of a
     :class:`Checkpointed` module that computes them and returns those read after."""
@@ -102,8 +102,8 @@ def _checkpoint(
     for node in body:
         env[node] = sub.node_copy(node, lambda n: env[n])
     sub.output(tuple(env[n] for n in outputs))
-    module = Checkpointed(fx.GraphModule(root, sub, class_name="Segment"), segment)
-    target = add_module("segment", module)
+    module = Checkpointed(fx.GraphModule(root, sub, class_name="RecomputeSpan"), span)
+    target = add_module("recompute_span", module)
 
     after = body[-1].next
     with graph.inserting_before(after):

@@ -14,7 +14,7 @@ in order:
    that bring each step's inputs to the layouts its rule needs, the op itself (adapted
    where a rule needs more than the local op: :data:`hapd.runtime.adapters.ADAPTERS`),
    and collectives on its results (the loss masked to rank 0 when it was computed
-   replicated); the steps of a recomputed segment then run under activation
+   replicated); the steps of a recompute span then run under activation
    checkpointing (:mod:`hapd.runtime.recompute`);
 4. **write back buffers** (:func:`_write_back_buffers`) — every buffer the step updates
    (batch norm's running statistics) gets its new value, which the plan holds whole
@@ -399,7 +399,7 @@ def distribute(
     the program's are). ``check_graph=False`` skips lowering the program again to
     compare graph ids (only when the caller just compiled the plan from it).
     ``hosts``: sum replicated gradients in two levels across hosts
-    (:func:`hapd.harness.training.host_groups`; default: one all-reduce over ``group``).
+    (:func:`hapd.runtime.distributed.job_host_groups`; default: one all-reduce over ``group``).
     ``bucket_bytes``: gradient bytes per all-reduce (the cost model assumes the default).
 
     ``shared``: the rank module of another program of the same model (its training
@@ -490,13 +490,13 @@ def _shard_sources(em: _Emitter, steps: Sequence[Mapping[str, Any]]) -> None:
 
 
 def _emit_steps(em: _Emitter, steps: Sequence[Mapping[str, Any]]) -> None:
-    """Step 3: every step in plan order; the steps of a recomputed segment then run
+    """Step 3: every step in plan order; the steps of a recompute span then run
     under activation checkpointing (:mod:`hapd.runtime.recompute`)."""
     marks = recompute.StepMarks(em.graph)
     for step in steps:
         marks.mark()
         em.step(step)
-    recompute.checkpoint_segments(em.graph, em.root, steps, marks, em.add_module)
+    recompute.checkpoint_recompute_spans(em.graph, em.root, steps, marks, em.add_module)
 
 
 def _write_back_buffers(em: _Emitter) -> None:

@@ -13,9 +13,20 @@
 //! - **layout** — how a rank's tensor relates to the single-device tensor:
 //!   `Gather(dim)` (a slice along `dim`, possibly uneven), `Reduce` (a partial sum) or
 //!   `Identity` (a full replica).
-//! - **segment** — a group of tensors that share one vector of sharding ratios.
+//! - **segment** — a group of tensors that share one vector of sharding ratios (and
+//!   only that: the words below name the other groupings).
 //! - **sharding ratio** — the fraction of a sharded dim a device holds; the ratios of a
 //!   segment sum to 1 and round to integer **sharding lengths**.
+//! - **block** — a labelled part of the model graph (a transformer layer); the unit that
+//!   recomputation chooses.
+//! - **recompute span** — a maximal run of consecutive steps of one recomputed block: it
+//!   keeps only its inputs and its forward runs again in the backward pass.
+//! - **interval** — in an overlapped program, the computation between two consecutive
+//!   communication points.
+//! - **stage** — a contiguous part of the model that one group of devices runs in a
+//!   pipeline; a **micro-batch** is the share of the batch a stage processes at once.
+//! - **host** — one machine; its devices share a fast link, hosts a slow one. A **host
+//!   group** is the set of ranks on one host.
 //! - **triple** — a Hoare triple `{pre} instruction {post}` over tensor layouts: one way
 //!   to compute or communicate a tensor.
 //! - **step** — one triple chosen by the search, in program order.

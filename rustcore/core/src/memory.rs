@@ -216,13 +216,13 @@ pub fn breakdown(problem: &Problem, outcome: &Outcome) -> Breakdown {
     for chosen in &outcome.steps {
         let step = &problem.steps[chosen.step];
         let inside = problem.graph.nodes[step.node].saved_bytes;
-        if inside > 0.0 && step.segment.is_none() {
+        if inside > 0.0 && step.span.is_none() {
             let sharded = step.rules[chosen.rule].work == Work::Sharded;
             activations.add(inside, if sharded { Share::Shard(step_split(problem, chosen)) } else { Share::Replica });
         }
     }
-    // one recomputed segment's activations, rebuilt during the backward pass
-    let (replica, shard) = crate::recompute::largest_segment(problem, outcome);
+    // one recomputed span's activations, rebuilt during the backward pass
+    let (replica, shard) = crate::recompute::largest_span(problem, outcome);
     activations.add(replica, Share::Replica);
     activations.add(shard, Share::Shard(None));
     Breakdown {

@@ -4,35 +4,35 @@
 //!
 //! The program is searched on the graph of one duplica (half the global batch). Each
 //! rank runs it twice, duplicas A and B. Every collective on a batch-dependent tensor is
-//! a **communication point**; the computation between two points is a **segment**. At
-//! point `k` the runtime does `start comm_k(A); compute segment k-1 (B); finish;
-//! start comm_k(B); compute segment k (A); finish`, so the forward pass costs
+//! a **communication point**; the computation between two points is an **interval**. At
+//! point `k` the runtime does `start comm_k(A); compute interval k-1 (B); finish;
+//! start comm_k(B); compute interval k (A); finish`, so the forward pass costs
 //!
 //! ```text
 //! S^A_0  +  Σ_k  max(S^B_{k-1}, c_k) + max(S^A_k, c_k)  +  S^B_last
 //! ```
 //!
-//! with `S^A_k`/`S^B_k` duplica A's/B's compute of segment `k` and `c_k` the point's
+//! with `S^A_k`/`S^B_k` duplica A's/B's compute of interval `k` and `c_k` the point's
 //! collective (the same for both duplicas). This is HiDup's stage cost
 //! `max(debt, fwd_comm) + max(fwd_comp, fwd_comm)` with a stage per communication point
-//! instead of per op: consecutive ops without a collective run as one segment, and
-//! consecutive collectives (two operands of one op) as points with empty segments between
+//! instead of per op: consecutive ops without a collective run as one interval, and
+//! consecutive collectives (two operands of one op) as points with empty intervals between
 //! them, whose collectives nothing hides.
 //!
 //! What both duplicas share runs once: ops that depend on no input (a parameter's cast)
-//! compute in A's segment only, and collectives of such tensors (a ZeRO parameter's
+//! compute in A's interval only, and collectives of such tensors (a ZeRO parameter's
 //! all-gather and its reduce-scatter) and the replicated parameters' gradient all-reduce
 //! are issued once and charged serially, not overlapped.
 //!
 //! The backward pass is charged **like the forward**, mirrored, not serially as HiDup
 //! charges it: the runtime's collectives are start/finish pairs whose backward starts the
 //! dual collective (at the finish's backward) and waits for it (at the start's), and
-//! autograd runs the nodes created in between meanwhile — the other duplica's segment,
-//! in reverse. By that symmetry the backward pass costs the same sum with each segment's
+//! autograd runs the nodes created in between meanwhile — the other duplica's interval,
+//! in reverse. By that symmetry the backward pass costs the same sum with each interval's
 //! backward compute and each collective's dual. `bench/overlap_search.py` prints the
 //! forward and backward estimates apart, for a measurement to check them against.
 //!
-//! A recomputed segment ([`crate::recompute`]) runs under activation checkpointing, its
+//! A recomputed span ([`crate::recompute`]) runs under activation checkpointing, its
 //! collectives blocking: they make no point, and count serially for each duplica, forward
 //! and backward; its forward runs again in the backward pass, the compute as backward
 //! compute and the collectives once more, serially.
@@ -80,12 +80,12 @@ pub fn batch_dependent(problem: &Problem) -> Vec<bool> {
 
 /// The share of step `pos`'s compute row that its forward pass takes: the row prices
 /// the forward once, the backward at twice the forward when the step carries a gradient
-/// ([`crate::cost::compute_row`]), and the forward once more in a recomputed segment
+/// ([`crate::cost::compute_row`]), and the forward once more in a recomputed span
 /// (the backward pass runs it again).
 pub fn forward_share(problem: &Problem, pos: usize) -> f64 {
     let step = &problem.steps[pos];
     let backward = if step.inputs.iter().any(|&t| problem.tensor(t).requires_grad) { 2.0 } else { 0.0 };
-    let again = if step.segment.is_some() { 1.0 } else { 0.0 };
+    let again = if step.span.is_some() { 1.0 } else { 0.0 };
     1.0 / (1.0 + backward + again)
 }
 
@@ -103,7 +103,7 @@ pub fn collective_rows(profile: &Profile, collective: Collective, bytes: f64, wi
 pub struct StepRows {
     /// Whether the step depends on the batch (each duplica runs it; else A only, once).
     pub batch: bool,
-    /// Whether the step is in a recomputed segment (its collectives block).
+    /// Whether the step is in a recomputed span (its collectives block).
     pub recomputed: bool,
     /// Forward compute of one duplica.
     pub comp_forward: Row,
@@ -141,7 +141,7 @@ impl StepRows {
 
     /// Add a collective with forward row `forward` and backward row `backward`: a point
     /// run by each duplica when `per_duplica` (it moves batch data), else once, serially;
-    /// in a recomputed segment serially for each duplica.
+    /// in a recomputed span serially for each duplica.
     pub fn add_collective(&mut self, forward: Row, backward: Option<Row>, per_duplica: bool) {
         if per_duplica && self.recomputed {
             for _ in 0..DUPLICAS {
@@ -167,7 +167,7 @@ impl StepRows {
         self.serial.add(row);
     }
 
-    /// Add the forward of a collective that a recomputed segment's backward runs again:
+    /// Add the forward of a collective that a recomputed span's backward runs again:
     /// each duplica recomputes its own, inside its backward compute, so it is serial.
     pub fn add_recomputed(&mut self, forward: &Row) {
         for _ in 0..DUPLICAS {
@@ -198,12 +198,12 @@ pub struct PassTimes {
     pub compute: f64,
     /// Whether a collective runs before the step.
     pub point: bool,
-    /// The first collective's time: A's runs under B's compute of the previous segment.
+    /// The first collective's time: A's runs under B's compute of the previous interval.
     pub first: f64,
-    /// The last collective's time: B's runs under A's compute of the step's segment.
+    /// The last collective's time: B's runs under A's compute of the step's interval.
     pub last: f64,
     /// What the collectives between cost exposed (both duplicas' of all but A's first
-    /// and B's last: their segments are empty); 0 for one collective.
+    /// and B's last: their intervals are empty); 0 for one collective.
     pub inner: f64,
 }
 
@@ -235,9 +235,9 @@ pub struct StepTimes {
 
 /// One pass's cost of a program prefix under the two-duplica schedule.
 ///
-/// With `acc` the time of every closed segment, `S^B` duplica B's compute of the open
-/// segment and `c` the collective at its point: `closed = acc + max(S^A, c)` (A's compute
-/// of the open segment and B's collective both done), `debt = S^B` (what B still owes)
+/// With `acc` the time of every closed interval, `S^B` duplica B's compute of the open
+/// interval and `c` the collective at its point: `closed = acc + max(S^A, c)` (A's compute
+/// of the open interval and B's collective both done), `debt = S^B` (what B still owes)
 /// and `slack = max(0, c - S^A)` (B's collective still uncovered: it hides A's compute
 /// of the next steps). The prefix costs `closed + debt` if the program ends there.
 ///
@@ -260,12 +260,12 @@ impl Pass {
     pub fn advance(self, t: &PassTimes, batch: bool) -> Pass {
         let owed = if batch { t.compute } else { 0.0 };
         if t.point {
-            // B computes the open segment under A's first collective; then the chain;
+            // B computes the open interval under A's first collective; then the chain;
             // then A computes the step under B's last collective
             let acc = self.closed + self.debt.max(t.first) + t.inner;
             Pass { closed: acc + t.compute.max(t.last), debt: owed, slack: (t.last - t.compute).max(0.0) }
         } else {
-            // the step joins the open segment; A's part of it hides under B's collective
+            // the step joins the open interval; A's part of it hides under B's collective
             Pass {
                 closed: self.closed + (t.compute - self.slack).max(0.0),
                 debt: self.debt + owed,
@@ -284,7 +284,7 @@ impl Pass {
 
     /// What this pass may pay at most for collectives of `switch` seconds (one duplica's,
     /// forward + backward) inserted before its next step: both duplicas run them, and they
-    /// may close the open segment early (at most `debt + slack`).
+    /// may close the open interval early (at most `debt + slack`).
     fn switch_extra(&self, switch: f64) -> f64 {
         if switch <= 0.0 {
             0.0
@@ -395,7 +395,7 @@ impl Schedule {
     /// Rows of step `pos` run with rule `rule`, before any communication.
     pub fn step(&self, problem: &Problem, pos: usize, rule: usize) -> StepRows {
         let step = &problem.steps[pos];
-        StepRows::new(&step.comp[rule], self.share[pos], self.step_batch[pos], step.segment.is_some())
+        StepRows::new(&step.comp[rule], self.share[pos], self.step_batch[pos], step.span.is_some())
     }
 
     /// Add `collective` on tensor `t` to `rows` (nothing for a local re-layout).
@@ -440,8 +440,8 @@ mod tests {
 
     #[test]
     fn hidup_stage_cost_by_hand() {
-        // segment 0: 1 s; point 1: a 3 s collective; segment 1: 2 + 1 s; point 2: 0.5 s;
-        // segment 2: 4 s
+        // interval 0: 1 s; point 1: a 3 s collective; interval 1: 2 + 1 s; point 2: 0.5 s;
+        // interval 2: 4 s
         let steps = [step(1.0, &[]), step(2.0, &[3.0]), step(1.0, &[]), step(4.0, &[0.5])];
         // A seg 0 (1) + max(B seg 0 = 1, 3) + max(A seg 1 = 3, 3) + max(B seg 1 = 3, 0.5)
         // + max(A seg 2 = 4, 0.5) + B seg 2 (4)
@@ -460,7 +460,7 @@ mod tests {
     }
 
     #[test]
-    fn consecutive_collectives_are_points_with_empty_segments() {
+    fn consecutive_collectives_are_points_with_empty_intervals() {
         // two collectives before one step: A's first under B's 1 s, B's first and A's
         // second exposed, B's second under A's 2 s
         let one = [step(1.0, &[]), step(2.0, &[0.5, 0.75])];
@@ -516,7 +516,7 @@ mod tests {
         assert!(close(t.forward.compute, 1.0) && close(t.backward.compute, 2.0));
         assert_eq!((t.forward.first, t.forward.last, t.forward.inner), (1.0, 1.0, 0.0));
         assert_eq!((t.backward.first, t.serial), (0.5, 2.0));
-        // in a recomputed segment a batch collective blocks, in each duplica
+        // in a recomputed span a batch collective blocks, in each duplica
         let mut again = StepRows::new(&comp, 0.25, true, true);
         again.add_collective(fwd.clone(), Some(bwd.clone()), true);
         let t = again.times(&[0.5, 0.5]);

@@ -75,9 +75,9 @@ pub struct StepOut {
     /// The step's part in the two-duplica schedule ([`crate::overlap`]); nil unless the
     /// program was searched with overlap.
     pub overlap: Option<OverlapOut>,
-    /// The recomputed segment the step is in (see [`crate::recompute`]): the runtime
-    /// runs each segment's steps under activation checkpointing; nil when kept.
-    pub segment: Option<usize>,
+    /// The recomputed span the step is in (see [`crate::recompute`]): the runtime
+    /// runs each span's steps under activation checkpointing; nil when kept.
+    pub recompute_span: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -357,7 +357,7 @@ fn step_out(problem: &Problem, chosen: &ChosenStep) -> StepOut {
         comp: (&chosen.comp).into(),
         comm: (&chosen.comm).into(),
         overlap: chosen.overlap.as_ref().map(Into::into),
-        segment: step.segment,
+        recompute_span: step.span,
     }
 }
 

@@ -39,7 +39,7 @@ pub struct Options {
     pub overlap: bool,
     /// Blocks (the graph's `block` labels) whose activations the backward pass
     /// recomputes instead of keeping: each run of consecutive steps of one of them is a
-    /// segment that keeps only its inputs, and its forward (compute and collectives) runs
+    /// span that keeps only its inputs, and its forward (compute and collectives) runs
     /// again in the backward pass.
     pub recompute: BTreeSet<String>,
 }
@@ -82,8 +82,8 @@ pub struct Step {
     /// Compute row of each rule (with the forward again for a recomputed step).
     pub comp: Vec<Row>,
     pub flops: f64,
-    /// The recomputed segment the step is in (numbered in program order), if any.
-    pub segment: Option<usize>,
+    /// The recomputed span the step is in (numbered in program order), if any.
+    pub span: Option<usize>,
 }
 
 /// Everything the search needs, independent of the sharding ratios.
@@ -104,8 +104,8 @@ pub struct Problem<'a> {
     /// Per tensor, whether the backward pass keeps it as recomputation decides
     /// ([`crate::recompute::keeps`]); `None` where recomputation changes nothing.
     pub recompute_keep: Vec<Option<bool>>,
-    /// How many recomputed segments the program has.
-    pub segments: usize,
+    /// How many recomputed spans the program has.
+    pub spans: usize,
 }
 
 impl<'a> Problem<'a> {
@@ -118,7 +118,7 @@ impl<'a> Problem<'a> {
         let mut ids: HashMap<TensorRef, TensorId> = HashMap::new();
         let mut tensors: Vec<Tensor> = Vec::new();
         let mut steps = Vec::with_capacity(op_nodes.len());
-        let segment_of = crate::recompute::segments(graph, &op_nodes, &options.recompute)?;
+        let span_of = crate::recompute::spans(graph, &op_nodes, &options.recompute)?;
         for (s, &n) in op_nodes.iter().enumerate() {
             let node = &graph.nodes[n];
             let mut inputs = Vec::with_capacity(node.inputs.len());
@@ -177,7 +177,7 @@ impl<'a> Problem<'a> {
             }
             // a rule's own collectives (synchronized statistics) count with its compute; a
             // recomputed step runs its forward once more
-            let segment = segment_of[s];
+            let span = span_of[s];
             let comp = rules
                 .iter()
                 .map(|r| {
@@ -185,7 +185,7 @@ impl<'a> Problem<'a> {
                     if let Some(inside) = internal_comm_row(graph, node, r, profile, grad_in) {
                         row.add(&inside);
                     }
-                    if segment.is_some() {
+                    if span.is_some() {
                         row.add(&compute_row(profile, op.flops, op.class, r.work, false));
                         if let Some(inside) = internal_comm_row(graph, node, r, profile, false) {
                             row.add(&inside);
@@ -194,7 +194,7 @@ impl<'a> Problem<'a> {
                     row
                 })
                 .collect();
-            steps.push(Step { node: n, inputs, outputs, rules, comp, flops: op.flops, segment });
+            steps.push(Step { node: n, inputs, outputs, rules, comp, flops: op.flops, span });
         }
         let loss = *ids.get(&graph.loss).ok_or_else(|| Error::InvalidGraph {
             field: "loss".into(),
@@ -228,8 +228,8 @@ impl<'a> Problem<'a> {
             }
         }
         let recompute_keep = crate::recompute::keeps(&tensors, &steps);
-        let segments = segment_of.iter().flatten().max().map_or(0, |s| s + 1);
-        Ok(Problem { graph, profile, options, tensors, steps, live, loss, mutations, recompute_keep, segments })
+        let spans = span_of.iter().flatten().max().map_or(0, |s| s + 1);
+        Ok(Problem { graph, profile, options, tensors, steps, live, loss, mutations, recompute_keep, spans })
     }
 
     pub fn tensor(&self, t: TensorId) -> &Tensor {

@@ -717,18 +717,18 @@ impl<'p, 'a> Search<'p, 'a> {
             }
         }
         let inside = p.graph.nodes[step.node].saved_bytes;
-        if inside > 0.0 && step.segment.is_none() {
+        if inside > 0.0 && step.span.is_none() {
             charge += self.memory_charge(inside, rule.work == crate::cost::Work::Sharded);
         }
         charge
     }
 
     /// The forward of `collective` on tensor `t` once more, when it brings an operand to
-    /// step `pos` of a recomputed segment (the backward pass runs the segment's forward,
+    /// step `pos` of a recomputed span (the backward pass runs the span's forward,
     /// collectives included, again).
     fn recomputed_comm(&self, pos: usize, t: TensorId, collective: Collective) -> Option<Row> {
         let p = self.problem;
-        p.steps[pos].segment.map(|_| one_way_row(p.profile, collective, p.tensor(t).bytes()))
+        p.steps[pos].span.map(|_| one_way_row(p.profile, collective, p.tensor(t).bytes()))
     }
 
     /// The sources step `pos` creates (those first used there), each with the input slot

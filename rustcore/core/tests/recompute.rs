@@ -43,17 +43,17 @@ fn recomputed_blocks_keep_less_and_compute_their_forward_again() {
     let block_of: BTreeMap<&str, Option<&str>> = g.nodes.iter().map(|n| (n.name.as_str(), n.block.as_deref())).collect();
     for (k, r) in kept.steps.iter().zip(&rebuilt.steps) {
         assert_eq!(k.node, r.node);
-        assert_eq!(k.segment, None);
+        assert_eq!(k.recompute_span, None);
         let expected = match block_of[r.node.as_str()] {
             Some("blocks.0") => Some(0),
             Some("blocks.1") => Some(1),
             _ => None,
         };
-        assert_eq!(r.segment, expected, "{}", r.node);
-        if r.segment.is_some() && at(&k.comp) > 0.0 {
+        assert_eq!(r.recompute_span, expected, "{}", r.node);
+        if r.recompute_span.is_some() && at(&k.comp) > 0.0 {
             // forward + backward (3 forwards) and one forward more
             assert!((at(&r.comp) / at(&k.comp) - 4.0 / 3.0).abs() < 1e-9, "{}", r.node);
-        } else if r.segment.is_none() {
+        } else if r.recompute_span.is_none() {
             assert_eq!(at(&r.comp), at(&k.comp), "{}", r.node);
         }
     }
@@ -75,7 +75,7 @@ fn a_recomputed_step_runs_its_collectives_again() {
     let step = |p: &ProgramOut| p.steps.iter().find(|s| s.node == "linear_1").cloned().expect("linear_1");
     let (k, r) = (step(&kept), step(&rebuilt));
     assert!(!k.comms.is_empty() && at(&k.comm) > 0.0, "linear_1 receives its input by a collective");
-    assert_eq!(r.segment, Some(0));
+    assert_eq!(r.recompute_span, Some(0));
     assert!(at(&r.comm) > at(&k.comm), "{} vs {}", at(&r.comm), at(&k.comm));
 }
 
