@@ -62,7 +62,6 @@ import dataclasses
 import gc
 import inspect
 import json
-import math
 import platform
 import re
 import statistics
@@ -82,6 +81,7 @@ from torch import Tensor, nn  # noqa: E402
 
 import hapd  # noqa: E402
 from hapd.models import zoo  # noqa: E402
+from launcher.report import clean_nans  # noqa: E402
 
 MODELS = ("gpt2", "llama")
 PRECISIONS = ("fp32", "bf16")
@@ -143,16 +143,6 @@ class Row:
         return f"{self.model}-{self.precision}-{self.variant}"
 
 
-def _finite(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
-
 class Sink:
     """Where results go as soon as they exist: stdout, and ``--out DIR``'s files."""
 
@@ -166,7 +156,7 @@ class Sink:
     def row(self, row: Row, extra: dict[str, Any]) -> None:
         if self.out is None:
             return
-        doc = _finite({**dataclasses.asdict(row), **extra})
+        doc = clean_nans({**dataclasses.asdict(row), **extra})
         (self.out / f"{row.key}.json").write_text(json.dumps(doc, indent=1))
         with open(self.out / "results.jsonl", "a") as f:
             f.write(json.dumps(doc) + "\n")
@@ -402,7 +392,7 @@ class Variant:
         if self.row.variant.startswith("compiled"):
             self.row.peak_kind = "n/a (compiled, CPU)"
             return
-        from hapd.runtime.memtrack import LiveTensorBytes
+        from hapd.harness.memtrack import LiveTensorBytes
 
         with LiveTensorBytes() as tracker:
             tracker.track(self.tensors())
@@ -637,38 +627,6 @@ def table(rows: Sequence[Row], facts: dict[str, dict[str, Any]], header: str) ->
 # --------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------
-
-
-def _compile_option() -> bool:
-    """Whether ``hapd.parallelize`` takes ``compile=``."""
-    try:
-        return "compile" in inspect.signature(hapd.parallelize).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _compile_hapd(module: nn.Module, inputs: Sequence[Tensor], device: torch.device,
-                  precision: str) -> tuple[nn.Module, str]:
-    """``torch.compile`` of the hapd module, tried on one forward+backward; of its rank
-    program when the module does not compile."""
-    tries = [("torch.compile(module)", module)]
-    inner = getattr(module, "inner", None)
-    if isinstance(inner, nn.Module):
-        tries.append(("torch.compile(module.inner)", inner))
-    errors = []
-    for how, target in tries:
-        compiled = torch.compile(target)
-        try:
-            with autocast(device, precision):
-                loss = compiled(*inputs)
-            loss.backward()
-            for p in module.parameters():
-                p.grad = None
-            return compiled, how
-        except Exception as exc:
-            errors.append(f"{how}: {type(exc).__name__}: {str(exc).strip()[:200]}")
-            torch._dynamo.reset()
-    raise RuntimeError("; ".join(errors))
 
 
 def _compile_option() -> bool:
