@@ -153,3 +153,28 @@ def test_four_uneven_ranks_train_exactly_with_dropout() -> None:
 
 def test_ops_of_the_model_include_dropout() -> None:
     assert _ops(_reference().ir.doc, "aten.native_dropout")
+
+
+class _MaskedLM(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=labels).loss
+
+
+@pytest.mark.slow
+def test_transformers_bert_with_default_dropout_splits_its_dropouts() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=64)
+    assert config.hidden_dropout_prob == 0.1
+    ids = torch.randint(0, 128, (32, 64))
+    graph = hapd.lower(hapd.export(_MaskedLM(transformers.BertForMaskedLM(config)).train(), (ids, ids)))
+    plan = hapd.compile(graph, "profiles/paper-8.json")
+    drops = [s for s in plan.program["steps"] if s["op"] == "aten.native_dropout"]
+    assert len(drops) == 5 and all(s["rule"] == "sharded" for s in drops)
+    assert "no sharding rules" not in plan.explain()
+    print("\n" + "\n".join(plan.explain().splitlines()[:4]))
