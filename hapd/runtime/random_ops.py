@@ -87,7 +87,8 @@ def dropout_args(node: fx.Node) -> tuple[float, bool]:
 
 def random_streams(graph: fx.Graph) -> dict[str, int]:
     """Dropout node name -> its stream: its position among the graph's dropouts."""
-    return {n.name: k for k, n in enumerate(n for n in graph.nodes if n.op == "call_function" and n.target in DROPOUT_OPS)}
+    drops = (n for n in graph.nodes if n.op == "call_function" and n.target in DROPOUT_OPS)
+    return {n.name: k for k, n in enumerate(drops)}
 
 
 def has_random_ops(graph: fx.Graph) -> bool:

@@ -19,7 +19,8 @@ use super::{check_same_shape, elementwise_class, gather, Family, OpCtx, Rule};
 use crate::cost::Work;
 use crate::error::Result;
 
-pub const FAMILY: Family = Family { ops: &["aten.native_dropout", "aten.dropout"], rules, flops, class: elementwise_class, check_shapes };
+pub const FAMILY: Family =
+    Family { ops: &["aten.native_dropout", "aten.dropout"], rules, flops, class: elementwise_class, check_shapes };
 
 /// FLOPs per element: the draw (a 10-round Philox of integer multiplies and xors counts
 /// as a few ops on a GPU's integer units), the comparison and the scaled product.
@@ -58,11 +59,13 @@ mod tests {
 
     #[test]
     fn dropout_splits_every_dim_for_result_and_mask() {
-        let g = graph("aten.native_dropout", dropout(&[4, 1, 8]), &[(&[4, 1, 8], DType::F32), (&[4, 1, 8], DType::Bool)]);
+        let outs: &[(&[usize], DType)] = &[(&[4, 1, 8], DType::F32), (&[4, 1, 8], DType::Bool)];
+        let g = graph("aten.native_dropout", dropout(&[4, 1, 8]), outs);
         let got = rules_for(&g, g.nodes.last().unwrap());
         assert_rules(&got, &["sharded G0 -> G0,G0 sharded", "sharded G2 -> G2,G2 sharded"]);
         assert_eq!(got.flops, 4.0 * 32.0);
-        assert_rules(&rules("aten.dropout", dropout(&[2, 3]), &[&[2, 3]]), &["sharded G0 -> G0 sharded", "sharded G1 -> G1 sharded"]);
+        let single = rules("aten.dropout", dropout(&[2, 3]), &[&[2, 3]]);
+        assert_rules(&single, &["sharded G0 -> G0 sharded", "sharded G1 -> G1 sharded"]);
     }
 
     #[test]
@@ -77,7 +80,8 @@ mod tests {
         // lowering tags native_dropout nondeterministic_seeded: the family is by name
         let tags = &[TAG_POINTWISE, TAG_RANDOM][..];
         let g = tagged("aten.native_dropout", dropout(&[4, 8]), &[(&[4, 8], DType::F32), (&[4, 8], DType::Bool)], tags);
-        assert_rules(&rules_for(&g, g.nodes.last().unwrap()), &["sharded G0 -> G0,G0 sharded", "sharded G1 -> G1,G1 sharded"]);
+        let got = rules_for(&g, g.nodes.last().unwrap());
+        assert_rules(&got, &["sharded G0 -> G0,G0 sharded", "sharded G1 -> G1,G1 sharded"]);
         assert_eq!(FAMILIES.iter().filter(|f| f.ops.contains(&"aten.native_dropout")).count(), 1);
     }
 }
