@@ -56,13 +56,14 @@ class CounterDropout(nn.Module):
     def __init__(self, p: float, train: bool, stream: int, global_shape: Sequence[int], offsets: Sequence[int],
                  seed: int, *, single: bool = False):
         super().__init__()
-        self.p, self.train, self.stream = float(p), bool(train), int(stream)
+        self.p, self.drops, self.stream = float(p), bool(train), int(stream)
+        # (``drops``, not ``train``: that name is nn.Module's mode switch)
         self.global_shape, self.offsets = [int(s) for s in global_shape], [int(o) for o in offsets]
         self.seed = int(seed)
         self.single = single
 
     def forward(self, x: Tensor, step: Tensor, part: Tensor, duplica: int = 0) -> Any:
-        if not self.train:
+        if not self.drops:
             out, mask = x.clone(), torch.ones_like(x, dtype=torch.bool)
         else:
             u = uniform(self.seed, self.stream, step, self.global_shape, self.offsets, list(x.shape), x.device,
@@ -73,7 +74,7 @@ class CounterDropout(nn.Module):
         return out if self.single else (out, mask)
 
     def extra_repr(self) -> str:
-        return (f"p={self.p}, train={self.train}, stream={self.stream}, global_shape={self.global_shape}, "
+        return (f"p={self.p}, train={self.drops}, stream={self.stream}, global_shape={self.global_shape}, "
                 f"offsets={self.offsets}")
 
 
