@@ -16,7 +16,6 @@ Used by ``test_rules_zoo.py`` (one rule per case), ``test_rules_gaps.py``,
 
 from __future__ import annotations
 
-import copy
 import io
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from torch import Tensor, nn
 import hapd
 from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import estimated_profile
+from hapd.runtime.random_ops import counter_reference
 
 TOL = 1e-5
 """Relative tolerance of every comparison (fp32 sums in another grouping)."""
@@ -133,7 +133,9 @@ def reference(build: Build, name: str, steps: int = 0) -> Reference:
     module, inputs = build()
     program = hapd.export(module, inputs)
     ir = hapd.lower(program, name=name)
-    single = copy.deepcopy(program.module())  # the steps must not change the program's weights
+    # a copy (the steps must not change the program's weights), its dropouts drawn with
+    # hapd's generator and the seed the ranks draw with (torch.manual_seed(0): _run_cases)
+    single = counter_reference(program, seed=0)
     optimizer = torch.optim.Adam(single.parameters(), lr=LR)
     losses: list[float] = []
     grads: dict[str, Tensor] = {}

@@ -22,6 +22,8 @@ from torch import Tensor, fx, nn
 from hapd import _core
 from hapd.compiler.op_facts import BATCH_SPLIT_LOSSES, MEAN, SUM
 from hapd.runtime.collectives import all_reduce
+from hapd.runtime.layout import gather_dim
+from hapd.runtime.random_ops import CounterDropout, dropout_args
 from hapd.runtime.rank import RankView
 
 _RULES: Mapping[str, str] = _core.rule_names()
@@ -64,6 +66,11 @@ class Emitter(Protocol):
 
     def local_out_shape(self, step: Mapping[str, Any]) -> list[int]:
         """This rank's shape of ``step``'s (first) output."""
+        ...
+
+    def random_inputs(self, node: fx.Node) -> tuple[int, int, fx.Node, fx.Node]:
+        """For a dropout node of the program: (its stream, the seed, the graph's step
+        node, its part node) (:mod:`hapd.runtime.random_ops`)."""
         ...
 
 
@@ -292,7 +299,25 @@ def _synced_batch_norm(em: Emitter, step: Mapping[str, Any], node: fx.Node, args
     return em.graph.call_module(target, tuple(values))
 
 
+def _counter_dropout(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """Dropout, whole or split along one dim: :class:`~hapd.runtime.random_ops.CounterDropout`
+    draws this rank's slice of the single-device mask (its offset along the split dim:
+    the lengths of the ranks before it)."""
+    inp = step["inputs"][0]
+    full = em.view.full_shape(inp["tensor"])
+    offsets = [0] * len(full)
+    d = gather_dim(inp["layout"])
+    if d is not None:
+        offsets[d] = em.view.offset(inp["tensor"], d)[0]
+    p, train = dropout_args(node)
+    stream, seed, rng_step, part = em.random_inputs(node)
+    single = node.target is torch.ops.aten.dropout.default
+    target = em.add_module("dropout", CounterDropout(p, train, stream, full, offsets, seed, single=single))
+    return em.graph.call_module(target, (args[0], rng_step, part))
+
+
 ADAPTERS: Mapping[tuple[str, str], Adapter] = MappingProxyType({
+    **{(op, rule): _counter_dropout for op in ("aten.native_dropout", "aten.dropout") for rule in (REPLICATED, SHARDED)},
     **{(op, SHARDED): _with_local_size(1) for op in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand")},
     ("aten.expand", BROADCAST_SPLIT): _with_local_size(1),
     **{("aten.unflatten.int", rule): _unflatten for rule in (REPLICATED, SHARDED, PARTIAL)},

@@ -2,7 +2,8 @@
 
 :func:`check` compiles the program for one device with the core, builds the rank
 program (:func:`hapd.runtime.rewrite.distribute`, world 1: no process group needed) and
-runs one training step of it and of the eager ``program.module()`` on the program's
+runs one training step of it and of the eager ``program.module()`` (its dropouts drawn
+with hapd's counter-based generator, as the rank program draws them) on the program's
 example inputs (float inputs perturbed with a seeded generator, integer ones kept). It
 compares the loss, the gradient of every parameter, and every buffer after the step
 (batch norm's running statistics), and reports the worst errors. A one-device plan
@@ -19,7 +20,6 @@ may not import the runtime.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,6 +33,7 @@ from hapd.compiler.lower import load_exported, lower
 from hapd.compiler.normalize import buffer_mutations, normalize
 from hapd.errors import ExportError
 from hapd.profile.schema import estimated_profile
+from hapd.runtime.random_ops import counter_reference
 from hapd.runtime.rewrite import distribute
 
 DEFAULT_RTOL = 1e-5
@@ -172,7 +173,7 @@ class _Step:
 
 def _distributed_step(program: ExportedProgram, plan: Any, inputs: tuple[Tensor, ...], seed: int) -> _Step:
     """One forward and backward of the rank-0 program of a one-device plan."""
-    module = distribute(program, plan, rank=0, world=1)
+    module = distribute(program, plan, rank=0, world=1, seed=seed)
     torch.manual_seed(seed)
     loss = module(*module.shard_inputs(*inputs))
     loss.backward()
@@ -183,8 +184,9 @@ def _distributed_step(program: ExportedProgram, plan: Any, inputs: tuple[Tensor,
 
 def _eager_step(program: ExportedProgram, inputs: tuple[Tensor, ...], seed: int) -> _Step:
     """One forward and backward of ``program.module()`` (a copy: its buffers are the
-    program's own tensors, and a step updates them)."""
-    module: nn.Module = copy.deepcopy(program.module())
+    program's own tensors, and a step updates them), its dropouts drawn with hapd's
+    generator and ``seed`` (:func:`hapd.runtime.random_ops.counter_reference`)."""
+    module: nn.Module = counter_reference(program, seed)
     torch.manual_seed(seed)
     loss = module(*inputs)
     loss.backward()

@@ -48,6 +48,7 @@ from hapd.runtime.collectives import all_gather
 from hapd.runtime.held import Held, whole
 from hapd.runtime.layout import IDENTITY, gather, gather_dim
 from hapd.runtime.plan_source import PlanSource, compile_options, obtain_plan
+from hapd.runtime.random_ops import CounterDropout
 from hapd.runtime.programs import Recipe, Shapes, aligned_force, op_nodes
 from hapd.runtime.rank import RankModule
 from hapd.runtime.rewrite import distribute, global_loss
@@ -81,6 +82,9 @@ class ParallelModule(nn.Module):
         self._recipe = recipe
         self._mode_dependent = [(n.name, str(n.target)) for n in inner.graph.nodes
                                 if n.op == "call_function" and n.target in _MODE_DEPENDENT]
+        # dropouts run as hapd's counter-based draws (a recompute span's among them)
+        self._mode_dependent += [(name, "aten.native_dropout") for name, m in inner.named_modules()
+                                 if isinstance(m, CounterDropout)]
         self._example_shapes: Shapes = recipe.example_shapes if recipe is not None else \
             tuple(tuple(s) for s in self.global_shapes())
         self._programs: dict[tuple[bool, Shapes], RankModule] = {(True, self._example_shapes): inner}

@@ -56,6 +56,7 @@ from hapd.runtime import collectives
 from hapd.runtime.layout import IDENTITY, REDUCE, gather_dim
 from hapd.runtime.overlap import loss_counts
 from hapd.runtime.rank import RankModule
+from hapd.runtime.random_ops import STEP, advance_step, set_part
 from hapd.runtime.rewrite import distribute
 
 Box = tuple[tuple[int, int], ...]
@@ -287,6 +288,8 @@ class PipelineRank:
 
     def _forward(self, batch: Sequence[Tensor], mb: int, pending: list, posted: list) -> dict:
         received = [self._complete(msgs, into).requires_grad_(True) for into, msgs in posted]
+        if hasattr(self.module, STEP):
+            set_part(self.module, mb)  # each micro-batch draws masks of its own
         env: dict[fx.Node, Any] = {}
         args = self._inputs(batch, mb) + received
         interp = fx.Interpreter(self.module)
@@ -345,6 +348,8 @@ class PipelineRank:
         for k, d in enumerate(self.batch_dims):
             if d is not None and batch[k].shape[d] % self.m:
                 raise PlanError(f"input {k}: batch {batch[k].shape[d]} does not split into {self.m} micro-batches")
+        if hasattr(self.module, STEP):
+            advance_step(self.module)  # the forwards run through an interpreter: no pre-hook
         pending: list = []
         states: dict[int, dict] = {}
         total = torch.zeros(())

@@ -65,6 +65,7 @@ from hapd.runtime.adapters import ADAPTERS, stride_free
 from hapd.runtime.gradsync import GradSync
 from hapd.runtime.layout import IDENTITY, REDUCE, check_layout, gather_dim
 from hapd.runtime.overlap import overlapped
+from hapd.runtime.random_ops import PART, STEP, default_seed, install_step, random_streams
 from hapd.runtime.rank import Communicate, RankModule, RankView, set_attr
 from hapd.runtime.weights import Weights, WeightSource, rank_piece, weight_source
 
@@ -138,6 +139,10 @@ class _Emitter:
         """Where the pieces of parameters and buffers come from (None: the program's
         state dict, see :func:`distribute`)."""
         self._modules = 0
+        self.seed = default_seed()
+        """The seed the program's dropouts draw with (:mod:`hapd.runtime.random_ops`)."""
+        self.streams = random_streams(program.graph)
+        """Dropout node name -> its stream."""
 
     # -- pieces ------------------------------------------------------------------------
 
@@ -146,6 +151,14 @@ class _Emitter:
         name = f"hapd_{prefix}_{self._modules}"
         self.root.add_module(name, module)
         return name
+
+    def random_inputs(self, node: fx.Node) -> tuple[int, int, fx.Node, fx.Node]:
+        """(stream, seed, step node, part node) of a dropout node: the step and part are
+        read from the rank module's buffers (:func:`hapd.runtime.random_ops.install_step`)."""
+        for name in (STEP, PART):
+            if not hasattr(self.root, name):
+                self.root.register_buffer(name, torch.zeros((), dtype=torch.int64, device=self.device), persistent=False)
+        return self.streams[node.name], self.seed, self.graph.get_attr(STEP), self.graph.get_attr(PART)
 
     def shared_buffers(self) -> set[str]:
         """The buffers this program reads that ``shared`` updates (batch norm's running
@@ -390,6 +403,7 @@ def distribute(
     shared: RankModule | None = None,
     weights: Weights | None = None,
     batch_dims: Sequence[int | None] | None = None,
+    seed: int | None = None,
 ) -> RankModule:
     """The fx module rank ``rank`` runs for ``plan``.
 
@@ -418,6 +432,11 @@ def distribute(
     A plan with ``overlap`` (compiled for one duplica: half the global batch) gives an
     :class:`hapd.runtime.overlap.OverlappedModule` running two interleaved duplicas;
     ``batch_dims``: each input's batch dim in the global batch (default 0).
+
+    ``seed``: what the program's dropouts draw with (hapd's counter-based generator,
+    :mod:`hapd.runtime.random_ops`; default ``torch.initial_seed()`` of this process,
+    which must then be the same on every rank). The module advances its step counter
+    (:data:`~hapd.runtime.random_ops.STEP`) at each forward.
     """
     ep = normalize(_load_program(program, example_inputs))
     if not isinstance(plan, Plan):
@@ -431,17 +450,24 @@ def distribute(
             raise PlanError(mismatch)
     em = _Emitter(ep, view, group, torch.device(device) if device is not None else None, shared)
     em.weights = weight_source(weights)
+    if seed is not None:
+        em.seed = int(seed)
     _shard_sources(em, plan.program["steps"])
     _emit_steps(em, plan.program["steps"])
     _write_back_buffers(em)
     _output_loss(em, plan.program["loss"])
     module = _rank_module(em)
+    if em.streams:
+        install_step(module)
     if shared is None:
         _sync_gradients(module, em.synced, group, bucket_bytes, hosts)
     else:
         _share_gradient_sync(module, shared, em.synced)
     if plan.overlap:
-        return overlapped(module, batch_dims)
+        both = overlapped(module, batch_dims)
+        if em.streams:
+            install_step(both)
+        return both
     return module
 
 

@@ -12,8 +12,9 @@
 //! must be split: a result dim that only broadcasting creates has nothing to split.
 //! Whether such an op is linear is not in torch's metadata, so partial-sum operands
 //! have no rule here. Ops that draw random numbers (tagged
-//! `nondeterministic_seeded`) are not in the family: their pieces would not draw the
-//! single-device values.
+//! `nondeterministic_seeded`) are not in the family: their pieces, drawn with torch's
+//! generator, would not be the single-device values. Dropout has a family of its own
+//! (`random.rs`): the runtime draws its masks with hapd's counter-based generator.
 
 use super::binary::{aligned_dim, broadcast};
 use super::rule_names::SHARDED;

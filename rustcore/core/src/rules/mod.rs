@@ -27,6 +27,7 @@ mod matmul;
 mod norm;
 mod padding;
 mod pointwise;
+mod random;
 mod reduction;
 pub mod rule_names;
 mod shape;
@@ -58,6 +59,7 @@ pub const FAMILIES: &[Family] = &[
     padding::FAMILY,
     creation::FAMILY,
     index::FAMILY,
+    random::FAMILY,
     elementwise::FAMILY,
 ];
 

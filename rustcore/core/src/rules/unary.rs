@@ -13,7 +13,6 @@ pub const FAMILY: Family = Family {
         "aten.silu",
         "aten.sigmoid",
         "aten.tanh",
-        "aten.dropout",
         "aten.neg",
         "aten.exp",
         "aten.rsqrt",
@@ -71,10 +70,10 @@ fn flops(ctx: &OpCtx) -> f64 {
     per_element * ctx.out_numel()
 }
 
-/// The activations, `dropout`, `neg`, `exp` and `rsqrt` keep their input's shape.
+/// The activations, `neg`, `exp` and `rsqrt` keep their input's shape.
 fn check_shapes(ctx: &OpCtx) -> Result<()> {
     match ctx.op() {
-        "aten.relu" | "aten.gelu" | "aten.silu" | "aten.dropout" | "aten.sigmoid" | "aten.tanh" | "aten.rsqrt"
+        "aten.relu" | "aten.gelu" | "aten.silu" | "aten.sigmoid" | "aten.tanh" | "aten.rsqrt"
         | "aten.neg" | "aten.exp" => check_same_shape(ctx),
         _ => Ok(()),
     }

@@ -1,0 +1,180 @@
+"""Dropout on split tensors: each rank draws exactly its slice of the single-device mask.
+
+The counter-based generator (:mod:`hapd.runtime.counter_rng`) gives any piece of a
+random tensor without the rest; the core splits ``native_dropout`` like an element-wise
+op (``rustcore/core/src/rules/random.rs``), and the ranks' loss, gradients and
+parameters after Adam steps equal the single-device program run with the same generator
+(:func:`hapd.runtime.random_ops.counter_reference`), on uneven ratios, with a searched
+and a forced tensor-parallel plan, and with recomputation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from _exact import Case, _alternate, _merge, _ops, assert_exact, assert_rules_ran, reference, run_cases
+from torch import nn
+
+import hapd
+from hapd import models
+from hapd.compiler.options import CompileOptions
+from hapd.profile.schema import estimated_profile
+from hapd.runtime.counter_rng import philox, uniform
+from hapd.runtime.random_ops import STEP, counter_reference
+
+STEPS = 5
+"""Adam steps after the first gradients."""
+
+# --------------------------------------------------------------------------- the generator
+
+
+def test_philox_gives_the_published_known_answers() -> None:
+    """Random123's known-answer vectors for Philox-4x32-10."""
+    m = 0xFFFFFFFF
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((m, m, m, m), (m, m), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, expected in cases:
+        assert tuple(int(w) for w in philox(counter, key)) == expected
+
+
+@pytest.mark.parametrize("shape,dim,lengths", [((7, 5, 3), 0, (3, 4)), ((7, 5, 3), 1, (1, 2, 2)),
+                                               ((4, 9), 1, (5, 0, 4)), ((6, 4, 3), 2, (2, 1))])
+def test_pieces_concatenate_to_the_whole_draw(shape, dim, lengths) -> None:
+    whole = uniform(11, 3, 2, shape, [0] * len(shape), shape)
+    pieces, start = [], 0
+    for length in lengths:
+        offsets = [0] * len(shape)
+        offsets[dim] = start
+        local = list(shape)
+        local[dim] = length
+        pieces.append(uniform(11, 3, torch.tensor(2), shape, offsets, local))
+        start += length
+    assert torch.equal(torch.cat(pieces, dim), whole)
+
+
+def test_draws_look_uniform_and_differ_by_stream_and_step() -> None:
+    shape = (200, 500)
+    u = uniform(5, 0, 0, shape, [0, 0], shape)
+    assert u.dtype == torch.float32 and 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert float((counts / u.numel() - 0.1).abs().max()) < 0.005
+    others = [uniform(5, 1, 0, shape, [0, 0], shape), uniform(5, 0, 1, shape, [0, 0], shape),
+              uniform(6, 0, 0, shape, [0, 0], shape), uniform(5, 0, 0, shape, [0, 0], shape, part=1)]
+    for other in others:
+        assert float((other == u).float().mean()) < 0.001
+
+
+def test_the_reference_drops_as_native_dropout_does_and_advances_its_step() -> None:
+    x = torch.ones(64, 128)
+    program = hapd.export(_Sum(nn.Dropout(0.25)).train(), (x,))
+    ref = counter_reference(program, seed=0)
+    first, second = ref(x), ref(x)
+    assert int(getattr(ref, STEP)) == 2 and STEP not in ref.state_dict()
+    assert float(first) != float(second)  # another step, other masks
+    assert torch.equal(counter_reference(program, seed=0)(x), first)  # a pure function of seed and step
+    kept = float(first) * 0.75 / x.numel()  # each kept element contributes 1 / (1 - p)
+    assert abs(kept - 0.75) < 0.02
+
+
+class _Sum(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).sum()
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+def _bert(batch: int = 8):
+    torch.manual_seed(0)
+    config = models.bert.BertConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64, dropout=0.1)
+    model = models.bert.BertLM(config)
+    return model, models.get("bert").example_inputs(config, batch)
+
+
+@functools.cache
+def _reference():
+    return reference(_bert, "bert", STEPS)
+
+
+def _tensor_parallel(doc) -> dict[str, str]:
+    """The blocks' linears column- then row-parallel (the FFN and attention projections)."""
+    return _merge(_alternate("aten.linear", ("column-parallel", "row-parallel")))(doc)
+
+
+def _case(name: str, ratios, *, force=None, recompute: str = "never") -> Case:
+    ref = _reference()
+    world = len(ratios)
+    forced = force(ref.ir.doc) if force else {}
+    profile = estimated_profile(world, flops=[1e10 * (world - r) for r in range(world)])
+    plan = hapd.compile(ref.ir, profile, CompileOptions(ratios=tuple(ratios), force=forced, recompute=recompute))
+    return Case(name, ref.saved, plan.to_bytes(), ref.inputs, ref.losses, ref.grads, frozenset(), forced)
+
+
+def _check_plans(cases: list[Case]) -> None:
+    """Every plan splits some dropout (none replicated for want of a rule)."""
+    for case in cases:
+        steps = hapd.Plan.from_bytes(case.plan).program["steps"]
+        drops = [s for s in steps if s["op"] == "aten.native_dropout"]
+        assert drops, case.name
+        assert any(s["rule"] != "replicated" for s in drops), case.name
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_uneven_ranks_train_exactly_with_dropout() -> None:
+    cases = [_case("bert/searched", (0.6, 0.4)), _case("bert/tensor-parallel", (0.6, 0.4), force=_tensor_parallel),
+             _case("bert/recompute", (0.6, 0.4), recompute="always")]
+    assert hapd.Plan.from_bytes(cases[2].plan).program["recompute"]
+    _check_plans(cases[:1] + cases[2:])
+    results = run_cases(cases, 2)
+    assert_exact(results, cases)
+    assert_rules_ran(results)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_four_uneven_ranks_train_exactly_with_dropout() -> None:
+    ratios = (0.4, 0.3, 0.2, 0.1)
+    cases = [_case("bert/searched", ratios), _case("bert/tensor-parallel", ratios, force=_tensor_parallel)]
+    _check_plans(cases[:1])
+    results = run_cases(cases, 4)
+    assert_exact(results, cases)
+    assert_rules_ran(results)
+
+
+def test_ops_of_the_model_include_dropout() -> None:
+    assert _ops(_reference().ir.doc, "aten.native_dropout")
+
+
+class _MaskedLM(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=labels).loss
+
+
+@pytest.mark.slow
+def test_transformers_bert_with_default_dropout_splits_its_dropouts() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=64)
+    assert config.hidden_dropout_prob == 0.1
+    ids = torch.randint(0, 128, (32, 64))
+    graph = hapd.lower(hapd.export(_MaskedLM(transformers.BertForMaskedLM(config)).train(), (ids, ids)))
+    plan = hapd.compile(graph, "profiles/paper-8.json")
+    drops = [s for s in plan.program["steps"] if s["op"] == "aten.native_dropout"]
+    assert len(drops) == 5 and all(s["rule"] == "sharded" for s in drops)
+    assert "no sharding rules" not in plan.explain()
+    print("\n" + "\n".join(plan.explain().splitlines()[:4]))
