@@ -230,8 +230,8 @@ def rank_report(rank_module: Any, optimizer: torch.optim.Optimizer, losses: list
                 initial: dict[str, Tensor]) -> dict[str, Any]:
     """What one rank's run shows about its frozen and trainable parameters against the
     single-device run ``ref`` (``initial``: this rank's pieces before training)."""
-    frozen = set(ref["frozen"])
     named = dict(rank_module.named_parameters(remove_duplicate=False))
+    frozen = set(ref["frozen"]) & set(named)  # a pipeline stage holds some parameters only
     synced = {id(p) for bucket in rank_module.hapd_sync.buckets for p in bucket}
     stateful = {id(p) for p in optimizer.state}
     trainable_errors = {}
@@ -249,8 +249,8 @@ def rank_report(rank_module: Any, optimizer: torch.optim.Optimizer, losses: list
         "frozen_with_state": sorted(n for n in frozen if id(named[n]) in stateful),
         "trainable_with_state": sum(id(named[n]) in stateful for n in named if n not in frozen),
         "trainable": sum(n not in frozen for n in named),
-        "trainable_error": max(trainable_errors.values()),
-        "worst_trainable": max(trainable_errors, key=trainable_errors.get),
+        "trainable_error": max(trainable_errors.values(), default=0.0),
+        "worst_trainable": max(trainable_errors, key=trainable_errors.get, default=None),
         "loss_error": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
         "frozen_layouts": sorted({rank_module.hapd_params[n][1] for n in frozen}),
     }
@@ -264,9 +264,10 @@ def distributed_run(rank: int, pt2: str, plan: bytes, ref: dict[str, Any]) -> di
     return rank_report(module, optimizer, losses, ref, initial)
 
 
-def parallelized_run(rank: int, plan: bytes, ref: dict[str, Any], folder: str) -> dict[str, Any]:
+def parallelized_run(rank: int, plan: bytes, ref: dict[str, Any], folder: str | None) -> dict[str, Any]:
     """``hapd.parallelize`` of the model, trained with clipping; :func:`rank_report`,
-    plus its full state dict and a checkpoint saved and loaded into a fresh module."""
+    plus its full state dict and, with ``folder``, a checkpoint saved there and loaded
+    into a fresh module."""
     model, _ = frozen_bert()
     module = hapd.parallelize(model, ref["inputs"], plan=plan, use_daemon=False, verbose=False)
     out: dict[str, Any] = {"parameters_flags": _flags(module.inner.named_parameters()) ==
@@ -284,6 +285,8 @@ def parallelized_run(rank: int, plan: bytes, ref: dict[str, Any], folder: str) -
     out["flags_after_load_full"] = sorted(n for n, p in module.inner.named_parameters()
                                           if p.requires_grad == (n in ref["frozen"]))
 
+    if folder is None:
+        return out
     hapd.save_checkpoint(Path(folder) / "ck", module, optimizer, step=STEPS)
     fresh_model, _ = frozen_bert()
     fresh = hapd.parallelize(fresh_model, ref["inputs"], plan=plan, use_daemon=False, verbose=False)
@@ -296,21 +299,56 @@ def parallelized_run(rank: int, plan: bytes, ref: dict[str, Any], folder: str) -
     return out
 
 
+def pipeline_run(rank: int, ref: dict[str, Any]) -> dict[str, Any]:
+    """The model cut after its frozen first layer into 2 pipeline stages of one rank
+    each, 2 micro-batches, trained; :func:`rank_report` of this rank's stage (the first
+    stage trains nothing: it runs no backward)."""
+    import torch.distributed as dist
+
+    from hapd.compiler.stages import split_program
+    from hapd.runtime.pipeline import PipelineRank
+
+    model, _ = frozen_bert()
+    micro = tuple(t.narrow(0, 0, BATCH // 2) for t in ref["inputs"])
+    program = hapd.export(model, micro)
+    cut = [n["name"] for n in hapd.lower(program).doc["nodes"] if n.get("block") == FROZEN_MODULES[1]][-1]
+    stages, boundaries = split_program(program, [cut])
+    plans = [hapd.compile(hapd.lower(st.program, name=f"frozen-{st.index}"), estimated_profile(1), CompileOptions())
+             for st in stages]
+    pipe = PipelineRank(stages, boundaries, plans, [[0], [1]], 2, models.get("bert").batch_dims)
+    initial = {n: p.detach().clone() for n, p in pipe.module.named_parameters(remove_duplicate=False)}
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS + 1):
+        optimizer.zero_grad(set_to_none=True)
+        total = pipe.step(*ref["inputs"]).detach().double()
+        dist.all_reduce(total)
+        losses.append(float(total))
+        if step < STEPS:
+            optimizer.step()
+    return {"stage": pipe.s, **rank_report(pipe.module, optimizer, losses, ref, initial)}
+
+
 def _ranks(rank: int, world: int, pt2: str, plans: dict[str, bytes], ref: dict[str, Any],
            folder: str) -> dict[str, Any]:
+    """Every run on this rank: each plan through ``distribute`` and ``parallelize`` (the
+    checkpoint with the forced plan), and the pipeline."""
     torch.manual_seed(0)
-    return {plan: {"distribute": distributed_run(rank, pt2, data, ref),
-                   "parallelize": parallelized_run(rank, data, ref, f"{folder}/{plan}")}
-            for plan, data in plans.items()}
+    out: dict[str, Any] = {plan: {"distribute": distributed_run(rank, pt2, data, ref),
+                                  "parallelize": parallelized_run(rank, data, ref, folder if plan == "forced"
+                                                                  else None)}
+                           for plan, data in plans.items()}
+    out["pipeline"] = pipeline_run(rank, ref)
+    return out
 
 
-def assert_frozen_stay_frozen(report: dict[str, Any], where: str) -> None:
+def assert_frozen_stay_frozen(report: dict[str, Any], where: str, *, trains: bool = True) -> None:
     """One rank's :func:`rank_report` shows frozen parameters untouched and the rest
-    equal to the single-device run."""
+    (some, with ``trains``) equal to the single-device run."""
     untouched = ("wrong_flags", "frozen_changed", "frozen_initial_wrong", "frozen_with_grad", "frozen_synced",
                  "frozen_with_state")
     assert {k: report[k] for k in untouched} == {k: [] for k in untouched}, where
-    assert report["trainable_with_state"] == report["trainable"] > 0, where
+    assert report["trainable_with_state"] == report["trainable"] and (report["trainable"] > 0) == trains, where
     assert report["trainable_error"] <= TOL and report["loss_error"] <= TOL, (where, report["worst_trainable"], report["trainable_error"], report["loss_error"])
 
 
@@ -344,6 +382,15 @@ def test_frozen_parameters_stay_frozen_on_every_rank(runs, plan, api):
 
 
 @pytest.mark.distributed
+def test_a_frozen_pipeline_stage_runs_no_backward(runs):
+    """Stage 0 (the embedding and the first layer) has nothing to train; stage 1 trains."""
+    reports = {r["pipeline"]["stage"]: r["pipeline"] for r in runs["results"]}
+    assert sorted(reports) == [0, 1]
+    assert_frozen_stay_frozen(reports[0], "pipeline stage 0", trains=False)
+    assert_frozen_stay_frozen(reports[1], "pipeline stage 1")
+
+
+@pytest.mark.distributed
 def test_only_the_key_bias_is_left_uncompared(runs):
     assert runs["noise"] == ["layers.1.attn.k.bias"]  # layers.0's is frozen
 
@@ -358,15 +405,20 @@ def test_the_forced_plan_splits_frozen_parameters(runs):
 
 @pytest.mark.distributed
 def test_parallel_module_state_and_checkpoints_keep_frozen_parameters(runs):
+    """``parameters()`` carry the flags, clipping sums the trainable gradients only, the
+    full state dict holds the frozen values as they were, loading it or a checkpoint
+    (into a fresh module and optimizer) freezes nothing more and thaws nothing."""
     for rank, by_plan in enumerate(runs["results"]):
-        for plan, result in by_plan.items():
-            found = result["parallelize"]
+        for plan in PLANS:
+            found = by_plan[plan]["parallelize"]
             where = f"{plan} rank {rank}"
             assert found["parameters_flags"], where
             assert found["norm_error"] <= TOL, (where, found["norm_error"])  # the norm of trainable gradients
             assert found["full_frozen_changed"] == [] and found["full_trainable_error"] <= TOL, (where, found)
-            assert found["flags_after_load_full"] == [] and found["checkpoint_wrong_flags"] == [], where
-            assert found["checkpoint_frozen_with_state"] == [] and found["checkpoint_state_error"] == 0.0, where
+            assert found["flags_after_load_full"] == [], where
+        found = by_plan["forced"]["parallelize"]  # the checkpoint: frozen pieces split too
+        assert found["checkpoint_wrong_flags"] == [] and found["checkpoint_frozen_with_state"] == [], rank
+        assert found["checkpoint_state_error"] == 0.0, rank
 
 
 # --------------------------------------------------------------------------------------
