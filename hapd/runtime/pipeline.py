@@ -35,6 +35,7 @@ over samples (``reduction="sum"``): a mean would be averaged per micro-batch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -316,12 +317,8 @@ class PipelineRank:
                 env[node] = _run(interp, env, node)
         assert output is not None
         self.module.hapd_sync.reset()
-        if not output.requires_grad:
-            pass  # a frozen stage that reads no boundary: nothing in it takes a gradient
-        elif sync:
-            output.backward()
-        else:
-            with self.module.hapd_sync.no_sync():
+        if output.requires_grad:  # else a frozen stage that reads no boundary: nothing in it takes a gradient
+            with contextlib.nullcontext() if sync else self.module.hapd_sync.no_sync():
                 output.backward()
         for flow, leaf in zip(self.received, state["received"]):
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
