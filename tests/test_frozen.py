@@ -11,7 +11,9 @@ searched plan and a forced tensor-parallel one, through :func:`hapd.distribute` 
 ``.pt2`` and through :func:`hapd.parallelize`: after 5 Adam steps the frozen parameters
 are bit-identical to their initial values on every rank, the others and the loss equal
 the single-device run (relative 1e-5), and the optimizer holds no state for a frozen
-parameter. The last test runs the same through ``hapd export`` → file → ``./run_all``.
+parameter; the same on 2 one-rank pipeline stages cut after the frozen layer (the first
+stage trains nothing). The last test runs it through ``hapd export`` → file →
+``./run_all``.
 """
 
 from __future__ import annotations
