@@ -101,8 +101,9 @@ def test_save_and_load(lowered, tmp_path) -> None:
     assert again == ir and again.graph_id == ir.graph_id
 
 
-def test_pt2_carries_name_and_batch_dims(lowered, tmp_path) -> None:
-    """A .pt2 written by hapd.export lowers to the same bytes as the program in memory."""
+def test_pt2_carries_name_batch_dims_and_frozen_parameters(lowered, tmp_path) -> None:
+    """A .pt2 written by hapd.export lowers to the same bytes as the program in memory
+    (a model with frozen parameters: ``tests/test_frozen.py``)."""
     import hapd.models as models
 
     spec = models.get("mlp")
@@ -111,7 +112,7 @@ def test_pt2_carries_name_and_batch_dims(lowered, tmp_path) -> None:
     hapd.export(model, spec.example_inputs(config, make_fixtures.BATCH), path=path, name="mlp")
     assert [p.name for p in tmp_path.iterdir()] == ["mlp.pt2"]
     program, stored = load_exported(path)
-    assert stored == {"name": "mlp", "batch_dims": {"x": 0, "y": 0}}
+    assert stored == {"name": "mlp", "batch_dims": {"x": 0, "y": 0}, "frozen": []}
     assert lower(path).data == lowered["mlp"].ir.data
     assert lower(path, name="other").doc["name"] == "other"
     assert lower(program).doc["name"] == "model"  # a program alone has no name

@@ -15,7 +15,7 @@ from torch.export.graph_signature import InputKind
 
 from hapd.errors import ExportError
 from hapd.compiler.fake import model_faked
-from hapd.compiler.lower import EXTRA_FILE
+from hapd.compiler.lower import EXTRA_FILE, FROZEN_KEY, frozen_parameters
 from hapd.util import atomic_file
 
 
@@ -35,7 +35,9 @@ def export(
     ``batch_dims[i]`` is the batch dim of ``example_inputs[i]`` (default 0 for every
     input). With ``path`` the program is saved with ``torch.export.save``, together with
     the model name and batch dims, so that dropping the file into a watched folder is
-    enough for hapd to compile it.
+    enough for hapd to compile it, and the names of the frozen parameters
+    (``requires_grad=False``), which ``torch.export`` does not save: loaded by hapd
+    (:func:`hapd.compiler.lower.load_exported`), they stay frozen.
 
     A model whose parameters are on the meta device (built under
     ``torch.device("meta")`` or :func:`hapd.init_on_meta`) is exported from shapes
@@ -61,7 +63,8 @@ def export(
         raise ExportError(f"torch.export failed for {type(model).__name__}: {type(exc).__name__}: {exc}") from exc
     if path is not None:
         names = user_input_names(program)
-        meta = {"name": name or type(model).__name__, "batch_dims": dict(zip(names, batch_dims))}
+        meta = {"name": name or type(model).__name__, "batch_dims": dict(zip(names, batch_dims)),
+                FROZEN_KEY: frozen_parameters(program)}
         try:
             with atomic_file(path) as handle:
                 torch.export.save(program, handle, extra_files={EXTRA_FILE: json.dumps(meta, sort_keys=True)})

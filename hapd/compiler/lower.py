@@ -134,7 +134,36 @@ def lower(
 
 
 EXTRA_FILE = "hapd.json"
-"""Name of the extra file in a ``.pt2`` where hapd keeps the model name and batch dims."""
+"""Name of the extra file in a ``.pt2`` where hapd keeps the model name, the batch dims
+and the frozen parameters."""
+
+FROZEN_KEY = "frozen"
+"""Key of :data:`EXTRA_FILE` listing the parameters that do not train: ``torch.export``
+saves a parameter's values but not its ``requires_grad``, and loads every parameter
+trainable."""
+
+
+def frozen_parameters(program: ExportedProgram) -> list[str]:
+    """Names of ``program``'s parameters that do not train (``requires_grad=False``),
+    sorted: what :func:`hapd.export` records beside the program in a ``.pt2``."""
+    state = program.state_dict
+    return sorted(name for name in program.graph_signature.parameters
+                  if name in state and not state[name].requires_grad)
+
+
+def restore_frozen(program: ExportedProgram, frozen: Any, path: str | Path) -> None:
+    """Freeze the parameters ``frozen`` names (a loaded ``.pt2``'s record, see
+    :data:`FROZEN_KEY`) in ``program``'s state dict. :class:`GraphFormatError` for a
+    record that is not a list of names, or names a parameter the program does not have."""
+    if not isinstance(frozen, list) or not all(isinstance(name, str) for name in frozen):
+        raise GraphFormatError(f"{path}: {EXTRA_FILE}: {FROZEN_KEY!r} is not a list of parameter names: {frozen!r}")
+    parameters = set(program.graph_signature.parameters)
+    unknown = sorted(name for name in frozen if name not in parameters or name not in program.state_dict)
+    if unknown:
+        raise GraphFormatError(f"{path}: {EXTRA_FILE} names frozen parameters the program does not have: "
+                               f"{', '.join(unknown[:5])}{' …' if len(unknown) > 5 else ''}")
+    for name in frozen:
+        program.state_dict[name].requires_grad_(False)
 
 
 def load_exported(path: str | Path) -> tuple[ExportedProgram, dict[str, Any]]:
@@ -142,7 +171,10 @@ def load_exported(path: str | Path) -> tuple[ExportedProgram, dict[str, Any]]:
     that is no program archive, :class:`ExportError` with torch's own reason (which
     torch logs rather than raises) for an archive it cannot load, such as a program
     whose custom op no imported module registers. Returns the program and hapd's
-    metadata stored beside it (empty when absent)."""
+    metadata stored beside it (empty when absent); the parameters that metadata names
+    frozen come back with ``requires_grad=False``, as the exported model had them (a
+    ``.pt2`` without it, saved by ``torch.export.save`` alone, loads every parameter
+    trainable)."""
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"{path}: no such file")
@@ -160,7 +192,9 @@ def load_exported(path: str | Path) -> tuple[ExportedProgram, dict[str, Any]]:
         stored = json.loads(extra[EXTRA_FILE]) if extra[EXTRA_FILE] else {}
     except ValueError as exc:
         raise GraphFormatError(f"{path}: unreadable {EXTRA_FILE} ({exc})") from exc
-    return program, stored if isinstance(stored, dict) else {}
+    stored = stored if isinstance(stored, dict) else {}
+    restore_frozen(program, stored.get(FROZEN_KEY, []), path)
+    return program, stored
 
 
 def _load_error(path: Path, exc: Exception, reason: str | None) -> GraphError:

@@ -16,7 +16,8 @@ backwards.
 * **Backward**: the gradients of the stage's boundaries are received (summed over the
   stages that read them), the rest of the rank program runs (``Σ sum(b · g)``), and its
   backward gives the stage's parameters their exact gradients and the received
-  boundaries theirs, which go back to the ranks that sent them.
+  boundaries theirs, which go back to the ranks that sent them. A stage in which
+  nothing takes a gradient (its parameters frozen, no boundary read) runs no backward.
 * What moves between stages is resharded point to point: every rank of the sending
   stage holds its piece of a boundary in its plan's layout (``Gather(d)`` with that
   group's lengths, ``Identity`` whole, ``Reduce`` partial sums), every rank of the
@@ -34,6 +35,7 @@ over samples (``reduction="sum"``): a mean would be averaged per micro-batch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -318,10 +320,8 @@ class PipelineRank:
                 env[node] = _run(interp, env, node)
         assert output is not None
         self.module.hapd_sync.reset()
-        if sync:
-            output.backward()
-        else:
-            with self.module.hapd_sync.no_sync():
+        if output.requires_grad:  # else a frozen stage that reads no boundary: nothing in it takes a gradient
+            with contextlib.nullcontext() if sync else self.module.hapd_sync.no_sync():
                 output.backward()
         for flow, leaf in zip(self.received, state["received"]):
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
