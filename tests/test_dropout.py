@@ -14,6 +14,7 @@ import functools
 
 import pytest
 import torch
+from _dist import run_ranks
 from _exact import Case, _alternate, _merge, _ops, assert_exact, assert_rules_ran, reference, run_cases
 from torch import nn
 
@@ -185,3 +186,25 @@ def test_transformers_bert_with_default_dropout_splits_its_dropouts() -> None:
     assert len(drops) == 5 and all(s["rule"] == "sharded" for s in drops)
     assert "no sharding rules" not in plan.explain()
     print("\n" + "\n".join(plan.explain().splitlines()[:4]))
+
+
+# --------------------------------------------------------------------------- the seed
+
+
+def _seeds_on_rank(rank: int, world: int) -> tuple[int, list[int]]:
+    """Each rank seeds torch differently, then parallelizes a model with dropout."""
+    from hapd.runtime.random_ops import CounterDropout
+
+    torch.manual_seed(100 + 7 * rank)
+    model, config = models.build("bert", "tiny", dropout=0.1)
+    inputs = models.get("bert").example_inputs(config, 8)
+    module = hapd.parallelize(model, inputs, profile=estimated_profile(world), use_daemon=False, verbose=False)
+    return torch.initial_seed(), [m.seed for m in module.modules() if isinstance(m, CounterDropout)]
+
+
+def test_ranks_seeded_apart_draw_with_rank_zeros_seed() -> None:
+    """A rank whose torch seed differs still draws its slice of one mask: distribute
+    sends rank 0's seed to every rank."""
+    (seed0, drops0), (seed1, drops1) = run_ranks(2, _seeds_on_rank, timeout=300)
+    assert seed0 != seed1 and drops0 and drops1
+    assert set(drops0) == set(drops1) == {seed0}

@@ -5,8 +5,8 @@ each rank runs :class:`CounterDropout` on its piece, drawing its slice of the
 single-device mask with :func:`hapd.runtime.counter_rng.uniform`. What keys a draw:
 
 - the **seed**: an attribute of every :class:`CounterDropout`, set at distribute time
-  (default ``torch.initial_seed()`` of the process: set it the same on every rank, as
-  ``torch.manual_seed(s)`` does; :func:`set_seed` changes it later);
+  (default ``torch.initial_seed()`` of rank 0, which distribute sends to the other ranks;
+  :func:`set_seed` changes it later, on every rank alike);
 - the **stream**: the dropout's position among the program's dropouts in graph order
   (:func:`random_streams`), the same on every rank and in the single-device reference;
 - the **step**: a scalar int64 buffer of the module (:data:`STEP`) that a forward

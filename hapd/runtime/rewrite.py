@@ -434,8 +434,9 @@ def distribute(
     ``batch_dims``: each input's batch dim in the global batch (default 0).
 
     ``seed``: what the program's dropouts draw with (hapd's counter-based generator,
-    :mod:`hapd.runtime.random_ops`; default ``torch.initial_seed()`` of this process,
-    which must then be the same on every rank). The module advances its step counter
+    :mod:`hapd.runtime.random_ops`; given, it must be the same on every rank; default
+    ``torch.initial_seed()`` of rank 0 of ``group``, sent to the others by a collective
+    when the program has dropouts). The module advances its step counter
     (:data:`~hapd.runtime.random_ops.STEP`) at each forward.
     """
     ep = normalize(_load_program(program, example_inputs))
@@ -452,6 +453,8 @@ def distribute(
     em.weights = weight_source(weights)
     if seed is not None:
         em.seed = int(seed)
+    elif em.streams and world > 1 and dist.is_available() and dist.is_initialized():
+        em.seed = _job_seed(em.seed, group)
     _shard_sources(em, plan.program["steps"])
     _emit_steps(em, plan.program["steps"])
     _write_back_buffers(em)
@@ -469,6 +472,16 @@ def distribute(
             install_step(both)
         return both
     return module
+
+
+def _job_seed(seed: int, group: Any) -> int:
+    """Rank 0's ``seed`` on every rank of ``group`` (a collective): the ranks draw one
+    mask for a dropout they hold whole, and their slices of one mask for a split one,
+    also when their torch seeds differ."""
+    box = [seed]
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    return int(box[0])
 
 
 def shared_state_mismatch(shared: RankModule, view: RankView, sources: Mapping[str, tuple[str, str, Any]]) -> str | None:
