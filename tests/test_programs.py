@@ -6,8 +6,10 @@ On 2 Gloo ranks with uneven ratios (3:1) and a plan that splits parameters (colu
 row-parallel linears) and replicates others, a model with batch norm and dropout
 (p > 0) against the single-device model: (a) the eval loss after training steps, (b)
 one epoch of a dataset that leaves a short last batch, read by ``hapd.loader``, (c)
-``train()`` after ``eval()``; and pieces cut for another program refused. Dropout draws the same masks as on one device: it runs
-whole on every rank, and both runs seed the generator alike before each forward.
+``train()`` after ``eval()``; and pieces cut for another program refused. Dropout draws
+with hapd's counter-based generator, and the single-device model's dropout draws with
+the same generator, seed and step sequence (:class:`_CounterDrop`): the ranks' other
+programs (the short last batch) continue the training program's steps.
 Plus, in one process: the alignment of a training and an eval graph, and a plan that
 holds a parameter otherwise than the training plan refused, naming the parameter.
 fp32 tolerance: 1e-5 relative.
@@ -29,6 +31,7 @@ from hapd.compiler.driver import compile as compile_plan
 from hapd.compiler.options import CompileOptions
 from hapd.errors import PlanError
 from hapd.profile.schema import estimated_profile
+from hapd.runtime.counter_rng import uniform
 from hapd.runtime.programs import Recipe, aligned_force, op_nodes
 
 B = 8
@@ -58,6 +61,22 @@ class Net(nn.Module):
         return nn.functional.cross_entropy(self.out(torch.relu(self.hidden(h))), y)
 
 
+class _CounterDrop(nn.Module):
+    """The single-device dropout hapd's ranks reproduce: the one dropout of the program
+    (stream 0) drawn with hapd's generator at ``seed``, one step per training forward."""
+
+    def __init__(self, p: float, seed: int) -> None:
+        super().__init__()
+        self.p, self.seed, self.step = p, seed, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        self.step += 1
+        keep = uniform(self.seed, 0, self.step, x.shape, [0] * x.dim(), x.shape) >= self.p
+        return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))
+
+
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
     return torch.randn(SAMPLES, 6, generator=generator), torch.randint(0, 3, (SAMPLES,), generator=generator)
@@ -83,6 +102,7 @@ def _programs(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
+    ref.drop = _CounterDrop(model.drop.p, torch.initial_seed())  # the seed parallelize draws with
     x, y = _data()
     module = hapd.parallelize(model, (x[:B], y[:B]), options={"ratios": RATIOS, "force": FORCE}, use_daemon=False,
                               verbose=False)

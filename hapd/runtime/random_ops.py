@@ -40,6 +40,9 @@ from hapd.runtime.counter_rng import uniform
 DROPOUT_OPS = frozenset({torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default})
 """The random ops hapd draws with its own generator (``native_dropout``, and
 ``dropout`` should it survive normalization)."""
+SEED = "hapd_rng_seed"
+"""The rank module attribute holding the seed its dropouts draw with (another program of
+the same model, distributed with ``shared=``, draws with it too)."""
 STEP = "hapd_rng_step"
 """The module buffer holding the training step the dropouts draw for."""
 PART = "hapd_rng_part"
@@ -103,15 +106,27 @@ def default_seed() -> int:
     return torch.initial_seed()
 
 
-def install_step(module: nn.Module) -> None:
+def install_step(module: nn.Module, shared: nn.Module | None = None) -> None:
     """Give ``module`` the step and part buffers (not saved in its state dict) and a
-    forward pre-hook that advances the step by replacing the buffer."""
+    forward pre-hook that advances the step by replacing the buffer. With ``shared``
+    (the training program of the same model, whose pieces ``module`` runs on) the two
+    count one sequence of steps, as one device training the model does: a forward of
+    either advances ``shared``'s step, and ``module`` draws with it."""
     device = next((t.device for t in (*module.parameters(), *module.buffers())), None)
     for name in (STEP, PART):
         old = getattr(module, name, None)
         value = old if isinstance(old, Tensor) else torch.zeros((), dtype=torch.int64, device=device)
         module.register_buffer(name, value, persistent=False)
-    module.register_forward_pre_hook(lambda m, _args: advance_step(m))
+    if shared is not None and isinstance(getattr(shared, STEP, None), Tensor):
+        module.register_forward_pre_hook(lambda m, _args: _advance_shared(m, shared))
+    else:
+        module.register_forward_pre_hook(lambda m, _args: advance_step(m))
+
+
+def _advance_shared(module: nn.Module, shared: nn.Module) -> None:
+    """The next step of ``shared``'s sequence, drawn with by ``module``."""
+    advance_step(shared)
+    setattr(module, STEP, getattr(shared, STEP))
 
 
 def advance_step(module: nn.Module) -> None:
@@ -162,5 +177,5 @@ def counter_reference(program: ExportedProgram, seed: int) -> nn.Module:
     return gm
 
 
-__all__ = ["DROPOUT_OPS", "PART", "STEP", "CounterDropout", "advance_step", "counter_reference", "default_seed",
+__all__ = ["DROPOUT_OPS", "PART", "SEED", "STEP", "CounterDropout", "advance_step", "counter_reference", "default_seed",
            "dropout_args", "has_random_ops", "install_step", "random_streams", "set_part", "set_seed"]

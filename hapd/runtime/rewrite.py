@@ -65,7 +65,7 @@ from hapd.runtime.adapters import ADAPTERS, stride_free
 from hapd.runtime.gradsync import GradSync
 from hapd.runtime.layout import IDENTITY, REDUCE, check_layout, gather_dim
 from hapd.runtime.overlap import overlapped
-from hapd.runtime.random_ops import PART, STEP, default_seed, install_step, random_streams
+from hapd.runtime.random_ops import PART, SEED, STEP, default_seed, install_step, random_streams
 from hapd.runtime.rank import Communicate, RankModule, RankView, set_attr
 from hapd.runtime.weights import Weights, WeightSource, rank_piece, weight_source
 
@@ -453,6 +453,8 @@ def distribute(
     em.weights = weight_source(weights)
     if seed is not None:
         em.seed = int(seed)
+    elif shared is not None and hasattr(shared, SEED):
+        em.seed = int(getattr(shared, SEED))  # another program of one model: one generator
     elif em.streams and world > 1 and dist.is_available() and dist.is_initialized():
         em.seed = _job_seed(em.seed, group)
     _shard_sources(em, plan.program["steps"])
@@ -460,16 +462,18 @@ def distribute(
     _write_back_buffers(em)
     _output_loss(em, plan.program["loss"])
     module = _rank_module(em)
+    setattr(module, SEED, em.seed)
     if em.streams:
-        install_step(module)
+        install_step(module, shared)
     if shared is None:
         _sync_gradients(module, em.synced, group, bucket_bytes, hosts)
     else:
         _share_gradient_sync(module, shared, em.synced)
     if plan.overlap:
         both = overlapped(module, batch_dims)
+        setattr(both, SEED, em.seed)
         if em.streams:
-            install_step(both)
+            install_step(both, shared)
         return both
     return module
 
