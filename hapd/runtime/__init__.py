@@ -18,8 +18,10 @@ schema).
   (:class:`~hapd.runtime.rank.RankModule`), the plan seen from that rank
   (:class:`~hapd.runtime.rank.RankView`) and its collectives
   (:class:`~hapd.runtime.rank.Communicate`);
-- :mod:`~hapd.runtime.checkpoint_format` — the on-disk format of checkpoints: manifest,
-  names, DCP planners for uneven pieces;
+- :mod:`~hapd.runtime.checkpoint_format` — the on-disk format of checkpoints: manifest and
+  names;
+- :mod:`~hapd.runtime.checkpoint_planners` — DCP's planners for uneven pieces (loaded
+  only by a checkpoint's save or load);
 - :mod:`~hapd.runtime.held` — what a rank holds of a model's state, as checkpoints see
   it (:class:`~hapd.runtime.held.HoldsPieces`);
 - :mod:`~hapd.runtime.weights` — where a rank's weights come from

@@ -53,17 +53,14 @@ from hapd.runtime.checkpoint_format import (
     RNG,
     SAMPLER,
     TEMP,
-    PieceLoadPlanner,
-    PieceSavePlanner,
-    describe_entry,
     find_checkpoint,
-    quiet_dcp,
     read_manifest,
     safetensors_file,
     sibling,
     siblings,
     write_manifest,
 )
+from hapd.runtime.checkpoint_planners import PieceLoadPlanner, PieceSavePlanner, describe_entry, quiet_dcp
 from hapd.runtime.held import Held, HoldsPieces, whole
 from hapd.util import atomic_write, fsync_folder
 

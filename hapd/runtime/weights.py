@@ -55,9 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hapd.compiler.export import on_meta
 from hapd.errors import CheckpointError, WeightsError
@@ -65,9 +63,7 @@ from hapd.runtime.checkpoint_format import (
     MANIFEST,
     MODEL,
     SAFETENSORS_NAME,
-    PieceLoadPlanner,
     find_checkpoint,
-    quiet_dcp,
     read_manifest,
     safetensors_file,
 )
@@ -304,11 +300,19 @@ class CheckpointWeights(WeightSource):
     that overlap it, whatever world size and plan wrote them."""
 
     def __init__(self, path: str | Path):
+        # torch.distributed.checkpoint (~0.2 s to import) loads only when a checkpoint is read
+        import torch.distributed.checkpoint as dcp
+
         self.folder = find_checkpoint(path)
         read_manifest(self.folder)
         self.metadata = dcp.FileSystemReader(self.folder).read_metadata().state_dict_metadata
 
     def read(self, names: Sequence[str], like: Tensor, region: Region | None) -> Tensor | None:
+        import torch.distributed.checkpoint as dcp  # loaded in __init__ already: a lookup
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from hapd.runtime.checkpoint_planners import PieceLoadPlanner, quiet_dcp
+
         key = next((MODEL + n for n in names if MODEL + n in self.metadata), None)
         if key is None:
             return None
