@@ -169,6 +169,7 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
     from hapd.compiler.driver import compile as compile_plan
     from hapd.compiler.options import CompileOptions
+    from hapd.compiler.plan import gap_lines
 
     _import(imports)
 
@@ -182,6 +183,8 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
         f"(speed-up over DP-EV {base['dp_ev'] / est['per_iteration']:.2f}×, over DP-CP {base['dp_cp'] / est['per_iteration']:.2f}×); "
         f"synthesis {stats['synthesis_seconds']:.3f} s, {stats['expanded']} states, {stats['stop_reason']}"
     )
+    for line in gap_lines(plan.doc.get("dp_gap")):
+        click.echo(line)
     found = plan.doc.get("pipeline")
     if found:
         click.echo(

@@ -23,7 +23,7 @@ from hapd import models
 from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import estimated_profile
 from hapd.runtime.counter_rng import splitmix64, uniform
-from hapd.runtime.random_ops import STEP, counter_reference
+from hapd.runtime.random_ops import STEP, CounterAttention, CounterRandom, counter_reference
 
 STEPS = 5
 """Adam steps after the first gradients."""
@@ -98,12 +98,141 @@ class _Sum(nn.Module):
         return self.inner(x).sum()
 
 
+# --------------------------------------------------------------------------- attention
+
+
+def _attention(p: float, *, causal: bool = False, scale: float | None = None, gqa: bool = False,
+               shape=(2, 4, 6, 8), keys: int = 6, offsets=(0, 0, 0, 0), global_shape=None) -> CounterAttention:
+    g = list(global_shape or (*shape[:-1], keys))
+    return CounterAttention(p, 2, g, list(offsets), 7, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+@pytest.mark.parametrize("kind", ["plain", "causal", "bool mask", "float mask", "scale", "grouped query"])
+def test_counter_attention_is_torchs_attention_when_nothing_drops(kind) -> None:
+    """With a probability so small that no element drops, the math attention equals
+    torch's ``scaled_dot_product_attention`` (masks, causal, scale, grouped query)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64)
+    kv_heads = 2 if kind == "grouped query" else 4
+    k, v = (torch.randn(2, kv_heads, 6, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = None
+    if kind == "bool mask":
+        mask = torch.rand(2, 1, 6, 6, generator=g) > 0.3
+        mask[..., 0] = True
+    elif kind == "float mask":
+        mask = torch.randn(2, 4, 6, 6, generator=g, dtype=torch.float64)
+    options = {"causal": kind == "causal", "scale": 0.3 if kind == "scale" else None, "gqa": kind == "grouped query"}
+    got = _attention(1e-12, **options)(q, k, v, mask, torch.tensor(1), torch.tensor(0))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=options["causal"], scale=options["scale"], enable_gqa=options["gqa"])
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_a_fully_masked_row_gives_zeros_not_nan() -> None:
+    q = k = v = torch.ones(1, 1, 3, 4)
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    mask[1] = False
+    out = _attention(0.5, shape=(1, 1, 3, 4), keys=3)(q, k, v, mask, torch.tensor(0), torch.tensor(0))
+    assert not out.isnan().any() and torch.equal(out[0, 0, 1], torch.zeros(4))
+
+
+@pytest.mark.parametrize("dim,lengths", [(0, (1, 2)), (1, (3, 1)), (2, (2, 0, 4))])
+def test_attention_pieces_concatenate_to_the_whole_attention(dim, lengths) -> None:
+    """Split along the batch, the heads or the queries, each piece drops its slice of
+    the single-device probabilities: the pieces' outputs are the whole output."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, 4, 6, 8, generator=g) for _ in range(3))
+    step, part = torch.tensor(3), torch.tensor(0)
+    whole = _attention(0.3, shape=(3, 4, 6, 8))(q, k, v, None, step, part)
+    pieces, start = [], 0
+    for length in lengths:
+        offsets = [0, 0, 0, 0]
+        offsets[dim] = start
+        index = torch.arange(start, start + length)
+        kk, vv = (k, v) if dim == 2 else (k.index_select(dim, index), v.index_select(dim, index))
+        piece = _attention(0.3, offsets=offsets, global_shape=(3, 4, 6, 6))
+        pieces.append(piece(q.index_select(dim, index), kk, vv, None, step, part))
+        start += length
+    torch.testing.assert_close(torch.cat(pieces, dim), whole)
+    assert not torch.equal(whole, _attention(1e-12, shape=(3, 4, 6, 8))(q, k, v, None, step, part))
+
+
+# --------------------------------------------------------------------------- bernoulli, rand_like, randn_like
+
+
+def _draw(op: str, shape, *, offsets=None, global_shape=None, p=None, dtype=torch.float32) -> CounterRandom:
+    return CounterRandom(op, 4, list(global_shape or shape), list(offsets or [0] * len(shape)), 9, dtype=dtype, p=p)
+
+
+def test_random_draws_have_their_distributions() -> None:
+    shape, step, part = (300, 400), torch.tensor(1), torch.tensor(0)
+    x = torch.full(shape, 0.3)
+    normal = _draw("randn_like", shape)(x, step, part)
+    assert abs(float(normal.mean())) < 0.01 and abs(float(normal.std()) - 1.0) < 0.01
+    assert torch.isfinite(normal).all()
+    u = _draw("rand_like", shape, dtype=torch.float64)(x, step, part)
+    assert u.dtype == torch.float64 and abs(float(u.mean()) - 0.5) < 0.01
+    kept = _draw("bernoulli", shape)(x, step, part)
+    assert set(kept.unique().tolist()) == {0.0, 1.0} and abs(float(kept.mean()) - 0.3) < 0.01
+    assert abs(float(_draw("bernoulli_p", shape, p=0.8)(x, step, part).mean()) - 0.8) < 0.01
+
+
+@pytest.mark.parametrize("op", ["bernoulli", "bernoulli_p", "rand_like", "randn_like"])
+def test_random_pieces_concatenate_to_the_whole_draw(op) -> None:
+    x = torch.rand(5, 7, generator=torch.Generator().manual_seed(3))
+    step, part = torch.tensor(2), torch.tensor(1)
+    whole = _draw(op, (5, 7), p=0.6)(x, step, part)
+    pieces = [_draw(op, (5, 3), offsets=(0, 0), global_shape=(5, 7), p=0.6)(x[:, :3], step, part),
+              _draw(op, (5, 4), offsets=(0, 3), global_shape=(5, 7), p=0.6)(x[:, 3:], step, part)]
+    assert torch.equal(torch.cat(pieces, 1), whole)
+
+
+class _Stochastic(nn.Module):
+    """Stochastic depth (torchvision's ``empty(...).bernoulli_(p)`` per sample), a
+    ``bernoulli`` of probabilities, and ``rand_like``/``randn_like`` noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        keep = torch.empty([h.shape[0], 1], dtype=h.dtype).bernoulli_(0.8)
+        h = h + self.b(h) * keep / 0.8
+        h = h * torch.bernoulli(torch.sigmoid(h)) + 0.1 * torch.randn_like(h) + 0.1 * torch.rand_like(h)
+        return self.c(h).pow(2).mean()
+
+
+def _stochastic(batch: int = 12):
+    torch.manual_seed(0)
+    return _Stochastic(), (torch.randn(batch, 16),)
+
+
+@pytest.mark.distributed
+def test_stochastic_depth_and_noise_train_exactly_on_uneven_ranks() -> None:
+    ref = reference(_stochastic, "stochastic", STEPS)
+    ops = {n["op"] for n in ref.ir.doc["nodes"] if n.get("op")}
+    assert {"aten.bernoulli", "aten.bernoulli.p", "aten.rand_like", "aten.randn_like"} <= ops
+    cases = []
+    for name, force in (("searched", {}), ("tensor-parallel", _merge(_alternate("aten.linear", ("column-parallel", "row-parallel")))(ref.ir.doc))):
+        profile = estimated_profile(2, flops=[2e10, 1e10])
+        plan = hapd.compile(ref.ir, profile, CompileOptions(ratios=(0.7, 0.3), force=force))
+        steps = plan.program["steps"]
+        random = [s for s in steps if s["op"] in ops and ("rand" in s["op"] or "bernoulli" in s["op"])]
+        assert random and any(s["rule"] == "sharded" for s in random), name
+        cases.append(Case(f"stochastic/{name}", ref.saved, plan.to_bytes(), ref.inputs, ref.losses, ref.grads,
+                          frozenset(), force))
+    results = run_cases(cases, 2)
+    assert_exact(results, cases)
+
+
 # --------------------------------------------------------------------------- exactness
 
 
 def _bert(batch: int = 8):
     torch.manual_seed(0)
-    config = models.bert.BertConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64, dropout=0.1)
+    config = models.bert.BertConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64, dropout=0.1,
+                                    attention_dropout=0.1)
     model = models.bert.BertLM(config)
     return model, models.get("bert").example_inputs(config, batch)
 
@@ -128,12 +257,15 @@ def _case(name: str, ratios, *, force=None, recompute: str = "never") -> Case:
 
 
 def _check_plans(cases: list[Case]) -> None:
-    """Every plan splits some dropout (none replicated for want of a rule)."""
+    """Every plan splits some dropout and every attention (dropping its probabilities):
+    none replicated for want of a rule."""
     for case in cases:
         steps = hapd.Plan.from_bytes(case.plan).program["steps"]
         drops = [s for s in steps if s["op"] == "aten.native_dropout"]
         assert drops, case.name
         assert any(s["rule"] != "replicated" for s in drops), case.name
+        attention = [s for s in steps if s["op"] == "aten.scaled_dot_product_attention"]
+        assert attention and all(s["rule"] != "replicated" for s in attention), case.name
 
 
 @pytest.mark.distributed

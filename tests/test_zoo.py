@@ -15,8 +15,9 @@ than 1e-5 from exact); every other model in fp32.
 Tied parameters stay tied (GPT-2's output projection is its token embedding, T5's
 embeddings and output projection are one tensor): the harness compares the gradient of
 every name. ViT's zero-initialized head is given random weights (with a zero head every
-other gradient is zero). Dropout is off in every zoo model (the zoo's configs set it to
-0; torchvision's ViT defaults to 0).
+other gradient is zero). Every zoo model has its library's default dropout (GPT-2,
+BERT and T5: 0.1, attention probabilities included), drawn on the ranks and in the
+single-device run by hapd's counter-based generator (:mod:`hapd.runtime.random_ops`).
 
 ``-s`` prints the table: per model, the opaque ops and the worst relative error (loss /
 gradient / loss after the Adam steps) of each plan on each world.
@@ -136,12 +137,22 @@ def test_lowering_has_no_opaque_op(name, references) -> None:
     assert _opaque(references, name) == []
 
 
+DROPOUT_ON = frozenset({"gpt2", "bert", "t5"})
+"""Models whose library's default config has dropout (0.1)."""
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_dropout_is_off(name, references) -> None:
-    """No random op in the lowered graph (a dropout with p > 0 would make the
-    single-device and distributed runs draw different masks)."""
+def test_default_dropout_is_on_and_drawn_by_hapd(name, references) -> None:
+    """A model whose library defaults to dropout has random ops in its graph, and every
+    random op is one hapd draws with its own generator (a dropout, an attention with
+    ``dropout_p > 0``): no ``bernoulli`` or ``rand`` the ranks would draw apart."""
+    from hapd.runtime.random_ops import ATTENTION, dropout_args, is_random
+
+    graph = references[BUILDS[name]].program.graph
+    random = [n for n in graph.nodes if is_random(n) and (n.target is ATTENTION or dropout_args(n)[0] > 0)]
+    assert bool(random) == (name in DROPOUT_ON), [n.name for n in random]
     ops = {n["op"] for n in references[BUILDS[name]].ir.doc["nodes"] if n.get("op")}
-    assert not [op for op in ops if any(word in op for word in ("dropout", "bernoulli", "rand"))]
+    assert not [op for op in ops if any(word in op for word in ("bernoulli", "rand"))]
 
 
 @pytest.mark.parametrize("name", MODELS)

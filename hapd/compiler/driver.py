@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from hapd import __version__, _core
 from hapd.compiler import pipeline_search
+from hapd.compiler.dp_gap import dp_gap
 from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.overlap import is_overlapped
@@ -58,9 +59,12 @@ def _graph_bytes(graph: Any) -> bytes:
 
 def _plan_document(data: bytes, profile: Profile, options: CompileOptions, found: SpmdSearch, *, seconds: float) -> dict:
     """The plan document: its cache key, the chosen program with its ratios and split
-    lengths, the estimate, the baselines and the compile's statistics."""
+    lengths, the estimate, the baselines and the compile's statistics, and why it costs more than DP-CP where it does
+    (:mod:`hapd.compiler.dp_gap`)."""
     program, ratios, baselines, searched = found.program, found.ratios, found.baselines, found.searched
     summary = _core.load_graph(data)
+    opaque = [op for op, _ in summary["opaque_ops"]]
+    fits = dp_fits(baselines.dp_program, profile)
     return {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
@@ -81,9 +85,11 @@ def _plan_document(data: bytes, profile: Profile, options: CompileOptions, found
             "dp_ev": baselines.dp_ev,
             "dp_cp": baselines.dp_cp,
             "dp_memory": peak_memory(baselines.dp_program, baselines.flops),
-            "dp_fits": dp_fits(baselines.dp_program, profile),
+            "dp_fits": fits,
         },
-        "opaque_ops": [op for op, _ in summary["opaque_ops"]],
+        "dp_gap": dp_gap(program, ratios, baselines.dp_program, baselines.dp_cp, baselines.flops, options,
+                         dp_fits=fits, opaque=set(opaque)),
+        "opaque_ops": opaque,
         "stats": {
             "seconds": seconds,
             "synthesis_seconds": found.synthesis_seconds,

@@ -94,7 +94,8 @@ EVAL_RULE: Mapping[str, str] = MappingProxyType({"data-parallel-synced": "data-p
 alike (batch norm's batch split with synchronized statistics -> the batch split on
 running statistics)."""
 
-NO_EMPTY_SPLIT_OPS = frozenset({"aten.conv2d", "aten.max_pool2d", "aten.scaled_dot_product_attention"})
+NO_EMPTY_SPLIT_OPS = frozenset({"aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.max_pool2d",
+                                "aten.scaled_dot_product_attention"})
 """Ops whose kernels reject (or crash on) a zero-length split dim: the runtime pads an
 empty piece with one zero slice and cuts the output back."""
 

@@ -187,6 +187,28 @@ def _replicated_share(doc: Mapping[str, Any]) -> float:
     return float(share) if share is not None else replicated_flop_share(doc["program"])
 
 
+def gap_lines(gap: Mapping[str, Any] | None) -> list[str]:
+    """The report of a plan's ``dp_gap`` (:mod:`hapd.compiler.dp_gap`; none when it ties
+    with or beats DP-CP)."""
+    if not gap:
+        return []
+    lines = [f"costlier than data parallelism: {gap['plan'] / gap['dp_cp']:.3f}× DP-CP "
+             f"({gap['plan'] * 1e3:.3f} ms against {gap['dp_cp'] * 1e3:.3f} ms), because:"]
+    lines += [f"  {cause}" for cause in gap["causes"]]
+    for forced in gap.get("forcing", []):
+        nodes = forced["nodes"]
+        shown = ", ".join(nodes[:3]) + (f", … ({len(nodes) - 3} more)" if len(nodes) > 3 else "")
+        lines.append(f"  {forced['op']} has no sharding rules: it runs whole on every device, and ops next to it "
+                     f"with it, rather than gather and split again (nodes {shown})")
+    if gap["steps"]:
+        lines.append("  the steps that cost more than DDP pays for their ops:")
+    for s in gap["steps"]:
+        lines.append(f"    {s['node']:<28} {s['op']:<32} +{s['extra'] * 1e3:.3f} ms  {s['why']}")
+    if gap.get("more_steps"):
+        lines.append(f"    … {gap['more_steps']} more step(s)")
+    return lines
+
+
 def _recompute_line(program: Mapping[str, Any]) -> str:
     """What the plan recomputes: the blocks whose activations the backward pass
     rebuilds (their forward runs again), or that it keeps every activation."""
@@ -295,6 +317,7 @@ def explain(plan: Plan) -> str:
         f"synthesis: {stats['seconds']:.3f} s, {stats['expanded']} states expanded, "
         f"{stats['lp_rounds']} search/LP rounds, stop reason {stats['stop_reason']}",
     ]
+    lines += gap_lines(doc.get("dp_gap"))
     lines += _overlap_lines(plan)
     lines += _sync_lines(est)
     lines += _pipeline_lines(doc)

@@ -336,14 +336,12 @@ def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int 
     compute row (a replicated step has only the constant, a sharded one only the
     coefficient), so the price does not depend on which rules the program chose.
     """
-    batch = _batch_tensors(program)
+    batch = batch_tensors(program)
     compute = 0.0
     sync = [0.0] * len(ratios)
     for step in program["steps"]:
+        compute += ddp_step_seconds(step, batch, ratios, duplicas)
         row = step["comp"]
-        split = any(i["tensor"] in batch for i in step["inputs"])
-        full = [c + k for c, k in zip(row["constant"], row["coef"])]
-        compute += max((w * r * duplicas if split else w for w, r in zip(full, ratios)), default=0.0)
         for source in step["sources"]:
             if source["grad_sync"]:
                 sync = [s + v for s, v in zip(sync, row_values(source["cost"], ratios))]
@@ -351,7 +349,17 @@ def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int 
     return compute + total_sync - sync_overlap(program) * min(total_sync, BACKWARD_SHARE * compute)
 
 
-def _batch_tensors(program: Mapping[str, Any]) -> set[str]:
+def ddp_step_seconds(step: Mapping[str, Any], batch: set[str], ratios: Sequence[float], duplicas: int = 1) -> float:
+    """What DDP pays for ``step``'s op (:func:`ddp_cost`): its slowest device's share of
+    the work when it reads a tensor of ``batch`` (:func:`batch_tensors`), its whole work
+    otherwise."""
+    row = step["comp"]
+    split = any(i["tensor"] in batch for i in step["inputs"])
+    full = [c + k for c, k in zip(row["constant"], row["coef"])]
+    return max((w * r * duplicas if split else w for w, r in zip(full, ratios)), default=0.0)
+
+
+def batch_tensors(program: Mapping[str, Any]) -> set[str]:
     """Tensors that depend on a batch-split user input (in a data-parallel program the
     inputs with a batch dim are the sources held in a ``Gather`` layout)."""
     batch: set[str] = set()

@@ -10,6 +10,12 @@ training scripts, the launcher and the benchmarks run them by name. transformers
 torchvision are imported only when a model is built (they are test extras, not
 dependencies of hapd).
 
+Dropout is each library's default (GPT-2, BERT and T5: 0.1 everywhere their configs
+have one, attention probabilities included; Llama, Mixtral and Qwen2-MoE: their
+attention dropout, 0; torchvision's ViT: 0), as users get them; ``dropout=`` (a config
+field) sets every dropout of a model to one value, ``dropout=0.0`` gives the
+dropout-free variant.
+
 Sizes: ``tiny`` is width 64, 2 layers, sequence 16, vocabulary 128, 32×32 images (fast
 tests); ``small`` is width 256, 4 layers, sequence 64, vocabulary 1024, 64×64 images
 (matmuls near a CPU core's rate: what the benchmarks use); ``paper`` is the published
@@ -18,6 +24,7 @@ base sizes (GPT-2 small's 768 × 12, ViT-B/16 and resnet18 on 224×224 ImageNet 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -59,10 +66,13 @@ class TextConfig:
     ffn: int
     """Inner width of each MLP and shared expert; routed experts are half of it, and
     GPT-2's MLP is 4 × ``hidden`` whatever this says (GPT-2's own rule)."""
+    dropout: float | None = None
+    """Every dropout probability of the library's config (hidden, embedding, attention);
+    None: the library's defaults."""
 
     def __post_init__(self) -> None:
         check_transformer(hidden=self.hidden, heads=self.heads, layers=self.layers, ffn=self.ffn,
-                          dropout=0.0, attention_dropout=0.0)
+                          dropout=self.dropout or 0.0, attention_dropout=0.0)
         check_positive(vocab=self.vocab, seq=self.seq)
 
     @classmethod
@@ -109,10 +119,12 @@ class TorchvisionViTConfig:
     """Inner width of each MLP."""
     classes: int
     """Output classes (targets of the example inputs are in ``[0, classes)``)."""
+    dropout: float | None = None
+    """The encoder's dropout and attention dropout; None: torchvision's default (0)."""
 
     def __post_init__(self) -> None:
         check_transformer(hidden=self.hidden, heads=self.heads, layers=self.layers, ffn=self.ffn,
-                          dropout=0.0, attention_dropout=0.0)
+                          dropout=self.dropout or 0.0, attention_dropout=0.0)
         check_positive(image=self.image, patch=self.patch, classes=self.classes)
         check_divisible("image", self.image, "patch", self.patch)
 
@@ -216,6 +228,12 @@ def _extra(module: str) -> ModuleType:
                            "pip install -e '.[test]'") from exc
 
 
+def _dropouts(c: TextConfig | TorchvisionViTConfig, *names: str) -> dict[str, float]:
+    """Config keyword ``names`` all set to ``c.dropout``; none (the library's defaults)
+    when it is None."""
+    return {} if c.dropout is None else dict.fromkeys(names, c.dropout)
+
+
 def _lm(hf_config: Any, model_class: Any) -> LanguageModelLoss:
     hf_config._attn_implementation = "sdpa"
     model = model_class(hf_config)
@@ -231,22 +249,23 @@ def _lm(hf_config: Any, model_class: Any) -> LanguageModelLoss:
 def build_gpt2(c: TextConfig) -> nn.Module:
     t = _extra("transformers")
     return _lm(t.GPT2Config(vocab_size=c.vocab, n_positions=c.positions, n_embd=c.hidden, n_layer=c.layers,
-                            n_head=c.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                            bos_token_id=c.vocab - 1, eos_token_id=c.vocab - 1), t.GPT2LMHeadModel)
+                            n_head=c.heads, bos_token_id=c.vocab - 1, eos_token_id=c.vocab - 1), t.GPT2LMHeadModel)
 
 
 def build_llama(c: TextConfig) -> nn.Module:
     t = _extra("transformers")
     return _lm(t.LlamaConfig(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=c.ffn,
                              num_hidden_layers=c.layers, num_attention_heads=c.heads, num_key_value_heads=c.kv_heads,
-                             max_position_embeddings=c.positions), t.LlamaForCausalLM)
+                             max_position_embeddings=c.positions, **_dropouts(c, "attention_dropout")),
+               t.LlamaForCausalLM)
 
 
 def build_bert(c: TextConfig) -> nn.Module:
     t = _extra("transformers")
     return _lm(t.BertConfig(vocab_size=c.vocab, hidden_size=c.hidden, num_hidden_layers=c.layers,
                             num_attention_heads=c.heads, intermediate_size=c.ffn, max_position_embeddings=c.positions,
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), t.BertForMaskedLM)
+                            **_dropouts(c, "hidden_dropout_prob", "attention_probs_dropout_prob")),
+               t.BertForMaskedLM)
 
 
 def build_mixtral(c: TextConfig) -> nn.Module:
@@ -260,7 +279,7 @@ def build_mixtral(c: TextConfig) -> nn.Module:
     hf_config = t.MixtralConfig(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=c.ffn,
                                 num_hidden_layers=c.layers, num_attention_heads=c.heads,
                                 num_key_value_heads=c.kv_heads, max_position_embeddings=c.positions,
-                                num_local_experts=4, num_experts_per_tok=2)
+                                num_local_experts=4, num_experts_per_tok=2, **_dropouts(c, "attention_dropout"))
     hf_config._experts_implementation = register()
     return _lm(hf_config, t.MixtralForCausalLM)
 
@@ -275,7 +294,7 @@ def build_qwen2_moe(c: TextConfig) -> nn.Module:
                                  moe_intermediate_size=c.ffn // 2, shared_expert_intermediate_size=c.ffn,
                                  num_hidden_layers=c.layers, num_attention_heads=c.heads,
                                  num_key_value_heads=c.kv_heads, max_position_embeddings=c.positions, num_experts=4,
-                                 num_experts_per_tok=2, norm_topk_prob=True)
+                                 num_experts_per_tok=2, norm_topk_prob=True, **_dropouts(c, "attention_dropout"))
     hf_config._experts_implementation = register()
     return _lm(hf_config, t.Qwen2MoeForCausalLM)
 
@@ -283,8 +302,8 @@ def build_qwen2_moe(c: TextConfig) -> nn.Module:
 def build_t5(c: TextConfig) -> nn.Module:
     t = _extra("transformers")
     return _lm(t.T5Config(vocab_size=c.vocab, d_model=c.hidden, d_kv=c.hidden // c.heads, d_ff=c.ffn,
-                          num_layers=c.layers, num_heads=c.heads, dropout_rate=0.0, decoder_start_token_id=0,
-                          pad_token_id=0), t.T5ForConditionalGeneration)
+                          num_layers=c.layers, num_heads=c.heads, decoder_start_token_id=0, pad_token_id=0,
+                          **_dropouts(c, "dropout_rate")), t.T5ForConditionalGeneration)
 
 
 def build_resnet18(c: ResNetConfig) -> nn.Module:
@@ -294,7 +313,7 @@ def build_resnet18(c: ResNetConfig) -> nn.Module:
 def build_vit(c: TorchvisionViTConfig) -> nn.Module:
     model = _extra("torchvision.models").VisionTransformer(
         image_size=c.image, patch_size=c.patch, num_layers=c.layers, num_heads=c.heads, hidden_dim=c.hidden,
-        mlp_dim=c.ffn, num_classes=c.classes)
+        mlp_dim=c.ffn, num_classes=c.classes, **_dropouts(c, "dropout", "attention_dropout"))
     return ClassifierLoss(model)
 
 
@@ -335,14 +354,20 @@ MODELS: dict[str, ZooModel] = {
 }
 """Zoo name → how to size, build and feed it."""
 
-def make(name: str, batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
-    """Zoo model ``name`` at ``size`` (seeded with 0) and its example inputs for ``batch``."""
+def make(name: str, batch: int = 4, size: str = "tiny",
+         dropout: float | None = None) -> tuple[nn.Module, tuple[Tensor, ...]]:
+    """Zoo model ``name`` at ``size`` (seeded with 0) and its example inputs for ``batch``;
+    ``dropout`` replaces every dropout probability (None: the library's defaults)."""
     if name not in MODELS:
         raise ValueError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
     entry = MODELS[name]
     config = getattr(entry.config_cls, size)()
+    if dropout is not None:
+        if not hasattr(config, "dropout"):
+            raise ValueError(f"zoo model {name!r} has no dropout")
+        config = dataclasses.replace(config, dropout=dropout)
     torch.manual_seed(0)
     return entry.build(config), entry.example_inputs(config, batch)
 

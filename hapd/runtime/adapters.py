@@ -23,7 +23,16 @@ from hapd import _core
 from hapd.compiler.op_facts import BATCH_SPLIT_LOSSES, MEAN, SUM
 from hapd.runtime.collectives import all_reduce
 from hapd.runtime.layout import gather_dim
-from hapd.runtime.random_ops import CounterDropout, dropout_args
+from hapd.runtime.random_ops import (
+    RANDOM_OPS,
+    CounterDropout,
+    attention_args,
+    counter_attention,
+    counter_random,
+    dropout_args,
+    is_random,
+    probability_shape,
+)
 from hapd.runtime.rank import RankView
 
 _RULES: Mapping[str, str] = _core.rule_names()
@@ -299,25 +308,63 @@ def _synced_batch_norm(em: Emitter, step: Mapping[str, Any], node: fx.Node, args
     return em.graph.call_module(target, tuple(values))
 
 
-def _counter_dropout(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
-    """Dropout, whole or split along one dim: :class:`~hapd.runtime.random_ops.CounterDropout`
-    draws this rank's slice of the single-device mask (its offset along the split dim:
-    the lengths of the ranks before it)."""
+def _counter_draw(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """A dropout, ``bernoulli``, ``rand_like`` or ``randn_like``, whole or split along
+    one dim: :class:`~hapd.runtime.random_ops.CounterDropout` /
+    :class:`~hapd.runtime.random_ops.CounterRandom` draws this rank's slice of the
+    single-device draw (its offset along the split dim: the lengths of the ranks
+    before it)."""
     inp = step["inputs"][0]
     full = em.view.full_shape(inp["tensor"])
     offsets = [0] * len(full)
     d = gather_dim(inp["layout"])
     if d is not None:
         offsets[d] = em.view.offset(inp["tensor"], d)[0]
-    p, train = dropout_args(node)
     stream, seed, rng_step, part = em.random_inputs(node)
-    single = node.target is torch.ops.aten.dropout.default
-    target = em.add_module("dropout", CounterDropout(p, train, stream, full, offsets, seed, single=single))
+    if node.target in RANDOM_OPS:
+        target = em.add_module("random", counter_random(node, stream, full, offsets, seed))
+    else:
+        p, train = dropout_args(node)
+        single = node.target is torch.ops.aten.dropout.default
+        target = em.add_module("dropout", CounterDropout(p, train, stream, full, offsets, seed, single=single))
     return em.graph.call_module(target, (args[0], rng_step, part))
 
 
+def _counter_attention(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """Attention: unchanged without dropout; with ``dropout_p > 0``,
+    :class:`~hapd.runtime.random_ops.CounterAttention` drawing this rank's slice of the
+    single-device probabilities (split where the query is: batch, heads or queries)."""
+    query = step["inputs"][0]
+    d = gather_dim(query["layout"])
+    start, length = em.view.offset(query["tensor"], d) if d is not None else (0, 1)
+    if not is_random(node) or length == 0:
+        # an empty piece runs on one zero slice that is cut away again: nothing to draw
+        local = attention_args(args, kwargs)
+        local["dropout_p"] = 0.0
+        return em.graph.call_function(node.target, (), local) if is_random(node) else \
+            em.graph.call_function(node.target, args, kwargs)
+    q_full = em.view.full_shape(query["tensor"])
+    k_full = em.view.full_shape(step["inputs"][1]["tensor"])
+    offsets = [0] * len(q_full)
+    if d is not None:
+        offsets[d] = start
+    stream, seed, rng_step, part = em.random_inputs(node)
+    target = em.add_module("attention", counter_attention(node, stream, probability_shape(q_full, k_full), offsets,
+                                                          seed))
+    local = attention_args(args, kwargs)
+    return em.graph.call_module(target, (local["query"], local["key"], local["value"], local["attn_mask"], rng_step,
+                                         part))
+
+
+_ATTENTION_RULES = tuple(_RULES[name] for name in ("REPLICATED", "DATA_PARALLEL", "HEAD_PARALLEL", "QUERY_SPLIT"))
+"""The attention's rules (``rustcore/core/src/rules/attention.rs``)."""
+
+
 ADAPTERS: Mapping[tuple[str, str], Adapter] = MappingProxyType({
-    **{(op, rule): _counter_dropout for op in ("aten.native_dropout", "aten.dropout") for rule in (REPLICATED, SHARDED)},
+    **{("aten.scaled_dot_product_attention", rule): _counter_attention for rule in _ATTENTION_RULES},
+    **{(op, rule): _counter_draw for rule in (REPLICATED, SHARDED)
+       for op in ("aten.native_dropout", "aten.dropout", "aten.bernoulli", "aten.bernoulli.p", "aten.rand_like",
+                  "aten.randn_like")},
     **{(op, SHARDED): _with_local_size(1) for op in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand")},
     ("aten.expand", BROADCAST_SPLIT): _with_local_size(1),
     **{("aten.unflatten.int", rule): _unflatten for rule in (REPLICATED, SHARDED, PARTIAL)},
@@ -326,7 +373,7 @@ ADAPTERS: Mapping[tuple[str, str], Adapter] = MappingProxyType({
     **{(op, rule): _bias_on_rank_zero(0) for op in ("aten.addmm", "aten.baddbmm") for rule in (ROW_PARALLEL, PARTIAL)},
     ("aten.native_group_norm", DATA_PARALLEL): _local_batch(3),
     ("aten._native_batch_norm_legit_functional", DATA_PARALLEL_SYNCED): _synced_batch_norm,
-    ("aten.conv2d", ROW_PARALLEL): _bias_on_rank_zero(2),
+    **{(op, ROW_PARALLEL): _bias_on_rank_zero(2) for op in ("aten.conv1d", "aten.conv2d", "aten.conv3d")},
     ("aten.embedding", VOCAB_PARALLEL): _vocab_parallel,
     ("aten.mean", SHARDED_MEAN): _sharded_mean,
     ("aten.mean.dim", SHARDED_MEAN): _sharded_mean,

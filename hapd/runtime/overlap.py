@@ -48,7 +48,7 @@ from hapd.compiler.op_facts import (BATCH_SPLIT_LOSSES, LOSS_OPS, MEAN, PASS_THR
 from hapd.errors import PlanError
 from hapd.runtime import collectives
 from hapd.runtime.adapters import GlobalSum, SyncedBatchNorm
-from hapd.runtime.random_ops import CounterDropout
+from hapd.runtime.random_ops import CounterDraw
 from hapd.runtime.rank import Communicate, RankModule, set_attr
 
 DUPLICAS = ("a", "b")
@@ -224,7 +224,7 @@ class _Builder:
 
     def _copy(self, dup: str, node: fx.Node) -> fx.Node:
         args, kwargs = self._args(dup, node)
-        if dup and node.op == "call_module" and isinstance(_module(self.gm, node), CounterDropout):
+        if dup and node.op == "call_module" and isinstance(_module(self.gm, node), CounterDraw):
             kwargs = {**kwargs, "duplica": DUPLICAS.index(dup)}  # each half draws a mask of its own
         new = self.graph.create_node(node.op, node.target, args, kwargs,
                                      name=f"{node.name}_{dup}" if dup and node in self.batch else node.name)

@@ -20,6 +20,16 @@ single-device mask with :func:`hapd.runtime.counter_rng.uniform`. What keys a dr
 - the element's linear index in the single-device tensor: the piece's offsets along
   each dim (where this rank's piece starts) plus its local index.
 
+``scaled_dot_product_attention`` with ``dropout_p > 0`` drops attention probabilities
+inside a fused kernel, with torch's generator, where no slice of them can be drawn
+alone. hapd runs such an attention as :class:`CounterAttention`: the math attention
+(``softmax(q·kᵀ·scale + mask) · v``, as torch's own reference implementation), its
+probabilities dropped by the counter-based generator. Each rank draws its slice of the
+single-device ``[…, queries, keys]`` probabilities (split along the batch, the heads or
+the queries as the attention is), so the attention splits like any other; the price is
+the math attention's speed and memory (the probabilities are materialized), which the
+cost model counts (``rustcore/core/src/rules/attention.rs``).
+
 :func:`counter_reference` is the single-device program with the same generator in place:
 what ``hapd check`` and the exactness tests compare a distributed program against.
 """
@@ -27,6 +37,7 @@ what ``hapd check`` and the exactness tests compare a distributed program agains
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,8 +49,19 @@ from hapd.compiler.normalize import normalize
 from hapd.runtime.counter_rng import uniform
 
 DROPOUT_OPS = frozenset({torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default})
-"""The random ops hapd draws with its own generator (``native_dropout``, and
-``dropout`` should it survive normalization)."""
+"""The dropouts hapd draws with its own generator (``native_dropout``, and ``dropout``
+should it survive normalization)."""
+RANDOM_OPS = {
+    torch.ops.aten.bernoulli.default: "bernoulli",
+    torch.ops.aten.bernoulli.p: "bernoulli_p",
+    torch.ops.aten.rand_like.default: "rand_like",
+    torch.ops.aten.randn_like.default: "randn_like",
+}
+"""The other random ops hapd draws (:class:`CounterRandom`), by their kind."""
+ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+"""The attention op, random where its ``dropout_p`` is above 0."""
+_ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_ATTENTION_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 SEED = "hapd_rng_seed"
 """The rank module attribute holding the seed its dropouts draw with (another program of
 the same model, distributed with ``shared=``, draws with it too)."""
@@ -49,7 +71,31 @@ PART = "hapd_rng_part"
 """The module buffer holding the part of the batch being run (pipeline micro-batch)."""
 
 
-class CounterDropout(nn.Module):
+class CounterDraw(nn.Module):
+    """What every op drawn by the counter-based generator holds: its stream, the
+    single-device shape of what it draws (``global_shape``) and where this rank's piece
+    starts (``offsets``), and the seed (:func:`set_seed` changes it)."""
+
+    def __init__(self, stream: int, global_shape: Sequence[int], offsets: Sequence[int], seed: int):
+        super().__init__()
+        self.stream = int(stream)
+        self.global_shape, self.offsets = [int(s) for s in global_shape], [int(o) for o in offsets]
+        self.seed = int(seed)
+
+    def uniforms(self, local_shape: Sequence[int], device: torch.device, step: Tensor, part: Tensor, duplica: int,
+                 *, per_element: int = 1) -> Tensor:
+        """This piece's float32 uniforms in ``[0, 1)``; ``per_element`` > 1 gives that
+        many independent ones per element, along a new last dim."""
+        shape, offsets, local = self.global_shape, self.offsets, list(local_shape)
+        if per_element > 1:
+            shape, offsets, local = [*shape, per_element], [*offsets, 0], [*local, per_element]
+        return uniform(self.seed, self.stream, step, shape, offsets, local, device, part=part * 2 + duplica)
+
+    def extra_repr(self) -> str:
+        return f"stream={self.stream}, global_shape={self.global_shape}, offsets={self.offsets}"
+
+
+class CounterDropout(CounterDraw):
     """``native_dropout(x, p, train)`` on this rank's piece of ``x``, whose single-device
     shape is ``global_shape`` and which starts at ``offsets``: returns ``(result,
     mask)`` as ``native_dropout`` does (``result = x · mask / (1 − p)``, ``mask`` bool;
@@ -58,27 +104,133 @@ class CounterDropout(nn.Module):
 
     def __init__(self, p: float, train: bool, stream: int, global_shape: Sequence[int], offsets: Sequence[int],
                  seed: int, *, single: bool = False):
-        super().__init__()
-        self.p, self.drops, self.stream = float(p), bool(train), int(stream)
+        super().__init__(stream, global_shape, offsets, seed)
+        self.p, self.drops = float(p), bool(train)
         # (``drops``, not ``train``: that name is nn.Module's mode switch)
-        self.global_shape, self.offsets = [int(s) for s in global_shape], [int(o) for o in offsets]
-        self.seed = int(seed)
         self.single = single
 
     def forward(self, x: Tensor, step: Tensor, part: Tensor, duplica: int = 0) -> Any:
         if not self.drops:
             out, mask = x.clone(), torch.ones_like(x, dtype=torch.bool)
         else:
-            u = uniform(self.seed, self.stream, step, self.global_shape, self.offsets, list(x.shape), x.device,
-                        part=part * 2 + duplica)
-            mask = u >= self.p
+            mask = self.uniforms(x.shape, x.device, step, part, duplica) >= self.p
             scale = 1.0 / (1.0 - self.p) if self.p < 1.0 else 0.0
             out = x * mask.to(x.dtype) * scale
         return out if self.single else (out, mask)
 
     def extra_repr(self) -> str:
-        return (f"p={self.p}, train={self.drops}, stream={self.stream}, global_shape={self.global_shape}, "
-                f"offsets={self.offsets}")
+        return f"p={self.p}, train={self.drops}, {super().extra_repr()}"
+
+
+class CounterRandom(CounterDraw):
+    """``bernoulli(probabilities)``, ``bernoulli.p(x, p)``, ``rand_like(x)`` or
+    ``randn_like(x)`` (``op``) on this rank's piece of the operand: this rank's slice
+    of the single-device draw, in ``dtype``. ``bernoulli`` keeps an element where its
+    uniform is below its probability; ``randn_like`` is the Box–Muller transform of two
+    uniforms per element."""
+
+    def __init__(self, op: str, stream: int, global_shape: Sequence[int], offsets: Sequence[int], seed: int, *,
+                 dtype: torch.dtype, p: float | None = None):
+        super().__init__(stream, global_shape, offsets, seed)
+        if op not in RANDOM_OPS.values():
+            raise ValueError(f"unknown random op {op!r}")
+        self.op, self.dtype, self.p = op, dtype, p
+
+    def forward(self, x: Tensor, step: Tensor, part: Tensor, duplica: int = 0) -> Tensor:
+        if self.op == "randn_like":
+            u = self.uniforms(x.shape, x.device, step, part, duplica, per_element=2)
+            radius = torch.sqrt(-2.0 * torch.log1p(-u[..., 0]))  # 1 - u in (0, 1]: a finite log
+            return (radius * torch.cos(2.0 * math.pi * u[..., 1])).to(self.dtype)
+        u = self.uniforms(x.shape, x.device, step, part, duplica)
+        if self.op == "rand_like":
+            return u.to(self.dtype)
+        probability = x if self.op == "bernoulli" else self.p
+        return (u < probability).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        p = f", p={self.p}" if self.p is not None else ""
+        return f"{self.op}{p}, {super().extra_repr()}"
+
+
+class CounterAttention(CounterDropout):
+    """``scaled_dot_product_attention(q, k, v, attn_mask, p, is_causal, scale=,
+    enable_gqa=)`` in training with ``p > 0``, on this rank's pieces: the math attention,
+    its probabilities dropped by :class:`CounterDropout`'s draw of this rank's slice of
+    the single-device probabilities (``global_shape``: ``[…, queries, keys]``, the
+    piece starting at ``offsets``). A causal attention here is never split along the
+    queries (the core's rules), so its triangle is the local one."""
+
+    def __init__(self, p: float, stream: int, global_shape: Sequence[int], offsets: Sequence[int], seed: int, *,
+                 is_causal: bool, scale: float | None, enable_gqa: bool):
+        super().__init__(p, True, stream, global_shape, offsets, seed, single=True)
+        self.is_causal, self.scale, self.enable_gqa = bool(is_causal), scale, bool(enable_gqa)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,  # type: ignore[override]
+                step: Tensor, part: Tensor, duplica: int = 0) -> Tensor:
+        if self.enable_gqa and q.dim() >= 3 and k.size(-3) != q.size(-3):
+            k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+            v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.size(-1))
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+        if self.is_causal:
+            keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+                else scores + attn_mask
+        probs = _safe_softmax(scores)
+        return torch.matmul(super().forward(probs, step, part, duplica), v)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, is_causal={self.is_causal}, scale={self.scale}, enable_gqa={self.enable_gqa}"
+
+
+def _safe_softmax(scores: Tensor) -> Tensor:
+    """Softmax over the keys; a row with every key masked gives zeros, as torch's
+    attention does, not NaN."""
+    probs = torch.softmax(scores, dim=-1)
+    return probs.masked_fill(torch.isneginf(scores).all(dim=-1, keepdim=True), 0.0)
+
+
+def attention_args(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An attention call's arguments by name, the schema's defaults filled in."""
+    values = dict(zip(_ATTENTION_ARGS, _ATTENTION_DEFAULTS))
+    values.update(zip(_ATTENTION_ARGS, args))
+    values.update(kwargs)
+    return values
+
+
+def is_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers hapd draws: a dropout, ``bernoulli``,
+    ``rand_like``, ``randn_like``, or an attention with ``dropout_p > 0``."""
+    if node.op != "call_function":
+        return False
+    if node.target in DROPOUT_OPS or node.target in RANDOM_OPS:
+        return True
+    return node.target is ATTENTION and float(attention_args(node.args, node.kwargs)["dropout_p"]) > 0.0
+
+
+def counter_random(node: fx.Node, stream: int, global_shape: Sequence[int], offsets: Sequence[int],
+                   seed: int) -> CounterRandom:
+    """The :class:`CounterRandom` of random node ``node`` (of :data:`RANDOM_OPS`)."""
+    kind = RANDOM_OPS[node.target]
+    p = float(node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)) if kind == "bernoulli_p" else None
+    return CounterRandom(kind, stream, global_shape, offsets, seed, dtype=node.meta["val"].dtype, p=p)
+
+
+def counter_attention(node: fx.Node, stream: int, global_shape: Sequence[int], offsets: Sequence[int],
+                      seed: int) -> CounterAttention:
+    """The :class:`CounterAttention` of attention node ``node`` (``global_shape``: its
+    single-device probabilities)."""
+    a = attention_args(node.args, node.kwargs)
+    return CounterAttention(float(a["dropout_p"]), stream, global_shape, offsets, seed, is_causal=bool(a["is_causal"]),
+                            scale=a["scale"], enable_gqa=bool(a["enable_gqa"]))
+
+
+def probability_shape(query: Sequence[int], key: Sequence[int]) -> list[int]:
+    """The single-device attention probabilities' shape: the query's, its last dim the
+    keys'."""
+    return [*query[:-1], key[-2]]
 
 
 def dropout_args(node: fx.Node) -> tuple[float, bool]:
@@ -90,14 +242,14 @@ def dropout_args(node: fx.Node) -> tuple[float, bool]:
 
 
 def random_streams(graph: fx.Graph) -> dict[str, int]:
-    """Dropout node name -> its stream: its position among the graph's dropouts."""
-    drops = (n for n in graph.nodes if n.op == "call_function" and n.target in DROPOUT_OPS)
-    return {n.name: k for k, n in enumerate(drops)}
+    """Random node name -> its stream: its position among the graph's random nodes
+    (:func:`is_random`)."""
+    return {n.name: k for k, n in enumerate(filter(is_random, graph.nodes))}
 
 
 def has_random_ops(graph: fx.Graph) -> bool:
-    """Whether the graph has a dropout hapd draws."""
-    return any(n.op == "call_function" and n.target in DROPOUT_OPS for n in graph.nodes)
+    """Whether the graph has a random node hapd draws (:func:`is_random`)."""
+    return any(map(is_random, graph.nodes))
 
 
 def default_seed() -> int:
@@ -141,9 +293,9 @@ def set_part(module: nn.Module, part: int) -> None:
 
 
 def set_seed(module: nn.Module, seed: int) -> None:
-    """Every dropout of ``module`` draws with ``seed`` from now on."""
+    """Every random op of ``module`` draws with ``seed`` from now on."""
     for sub in module.modules():
-        if isinstance(sub, CounterDropout):
+        if isinstance(sub, CounterDraw):
             sub.seed = int(seed)
 
 
@@ -159,16 +311,28 @@ def counter_reference(program: ExportedProgram, seed: int) -> nn.Module:
     gm.register_buffer(STEP, torch.zeros((), dtype=torch.int64), persistent=False)
     gm.register_buffer(PART, torch.zeros((), dtype=torch.int64), persistent=False)
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in DROPOUT_OPS:
+        if not is_random(node):
             continue
-        p, train = dropout_args(node)
-        shape = list(node.args[0].meta["val"].shape)
-        single = node.target is torch.ops.aten.dropout.default
-        name = f"hapd_dropout_{streams[node.name]}"
-        gm.add_module(name, CounterDropout(p, train, streams[node.name], shape, [0] * len(shape), seed, single=single))
+        stream = streams[node.name]
+        name = f"hapd_dropout_{stream}"
+        if node.target is ATTENTION:
+            a = attention_args(node.args, node.kwargs)
+            shape = probability_shape(a["query"].meta["val"].shape, a["key"].meta["val"].shape)
+            gm.add_module(name, counter_attention(node, stream, shape, [0] * len(shape), seed))
+            operands: tuple = (a["query"], a["key"], a["value"], a["attn_mask"])
+        elif node.target in RANDOM_OPS:
+            shape = list(node.args[0].meta["val"].shape)
+            gm.add_module(name, counter_random(node, stream, shape, [0] * len(shape), seed))
+            operands = (node.args[0],)
+        else:
+            p, train = dropout_args(node)
+            shape = list(node.args[0].meta["val"].shape)
+            single = node.target is torch.ops.aten.dropout.default
+            gm.add_module(name, CounterDropout(p, train, stream, shape, [0] * len(shape), seed, single=single))
+            operands = (node.args[0],)
         with gm.graph.inserting_before(node):
             step, part = gm.graph.get_attr(STEP), gm.graph.get_attr(PART)
-            new = gm.graph.call_module(name, (node.args[0], step, part))
+            new = gm.graph.call_module(name, (*operands, step, part))
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     gm.graph.lint()
@@ -177,5 +341,8 @@ def counter_reference(program: ExportedProgram, seed: int) -> nn.Module:
     return gm
 
 
-__all__ = ["DROPOUT_OPS", "PART", "SEED", "STEP", "CounterDropout", "advance_step", "counter_reference", "default_seed",
-           "dropout_args", "has_random_ops", "install_step", "random_streams", "set_part", "set_seed"]
+__all__ = ["ATTENTION", "DROPOUT_OPS", "PART", "RANDOM_OPS", "SEED", "STEP", "CounterAttention", "CounterDraw",
+           "CounterDropout", "CounterRandom", "advance_step", "attention_args", "counter_attention", "counter_random",
+           "counter_reference", "default_seed", "dropout_args",
+           "has_random_ops", "install_step", "is_random", "probability_shape", "random_streams", "set_part",
+           "set_seed"]

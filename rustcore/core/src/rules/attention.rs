@@ -9,6 +9,12 @@
 //!   replicated → output split on that dim. Only without a mask and when not causal: a
 //!   causal or masked slice of queries would need its row offset into the mask.
 //!
+//! With `dropout_p > 0` (training) the runtime runs the math attention with the
+//! probabilities dropped by hapd's counter-based generator (`hapd/runtime/random_ops.py`,
+//! `CounterAttention`): each rank draws its slice of the single-device probabilities, so
+//! the same rules hold. The cost adds the draw (as a dropout's, per probability) and the
+//! probabilities written and read again in memory, which a fused kernel never does.
+//!
 //! A key/value operand whose split dim has size 1 where the query's does not is
 //! broadcast, so it stays replicated; any other size mismatch (grouped-query attention
 //! with fewer key/value heads than query heads) is not split, since a rank's query heads
@@ -16,7 +22,7 @@
 //! operands: no partial-sum rules.
 
 use super::rule_names::{DATA_PARALLEL, HEAD_PARALLEL, QUERY_SPLIT};
-use super::{by_name, gather, matmul_class, Family, OpCtx, Rule};
+use super::{by_name, gather, matmul_class, random, Family, OpCtx, Rule};
 use crate::cost::Work;
 use crate::error::Result;
 use crate::layout::Layout;
@@ -102,7 +108,7 @@ fn rules(ctx: &OpCtx) -> Vec<Rule> {
 /// `Q·Kᵀ` and `P·V` (2 FLOPs per multiply-add each) plus scale, mask and softmax
 /// (about 5 per score): `2·L·Sq·Sk·(D + Dv) + 5·L·Sq·Sk` with `L` the product of the
 /// leading (batch, head) dims of the output; `4·B·H·Sq·Sk·D + 5·B·H·Sq·Sk` when
-/// `D = Dv`.
+/// `D = Dv`. With dropout, [`DROPOUT_FLOPS_PER_SCORE`] more per score.
 fn flops(ctx: &OpCtx) -> f64 {
     let (Some(qi), Some(ki), Some(vi)) = (ctx.input_index("query"), ctx.input_index("key"), ctx.input_index("value"))
     else {
@@ -116,8 +122,16 @@ fn flops(ctx: &OpCtx) -> f64 {
     let lead = out[..out.len() - 2].iter().product::<usize>() as f64;
     let (sq, sk) = (q[rank - 2] as f64, k[k.len() - 2] as f64);
     let (d, dv) = (q[rank - 1] as f64, v[v.len() - 1] as f64);
-    2.0 * lead * sq * sk * (d + dv) + 5.0 * lead * sq * sk
+    let scores = lead * sq * sk;
+    let dropout = if ctx.float_arg("dropout_p").unwrap_or(0.0) > 0.0 { DROPOUT_FLOPS_PER_SCORE * scores } else { 0.0 };
+    2.0 * scores * (d + dv) + 5.0 * scores + dropout
 }
+
+/// What a dropped probability costs beyond the fused kernel: the counter-based draw
+/// (a dropout's [`random::FLOPS_PER_ELEMENT`]) and the unfused math attention's passes
+/// over the materialized probabilities (scores written, softmax read and written, the
+/// dropout read and written: about 6 element-wise passes, priced as FLOPs).
+pub const DROPOUT_FLOPS_PER_SCORE: f64 = random::FLOPS_PER_ELEMENT + 6.0;
 
 /// Query, key and value have one rank ≥ 2; query and key agree on the feature dim, key
 /// and value on the sequence.
@@ -141,12 +155,16 @@ mod tests {
     use crate::rules::OpRules;
 
     fn sdpa(q: &'static [usize], kv: &'static [usize], mask: A, causal: bool) -> OpRules {
+        sdpa_p(q, kv, mask, causal, 0.0)
+    }
+
+    fn sdpa_p(q: &'static [usize], kv: &'static [usize], mask: A, causal: bool, p: f64) -> OpRules {
         let args = vec![
             ("query", T(q)),
             ("key", T(kv)),
             ("value", T(kv)),
             ("attn_mask", mask),
-            ("dropout_p", float(0.0)),
+            ("dropout_p", float(p)),
             ("is_causal", boolean(causal)),
             ("scale", none()),
             ("enable_gqa", boolean(false)),
@@ -201,5 +219,15 @@ mod tests {
         let (bh, sq, sk, d) = (8.0, 16.0, 32.0, 8.0);
         assert_eq!(got.flops, 4.0 * bh * sq * sk * d + 5.0 * bh * sq * sk);
         assert_eq!(got.class, crate::cost::WorkClass::Matmul);
+    }
+
+    #[test]
+    fn dropout_keeps_the_rules_and_prices_the_draw() {
+        let dp = "data-parallel G0,G0,G0 -> G0 sharded";
+        let hp = "head-parallel G1,G1,G1 -> G1 sharded";
+        let got = sdpa_p(QKV, QKV, none(), false, 0.1);
+        assert_rules(&got, &[dp, hp, "query-split G2,I,I -> G2 sharded"]);
+        let plain = sdpa(QKV, QKV, none(), false);
+        assert_eq!(got.flops - plain.flops, super::DROPOUT_FLOPS_PER_SCORE * 8.0 * 16.0 * 16.0);
     }
 }

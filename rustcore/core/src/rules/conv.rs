@@ -1,8 +1,8 @@
-//! `conv2d(input [N, C, H, W], weight [O, C/groups, kh, kw], bias?)`, `max_pool2d` and
-//! `adaptive_avg_pool2d` on batched (rank-4) inputs; unbatched (rank-3) inputs get
-//! only the replicated rule.
+//! `conv1d`/`conv2d`/`conv3d(input [N, C, *spatial], weight [O, C/groups, *kernel],
+//! bias?)`, `max_pool2d` and `adaptive_avg_pool2d` on batched inputs (rank spatial + 2);
+//! unbatched inputs get only the replicated rule.
 //!
-//! conv2d:
+//! Convolutions (Whisper's audio stem is two `conv1d`s, a ViT's patches one `conv2d`):
 //! - `"data-parallel"`: split the batch, weight and bias replicated → output split on
 //!   dim 0.
 //! - `"column-parallel"` (`groups == 1`): split the output channels (weight and bias
@@ -22,7 +22,7 @@ use crate::cost::{Work, WorkClass};
 use crate::layout::Layout;
 
 pub const FAMILY: Family = Family {
-    ops: &["aten.conv2d", "aten.max_pool2d", "aten.adaptive_avg_pool2d"],
+    ops: &["aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.max_pool2d", "aten.adaptive_avg_pool2d"],
     rules,
     flops,
     class,
@@ -33,15 +33,27 @@ const I: Layout = Layout::Identity;
 
 fn rules(ctx: &OpCtx) -> Vec<Rule> {
     match ctx.op() {
-        "aten.conv2d" => conv2d(ctx),
+        "aten.conv1d" | "aten.conv2d" | "aten.conv3d" => conv(ctx),
         "aten.max_pool2d" | "aten.adaptive_avg_pool2d" => pool(ctx),
         _ => Vec::new(),
     }
 }
 
-fn conv2d(ctx: &OpCtx) -> Vec<Rule> {
+/// The rank of a batched input of convolution `op`: its spatial dims plus batch and
+/// channels.
+fn batched_rank(op: &str) -> Option<usize> {
+    match op {
+        "aten.conv1d" => Some(3),
+        "aten.conv2d" => Some(4),
+        "aten.conv3d" => Some(5),
+        _ => None,
+    }
+}
+
+fn conv(ctx: &OpCtx) -> Vec<Rule> {
     let (Some(xi), Some(wi)) = (ctx.input_index("input"), ctx.input_index("weight")) else { return Vec::new() };
-    if ctx.in_shape(xi).len() != 4 || ctx.in_shape(wi).len() != 4 || ctx.out_shape(0).len() != 4 {
+    let Some(rank) = batched_rank(ctx.op()) else { return Vec::new() };
+    if ctx.in_shape(xi).len() != rank || ctx.in_shape(wi).len() != rank || ctx.out_shape(0).len() != rank {
         return Vec::new();
     }
     let (Some(g0), Some(g1)) = (gather(0), gather(1)) else { return Vec::new() };
@@ -70,13 +82,13 @@ fn pool(ctx: &OpCtx) -> Vec<Rule> {
     rules
 }
 
-/// conv2d: a multiply-add per output element and weight tap,
-/// `2·numel(out)·(C/groups)·kh·kw`; pools: one op per input element.
+/// Convolutions: a multiply-add per output element and weight tap,
+/// `2·numel(out)·(C/groups)·∏kernel`; pools: one op per input element.
 fn flops(ctx: &OpCtx) -> f64 {
-    if ctx.op() == "aten.conv2d" {
+    if let Some(rank) = batched_rank(ctx.op()) {
         let w = ctx.input_index("weight").map_or(&[][..], |k| ctx.in_shape(k));
-        if w.len() == 4 {
-            return 2.0 * ctx.out_numel() * (w[1] * w[2] * w[3]) as f64;
+        if w.len() == rank {
+            return 2.0 * ctx.out_numel() * w[1..].iter().product::<usize>() as f64;
         }
         return ctx.out_numel();
     }
@@ -84,7 +96,7 @@ fn flops(ctx: &OpCtx) -> f64 {
 }
 
 fn class(ctx: &OpCtx) -> WorkClass {
-    if ctx.op() == "aten.conv2d" {
+    if batched_rank(ctx.op()).is_some() {
         WorkClass::Matmul
     } else {
         WorkClass::Elementwise
@@ -96,6 +108,39 @@ mod tests {
     use crate::rules::testkit::{assert_rules, boolean, int, ints, none, rules, A, A::T};
     use crate::cost::WorkClass;
     use crate::rules::OpRules;
+
+    #[test]
+    fn conv1d_and_conv3d_split_as_conv2d() {
+        let conv1d = rules(
+            "aten.conv1d",
+            vec![
+                ("input", T(&[2, 80, 128])),
+                ("weight", T(&[16, 80, 3])),
+                ("bias", T(&[16])),
+                ("stride", ints(&[1])),
+                ("padding", ints(&[1])),
+                ("dilation", ints(&[1])),
+                ("groups", int(1)),
+            ],
+            &[&[2, 16, 128]],
+        );
+        let expected = [
+            "data-parallel G0,I,I -> G0 sharded",
+            "column-parallel I,G0,G0 -> G1 sharded",
+            "row-parallel G1,G1,I -> R sharded",
+        ];
+        assert_rules(&conv1d, &expected);
+        assert_eq!(conv1d.flops, 2.0 * (2 * 16 * 128) as f64 * (80 * 3) as f64);
+        let conv3d = rules(
+            "aten.conv3d",
+            vec![("input", T(&[2, 3, 4, 8, 8])), ("weight", T(&[4, 3, 1, 3, 3])), ("bias", T(&[4])), ("groups", int(1))],
+            &[&[2, 4, 4, 8, 8]],
+        );
+        assert_rules(&conv3d, &expected);
+        // a conv1d's unbatched input: replicated only
+        let unbatched = rules("aten.conv1d", vec![("input", T(&[80, 128])), ("weight", T(&[16, 80, 3]))], &[&[16, 128]]);
+        assert_rules(&unbatched, &[]);
+    }
 
     fn conv(x: &'static [usize], w: &'static [usize], bias: A, groups: i64, out: &[usize]) -> OpRules {
         let args = vec![

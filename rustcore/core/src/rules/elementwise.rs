@@ -13,8 +13,9 @@
 //! Whether such an op is linear is not in torch's metadata, so partial-sum operands
 //! have no rule here. Ops that draw random numbers (tagged
 //! `nondeterministic_seeded`) are not in the family: their pieces, drawn with torch's
-//! generator, would not be the single-device values. Dropout has a family of its own
-//! (`random.rs`): the runtime draws its masks with hapd's counter-based generator.
+//! generator, would not be the single-device values. Dropout, `bernoulli` and
+//! `rand_like`/`randn_like` have a family of their own (`random.rs`): the runtime
+//! draws them with hapd's counter-based generator.
 
 use super::binary::{aligned_dim, broadcast};
 use super::rule_names::SHARDED;
@@ -121,7 +122,7 @@ mod tests {
     fn untagged_and_random_ops_stay_opaque() {
         let args = || vec![("self", T(&[4, 8])), ("p", float(0.5))];
         for tags in [&[][..], &[TAG_POINTWISE, TAG_RANDOM][..]] {
-            let g = tagged("aten.bernoulli.p", args(), &[(&[4, 8], DType::F32)], tags);
+            let g = tagged("aten.poisson", args(), &[(&[4, 8], DType::F32)], tags);
             assert!(crate::rules::family_of(g.nodes.last().unwrap()).is_none());
             assert_rules(&rules_for(&g, g.nodes.last().unwrap()), &[]);
         }

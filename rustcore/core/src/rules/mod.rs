@@ -188,6 +188,10 @@ impl<'g> OpCtx<'g> {
         self.arg(name).and_then(Value::as_ints)
     }
 
+    pub fn float_arg(&self, name: &str) -> Option<f64> {
+        self.arg(name).and_then(Value::as_float)
+    }
+
     pub fn bool_arg(&self, name: &str) -> Option<bool> {
         self.arg(name).and_then(Value::as_bool)
     }

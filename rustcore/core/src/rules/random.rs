@@ -1,30 +1,49 @@
-//! Dropout: the random op whose pieces draw exactly the single-device values.
+//! Random ops whose pieces draw exactly the single-device values.
 //!
 //! `aten.native_dropout(x, p, train) -> (result, mask)` (and `aten.dropout`, one
-//! result, should it survive normalization) runs on each rank with hapd's counter-based
+//! result, should it survive normalization), `aten.bernoulli(probabilities)`,
+//! `aten.bernoulli.p(x, p)` (stochastic depth's `empty(…).bernoulli_(p)`, functionalized),
+//! `aten.rand_like(x)` and `aten.randn_like(x)` run on each rank with hapd's counter-based
 //! generator (`hapd/runtime/counter_rng.py`): every element's keep decision is a pure
 //! function of the seed, the op's stream (its position among the program's random
 //! ops), the training step and the element's linear index in the single-device
-//! tensor. A rank draws only its slice, and the slices are the single-device draw, so a
-//! dropout splits like an element-wise op: `Gather(d)` in gives the same `Gather(d)` for
-//! the result and the mask. There is no partial-sum rule: dropout is linear in `x` for a
-//! fixed mask, but the runtime keeps the rule set to the one the exactness tests cover.
+//! tensor. A rank draws only its slice, and the slices are the single-device draw, so
+//! these ops split like element-wise ones: `Gather(d)` in gives the same `Gather(d)` for
+//! every result (a dropout's mask included). There is no partial-sum rule: dropout is
+//! linear in `x` for a fixed mask, but the runtime keeps the rule set to the one the
+//! exactness tests cover.
 //!
-//! Other random ops (`bernoulli`, `rand`, `rand_like`, `randn`, anything torch tags
-//! `nondeterministic_seeded`) stay opaque: the runtime draws them with torch's
-//! generator, whose pieces would not be the single-device values.
+//! Random ops made from a size alone (`rand`, `randn`, `randint`, …) and anything else
+//! torch tags `nondeterministic_seeded` stay opaque: the runtime draws them with
+//! torch's generator, whose pieces would not be the single-device values.
 
 use super::rule_names::SHARDED;
 use super::{check_same_shape, elementwise_class, gather, Family, OpCtx, Rule};
 use crate::cost::Work;
 use crate::error::Result;
 
-pub const FAMILY: Family =
-    Family { ops: &["aten.native_dropout", "aten.dropout"], rules, flops, class: elementwise_class, check_shapes };
+pub const FAMILY: Family = Family {
+    ops: &[
+        "aten.native_dropout",
+        "aten.dropout",
+        "aten.bernoulli",
+        "aten.bernoulli.p",
+        "aten.rand_like",
+        "aten.randn_like",
+    ],
+    rules,
+    flops,
+    class: elementwise_class,
+    check_shapes,
+};
 
 /// FLOPs per element: the draw (SplitMix64 over the element's index: about 15 integer
 /// ops, `hapd/runtime/counter_rng.py`), the comparison and the scaled product.
-const FLOPS_PER_ELEMENT: f64 = 18.0;
+pub const FLOPS_PER_ELEMENT: f64 = 18.0;
+
+/// FLOPs per element of `randn_like`: two draws and the Box–Muller transform (a log,
+/// a square root and a cosine, about 10 more).
+const NORMAL_FLOPS_PER_ELEMENT: f64 = 2.0 * FLOPS_PER_ELEMENT + 10.0;
 
 fn rules(ctx: &OpCtx) -> Vec<Rule> {
     if ctx.n_inputs() != 1 {
@@ -39,7 +58,8 @@ fn rules(ctx: &OpCtx) -> Vec<Rule> {
 }
 
 fn flops(ctx: &OpCtx) -> f64 {
-    FLOPS_PER_ELEMENT * ctx.out_numel()
+    let per = if ctx.op() == "aten.randn_like" { NORMAL_FLOPS_PER_ELEMENT } else { FLOPS_PER_ELEMENT };
+    per * ctx.out_numel()
 }
 
 /// The result (and the mask) keep the input's shape.
@@ -66,6 +86,21 @@ mod tests {
         assert_eq!(got.flops, 18.0 * 32.0);
         let single = rules("aten.dropout", dropout(&[2, 3]), &[&[2, 3]]);
         assert_rules(&single, &["sharded G0 -> G0 sharded", "sharded G1 -> G1 sharded"]);
+    }
+
+    #[test]
+    fn bernoulli_and_like_draws_split_every_dim() {
+        for (op, args) in [
+            ("aten.bernoulli", vec![("input", T(&[4, 1, 8]))]),
+            ("aten.bernoulli.p", vec![("input", T(&[4, 1, 8])), ("p", float(0.8))]),
+            ("aten.rand_like", vec![("input", T(&[4, 1, 8]))]),
+            ("aten.randn_like", vec![("input", T(&[4, 1, 8]))]),
+        ] {
+            let got = rules(op, args, &[&[4, 1, 8]]);
+            assert_rules(&got, &["sharded G0 -> G0 sharded", "sharded G2 -> G2 sharded"]);
+            let per = if op == "aten.randn_like" { super::NORMAL_FLOPS_PER_ELEMENT } else { 18.0 };
+            assert_eq!(got.flops, per * 32.0, "{op}");
+        }
     }
 
     #[test]
