@@ -157,6 +157,44 @@ def test_attention_pieces_concatenate_to_the_whole_attention(dim, lengths) -> No
     assert not torch.equal(whole, _attention(1e-12, shape=(3, 4, 6, 8))(q, k, v, None, step, part))
 
 
+class _SelfAttention(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p, self.proj = p, nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x).view(2, 24, 4, 8).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=self.p, is_causal=True).sum()
+
+
+def test_lowering_counts_the_memory_the_math_attention_keeps() -> None:
+    """What the runtime's attention with dropout keeps for the backward pass beyond its
+    operands (probabilities, dropped probabilities, the bool keep mask) is what lowering
+    adds to the fused attention's saved bytes."""
+    scores = 2 * 4 * 24 * 24
+    q, k, v = (torch.randn(2, 4, 24, 8, requires_grad=True) for _ in range(3))
+    operands = {t.untyped_storage().data_ptr() for t in (q, k, v)}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in operands:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _attention(0.1, causal=True, shape=(2, 4, 24, 8), keys=24)(q, k, v, None, torch.tensor(0), torch.tensor(0))
+    # beyond the per-score tensors: the causal triangle and the fully-masked rows, a byte
+    # per query-key pair and per row
+    assert sum(kept.values()) == scores * (2 * 4 + 1) + 24 * 24 + 2 * 4 * 24
+
+    def attention_bytes(p: float) -> float:
+        graph = hapd.lower(hapd.export(_SelfAttention(p), (torch.randn(2, 24, 32),)))
+        (node,) = [n for n in graph.doc["nodes"] if n.get("op") == "aten.scaled_dot_product_attention"]
+        return node["saved_bytes"]
+
+    assert attention_bytes(0.1) - attention_bytes(0.0) == scores * (2 * 4 + 1)
+
+
 # --------------------------------------------------------------------------- bernoulli, rand_like, randn_like
 
 

@@ -193,7 +193,7 @@ def gap_lines(gap: Mapping[str, Any] | None) -> list[str]:
     if not gap:
         return []
     lines = [f"costlier than data parallelism: {gap['plan'] / gap['dp_cp']:.3f}× DP-CP "
-             f"({gap['plan'] * 1e3:.3f} ms against {gap['dp_cp'] * 1e3:.3f} ms), because:"]
+             f"({_fmt_s(gap['plan'])} against {_fmt_s(gap['dp_cp'])}), because:"]
     lines += [f"  {cause}" for cause in gap["causes"]]
     for forced in gap.get("forcing", []):
         nodes = forced["nodes"]
@@ -203,7 +203,7 @@ def gap_lines(gap: Mapping[str, Any] | None) -> list[str]:
     if gap["steps"]:
         lines.append("  the steps that cost more than DDP pays for their ops:")
     for s in gap["steps"]:
-        lines.append(f"    {s['node']:<28} {s['op']:<32} +{s['extra'] * 1e3:.3f} ms  {s['why']}")
+        lines.append(f"    {s['node']:<28} {s['op']:<32} +{_fmt_s(s['extra']):>10}  {s['why']}")
     if gap.get("more_steps"):
         lines.append(f"    … {gap['more_steps']} more step(s)")
     return lines

@@ -90,6 +90,26 @@ def _on_meta(value: Any) -> Any:
     return torch.device("meta") if isinstance(value, torch.device) else value
 
 
+_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _attention_dropout_bytes(node: fx.Node, args: tuple, kwargs: dict) -> float:
+    """For an attention with ``dropout_p > 0``: the bytes the runtime's math attention
+    keeps beyond the fused kernel's (``CounterAttention`` in
+    ``hapd/runtime/random_ops.py``: the probabilities and the dropped probabilities in
+    the query's dtype, the keep mask a byte each, per score); 0 for any other node. The
+    node is then traced without dropout (the fused kernel's saved tensors), as its
+    dropout is not torch's."""
+    if node.target is not _ATTENTION:
+        return 0.0
+    p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    if not p or float(p) <= 0.0:
+        return 0.0
+    query, key = args[0], args[1]
+    scores = query.numel() // max(query.shape[-1], 1) * key.shape[-2]
+    return float(scores * (2 * query.element_size() + 1))
+
+
 class _Tracer(fx.Interpreter):
     """Runs the graph node by node, remembering which node's result owns each storage
     and which storages autograd saves while each node runs."""
@@ -100,12 +120,18 @@ class _Tracer(fx.Interpreter):
         self._saved: dict[StorageWeakRef, tuple[str, int]] = {}  # storage → (running node, bytes)
         self._running = ""
         self._keep: list[torch.Tensor] = []  # keeps storages alive, so weak refs stay unique
+        self._extra: dict[str, float] = {}  # node → bytes its runtime keeps beyond what tracing saw
 
     def run_node(self, n: fx.Node) -> Any:
         self._running = n.name
         if n.op == "call_function":
             # ops that name a device (arange, _to_copy) make meta tensors too
             args, kwargs = tree_map(_on_meta, self.fetch_args_kwargs_from_env(n))
+            dropped = _attention_dropout_bytes(n, args, kwargs)
+            if dropped:
+                self._extra[n.name] = dropped
+                args = (*args[:4], 0.0, *args[5:]) if len(args) > 4 else args
+                kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
             out = self.call_function(n.target, args, kwargs)
         else:
             out = super().run_node(n)
@@ -124,7 +150,7 @@ class _Tracer(fx.Interpreter):
 
     def result(self) -> SavedActivations:
         outputs: dict[str, set[int]] = {}
-        internal: dict[str, float] = {}
+        internal: dict[str, float] = dict(self._extra)
         for key, (running, nbytes) in self._saved.items():
             owner = self._owner.get(key)
             if owner is not None:

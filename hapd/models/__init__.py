@@ -12,6 +12,13 @@ The third-party zoo (:mod:`hapd.models.zoo`: transformers and torchvision models
 registered beside them as ``zoo.NAME`` (:data:`ZOO_MODELS`): ``build("zoo.gpt2",
 "small")`` and ``get("zoo.gpt2").example_inputs(config, 8)`` work the same way (their
 losses are transformers' means over tokens, see :attr:`ModelSpec.loss`).
+
+Dropout: the ``small`` and ``paper`` sizes (what the benchmarks and users run) have
+their papers' dropout (BERT, GPT-2, ViT and the MoE BERT: 0.1 on every residual branch,
+in the FFN and on the attention probabilities; Llama none), as the zoo has its
+libraries' defaults. ``tiny`` (the tests' size) is dropout-free, so a test compares a
+program with its eager model directly; the tests of random ops override it
+(``build("bert", dropout=0.1, attention_dropout=0.1)``).
 """
 
 from __future__ import annotations

@@ -52,8 +52,9 @@ class BertConfig:
     @classmethod
     def small(cls) -> BertConfig:
         """4 layers, width 256, vocab 4096, seq 64 (~5.3M parameters): big enough that its
-        matmuls run near a CPU core's peak, small enough to train on 2 cores."""
-        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024)
+        matmuls run near a CPU core's peak, small enough to train on 2 cores; BERT's dropout
+        0.1."""
+        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024, dropout=0.1, attention_dropout=0.1)
 
     @classmethod
     def paper(cls) -> BertConfig:

@@ -47,8 +47,10 @@ class BertMoEConfig(BertConfig):
 
     @classmethod
     def small(cls) -> BertMoEConfig:
-        """4 layers (2 MoE with 4 experts), width 256, vocab 4096, seq 64 (~8.4M parameters)."""
-        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024, n_experts=4)
+        """4 layers (2 MoE with 4 experts), width 256, vocab 4096, seq 64 (~8.4M parameters),
+        BERT's dropout 0.1."""
+        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024, dropout=0.1, attention_dropout=0.1,
+                   n_experts=4)
 
     @classmethod
     def paper(cls) -> BertMoEConfig:

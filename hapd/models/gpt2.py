@@ -44,8 +44,8 @@ class GPT2Config:
 
     @classmethod
     def small(cls) -> GPT2Config:
-        """4 blocks, width 256, vocab 4096, seq 64 (~4.2M parameters)."""
-        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024)
+        """4 blocks, width 256, vocab 4096, seq 64 (~4.2M parameters), GPT-2's dropout 0.1."""
+        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024, dropout=0.1, attention_dropout=0.1)
 
     @classmethod
     def paper(cls) -> GPT2Config:

@@ -50,8 +50,8 @@ class ViTConfig:
 
     @classmethod
     def small(cls) -> ViTConfig:
-        """4 layers, width 256, 4 heads (~3.2M parameters)."""
-        return cls(hidden=256, heads=4, layers=4, ffn=1024)
+        """4 layers, width 256, 4 heads (~3.2M parameters), ViT's dropout 0.1."""
+        return cls(hidden=256, heads=4, layers=4, ffn=1024, dropout=0.1, attention_dropout=0.1)
 
     @classmethod
     def paper(cls) -> ViTConfig:
