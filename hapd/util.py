@@ -87,6 +87,12 @@ def atomic_write(path: str | Path, data: bytes | str, *, mode: int = 0o666) -> P
 _UNITS = ("B", "KiB", "MiB", "GiB")
 
 
+def home_dir() -> Path:
+    """hapd's state directory: ``$HAPD_HOME``, else ``~/.hapd``."""
+    env = os.environ.get("HAPD_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".hapd"
+
+
 def format_bytes(n: float) -> str:
     """``n`` bytes for a person, in binary units up to GiB: ``"512 B"``,
     ``"1.50 KiB"``, ``"2.00 GiB"``."""
@@ -136,4 +142,4 @@ def summarize(times: Iterable[float]) -> TimingSummary:
     )
 
 
-__all__ = ["TimingSummary", "atomic_file", "atomic_write", "format_bytes", "summarize"]
+__all__ = ["TimingSummary", "atomic_file", "atomic_write", "format_bytes", "home_dir", "summarize"]

@@ -26,9 +26,9 @@ from _dist import run_ranks
 from hapd.errors import OptionsError, ProfileError
 from hapd.profile.schema import COLLECTIVES, UNITS, Profile, load_profile
 from hapd.profile.fit import fit_alpha_beta
-from hapd.profile.measure import (LINEAR_PROBE_LAYERS, OP_PROBE_BLOCKS, SYNC_PROBE_MAX_ROWS, SyncProbe, _intra_groups,
-                                  _rows_lasting, host_memory, host_name, linear_probe, op_probe, overlap_share,
-                                  pairs_per_host_pair, probe_ops)
+from hapd.profile.machine import LINEAR_PROBE_LAYERS, host_memory, host_name, linear_probe
+from hapd.profile.measure import (OP_PROBE_BLOCKS, SYNC_PROBE_MAX_ROWS, SyncProbe, _intra_groups, _rows_lasting, op_probe,
+                                  overlap_share, pairs_per_host_pair, probe_ops)
 from hapd.profile.options import ProfilerOptions, parse_size, parse_sizes
 from hapd.profile.profiler import Rendezvous
 
@@ -195,9 +195,9 @@ def test_the_linear_probe_keeps_its_weights_within_its_memory_bound(monkeypatch)
     (at least one layer)."""
     import torch
 
-    from hapd.profile import measure
+    from hapd.profile import machine
 
-    monkeypatch.setattr(measure, "LINEAR_PROBE_BYTES", 3 * 2 * 4 * 64 * 64)  # three layers' weights and grads
+    monkeypatch.setattr(machine, "LINEAR_PROBE_BYTES", 3 * 2 * 4 * 64 * 64)  # three layers' weights and grads
     assert linear_probe(torch.device("cpu"), torch.float32, 64, 4)[1] == 2 * 4 * 64 * 64 * (3 * 3 - 1)
     assert linear_probe(torch.device("cpu"), torch.float32, 512, 4)[1] == 2 * 4 * 512 * 512 * 2
 

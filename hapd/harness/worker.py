@@ -66,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def job_profile(args: TrainArgs, world: int) -> Profile:
-    """``--profile``, or an estimated homogeneous profile of ``world`` ranks."""
-    return _job_profile(args.profile, world)
+def job_profile(args: TrainArgs, env: DistEnv) -> Profile:
+    """``--profile``, or the job's devices as each rank describes its own (collective)."""
+    return _job_profile(args.profile, env.world, device=env.device)
 
 
 def global_inputs(args: TrainArgs, env: DistEnv, config) -> tuple[Tensor, ...]:
@@ -107,14 +107,14 @@ def build(args: TrainArgs, init: str) -> tuple[torch.nn.Module, Any, WeightSourc
 
 
 def pipeline_plan(args: TrainArgs, ns: argparse.Namespace, env: DistEnv, model: torch.nn.Module,
-                   full: Sequence[Tensor]) -> Plan:
+                   full: Sequence[Tensor], profile: Profile) -> Plan:
     """The plan with pipelines in the search space, compiled on rank 0 and sent to the
     others (the model exported at the global batch and at every micro-batch size)."""
     box: list[Any] = [None, None]
     if env.rank == 0:
         try:
             plan = compile_pipeline(model, tuple(t.cpu() for t in full), models.get(args.model).batch_dims,
-                                    job_profile(args, env.world), CompileOptions(mode=ns.mode), name=args.model)
+                                    profile, CompileOptions(mode=ns.mode), name=args.model)
             box = [plan.to_bytes(), None]
         except HapdError as exc:
             box = [None, f"{type(exc).__name__}: {exc}"]
@@ -125,11 +125,11 @@ def pipeline_plan(args: TrainArgs, ns: argparse.Namespace, env: DistEnv, model: 
     return Plan.from_bytes(box[0])
 
 
-def run_pipeline(args: TrainArgs, env: DistEnv, model: torch.nn.Module, full: Sequence[Tensor], plan: Plan) -> dict:
+def run_pipeline(args: TrainArgs, env: DistEnv, model: torch.nn.Module, full: Sequence[Tensor], plan: Plan,
+                 profile: Profile) -> dict:
     """Train with the plan's pipeline: this rank's stage, 1F1B over micro-batches."""
     spec = models.get(args.model)
-    pipe = build_pipeline(model, tuple(t.cpu() for t in full), spec.batch_dims, plan, job_profile(args, env.world),
-                          device=env.device)
+    pipe = build_pipeline(model, tuple(t.cpu() for t in full), spec.batch_dims, plan, profile, device=env.device)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
     last: list[Tensor] = []
 
@@ -157,13 +157,14 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     model, config, weights = build(args, ns.init)
     full = global_inputs(args, env, config)
     plan_given = ns.plan
+    profile = job_profile(args, env)
     if ns.pipeline == "auto":
         if ns.plan is not None or ns.overlap != "off" or ns.init != "eager":
             raise OptionsError("--pipeline auto compiles its own plan, with --overlap off and --init eager")
-        plan_given = pipeline_plan(args, ns, env, model, full)
+        plan_given = pipeline_plan(args, ns, env, model, full, profile)
         if plan_given.pipeline is not None:
-            return run_pipeline(args, env, model, full, plan_given)
-    module = parallelize(model, tuple(t.cpu() for t in full), profile=job_profile(args, env.world), plan=plan_given,
+            return run_pipeline(args, env, model, full, plan_given, profile)
+    module = parallelize(model, tuple(t.cpu() for t in full), profile=profile, plan=plan_given,
                          options=CompileOptions(mode=ns.mode, overlap=ns.overlap != "off"),
                          overlap="always" if ns.overlap == "always" else "auto", batch_dims=spec.batch_dims, name=args.model,
                          device=env.device, hosts=job_host_groups(env.world), weights=weights)

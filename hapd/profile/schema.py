@@ -212,32 +212,39 @@ def estimated_profile(
     hosts: Sequence[str] | None = None,
     alpha: float = 100e-6,
     beta: float | Mapping[str, float] = 1e9,
-    memory: float = 8 * 2**30,
+    memory: float | Sequence[float] = 8 * 2**30,
+    models: Sequence[str] | None = None,
     name: str = "estimated",
+    description: str | None = None,
 ) -> Profile:
     """A profile from stated guesses, for when no measured one is given (worker.py on a
     laptop, tests): ``world`` devices with ``flops`` each (default 1e10, a CPU core's
-    order), one α and β for every collective (``beta`` may map collective names to
-    their own bandwidth), all on one host unless ``hosts`` says otherwise. Its
-    description says it is an estimate; ``hapd profile`` measures a real one."""
+    order), ``memory`` bytes each (one value, or one per device), one α and β for every
+    collective (``beta`` may map collective names to their own bandwidth), all on one
+    host unless ``hosts`` says otherwise. Its description (default) says it is an
+    estimate; ``hapd profile`` measures a real one."""
     if world < 1:
         raise ProfileError(f"world {world} must be ≥ 1", field="devices")
     flops = list(flops) if flops is not None else [1e10] * world
     hosts = list(hosts) if hosts is not None else ["localhost"] * world
     if len(flops) != world or len(hosts) != world:
         raise ProfileError(f"{len(flops)} flops and {len(hosts)} hosts for {world} devices", field="devices")
-    for r, f in enumerate(flops):
+    memories = [float(m) for m in memory] if isinstance(memory, Sequence) else [float(memory)] * world
+    models = list(models) if models is not None else ["estimated"] * world
+    if len(memories) != world or len(models) != world:
+        raise ProfileError(f"{len(memories)} memories and {len(models)} models for {world} devices", field="devices")
+    for r, (f, m) in enumerate(zip(flops, memories)):
         check_range("flops", float(f), f"devices[{r}]")
-    check_range("memory", float(memory), "devices")
+        check_range("memory", m, f"devices[{r}]")
     check_range("alpha", float(alpha), "collectives")
     for c in COLLECTIVES:
         check_range("beta", float(beta[c] if isinstance(beta, Mapping) else beta), f"collectives.{c}")
     devices = tuple(
-        Device(rank=r, host=hosts[r], model="estimated", flops=float(flops[r]), memory=float(memory)) for r in range(world)
+        Device(rank=r, host=hosts[r], model=models[r], flops=float(flops[r]), memory=memories[r]) for r in range(world)
     )
     betas = {c: float(beta[c] if isinstance(beta, Mapping) else beta) for c in COLLECTIVES}
     collectives = {c: {"inter": Link(alpha=alpha, beta=betas[c])} for c in COLLECTIVES}
-    description = f"estimated, not measured: {world} devices, α {alpha:g} s"
+    description = description or f"estimated, not measured: {world} devices, α {alpha:g} s"
     return Profile(name=name, devices=devices, collectives=collectives, description=description)
 
 

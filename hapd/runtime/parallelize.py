@@ -40,7 +40,7 @@ from hapd.errors import OptionsError
 from hapd.profile.schema import Profile
 from hapd.runtime.distributed import init_distributed, job_host_groups
 from hapd.runtime.parallel_module import ParallelModule
-from hapd.runtime.plan_source import PlanSource, compile_options, given_plan, obtain_plan
+from hapd.runtime.plan_source import PlanSource, compile_options, given_plan, job_profile, obtain_plan
 from hapd.runtime.programs import Recipe, op_nodes
 from hapd.runtime.rank import RankModule
 from hapd.runtime.rewrite import distribute
@@ -58,7 +58,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
 
     Exports ``model`` (``batch_dims``: each input's batch dim, default 0), gets the plan
     (:func:`obtain_plan`: ``plan``, or the daemon's or rank 0's for ``profile`` and
-    ``options``) and distributes it (:func:`hapd.distribute`). Every rank must build
+    ``options``; without a profile, the job's devices as each rank describes its own,
+    :mod:`hapd.profile.local`) and distributes it (:func:`hapd.distribute`). Every rank must build
     ``model`` with the same parameters (the same seed, or a loaded state dict): each
     keeps only its pieces. ``device``: where this rank's pieces live (default: the
     current CUDA device with NCCL, else where the model's parameters are). ``hosts``:
@@ -88,9 +89,12 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     example_inputs = tuple(example_inputs)
     if batch_dims is None:
         batch_dims = [0 if t.dim() > 0 else None for t in example_inputs]
+    device = _default_device(model, device)
+    if profile is None and plan is None:
+        profile = job_profile(None, world, device=device, group=group)  # the devices as they are
     recipe = Recipe(model=model, example_inputs=example_inputs, batch_dims=tuple(batch_dims),
                     name=name or type(model).__name__, profile=profile, use_daemon=use_daemon, verbose=verbose,
-                    device=_default_device(model, device), weights=weights)
+                    device=device, weights=weights)
     program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
                                             always=overlap == "always")
     if verbose and rank == 0:

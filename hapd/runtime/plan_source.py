@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.driver import compile as compile_plan
 from hapd.compiler.lower import GraphIR
 from hapd.compiler.plan import Plan
-from hapd.errors import HapdError, OptionsError, PlanError
+from hapd.errors import HapdError, PlanError
+from hapd.profile.local import device_profile
 from hapd.profile.schema import Profile, estimated_profile, load_profile
 from hapd.serve.client import Client
 from hapd.serve.keys import default_key_path
@@ -154,11 +156,16 @@ def _check_plan_fits(plan: Plan, graph: GraphIR, world: int) -> None:
         raise PlanError(f"the plan is for {devices} devices, this job has {world} ranks")
 
 
-def job_profile(profile: Profile | str | Path | Mapping | None, world: int) -> Profile:
-    """``profile`` loaded for ``world`` ranks, or an estimated homogeneous one."""
-    if profile is None:
-        return estimated_profile(world, name=f"estimated-{world}")
-    return load_profile(profile, world_size=world)
+def job_profile(profile: Profile | str | Path | Mapping | None, world: int, *, device: Any = None,
+                group: Any = None) -> Profile:
+    """``profile`` loaded for ``world`` ranks; without one, the job's devices as each
+    rank describes its ``device`` (:func:`hapd.profile.local.device_profile`:
+    collective over ``group``), or with no device an estimated homogeneous profile."""
+    if profile is not None:
+        return load_profile(profile, world_size=world)
+    if device is not None:
+        return device_profile(torch.device(device), world=world, group=group)
+    return estimated_profile(world, name=f"estimated-{world}")
 
 
 def compile_options(options: CompileOptions | Mapping[str, Any] | None) -> CompileOptions:

@@ -18,15 +18,10 @@ import stat
 from pathlib import Path
 
 from hapd.errors import AuthError
+from hapd.util import home_dir
 
 KEY_BYTES = 32
 """Length of a key (HMAC-SHA256 keys of the hash's block output size)."""
-
-
-def home_dir() -> Path:
-    """The state directory: ``$HAPD_HOME``, else ``~/.hapd``."""
-    env = os.environ.get("HAPD_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".hapd"
 
 
 def default_key_path() -> Path:
