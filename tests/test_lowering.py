@@ -260,6 +260,59 @@ def test_vit_attention_keeps_the_batch_split() -> None:
     assert plan.estimate["replicated_flop_share"] == 0.0
 
 
+# ------------------------------------------------------------------------------ constant attention masks
+
+
+class MaskedAttention(nn.Module):
+    """Self-attention whose mask is built from ``arange``s (as transformers builds its
+    causal mask), or from the input (a padding mask)."""
+
+    def __init__(self, mask: str, float_mask: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.mask, self.float_mask, self.dropout = nn.Linear(8, 8), mask, float_mask, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+        s = x.shape[1]
+        rows, cols = torch.arange(s).view(s, 1), torch.arange(s).view(1, s)
+        keep = {"causal": cols <= rows, "all": cols >= 0, "window": (cols <= rows) & (cols > rows - 2),
+                "padding": (x[:, None, None, :, 0] > -10).expand(-1, 1, s, s)}[self.mask]
+        keep = keep.expand(x.shape[0], 1, s, s)
+        mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min) if self.float_mask else keep
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask, dropout_p=self.dropout).sum()
+
+
+def _attention_args(program) -> list[tuple]:
+    return [(n.args + (None,) * 6)[3:6] for n in program.graph.nodes
+            if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+
+
+@pytest.mark.parametrize("mask,float_mask,expected", [
+    ("causal", False, "causal"), ("causal", True, "causal"), ("all", False, "none"), ("all", True, "none"),
+    ("window", False, "kept"), ("padding", False, "kept")])
+def test_a_constant_attention_mask_becomes_what_it_means(mask, float_mask, expected) -> None:
+    """A causal triangle computed from constants runs as ``is_causal``, a mask keeping
+    everything as none; a sliding window, or a mask from the input, stays a mask. The
+    values do not change."""
+    x = torch.randn(3, 6, 8)
+    model = MaskedAttention(mask, float_mask)
+    program = normalize(export(model, (x,)))
+    ((attn_mask, _, is_causal),) = _attention_args(program)
+    if expected == "kept":
+        assert isinstance(attn_mask, torch.fx.Node) and not is_causal
+    else:
+        assert attn_mask is None and bool(is_causal) == (expected == "causal")
+        assert not [n for n in program.graph.nodes if n.target is torch.ops.aten.arange.default]
+    torch.testing.assert_close(program.module()(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_constant_causal_mask_keeps_the_attentions_dropout() -> None:
+    program = normalize(export(MaskedAttention("causal", dropout=0.1), (torch.randn(3, 6, 8),)))
+    ((attn_mask, dropout_p, is_causal),) = _attention_args(program)
+    assert attn_mask is None and dropout_p == 0.1 and is_causal is True
+
+
 # ------------------------------------------------------------------------------ unsupported effects
 
 

@@ -29,7 +29,14 @@ rank replays. It applies these steps, in order:
    reshape that flattens leading dims into rows and one that restores them runs on the
    rows with their leading dims kept (the same values): the batch split then survives
    ``nn.MultiheadAttention``'s output projection;
-6. **canonical names** (:func:`_canonical_names`) — every op node is renamed the way fx
+6. **constant attention masks** (:func:`_constant_attention_masks`) — an attention
+   whose mask comes from no input, parameter or buffer (transformers builds its causal
+   mask from ``arange``s when no attention mask is given) gets what the mask means:
+   no mask where it keeps everything, ``is_causal=True`` where it is the causal
+   triangle. The fused kernels then run as they do eagerly (a masked kernel took twice
+   the causal one's time on an H100) and the mask costs no memory; the values are the
+   same;
+7. **canonical names** (:func:`_canonical_names`) — every op node is renamed the way fx
    names a fresh graph (``linear``, ``linear_1``, …, in graph order): torch renames
    nodes when it saves and loads a program (``_assert_tensor_metadata`` →
    ``_assert_tensor_metadata_default``) and when it re-traces one, so only names that
@@ -100,6 +107,7 @@ def normalize(program: ExportedProgram) -> ExportedProgram:
     _verify(functional)
     _views_as_reshapes(functional.graph_module)
     _linear_on_leading_dims(functional.graph_module)
+    _constant_attention_masks(functional.graph_module)
     normalized = _canonical_names(functional)
     setattr(normalized, _MARK, True)
     setattr(program, _NORMAL_FORM, normalized)  # lowering, then distributing, re-traces once
@@ -323,7 +331,109 @@ def _static_shape(val: Any) -> list[int] | None:
 
 
 # --------------------------------------------------------------------------------------
-# 6. canonical names
+# 6. constant attention masks
+# --------------------------------------------------------------------------------------
+
+_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+_ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+MAX_CONSTANT_MASK = 1 << 28
+"""Most elements of a mask worth computing at normalize time."""
+
+
+def _constant_attention_masks(module: fx.GraphModule) -> None:
+    """An attention mask computed from constants alone becomes the attention's own
+    arguments: no mask (it keeps every key) or ``is_causal`` (it is the causal triangle,
+    top left aligned as torch's ``is_causal`` is). The mask's nodes are dropped when
+    nothing else reads them."""
+    changed = False
+    for node in module.graph.nodes:
+        if node.op != "call_function" or node.target is not _ATTENTION:
+            continue
+        named = dict(zip(_ATTENTION_ARGS, node.args))
+        named.update({k: v for k, v in node.kwargs.items() if k in _ATTENTION_ARGS})
+        mask, query, key = named.get("attn_mask"), named["query"], named["key"]
+        if not isinstance(mask, fx.Node) or named.get("is_causal"):
+            continue
+        value = _constant_value(mask)
+        q_shape, k_shape = _static_shape(query.meta.get("val")), _static_shape(key.meta.get("val"))
+        if value is None or q_shape is None or k_shape is None:
+            continue
+        meaning = _mask_meaning(value, q_shape[-2], k_shape[-2])
+        if meaning is None:
+            continue
+        args = list(node.args) + [None] * (6 - len(node.args)) if len(node.args) < 6 else list(node.args)
+        kwargs = {k: v for k, v in node.kwargs.items() if k not in ("attn_mask", "is_causal")}
+        args[3], args[5] = None, meaning == "causal"
+        if len(node.args) <= 4 and "dropout_p" in node.kwargs:
+            args[4] = kwargs.pop("dropout_p")
+        elif len(node.args) <= 4:
+            args[4] = 0.0
+        node.args, node.kwargs = tuple(args[:6]) + tuple(node.args[6:]), kwargs
+        changed = True
+    if changed:
+        module.graph.eliminate_dead_code()
+        module.recompile()
+
+
+def _constant_value(node: fx.Node) -> torch.Tensor | None:
+    """``node``'s value when it depends on no placeholder, ``get_attr`` or random op and
+    is small enough (computed on the CPU); None otherwise."""
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(n: fx.Node) -> bool:
+        if n in seen:
+            return True
+        seen.add(n)
+        if n.op != "call_function" or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            return False
+        if not all(visit(i) for i in n.all_input_nodes):
+            return False
+        order.append(n)
+        return True
+
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.numel() > MAX_CONSTANT_MASK or not visit(node):
+        return None
+    env: dict[fx.Node, Any] = {}
+    on_cpu = lambda v: torch.device("cpu") if isinstance(v, torch.device) else v  # noqa: E731
+    try:
+        for n in order:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+            args, kwargs = torch.utils._pytree.tree_map(on_cpu, (args, kwargs))  # noqa: SLF001 - torch's pytree
+            env[n] = n.target(*args, **kwargs)
+    except Exception:  # an op that cannot run here: leave the mask as it is
+        return None
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) else None
+
+
+def _mask_meaning(mask: torch.Tensor, queries: int, keys: int) -> str | None:
+    """``"none"`` when ``mask`` keeps every key of every query, ``"causal"`` when it keeps
+    exactly the causal triangle (``tril`` of a ``queries × keys`` matrix) for every
+    leading index; None otherwise. A float mask keeps where it is 0 and drops where it
+    is ``-inf`` or the dtype's lowest value (what transformers writes)."""
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) not in ((queries, keys), (1, keys)):
+        return None
+    if mask.dtype == torch.bool:
+        keep = mask
+    elif mask.is_floating_point():
+        dropped = torch.isneginf(mask) | (mask == torch.finfo(mask.dtype).min)
+        if not bool(((mask == 0) | dropped).all()):
+            return None
+        keep = mask == 0
+    else:
+        return None
+    if bool(keep.all()):
+        return "none"
+    causal = torch.ones(queries, keys, dtype=torch.bool).tril()
+    if keep.shape[-2] == queries and bool((keep == causal).all()):
+        return "causal"
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# 7. canonical names
 # --------------------------------------------------------------------------------------
 
 

@@ -249,7 +249,8 @@ def _lm(hf_config: Any, model_class: Any) -> LanguageModelLoss:
 def build_gpt2(c: TextConfig) -> nn.Module:
     t = _extra("transformers")
     return _lm(t.GPT2Config(vocab_size=c.vocab, n_positions=c.positions, n_embd=c.hidden, n_layer=c.layers,
-                            n_head=c.heads, bos_token_id=c.vocab - 1, eos_token_id=c.vocab - 1), t.GPT2LMHeadModel)
+                            n_head=c.heads, bos_token_id=c.vocab - 1, eos_token_id=c.vocab - 1,
+                            **_dropouts(c, "resid_pdrop", "embd_pdrop", "attn_pdrop")), t.GPT2LMHeadModel)
 
 
 def build_llama(c: TextConfig) -> nn.Module:
