@@ -249,7 +249,8 @@ class _TorchLog(logging.Handler):
 
     def reason(self) -> str | None:
         """The last exception line torch logged, else its last warning."""
-        lines = [line for record in self.records for line in record.getMessage().splitlines()]
+        # the record's text with any traceback it carries (torch ≥ 2.15 logs the cause there)
+        lines = [line for record in self.records for line in logging.Formatter().format(record).splitlines()]
         errors = [line.strip() for line in lines if _ERROR_LINE.match(line)]
         text = errors[-1] if errors else (lines[-1].strip() if lines else "")
         if not text:
