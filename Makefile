@@ -5,16 +5,21 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CARGO  ?= cargo
+# the second environment: the newest torch the range allows (pyproject.toml)
+NEWEST ?= .venv-newest
+# the exactness and zoo tests, run again under the newest torch
+NEWEST_TESTS ?= tests/test_zoo.py tests/test_dropout.py tests/test_frozen.py tests/test_lowering.py
 
-.PHONY: install demo test test-rust test-python bench clean
+.PHONY: install demo test test-rust test-python test-newest bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# Builds the abi3 extension (release) and installs hapd editable with its test extras.
+# Builds the abi3 extension (release) and installs hapd editable with its test extras,
+# under the oldest torch of the supported range (.ci/oldest.txt).
 install: $(PY)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' -c .ci/oldest.txt
 
 # The main job on the embedded default: synthesize and explain a plan for the tiny BERT
 # on the paper's 8-device V100/P100 cluster, then train it with hapd on 2 local CPU
@@ -32,5 +37,13 @@ test-python: install
 
 test: test-rust test-python
 
+# The exactness and zoo tests under the newest torch of the range, in $(NEWEST).
+test-newest:
+	test -x $(NEWEST)/bin/python || $(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q -e '.[test]'
+	$(NEWEST)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(NEWEST)/bin/pytest -q -p no:cacheprovider $(NEWEST_TESTS)
+
 clean:
-	rm -rf $(VENV) rustcore/target hapd/_core*.so
+	rm -rf $(VENV) $(NEWEST) rustcore/target hapd/_core*.so

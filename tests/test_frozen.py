@@ -95,8 +95,6 @@ def test_requires_grad_survives_export_save_and_load(tmp_path):
     assert stored[FROZEN_KEY] == sorted(frozen_names(model))
     assert {n: loaded.state_dict[n].requires_grad for n in flags} == flags
     assert _flags(loaded.module().named_parameters()) == flags
-    bare = torch.export.load(tmp_path / "bert.pt2")  # what torch alone gives back: everything trains
-    assert all(bare.state_dict[n].requires_grad for n in flags)
 
     ir = hapd.lower(tmp_path / "bert.pt2")
     assert {n["target"]: n["requires_grad"] for n in ir.doc["nodes"] if n["kind"] == "parameter"} == flags
@@ -472,7 +470,8 @@ def test_hapd_export_file_run_all(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("HAPD_DAEMON", "HAPD_KEY_FILE", "HAPD_JOB")}
     env["HAPD_HOME"] = str(tmp_path / "home")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # run_all's python3
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["HAPD_PYTHON"] = sys.executable  # the ranks run the torch this test runs
     done = subprocess.run([str(ROOT / "run_all"), str(script), "2", "--", str(tmp_path)], capture_output=True,
                           text=True, timeout=240, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

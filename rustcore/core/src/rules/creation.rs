@@ -7,7 +7,9 @@
 //! - `new_zeros`/`new_ones`/`new_full`/`new_empty(self, size, …)` read only `self`'s
 //!   dtype and device, and `size` is the full shape: whatever layout `self` has, the
 //!   result is the full tensor (`"fill"`: any split or partial sum of `self` → Identity).
-//! - `full_like`/`empty_like(self, …)` follow their operand's layout (`"sharded"` on
+//! - `full_like`/`empty_like(self, …)` and the functional `fill.Scalar(self, value)`
+//!   (a constant in `self`'s shape; torch ≥ 2.15 exports T5's decoder start token so)
+//!   follow their operand's layout (`"sharded"` on
 //!   every dim); a partial-sum operand gives the full constant (`"fill"`), like
 //!   `zeros_like`.
 
@@ -33,6 +35,7 @@ pub const FAMILY: Family = Family {
         "aten.new_empty",
         "aten.full_like",
         "aten.empty_like",
+        "aten.fill.Scalar",
     ],
     rules,
     flops,
@@ -45,7 +48,7 @@ fn is_new(op: &str) -> bool {
 }
 
 fn is_like(op: &str) -> bool {
-    matches!(op, "aten.full_like" | "aten.empty_like")
+    matches!(op, "aten.full_like" | "aten.empty_like" | "aten.fill.Scalar")
 }
 
 fn rules(ctx: &OpCtx) -> Vec<Rule> {
@@ -114,6 +117,8 @@ mod tests {
     #[test]
     fn like_ops_follow_their_operand() {
         let got = rules("aten.full_like", vec![("self", T(&[4, 8])), ("fill_value", float(1.0))], &[&[4, 8]]);
+        assert_rules(&got, &["sharded G0 -> G0 sharded", "sharded G1 -> G1 sharded", "fill R -> I full"]);
+        let got = rules("aten.fill.Scalar", vec![("self", T(&[4, 8])), ("value", float(0.0))], &[&[4, 8]]);
         assert_rules(&got, &["sharded G0 -> G0 sharded", "sharded G1 -> G1 sharded", "fill R -> I full"]);
     }
 
