@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="off: one program for the whole batch; auto: also compile one duplica's program (half "
                              "the batch) priced as two interleaved duplicas, one computing while the other "
                              "communicates, and run the cheaper; always: run the duplicas (default: off)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run each rank's program under torch.compile (collectives between the compiled graphs)")
     parser.add_argument("--pipeline", choices=["off", "auto"], default="off",
                         help="auto: also search pipelines (stages on groups of hosts, 1F1B over micro-batches) and "
                              "run one when it is predicted faster than the SPMD plan (default: off)")
@@ -166,7 +168,8 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
             return run_pipeline(args, env, model, full, plan_given, profile)
     module = parallelize(model, tuple(t.cpu() for t in full), profile=profile, plan=plan_given,
                          options=CompileOptions(mode=ns.mode, overlap=ns.overlap != "off"),
-                         overlap="always" if ns.overlap == "always" else "auto", batch_dims=spec.batch_dims, name=args.model,
+                         overlap="always" if ns.overlap == "always" else "auto", compile=ns.compile,
+                         batch_dims=spec.batch_dims, name=args.model,
                          device=env.device, hosts=job_host_groups(env.world), weights=weights)
     del model  # trained through its pieces (the module keeps it only to export it again: eval, other batch sizes)
     plan, source = module.plan, module.plan_source

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -244,7 +244,18 @@ class ParallelModule(nn.Module):
         if len(got) != len(expected) or any(e and g != e for g, e in zip(got, expected)):
             raise PlanError(f"rank {self.rank}: inputs of shapes {got}, the plan runs {expected} on this rank "
                             "(cut a batch of another size with shard_inputs, or read it with hapd.loader)")
-        return program(*local_inputs)
+        return self._runner(program)(*local_inputs)
+
+    def _runner(self, program: RankModule) -> Callable[..., Tensor]:
+        """``program``, or its ``torch.compile`` when the module compiles (made once per
+        program, kept outside the module's children so parameters are not listed twice)."""
+        options = self._recipe.compile if self._recipe is not None else None
+        if options is None:
+            return program
+        compiled = self.__dict__.setdefault("_compiled", {})
+        if id(program) not in compiled:
+            compiled[id(program)] = torch.compile(program, **options)
+        return compiled[id(program)]
 
     def _forward_program(self, local_inputs: Sequence[Tensor]) -> RankModule:
         if self.world == 1:

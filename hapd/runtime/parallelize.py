@@ -52,7 +52,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
                 options: CompileOptions | Mapping[str, Any] | None = None, batch_dims: Sequence[int | None] | None = None,
                 name: str | None = None, device: torch.device | str | None = None, group: Any = None,
                 hosts: Any = "auto", use_daemon: bool = True, verbose: bool = True,
-                weights: Weights | None = None, overlap: str = "auto") -> ParallelModule:
+                weights: Weights | None = None, overlap: str = "auto",
+                compile: bool | Mapping[str, Any] = False) -> ParallelModule:  # noqa: A002 - torch's word
     """This rank's :class:`ParallelModule` of ``model``, trained on batches shaped like
     ``example_inputs`` (the *global* batch, the same on every rank). Collective.
 
@@ -76,6 +77,11 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     the meta device (too large for one host: only its shapes are exported), whose real
     tensors (buffers built under :func:`hapd.init_on_meta`) fill in what the source lacks.
 
+    ``compile``: run each of this rank's programs under ``torch.compile`` (True: its
+    defaults; a mapping: its keyword arguments, e.g. ``{"backend": "aot_eager"}``). The
+    collectives run between the compiled graphs (graph breaks); the values are the
+    uncompiled program's up to the compiler's rounding.
+
     ``overlap`` (with ``options.overlap``, the overlap-aware search): ``"auto"`` compiles
     the program for the whole batch and one duplica's program (half the batch) priced as
     two interleaved duplicas (:mod:`hapd.runtime.overlap`), and runs the cheaper;
@@ -94,7 +100,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
         profile = job_profile(None, world, device=device, group=group)  # the devices as they are
     recipe = Recipe(model=model, example_inputs=example_inputs, batch_dims=tuple(batch_dims),
                     name=name or type(model).__name__, profile=profile, use_daemon=use_daemon, verbose=verbose,
-                    device=device, weights=weights)
+                    device=device, weights=weights, compile=_compile_options(compile))
     program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
                                             always=overlap == "always")
     if verbose and rank == 0:
@@ -145,6 +151,15 @@ def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
                                  origin=f"{plain.origin}; without overlap {plain_s * 1e3:.2f} ms, "
                                         f"overlapped {both_s * 1e3:.2f} ms")
     return program, graph, chosen
+
+
+def _compile_options(compile: bool | Mapping[str, Any]) -> Mapping[str, Any] | None:  # noqa: A002
+    """``parallelize``'s ``compile`` as ``torch.compile`` keyword arguments (None: off)."""
+    if isinstance(compile, bool):
+        return {} if compile else None
+    if isinstance(compile, Mapping):
+        return dict(compile)
+    raise OptionsError(f"compile {compile!r} is not a bool or a mapping of torch.compile arguments", field="compile")
 
 
 def _join_job_if_launched() -> None:

@@ -50,6 +50,9 @@ class Recipe:
     """(node name, op) of the training graph's op nodes, in graph order."""
     weights: WeightSource | None = None
     """Where the buffers another program reads come from (a model on the meta device)."""
+    compile: Mapping[str, Any] | None = None
+    """``torch.compile`` keyword arguments every program of the module runs under; None:
+    the programs run as fx modules."""
 
     @property
     def example_shapes(self) -> Shapes:

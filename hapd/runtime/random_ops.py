@@ -95,23 +95,6 @@ class CounterDraw(nn.Module):
         return f"stream={self.stream}, global_shape={self.global_shape}, offsets={self.offsets}"
 
 
-class _Masked(torch.autograd.Function):
-    """``x · mask · scale`` keeping only the bool mask for the backward pass (1 byte an
-    element, as ``native_dropout`` does, where ``x * mask.to(x.dtype)`` would keep the
-    mask in ``x``'s dtype): the backward is ATen's ``native_dropout_backward``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, mask: Tensor, scale: float) -> Tensor:
-        ctx.save_for_backward(mask)
-        ctx.scale = scale
-        return torch.ops.aten.native_dropout_backward.default(x, mask, scale)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        (mask,) = ctx.saved_tensors
-        return torch.ops.aten.native_dropout_backward.default(grad, mask, ctx.scale), None, None
-
-
 class CounterDropout(CounterDraw):
     """``native_dropout(x, p, train)`` on this rank's piece of ``x``, whose single-device
     shape is ``global_shape`` and which starts at ``offsets``: returns ``(result,
@@ -131,7 +114,9 @@ class CounterDropout(CounterDraw):
             out, mask = x.clone(), torch.ones_like(x, dtype=torch.bool)
         else:
             mask = self.uniforms(x.shape, x.device, step, part, duplica) >= self.p
-            out = _Masked.apply(x, mask, 1.0 / (1.0 - self.p) if self.p < 1.0 else 0.0)
+            # where() keeps only the bool mask for the backward pass (a byte an element, as
+            # native_dropout does; x * mask.to(x.dtype) would keep it in x's dtype)
+            out = torch.where(mask, x * (1.0 / (1.0 - self.p) if self.p < 1.0 else 0.0), 0.0)
         return out if self.single else (out, mask)
 
     def extra_repr(self) -> str:
