@@ -241,13 +241,13 @@ def hapd_profile(arg: str | None, device: torch.device) -> Any:
                    description=f"measured now by bench/gpu_step.py (hapd's profiler, quick options) on {m.model}")
 
 
-def describe_profile(profile: Any) -> str:
-    """The profile ``parallelize`` plans for with ``profile`` on one rank (its own
-    ``job_profile``), in one line."""
+def describe_profile(profile: Any, device: Any) -> str:
+    """The profile ``parallelize`` plans for with ``profile`` on one rank of ``device``
+    (its own ``job_profile``: without a profile, the device as it is), in one line."""
     try:
         from hapd.runtime.plan_source import job_profile
 
-        p = job_profile(profile, 1)
+        p = job_profile(profile, 1, device=device)
         d = p.devices[0]
         return (f"{p.name}: {d.model}, {d.flops / 1e12:.3g} TFLOP/s, memory {d.memory / GB:.2f} GB"
                 f" ({p.description})" + (" [parallelize's default: no profile given]" if profile is None else ""))
@@ -890,7 +890,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
               f"size {args.size}, batch {args.batch}{f', seq {args.seq}' if args.seq else ''}; "
               f"median of {args.iterations} steps after {args.warmup} warm-up"
               + (f"; TF32 matmuls {torch.backends.cuda.matmul.allow_tf32}" if device.type == "cuda" else "")
-              + f"\nhapd profile: {describe_profile(profile)}\ncompiled hapd: {compile_how}")
+              + f"\nhapd profile: {describe_profile(profile, device)}\ncompiled hapd: {compile_how}")
     say(header)
     rows: list[Row] = []
     facts: dict[str, dict[str, Any]] = {}
