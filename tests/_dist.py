@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -46,11 +47,11 @@ def _context() -> Any:
 
 
 def _child(
-    rank: int, world: int, store: str, timeout: float, fn: Callable[..., Any], args: tuple, conn: Connection,
-    env: dict[str, str], cwd: str,
+    rank: int, world: int, store: str, timeout: float, call: bytes, conn: Connection, env: dict[str, str], cwd: str,
 ) -> None:
-    """One rank, in the parent's environment and working directory: sends ``("ok",
-    time, result)`` or ``("error", time, traceback)``."""
+    """One rank, in the parent's environment and working directory, running ``call``
+    (``(fn, args)`` pickled): sends ``("ok", time, result)`` or ``("error", time,
+    traceback)``."""
     initialized = False
     try:
         os.environ.clear()  # the server's is the parent's when the server started
@@ -67,6 +68,7 @@ def _child(
         if os.path.exists("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # this child only: ranks talk over loopback
         torch.set_num_threads(1)
+        fn, args = pickle.loads(call)
         dist.init_process_group(
             "gloo",
             init_method=f"file://{store}",
@@ -103,6 +105,10 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
     Gloo rank. Raises AssertionError naming the rank (with its traceback) when a rank
     fails, dies or does not finish within ``timeout`` seconds."""
     ctx = _context()
+    # Pickled here with the plain pickler: each rank gets its own copy of every tensor
+    # in ``args``. Left to the process start, torch's reductions would share each one
+    # through a file descriptor, and the fork server takes at most ~250 of those.
+    call = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
     tmp = tempfile.mkdtemp(prefix="hapd-dist-")
     store = os.path.join(tmp, "store")
     procs, readers = [], []
@@ -111,7 +117,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(rank, world, store, timeout, fn, args, writer, dict(os.environ), os.getcwd()),
+                args=(rank, world, store, timeout, call, writer, dict(os.environ), os.getcwd()),
                 name=f"hapd-rank-{rank}",
                 daemon=True,
             )
