@@ -1,15 +1,23 @@
 """Run a function on several Gloo ranks (CPU processes) and collect what each returns.
 
-``run_ranks(world, fn, *args)`` spawns ``world`` processes; each joins a Gloo process
+``run_ranks(world, fn, *args)`` starts ``world`` processes; each joins a Gloo process
 group (rendezvous through a FileStore in a fresh temporary directory, so no port has to
 be picked), calls ``fn(rank, world, *args)`` with one intra-op thread, destroys the group
 and sends the result back through a pipe. ``fn`` and its results must be picklable: give
 a module-level function of a test module (the ``tests`` folder is on ``sys.path`` under
-pytest, and spawned children inherit the parent's ``sys.path``).
+pytest, and the ranks get the parent's ``sys.path``).
+
+The ranks are forked from a fork server that imported torch and hapd's runtime once
+(:data:`PRELOAD`): a rank starts in a fraction of a second instead of the seconds a
+fresh interpreter takes to import torch, which a test of a few cases pays once per
+rank. Each rank still starts from a clean state: nothing but those imports happened in
+the server (no op ran), a rank draws its own seeds as a fresh interpreter does, and it
+takes the environment and working directory the parent has when it calls ``run_ranks``.
 
 If a rank raises, the other ranks are killed and ``run_ranks`` raises an AssertionError
 with that rank's number and traceback; if the ranks are not done within ``timeout``
-seconds, all of them are killed and it raises too. No process outlives the call.
+seconds, all of them are killed and it raises too. No rank outlives the call (the fork
+server lives until the session ends).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -24,19 +33,42 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+PRELOAD = ["torch", "torch.distributed", "hapd.runtime.rewrite", "hapd.models", "pytest"]
+"""What the fork server imports once for every rank: torch, the runtime the ranks run
+and what the test modules that hold rank functions import (only imports: none of them
+runs an op)."""
+
+
+def _context() -> Any:
+    """The multiprocessing context of the ranks: the fork server, preloaded."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call)
+    return ctx
+
 
 def _child(
-    rank: int, world: int, store: str, timeout: float, fn: Callable[..., Any], args: tuple, conn: Connection
+    rank: int, world: int, store: str, timeout: float, call: bytes, conn: Connection, env: dict[str, str], cwd: str,
 ) -> None:
-    """One rank: sends ``("ok", time, result)`` or ``("error", time, traceback)``."""
+    """One rank, in the parent's environment and working directory, running ``call``
+    (``(fn, args)`` pickled): sends ``("ok", time, result)`` or ``("error", time,
+    traceback)``."""
     initialized = False
     try:
+        os.environ.clear()  # the server's is the parent's when the server started
+        os.environ.update(env)
+        os.chdir(cwd)
+        import numpy
         import torch
         import torch.distributed as dist
 
+        # a fresh interpreter's seeds: torch and numpy draw theirs from the OS at import,
+        # so ranks forked from one server would otherwise share the server's
+        torch.seed()
+        numpy.random.seed()
         if os.path.exists("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # this child only: ranks talk over loopback
         torch.set_num_threads(1)
+        fn, args = pickle.loads(call)
         dist.init_process_group(
             "gloo",
             init_method=f"file://{store}",
@@ -72,7 +104,11 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
     """``[fn(0, world, *args), …, fn(world - 1, world, *args)]``, each run on its own
     Gloo rank. Raises AssertionError naming the rank (with its traceback) when a rank
     fails, dies or does not finish within ``timeout`` seconds."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
+    # Pickled here with the plain pickler: each rank gets its own copy of every tensor
+    # in ``args``. Left to the process start, torch's reductions would share each one
+    # through a file descriptor, and the fork server takes at most ~250 of those.
+    call = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
     tmp = tempfile.mkdtemp(prefix="hapd-dist-")
     store = os.path.join(tmp, "store")
     procs, readers = [], []
@@ -81,7 +117,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(rank, world, store, timeout, fn, args, writer),
+                args=(rank, world, store, timeout, call, writer, dict(os.environ), os.getcwd()),
                 name=f"hapd-rank-{rank}",
                 daemon=True,
             )

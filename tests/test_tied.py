@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 from typing import Any, NamedTuple
 
 import pytest
@@ -94,21 +95,35 @@ def _reference(program: Any, inputs: tuple[Tensor, ...]) -> tuple[list[float], d
     return losses, grads, params
 
 
-def _case(name: str, world: int) -> Case:
+class Exported(NamedTuple):
+    """The zoo's GPT-2 exported, lowered and run on one device, once for the module
+    (every case of both worlds compiles a plan for it)."""
+
+    module: nn.Module
+    inputs: tuple[Tensor, ...]
+    ir: Any  # hapd.compiler.lower.GraphIR
+    saved: bytes  # torch.export.save bytes
+    reference: tuple[list[float], dict[str, Tensor], dict[str, Tensor]]  # _reference's
+
+
+@pytest.fixture(scope="module")
+def exported() -> Exported:
     module, inputs = _gpt2()
     program = hapd.export(module, inputs)
-    ir = hapd.lower(program, name="gpt2")
+    buf = io.BytesIO()
+    torch.export.save(program, buf)
+    return Exported(module, inputs, hapd.lower(program, name="gpt2"), buf.getvalue(), _reference(program, inputs))
+
+
+def _case(name: str, world: int, exported: Exported) -> Case:
     rules = FORCES[name]
     force = {}
     if rules is not None:
-        users = _tied_users(ir.doc)
+        users = _tied_users(exported.ir.doc)
         force = {users["aten.embedding"]: rules[0], users["aten.linear"]: rules[1]}
     profile = estimated_profile(world, flops=[1e10 * (world - r) for r in range(world)])
-    plan = hapd.compile(ir, profile, CompileOptions(ratios=RATIOS[world], force=force))
-    buf = io.BytesIO()
-    torch.export.save(program, buf)
-    losses, grads, params = _reference(program, inputs)
-    return Case(f"{name}@{world}", buf.getvalue(), plan.to_bytes(), inputs, losses, grads, params)
+    plan = hapd.compile(exported.ir, profile, CompileOptions(ratios=RATIOS[world], force=force))
+    return Case(f"{name}@{world}", exported.saved, plan.to_bytes(), exported.inputs, *exported.reference)
 
 
 def _relative(got: Tensor, expected: Tensor, floor: float) -> float:
@@ -129,13 +144,24 @@ def _errors(module: Any, expected: dict[str, Tensor], got: dict[str, Tensor | No
     return out
 
 
-def _run_case(rank: int, case: Case) -> dict[str, Any]:
+def _load(saved: bytes, loaded: dict[bytes, Any]) -> Any:
+    """The normalized program ``saved`` holds, loaded once per rank (the cases share it:
+    ``distribute`` builds a new graph and copies every piece it keeps)."""
     from hapd.compiler.normalize import normalize
+
+    if saved not in loaded:
+        with warnings.catch_warnings():  # torch reads weights from a read-only buffer and says so
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            loaded[saved] = normalize(torch.export.load(io.BytesIO(saved)))
+    return loaded[saved]
+
+
+def _run_case(rank: int, case: Case, loaded: dict[bytes, Any]) -> dict[str, Any]:
     from hapd.compiler.plan import Plan
     from hapd.runtime.rewrite import distribute, global_loss
 
     plan = Plan.from_bytes(case.plan)
-    module = distribute(normalize(torch.export.load(io.BytesIO(case.program))), plan, rank)
+    module = distribute(_load(case.program, loaded), plan, rank)
     named = dict(module.named_parameters(remove_duplicate=False))
     local_inputs = module.shard_inputs(*case.inputs)
     optimizer = torch.optim.Adam(module.parameters(), lr=LR, eps=EPS)
@@ -167,14 +193,15 @@ def _run_case(rank: int, case: Case) -> dict[str, Any]:
 
 def _run_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
     torch.manual_seed(0)
-    return [_run_case(rank, case) for case in cases]
+    loaded: dict[bytes, Any] = {}
+    return [_run_case(rank, case, loaded) for case in cases]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}-ranks")
-def results(request) -> list[dict[str, Any]]:
+def results(request, exported) -> list[dict[str, Any]]:
     world = request.param
     names = list(FORCES) if world == 2 else ["auto", "whole/rows"]
-    cases = [_case(name, world) for name in names]
+    cases = [_case(name, world, exported) for name in names]
     per_rank = run_ranks(world, _run_cases, cases, timeout=600)
     return [r for rank_results in per_rank for r in rank_results]
 
@@ -214,9 +241,8 @@ def test_forced_cases_give_the_uses_their_layouts(results) -> None:
             assert layouts[case] == want, case
 
 
-def test_lowering_has_one_source_for_the_tied_tensor() -> None:
-    module, inputs = _gpt2()
-    ir = hapd.lower(hapd.export(module, inputs), name="gpt2")
+def test_lowering_has_one_source_for_the_tied_tensor(exported) -> None:
+    module, ir = exported.module, exported.ir
     targets = [n["target"] for n in ir.doc["nodes"] if n["kind"] == "parameter"]
     assert sum(t in TIED for t in targets) == 1
     summary = hapd.inspect_graph(ir.data)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dist import run_ranks
 
 from hapd import models
 from hapd.errors import HapdError
@@ -240,37 +241,31 @@ def _reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _exactness_rank(rank: int, world: int, store: str) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        env = init_distributed()  # joins the group above
-        assert env == DistEnv(rank=rank, world=world, local_rank=rank, backend="gloo", device=torch.device("cpu"))
-        ref_grads, ref_params = _reference()
-        for lengths in ([5, 3], [8, 0]):
-            args = TrainArgs(model="mlp", batch=BATCH, lr=LR)
-            model, config = args.build()
-            ddp = wrap(model, env)
-            inputs = local_batch(models.get("mlp"), config, lengths, rank, 0, env.device, torch.float32)
-            optimizer = torch.optim.Adam(ddp.parameters(), lr=LR)
-            step = DDPStep(ddp, inputs, world)
-            step()
-            for name, param in model.named_parameters():
-                err = _relative(param.grad, ref_grads[name])
-                assert err <= 1e-5, f"split {lengths} rank {rank}: grad {name} relative error {err:.2e}"
-            times = train(step, optimizer, env, iterations=STEPS, warmup=0, trace=None)
-            assert len(times) == STEPS
-            for name, param in model.named_parameters():
-                err = _relative(param.detach(), ref_params[name])
-                assert err <= 1e-5, f"split {lengths} rank {rank}: {name} after {STEPS} steps, error {err:.2e}"
-    finally:
-        torch.distributed.destroy_process_group()
+def _exactness_rank(rank: int, world: int) -> None:
+    env = init_distributed()  # joins the group run_ranks started
+    assert env == DistEnv(rank=rank, world=world, local_rank=rank, backend="gloo", device=torch.device("cpu"))
+    ref_grads, ref_params = _reference()
+    for lengths in ([5, 3], [8, 0]):
+        args = TrainArgs(model="mlp", batch=BATCH, lr=LR)
+        model, config = args.build()
+        ddp = wrap(model, env)
+        inputs = local_batch(models.get("mlp"), config, lengths, rank, 0, env.device, torch.float32)
+        optimizer = torch.optim.Adam(ddp.parameters(), lr=LR)
+        step = DDPStep(ddp, inputs, world)
+        step()
+        for name, param in model.named_parameters():
+            err = _relative(param.grad, ref_grads[name])
+            assert err <= 1e-5, f"split {lengths} rank {rank}: grad {name} relative error {err:.2e}"
+        times = train(step, optimizer, env, iterations=STEPS, warmup=0, trace=None)
+        assert len(times) == STEPS
+        for name, param in model.named_parameters():
+            err = _relative(param.detach(), ref_params[name])
+            assert err <= 1e-5, f"split {lengths} rank {rank}: {name} after {STEPS} steps, error {err:.2e}"
 
 
 @pytest.mark.distributed
-def test_ddp_uneven_split_is_exact(tmp_path):
+def test_ddp_uneven_split_is_exact():
     """Split [5, 3] (and [8, 0]: a rank with no samples) of a batch of 8 on 2 Gloo ranks:
     gradients and the parameters after 3 Adam steps equal single-process full-batch
     training (relative error in the 2-norm of each tensor ≤ 1e-5)."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_exactness_rank, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+    run_ranks(2, _exactness_rank, timeout=300)
