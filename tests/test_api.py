@@ -347,3 +347,20 @@ def test_plans_come_from_the_daemon_and_its_cache(tmp_path, monkeypatch, capsys)
     model, config = models.build("mlp")  # no daemon answers: rank 0 compiles, saying why
     module = hapd.parallelize(model, _batches(config, 1)[0], verbose=False)
     assert module.plan_source.origin.startswith("compiled on rank 0 (daemon at ")
+
+
+def test_inputs_that_are_not_tensors_and_models_that_are_not_modules_are_named():
+    """``forward(list)``, ``forward(None)``, ``shard_inputs`` of a dict and
+    ``parallelize(function)`` say what is wrong (not an AttributeError from inside)."""
+    from hapd.errors import OptionsError
+
+    model, config = models.build("mlp")
+    batch = _batches(config, 1)[0]
+    module = hapd.parallelize(model, batch, use_daemon=False, verbose=False)
+    for bad in ([list(batch)], [None, batch[1]], [{"x": batch[0]}, batch[1]]):
+        with pytest.raises(OptionsError, match=r"input \d is a (list|NoneType|dict), not a tensor"):
+            module(*bad)
+    with pytest.raises(OptionsError, match="input 0 is a dict"):
+        module.shard_inputs({"x": batch[0]}, batch[1])
+    with pytest.raises(OptionsError, match="takes a torch.nn.Module"):
+        hapd.parallelize(lambda x: x.sum(), batch, use_daemon=False, verbose=False)

@@ -43,7 +43,7 @@ from hapd.compiler.options import CompileOptions
 from hapd.compiler.lower import GraphIR
 from hapd.compiler.op_facts import MODE_DEPENDENT_OPS, overloads
 from hapd.compiler.plan import Plan
-from hapd.errors import PlanError, UnsupportedOpError
+from hapd.errors import OptionsError, PlanError, UnsupportedOpError
 from hapd.runtime.collectives import all_gather
 from hapd.runtime.held import Held, whole
 from hapd.runtime.layout import IDENTITY, gather, gather_dim
@@ -149,6 +149,7 @@ class ParallelModule(nn.Module):
         """This rank's pieces of the global batch, in forward order, as the program of
         the current mode for its shapes cuts it (collective when that program is not
         built yet); the next forwards run that program."""
+        _check_tensors(global_batch, "shard_inputs")
         if len(global_batch) != len(self.inner.hapd_inputs):
             return self.inner.shard_inputs(*global_batch)  # the error naming the inputs
         shapes = tuple(tuple(t.shape) for t in global_batch)
@@ -238,6 +239,7 @@ class ParallelModule(nn.Module):
         the program of the current mode for that batch (the one :meth:`shard_inputs`
         or :meth:`expect_batch` named last; the example batch when neither did, and, on
         one rank, the inputs' own shapes)."""
+        _check_tensors(local_inputs, "forward")
         program = self._forward_program(local_inputs)
         expected = program.local_shapes()
         got = [list(t.shape) for t in local_inputs]
@@ -441,6 +443,16 @@ class ParallelModule(nn.Module):
         if list(value.shape) != full:
             raise PlanError(f"load_full_state_dict: {key} has shape {list(value.shape)}, the model's is {full}", node=key)
         into.copy_(view.local_value(tensor, layout, value.detach().to(into.device)))
+
+
+def _check_tensors(values: Sequence[Any], what: str) -> None:
+    """Every input a tensor: :class:`~hapd.errors.OptionsError` naming the first that is
+    not (a list, None, a dict of a dataset's sample), not an AttributeError from inside."""
+    for k, value in enumerate(values):
+        if not isinstance(value, Tensor):
+            raise OptionsError(f"{what}: input {k} is a {type(value).__name__}, not a tensor (pass the batch's "
+                               "tensors as separate arguments, in the order of the example inputs)",
+                               field=f"inputs[{k}]")
 
 
 def _input_split(program: RankModule) -> tuple:

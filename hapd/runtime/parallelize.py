@@ -87,6 +87,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     two interleaved duplicas (:mod:`hapd.runtime.overlap`), and runs the cheaper;
     ``"always"`` runs the duplicas whatever the estimates say (to measure them).
     """
+    if not isinstance(model, nn.Module):
+        raise OptionsError(f"parallelize takes a torch.nn.Module whose forward returns the loss, not a "
+                           f"{type(model).__name__}", field="model")
     _join_job_if_launched()
     if overlap not in ("auto", "always"):
         raise OptionsError(f"overlap {overlap!r} is not auto or always", field="overlap")
