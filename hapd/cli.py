@@ -280,6 +280,7 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
     or Ctrl-C.
     """
     import logging
+    import os
     import signal
     import threading
     import time
@@ -292,9 +293,12 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
         key_file = default_key_path() if home is None else home / "key"
     home = home or home_dir()
     home.mkdir(parents=True, exist_ok=True)
-    (home / "logs").mkdir(exist_ok=True)
+    (home / "logs").mkdir(mode=0o700, exist_ok=True)
+    log_path = home / "logs" / "daemon.log"
+    os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))  # the owner's alone, whatever the umask
+    os.chmod(log_path, 0o600)
     fmt = logging.Formatter("%(asctime)s hapd[%(process)d] %(levelname)s %(message)s")
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr), logging.FileHandler(home / "logs" / "daemon.log")]
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr), logging.FileHandler(log_path)]
     root = logging.getLogger("hapd")
     root.setLevel(log_level.upper())
     for handler in handlers:

@@ -256,6 +256,21 @@ def test_bad_file_is_one_line_and_exit_2(fixture, line, fixtures_dir) -> None:
     assert (result.stdout, result.stderr) == ("", line + "\n")
 
 
+def test_compile_of_a_dangling_loss_is_one_line(tmp_path, fixtures_dir) -> None:
+    """A graph whose loss names a node it lacks: ``hapd compile`` says so in one line
+    (the graph is validated before any search reads it)."""
+    import msgpack
+
+    doc = msgpack.unpackb((fixtures_dir / "mlp.hapg").read_bytes(), raw=False, strict_map_key=False)
+    doc["loss"] = [999, 0]
+    bad = tmp_path / "dangling_loss.hapg"
+    bad.write_bytes(msgpack.packb(doc))
+    result = run("compile", bad, "--profile", "paper-8", "--out", tmp_path / "x.hplan")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("hapd: GraphValidationError: graph field `loss`: refers to node 999")
+    assert result.stderr.count("\n") == 1
+
+
 def test_bad_file_in_a_subprocess_has_no_traceback(tmp_path, fixtures_dir) -> None:
     bad = tmp_path / "bad.pt2"
     bad.write_bytes(b"\x00garbage" * 50)

@@ -138,6 +138,14 @@ def test_drop_to_plan_and_cache_hit(daemon, fixture_bytes):
     assert Plan.load(daemon.watch / "out" / "second.hplan").doc == plan.doc
 
 
+def test_the_log_is_the_owners_alone(daemon):
+    """``logs/daemon.log`` is created 0600 in a 0700 folder, whatever the umask."""
+    import stat
+
+    assert stat.S_IMODE((daemon.home / "logs" / "daemon.log").stat().st_mode) == 0o600
+    assert stat.S_IMODE((daemon.home / "logs").stat().st_mode) == 0o700
+
+
 def test_a_rename_from_incoming_is_handed_over_without_settling(tmp_path):
     """A rename into the folder is complete by construction: it is handed over on its
     event, not after the settle time or at the next rescan (both an hour here)."""

@@ -100,6 +100,19 @@ def test_bad_arguments_are_errors():
         UnevenBatchSampler(10, [1, -1], 0)
 
 
+def test_the_loader_refuses_an_empty_dataset_and_a_plain_module():
+    model, config = models.build("mlp")
+    batch = models.get("mlp").example_inputs(config, 4)
+    module = hapd.parallelize(model, batch, use_daemon=False, verbose=False)
+    empty = TensorDataset(batch[0][:0], batch[1][:0])
+    with pytest.raises(OptionsError, match="has 0 samples"):
+        hapd.loader(empty, module)
+    with pytest.raises(OptionsError, match="drop_last drops the only"):
+        hapd.loader(TensorDataset(batch[0][:2], batch[1][:2]), module, drop_last=True)
+    with pytest.raises(OptionsError, match="not a Sequential|not a .*Module|ParallelModule"):
+        hapd.loader(TensorDataset(*batch), torch.nn.Linear(2, 2))
+
+
 def test_works_in_a_torch_data_loader():
     data = TensorDataset(torch.arange(20.0))
     loader = DataLoader(data, batch_sampler=UnevenBatchSampler(data, [2, 3], 1, seed=0, drop_last=True))

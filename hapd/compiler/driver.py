@@ -38,6 +38,7 @@ def compile(  # noqa: A001 - hapd.compile is the public name
         raise OptionsError("micro-batch graphs are for pipeline auto", field="micro_graphs")
     profile = load_profile(profile)
     data = _graph_bytes(graph)
+    _core.load_graph(data)  # a malformed graph is a GraphValidationError naming the field, before any search
     start = time.perf_counter()
     found = search_spmd(data, profile, options)
     doc = _plan_document(data, profile, options, found, seconds=time.perf_counter() - start)

@@ -240,10 +240,16 @@ def loader(dataset: Dataset, module: Any, *, shuffle: bool = True, seed: int = 0
     :class:`~hapd.errors.OptionsError`. The batches are cut as the program of the
     module's mode at this call cuts them.
     """
+    if not callable(getattr(module, "global_shapes", None)) or not callable(getattr(module, "sample_lengths", None)):
+        raise OptionsError(f"loader takes the ParallelModule hapd.parallelize returned, not a {type(module).__name__}",
+                           field="module")
     shapes = module.global_shapes()
     if not shapes or not shapes[0]:
         raise OptionsError("the module's first input has no batch dim to load along", field="module")
     batch = shapes[0][0]
+    if len(dataset) == 0 or (drop_last and len(dataset) < batch):
+        raise OptionsError(f"the dataset has {len(dataset)} samples: no batch of {batch} to load"
+                           + (" (drop_last drops the only, short one)" if len(dataset) else ""), field="dataset")
     lengths = module.sample_lengths(batch)
     short = 0 if drop_last else len(dataset) % batch
     tail = module.sample_lengths(short) if short else None
