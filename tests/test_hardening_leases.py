@@ -188,7 +188,7 @@ def test_a_sigkilled_launcher_leaves_no_rank_past_its_lease(tmp_path):
     with running_daemon(tmp_path / "daemon") as (_, address), \
             launcher(tmp_path, address, tmp_path / "daemon" / "key", job, "--lease", str(TEST_LEASE_S)) as proc:
         wait_ranks_up(proc, 2)
-        assert len(job_processes(job)) == 4  # 2 ranks, each with its child
+        assert len(job_processes(job)) == 6  # 2 ranks, each with its guard and its child
         proc.kill()
         proc.communicate()
         wait_job_gone(job)
@@ -198,6 +198,35 @@ def test_a_sigkilled_launcher_leaves_no_rank_past_its_lease(tmp_path):
         assert f"(lease {TEST_LEASE_S:g} s)" in status["reason"]
         log = (tmp_path / "daemon" / "logs" / "daemon.log").read_text()
         assert f"job {job}: lease expired: launcher silent for" in log
+
+
+def test_a_sigkilled_daemon_takes_its_ranks_with_it(tmp_path):
+    """A daemon killed outright can clean nothing up: each rank's guard
+    (``hapd.serve.rank_guard``) sees its daemon end and kills the rank's process group,
+    the rank's own child included."""
+    job = "killeddaemon"
+    with running_daemon(tmp_path / "daemon") as (daemon, address), \
+            launcher(tmp_path, address, tmp_path / "daemon" / "key", job, "--lease", "600") as proc:
+        wait_ranks_up(proc, 2)
+        assert len(job_processes(job)) == 6
+        daemon.kill()
+        daemon.wait()
+        wait_job_gone(job)
+
+
+def test_a_guard_runs_its_command_and_passes_its_status_on(tmp_path):
+    """Without a daemon death the guard is transparent: the command's output and exit
+    status (a signal as 128 + its number); a usage error is status 2."""
+    guard = [sys.executable, "-m", "hapd.serve.rank_guard", str(os.getpid()), "--"]
+    done = subprocess.run([*guard, sys.executable, "-c", "print('hi'); raise SystemExit(7)"], capture_output=True,
+                          text=True, timeout=GENEROUS_S)
+    assert (done.returncode, done.stdout) == (7, "hi\n")
+    done = subprocess.run([*guard, sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
+                          timeout=GENEROUS_S)
+    assert done.returncode == 128 + signal.SIGTERM
+    done = subprocess.run([sys.executable, "-m", "hapd.serve.rank_guard", "x"], capture_output=True, text=True,
+                          timeout=GENEROUS_S)
+    assert done.returncode == 2 and "usage" in done.stderr
 
 
 def test_a_hung_up_launcher_stops_every_rank(tmp_path):
@@ -229,7 +258,7 @@ def test_a_launcher_that_gives_up_on_a_stopped_daemon_says_so_and_the_daemon_sto
         try:
             err = proc.communicate(timeout=GENEROUS_S)[1]
             time.sleep(max(0.0, STOPPED_DAEMON_S - (time.monotonic() - stopped)))  # the fault lasts 3 s at least
-            assert len(job_processes(job)) == 4  # nobody could stop them yet
+            assert len(job_processes(job)) == 6  # nobody could stop them yet (ranks, guards, children)
         finally:
             daemon.send_signal(signal.SIGCONT)
         wait_job_gone(job)

@@ -325,7 +325,9 @@ class JobManager:
         cwd = Path(spec.cwd) if spec.cwd else Path.cwd()
         with self._dirs_lock:  # a prune never removes the folder of a job being launched
             script = self._script_path(spec, cwd)
-            command = [sys.executable, "-u", str(script), *spec.args]
+            # every rank runs under a guard that kills its process group should the daemon die
+            command = [sys.executable, "-m", "hapd.serve.rank_guard", str(os.getpid()), "--",
+                       sys.executable, "-u", str(script), *spec.args]
             job = Job(spec, command, [Rank(spec.rank_offset + i, i) for i in range(spec.nproc)])
             with self._lock:
                 self._jobs[spec.job] = job
