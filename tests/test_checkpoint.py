@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +146,8 @@ def _first_half(rank: int, world: int, folder: str) -> dict[str, Any]:
     failed = None
     try:
         hapd.save_checkpoint(folder, module, optimizer, sampler=loader, step=99, extra={"note": "never"})
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        failed = type(exc).__name__
+    except CheckpointError as exc:  # DCP's CheckpointException (a BaseException) comes as hapd's error
+        failed = f"{type(exc).__name__}: {exc}"
     finally:
         FileSystemWriter.write_data = original
     return {"losses": losses, "layouts": module.parameter_layouts(), "pieces": _pieces(module),
@@ -222,7 +223,9 @@ def test_a_loaded_checkpoint_is_the_saved_state(resumed):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_save_that_crashes_on_one_rank_leaves_the_previous_checkpoint(resumed):
-    assert [r["failed"] for r in resumed["first"]] == ["CheckpointException"] * 2
+    for r in resumed["first"]:
+        assert r["failed"].startswith("CheckpointError: could not write the checkpoint for ")
+        assert "rank 1: OSError: simulated crash" in r["failed"]
     folder = Path(resumed["folder"])
     assert read_manifest(folder)["step"] == HALF and read_manifest(folder)["world"] == 2
     assert [p.name for p in folder.parent.iterdir()] == ["ckpt"]  # the failed save's folder is gone
@@ -262,7 +265,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     module(*module.shard_inputs(*_example(_dataset()))).backward()
     optimizer.step()
     monkeypatch.setattr(FileSystemWriter, "write_data", _write_then_fail(FileSystemWriter.write_data))
-    with pytest.raises(BaseException, match="simulated crash"):
+    with pytest.raises(CheckpointError, match="simulated crash"):
         hapd.save_checkpoint(path, module, optimizer, step=2)
     monkeypatch.undo()
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
@@ -312,6 +315,60 @@ def test_what_cannot_be_loaded_is_an_error(tmp_path):
     (path / MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
     with pytest.raises(CheckpointError, match="version 99"):
         hapd.load_checkpoint(path, module)
+
+
+def _flip(path: Path, offset: int, bit: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset % len(data)] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_anywhere_is_refused_naming_the_file_and_the_module_is_untouched(tmp_path):
+    """One bit flipped in a tensor, in the pickled extras, in DCP's ``.metadata`` or in
+    the manifest; a file truncated, zero-filled or missing: each a CheckpointError
+    naming the file, and the module's and optimizer's state as before the load."""
+    module, optimizer, _ = _trained()
+    path = hapd.save_checkpoint(tmp_path / "ckpt", module, optimizer, step=3, extra={"lr": 0.125})
+    before = {k: v.clone() for k, v in module.full_state_dict().items()}
+    data = sorted(path.glob("*.distcp"))
+    damages = []
+    for f in [*data, path / ".metadata"]:
+        size = f.stat().st_size
+        for where in (0, size // 3, size // 2, size - 1):
+            damages.append((f, lambda f=f, where=where: _flip(f, where, bit=where % 8)))
+        damages.append((f, lambda f=f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])))
+        damages.append((f, lambda f=f: f.write_bytes(bytes(f.stat().st_size))))
+        damages.append((f, lambda f=f: f.unlink()))
+    damages.append((path / MANIFEST, lambda: (path / MANIFEST).write_text(
+        (path / MANIFEST).read_text().replace('"step": 3', '"step": 4'))))
+    pristine = {f: f.read_bytes() for f in [*data, path / ".metadata", path / MANIFEST]}
+    for f, damage in damages:
+        damage()
+        with pytest.raises(CheckpointError, match=re.escape(f.name)):
+            hapd.load_checkpoint(path, module, optimizer)
+        for g, content in pristine.items():
+            g.write_bytes(content)
+    assert all(torch.equal(v, before[k]) for k, v in module.full_state_dict().items())
+    assert hapd.load_checkpoint(path, module, optimizer) == {"step": 3, "extra": {"lr": 0.125}}
+
+
+def test_another_optimizer_type_is_refused(tmp_path):
+    module, optimizer, _ = _trained()
+    path = hapd.save_checkpoint(tmp_path / "ckpt", module, optimizer)
+    with pytest.raises(CheckpointError, match="AdamW optimizer, not of a SGD"):
+        hapd.load_checkpoint(path, module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+
+def test_a_full_disk_is_a_checkpoint_error(tmp_path, monkeypatch):
+    module, optimizer, _ = _trained()
+
+    def full(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        hapd.save_checkpoint(tmp_path / "ckpt", module, optimizer)
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_sampler_and_loader_say_where_they_are():

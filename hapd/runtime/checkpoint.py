@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from hapd import __version__
@@ -58,6 +59,7 @@ from hapd.runtime.checkpoint_format import (
     safetensors_file,
     sibling,
     siblings,
+    verify_files,
     write_manifest,
 )
 from hapd.runtime.checkpoint_planners import PieceLoadPlanner, PieceSavePlanner, describe_entry, quiet_dcp
@@ -144,14 +146,16 @@ def save_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
         with quiet_dcp():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(temp), planner=PieceSavePlanner(pieces),
                      process_group=ranks.group, no_dist=not ranks.distributed)
-    except BaseException:
+    except BaseException as exc:
         if ranks.rank == 0:  # DCP raises on every rank once every rank is done writing
             shutil.rmtree(temp, ignore_errors=True)
+        if isinstance(exc, (Exception, CheckpointException)):  # a full disk, an unwritable folder
+            raise CheckpointError(f"could not write the checkpoint for {target}: {_first_line(exc)}") from exc
         raise
     error = None
     if ranks.rank == 0:
         try:
-            _write_manifest(temp, module, held, ranks, step)
+            _write_manifest(temp, module, held, ranks, step, optimizer)
             _publish(temp, target)
         except OSError as exc:
             shutil.rmtree(temp, ignore_errors=True)
@@ -160,6 +164,18 @@ def save_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
     if error is not None:
         raise CheckpointError(f"could not put the checkpoint in place at {target}: {error}")
     return target
+
+
+def _first_line(exc: BaseException) -> str:
+    """What went wrong, in one line: the first failure of any rank DCP collected (its
+    ``CheckpointException`` holds them by rank), else the exception's own text."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        rank, failure = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _model_state(held: Iterable[Held]) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
@@ -259,7 +275,8 @@ def _prepare(target: Path) -> Path:
     return temp
 
 
-def _write_manifest(folder: Path, module: nn.Module, held: list[Held], ranks: _Ranks, step: int) -> None:
+def _write_manifest(folder: Path, module: nn.Module, held: list[Held], ranks: _Ranks, step: int,
+                    optimizer: torch.optim.Optimizer | None) -> None:
     plan = getattr(module, "plan", None)
     layouts = module.parameter_layouts() if hasattr(module, "parameter_layouts") else {}
     write_manifest(folder, {
@@ -272,6 +289,7 @@ def _write_manifest(folder: Path, module: nn.Module, held: list[Held], ranks: _R
         "hapd": __version__,
         "torch": torch.__version__,
         "saved_at": time.time(),
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
     })
 
 
@@ -303,7 +321,14 @@ def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
     rank's RNG. Collective. Returns ``{"step": int, "extra": dict}``."""
     folder = find_checkpoint(path)
     manifest = read_manifest(folder)
-    metadata = dcp.FileSystemReader(folder).read_metadata()
+    verify_files(folder, manifest)
+    if optimizer is not None and manifest.get("optimizer") not in (None, type(optimizer).__name__):
+        raise CheckpointError(f"{folder} holds the state of a {manifest['optimizer']} optimizer, not of a "
+                              f"{type(optimizer).__name__}")
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+    except Exception as exc:  # a damaged .metadata: an unpickling error naming no file
+        raise CheckpointError(f"{folder}: cannot read DCP's .metadata: {type(exc).__name__}: {exc}") from exc
     saved = metadata.state_dict_metadata
     ranks = _ranks(module)
     held = held_tensors(module)
@@ -323,9 +348,12 @@ def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
         if SAMPLER not in saved:
             raise CheckpointError(f"{folder} holds no sampler state")
         state[SAMPLER] = None
-    with quiet_dcp():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), planner=PieceLoadPlanner(pieces),
-                 process_group=ranks.group, no_dist=not ranks.distributed)
+    try:
+        with quiet_dcp():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(folder), planner=PieceLoadPlanner(pieces),
+                     process_group=ranks.group, no_dist=not ranks.distributed)
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"{folder}: reading the checkpoint failed: {_first_line(exc)}") from exc
     _copy_model(held, state)
     if optimizer is not None:
         _load_optimizer(optimizer, held, state, saved)

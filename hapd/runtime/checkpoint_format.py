@@ -26,6 +26,13 @@ What a checkpoint holds:
 * ``hapd/extra`` (:data:`EXTRA`): the ``extra`` dict (anything ``torch.save`` takes),
   and ``step``.
 
+Every file is verified on load: the manifest records a BLAKE2b digest of each file the
+save wrote (``files``) and of itself (``manifest_digest``); a file whose bytes changed
+(one flipped bit in a tensor, in the pickled ``extra``, in ``.metadata``) or is missing
+is a :class:`~hapd.errors.CheckpointError` naming it, before anything is read into the
+module (:func:`verify_files`). The manifest also names the optimizer type saved, which
+a load into another type refuses.
+
 A save writes into a hidden sibling folder ``.<name>.tmp-<tag>`` and puts the previous
 checkpoint aside at ``.<name>.old-<tag>`` while it renames (:func:`sibling`);
 :func:`find_checkpoint` finds a checkpoint left aside there. The single-device state
@@ -35,6 +42,7 @@ dict is a safetensors file, ``model.safetensors`` in a folder (:func:`safetensor
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import secrets
 from collections.abc import Mapping
@@ -45,7 +53,11 @@ from hapd.errors import CheckpointError
 from hapd.util import atomic_write
 
 FORMAT = "hapd-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS_VERSIONS = (1, 2)
+"""Versions a load reads (version 1 checkpoints have no digests to verify)."""
+DIGEST_BYTES = 32
+"""BLAKE2b digest size of each file (``files``) and of the manifest itself."""
 MANIFEST = "hapd.json"
 """Rank 0's manifest: written last, so a folder without it is no checkpoint."""
 
@@ -103,25 +115,66 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``path``."""
+    """The manifest of the checkpoint at ``path`` (its own digest checked)."""
     folder = find_checkpoint(path)
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder / MANIFEST}: {exc}") from exc
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{folder / MANIFEST}: not a manifest")
+    if manifest.get("format") != FORMAT or manifest.get("version") not in READS_VERSIONS:
         raise CheckpointError(f"{folder}: format {manifest.get('format')!r} version {manifest.get('version')!r}, this "
-                              f"hapd reads {FORMAT!r} version {FORMAT_VERSION}")
+                              f"hapd reads {FORMAT!r} versions {', '.join(map(str, READS_VERSIONS))}")
+    recorded = manifest.pop("manifest_digest", None)
+    if manifest.get("version", 1) >= 2 and recorded != _manifest_digest(manifest):
+        raise CheckpointError(f"{folder / MANIFEST}: damaged (its digest does not match its contents)")
     return manifest
 
 
 def write_manifest(folder: Path, fields: Mapping[str, Any]) -> None:
-    """Write the manifest of the checkpoint in ``folder``: the format, its version and
-    ``fields`` (atomically)."""
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, **fields}
+    """Write the manifest of the checkpoint in ``folder``: the format, its version,
+    ``fields``, the digest of every other file in the folder and its own (atomically)."""
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, **fields, "files": file_digests(folder)}
+    manifest["manifest_digest"] = _manifest_digest(manifest)
     atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
 
 
-__all__ = ["ASIDE", "EXTRA", "FORMAT", "FORMAT_VERSION", "GROUPS", "MANIFEST", "MODEL", "OPTIM", "RNG",
-           "SAFETENSORS_NAME", "SAMPLER", "TEMP", "Pieces", "find_checkpoint", "read_manifest", "safetensors_file",
-           "sibling", "siblings", "write_manifest"]
+def _manifest_digest(manifest: Mapping[str, Any]) -> str:
+    canonical = json.dumps({k: v for k, v in manifest.items() if k != "manifest_digest"}, sort_keys=True)
+    return hashlib.blake2b(canonical.encode(), digest_size=DIGEST_BYTES).hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """File name -> BLAKE2b digest of every file of the checkpoint folder but the manifest."""
+    return {p.name: _file_digest(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+def verify_files(folder: Path, manifest: Mapping[str, Any]) -> None:
+    """Every file the manifest records is there with the bytes the save wrote;
+    :class:`~hapd.errors.CheckpointError` naming the first that is not. A version 1
+    checkpoint records none."""
+    recorded = manifest.get("files")
+    if recorded is None:
+        if manifest.get("version", 1) >= 2:
+            raise CheckpointError(f"{folder / MANIFEST}: records no file digests")
+        return
+    for name, digest in sorted(recorded.items()):
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (the checkpoint's save wrote it)")
+        if _file_digest(path) != digest:
+            raise CheckpointError(f"{path}: damaged (its bytes changed since the save: digest mismatch)")
+
+
+__all__ = ["ASIDE", "EXTRA", "FORMAT", "FORMAT_VERSION", "GROUPS", "MANIFEST", "MODEL", "OPTIM", "READS_VERSIONS",
+           "RNG", "SAFETENSORS_NAME", "SAMPLER", "TEMP", "Pieces", "file_digests", "find_checkpoint", "read_manifest",
+           "safetensors_file", "sibling", "siblings", "verify_files", "write_manifest"]
