@@ -66,6 +66,7 @@ from hapd.runtime.checkpoint_format import (
     find_checkpoint,
     read_manifest,
     safetensors_file,
+    verify_files,
 )
 
 Region = tuple[int, int, int]
@@ -304,7 +305,7 @@ class CheckpointWeights(WeightSource):
         import torch.distributed.checkpoint as dcp
 
         self.folder = find_checkpoint(path)
-        read_manifest(self.folder)
+        verify_files(self.folder, read_manifest(self.folder))  # every byte as saved, or a CheckpointError naming the file
         self.metadata = dcp.FileSystemReader(self.folder).read_metadata().state_dict_metadata
 
     def read(self, names: Sequence[str], like: Tensor, region: Region | None) -> Tensor | None:
