@@ -594,6 +594,8 @@ class Job:
         self.rank_host = {r: {"host": p.host.label, "gpu": p.host.gpu} for p in self.placements for r in p.ranks}
         self.timings = Timings()
         self.tails: dict[int, deque[str]] = {r: deque(maxlen=TAIL_LINES) for r in range(self.world_size)}
+        self.pieces: dict[tuple[int, str], list[str]] = {}
+        """(rank, stream) -> the pieces so far of a line longer than a daemon's event."""
         self.exits: dict[int, tuple[int, float]] = {}
         self.first_output: dict[int, float] = {}
         self.failure: dict[str, Any] | None = None
@@ -759,6 +761,11 @@ class Job:
         for event in payload:
             rank, stream, line = event["rank"], event["stream"], event["line"]
             self.first_output.setdefault(rank, event["time"])
+            if event.get("more"):  # a piece of a long line: printed whole when its last piece comes
+                self.pieces.setdefault((rank, stream), []).append(line)
+                continue
+            if (rank, stream) in self.pieces:
+                line = "".join(self.pieces.pop((rank, stream))) + line
             if stream == "exit":
                 code = int(line)
                 self.exits[rank] = (code, event["time"])

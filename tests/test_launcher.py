@@ -305,6 +305,28 @@ def test_run_all_worker_on_this_machine(launcher_env):
     assert_no_orphans(data["job"])
 
 
+LONG_LINES = """\
+import sys
+line = "é€" * 350_000 + "end"  # 1.75 MB of UTF-8, a multi-byte character across every 64 KiB cut
+print(line, flush=True)
+sys.stdout.write("no newline at the end: " + "ß" * 40_000)
+"""
+
+
+def test_lines_of_any_length_arrive_whole_and_valid(launcher_env, tmp_path):
+    """A rank's 1.75 MB line of multi-byte characters, and a last line without its
+    newline, reach the launcher's output byte for byte (the daemon sends long lines in
+    pieces the launcher joins, decoded across the cuts)."""
+    script = tmp_path / "long_lines.py"
+    script.write_text(LONG_LINES)
+    done = run_launcher(["run", str(script), "-n", "1"], launcher_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert f"[rank 0] {'é€' * 350_000}end" in lines
+    assert f"[rank 0] no newline at the end: {'ß' * 40_000}" in lines
+    assert "\ufffd" not in done.stdout
+
+
 def test_a_killed_launcher_takes_its_local_daemon_and_ranks_along(launcher_env, sleeper):
     """SIGKILL gives the launcher no chance to clean up: the daemon it started for the job
     gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and cancels the ranks on its way out."""

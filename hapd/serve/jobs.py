@@ -29,6 +29,7 @@ No torch import here.
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import logging
 import os
@@ -243,10 +244,15 @@ class Job:
             if self.reason is None:
                 self.reason = reason
 
-    def add_event(self, rank: int, stream: str, line: str) -> None:
+    def add_event(self, rank: int, stream: str, line: str, *, more: bool = False) -> None:
+        """One event; ``more``: ``line`` is a piece of a longer line that the next event
+        of this rank and stream continues."""
         with self.lock:
             self.seq += 1
-            self.events.append({"seq": self.seq, "rank": rank, "stream": stream, "line": line, "time": time.time()})
+            event = {"seq": self.seq, "rank": rank, "stream": stream, "line": line, "time": time.time()}
+            if more:
+                event["more"] = True
+            self.events.append(event)
 
     def events_after(self, after: int, limit: int = MAX_EVENTS_PER_REPLY) -> tuple[list[dict[str, Any]], bool]:
         with self.lock:
@@ -431,9 +437,19 @@ class JobManager:
 
     @staticmethod
     def _read(job: Job, rank: int, stream: Any, name: str) -> None:
+        """A rank's output as events of at most :data:`MAX_LINE` bytes: a longer line in
+        pieces marked ``more`` (the launcher joins them), decoded across the cuts, so a
+        multi-byte character split by one arrives whole."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        pending = False
         with stream:
             for raw in iter(lambda: stream.readline(MAX_LINE), b""):
-                job.add_event(rank, name, raw.decode("utf-8", "replace").rstrip("\r\n"))
+                whole = raw.endswith(b"\n")
+                text = decoder.decode(raw, final=whole)
+                job.add_event(rank, name, text.rstrip("\r\n") if whole else text, more=not whole)
+                pending = not whole
+        if pending:  # the output ended inside a line
+            job.add_event(rank, name, decoder.decode(b"", final=True))
 
     # -- stopping
 
