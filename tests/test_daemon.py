@@ -447,6 +447,24 @@ def test_launch_errors_failure_propagation_and_cancel(daemon, tmp_path):
         assert client.job_status("later")["state"] == "cancelled"
 
 
+def test_a_launch_past_the_slots_is_refused(daemon):
+    """The daemon has 4 slots: 5 ranks are refused; with 3 running, 2 more are refused
+    and 1 fits (counted and taken under one lock, so concurrent launches cannot both pass)."""
+    sleep = b"import time\ntime.sleep(60)\n"
+    with daemon.client() as client:
+        with pytest.raises(RemoteError, match="4 rank slot\\(s\\), 0 in use: no room for 5"):
+            client.launch("five", "s.py", script_bytes=sleep, nproc=5, world_size=5, master_addr="h", master_port=1)
+        client.launch("three", "s.py", script_bytes=sleep, nproc=3, world_size=3, master_addr="h", master_port=1)
+        try:
+            with pytest.raises(RemoteError, match="3 in use: no room for 2"):
+                client.launch("two", "s.py", script_bytes=sleep, nproc=2, world_size=2, master_addr="h", master_port=1)
+            client.launch("one", "s.py", script_bytes=sleep, nproc=1, world_size=1, master_addr="h", master_port=1)
+            client.cancel("one")
+        finally:
+            client.cancel("three")
+        wait_for(lambda: client.job_status("three")["state"] == "cancelled", 30, "the job to be cancelled")
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:

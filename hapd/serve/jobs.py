@@ -278,7 +278,7 @@ class JobManager:
     """Starts, watches and stops jobs (thread-safe)."""
 
     def __init__(self, *, jobs_dir: Path, daemon_address: str, cache_dir: Path, key_file: Path | None = None,
-                 grace_s: float = DEFAULT_GRACE_S,
+                 grace_s: float = DEFAULT_GRACE_S, slots: int | None = None,
                  keep_finished: int = DEFAULT_KEEP_FINISHED, keep_job_dirs: int = DEFAULT_KEEP_JOB_DIRS,
                  job_dir_max_age_s: float = DEFAULT_JOB_DIR_MAX_AGE_S) -> None:
         if keep_job_dirs < 1 or not job_dir_max_age_s > 0:
@@ -290,6 +290,8 @@ class JobManager:
         self.key_file = Path(key_file) if key_file is not None else None
         """The daemon's key file, given to every rank as ``HAPD_KEY_FILE`` (None: not set)."""
         self.grace_s = grace_s
+        self.slots = slots
+        """Ranks this host runs at once (None: no limit); a launch past it is refused."""
         self.keep_finished = keep_finished
         self.keep_job_dirs = keep_job_dirs
         self.job_dir_max_age_s = job_dir_max_age_s
@@ -335,7 +337,11 @@ class JobManager:
             command = [sys.executable, "-m", "hapd.serve.rank_guard", str(os.getpid()), "--",
                        sys.executable, "-u", str(script), *spec.args]
             job = Job(spec, command, [Rank(spec.rank_offset + i, i) for i in range(spec.nproc)])
-            with self._lock:
+            with self._lock:  # the slots counted and taken at once: concurrent launches cannot both pass
+                busy = sum(j.spec.nproc for j in self._jobs.values() if not j.finished)
+                if self.slots is not None and busy + spec.nproc > self.slots:
+                    raise _bad(f"this host has {self.slots} rank slot(s), {busy} in use: no room for {spec.nproc} "
+                               "more rank(s)", "nproc")
                 self._jobs[spec.job] = job
                 self._trim()
         delay = spec.start_at - time.time() if spec.start_at is not None else 0.0
