@@ -210,13 +210,17 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 # --------------------------------------------------------------------------------------
 
 
-def build(name: str, size: str, batch: int, seq: int | None) -> tuple[nn.Module, tuple[Tensor, ...], Any]:
-    """Zoo model ``name`` at ``size`` (``seq`` overriding its sequence length), seeded
-    with 0, on the CPU, with its example inputs and config."""
+def build(name: str, size: str, batch: int, seq: int | None,
+          dropout: float | None = None) -> tuple[nn.Module, tuple[Tensor, ...], Any]:
+    """Zoo model ``name`` at ``size`` (``seq`` overriding its sequence length, ``dropout``
+    every dropout probability; None: the library's defaults), seeded with 0, on the CPU,
+    with its example inputs and config."""
     entry = zoo.MODELS[name]
     config = getattr(entry.config_cls, size)()
     if seq is not None:
         config = dataclasses.replace(config, seq=seq)
+    if dropout is not None:
+        config = dataclasses.replace(config, dropout=dropout)
     torch.manual_seed(0)
     return entry.build(config), entry.example_inputs(config, batch), config
 
@@ -725,7 +729,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, profile
     wanted = [v for v in names if v in args.variants]
     if not wanted or not precisions:
         return
-    model, inputs, config = build(name, args.size, args.batch, args.seq)
+    model, inputs, config = build(name, args.size, args.batch, args.seq, args.dropout)
     count = sum(p.numel() for p in model.parameters())
     say(f"\n== {name}{' compiled ' + ', '.join(precisions) if compiled else ''}: {count / 1e6:.1f}M parameters, "
         f"batch {args.batch} × {config.seq} tokens ==")
@@ -824,6 +828,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="zoo size (default: paper on CUDA, small on CPU)")
     parser.add_argument("--batch", type=int, default=8, help="batch (default 8)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the size's)")
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="every dropout probability (default: the library's; eager and hapd draw masks with "
+                             "different generators, so only with 0 are their losses equal)")
     parser.add_argument("--iterations", type=int, default=None, help="timed steps (default 20; --quick 3)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps first, the compiling one among them (default 3; --quick 1)")

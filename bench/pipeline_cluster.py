@@ -129,8 +129,8 @@ def record_plan(out: Path, force: bool) -> None:
 
     compiled = worker.pipeline_plan
 
-    def recorded(args, ns, env, model, full):
-        plan = compiled(args, ns, env, model, full)
+    def recorded(args, ns, env, model, full, profile):
+        plan = compiled(args, ns, env, model, full, profile)
         if env.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "plan.json").write_text(json.dumps(plan_record(plan)))

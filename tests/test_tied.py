@@ -11,7 +11,6 @@ count it once), and the rank module holds one parameter under both names.
 
 from __future__ import annotations
 
-import copy
 import io
 import warnings
 from typing import Any, NamedTuple
@@ -22,6 +21,7 @@ from _dist import run_ranks
 from torch import Tensor, nn
 
 import hapd
+from hapd.runtime.random_ops import counter_reference
 from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import estimated_profile
 
@@ -74,9 +74,11 @@ class Case(NamedTuple):
 
 
 def _reference(program: Any, inputs: tuple[Tensor, ...]) -> tuple[list[float], dict[str, Tensor], dict[str, Tensor]]:
-    """The single-device run of ``program.module()``: losses, first gradients by every
-    name, parameters after the Adam steps by every name."""
-    module = copy.deepcopy(program.module())  # the steps must not change the program's weights
+    """The single-device run of ``program.module()`` (a copy: the steps must not change
+    the program's weights), its dropouts drawn with hapd's generator and the seed the
+    ranks draw with (``torch.manual_seed(0)``: :func:`_run_cases`): losses, first
+    gradients by every name, parameters after the Adam steps by every name."""
+    module = counter_reference(program, seed=0)
     optimizer = torch.optim.Adam(module.parameters(), lr=LR, eps=EPS)
     losses: list[float] = []
     grads: dict[str, Tensor] = {}

@@ -372,6 +372,10 @@ def batch_tensors(program: Mapping[str, Any]) -> set[str]:
     return batch
 
 
+DP_TIE = 1e-9
+"""Relative cost difference within which the data-parallel program wins over the search's."""
+
+
 def _prefer_data_parallel(
     searched: Searched, baselines: Baselines, options: CompileOptions, caps: list[float] | None
 ) -> tuple[dict, list[float], str]:
@@ -381,7 +385,8 @@ def _prefer_data_parallel(
     A search bounded by its front width may miss the data-parallel program, which is
     always in its space: keep whichever is cheaper, with the LP's ratios or the
     FLOP/s-proportional ones (compared by the cost model, not the LP's objective,
-    which the solver only meets to its tolerance). Only for a free ``auto`` compile that
+    which the solver only meets to its tolerance; a tie goes to data parallelism). Only
+    for a free ``auto`` compile that
     does not ask for recomputation everywhere (the data-parallel program keeps every
     activation)."""
     if options.ratios is not None or options.force or options.mode != "auto" or options.recompute == "always":
@@ -397,8 +402,11 @@ def _prefer_data_parallel(
         pass  # no data-parallel split fits
     for split in dp_splits:
         cost = program_cost(dp_program, split)
-        if cost < best_cost:
-            program, ratios, best_cost, chosen_from = dp_program, split, cost, "data_parallel"
+        # a tie goes to data parallelism: every input split along its batch dim, so each
+        # rank reads only its samples (a plan as cheap that holds an input whole makes
+        # every rank read the whole batch)
+        if cost <= best_cost * (1 + DP_TIE):
+            program, ratios, best_cost, chosen_from = dp_program, split, min(cost, best_cost), "data_parallel"
     return program, ratios, chosen_from
 
 
