@@ -13,7 +13,7 @@ import hapd
 from hapd.compiler.options import CompileOptions
 from hapd.profile import local
 from hapd.profile.local import CPU_FLOPS, LocalDevice, profile_of
-from hapd.profile.machine import host_memory
+from hapd.profile.machine import host_memory, host_memory_size
 
 
 def _cpu(host: str, memory: float = 16e9) -> LocalDevice:
@@ -46,11 +46,11 @@ def test_memory_is_coarse_so_the_profile_stays_put() -> None:
     assert local.coarse_memory(3 * 2**20 + 5) == 3 * 2**20
 
 
-def test_a_cpu_rank_describes_the_memory_the_profiler_reads(monkeypatch) -> None:
-    monkeypatch.setattr(local, "host_memory", lambda: 12 * 2**30)
+def test_a_cpu_rank_describes_the_machines_memory_not_the_moments(monkeypatch) -> None:
+    monkeypatch.setattr(local, "host_memory_size", lambda: 12 * 2**30)
     mine = local.describe_device(torch.device("cpu"))
     assert mine.memory == 12 * 2**30 and mine.slot == "cpu" and not mine.measured
-    assert 0 < host_memory()
+    assert 0 < host_memory() <= host_memory_size()
 
 
 def test_a_probed_speed_is_remembered_in_the_state_directory(monkeypatch, tmp_path) -> None:

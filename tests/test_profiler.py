@@ -26,7 +26,7 @@ from _dist import run_ranks
 from hapd.errors import OptionsError, ProfileError
 from hapd.profile.schema import COLLECTIVES, UNITS, Profile, load_profile
 from hapd.profile.fit import fit_alpha_beta
-from hapd.profile.machine import LINEAR_PROBE_LAYERS, host_memory, host_name, linear_probe
+from hapd.profile.machine import LINEAR_PROBE_LAYERS, host_memory, host_memory_size, host_name, linear_probe
 from hapd.profile.measure import (OP_PROBE_BLOCKS, SYNC_PROBE_MAX_ROWS, SyncProbe, _intra_groups, _rows_lasting, op_probe,
                                   overlap_share, pairs_per_host_pair, probe_ops)
 from hapd.profile.options import ProfilerOptions, parse_size, parse_sizes
@@ -149,6 +149,15 @@ def test_memory_is_the_headroom_under_the_cgroup_limit(tmp_path):
 
 def test_memory_is_capped_by_what_the_machine_has_available(tmp_path):
     assert host_memory(*_fake_machine_with_available(tmp_path, 1024)) == 1024 * 1024
+
+
+def test_the_machines_size_is_the_limit_not_the_headroom(tmp_path):
+    """``host_memory_size`` (a default profile's memory): the cgroup limit or MemTotal,
+    whatever the cgroup and the machine use at the moment."""
+    proc, root = _fake_machine(tmp_path / "a", v1_limit=f"{2**30}\n", v2_limit="max\n")
+    (root / "sys/fs/cgroup/memory/job/memory.usage_in_bytes").write_text(f"{300 * 2**20}\n")
+    assert host_memory_size(proc, root) == 2**30
+    assert host_memory_size(*_fake_machine_with_available(tmp_path / "b", 1024)) == 16384000 * 1024
 
 
 def test_the_op_probe_divides_by_the_ops_its_graph_runs():

@@ -372,10 +372,6 @@ def batch_tensors(program: Mapping[str, Any]) -> set[str]:
     return batch
 
 
-DP_TIE = 1e-9
-"""Relative cost difference within which the data-parallel program wins over the search's."""
-
-
 def _prefer_data_parallel(
     searched: Searched, baselines: Baselines, options: CompileOptions, caps: list[float] | None
 ) -> tuple[dict, list[float], str]:
@@ -405,8 +401,8 @@ def _prefer_data_parallel(
         # a tie goes to data parallelism: every input split along its batch dim, so each
         # rank reads only its samples (a plan as cheap that holds an input whole makes
         # every rank read the whole batch)
-        if cost <= best_cost * (1 + DP_TIE):
-            program, ratios, best_cost, chosen_from = dp_program, split, min(cost, best_cost), "data_parallel"
+        if cost <= best_cost:
+            program, ratios, best_cost, chosen_from = dp_program, split, cost, "data_parallel"
     return program, ratios, chosen_from
 
 

@@ -4,12 +4,13 @@
 describes, never for invented devices:
 
 - **memory**: on CUDA the device's free memory (what other processes hold is not the
-  rank's), on CPU the headroom under the cgroup limits above the process capped by
-  ``MemAvailable`` (:func:`hapd.profile.machine.host_memory`, as the profiler reads
-  it); shared evenly by the job's ranks on that device (or host, on CPU), so a plan
-  recomputes only when memory binds on the real device. Rounded down to a sixteenth of
-  its power of two (:func:`coarse_memory`): free memory moves by megabytes between two
-  calls, and a profile that moved with it would miss the plan cache every time.
+  rank's), on CPU the smallest cgroup memory limit above the process capped by
+  ``MemTotal`` (:func:`hapd.profile.machine.host_memory_size`: not the moment's
+  ``MemAvailable``, which moves with every other process); shared evenly by the job's
+  ranks on that device (or host, on CPU), so a plan recomputes only when memory binds
+  on the real device. Rounded down to a sixteenth of its power of two
+  (:func:`coarse_memory`): free GPU memory moves by megabytes between two calls, and a
+  profile that moved with it would miss the plan cache every time.
 - **speed**: on CUDA the linear probe of the profiler (one width, a short window: a
   fraction of a second), remembered per device model in ``$HAPD_HOME/devices.json`` so
   that a later job reads it instead (``hapd profile`` measures the whole cluster, and a
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hapd.errors import ProfileError
-from hapd.profile.machine import cpu_model, host_memory, host_name, linear_flops
+from hapd.profile.machine import cpu_model, host_memory_size, host_name, linear_flops
 from hapd.profile.schema import Profile, estimated_profile
 from hapd.util import atomic_write, home_dir
 
@@ -121,7 +122,7 @@ def describe_device(device: Any) -> LocalDevice:
         free = float(torch.cuda.mem_get_info(index)[0])
         return LocalDevice(host_name(), f"cuda:{index}", model, free, cuda_speed(torch.device("cuda", index), model),
                            True)
-    return LocalDevice(host_name(), "cpu", cpu_model(), float(host_memory()), CPU_FLOPS, False)
+    return LocalDevice(host_name(), "cpu", cpu_model(), float(host_memory_size()), CPU_FLOPS, False)
 
 
 def profile_of(devices: list[LocalDevice]) -> Profile:

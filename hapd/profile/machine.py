@@ -36,18 +36,19 @@ def cpu_model() -> str:
     return platform.processor() or "cpu"
 
 
-def _meminfo_total(proc: Path) -> int | None:
-    """``MemAvailable`` (bytes the machine can give without swapping), else
-    ``MemTotal`` (kernels before 3.14 have no ``MemAvailable``)."""
+def _meminfo_total(proc: Path, wanted: str = "MemAvailable") -> int | None:
+    """``MemAvailable`` (bytes the machine can give without swapping; ``wanted``
+    ``"MemTotal"``: all it has), else ``MemTotal`` (kernels before 3.14 have no
+    ``MemAvailable``)."""
     fields: dict[str, int] = {}
     try:
         for line in (proc / "meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("MemTotal", "MemAvailable"):
-                fields[key] = int(rest.split()[0]) * 1024
+            name, _, rest = line.partition(":")
+            if name in ("MemTotal", "MemAvailable"):
+                fields[name] = int(rest.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return fields.get("MemAvailable", fields.get("MemTotal"))
+    return fields.get(wanted, fields.get("MemTotal"))
 
 
 def _cgroup_usage(path: Path) -> int:
@@ -60,7 +61,7 @@ def _cgroup_usage(path: Path) -> int:
     return int(raw) if raw.isdigit() else 0
 
 
-def _cgroup_memory_limits(proc: Path, root: Path) -> list[int]:
+def _cgroup_memory_limits(proc: Path, root: Path, *, headroom: bool = True) -> list[int]:
     """What is left under the memory limit (bytes) of this process's cgroup and each of
     its ancestors, v1 and v2: the limit less what the cgroup already uses (this process's
     own torch and Python among it: what a GPU's free memory leaves out too). ``root`` is
@@ -102,7 +103,7 @@ def _cgroup_memory_limits(proc: Path, root: Path) -> list[int]:
             try:
                 raw = (here / name).read_text().strip()
                 if raw.isdigit():
-                    limits.append(int(raw) - _cgroup_usage(here / used_name))
+                    limits.append(int(raw) - (_cgroup_usage(here / used_name) if headroom else 0))
             except OSError:
                 pass
             if here == top or top not in here.parents:
@@ -117,6 +118,19 @@ def host_memory(proc: Path = Path("/proc"), root: Path = Path("/")) -> int:
     (``MemTotal`` where the kernel has no such line)."""
     total = _meminfo_total(proc)
     candidates = [n for n in _cgroup_memory_limits(proc, root) if n > 0]
+    if total is not None:
+        candidates.append(total)
+    if not candidates:
+        raise ProfileError("cannot tell this machine's memory (no /proc/meminfo)", field="memory")
+    return min(candidates)
+
+
+def host_memory_size(proc: Path = Path("/proc"), root: Path = Path("/")) -> int:
+    """Bytes this process's machine has for it at most: the least cgroup memory limit
+    above it, capped by ``MemTotal``. Unlike :func:`host_memory` it does not move with
+    what other processes use at the moment (a job's default profile keys its plans)."""
+    total = _meminfo_total(proc, "MemTotal")
+    candidates = [n for n in _cgroup_memory_limits(proc, root, headroom=False) if n > 0]
     if total is not None:
         candidates.append(total)
     if not candidates:
@@ -209,5 +223,5 @@ def linear_flops(device: Any, dtype: Any, widths: Sequence[int], rows: int, *, r
     return statistics.median(per_width.values()), per_width
 
 
-__all__ = ["LINEAR_PROBE_BYTES", "LINEAR_PROBE_LAYERS", "cpu_model", "host_memory", "host_name", "linear_flops",
+__all__ = ["LINEAR_PROBE_BYTES", "LINEAR_PROBE_LAYERS", "cpu_model", "host_memory", "host_memory_size", "host_name", "linear_flops",
            "linear_probe", "sample_rate", "sync_device"]
