@@ -65,6 +65,7 @@ from torch.export.graph_signature import (
 )
 
 from hapd.compiler.fake import program_faked
+from hapd.compiler.op_facts import ATTENTION, ATTENTION_ARGS, attention_args
 from hapd.errors import ExportError, UnsupportedOpError
 
 _MARK = "_hapd_normalized"
@@ -334,8 +335,6 @@ def _static_shape(val: Any) -> list[int] | None:
 # 6. constant attention masks
 # --------------------------------------------------------------------------------------
 
-_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
-_ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 MAX_CONSTANT_MASK = 1 << 28
 """Most elements of a mask worth computing at normalize time."""
 
@@ -347,12 +346,11 @@ def _constant_attention_masks(module: fx.GraphModule) -> None:
     nothing else reads them."""
     changed = False
     for node in module.graph.nodes:
-        if node.op != "call_function" or node.target is not _ATTENTION:
+        if node.op != "call_function" or node.target is not ATTENTION:
             continue
-        named = dict(zip(_ATTENTION_ARGS, node.args))
-        named.update({k: v for k, v in node.kwargs.items() if k in _ATTENTION_ARGS})
-        mask, query, key = named.get("attn_mask"), named["query"], named["key"]
-        if not isinstance(mask, fx.Node) or named.get("is_causal"):
+        named = attention_args(node.args, node.kwargs)
+        mask, query, key = named["attn_mask"], named["query"], named["key"]
+        if not isinstance(mask, fx.Node) or named["is_causal"]:
             continue
         value = _constant_value(mask)
         q_shape, k_shape = _static_shape(query.meta.get("val")), _static_shape(key.meta.get("val"))
@@ -361,14 +359,10 @@ def _constant_attention_masks(module: fx.GraphModule) -> None:
         meaning = _mask_meaning(value, q_shape[-2], k_shape[-2])
         if meaning is None:
             continue
-        args = list(node.args) + [None] * (6 - len(node.args)) if len(node.args) < 6 else list(node.args)
-        kwargs = {k: v for k, v in node.kwargs.items() if k not in ("attn_mask", "is_causal")}
-        args[3], args[5] = None, meaning == "causal"
-        if len(node.args) <= 4 and "dropout_p" in node.kwargs:
-            args[4] = kwargs.pop("dropout_p")
-        elif len(node.args) <= 4:
-            args[4] = 0.0
-        node.args, node.kwargs = tuple(args[:6]) + tuple(node.args[6:]), kwargs
+        named.update(attn_mask=None, is_causal=meaning == "causal")
+        leading = ATTENTION_ARGS[:6]  # through is_causal, positional; scale and enable_gqa as they were given
+        node.args = tuple(named[k] for k in leading) + tuple(node.args[6:])
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in leading}
         changed = True
     if changed:
         module.graph.eliminate_dead_code()

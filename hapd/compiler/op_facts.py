@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -112,5 +113,22 @@ def overloads(names: Iterable[str]) -> frozenset[torch._ops.OpOverload]:  # noqa
     return frozenset(resolve(name) for name in names)
 
 
-__all__ = ["BATCH_SPLIT_LOSSES", "EVAL_RULE", "LOSS_OPS", "MEAN", "MODE_DEPENDENT_OPS", "NO_EMPTY_SPLIT_OPS",
-           "PASS_THROUGH_OPS", "REDUCTIONS", "SAME_OP_IN_EVAL", "SUM", "SUM_OPS", "LossOp", "overloads", "resolve"]
+
+ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+"""The attention op (random where its ``dropout_p`` is above 0)."""
+ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+"""Its schema's arguments, in order."""
+_ATTENTION_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+
+
+def attention_args(args: Iterable[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """An attention call's arguments by name, the schema's defaults filled in."""
+    values = dict(zip(ATTENTION_ARGS, _ATTENTION_DEFAULTS))
+    values.update(zip(ATTENTION_ARGS, args))
+    values.update(kwargs)
+    return values
+
+
+__all__ = ["ATTENTION", "ATTENTION_ARGS", "BATCH_SPLIT_LOSSES", "EVAL_RULE", "LOSS_OPS", "MEAN", "MODE_DEPENDENT_OPS",
+           "NO_EMPTY_SPLIT_OPS", "PASS_THROUGH_OPS", "REDUCTIONS", "SAME_OP_IN_EVAL", "SUM", "SUM_OPS", "LossOp",
+           "attention_args", "overloads", "resolve"]

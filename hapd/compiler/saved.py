@@ -28,6 +28,8 @@ from torch.export.graph_signature import InputKind
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map
 
+from hapd.compiler.op_facts import ATTENTION, attention_args
+
 _log = logging.getLogger(__name__)
 
 
@@ -90,9 +92,6 @@ def _on_meta(value: Any) -> Any:
     return torch.device("meta") if isinstance(value, torch.device) else value
 
 
-_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
-
-
 def _attention_dropout_bytes(node: fx.Node, args: tuple, kwargs: dict) -> float:
     """For an attention with ``dropout_p > 0``: the bytes the runtime's math attention
     keeps beyond the fused kernel's (``CounterAttention`` in
@@ -100,12 +99,12 @@ def _attention_dropout_bytes(node: fx.Node, args: tuple, kwargs: dict) -> float:
     the query's dtype, the keep mask a byte each, per score); 0 for any other node. The
     node is then traced without dropout (the fused kernel's saved tensors), as its
     dropout is not torch's."""
-    if node.target is not _ATTENTION:
+    if node.target is not ATTENTION:
         return 0.0
-    p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-    if not p or float(p) <= 0.0:
+    named = attention_args(args, kwargs)
+    if not named["dropout_p"] or float(named["dropout_p"]) <= 0.0:
         return 0.0
-    query, key = args[0], args[1]
+    query, key = named["query"], named["key"]
     scores = query.numel() // max(query.shape[-1], 1) * key.shape[-2]
     return float(scores * (2 * query.element_size() + 1))
 

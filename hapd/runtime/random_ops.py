@@ -46,6 +46,7 @@ from torch import Tensor, fx, nn
 from torch.export import ExportedProgram
 
 from hapd.compiler.normalize import normalize
+from hapd.compiler.op_facts import ATTENTION, attention_args
 from hapd.runtime.counter_rng import uniform
 
 DROPOUT_OPS = frozenset({torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default})
@@ -58,10 +59,6 @@ RANDOM_OPS = {
     torch.ops.aten.randn_like.default: "randn_like",
 }
 """The other random ops hapd draws (:class:`CounterRandom`), by their kind."""
-ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
-"""The attention op, random where its ``dropout_p`` is above 0."""
-_ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_ATTENTION_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 SEED = "hapd_rng_seed"
 """The rank module attribute holding the seed its dropouts draw with (another program of
 the same model, distributed with ``shared=``, draws with it too)."""
@@ -191,14 +188,6 @@ def _safe_softmax(scores: Tensor) -> Tensor:
     attention does, not NaN."""
     probs = torch.softmax(scores, dim=-1)
     return probs.masked_fill(torch.isneginf(scores).all(dim=-1, keepdim=True), 0.0)
-
-
-def attention_args(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """An attention call's arguments by name, the schema's defaults filled in."""
-    values = dict(zip(_ATTENTION_ARGS, _ATTENTION_DEFAULTS))
-    values.update(zip(_ATTENTION_ARGS, args))
-    values.update(kwargs)
-    return values
 
 
 def is_random(node: fx.Node) -> bool:
