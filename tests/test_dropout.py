@@ -378,3 +378,57 @@ def test_ranks_seeded_apart_draw_with_rank_zeros_seed() -> None:
     (seed0, drops0), (seed1, drops1) = run_ranks(2, _seeds_on_rank, timeout=300)
     assert seed0 != seed1 and drops0 and drops1
     assert set(drops0) == set(drops1) == {seed0}
+
+
+# --------------------------------------------------------------------------- one device
+
+
+def _step(module: nn.Module, inputs: tuple[torch.Tensor, ...], seed: int) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(seed)
+    loss = module(*inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def test_one_device_draws_as_the_eager_model_does() -> None:
+    """A program that runs whole on one device keeps the model's own random ops and
+    torch's generator: seeded alike, hapd and the eager model drop the same elements
+    (hidden, embedding and attention dropout of GPT-2), so loss and gradients agree."""
+    from hapd.runtime.random_ops import CounterDraw
+
+    model, inputs = models.zoo.make("gpt2", 4, "tiny", dropout=0.2)
+    module = hapd.parallelize(model, inputs, profile=estimated_profile(1), use_daemon=False, verbose=False)
+    assert not [m for m in module.modules() if isinstance(m, CounterDraw)]
+    targets = {n.target for n in module.inner.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.native_dropout.default in targets
+    eager_loss, eager_grads = _step(model, inputs, 7)
+    hapd_loss, _ = _step(module, inputs, 7)
+    assert abs(float(hapd_loss) - float(eager_loss)) < 1e-5
+    assert module.inner.hapd_params
+    compared = [fqn for fqn in module.inner.hapd_params if fqn in eager_grads]  # a tied weight: one of its names
+    assert len(compared) >= len(eager_grads) - 1
+    for fqn in compared:
+        torch.testing.assert_close(module.inner.get_parameter(fqn).grad, eager_grads[fqn], rtol=1e-4, atol=1e-5)
+    torch.manual_seed(8)
+    assert abs(float(module(*inputs).detach()) - float(eager_loss)) > 1e-4  # another seed, other masks: they matter
+
+
+def test_rng_choice_is_checked() -> None:
+    from hapd.errors import PlanError
+    from hapd.runtime.random_ops import CounterDropout, choose_rng
+
+    assert choose_rng(None, world=1, overlap=False) == "torch"
+    assert choose_rng(None, world=2, overlap=False) == "counter"
+    assert choose_rng(None, world=1, overlap=True) == "counter"
+    with pytest.raises(PlanError, match="2 ranks"):
+        choose_rng("torch", world=2, overlap=False)
+    with pytest.raises(PlanError, match="duplicas"):
+        choose_rng("torch", world=1, overlap=True)
+    with pytest.raises(PlanError, match="rng must be one of"):
+        choose_rng("philox", world=1, overlap=False)
+    model, config = models.build("bert", "tiny", dropout=0.1)
+    inputs = models.get("bert").example_inputs(config, 4)
+    program = hapd.export(model, inputs)
+    plan = hapd.compile(hapd.lower(program), estimated_profile(1))
+    counted = hapd.distribute(program, plan, 0, world=1, rng="counter")
+    assert [m for m in counted.modules() if isinstance(m, CounterDropout)]

@@ -68,6 +68,9 @@ class Emitter(Protocol):
     """The plan seen from this rank."""
     group: Any
     """The process group the collectives run in."""
+    streams: Mapping[str, int]
+    """Random node name -> its stream, for the nodes drawn with hapd's generator (none
+    when the program draws with torch's)."""
 
     def add_module(self, prefix: str, module: nn.Module) -> str:
         """Register ``module`` for the graph to call; returns its target name."""
@@ -313,7 +316,9 @@ def _counter_draw(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tup
     one dim: :class:`~hapd.runtime.random_ops.CounterDropout` /
     :class:`~hapd.runtime.random_ops.CounterRandom` draws this rank's slice of the
     single-device draw (its offset along the split dim: the lengths of the ranks
-    before it)."""
+    before it). A program drawing with torch's generator runs the op as it is."""
+    if node.name not in em.streams:
+        return em.graph.call_function(node.target, args, kwargs)
     inp = step["inputs"][0]
     full = em.view.full_shape(inp["tensor"])
     offsets = [0] * len(full)
@@ -333,7 +338,10 @@ def _counter_draw(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tup
 def _counter_attention(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
     """Attention: unchanged without dropout; with ``dropout_p > 0``,
     :class:`~hapd.runtime.random_ops.CounterAttention` drawing this rank's slice of the
-    single-device probabilities (split where the query is: batch, heads or queries)."""
+    single-device probabilities (split where the query is: batch, heads or queries). A
+    program drawing with torch's generator runs the attention as it is."""
+    if node.name not in em.streams:
+        return em.graph.call_function(node.target, args, kwargs)
     query = step["inputs"][0]
     d = gather_dim(query["layout"])
     start, length = em.view.offset(query["tensor"], d) if d is not None else (0, 1)

@@ -33,7 +33,7 @@ from hapd.compiler.lower import load_exported, lower
 from hapd.compiler.normalize import buffer_mutations, normalize
 from hapd.errors import ExportError
 from hapd.profile.schema import estimated_profile
-from hapd.runtime.random_ops import counter_reference
+from hapd.runtime.random_ops import COUNTER_RNG, counter_reference
 from hapd.runtime.rewrite import distribute
 
 DEFAULT_RTOL = 1e-5
@@ -173,7 +173,7 @@ class _Step:
 
 def _distributed_step(program: ExportedProgram, plan: Any, inputs: tuple[Tensor, ...], seed: int) -> _Step:
     """One forward and backward of the rank-0 program of a one-device plan."""
-    module = distribute(program, plan, rank=0, world=1, seed=seed)
+    module = distribute(program, plan, rank=0, world=1, seed=seed, rng=COUNTER_RNG)
     torch.manual_seed(seed)
     loss = module(*module.shard_inputs(*inputs))
     loss.backward()

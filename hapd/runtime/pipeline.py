@@ -58,7 +58,7 @@ from hapd.runtime import collectives
 from hapd.runtime.layout import IDENTITY, REDUCE, gather_dim
 from hapd.runtime.overlap import loss_counts
 from hapd.runtime.rank import RankModule
-from hapd.runtime.random_ops import STEP, advance_step, set_part
+from hapd.runtime.random_ops import COUNTER_RNG, STEP, advance_step, set_part
 from hapd.runtime.rewrite import distribute
 
 Box = tuple[tuple[int, int], ...]
@@ -177,8 +177,10 @@ class PipelineRank:
         plan = plans[self.s]
         if plan.overlap:
             raise PlanError("a stage's plan cannot run overlapped duplicas")
+        # micro-batches draw as parts of one batch (random_ops.set_part): hapd's generator
+        # even where a stage runs on one device
         self.module: RankModule = distribute(self.stage.program, plan, self.local, world=len(self.groups[self.s]),
-                                             group=self.group, device=device, check_graph=False)
+                                             group=self.group, device=device, check_graph=False, rng=COUNTER_RNG)
         names = [n for n, _ in self.module.hapd_inputs]
         n_users, n_recv = len(self.stage.user_inputs), len(self.stage.received)
         self.user_names = names[:n_users]

@@ -47,6 +47,7 @@ from torch.export import ExportedProgram
 
 from hapd.compiler.normalize import normalize
 from hapd.compiler.op_facts import ATTENTION, attention_args
+from hapd.errors import PlanError
 from hapd.runtime.counter_rng import uniform
 
 DROPOUT_OPS = frozenset({torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default})
@@ -64,6 +65,12 @@ SEED = "hapd_rng_seed"
 the same model, distributed with ``shared=``, draws with it too)."""
 STEP = "hapd_rng_step"
 """The module buffer holding the training step the dropouts draw for."""
+COUNTER_RNG = "counter"
+"""Random ops drawn by hapd's counter-based generator: each rank its slice."""
+TORCH_RNG = "torch"
+"""Random ops run as the program has them, drawn by torch's generator (one device)."""
+RNG_CHOICES = (COUNTER_RNG, TORCH_RNG)
+"""What :func:`hapd.runtime.rewrite.distribute`'s ``rng`` takes."""
 PART = "hapd_rng_part"
 """The module buffer holding the part of the batch being run (pipeline micro-batch)."""
 
@@ -242,6 +249,24 @@ def has_random_ops(graph: fx.Graph) -> bool:
     return any(map(is_random, graph.nodes))
 
 
+def choose_rng(rng: str | None, *, world: int, overlap: bool) -> str:
+    """The generator a rank program draws with: ``rng`` when given (``"torch"`` only
+    for a program that runs whole on one device, without duplicas: anywhere else the
+    ranks or the duplicas would each draw a whole mask of their own), else ``"torch"``
+    for such a program (it is the single-device program: the eager model's kernels and
+    draws) and ``"counter"`` otherwise."""
+    whole = world == 1 and not overlap
+    if rng is None:
+        return TORCH_RNG if whole else COUNTER_RNG
+    if rng not in RNG_CHOICES:
+        raise PlanError(f"rng must be one of {', '.join(map(repr, RNG_CHOICES))}, not {rng!r}")
+    if rng == TORCH_RNG and not whole:
+        where = f"{world} ranks" if world != 1 else "two duplicas"
+        raise PlanError(f"rng='torch' draws each random op whole, but this program runs on {where}: each would draw "
+                        "a mask of its own, not its slice of one (use rng='counter')")
+    return rng
+
+
 def default_seed() -> int:
     """The seed a distributed program draws with unless told: the process's
     ``torch.initial_seed()`` (the same on every rank when each set it alike)."""
@@ -331,8 +356,8 @@ def counter_reference(program: ExportedProgram, seed: int) -> nn.Module:
     return gm
 
 
-__all__ = ["ATTENTION", "DROPOUT_OPS", "PART", "RANDOM_OPS", "SEED", "STEP", "CounterAttention", "CounterDraw",
-           "CounterDropout", "CounterRandom", "advance_step", "attention_args", "counter_attention", "counter_random",
+__all__ = ["ATTENTION", "COUNTER_RNG", "DROPOUT_OPS", "PART", "RANDOM_OPS", "RNG_CHOICES", "SEED", "STEP", "TORCH_RNG", "CounterAttention", "CounterDraw",
+           "CounterDropout", "CounterRandom", "advance_step", "attention_args", "choose_rng", "counter_attention", "counter_random",
            "counter_reference", "default_seed", "dropout_args",
            "has_random_ops", "install_step", "is_random", "probability_shape", "random_streams", "set_part",
            "set_seed"]

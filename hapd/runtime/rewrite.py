@@ -65,7 +65,16 @@ from hapd.runtime.adapters import ADAPTERS, stride_free
 from hapd.runtime.gradsync import GradSync
 from hapd.runtime.layout import IDENTITY, REDUCE, check_layout, gather_dim
 from hapd.runtime.overlap import overlapped
-from hapd.runtime.random_ops import PART, SEED, STEP, default_seed, install_step, random_streams
+from hapd.runtime.random_ops import (
+    PART,
+    SEED,
+    STEP,
+    TORCH_RNG,
+    choose_rng,
+    default_seed,
+    install_step,
+    random_streams,
+)
 from hapd.runtime.rank import Communicate, RankModule, RankView, set_attr
 from hapd.runtime.weights import Weights, WeightSource, rank_piece, weight_source
 
@@ -142,7 +151,8 @@ class _Emitter:
         self.seed = default_seed()
         """The seed the program's dropouts draw with (:mod:`hapd.runtime.random_ops`)."""
         self.streams = random_streams(program.graph)
-        """Dropout node name -> its stream."""
+        """Random node name -> its stream: the nodes drawn with hapd's generator (none
+        when the program draws with torch's, ``rng="torch"``)."""
 
     # -- pieces ------------------------------------------------------------------------
 
@@ -404,6 +414,7 @@ def distribute(
     weights: Weights | None = None,
     batch_dims: Sequence[int | None] | None = None,
     seed: int | None = None,
+    rng: str | None = None,
 ) -> RankModule:
     """The fx module rank ``rank`` runs for ``plan``.
 
@@ -438,12 +449,20 @@ def distribute(
     ``torch.initial_seed()`` of rank 0 of ``group``, sent to the others by a collective
     when the program has dropouts). The module advances its step counter
     (:data:`~hapd.runtime.random_ops.STEP`) at each forward.
+
+    ``rng``: which generator the random ops draw with
+    (:data:`~hapd.runtime.random_ops.RNG_CHOICES`). ``"counter"``: hapd's, each rank its
+    slice of the single-device draw. ``"torch"``: the program's own ops and torch's
+    generator, as the eager model draws; only for a program that runs whole on one device
+    (no duplicas), where there is nothing to slice. Default: ``"torch"`` for such a
+    program, ``"counter"`` otherwise.
     """
     ep = normalize(_load_program(program, example_inputs))
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     rank, world = _rank_and_world(rank, world, group)
     _check(ep, plan, rank, world, graph=check_graph)
+    rng = choose_rng(rng, world=world, overlap=bool(plan.overlap))
     view = RankView(plan, rank, world)
     if shared is not None:
         mismatch = shared_state_mismatch(shared, view, _sources_of(ep))
@@ -451,6 +470,8 @@ def distribute(
             raise PlanError(mismatch)
     em = _Emitter(ep, view, group, torch.device(device) if device is not None else None, shared)
     em.weights = weight_source(weights)
+    if rng == TORCH_RNG:
+        em.streams = {}  # every random op runs as the program has it
     if seed is not None:
         em.seed = int(seed)
     elif shared is not None and hasattr(shared, SEED):
