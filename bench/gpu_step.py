@@ -127,6 +127,9 @@ class Row:
     resident_bytes: float | None = None
     """Device (CPU: process) memory in use when the timed steps began."""
     peak_kind: str = ""
+    after_forward_bytes: float | None = None
+    """CUDA: memory in use after the forward of a timed step, before its backward (what the
+    backward pass starts from: the resident state and what the forward kept)."""
     estimate_bytes: float | None = None
     """The hapd plan's predicted per-device peak (hapd variants)."""
     first_loss: float | None = None
@@ -291,10 +294,13 @@ FIRST_STEP_SEED = 1234
 
 
 def train_step(module: nn.Module, optimizer: torch.optim.Optimizer, inputs: Sequence[Tensor],
-               device: torch.device, precision: str) -> Tensor:
-    """forward (under autocast for bf16), backward, ``AdamW.step()``, ``zero_grad``."""
+               device: torch.device, precision: str, after_forward: Callable[[], None] | None = None) -> Tensor:
+    """forward (under autocast for bf16), backward, ``AdamW.step()``, ``zero_grad``;
+    ``after_forward`` is called between the forward and the backward."""
     with autocast(device, precision):
         loss = module(*inputs)
+    if after_forward is not None:
+        after_forward()
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -333,8 +339,8 @@ class Variant:
                 out += [v for v in state.values() if isinstance(v, Tensor)]
         return out
 
-    def step(self) -> Tensor:
-        return train_step(self.module, self.optimizer, self.inputs, self.device, self.row.precision)
+    def step(self, after_forward: Callable[[], None] | None = None) -> Tensor:
+        return train_step(self.module, self.optimizer, self.inputs, self.device, self.row.precision, after_forward)
 
     def fail(self, exc: BaseException) -> None:
         compiled = self.row.variant.startswith("compiled") and not self.row.times_s
@@ -384,8 +390,14 @@ class Variant:
                 sync(self.device)
                 torch.cuda.reset_peak_memory_stats(self.device)
                 self.row.resident_bytes = float(torch.cuda.memory_allocated(self.device) - others)
+            after_forward = None
+            if cuda and not self.row.times_s:  # the first timed step: its memory after the forward
+
+                def after_forward() -> None:
+                    self.row.after_forward_bytes = float(torch.cuda.memory_allocated(self.device) - others)
+
             start = time.perf_counter()
-            self.last = self.step()
+            self.last = self.step(after_forward)
             sync(self.device)
             self.row.times_s.append(time.perf_counter() - start)
             if cuda:
@@ -577,7 +589,8 @@ def row_line(row: Row, base: Row | None, estimate: float | None) -> str:
     if row.status != "ok":
         return f"{head} {row.status}: {row.error}"
     line = (f"{head} {_ms(row.median_s):>9} ms  first step {row.first_step_s:.2f} s  "
-            f"peak {_gb(row.peak_bytes)} ({row.peak_kind})")
+            f"peak {_gb(row.peak_bytes)} ({row.peak_kind})"
+            + (f", {_gb(row.after_forward_bytes)} after forward" if row.after_forward_bytes is not None else ""))
     if estimate is not None:
         line += f"  hapd's estimate {_gb(estimate)}, peak/est {_x(_ratio(row.peak_bytes, estimate))}"
     if base is not None and base.status == "ok":
@@ -760,6 +773,9 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, profile
         extra = {"compile": True} if compiled and _compile_option() else {}
         try:
             module, facts[name] = parallelize(model, inputs, profile, device, args, **extra)
+            parts = facts[name].get("estimate_memory_parts")
+            if parts:
+                say("plan's memory estimate: " + ", ".join(f"{k} {_gb(v)}" for k, v in parts.items()))
         except Exception as exc:
             text = str(exc).strip()
             call = "parallelize(compile=True)" if extra else "parallelize"

@@ -48,6 +48,7 @@ from torch.export import ExportedProgram
 from hapd.compiler.normalize import normalize
 from hapd.compiler.op_facts import ATTENTION, attention_args
 from hapd.errors import PlanError
+from hapd.runtime import counter_kernels
 from hapd.runtime.counter_rng import uniform
 
 DROPOUT_OPS = frozenset({torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default})
@@ -93,6 +94,11 @@ class CounterDraw(nn.Module):
         shape, offsets, local = self.global_shape, self.offsets, list(local_shape)
         if per_element > 1:
             shape, offsets, local = [*shape, per_element], [*offsets, 0], [*local, per_element]
+        if counter_kernels.available(step):
+            fused = counter_kernels.fused_uniform(self.seed, self.stream, step, part, duplica, shape, offsets, local,
+                                                  device)
+            if fused is not None:
+                return fused
         return uniform(self.seed, self.stream, step, shape, offsets, local, device, part=part * 2 + duplica)
 
     def extra_repr(self) -> str:
@@ -114,7 +120,13 @@ class CounterDropout(CounterDraw):
         self.single = single
 
     def forward(self, x: Tensor, step: Tensor, part: Tensor, duplica: int = 0) -> Any:
-        if not self.drops:
+        fused = None
+        if self.drops and counter_kernels.available(x):  # one kernel on CUDA
+            fused = counter_kernels.fused_dropout(x, self.p, self.seed, self.stream, step, part, duplica,
+                                                  self.global_shape, self.offsets)
+        if fused is not None:
+            out, mask = fused
+        elif not self.drops:
             out, mask = x.clone(), torch.ones_like(x, dtype=torch.bool)
         else:
             mask = self.uniforms(x.shape, x.device, step, part, duplica) >= self.p
