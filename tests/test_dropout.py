@@ -187,12 +187,17 @@ def test_lowering_counts_the_memory_the_math_attention_keeps() -> None:
     # per query-key pair and per row
     assert sum(kept.values()) == scores * (2 * 4 + 1) + 24 * 24 + 2 * 4 * 24
 
-    def attention_bytes(p: float) -> float:
+    def attention_bytes(p: float) -> tuple[float, float]:
         graph = hapd.lower(hapd.export(_SelfAttention(p), (torch.randn(2, 24, 32),)))
         (node,) = [n for n in graph.doc["nodes"] if n.get("op") == "aten.scaled_dot_product_attention"]
-        return node["saved_bytes"]
+        return node["saved_bytes"], node.get("counter_saved_bytes", 0.0)
 
-    assert attention_bytes(0.1) - attention_bytes(0.0) == scores * (2 * 4 + 1)
+    # the fused kernel keeps its log-sum-exp (a float per query, 24 padded to 32) and its
+    # generator's seed and offset (two int64), never the probabilities; the math
+    # attention's bytes count apart, kept only where hapd's generator draws
+    fused = 2 * 4 * 32 * 4 + 2 * 8
+    assert attention_bytes(0.0) == (fused, 0.0)
+    assert attention_bytes(0.1) == (fused, scores * (2 * 4 + 1))
 
 
 # --------------------------------------------------------------------------- bernoulli, rand_like, randn_like

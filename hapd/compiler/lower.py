@@ -402,7 +402,9 @@ class _Lowering:
 
     def _mark_saved(self, index: int, fx_name: str) -> None:
         """Record on IR node ``index`` which of its results the backward pass keeps
-        (``saved``) and the bytes it keeps that are no node's result (``saved_bytes``)."""
+        (``saved``), the bytes it keeps that are no node's result (``saved_bytes``) and
+        those it keeps beyond when hapd's generator draws its dropout
+        (``counter_saved_bytes``)."""
         if self.saved is None:
             return
         outputs = self.saved.outputs.get(fx_name)
@@ -411,6 +413,9 @@ class _Lowering:
         internal = self.saved.internal.get(fx_name, 0.0)
         if internal > 0:
             self.nodes[index]["saved_bytes"] = float(internal)
+        counter = self.saved.counter.get(fx_name, 0.0)
+        if counter > 0:
+            self.nodes[index]["counter_saved_bytes"] = float(counter)
 
     def _getitem(self, node: torch.fx.Node) -> None:
         producer = self.tuples[node.args[0]]

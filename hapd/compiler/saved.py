@@ -13,6 +13,16 @@ saves is attributed by its storage to the first node whose result owns that stor
 (a view shares its base's storage, so the base is what is kept); a saved storage no
 node's result owns (attention's log-sum-exp, a softmax inside a composite op) is
 counted in bytes on the node that was running when it was saved.
+
+An attention is traced as the fused kernel torch runs it with on a GPU and on a CPU
+(``_scaled_dot_product_efficient_attention``: it keeps its inputs, its result and the
+log-sum-exp), not as the math attention ``scaled_dot_product_attention`` picks on meta
+tensors, which keeps the probabilities (4 bytes a score: GPT-2 at batch 8 × 1024 would
+be priced 4.8 GB more than it keeps). What the runtime's math attention keeps when
+hapd's generator draws its dropout (:func:`_attention_dropout_bytes`) is recorded apart
+(``counter``): it is kept only where hapd's generator draws, on a plan of several
+devices (a one-device program keeps torch's fused kernel:
+``hapd.runtime.random_ops.choose_rng``).
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ class SavedActivations:
     """Node name → indices of its results whose storage the backward pass keeps."""
     internal: dict[str, float] = field(default_factory=dict)
     """Node name → bytes its backward keeps that are no node's result."""
+    counter: dict[str, float] = field(default_factory=dict)
+    """Node name → bytes its backward keeps beyond those when hapd's counter-based
+    generator draws its dropout (an attention run as the math attention)."""
 
 
 def saved_activations(program: ExportedProgram) -> SavedActivations | None:
@@ -92,13 +105,37 @@ def _on_meta(value: Any) -> Any:
     return torch.device("meta") if isinstance(value, torch.device) else value
 
 
+def _fused_attention(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The attention's result from ``_scaled_dot_product_efficient_attention`` (what
+    autograd then saves is the fused kernel's), or None where that kernel does not take
+    the call (not four dims, a meta kernel that refuses it): the caller traces the op
+    itself then."""
+    named = attention_args(args, kwargs)
+    query, key, value, mask = named["query"], named["key"], named["value"], named["attn_mask"]
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
+        return None
+    if named["enable_gqa"] and key.shape[-3] != query.shape[-3]:
+        # the kernels without grouped heads run on repeated keys and values, and keep them
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        # torch turns a bool mask into an additive one for the fused kernels
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    try:
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, mask, True, 0.0, bool(named["is_causal"]), scale=named["scale"])
+    except Exception as exc:  # noqa: BLE001 - a shape the fused kernel refuses: trace the op itself
+        _log.debug("attention traced as torch's own op: %s: %s", type(exc).__name__, exc)
+        return None
+    return out[0]
+
+
 def _attention_dropout_bytes(node: fx.Node, args: tuple, kwargs: dict) -> float:
     """For an attention with ``dropout_p > 0``: the bytes the runtime's math attention
-    keeps beyond the fused kernel's (``CounterAttention`` in
-    ``hapd/runtime/random_ops.py``: the probabilities and the dropped probabilities in
-    the query's dtype, the keep mask a byte each, per score); 0 for any other node. The
-    node is then traced without dropout (the fused kernel's saved tensors), as its
-    dropout is not torch's."""
+    keeps beyond the fused kernel's when hapd's generator draws the dropout
+    (``CounterAttention`` in ``hapd/runtime/random_ops.py``: the probabilities and the
+    dropped probabilities in the query's dtype, the keep mask a byte each, per score); 0
+    for any other node."""
     if node.target is not ATTENTION:
         return 0.0
     named = attention_args(args, kwargs)
@@ -119,7 +156,7 @@ class _Tracer(fx.Interpreter):
         self._saved: dict[StorageWeakRef, tuple[str, int]] = {}  # storage → (running node, bytes)
         self._running = ""
         self._keep: list[torch.Tensor] = []  # keeps storages alive, so weak refs stay unique
-        self._extra: dict[str, float] = {}  # node → bytes its runtime keeps beyond what tracing saw
+        self._counter: dict[str, float] = {}  # node → bytes kept beyond when hapd's generator draws
 
     def run_node(self, n: fx.Node) -> Any:
         self._running = n.name
@@ -128,10 +165,10 @@ class _Tracer(fx.Interpreter):
             args, kwargs = tree_map(_on_meta, self.fetch_args_kwargs_from_env(n))
             dropped = _attention_dropout_bytes(n, args, kwargs)
             if dropped:
-                self._extra[n.name] = dropped
-                args = (*args[:4], 0.0, *args[5:]) if len(args) > 4 else args
-                kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
-            out = self.call_function(n.target, args, kwargs)
+                self._counter[n.name] = dropped
+            out = _fused_attention(args, kwargs) if n.target is ATTENTION else None
+            if out is None:
+                out = self.call_function(n.target, args, kwargs)
         else:
             out = super().run_node(n)
         results = out if isinstance(out, (tuple, list)) else (out,)
@@ -149,11 +186,12 @@ class _Tracer(fx.Interpreter):
 
     def result(self) -> SavedActivations:
         outputs: dict[str, set[int]] = {}
-        internal: dict[str, float] = dict(self._extra)
+        internal: dict[str, float] = {}
         for key, (running, nbytes) in self._saved.items():
             owner = self._owner.get(key)
             if owner is not None:
                 outputs.setdefault(owner[0], set()).add(owner[1])
             else:
                 internal[running] = internal.get(running, 0.0) + float(nbytes)
-        return SavedActivations(outputs={k: frozenset(v) for k, v in outputs.items()}, internal=internal)
+        return SavedActivations(outputs={k: frozenset(v) for k, v in outputs.items()}, internal=internal,
+                                counter=dict(self._counter))

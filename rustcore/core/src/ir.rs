@@ -226,6 +226,11 @@ pub struct NodeFile {
     /// log-sum-exp); absent when none.
     #[serde(default)]
     pub saved_bytes: Option<f64>,
+    /// Bytes the op's backward keeps beyond `saved_bytes` where hapd's counter-based
+    /// generator draws its dropout (a plan of several devices: an attention with dropout
+    /// then runs as the math attention and keeps its probabilities); absent when none.
+    #[serde(default)]
+    pub counter_saved_bytes: Option<f64>,
     /// The repeated block of the model the op belongs to (the outermost module held at
     /// an index of a container, `layers.3`, from the exported program's module stack):
     /// the unit activation recomputation works in. Absent outside such blocks, and in
@@ -278,6 +283,9 @@ pub struct Node {
     pub saved: Vec<bool>,
     /// Bytes the op's backward keeps that are no node's result (finite, ≥ 0).
     pub saved_bytes: f64,
+    /// Bytes kept beyond `saved_bytes` on a plan of several devices (see
+    /// [`NodeFile::counter_saved_bytes`]; finite, ≥ 0).
+    pub counter_saved_bytes: f64,
     /// The repeated block of the model the op belongs to (see [`NodeFile::block`]).
     pub block: Option<String>,
 }
@@ -496,6 +504,14 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
     if let Some(bytes) = file.saved_bytes.filter(|b| !(b.is_finite() && *b >= 0.0)) {
         return Err(Error::node_field(index, &name, "saved_bytes", format!("{bytes} is not a finite byte count ≥ 0")));
     }
+    if let Some(bytes) = file.counter_saved_bytes.filter(|b| !(b.is_finite() && *b >= 0.0)) {
+        return Err(Error::node_field(
+            index,
+            &name,
+            "counter_saved_bytes",
+            format!("{bytes} is not a finite byte count ≥ 0"),
+        ));
+    }
     let mut saved = vec![false; outputs.len()];
     for &k in &file.saved {
         match saved.get_mut(k as usize) {
@@ -529,6 +545,7 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
         flops: file.flops,
         saved,
         saved_bytes: file.saved_bytes.unwrap_or(0.0),
+        counter_saved_bytes: file.counter_saved_bytes.unwrap_or(0.0),
         block: file.block,
     })
 }
@@ -549,7 +566,7 @@ fn failing_field(map: &[(rmpv::Value, rmpv::Value)], message: &str) -> String {
             "requires_grad" => fits::<bool>(value),
             "batch_dim" => fits::<Option<i64>>(value),
             "tags" => fits::<Vec<String>>(value),
-            "flops" | "saved_bytes" => fits::<Option<f64>>(value),
+            "flops" | "saved_bytes" | "counter_saved_bytes" => fits::<Option<f64>>(value),
             "saved" => fits::<Vec<u32>>(value),
             "block" => fits::<Option<String>>(value),
             _ => true,

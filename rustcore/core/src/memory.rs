@@ -215,7 +215,7 @@ pub fn breakdown(problem: &Problem, outcome: &Outcome) -> Breakdown {
     }
     for chosen in &outcome.steps {
         let step = &problem.steps[chosen.step];
-        let inside = problem.graph.nodes[step.node].saved_bytes;
+        let inside = problem.saved_inside(step.node);
         if inside > 0.0 && step.span.is_none() {
             let sharded = step.rules[chosen.rule].work == Work::Sharded;
             activations.add(inside, if sharded { Share::Shard(step_split(problem, chosen)) } else { Share::Replica });

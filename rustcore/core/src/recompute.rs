@@ -115,7 +115,7 @@ pub fn largest_span(problem: &Problem, outcome: &Outcome) -> (f64, f64) {
     }
     for chosen in &outcome.steps {
         let step = &problem.steps[chosen.step];
-        let inside = problem.graph.nodes[step.node].saved_bytes;
+        let inside = problem.saved_inside(step.node);
         if let (Some(span), true) = (step.span, inside > 0.0) {
             let sharded = step.rules[chosen.rule].work == crate::cost::Work::Sharded;
             add(&mut rebuilt, span, inside, sharded);

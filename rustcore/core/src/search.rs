@@ -716,7 +716,7 @@ impl<'p, 'a> Search<'p, 'a> {
                 }
             }
         }
-        let inside = p.graph.nodes[step.node].saved_bytes;
+        let inside = p.saved_inside(step.node);
         if inside > 0.0 && step.span.is_none() {
             charge += self.memory_charge(inside, rule.work == crate::cost::Work::Sharded);
         }

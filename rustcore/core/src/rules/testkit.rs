@@ -65,6 +65,7 @@ pub fn graph(op: &str, args: Vec<(&str, A)>, outputs: &[(&[usize], DType)]) -> G
             flops: None,
             saved: vec![false],
             saved_bytes: 0.0,
+            counter_saved_bytes: 0.0,
             block: None,
         });
         inputs.push(TensorRef(nodes.len() as u32 - 1, 0));
@@ -87,6 +88,7 @@ pub fn graph(op: &str, args: Vec<(&str, A)>, outputs: &[(&[usize], DType)]) -> G
         flops: None,
         saved,
         saved_bytes: 0.0,
+        counter_saved_bytes: 0.0,
         block: None,
     });
     let loss = TensorRef(nodes.len() as u32 - 1, 0);
