@@ -9,8 +9,10 @@ under torchrun runs here unchanged, plus ``HAPD_DAEMON`` (this daemon's address)
 ``HAPD_KEY_FILE`` (the key it authenticates with, so rank 0 can ask it for plans wherever
 that key lies), ``HAPD_CACHE`` (its plan cache) and ``HAPD_JOB``. Every rank is the leader of its own
 process group, so cancelling kills the whole tree (SIGTERM, then SIGKILL after a grace
-period). Output is captured line by line into the job's event buffer, with a sequence
-number per event; a rank's exit is an event too. As torchrun does, when one local rank
+period). Output is captured line by line as the job's events, with a sequence number
+per event; a rank's exit is an event too. The daemon keeps only a bounded tail of them
+in memory and spills every one to ``JOBS_DIR/JOB/events.spill`` (:mod:`hapd.serve.events`),
+so what a job prints costs the daemon disk, not memory. As torchrun does, when one local rank
 fails the others on this host are stopped; the launcher stops the other hosts.
 
 A job is **leased**: every ``job_events`` poll about it renews the lease, and a job whose
@@ -19,7 +21,8 @@ daemon) is cancelled as a ``cancel`` request would, with ``lease expired: launch
 for N s`` as its reason; so no rank outlives the launcher that started it by more than
 the lease plus the SIGKILL grace. Each finished job keeps a reason (``job_status``).
 
-A launch that ships its script writes it to ``JOBS_DIR/JOB/``; those folders are pruned
+Every job has a folder ``JOBS_DIR/JOB/`` (its spill file, and the script a launch
+ships); those folders are pruned
 when the manager starts and whenever a job ends: those of the last
 :data:`DEFAULT_KEEP_JOB_DIRS` jobs to finish (or launch) within
 :data:`DEFAULT_JOB_DIR_MAX_AGE_S` are kept, and always those of unfinished jobs.
@@ -30,7 +33,6 @@ No torch import here.
 from __future__ import annotations
 
 import codecs
-import itertools
 import logging
 import os
 import re
@@ -40,12 +42,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from hapd.errors import OptionsError
+from hapd.serve.events import SPILL_FILE, EventLog
 
 log = logging.getLogger("hapd.jobs")
 
@@ -54,10 +56,10 @@ MAX_LINE = 64 * 1024
 """Longer output lines are split into several events."""
 MAX_NPROC = 1024
 """Most ranks one launch may start on this host."""
-MAX_EVENTS_KEPT = 100_000
-"""Output events kept per job (the oldest are dropped)."""
 MAX_EVENTS_PER_REPLY = 2000
 """Most output events one ``job_events`` reply carries."""
+MAX_EVENT_REPLY_BYTES = 2**20
+"""Most bytes of output text one ``job_events`` reply carries (beyond its first event)."""
 MAX_START_DELAY_S = 3600.0
 """Latest ``start_at`` a launch may ask for, in seconds from now."""
 MAX_START_LATE_S = 60
@@ -211,15 +213,14 @@ class Rank:
 
 @dataclass
 class Job:
-    """One job's ranks and event buffer."""
+    """One job's ranks and events."""
 
     spec: LaunchSpec
     command: list[str]
     ranks: list[Rank]
+    events: EventLog
     state: str = "starting"
     started: float = field(default_factory=time.time)
-    events: deque = field(default_factory=lambda: deque(maxlen=MAX_EVENTS_KEPT))
-    seq: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     renewed: float = field(default_factory=time.monotonic)
@@ -230,6 +231,11 @@ class Job:
     @property
     def finished(self) -> bool:
         return self.state in ("exited", "failed", "cancelled")
+
+    @property
+    def seq(self) -> int:
+        """The number of the job's last event."""
+        return self.events.seq
 
     def renew(self) -> None:
         """Its launcher is there: the lease runs ``lease_s`` from now."""
@@ -247,21 +253,26 @@ class Job:
     def add_event(self, rank: int, stream: str, line: str, *, more: bool = False) -> None:
         """One event; ``more``: ``line`` is a piece of a longer line that the next event
         of this rank and stream continues."""
+        event: dict[str, Any] = {"rank": rank, "stream": stream, "line": line, "time": time.time()}
+        if more:
+            event["more"] = True
         with self.lock:
-            self.seq += 1
-            event = {"seq": self.seq, "rank": rank, "stream": stream, "line": line, "time": time.time()}
-            if more:
-                event["more"] = True
             self.events.append(event)
 
-    def events_after(self, after: int, limit: int = MAX_EVENTS_PER_REPLY) -> tuple[list[dict[str, Any]], bool]:
+    def events_after(self, after: int, limit: int = MAX_EVENTS_PER_REPLY,
+                     max_bytes: int = MAX_EVENT_REPLY_BYTES) -> tuple[list[dict[str, Any]], bool]:
+        """The events numbered above ``after`` (from memory or the spill file; events
+        lost stand as one drop marker) and whether the job is done after them."""
         with self.lock:
-            first = self.events[0]["seq"] if self.events else self.seq + 1
-            start = max(0, after + 1 - first)  # seqs are contiguous in the buffer
-            out = list(itertools.islice(self.events, start, start + limit))
+            out = self.events.after(after, limit, max_bytes)
             last = out[-1]["seq"] if out else after
-            done = self.finished and last >= self.seq
+            done = self.finished and last >= self.events.seq
         return out, done
+
+    def release_events(self) -> None:
+        """The job has finished: keep a small tail of its events in memory."""
+        with self.lock:
+            self.events.finish()
 
     def summary(self) -> dict[str, Any]:
         s = self.spec
@@ -336,12 +347,13 @@ class JobManager:
             # every rank runs under a guard that kills its process group should the daemon die
             command = [sys.executable, "-m", "hapd.serve.rank_guard", str(os.getpid()), "--",
                        sys.executable, "-u", str(script), *spec.args]
-            job = Job(spec, command, [Rank(spec.rank_offset + i, i) for i in range(spec.nproc)])
             with self._lock:  # the slots counted and taken at once: concurrent launches cannot both pass
                 busy = sum(j.spec.nproc for j in self._jobs.values() if not j.finished)
                 if self.slots is not None and busy + spec.nproc > self.slots:
                     raise _bad(f"this host has {self.slots} rank slot(s), {busy} in use: no room for {spec.nproc} "
                                "more rank(s)", "nproc")
+                events = EventLog(self.jobs_dir / spec.job / SPILL_FILE, rank=spec.rank_offset)
+                job = Job(spec, command, [Rank(spec.rank_offset + i, i) for i in range(spec.nproc)], events)
                 self._jobs[spec.job] = job
                 self._trim()
         delay = spec.start_at - time.time() if spec.start_at is not None else 0.0
@@ -403,6 +415,7 @@ class JobManager:
                 self._kill(job, signal.SIGKILL)
                 job.state = "failed"
                 job.reason = job.reason or f"cannot start the ranks: {exc}"
+                job.events.finish()
                 raise
             job.state = "running"
         log.info("job %s: started ranks %d..%d of %d, pids %s", spec.job, spec.rank_offset, spec.rank_offset + spec.nproc - 1, spec.world_size, [r.proc.pid for r in job.ranks])
@@ -493,10 +506,11 @@ class JobManager:
     # -- job folders
 
     def _ended(self, job: Job) -> None:
-        """A job has finished: its folder counts from now (the last finished are kept);
-        forget old folders."""
+        """A job has finished: its events leave memory but a small tail; its folder
+        counts from now (the last finished are kept); forget old folders."""
+        job.release_events()
         try:
-            if job.spec.script_bytes is not None and (self.jobs_dir / job.spec.job).is_dir():
+            if (self.jobs_dir / job.spec.job).is_dir():
                 os.utime(self.jobs_dir / job.spec.job)
             self.prune_job_dirs()
         except OSError as exc:  # a folder we cannot list or remove must not stop a job's watcher
@@ -577,4 +591,6 @@ class JobManager:
     def _trim(self) -> None:
         finished = [k for k, j in self._jobs.items() if j.finished]
         for k in finished[: max(0, len(finished) - self.keep_finished)]:
-            del self._jobs[k]
+            job = self._jobs.pop(k)
+            with job.lock:
+                job.events.close()
