@@ -338,7 +338,7 @@ class Daemon:
         self.replies.bind(self._inproc)
         local = self.address.replace("://0.0.0.0:", "://127.0.0.1:").replace("://*:", "://127.0.0.1:")
         self.jobs = JobManager(jobs_dir=cfg.home / "jobs", daemon_address=local, cache_dir=cfg.cache, key_file=cfg.key_file,
-                               slots=cfg.slots)
+                               slots=cfg.slots, records_dir=cfg.home / "ranks")
 
         self.worker = threading.Thread(target=self._work, name="hapd-compile", daemon=True)
         self.worker.start()

@@ -7,9 +7,14 @@ gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`
 ``TORCHELASTIC_MAX_RESTARTS``; ``OMP_NUM_THREADS=1`` unless set), so a script that runs
 under torchrun runs here unchanged, plus ``HAPD_DAEMON`` (this daemon's address),
 ``HAPD_KEY_FILE`` (the key it authenticates with, so rank 0 can ask it for plans wherever
-that key lies), ``HAPD_CACHE`` (its plan cache) and ``HAPD_JOB``. Every rank is the leader of its own
-process group, so cancelling kills the whole tree (SIGTERM, then SIGKILL after a grace
-period). Output is captured line by line as the job's events, with a sequence number
+that key lies), ``HAPD_CACHE`` (its plan cache), ``HAPD_JOB`` and ``HAPD_JOB_TOKEN`` (a
+random token of this launch, inherited by every process a rank starts). Every rank runs
+under a guard that leads its own process group; cancelling signals every group and
+every process that carries the job's token, even one that left the group or session
+(SIGTERM, then SIGKILL after a grace period); and when a job ends, what its ranks left
+running is stopped the same way. While a job runs its ranks are recorded in the state
+directory (:mod:`hapd.serve.leftovers`), so that a daemon started after this one was
+killed stops them. Output is captured line by line as the job's events, with a sequence number
 per event; a rank's exit is an event too. The daemon keeps only a bounded tail of them
 in memory and spills every one to ``JOBS_DIR/JOB/events.spill`` (:mod:`hapd.serve.events`),
 so what a job prints costs the daemon disk, not memory. As torchrun does, when one local rank
@@ -36,6 +41,7 @@ import codecs
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -48,6 +54,7 @@ from typing import Any, Mapping
 
 from hapd.errors import OptionsError
 from hapd.serve.events import SPILL_FILE, EventLog
+from hapd.serve.leftovers import MARKER_ENV, RankRecords, marked_processes, signal_marked
 
 log = logging.getLogger("hapd.jobs")
 
@@ -227,6 +234,8 @@ class Job:
     """When the lease was last renewed (monotonic clock)."""
     reason: str | None = None
     """Why the job ended, or is ending (the first cause wins)."""
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    """This launch's mark (``HAPD_JOB_TOKEN``), inherited by every process of the job."""
 
     @property
     def finished(self) -> bool:
@@ -291,7 +300,9 @@ class JobManager:
     def __init__(self, *, jobs_dir: Path, daemon_address: str, cache_dir: Path, key_file: Path | None = None,
                  grace_s: float = DEFAULT_GRACE_S, slots: int | None = None,
                  keep_finished: int = DEFAULT_KEEP_FINISHED, keep_job_dirs: int = DEFAULT_KEEP_JOB_DIRS,
-                 job_dir_max_age_s: float = DEFAULT_JOB_DIR_MAX_AGE_S) -> None:
+                 job_dir_max_age_s: float = DEFAULT_JOB_DIR_MAX_AGE_S, records_dir: Path | None = None) -> None:
+        """``records_dir``: where running jobs are recorded (default: ``ranks/`` beside
+        ``jobs_dir``); what a killed predecessor recorded there is stopped now."""
         if keep_job_dirs < 1 or not job_dir_max_age_s > 0:
             raise OptionsError(f"keep_job_dirs {keep_job_dirs} must be ≥ 1 and job_dir_max_age_s {job_dir_max_age_s} > 0",
                                field="keep_job_dirs")
@@ -310,6 +321,8 @@ class JobManager:
         self._lock = threading.Lock()
         self._dirs_lock = threading.Lock()
         """Held while a job folder is written and its job registered, and while pruning."""
+        self.records = RankRecords(Path(records_dir) if records_dir is not None else self.jobs_dir.parent / "ranks")
+        self.records.stop_leftovers()
         self.prune_job_dirs()
 
     # -- queries
@@ -392,7 +405,8 @@ class JobManager:
 
     def _start(self, job: Job, cwd: Path) -> None:
         spec = job.spec
-        base = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "HAPD_DAEMON": self.daemon_address, "HAPD_CACHE": str(self.cache_dir), "HAPD_JOB": spec.job}
+        base = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "HAPD_DAEMON": self.daemon_address,
+                "HAPD_CACHE": str(self.cache_dir), "HAPD_JOB": spec.job, MARKER_ENV: job.token}
         if self.key_file is not None:
             base["HAPD_KEY_FILE"] = str(self.key_file)
         if spec.nproc > 1 and "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in os.environ:
@@ -417,6 +431,7 @@ class JobManager:
                 job.reason = job.reason or f"cannot start the ranks: {exc}"
                 job.events.finish()
                 raise
+            self.records.write(spec.job, job.token, [r.proc.pid for r in job.ranks])
             job.state = "running"
         log.info("job %s: started ranks %d..%d of %d, pids %s", spec.job, spec.rank_offset, spec.rank_offset + spec.nproc - 1, spec.world_size, [r.proc.pid for r in job.ranks])
         for r in job.ranks:
@@ -507,8 +522,10 @@ class JobManager:
 
     def _ended(self, job: Job) -> None:
         """A job has finished: its events leave memory but a small tail; its folder
-        counts from now (the last finished are kept); forget old folders."""
+        counts from now (the last finished are kept); forget old folders; stop what
+        its ranks left running."""
         job.release_events()
+        self._stop_left(job)
         try:
             if (self.jobs_dir / job.spec.job).is_dir():
                 os.utime(self.jobs_dir / job.spec.job)
@@ -546,8 +563,33 @@ class JobManager:
         return removed
 
     def _stop(self, job: Job) -> None:
+        """SIGTERM to every rank's process group and every process of the job; SIGKILL
+        to those still there after the grace period."""
         self._kill(job, signal.SIGTERM)
-        timer = threading.Timer(self.grace_s, self._kill, args=(job, signal.SIGKILL, True))
+        signal_marked({job.token}, signal.SIGTERM)
+        self._later(self._kill_rest, job)
+
+    def _kill_rest(self, job: Job) -> None:
+        """The end of a stop's grace period."""
+        self._kill(job, signal.SIGKILL, True)
+        signal_marked({job.token}, signal.SIGKILL)
+        if job.finished:
+            self.records.remove(job.token)
+
+    def _stop_left(self, job: Job) -> None:
+        """A job has ended: what its ranks started and left running (in their own
+        session, say) gets SIGTERM, then SIGKILL after the grace period; the job's
+        record goes once nothing of it is left."""
+        left = marked_processes({job.token}).get(job.token, [])
+        if not left:
+            self.records.remove(job.token)
+            return
+        log.info("job %s: stopping %d process(es) its ranks left running: %s", job.spec.job, len(left), left[:8])
+        signal_marked({job.token}, signal.SIGTERM)
+        self._later(self._kill_rest, job)
+
+    def _later(self, action: Any, job: Job) -> None:
+        timer = threading.Timer(self.grace_s, action, args=(job,))
         timer.daemon = True
         timer.start()
 
@@ -577,6 +619,11 @@ class JobManager:
                         r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                     except subprocess.TimeoutExpired:
                         self._kill(job, signal.SIGKILL)
+        with self._lock:  # what ranks left, of every job: the daemon's timers do not outlive it
+            known = list(self._jobs.values())
+        signal_marked({j.token for j in known}, signal.SIGKILL)
+        for job in known:
+            self.records.remove(job.token)
 
     def kill_all(self) -> None:
         """SIGKILL every rank of every unfinished job, without waiting: the daemon's
@@ -587,6 +634,7 @@ class JobManager:
             job.set_reason(REASON_STOPPING)
             job.cancelled.set()
             self._kill(job, signal.SIGKILL)
+            signal_marked({job.token}, signal.SIGKILL)
 
     def _trim(self) -> None:
         finished = [k for k, j in self._jobs.items() if j.finished]
