@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -66,6 +68,19 @@ def _parse_overrides(pairs: tuple[str, ...]) -> dict[str, object]:
     return out
 
 
+@contextlib.contextmanager
+def _building(*, with_weights: bool) -> Iterator[None]:
+    """Where a benchmark model is built: as usual, or with its parameters on the meta
+    device (:func:`hapd.init_on_meta`: shapes only, buffers real)."""
+    if with_weights:
+        yield
+        return
+    from hapd.runtime.weights import init_on_meta
+
+    with init_on_meta():
+        yield
+
+
 @main.command("export")
 @click.argument("model")
 @click.option("--batch", "-b", type=click.IntRange(min=1), default=8, show_default=True, help="Global batch size.")
@@ -74,12 +89,18 @@ def _parse_overrides(pairs: tuple[str, ...]) -> dict[str, object]:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a benchmark model's config field.")
 @click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Output .pt2 (default MODEL.pt2).")
 @click.option("--hapg/--no-hapg", default=True, show_default=True, help="Also write the lowered graph IR beside it.")
-def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], out: Path | None, hapg: bool) -> None:
+@click.option("--weights/--no-weights", default=None,
+              help="Build a benchmark model with its weights, or on the meta device (shapes only: the program holds no "
+                   "weights, lowers to the same graph and plans the same; runs take weights=)  "
+                   "[default: --no-weights for --size paper, else --weights]")
+def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], out: Path | None, hapg: bool,
+               weights: bool | None) -> None:
     """Export MODEL to a torch.export program.
 
     MODEL is a benchmark model name (mlp, vgg19, vit, bert, bert_moe, gpt2_block,
     llama_block) or MODULE:FACTORY, a callable returning (module, example_inputs) that
-    may take a ``batch`` keyword.
+    may take a ``batch`` keyword. A paper-size benchmark model is built on the meta
+    device (its tens of GiB of weights are never allocated) unless --weights is given.
     """
     from hapd.compiler.export import call_factory, export, load_factory
     from hapd.compiler.summary import format_summary, inspect_graph
@@ -94,7 +115,8 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
 
         try:
             spec = models.get(model)
-            module, config = models.build(model, size, **_parse_overrides(overrides))
+            with _building(with_weights=size != "paper" if weights is None else weights):
+                module, config = models.build(model, size, **_parse_overrides(overrides))
         except (ValueError, TypeError) as exc:  # unknown model or field, a bad override value
             message = str(exc) if isinstance(exc, ValueError) else f"bad --set value for {model}: {exc}"
             raise OptionsError(message) from exc

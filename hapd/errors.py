@@ -76,6 +76,11 @@ class WeightsError(HapdError):
     a shape or dtype it does not match, an initializer that failed)."""
 
 
+class CollectiveError(HapdError):
+    """A collective failed or waited past the process group's timeout: the message names
+    the training step and the ranks that were not there."""
+
+
 class ProtocolError(HapdError):
     """A control message is malformed or of an unknown version."""
 

@@ -105,6 +105,46 @@ def test_export_mlp_writes_pt2_and_hapg(tmp_path) -> None:
     assert _core.load_graph(ir.data)["inputs"][0] == ("x", [4, 32], 0)
 
 
+def test_export_without_weights_builds_on_meta_and_gives_the_same_graph(tmp_path) -> None:
+    """``--no-weights``: the model is built on the meta device; the program holds no
+    weights (its parameters load as meta tensors), yet lowers to the graph, and graph
+    id, of the export with weights, so it plans the same."""
+    from hapd.compiler.lower import load_exported
+
+    for flag in ("--weights", "--no-weights"):
+        result = run("export", "bert", "-b", "2", "--set", "layers=1", flag, "-o", f"{flag}.pt2", cwd=tmp_path)
+        assert result.exit_code == 0, result.output
+    real, meta = GraphIR.load(tmp_path / "--weights.hapg"), GraphIR.load(tmp_path / "--no-weights.hapg")
+    assert meta.graph_id == real.graph_id
+    program, _ = load_exported(tmp_path / "--no-weights.pt2")
+    assert {str(t.device) for t in program.state_dict.values() if t.requires_grad} == {"meta"}
+    assert (tmp_path / "--no-weights.pt2").stat().st_size < (tmp_path / "--weights.pt2").stat().st_size
+
+
+def test_a_paper_size_model_is_exported_from_shapes(tmp_path, monkeypatch) -> None:
+    """``hapd export llama_block --size paper`` never allocates the model's weights (25
+    GiB): it is built on the meta device (the export itself is stopped here: it takes a
+    while at this size; ``--no-weights`` exports are checked above)."""
+    import hapd.compiler.export as export_module
+    from hapd.compiler.export import on_meta
+    from hapd.errors import ExportError
+
+    built = []
+
+    def stop(module, inputs, **kwargs):
+        built.append(module)
+        raise ExportError("stopped by the test")
+
+    monkeypatch.setattr(export_module, "export", stop)
+    result = CliRunner().invoke(main, ["export", "llama_block", "--size", "paper", "--no-hapg", "-o",
+                                       str(tmp_path / "l.pt2")])
+    assert "stopped by the test" in result.output
+    [module] = built
+    assert on_meta(module)
+    params = list(module.parameters())
+    assert all(p.is_meta for p in params) and sum(p.numel() for p in params) > 6e9  # the real size, no storage
+
+
 def test_export_without_hapg_and_overrides(tmp_path) -> None:
     out = tmp_path / "deep" / "bert.pt2"
     result = run("export", "bert", "-b", "3", "--set", "layers=1", "--set", "dropout=0.0", "--no-hapg", "-o", out)

@@ -23,6 +23,7 @@ from hapd.serve.cache import CacheKey, PlanCache, _parse_header
 from hapd.serve.client import Client, DaemonTimeout
 from hapd.errors import RemoteError
 from hapd.compiler.plan import Plan
+from hapd.serve.daemon import message_body_bytes
 from hapd.serve.protocol import MAGIC, Session
 
 pytestmark = pytest.mark.daemon
@@ -338,8 +339,8 @@ def test_protocol_rejections_against_the_live_daemon(daemon):
         frames[1] = b"2"
         frames[2] = good.sign(b"2", frames[3], frames[4])
         assert exchange(frames) is None
-        # oversized frame (over --max-request-bytes)
-        _, frames = good.encode("compile", {"graph": b"\0" * (MAX_REQUEST + 10), "graph_kind": "hapg"})
+        # oversized frame (over one message's body limit: a larger request comes in parts)
+        _, frames = good.encode("compile", {"graph": b"\0" * (message_body_bytes(MAX_REQUEST) + 10), "graph_kind": "hapg"})
         assert exchange(frames) is None
         # malformed (an unsigned header is never decoded: the signature is checked first)
         assert exchange([b"hello"]) is None

@@ -1,11 +1,15 @@
-"""Issue 17, item 7: leftovers are bounded.
+"""Issue 17, item 7, and issue 31, item 1: leftovers are bounded.
 
 - a launcher's private daemon removes its ``$TMPDIR/hapd-launcher-*`` state folder when it
   stops because its launcher was killed, and the next launcher removes any such folder
   whose launcher and daemon are gone;
 - a daemon's job folders (shipped scripts) are pruned when it starts and whenever a job
   ends: the newest ones younger than the age bound are kept, and always those of
-  unfinished jobs.
+  unfinished jobs;
+- a cancel, or a job's end, reaches every process of the job, a child a rank started in
+  a session of its own included; a killed daemon's rank guards take those too; and a
+  daemon that starts stops what a killed predecessor's ranks left (its record of them
+  in the state folder), never a process that merely got a recorded pid again.
 
 Every wait is for an event, bounded by a generous deadline.
 """
@@ -22,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _jobs import job_processes
+from _jobs import job_processes, kill_job
 from _wait import GENEROUS_S, wait_for
 
 pytestmark = pytest.mark.daemon
@@ -181,3 +185,140 @@ def test_a_daemon_prunes_job_folders_at_start(tmp_path):
     finally:
         proc.terminate()
         proc.wait(GENEROUS_S)
+
+
+# ----------------------------------------------------------------------------- issue 31: every descendant, and a restart
+
+GRANDPARENT = """\
+import subprocess, sys, time
+code = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('grandchild', os.getpid(), flush=True); time.sleep(300)"
+child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)  # out of the rank's group and session
+time.sleep(300)
+"""
+"""A rank that starts a child in a session of its own, which ignores SIGTERM (and says
+so, with its pid, once it does)."""
+
+
+def _alive(pid: int) -> bool:
+    from hapd.serve.leftovers import process_start
+
+    return process_start(pid) is not None
+
+
+def _grandchild(events: list[dict]) -> int | None:
+    for e in events:
+        if e["stream"] == "stdout" and e["line"].startswith("grandchild "):
+            return int(e["line"].split()[1])
+    return None
+
+
+def test_a_cancel_reaches_a_grandchild_in_its_own_session(tmp_path):
+    from hapd.serve.jobs import JobManager
+
+    jobs = JobManager(jobs_dir=tmp_path / "jobs", daemon_address="tcp://127.0.0.1:1", cache_dir=tmp_path / "cache",
+                      grace_s=1.0)
+    try:
+        job = jobs.launch(_launch_body("descend", GRANDPARENT))
+        pid = wait_for(lambda: _grandchild(job.events_after(0)[0]), GENEROUS_S, "the grandchild to start")
+        assert os.getsid(pid) == pid and len(job_processes("descend")) == 3  # guard, rank, grandchild
+        assert len(list((tmp_path / "ranks").glob("*.json"))) == 1  # the running job is recorded
+        jobs.cancel("descend")
+        wait_for(lambda: job.finished and not _alive(pid), GENEROUS_S, "the grandchild to be killed")
+        wait_for(lambda: not list((tmp_path / "ranks").glob("*.json")), GENEROUS_S, "the job's record to go")
+        assert job_processes("descend") == []
+    finally:
+        jobs.shutdown()
+        kill_job("descend")
+
+
+def test_what_a_finished_job_left_running_is_stopped(tmp_path):
+    """A rank that exits 0 leaving a child in its own session: the child is stopped too."""
+    from hapd.serve.jobs import JobManager
+
+    script = GRANDPARENT.rsplit("time.sleep(300)", 1)[0] + "time.sleep(1)\n"  # the rank exits once its child is up
+    jobs = JobManager(jobs_dir=tmp_path / "jobs", daemon_address="tcp://127.0.0.1:1", cache_dir=tmp_path / "cache",
+                      grace_s=1.0)
+    try:
+        job = jobs.launch(_launch_body("leaves", script))
+        wait_for(lambda: job.finished, GENEROUS_S, "the rank to exit")
+        pid = _grandchild(job.events_after(0)[0])
+        assert job.state == "exited" and pid is not None
+        wait_for(lambda: not _alive(pid), GENEROUS_S, "what the rank left to be killed")
+    finally:
+        jobs.shutdown()
+        kill_job("leaves")
+
+
+def test_a_killed_daemon_s_guards_take_grandchildren_in_their_own_session(tmp_path):
+    """SIGKILL the daemon: within 5 s nothing of the job is left, the child the rank
+    started in its own session included."""
+    from _hardening_daemon import ServedDaemon
+
+    daemon = ServedDaemon(tmp_path / "hapd").start()
+    try:
+        with daemon.client(timeout_s=GENEROUS_S) as client:
+            client.launch("orphans", "gp.py", script_bytes=GRANDPARENT.encode(), nproc=2, world_size=2,
+                          master_addr="127.0.0.1", master_port=29500)
+            wait_for(lambda: len(job_processes("orphans")) == 6, GENEROUS_S, "2 guards, 2 ranks, 2 grandchildren")
+        daemon.proc.kill()
+        daemon.proc.wait()
+        killed = time.monotonic()
+        wait_for(lambda: not job_processes("orphans"), 5.0, "the job's processes to die with the daemon")
+        assert time.monotonic() - killed < 5.0
+    finally:
+        daemon.stop()
+        kill_job("orphans")
+
+
+def test_a_restarted_daemon_stops_what_its_predecessor_left(tmp_path):
+    """The daemon and the rank's guard are both SIGKILLed (nothing of theirs can clean
+    up): the rank and its own-session child run on. A daemon started on the same state
+    directory finds the record and kills them."""
+    from _hardening_daemon import ServedDaemon
+
+    home = tmp_path / "hapd"
+    first = ServedDaemon(home).start()
+    try:
+        with first.client(timeout_s=GENEROUS_S) as client:
+            [guard] = client.launch("left", "gp.py", script_bytes=GRANDPARENT.encode(), nproc=1, world_size=1,
+                                    master_addr="127.0.0.1", master_port=29500)
+            wait_for(lambda: len(job_processes("left")) == 3, GENEROUS_S, "guard, rank and grandchild")
+        os.kill(guard, signal.SIGKILL)
+        first.proc.kill()
+        first.proc.wait()
+        time.sleep(1.0)
+        left = job_processes("left")
+        assert len(left) == 2, left  # the rank and the grandchild, orphans
+        second = ServedDaemon(home).start()
+        try:
+            wait_for(lambda: not job_processes("left"), GENEROUS_S, "the new daemon to stop the leftovers")
+            second.wait_log(rf"job left: killed 2 process\(es\) that daemon {first.pid} left")
+            assert not list((home / "ranks").glob("*.json"))
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+        kill_job("left")
+
+
+def test_a_record_never_kills_a_recycled_pid_or_a_live_daemon_s_ranks(tmp_path):
+    """A record whose guard pid now names another process (another start time) kills
+    nothing; a record of a daemon that still runs is left alone."""
+    from hapd.serve.leftovers import RankRecords, process_start
+
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        records = tmp_path / "ranks"
+        records.mkdir()
+        stranger = {"job": "old", "token": "t" * 32, "daemon": {"pid": dead_pid(), "start": "1"},
+                    "guards": [{"pid": bystander.pid, "start": "1"}]}  # its pid, recycled: another start time
+        (records / f"{'t' * 32}.json").write_text(json.dumps(stranger))
+        live = {"job": "live", "token": "u" * 32, "daemon": {"pid": bystander.pid, "start": process_start(bystander.pid)},
+                "guards": [{"pid": bystander.pid, "start": process_start(bystander.pid)}]}
+        (records / f"{'u' * 32}.json").write_text(json.dumps(live))
+        assert RankRecords(records).stop_leftovers() == []
+        assert bystander.poll() is None
+        assert sorted(p.name for p in records.iterdir()) == [f"{'u' * 32}.json"]
+    finally:
+        bystander.kill()
+        bystander.wait()

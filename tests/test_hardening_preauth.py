@@ -1,13 +1,17 @@
-"""Issue 17, item 2: memory before authentication. A peer that has not authenticated
-cannot make the daemon buffer a frame larger than the request limit (libzmq refuses it
-as soon as it reads the size), cannot hold more than ``--max-connections`` connections,
-and cannot fill the log: rejected messages are logged a few lines per interval and
-summarized. Real daemons, loopback only, bounded loops."""
+"""Issue 17, item 2, and issue 31, item 4: memory before authentication. A peer that
+has not authenticated cannot make the daemon buffer a frame larger than about a
+megabyte (libzmq refuses it as soon as it reads the size; larger requests come in
+signed parts), cannot hold more than ``--max-connections`` connections, and cannot fill
+the log: rejected messages are logged a few lines per interval and summarized. Real
+daemons, loopback only, bounded loops."""
 
 from __future__ import annotations
 
+import hashlib
 import re
+import sys
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -15,10 +19,10 @@ import zmq
 from _hardening_daemon import ServedDaemon, closed_by_peer, zmtp_connect
 from _wait import GENEROUS_S, wait_for
 
-from hapd.errors import DaemonTimeout, RemoteError
-from hapd.serve.daemon import DEFAULT_MAX_CONNECTIONS, FRAME_SLACK_BYTES
+from hapd.errors import DaemonTimeout, ProtocolError, RemoteError
+from hapd.serve.daemon import DEFAULT_MAX_CONNECTIONS, FRAME_SLACK_BYTES, preauth_bytes
 from hapd.serve.guard import REJECT_LOG_BURST, RateLimitedLog, shorten
-from hapd.serve.protocol import MAGIC
+from hapd.serve.protocol import MAGIC, PART_BYTES, Limits, PartedMessages, Session
 
 pytestmark = pytest.mark.daemon
 
@@ -180,3 +184,133 @@ def test_rate_limited_log_summarizes_each_interval(caplog):
 def test_shorten_bounds_text_and_says_how_long_it_was():
     assert shorten("abc", 5) == "abc"
     assert shorten("x" * 100_000, 10) == "x" * 10 + "… (100000 characters)"
+
+
+# ----------------------------------------------------------------------------- issue 31: small frames, parts
+
+BIG_FRAME = 200 * 2**20
+"""The unsigned frames of the probe (each far over any frame the daemon accepts)."""
+BIG_FRAMES = 4
+MAX_PREAUTH_GROWTH = 50 * 2**20
+"""The daemon may grow by less than this while refusing them (it buffered 200 MiB each before)."""
+
+
+def _rss_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def _settled_rss(pid: int) -> int:
+    """``pid``'s resident bytes once steady (a daemon imports torch in the background as it starts)."""
+    last = [_rss_bytes(pid)]
+
+    def steady() -> bool:
+        time.sleep(0.5)
+        now = _rss_bytes(pid)
+        settled = abs(now - last[0]) < 2**20
+        last[0] = now
+        return settled
+
+    wait_for(steady, GENEROUS_S, "the daemon's memory to settle")
+    return last[0]
+
+
+def test_the_default_preauth_budget_is_about_a_megabyte():
+    assert preauth_bytes(256 * 2**20) < 2 * 2**20
+    assert preauth_bytes(4096) < 256 * 2**10
+
+
+def test_unsigned_200_mib_frames_do_not_grow_the_default_daemon(tmp_path):
+    """Four peers each send an unsigned message with a 200 MiB frame to a daemon with the
+    default limits: each is disconnected as soon as its frame's size is read, the daemon
+    grows by far less than one such frame, and a signed 3 MiB request still goes through
+    (in parts)."""
+    frame = memoryview(bytes(BIG_FRAME))
+    with ServedDaemon(tmp_path / "hapd") as daemon:
+        before = _settled_rss(daemon.pid)
+        peak = before
+        socks = [_dealer(daemon.address) for _ in range(BIG_FRAMES)]
+        try:
+            for sock in socks:
+                sock.send_multipart([MAGIC, b"1", b"0" * 64, b"\x80", frame], copy=False)
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                peak = max(peak, _rss_bytes(daemon.pid))
+                time.sleep(0.05)
+        finally:
+            for sock in socks:
+                sock.close()
+        with daemon.client(timeout_s=GENEROUS_S) as client:
+            with pytest.raises(RemoteError, match="GraphFormatError"):  # read whole, in parts, then refused as a graph
+                client.compile(b"\0" * (3 * 2**20), "hapg")
+            assert client.ping()["profile_name"] == "paper-8"
+        after = _rss_bytes(daemon.pid)
+    print(f"daemon RSS {before / 2**20:.1f} MiB before {BIG_FRAMES} unsigned {BIG_FRAME >> 20} MiB frames, peak "
+          f"{peak / 2**20:.1f} MiB, {after / 2**20:.1f} MiB after them and a 3 MiB signed request", file=sys.stderr)
+    assert peak - before < MAX_PREAUTH_GROWTH, f"grew {(peak - before) / 2**20:.1f} MiB"
+
+
+def test_a_shipped_script_of_several_megabytes_arrives_whole_in_parts(tmp_path):
+    """A launch whose script is 3 MiB (three parts and some): the rank runs exactly it."""
+    filler = "# " + "z" * 1000 + "\n"
+    script = "import hashlib\nprint(hashlib.sha256(open(__file__, 'rb').read()).hexdigest(), flush=True)\n"
+    script += filler * (3 * 2**20 // len(filler) + 1)
+    assert len(script) > 3 * PART_BYTES
+    with ServedDaemon(tmp_path / "hapd") as daemon, daemon.client(timeout_s=GENEROUS_S) as client:
+        client.launch("big", "big.py", script_bytes=script.encode(), nproc=1, world_size=1, master_addr="127.0.0.1",
+                      master_port=29500)
+        seen: list[dict] = []
+        done = False
+        while not done:
+            events, done = client.job_events("big", seen[-1]["seq"] if seen else 0)
+            seen.extend(events)
+            time.sleep(0.05)
+    assert [e["line"] for e in seen if e["stream"] == "stdout"] == [hashlib.sha256(script.encode()).hexdigest()]
+
+
+KEY = b"k" * 32
+
+
+def _parts(body_bytes: int, part_bytes: int = 1000) -> list:
+    client = Session(KEY)
+    messages = client.encode_request("compile", {"graph": b"\x07" * body_bytes, "graph_kind": "hapg"},
+                                     part_bytes=part_bytes)
+    daemon = Session(KEY, limits=Limits(max_body_bytes=part_bytes + 100))
+    return [daemon.decode(frames) for _, frames in messages]
+
+
+def test_parts_join_into_the_whole_request():
+    parts = _parts(5000)
+    assert len(parts) == 6 and all(p.type == "part" for p in parts)
+    joined = PartedMessages(1 << 20)
+    assert [joined.add(p) for p in parts[:-1]] == [None] * 5
+    whole = joined.add(parts[-1])
+    assert (whole.type, whole.body, whole.id) == ("compile", {"graph": b"\x07" * 5000, "graph_kind": "hapg"}, parts[-1].id)
+    assert len(joined) == 0
+    assert len(_parts(900)) == 1  # a body under the part size goes whole
+
+
+def test_bad_parts_are_refused_and_what_came_is_dropped():
+    parts = _parts(5000)
+    joined = PartedMessages(1 << 20)
+    joined.add(parts[0])
+    with pytest.raises(ProtocolError, match="part 2 came where part 1 was expected"):
+        joined.add(parts[2])
+    assert len(joined) == 0
+    with pytest.raises(ProtocolError, match="whose first part never came"):
+        joined.add(parts[1])
+    with pytest.raises(ProtocolError, match="oversized body: 50[0-9]+ bytes > 4096"):
+        PartedMessages(4096).add(parts[0])
+
+
+def test_unfinished_parted_requests_are_bounded_and_expire():
+    now = [0.0]
+    joined = PartedMessages(1 << 20, window_s=60.0, max_messages=2, clock=lambda: now[0])
+    firsts = [_parts(3000)[0] for _ in range(3)]
+    for part in firsts:
+        joined.add(part)
+        now[0] += 1.0
+    assert len(joined) == 2  # the oldest was forgotten
+    now[0] += 61.0
+    joined.add(_parts(3000)[0])
+    assert len(joined) == 1  # the others expired

@@ -55,6 +55,7 @@ SAMPLE_REQUESTS = {
     "job_status": {"job": "j1"},
     "job_events": {"job": "j1", "after": 0},
     "cancel": {"job": "j1"},
+    "part": {"message": "a" * 32, "type": "compile", "index": 0, "count": 2, "size": 10, "data": b"\x82\xa5"},
 }
 
 

@@ -44,6 +44,7 @@ its prefix before parsing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -61,6 +62,7 @@ from torch import Tensor
 from hapd import models
 from hapd.errors import HapdError, OptionsError
 from hapd.runtime.distributed import DistEnv, init_distributed
+from hapd.runtime.stepwatch import StepWatch
 from hapd.util import atomic_write, summarize as summarize_times
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -334,7 +336,10 @@ def train(step: Callable[[], Tensor], optimizer: torch.optim.Optimizer, env: Dis
 
     An iteration is ``optimizer.zero_grad(set_to_none=True)``, ``step()`` (forward and
     backward; returns the loss) and ``optimizer.step()``; on a GPU the clock is read
-    after ``torch.cuda.synchronize()``. Ranks start together (a barrier).
+    after ``torch.cuda.synchronize()``. Ranks start together (a barrier). Each rank
+    checks in at every iteration (:class:`~hapd.runtime.stepwatch.StepWatch`), so a
+    collective that fails or waits past the timeout raises a
+    :class:`~hapd.errors.CollectiveError` naming the iteration and the ranks not there.
 
     With ``trace``, :data:`TRACE_ITERATIONS` more iterations run after the timed ones
     under ``torch.profiler.profile`` and each rank writes a Chrome trace to
@@ -353,11 +358,13 @@ def train(step: Callable[[], Tensor], optimizer: torch.optim.Optimizer, env: Dis
     env.synchronize()
     if dist.is_initialized():
         dist.barrier()
-    for _ in range(iterations):
+    watch = StepWatch.for_job()
+    for i in range(iterations):
         env.synchronize()
         start = time.perf_counter()
-        one()
-        env.synchronize()
+        with watch.watching(i + 1) if watch is not None else contextlib.nullcontext():
+            one()
+            env.synchronize()
         times.append(time.perf_counter() - start)
     if trace is not None:
         from torch.profiler import ProfilerActivity, profile

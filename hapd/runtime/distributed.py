@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hapd.errors import HapdError
 from hapd.runtime import collectives
+from hapd.runtime.stepwatch import collective_timeout_s
 
 
 @dataclass(frozen=True)
@@ -95,13 +96,16 @@ def _read_env(environ: dict[str, str] | os._Environ) -> tuple[int, int, int]:
     return rank, world, local
 
 
-def init_distributed(*, timeout_s: float = 600.0) -> DistEnv:
+def init_distributed(*, timeout_s: float | None = None) -> DistEnv:
     """Join the job torchrun started (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``MASTER_ADDR``, ``MASTER_PORT``), or with neither ``RANK`` nor ``WORLD_SIZE`` set
     run alone in a 1-rank group on a free loopback port, so collectives still work.
 
     NCCL on ``cuda:LOCAL_RANK`` (made the current device) when CUDA is available, else
     Gloo on the CPU. When a default process group already exists it is joined as is.
+    Every collective of the group fails after ``timeout_s`` of waiting (default
+    ``HAPD_COLLECTIVE_TIMEOUT`` seconds, else 300 s) instead of hanging: a rank missing
+    from one makes the job fail (:mod:`hapd.runtime.stepwatch` names it).
     Raises :class:`~hapd.errors.HapdError` when the environment is inconsistent.
     """
     cuda = torch.cuda.is_available()
@@ -113,7 +117,7 @@ def init_distributed(*, timeout_s: float = 600.0) -> DistEnv:
         return _make_env(rank, world, local, dist.get_backend(), cuda)
     rank, world, local = _read_env(os.environ)
     env = _make_env(rank, world, local, backend, cuda)
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=collective_timeout_s() if timeout_s is None else timeout_s)
     extra: dict[str, Any] = {"device_id": env.device} if env.is_cuda else {}
     if env_int(os.environ, "RANK") is not None:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,

@@ -87,33 +87,45 @@ class Client:
 
     def request(self, mtype: str, body: Mapping[str, Any] | None = None, *, timeout_s: float | None = None) -> Message:
         """Send a request and return its (checked) reply; raises :class:`RemoteError`
-        for an ``error`` reply and :class:`DaemonTimeout` when none comes."""
+        for an ``error`` reply and :class:`DaemonTimeout` when none comes. A request
+        whose body is longer than :data:`~hapd.serve.protocol.PART_BYTES` goes in
+        ``part`` messages, each answered before the next is sent; ``timeout_s`` bounds
+        each exchange."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        message, frames = self.session.encode(mtype, body)
+        messages = self.session.encode_request(mtype, body)
         with self._lock:
-            sock = self._socket()
-            deadline = time.monotonic() + timeout
-            if not self._send(sock, frames, deadline):
-                self._reset()
-                raise self._timeout(timeout, "could not connect")
-            rejected = ""
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                    self._reset()
-                    raise self._timeout(timeout, f"no reply to {mtype}{rejected}")
-                raw = sock.recv_multipart()
-                try:
-                    reply = self.session.decode(raw, reply=True, replay=False)
-                except ProtocolError as exc:
-                    rejected = f"; rejected a reply: {exc}"
-                    continue  # not for us, or forged: keep waiting for ours
-                if reply.parent != message.id:
-                    continue  # a late reply to an earlier request
-                break
+            for message, frames in messages[:-1]:
+                self._raise_error(self._exchange(message, frames, mtype, timeout))
+            reply = self._exchange(*messages[-1], mtype, timeout)
+        self._raise_error(reply)
+        return reply
+
+    def _raise_error(self, reply: Message) -> None:
         if reply.type == "error":
             raise RemoteError(f"{self.address}: {reply.body['kind']}: {reply.body['message']}", field=reply.body["kind"])
-        return reply
+
+    def _exchange(self, message: Message, frames: Sequence[bytes], mtype: str, timeout: float) -> Message:
+        """Send one message and wait for the reply to it (the lock held)."""
+        sock = self._socket()
+        deadline = time.monotonic() + timeout
+        if not self._send(sock, frames, deadline):
+            self._reset()
+            raise self._timeout(timeout, "could not connect")
+        rejected = ""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                self._reset()
+                raise self._timeout(timeout, f"no reply to {mtype}{rejected}")
+            raw = sock.recv_multipart()
+            try:
+                reply = self.session.decode(raw, reply=True, replay=False)
+            except ProtocolError as exc:
+                rejected = f"; rejected a reply: {exc}"
+                continue  # not for us, or forged: keep waiting for ours
+            if reply.parent == message.id:
+                return reply
+            # else a late reply to an earlier request
 
     @staticmethod
     def _send(sock: zmq.Socket, frames: Sequence[bytes], deadline: float) -> bool:

@@ -51,7 +51,8 @@ from hapd.errors import GraphFormatError, HapdError, OptionsError, ProtocolError
 from hapd.serve.jobs import JobManager
 from hapd.serve.keys import home_dir, load_or_create_key
 from hapd.profile.schema import Profile, load_profile
-from hapd.serve.protocol import DEFAULT_ADDRESS, PROTOCOL_VERSION, Limits, Message, Session, split_envelope
+from hapd.serve.protocol import (DEFAULT_ADDRESS, PART_BYTES, PART_SLACK_BYTES, PROTOCOL_VERSION, Limits, Message,
+                                 PartedMessages, Session, split_envelope)
 from hapd.serve.drops import SUBFOLDERS, DropProcessor
 from hapd.serve.guard import MAX_LOGGED_CHARS, MAX_REPLY_ERROR_CHARS, ConnectionGate, RateLimitedLog, shorten, source_fd
 from hapd.serve.watch import DEFAULT_RESCAN_S, DEFAULT_SETTLE_S, Drop
@@ -62,16 +63,18 @@ log = logging.getLogger("hapd.daemon")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 DEFAULT_MAX_BODY_BYTES = 256 * 2**20
-"""Largest request body by default (a compile request carries the whole graph)."""
+"""Largest request body by default (a compile request carries the whole graph; one
+longer than :data:`~hapd.serve.protocol.PART_BYTES` arrives in parts)."""
 DEFAULT_STOP_TIMEOUT_S = 30.0
 """How long a stop waits for the compile in progress by default."""
 ROUTER_LINGER_MS = 2000
 """How long closing the ROUTER socket may wait to send the replies still queued."""
 FRAME_SLACK_BYTES = 64 * 1024
-"""The ROUTER's largest frame (``ZMQ_MAXMSGSIZE``) is ``max_body_bytes`` plus this:
-libzmq refuses a larger frame as soon as its size is read, before buffering any of it,
-and disconnects the peer; frames just over the body limit reach the session's checks
-and are logged (the largest header is 64 KiB, less than any body limit)."""
+"""The ROUTER's largest frame (``ZMQ_MAXMSGSIZE``) is the largest message body
+(:func:`message_body_bytes`) plus this: libzmq refuses a larger frame as soon as its
+size is read, before buffering any of it, and disconnects the peer; frames just over
+the body limit reach the session's checks and are logged (the largest header is 64 KiB,
+less than any body limit)."""
 LOWER_COPY_PREFIX = "hapd-lower-"
 """Name prefix of the private copy of a .pt2 being lowered."""
 DEFAULT_MAX_CONNECTIONS = 32
@@ -81,10 +84,17 @@ HANDSHAKE_SLACK_BYTES = 4096
 """Bytes of a connection's ZMTP greeting, handshake and frame headers, beyond its frames."""
 
 
+def message_body_bytes(max_body_bytes: int) -> int:
+    """The largest body of one message (the frame limit): a whole request of
+    ``max_body_bytes`` when that is small, else one ``part`` of a request sent in parts."""
+    return min(max_body_bytes, PART_BYTES + PART_SLACK_BYTES)
+
+
 def preauth_bytes(max_body_bytes: int) -> int:
     """Most bytes a connection may send before a message of it is authenticated: one
-    whole request of the largest size (its body, a header, the small frames)."""
-    return max_body_bytes + FRAME_SLACK_BYTES + Limits().max_header_bytes + HANDSHAKE_SLACK_BYTES
+    whole message of the largest size (its body, a header, the small frames): about a
+    megabyte by default, whatever the largest request (those come in parts)."""
+    return message_body_bytes(max_body_bytes) + FRAME_SLACK_BYTES + Limits().max_header_bytes + HANDSHAKE_SLACK_BYTES
 SERVE_POLL_MS = 100
 """Longest wait of the main loop for a request or a worker reply (how soon it sees ``stop``)."""
 MAX_REQUESTS_PER_WAKE = 64
@@ -301,7 +311,9 @@ class Daemon:
         self.profile = load_profile(cfg.profile)
         self.options = CompileOptions.from_mapping(cfg.options)
         key = load_or_create_key(cfg.key_file)
-        self.session = Session(key, limits=Limits(max_body_bytes=cfg.max_body_bytes))
+        limits = Limits(max_body_bytes=message_body_bytes(cfg.max_body_bytes))
+        self.session = Session(key, limits=limits)
+        self.parts = PartedMessages(cfg.max_body_bytes, window_s=limits.window_s)
         self.cache = PlanCache(cfg.cache, cfg.max_cache_bytes, clean_tmp=True)
         try:
             self._torch_version = importlib.metadata.version("torch")
@@ -313,7 +325,7 @@ class Daemon:
         self.router.setsockopt(zmq.LINGER, ROUTER_LINGER_MS)
         # before authentication: libzmq refuses a frame over the limit before buffering
         # it, and the gate bounds the peers and what each sends until authenticated
-        self.router.setsockopt(zmq.MAXMSGSIZE, cfg.max_body_bytes + FRAME_SLACK_BYTES)
+        self.router.setsockopt(zmq.MAXMSGSIZE, message_body_bytes(cfg.max_body_bytes) + FRAME_SLACK_BYTES)
         try:
             self.router.bind(cfg.bind)
         except zmq.ZMQError as exc:
@@ -326,7 +338,7 @@ class Daemon:
         self.replies.bind(self._inproc)
         local = self.address.replace("://0.0.0.0:", "://127.0.0.1:").replace("://*:", "://127.0.0.1:")
         self.jobs = JobManager(jobs_dir=cfg.home / "jobs", daemon_address=local, cache_dir=cfg.cache, key_file=cfg.key_file,
-                               slots=cfg.slots)
+                               slots=cfg.slots, records_dir=cfg.home / "ranks")
 
         self.worker = threading.Thread(target=self._work, name="hapd-compile", daemon=True)
         self.worker.start()
@@ -433,7 +445,13 @@ class Daemon:
         self.counters["requests"] += 1
         try:
             self.session.check(message)
-            reply = getattr(self, f"_on_{message.type}")(ids, message)
+            whole = self.parts.add(message) if message.type == "part" else message
+            if whole is None:  # a part before the last
+                reply = ("ok", {})
+            else:
+                message = whole
+                self.session.check(message)
+                reply = getattr(self, f"_on_{message.type}")(ids, message)
         except HapdError as exc:
             log.warning("%s request from %s failed: %s: %s", message.type, peer, type(exc).__name__, shorten(str(exc), MAX_LOGGED_CHARS))
             reply = ("error", {"kind": type(exc).__name__, "message": shorten(str(exc), MAX_REPLY_ERROR_CHARS)})

@@ -7,10 +7,17 @@ gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`
 ``TORCHELASTIC_MAX_RESTARTS``; ``OMP_NUM_THREADS=1`` unless set), so a script that runs
 under torchrun runs here unchanged, plus ``HAPD_DAEMON`` (this daemon's address),
 ``HAPD_KEY_FILE`` (the key it authenticates with, so rank 0 can ask it for plans wherever
-that key lies), ``HAPD_CACHE`` (its plan cache) and ``HAPD_JOB``. Every rank is the leader of its own
-process group, so cancelling kills the whole tree (SIGTERM, then SIGKILL after a grace
-period). Output is captured line by line into the job's event buffer, with a sequence
-number per event; a rank's exit is an event too. As torchrun does, when one local rank
+that key lies), ``HAPD_CACHE`` (its plan cache), ``HAPD_JOB`` and ``HAPD_JOB_TOKEN`` (a
+random token of this launch, inherited by every process a rank starts). Every rank runs
+under a guard that leads its own process group; cancelling signals every group and
+every process that carries the job's token, even one that left the group or session
+(SIGTERM, then SIGKILL after a grace period); and when a job ends, what its ranks left
+running is stopped the same way. While a job runs its ranks are recorded in the state
+directory (:mod:`hapd.serve.leftovers`), so that a daemon started after this one was
+killed stops them. Output is captured line by line as the job's events, with a sequence number
+per event; a rank's exit is an event too. The daemon keeps only a bounded tail of them
+in memory and spills every one to ``JOBS_DIR/JOB/events.spill`` (:mod:`hapd.serve.events`),
+so what a job prints costs the daemon disk, not memory. As torchrun does, when one local rank
 fails the others on this host are stopped; the launcher stops the other hosts.
 
 A job is **leased**: every ``job_events`` poll about it renews the lease, and a job whose
@@ -19,7 +26,8 @@ daemon) is cancelled as a ``cancel`` request would, with ``lease expired: launch
 for N s`` as its reason; so no rank outlives the launcher that started it by more than
 the lease plus the SIGKILL grace. Each finished job keeps a reason (``job_status``).
 
-A launch that ships its script writes it to ``JOBS_DIR/JOB/``; those folders are pruned
+Every job has a folder ``JOBS_DIR/JOB/`` (its spill file, and the script a launch
+ships); those folders are pruned
 when the manager starts and whenever a job ends: those of the last
 :data:`DEFAULT_KEEP_JOB_DIRS` jobs to finish (or launch) within
 :data:`DEFAULT_JOB_DIR_MAX_AGE_S` are kept, and always those of unfinished jobs.
@@ -30,22 +38,23 @@ No torch import here.
 from __future__ import annotations
 
 import codecs
-import itertools
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from hapd.errors import OptionsError
+from hapd.serve.events import SPILL_FILE, EventLog
+from hapd.serve.leftovers import MARKER_ENV, RankRecords, marked_processes, signal_marked
 
 log = logging.getLogger("hapd.jobs")
 
@@ -54,10 +63,10 @@ MAX_LINE = 64 * 1024
 """Longer output lines are split into several events."""
 MAX_NPROC = 1024
 """Most ranks one launch may start on this host."""
-MAX_EVENTS_KEPT = 100_000
-"""Output events kept per job (the oldest are dropped)."""
 MAX_EVENTS_PER_REPLY = 2000
 """Most output events one ``job_events`` reply carries."""
+MAX_EVENT_REPLY_BYTES = 2**20
+"""Most bytes of output text one ``job_events`` reply carries (beyond its first event)."""
 MAX_START_DELAY_S = 3600.0
 """Latest ``start_at`` a launch may ask for, in seconds from now."""
 MAX_START_LATE_S = 60
@@ -211,25 +220,31 @@ class Rank:
 
 @dataclass
 class Job:
-    """One job's ranks and event buffer."""
+    """One job's ranks and events."""
 
     spec: LaunchSpec
     command: list[str]
     ranks: list[Rank]
+    events: EventLog
     state: str = "starting"
     started: float = field(default_factory=time.time)
-    events: deque = field(default_factory=lambda: deque(maxlen=MAX_EVENTS_KEPT))
-    seq: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     renewed: float = field(default_factory=time.monotonic)
     """When the lease was last renewed (monotonic clock)."""
     reason: str | None = None
     """Why the job ended, or is ending (the first cause wins)."""
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    """This launch's mark (``HAPD_JOB_TOKEN``), inherited by every process of the job."""
 
     @property
     def finished(self) -> bool:
         return self.state in ("exited", "failed", "cancelled")
+
+    @property
+    def seq(self) -> int:
+        """The number of the job's last event."""
+        return self.events.seq
 
     def renew(self) -> None:
         """Its launcher is there: the lease runs ``lease_s`` from now."""
@@ -247,21 +262,26 @@ class Job:
     def add_event(self, rank: int, stream: str, line: str, *, more: bool = False) -> None:
         """One event; ``more``: ``line`` is a piece of a longer line that the next event
         of this rank and stream continues."""
+        event: dict[str, Any] = {"rank": rank, "stream": stream, "line": line, "time": time.time()}
+        if more:
+            event["more"] = True
         with self.lock:
-            self.seq += 1
-            event = {"seq": self.seq, "rank": rank, "stream": stream, "line": line, "time": time.time()}
-            if more:
-                event["more"] = True
             self.events.append(event)
 
-    def events_after(self, after: int, limit: int = MAX_EVENTS_PER_REPLY) -> tuple[list[dict[str, Any]], bool]:
+    def events_after(self, after: int, limit: int = MAX_EVENTS_PER_REPLY,
+                     max_bytes: int = MAX_EVENT_REPLY_BYTES) -> tuple[list[dict[str, Any]], bool]:
+        """The events numbered above ``after`` (from memory or the spill file; events
+        lost stand as one drop marker) and whether the job is done after them."""
         with self.lock:
-            first = self.events[0]["seq"] if self.events else self.seq + 1
-            start = max(0, after + 1 - first)  # seqs are contiguous in the buffer
-            out = list(itertools.islice(self.events, start, start + limit))
+            out = self.events.after(after, limit, max_bytes)
             last = out[-1]["seq"] if out else after
-            done = self.finished and last >= self.seq
+            done = self.finished and last >= self.events.seq
         return out, done
+
+    def release_events(self) -> None:
+        """The job has finished: keep a small tail of its events in memory."""
+        with self.lock:
+            self.events.finish()
 
     def summary(self) -> dict[str, Any]:
         s = self.spec
@@ -280,7 +300,9 @@ class JobManager:
     def __init__(self, *, jobs_dir: Path, daemon_address: str, cache_dir: Path, key_file: Path | None = None,
                  grace_s: float = DEFAULT_GRACE_S, slots: int | None = None,
                  keep_finished: int = DEFAULT_KEEP_FINISHED, keep_job_dirs: int = DEFAULT_KEEP_JOB_DIRS,
-                 job_dir_max_age_s: float = DEFAULT_JOB_DIR_MAX_AGE_S) -> None:
+                 job_dir_max_age_s: float = DEFAULT_JOB_DIR_MAX_AGE_S, records_dir: Path | None = None) -> None:
+        """``records_dir``: where running jobs are recorded (default: ``ranks/`` beside
+        ``jobs_dir``); what a killed predecessor recorded there is stopped now."""
         if keep_job_dirs < 1 or not job_dir_max_age_s > 0:
             raise OptionsError(f"keep_job_dirs {keep_job_dirs} must be ≥ 1 and job_dir_max_age_s {job_dir_max_age_s} > 0",
                                field="keep_job_dirs")
@@ -299,6 +321,8 @@ class JobManager:
         self._lock = threading.Lock()
         self._dirs_lock = threading.Lock()
         """Held while a job folder is written and its job registered, and while pruning."""
+        self.records = RankRecords(Path(records_dir) if records_dir is not None else self.jobs_dir.parent / "ranks")
+        self.records.stop_leftovers()
         self.prune_job_dirs()
 
     # -- queries
@@ -336,12 +360,13 @@ class JobManager:
             # every rank runs under a guard that kills its process group should the daemon die
             command = [sys.executable, "-m", "hapd.serve.rank_guard", str(os.getpid()), "--",
                        sys.executable, "-u", str(script), *spec.args]
-            job = Job(spec, command, [Rank(spec.rank_offset + i, i) for i in range(spec.nproc)])
             with self._lock:  # the slots counted and taken at once: concurrent launches cannot both pass
                 busy = sum(j.spec.nproc for j in self._jobs.values() if not j.finished)
                 if self.slots is not None and busy + spec.nproc > self.slots:
                     raise _bad(f"this host has {self.slots} rank slot(s), {busy} in use: no room for {spec.nproc} "
                                "more rank(s)", "nproc")
+                events = EventLog(self.jobs_dir / spec.job / SPILL_FILE, rank=spec.rank_offset)
+                job = Job(spec, command, [Rank(spec.rank_offset + i, i) for i in range(spec.nproc)], events)
                 self._jobs[spec.job] = job
                 self._trim()
         delay = spec.start_at - time.time() if spec.start_at is not None else 0.0
@@ -380,7 +405,8 @@ class JobManager:
 
     def _start(self, job: Job, cwd: Path) -> None:
         spec = job.spec
-        base = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "HAPD_DAEMON": self.daemon_address, "HAPD_CACHE": str(self.cache_dir), "HAPD_JOB": spec.job}
+        base = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "HAPD_DAEMON": self.daemon_address,
+                "HAPD_CACHE": str(self.cache_dir), "HAPD_JOB": spec.job, MARKER_ENV: job.token}
         if self.key_file is not None:
             base["HAPD_KEY_FILE"] = str(self.key_file)
         if spec.nproc > 1 and "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in os.environ:
@@ -403,7 +429,9 @@ class JobManager:
                 self._kill(job, signal.SIGKILL)
                 job.state = "failed"
                 job.reason = job.reason or f"cannot start the ranks: {exc}"
+                job.events.finish()
                 raise
+            self.records.write(spec.job, job.token, [r.proc.pid for r in job.ranks])
             job.state = "running"
         log.info("job %s: started ranks %d..%d of %d, pids %s", spec.job, spec.rank_offset, spec.rank_offset + spec.nproc - 1, spec.world_size, [r.proc.pid for r in job.ranks])
         for r in job.ranks:
@@ -493,10 +521,13 @@ class JobManager:
     # -- job folders
 
     def _ended(self, job: Job) -> None:
-        """A job has finished: its folder counts from now (the last finished are kept);
-        forget old folders."""
+        """A job has finished: its events leave memory but a small tail; its folder
+        counts from now (the last finished are kept); forget old folders; stop what
+        its ranks left running."""
+        job.release_events()
+        self._stop_left(job)
         try:
-            if job.spec.script_bytes is not None and (self.jobs_dir / job.spec.job).is_dir():
+            if (self.jobs_dir / job.spec.job).is_dir():
                 os.utime(self.jobs_dir / job.spec.job)
             self.prune_job_dirs()
         except OSError as exc:  # a folder we cannot list or remove must not stop a job's watcher
@@ -532,8 +563,33 @@ class JobManager:
         return removed
 
     def _stop(self, job: Job) -> None:
+        """SIGTERM to every rank's process group and every process of the job; SIGKILL
+        to those still there after the grace period."""
         self._kill(job, signal.SIGTERM)
-        timer = threading.Timer(self.grace_s, self._kill, args=(job, signal.SIGKILL, True))
+        signal_marked({job.token}, signal.SIGTERM)
+        self._later(self._kill_rest, job)
+
+    def _kill_rest(self, job: Job) -> None:
+        """The end of a stop's grace period."""
+        self._kill(job, signal.SIGKILL, True)
+        signal_marked({job.token}, signal.SIGKILL)
+        if job.finished:
+            self.records.remove(job.token)
+
+    def _stop_left(self, job: Job) -> None:
+        """A job has ended: what its ranks started and left running (in their own
+        session, say) gets SIGTERM, then SIGKILL after the grace period; the job's
+        record goes once nothing of it is left."""
+        left = marked_processes({job.token}).get(job.token, [])
+        if not left:
+            self.records.remove(job.token)
+            return
+        log.info("job %s: stopping %d process(es) its ranks left running: %s", job.spec.job, len(left), left[:8])
+        signal_marked({job.token}, signal.SIGTERM)
+        self._later(self._kill_rest, job)
+
+    def _later(self, action: Any, job: Job) -> None:
+        timer = threading.Timer(self.grace_s, action, args=(job,))
         timer.daemon = True
         timer.start()
 
@@ -563,6 +619,11 @@ class JobManager:
                         r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                     except subprocess.TimeoutExpired:
                         self._kill(job, signal.SIGKILL)
+        with self._lock:  # what ranks left, of every job: the daemon's timers do not outlive it
+            known = list(self._jobs.values())
+        signal_marked({j.token for j in known}, signal.SIGKILL)
+        for job in known:
+            self.records.remove(job.token)
 
     def kill_all(self) -> None:
         """SIGKILL every rank of every unfinished job, without waiting: the daemon's
@@ -573,8 +634,11 @@ class JobManager:
             job.set_reason(REASON_STOPPING)
             job.cancelled.set()
             self._kill(job, signal.SIGKILL)
+            signal_marked({job.token}, signal.SIGKILL)
 
     def _trim(self) -> None:
         finished = [k for k, j in self._jobs.items() if j.finished]
         for k in finished[: max(0, len(finished) - self.keep_finished)]:
-            del self._jobs[k]
+            job = self._jobs.pop(k)
+            with job.lock:
+                job.events.close()

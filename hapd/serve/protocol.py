@@ -18,6 +18,13 @@ frames)::
 - ``body``: msgpack map whose fields the message type declares (:data:`REQUESTS`,
   :data:`REPLIES`; documented in ``docs/protocol.md``).
 
+A request whose body is longer than :data:`PART_BYTES` (a compile request's graph, a
+launch's shipped script) is sent as ``part`` requests, each signed and checked like any
+message and carrying at most :data:`PART_BYTES` of the whole body; the daemon answers
+``ok`` to each but the last, joins them (:class:`PartedMessages`) and answers the whole
+request as the reply to its last part. So the daemon's frame limit, what a peer can make
+it buffer before authenticating, stays about a megabyte whatever the largest request.
+
 A receiver checks, in this order and before decoding anything: the frame count, the
 delimiter, the version, the frame sizes (:class:`Limits`), the signature
 (``hmac.compare_digest``); then it decodes the header and rejects a message sent more
@@ -60,6 +67,15 @@ signature is 64 hex digits; longer frames are refused by their length)."""
 
 MAX_JOB_ID_CHARS = 64
 """Longest job id a message may carry (checked before the id is looked up or logged)."""
+
+PART_BYTES = 2**20
+"""A request body longer than this is sent in ``part`` requests of this many bytes each."""
+
+PART_SLACK_BYTES = 4096
+"""Bytes of a ``part`` body besides its data (its other fields, msgpack framing)."""
+
+MAX_PARTED_MESSAGES = 8
+"""Requests being received in parts at once (the oldest unfinished one is forgotten)."""
 
 MAX_REPLAY_SENDERS = 4096
 """Senders (header ``session``) whose replay floors are remembered one by one; beyond
@@ -184,6 +200,20 @@ REQUESTS: dict[str, MessageType] = {
             ("events",),
         ),
         MessageType("cancel", "Stop every rank of a job (its whole process group).", (_job(),), ("ok",)),
+        MessageType(
+            "part",
+            "One piece of a request whose body is longer than PART_BYTES; answered ok, the last by the whole "
+            "request's reply.",
+            (
+                Field("message", "str", "id shared by the parts of one request: 32 hex digits", max_chars=32),
+                Field("type", "str", "the whole request's type", max_chars=64),
+                Field("index", "int", "this part's position, from 0"),
+                Field("count", "int", "how many parts the request has"),
+                Field("size", "int", "bytes of the whole request's msgpack body"),
+                Field("data", "bytes", "the next bytes of that body (at most PART_BYTES)"),
+            ),
+            ("ok",),
+        ),
     )
 }
 """Request types (client → daemon), each with the reply type it gets (or ``error``)."""
@@ -226,7 +256,7 @@ REPLIES: dict[str, MessageType] = {
                 _opt("drops", "map", "drop folder counters: done, failed, and the folder"),
             ),
         ),
-        MessageType("ok", "Success without data (shutdown, cancel)."),
+        MessageType("ok", "Success without data (shutdown, cancel, a part before the last)."),
         MessageType(
             "launched",
             "Reply to launch.",
@@ -486,6 +516,24 @@ class Session:
         payload = _packb(body)
         return message, [MAGIC, self.version_frame, self.sign(self.version_frame, header, payload), header, payload]
 
+    def encode_request(self, type: str, body: Mapping[str, Any] | None = None, *,  # noqa: A002
+                       part_bytes: int = PART_BYTES) -> list[tuple[Message, list[bytes]]]:
+        """The messages that carry a request: itself, or, when its body is longer than
+        ``part_bytes``, its ``part`` messages (the whole request's reply answers the last)."""
+        body = dict(body or {})
+        mtype = REQUESTS.get(type)
+        if mtype is None or type == "part":
+            raise ProtocolError(f"unknown request type {type!r}", field="type")
+        validate_body(mtype, body)
+        payload = _packb(body)
+        if len(payload) <= part_bytes:
+            return [self.encode(type, body)]
+        whole = uuid.uuid4().hex
+        count = -(-len(payload) // part_bytes)
+        return [self.encode("part", {"message": whole, "type": type, "index": i, "count": count, "size": len(payload),
+                                     "data": payload[i * part_bytes:(i + 1) * part_bytes]})
+                for i in range(count)]
+
     # -- checking
 
     def open(self, frames: Sequence[bytes], *, replay: bool = True) -> Message:
@@ -564,6 +612,99 @@ class Session:
         return message
 
 
+@dataclass
+class _Receiving:
+    """A request being received in parts."""
+
+    type: str
+    count: int
+    size: int
+    data: bytearray
+    updated: float
+    next_index: int = 0
+
+
+class PartedMessages:
+    """Joins the ``part`` requests of each request sent in parts (all authenticated
+    already) into the whole request. A whole body is at most ``max_body_bytes``; at most
+    ``max_messages`` requests are received at once (a new one makes the oldest
+    forgotten), and one whose next part does not come within ``window_s`` is forgotten.
+    Parts come in order, from one sender (header ``session``). Errors are
+    :class:`ProtocolError`. Used by one thread."""
+
+    def __init__(self, max_body_bytes: int, *, window_s: float = 60.0, max_messages: int = MAX_PARTED_MESSAGES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_body_bytes = max_body_bytes
+        self.window_s = window_s
+        self.max_messages = max_messages
+        self.clock = clock
+        self._receiving: dict[tuple[str, str], _Receiving] = {}
+
+    def __len__(self) -> int:
+        return len(self._receiving)
+
+    def add(self, part: Message) -> Message | None:
+        """Take one part (its body checked against the ``part`` type); the whole request
+        once this was its last part (its id, time and session those of the last part),
+        else None."""
+        now = self.clock()
+        self._expire(now)
+        body = part.body
+        key = (part.session, body["message"])
+        try:
+            receiving = self._receiving.get(key) or self._begin(key, body, now)
+            self._check(receiving, body)
+        except ProtocolError:
+            self._receiving.pop(key, None)  # the sender gets the error; what it sent so far is dropped
+            raise
+        receiving.data += body["data"]
+        receiving.next_index += 1
+        receiving.updated = now
+        if receiving.next_index < receiving.count:
+            return None
+        del self._receiving[key]
+        if len(receiving.data) != receiving.size:  # (cannot be more: checked per part)
+            raise ProtocolError(f"parted {receiving.type}: {len(receiving.data)} bytes received, {receiving.size} announced",
+                                field="body.size")
+        decoded = _unpackb(bytes(receiving.data), "body")
+        if not isinstance(decoded, dict):
+            raise ProtocolError(f"body is a {type(decoded).__name__}, not a map", field="body")
+        _check_plain(decoded)
+        return Message(receiving.type, decoded, part.id, part.time, part.session)
+
+    def _begin(self, key: tuple[str, str], body: Mapping[str, Any], now: float) -> _Receiving:
+        mtype, count, size = body["type"], body["count"], body["size"]
+        if mtype not in REQUESTS or mtype == "part":
+            raise ProtocolError(f"part of an unknown request type {mtype!r}", field="body.type")
+        if body["index"] != 0:
+            raise ProtocolError(f"part {body['index']} of a request whose first part never came", field="body.index")
+        if not 0 < size <= self.max_body_bytes:
+            raise ProtocolError(f"oversized body: {size} bytes > {self.max_body_bytes} (in parts)", field="body.size")
+        if not 1 < count <= size:
+            raise ProtocolError(f"a request of {size} bytes cannot come in {count} parts", field="body.count")
+        if len(self._receiving) >= self.max_messages:
+            oldest = min(self._receiving, key=lambda k: self._receiving[k].updated)
+            del self._receiving[oldest]
+        receiving = _Receiving(mtype, count, size, bytearray(), now)
+        self._receiving[key] = receiving
+        return receiving
+
+    @staticmethod
+    def _check(receiving: _Receiving, body: Mapping[str, Any]) -> None:
+        if (body["type"], body["count"], body["size"]) != (receiving.type, receiving.count, receiving.size):
+            raise ProtocolError("a part disagrees with the first part of its request (type, count or size)",
+                                field="body.count")
+        if body["index"] != receiving.next_index:
+            raise ProtocolError(f"part {body['index']} came where part {receiving.next_index} was expected",
+                                field="body.index")
+        if len(receiving.data) + len(body["data"]) > receiving.size:
+            raise ProtocolError(f"parts longer than the {receiving.size} bytes announced", field="body.data")
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, r in self._receiving.items() if now - r.updated > self.window_s]:
+            del self._receiving[key]
+
+
 __all__ = [
     "PROTOCOL_VERSION",
     "MAGIC",
@@ -579,6 +720,8 @@ __all__ = [
     "EVENT_STREAMS",
     "Message",
     "Session",
+    "PartedMessages",
+    "PART_BYTES",
     "split_envelope",
     "validate_body",
 ]

@@ -8,13 +8,14 @@ group, and waits for it; it exits with the rank's exit status. Should the daemon
 first (``SIGKILL``, a crash: nothing of its own can clean up), the guard sees it —
 the daemon's pid descriptor becomes readable (``pidfd_open``), or, where the kernel
 has none, the guard's parent is no longer the daemon — and kills the whole process
-group: the rank and every child it started in it.
+group: the rank and every child it started in it, and every process that carries the
+job's ``HAPD_JOB_TOKEN`` (children the rank started in a session of their own).
 
 Why not ``PR_SET_PDEATHSIG``: the kernel sends that signal when the *thread* that
 forked the child ends, and the daemon starts ranks from short-lived threads (a
 delayed start), so a rank would be killed when its starting thread returns. A guard
 process watches the daemon itself. The guard imports nothing beyond the standard
-library (it starts in tens of milliseconds) and handles no signal: a cancel's
+library and :mod:`hapd.serve.leftovers` (it starts in tens of milliseconds) and handles no signal: a cancel's
 ``killpg`` reaches it and the rank alike.
 """
 
@@ -26,6 +27,8 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+
+from hapd.serve.leftovers import MARKER_ENV, signal_marked
 
 POLL_S = 0.5
 """How often the guard looks at the daemon and the rank when it cannot watch both by
@@ -71,6 +74,9 @@ def guard(daemon_pid: int, command: Sequence[str]) -> int:
         if _daemon_gone(daemon_pid):
             break
         poller.poll(waiting)
+    token = os.environ.get(MARKER_ENV)
+    if token:  # the job's processes outside this group (their own session)
+        signal_marked({token}, signal.SIGKILL, exclude={os.getpid()})
     os.killpg(os.getpgrp(), signal.SIGKILL)  # the rank, its children and the guard
     return 137  # not reached
 
