@@ -437,3 +437,17 @@ def test_rng_choice_is_checked() -> None:
     plan = hapd.compile(hapd.lower(program), estimated_profile(1))
     counted = hapd.distribute(program, plan, 0, world=1, rng="counter")
     assert [m for m in counted.modules() if isinstance(m, CounterDropout)]
+
+
+def test_only_plans_of_several_devices_price_the_math_attention() -> None:
+    """One device keeps torch's fused attention with its dropout: priced as without
+    dropout; on two, hapd's generator draws it in the math attention, priced so."""
+    from hapd.compiler.ratios import part_memory
+
+    def activations(p: float, devices: int) -> float:
+        graph = hapd.lower(hapd.export(_SelfAttention(p), (torch.randn(2, 24, 32),)))
+        plan = hapd.compile(graph, estimated_profile(devices))
+        return sum(float(v) for v in part_memory(plan.program, plan.ratios)["activations"])
+
+    assert activations(0.1, 1) == activations(0.0, 1)
+    assert activations(0.1, 2) - activations(0.0, 2) >= 2 * 4 * 24 * 24 * (2 * 4 + 1) * 0.99
