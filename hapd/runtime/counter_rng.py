@@ -15,11 +15,12 @@ because torch's own generators cannot give a slice of a random tensor without dr
 the elements before it. Words live in int64 tensors: multiplication wraps modulo 2**64
 (the low 64 bits of the product, as the unsigned algorithm needs) and a logical right
 shift is an arithmetic one masked. About 15 element-wise integer ops per element, each
-its own kernel: on an H100 the draw of an 8×1024×768 mask takes 1.11 ms against 0.026 ms
+its own kernel: on an H100 the draw of an 8×1024×768 mask took 1.11 ms against 0.026 ms
 for torch's fused ``native_dropout`` (a Philox-4x32-10 in the same torch ops, ~250 ops,
-took 10.4 ms; on a CPU core 23x torch's dropout, SplitMix64 about 2x). One fused kernel
-would close most of the GPU gap. The same ops run on CPU and CUDA and give the same bits; the top 24
-bits of an output make the uniform.
+took 10.4 ms). On CUDA the runtime draws with one fused kernel instead
+(:mod:`hapd.runtime.counter_kernels`, the same bits); these ops run on CPU and under
+``torch.compile``, and give the same bits on CPU and CUDA. The top 24 bits of an output
+make the uniform.
 
 The values are SplitMix64's, not torch's: a model run with hapd's generator draws other
 masks than the eager model (see ``docs/runtime.md``, "Exact, for random ops").
