@@ -10,10 +10,10 @@ is), each counted below autograd with a ``TorchDispatchMode``: the ATen kernels 
 run, grouped by what they are (:data:`CATEGORIES`: attention, matmuls, norms, losses,
 and every other op as ``other``). A rank program that exported into slower math shows
 here as a count eager does not have (a masked attention where eager runs a causal one,
-a block recomputed, a decomposed norm). With dropout, hapd draws masks with its own
-counter-based generator (integer ops eager does not run) and an attention with dropout
-runs as the math attention (matmuls and a softmax where eager runs one fused kernel):
-those differences are by design (``docs/runtime.md``).
+a block recomputed, a decomposed norm). With dropout, one device keeps torch's own
+dropout and attention kernels (``distribute``'s ``rng="torch"``), as the model has them;
+only a plan of several devices draws with hapd's counter-based generator
+(``docs/runtime.md``).
 """
 
 from __future__ import annotations

@@ -314,3 +314,29 @@ def test_unfinished_parted_requests_are_bounded_and_expire():
     now[0] += 61.0
     joined.add(_parts(3000)[0])
     assert len(joined) == 1  # the others expired
+
+
+def test_a_reused_descriptor_is_trusted_under_its_new_peer(monkeypatch):
+    """A connection that closed left its descriptor trusted under its peer; a new
+    connection on the same descriptor that authenticates is trusted under its own peer,
+    not counted against the pre-authentication budget as a stranger (a client sending
+    its second 1 MiB part was refused so)."""
+    import logging
+
+    from hapd.serve import guard
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    try:
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        gate = guard.ConnectionGate(ctx, router, f"tcp://127.0.0.1:{port}", max_connections=4, preauth_bytes=1024,
+                                    refusals=RateLimitedLog(logging.getLogger("test"), "refusals"))
+        peers = iter(["127.0.0.1:5001", "127.0.0.1:5002"])
+        monkeypatch.setattr(guard, "_peer_of", lambda fd, local: next(peers))
+        gate.trust(9)
+        gate.trust(9)  # the same descriptor, now another connection's
+        assert gate._trusted[9] == "127.0.0.1:5002"
+        gate.close()
+    finally:
+        router.close(linger=0)
+        ctx.term()

@@ -212,9 +212,8 @@ class ConnectionGate:
         reused by a later connection is not trusted."""
         if fd is None:
             return
-        with self._lock:
-            if fd in self._trusted:  # (a stale entry of a closed connection goes with its close event)
-                return
+        # the peer is read every time: an entry left by a closed connection whose close
+        # event the gate has not read yet may hold this descriptor under another peer
         peer = _peer_of(fd, self._local)
         if peer is not None:
             with self._lock:
