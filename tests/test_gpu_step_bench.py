@@ -30,14 +30,15 @@ def test_tiny_run_reports_every_row_ratio_and_op_count(bench, tmp_path, monkeypa
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(bench.torch, "compile", no_compile)
+    # one model (every code path; llama's rows are gpt2's in kind), with dropout: on one
+    # device hapd draws with torch's generator as the model does, so the losses agree
     rows = bench.main(["--size", "tiny", "--device", "cpu", "--iterations", "1", "--warmup", "1", "--batch", "4",
-                       "--models", "gpt2", "llama", "--op-table", "--out", str(tmp_path),
-                       "--dropout", "0"])  # eager's and hapd's dropouts draw apart: equal losses need none
+                       "--models", "gpt2", "--op-table", "--out", str(tmp_path), "--dropout", "0.1"])
     out = capsys.readouterr().out
 
     by = {(r.model, r.precision, r.variant): r for r in rows}
-    assert set(by) == {(m, p, v) for m in ("gpt2", "llama") for p in ("fp32", "bf16") for v in bench.VARIANTS}
-    for m in ("gpt2", "llama"):
+    assert set(by) == {("gpt2", p, v) for p in ("fp32", "bf16") for v in bench.VARIANTS}
+    for m in ("gpt2",):
         for p in ("fp32", "bf16"):
             eager, hapd = by[(m, p, "eager")], by[(m, p, "hapd")]
             assert eager.ok and hapd.ok, (eager.error, hapd.error)
@@ -55,7 +56,7 @@ def test_tiny_run_reports_every_row_ratio_and_op_count(bench, tmp_path, monkeypa
 
     assert "hapd profile:" in out and "hapd/eager" in out and "key ops per step" in out
     table = (tmp_path / "table.txt").read_text()
-    for m in ("gpt2", "llama"):
+    for m in ("gpt2",):
         for p in ("fp32", "bf16"):
             line = next(x for x in table.splitlines() if x.split()[:2] == [m, p])
             ratio = float(line.split()[4].rstrip("×"))
