@@ -7,6 +7,10 @@ PY     := $(VENV)/bin/python
 CARGO  ?= cargo
 # the second environment: the newest torch the range allows (pyproject.toml)
 NEWEST ?= .venv-newest
+# pytest workers of `make test` (pytest-xdist; a test file runs whole on one worker, so
+# its module fixtures are built once): two keep both cores of a small machine busy while
+# one worker waits on ranks, daemons or subprocesses
+TEST_WORKERS ?= 2
 # the exactness and zoo tests, run again under the newest torch
 NEWEST_TESTS ?= tests/test_zoo.py tests/test_dropout.py tests/test_frozen.py tests/test_lowering.py
 
@@ -33,7 +37,7 @@ test-rust:
 	$(CARGO) test --manifest-path rustcore/Cargo.toml --workspace --exclude hapd-bindings -q
 
 test-python: install
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test: test-rust test-python
 
@@ -43,7 +47,7 @@ test-newest:
 	$(NEWEST)/bin/python -m pip install -q --upgrade pip
 	$(NEWEST)/bin/python -m pip install -q -e '.[test]'
 	$(NEWEST)/bin/python -c "import torch; print('torch', torch.__version__)"
-	$(NEWEST)/bin/pytest -q -p no:cacheprovider $(NEWEST_TESTS)
+	$(NEWEST)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(NEWEST_TESTS)
 
 clean:
 	rm -rf $(VENV) $(NEWEST) rustcore/target hapd/_core*.so
