@@ -340,3 +340,38 @@ def test_a_reused_descriptor_is_trusted_under_its_new_peer(monkeypatch):
     finally:
         router.close(linger=0)
         ctx.term()
+
+
+def test_a_connection_trusted_while_its_bytes_are_counted_is_not_cut(monkeypatch):
+    """The gate counts a connection's bytes after taking its list of untrusted ones; a
+    request in parts may be authenticated in between (its later parts already arrived):
+    the gate decides again under its lock and leaves the connection alone."""
+    import logging
+
+    from hapd.serve import guard
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    try:
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        gate = guard.ConnectionGate(ctx, router, f"tcp://127.0.0.1:{port}", max_connections=4, preauth_bytes=1024,
+                                    refusals=RateLimitedLog(logging.getLogger("test"), "refusals"))
+        monkeypatch.setattr(guard, "_peer_of", lambda fd, local: "127.0.0.1:5001")
+        cut: list[int] = []
+        monkeypatch.setattr(guard, "_shut_down", lambda fd, local: cut.append(fd) or "127.0.0.1:5001")
+
+        def counted_while_trusted(fd, local):
+            gate.trust(fd)  # the daemon authenticates its first part meanwhile
+            return "127.0.0.1:5001", 3 * 2**20
+
+        monkeypatch.setattr(guard, "_bytes_received", counted_while_trusted)
+        gate._admitted.add(9)
+        gate._check_budgets()
+        assert cut == [] and gate.refused_total == 0
+        monkeypatch.setattr(guard, "_bytes_received", lambda fd, local: ("127.0.0.1:5002", 3 * 2**20))
+        gate._check_budgets()  # a stranger on the descriptor: cut
+        assert cut == [9] and gate.refused_total == 1
+        gate.close()
+    finally:
+        router.close(linger=0)
+        ctx.term()

@@ -258,19 +258,28 @@ class ConnectionGate:
             checked = {fd: self._trusted.get(fd) for fd in self._admitted}
         for fd, trusted_peer in checked.items():
             found = _bytes_received(fd, self._local)
-            if found is None or found[0] == trusted_peer:
+            if found is None or found[0] == trusted_peer or found[1] <= self.preauth_bytes:
                 continue
-            if found[1] > self.preauth_bytes:
-                with self._lock:
-                    self._admitted.discard(fd)
-                    self._refused.add(fd)
-                self._refuse(fd, f"{found[1]} bytes received before any authenticated message "
-                                 f"(at most {self.preauth_bytes})")
+            with self._lock:
+                # the daemon may have authenticated a message of it since the snapshot
+                # (its requests in parts arrive meanwhile): decided and shut down under
+                # the lock that trust() takes, so a trusted connection is never cut
+                if self._trusted.get(fd) == found[0] or fd not in self._admitted:
+                    continue
+                self._admitted.discard(fd)
+                self._refused.add(fd)
+                peer = _shut_down(fd, self._local)
+            self._refused_one(fd, peer, f"{found[1]} bytes received before any authenticated message "
+                                        f"(at most {self.preauth_bytes})")
 
     def _refuse(self, fd: int, why: str) -> None:
         """Shut the connection on ``fd`` down (it is already counted as refused)."""
-        peer = _shut_down(fd, self._local)
-        if peer is None:  # no longer a connection of ours (closed meanwhile)
+        self._refused_one(fd, _shut_down(fd, self._local), why)
+
+    def _refused_one(self, fd: int, peer: str | None, why: str) -> None:
+        """Count and log a connection shut down (``peer`` None: it was no longer a
+        connection of ours, closed meanwhile)."""
+        if peer is None:
             self._forget(fd)
             return
         with self._lock:
