@@ -14,6 +14,12 @@ schema).
   replicated parameters' gradients over ranks during backward;
 - :mod:`~hapd.runtime.recompute` — a plan's recompute spans run under activation
   checkpointing;
+- :mod:`~hapd.runtime.stepwatch` — each rank's step check-ins, so that a collective
+  that times out names the ranks out of step;
+- :mod:`~hapd.runtime.counter_rng`, :mod:`~hapd.runtime.counter_kernels` (its Triton
+  kernels: :mod:`~hapd.runtime.counter_triton`) and :mod:`~hapd.runtime.random_ops` —
+  random ops drawn by hapd's counter-based generator, each rank its slice (one device:
+  torch's own);
 - :mod:`~hapd.runtime.rank` — the module one rank runs
   (:class:`~hapd.runtime.rank.RankModule`), the plan seen from that rank
   (:class:`~hapd.runtime.rank.RankView`) and its collectives
