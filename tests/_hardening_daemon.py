@@ -155,3 +155,26 @@ def can_mount_tmpfs() -> str | None:
     if probe.returncode != 0:
         return f"cannot mount a tmpfs in a new mount namespace: {probe.stderr.strip() or probe.returncode}"
     return None
+
+
+def rss_bytes(pid: int) -> int:
+    """``pid``'s resident bytes (``VmRSS``)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def settled_rss(pid: int) -> int:
+    """``pid``'s resident bytes once steady (a daemon's compile worker imports torch in the
+    background as it starts): two readings half a second apart within 1 MiB."""
+    last = [rss_bytes(pid)]
+
+    def steady() -> bool:
+        time.sleep(0.5)
+        now = rss_bytes(pid)
+        settled = abs(now - last[0]) < 2**20
+        last[0] = now
+        return settled
+
+    wait_for(steady, GENEROUS_S, "the daemon's memory to settle")
+    return last[0]
+

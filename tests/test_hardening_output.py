@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from _hardening_daemon import ServedDaemon
+from _hardening_daemon import ServedDaemon, rss_bytes, settled_rss
 from _wait import GENEROUS_S, wait_for
 
 from hapd.serve.events import FINISHED_TAIL_EVENTS, INDEX_EVERY, SPILL_FILE, EventLog
@@ -37,27 +36,8 @@ out.flush()
 """
 
 
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
-def _settled_rss(pid: int) -> int:
-    """The resident bytes of ``pid`` once steady (the daemon's compile worker imports
-    torch in the background as it starts): two readings half a second apart within 1 MiB."""
-    last = [_rss_bytes(pid)]
-
-    def steady() -> bool:
-        time.sleep(0.5)
-        now = _rss_bytes(pid)
-        settled = abs(now - last[0]) < 2**20
-        last[0] = now
-        return settled
-
-    wait_for(steady, GENEROUS_S, "the daemon's memory to settle")
-    return last[0]
 
 
 def _run_job(daemon: ServedDaemon, job: str, script: str) -> list[dict]:
@@ -82,9 +62,9 @@ def test_a_job_printing_40_mib_leaves_the_daemon_s_memory_flat(tmp_path):
     with ServedDaemon(tmp_path / "hapd") as daemon:
         _run_job(daemon, "warmup", "print('hello')\n")  # threads, imports and arenas of a first job
         wait_for(lambda: daemon.log().count("job warmup: exited") > 0, GENEROUS_S, "the first job to end")
-        before = _settled_rss(daemon.pid)
+        before = settled_rss(daemon.pid)
         events = _run_job(daemon, "printer", PRINTER)
-        after = _rss_bytes(daemon.pid)
+        after = rss_bytes(daemon.pid)
         assert _lines(events) == expected
         assert events[-1]["stream"] == "exit" and events[-1]["line"] == "0"
         spill = daemon.home / "jobs" / "printer" / SPILL_FILE
@@ -98,7 +78,7 @@ def test_a_job_printing_40_mib_leaves_the_daemon_s_memory_flat(tmp_path):
                 again.extend(got)
         assert _lines(again) == expected
         assert [e["seq"] for e in again] == list(range(1, len(again) + 1))
-        growth = _rss_bytes(daemon.pid) - before
+        growth = rss_bytes(daemon.pid) - before
     print(f"daemon RSS {before / 2**20:.1f} MiB before, {after / 2**20:.1f} MiB after printing "
           f"{PRINTED_MIB} MiB, {(before + growth) / 2**20:.1f} MiB after reading it all again", file=sys.stderr)
     assert after - before < MAX_GROWTH_MIB * 2**20, f"grew {(after - before) / 2**20:.1f} MiB"

@@ -7,20 +7,22 @@ daemons, loopback only, bounded loops."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import re
 import sys
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
-from _hardening_daemon import ServedDaemon, closed_by_peer, zmtp_connect
+from _hardening_daemon import ServedDaemon, closed_by_peer, rss_bytes, settled_rss, zmtp_connect
 from _wait import GENEROUS_S, wait_for
 
 from hapd.errors import DaemonTimeout, ProtocolError, RemoteError
 from hapd.serve.daemon import DEFAULT_MAX_CONNECTIONS, FRAME_SLACK_BYTES, preauth_bytes
+from hapd.serve import guard
 from hapd.serve.guard import REJECT_LOG_BURST, RateLimitedLog, shorten
 from hapd.serve.protocol import MAGIC, PART_BYTES, Limits, PartedMessages, Session
 
@@ -195,24 +197,8 @@ MAX_PREAUTH_GROWTH = 50 * 2**20
 """The daemon may grow by less than this while refusing them (it buffered 200 MiB each before)."""
 
 
-def _rss_bytes(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
 
 
-def _settled_rss(pid: int) -> int:
-    """``pid``'s resident bytes once steady (a daemon imports torch in the background as it starts)."""
-    last = [_rss_bytes(pid)]
-
-    def steady() -> bool:
-        time.sleep(0.5)
-        now = _rss_bytes(pid)
-        settled = abs(now - last[0]) < 2**20
-        last[0] = now
-        return settled
-
-    wait_for(steady, GENEROUS_S, "the daemon's memory to settle")
-    return last[0]
 
 
 def test_the_default_preauth_budget_is_about_a_megabyte():
@@ -227,7 +213,7 @@ def test_unsigned_200_mib_frames_do_not_grow_the_default_daemon(tmp_path):
     (in parts)."""
     frame = memoryview(bytes(BIG_FRAME))
     with ServedDaemon(tmp_path / "hapd") as daemon:
-        before = _settled_rss(daemon.pid)
+        before = settled_rss(daemon.pid)
         peak = before
         socks = [_dealer(daemon.address) for _ in range(BIG_FRAMES)]
         try:
@@ -235,7 +221,7 @@ def test_unsigned_200_mib_frames_do_not_grow_the_default_daemon(tmp_path):
                 sock.send_multipart([MAGIC, b"1", b"0" * 64, b"\x80", frame], copy=False)
             deadline = time.monotonic() + 3.0
             while time.monotonic() < deadline:
-                peak = max(peak, _rss_bytes(daemon.pid))
+                peak = max(peak, rss_bytes(daemon.pid))
                 time.sleep(0.05)
         finally:
             for sock in socks:
@@ -244,7 +230,7 @@ def test_unsigned_200_mib_frames_do_not_grow_the_default_daemon(tmp_path):
             with pytest.raises(RemoteError, match="GraphFormatError"):  # read whole, in parts, then refused as a graph
                 client.compile(b"\0" * (3 * 2**20), "hapg")
             assert client.ping()["profile_name"] == "paper-8"
-        after = _rss_bytes(daemon.pid)
+        after = rss_bytes(daemon.pid)
     print(f"daemon RSS {before / 2**20:.1f} MiB before {BIG_FRAMES} unsigned {BIG_FRAME >> 20} MiB frames, peak "
           f"{peak / 2**20:.1f} MiB, {after / 2**20:.1f} MiB after them and a 3 MiB signed request", file=sys.stderr)
     assert peak - before < MAX_PREAUTH_GROWTH, f"grew {(peak - before) / 2**20:.1f} MiB"
@@ -316,49 +302,45 @@ def test_unfinished_parted_requests_are_bounded_and_expire():
     assert len(joined) == 1  # the others expired
 
 
-def test_a_reused_descriptor_is_trusted_under_its_new_peer(monkeypatch):
-    """A connection that closed left its descriptor trusted under its peer; a new
-    connection on the same descriptor that authenticates is trusted under its own peer,
-    not counted against the pre-authentication budget as a stranger (a client sending
-    its second 1 MiB part was refused so)."""
-    import logging
-
-    from hapd.serve import guard
-
+@contextlib.contextmanager
+def _gate():
+    """A connection gate on a router bound to a free loopback port (its thread not started)."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     try:
         port = router.bind_to_random_port("tcp://127.0.0.1")
         gate = guard.ConnectionGate(ctx, router, f"tcp://127.0.0.1:{port}", max_connections=4, preauth_bytes=1024,
                                     refusals=RateLimitedLog(logging.getLogger("test"), "refusals"))
-        peers = iter(["127.0.0.1:5001", "127.0.0.1:5002"])
-        monkeypatch.setattr(guard, "_peer_of", lambda fd, local: next(peers))
-        gate.trust(9)
-        gate.trust(9)  # the same descriptor, now another connection's
-        assert gate._trusted[9] == "127.0.0.1:5002"
-        gate.close()
+        try:
+            yield gate
+        finally:
+            gate.close()
     finally:
         router.close(linger=0)
         ctx.term()
+
+
+def test_a_reused_descriptor_is_trusted_under_its_new_peer(monkeypatch):
+    """A connection that closed left its descriptor trusted under its peer; a new
+    connection on the same descriptor that authenticates is trusted under its own peer,
+    not counted against the pre-authentication budget as a stranger (a client sending
+    its second 1 MiB part was refused so)."""
+    peers = iter(["127.0.0.1:5001", "127.0.0.1:5002"])
+    monkeypatch.setattr(guard, "_peer_of", lambda fd, local: next(peers))
+    with _gate() as gate:
+        gate.trust(9)
+        gate.trust(9)  # the same descriptor, now another connection's
+        assert gate._trusted[9] == "127.0.0.1:5002"
 
 
 def test_a_connection_trusted_while_its_bytes_are_counted_is_not_cut(monkeypatch):
     """The gate counts a connection's bytes after taking its list of untrusted ones; a
     request in parts may be authenticated in between (its later parts already arrived):
     the gate decides again under its lock and leaves the connection alone."""
-    import logging
-
-    from hapd.serve import guard
-
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    try:
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        gate = guard.ConnectionGate(ctx, router, f"tcp://127.0.0.1:{port}", max_connections=4, preauth_bytes=1024,
-                                    refusals=RateLimitedLog(logging.getLogger("test"), "refusals"))
-        monkeypatch.setattr(guard, "_peer_of", lambda fd, local: "127.0.0.1:5001")
-        cut: list[int] = []
-        monkeypatch.setattr(guard, "_shut_down", lambda fd, local: cut.append(fd) or "127.0.0.1:5001")
+    monkeypatch.setattr(guard, "_peer_of", lambda fd, local: "127.0.0.1:5001")
+    cut: list[int] = []
+    monkeypatch.setattr(guard, "_shut_down", lambda fd, local: cut.append(fd) or "127.0.0.1:5001")
+    with _gate() as gate:
 
         def counted_while_trusted(fd, local):
             gate.trust(fd)  # the daemon authenticates its first part meanwhile
@@ -371,7 +353,3 @@ def test_a_connection_trusted_while_its_bytes_are_counted_is_not_cut(monkeypatch
         monkeypatch.setattr(guard, "_bytes_received", lambda fd, local: ("127.0.0.1:5002", 3 * 2**20))
         gate._check_budgets()  # a stranger on the descriptor: cut
         assert cut == [9] and gate.refused_total == 1
-        gate.close()
-    finally:
-        router.close(linger=0)
-        ctx.term()

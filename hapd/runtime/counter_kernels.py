@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from hapd.runtime.counter_rng import mix64
 
 BLOCK = 1024
 """Elements per Triton program."""
@@ -59,8 +62,6 @@ def available(x: Tensor) -> bool:
 
 
 def _interpreted() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -86,8 +87,6 @@ def merged_dims(global_shape: Sequence[int], offsets: Sequence[int],
 @functools.lru_cache(maxsize=64)
 def _seeded(seed: int) -> int:
     """``mix64(seed)`` as the int64 with its bits (the kernels take it as a scalar)."""
-    from hapd.runtime.counter_rng import mix64
-
     signed = seed & ((1 << 64) - 1)
     signed = signed - (1 << 64) if signed >= 1 << 63 else signed
     return int(mix64(torch.tensor(signed, dtype=torch.int64)))
