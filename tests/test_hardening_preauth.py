@@ -353,3 +353,18 @@ def test_a_connection_trusted_while_its_bytes_are_counted_is_not_cut(monkeypatch
         monkeypatch.setattr(guard, "_bytes_received", lambda fd, local: ("127.0.0.1:5002", 3 * 2**20))
         gate._check_budgets()  # a stranger on the descriptor: cut
         assert cut == [9] and gate.refused_total == 1
+
+
+def test_a_late_close_event_keeps_the_new_connections_trust(monkeypatch):
+    """The close event of a connection is read after a newer connection took its
+    descriptor and authenticated: the newer one stays trusted (its bytes were counted
+    as a stranger's and it was cut mid-request)."""
+    monkeypatch.setattr(guard, "_peer_of", lambda fd, local: "127.0.0.1:5002")
+    with _gate() as gate:
+        gate._admitted.add(9)
+        gate.trust(9)  # the new connection on descriptor 9
+        gate._forget(9)  # the old connection's close event, read late
+        assert gate._trusted[9] == "127.0.0.1:5002"
+        monkeypatch.setattr(guard, "_peer_of", lambda fd, local: None)  # descriptor 9 closed for real
+        gate._forget(9)
+        assert 9 not in gate._trusted

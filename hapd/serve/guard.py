@@ -287,10 +287,17 @@ class ConnectionGate:
         self.refusals.warning("refused a connection", f"refused a connection from {peer}: {why}")
 
     def _forget(self, fd: int) -> None:
+        """A connection on ``fd`` closed. Its trust goes with it, unless the trust is the
+        live connection's: the close event of a connection may be read after a newer
+        connection reused its descriptor and authenticated (the peer tells them apart)."""
+        with self._lock:
+            trusted = self._trusted.get(fd)
+        keep = trusted is not None and _peer_of(fd, self._local) == trusted
         with self._lock:
             self._admitted.discard(fd)
             self._refused.discard(fd)
-            self._trusted.pop(fd, None)
+            if not keep or self._trusted.get(fd) != trusted:
+                self._trusted.pop(fd, None)
 
     def _audit(self) -> None:
         with self._lock:
