@@ -133,7 +133,7 @@ def save_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
     held = held_tensors(module)
     state, pieces = _model_state(held)
     if optimizer is not None:
-        optim_state, optim_pieces = _optimizer_state(optimizer, held)
+        optim_state, optim_pieces = _optimizer_state(optimizer, held, ranks)
         state.update(optim_state)
         pieces.update(optim_pieces)
     state[f"{RNG}{ranks.rank}"] = _rng_state()
@@ -183,8 +183,8 @@ def _model_state(held: Iterable[Held]) -> tuple[dict[str, Any], dict[str, tuple[
     pieces: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for h in held:
         key = MODEL + h.key
-        if h.partial and h.local.numel() == 0:
-            continue  # this rank holds nothing of it
+        if (h.partial and h.local.numel() == 0) or not h.writes:
+            continue  # this rank holds nothing of it, or another rank writes it
         state[key] = h.local.detach()
         if h.partial:
             pieces[key] = (h.offsets, h.size)
@@ -219,12 +219,14 @@ def _state_placement(h: Held, name: str, value: Tensor) -> Held | None:
                           node=h.key)
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer, held: Iterable[Held]) -> tuple[dict, dict]:
+def _optimizer_state(optimizer: torch.optim.Optimizer, held: Iterable[Held], ranks: _Ranks) -> tuple[dict, dict]:
     state: dict[str, Any] = {}
     pieces: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     groups = _param_keys(optimizer, held)
     for found in groups:
         for h, param in found:
+            if not h.writes:
+                continue
             for name, value in optimizer.state.get(param, {}).items():
                 key = f"{OPTIM}{h.key}/{name}"
                 if not isinstance(value, Tensor):
@@ -237,9 +239,26 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, held: Iterable[Held]) -> 
                         pieces[key] = (placed.offsets, placed.size)
                 else:
                     state[key] = value.detach()
-    state[GROUPS] = [{**{k: v for k, v in group.items() if k != "params"}, "params": [h.key for h, _ in found]}
-                     for group, found in zip(optimizer.param_groups, groups)]
+    state[GROUPS] = [{**{k: v for k, v in group.items() if k != "params"}, "params": keys}
+                     for group, keys in zip(optimizer.param_groups, _group_keys(groups, ranks))]
     return state, pieces
+
+
+def _group_keys(groups: list[list[tuple[Held, Tensor]]], ranks: _Ranks) -> list[list[str]]:
+    """Each param group's parameter keys over every rank (a pipeline's ranks each hold
+    their stage's), in first-seen order."""
+    mine = [[h.key for h, _ in found] for found in groups]
+    if not ranks.distributed:
+        return mine
+    everyone: list[Any] = [None] * ranks.world
+    dist.all_gather_object(everyone, mine, group=ranks.group)
+    out: list[list[str]] = [[] for _ in mine]
+    for theirs in everyone:
+        if len(theirs) != len(mine):
+            raise CheckpointError(f"the ranks' optimizers have {len(mine)} and {len(theirs)} param groups")
+        for keys, more in zip(out, theirs):
+            keys += [k for k in more if k not in keys]
+    return out
 
 
 def _rng_state() -> dict[str, Any]:
@@ -285,7 +304,7 @@ def _write_manifest(folder: Path, module: nn.Module, held: list[Held], ranks: _R
         "seed": torch.initial_seed(),
         "graph_id": plan.key.get("graph_id") if plan is not None else None,
         "layouts": layouts,
-        "model": {h.key: list(h.size) for h in held},
+        "model": {k: list(v) for k, v in model_sizes(module, held).items()},
         "hapd": __version__,
         "torch": torch.__version__,
         "saved_at": time.time(),
@@ -332,7 +351,7 @@ def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
     saved = metadata.state_dict_metadata
     ranks = _ranks(module)
     held = held_tensors(module)
-    _check_model_keys(held, saved, folder)
+    _check_model_keys(held, model_sizes(module, held), saved, folder)
     state, pieces = _model_request(held)
     if optimizer is not None:
         if GROUPS not in saved:
@@ -356,15 +375,25 @@ def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
         raise CheckpointError(f"{folder}: reading the checkpoint failed: {_first_line(exc)}") from exc
     _copy_model(held, state)
     if optimizer is not None:
-        _load_optimizer(optimizer, held, state, saved)
+        _load_optimizer(optimizer, held, state, saved, every=set(model_sizes(module, held)) == {h.key for h in held})
     if sampler is not None:
         sampler.load_state_dict(state[SAMPLER])
     _set_rng(state.get(rng_key), int(manifest.get("seed", 0)) + ranks.rank)
     return {"step": int(state[EXTRA]["step"]), "extra": dict(state[EXTRA]["extra"])}
 
 
-def _check_model_keys(held: list[Held], saved: Mapping[str, Any], folder: Path) -> None:
-    mine = {MODEL + h.key for h in held}
+def model_sizes(module: nn.Module, held: Iterable[Held]) -> dict[str, tuple[int, ...]]:
+    """Every state-dict key of the whole model and its shape: what ``module`` says
+    (``state_sizes()``: a pipeline's rank holds only its stage's), else what it holds."""
+    sizes = getattr(module, "state_sizes", None)
+    if callable(sizes):
+        return {k: tuple(v) for k, v in sizes().items()}
+    return {h.key: tuple(h.size) for h in held}
+
+
+def _check_model_keys(held: list[Held], sizes: Mapping[str, tuple[int, ...]], saved: Mapping[str, Any],
+                      folder: Path) -> None:
+    mine = {MODEL + k for k in sizes}
     theirs = {k for k in saved if k.startswith(MODEL)}
     missing, unexpected = sorted(mine - theirs), sorted(theirs - mine)
     if missing or unexpected:
@@ -428,7 +457,7 @@ def _copy_model(held: Iterable[Held], state: Mapping[str, Any]) -> None:
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, held: list[Held], state: Mapping[str, Any],
-                    saved: Mapping[str, Any]) -> None:
+                    saved: Mapping[str, Any], *, every: bool = True) -> None:
     """Hand the loaded pieces to ``optimizer.load_state_dict`` (which casts them to each
     parameter's device and dtype as torch does), keyed by this optimizer's own ids."""
     groups = _param_keys(optimizer, held)
@@ -441,7 +470,9 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, held: list[Held], state: M
     new_groups = []
     for g, (found, saved_group, group) in enumerate(zip(groups, saved_groups, current["param_groups"])):
         keys = [h.key for h, _ in found]
-        if sorted(keys) != sorted(saved_group["params"]):
+        # a module holding every tensor has every parameter of the group; a pipeline's
+        # rank, its stage's
+        if (sorted(keys) != sorted(saved_group["params"])) if every else not set(keys) <= set(saved_group["params"]):
             raise CheckpointError(f"param group {g} holds other parameters than the checkpoint's: "
                                   f"{sorted(set(keys) ^ set(saved_group['params']))[:8]}")
         for (h, param), pid in zip(found, group["params"]):

@@ -31,6 +31,10 @@ class Held:
     """Where the piece starts in the whole tensor."""
     size: tuple[int, ...]
     """The whole tensor's shape."""
+    writes: bool = True
+    """Whether this rank writes it to checkpoints (False: another rank holding the same
+    block writes it, e.g. the first of the pipeline stages that hold a tied weight);
+    every rank that holds a piece reads it."""
 
     @property
     def partial(self) -> bool:

@@ -149,7 +149,7 @@ class ParallelModule(nn.Module):
         """This rank's pieces of the global batch, in forward order, as the program of
         the current mode for its shapes cuts it (collective when that program is not
         built yet); the next forwards run that program."""
-        _check_tensors(global_batch, "shard_inputs")
+        check_tensors(global_batch, "shard_inputs")
         if len(global_batch) != len(self.inner.hapd_inputs):
             return self.inner.shard_inputs(*global_batch)  # the error naming the inputs
         shapes = tuple(tuple(t.shape) for t in global_batch)
@@ -239,7 +239,7 @@ class ParallelModule(nn.Module):
         the program of the current mode for that batch (the one :meth:`shard_inputs`
         or :meth:`expect_batch` named last; the example batch when neither did, and, on
         one rank, the inputs' own shapes)."""
-        _check_tensors(local_inputs, "forward")
+        check_tensors(local_inputs, "forward")
         program = self._forward_program(local_inputs)
         expected = program.local_shapes()
         got = [list(t.shape) for t in local_inputs]
@@ -341,7 +341,7 @@ class ParallelModule(nn.Module):
             group.append(key)
         return groups
 
-    def _params_by_kind(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    def params_by_kind(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(split, replicated) trainable parameters with gradients."""
         split, replicated = [], []
         for name, param in self.inner.named_parameters():
@@ -363,7 +363,7 @@ class ParallelModule(nn.Module):
         ``max_norm``; returns that total norm. Split parameters' pieces are summed over
         ranks, replicated ones counted once. Collective."""
         norm_type = float(norm_type)
-        split, replicated = self._params_by_kind()
+        split, replicated = self.params_by_kind()
         device = next((p.grad.device for p in split + replicated), torch.device("cpu"))
         if math.isinf(norm_type):
             local = _max_abs(split, device)
@@ -445,7 +445,7 @@ class ParallelModule(nn.Module):
         into.copy_(view.local_value(tensor, layout, value.detach().to(into.device)))
 
 
-def _check_tensors(values: Sequence[Any], what: str) -> None:
+def check_tensors(values: Sequence[Any], what: str) -> None:
     """Every input a tensor: :class:`~hapd.errors.OptionsError` naming the first that is
     not (a list, None, a dict of a dataset's sample), not an AttributeError from inside."""
     for k, value in enumerate(values):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,12 @@ from torch import Tensor, nn
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.lower import GraphIR
 from hapd.compiler.plan import Plan
-from hapd.errors import OptionsError
+from hapd.errors import HapdError, OptionsError, PlanError
 from hapd.profile.schema import Profile
 from hapd.runtime.distributed import init_distributed, job_host_groups
 from hapd.runtime.parallel_module import ParallelModule
+from hapd.runtime.pipeline import compile_pipeline
+from hapd.runtime.pipeline_module import PipelineModule, build_pipeline_module
 from hapd.runtime.plan_source import PlanSource, compile_options, given_plan, job_profile, obtain_plan
 from hapd.runtime.programs import Recipe, op_nodes
 from hapd.runtime.rank import RankModule
@@ -53,7 +56,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
                 name: str | None = None, device: torch.device | str | None = None, group: Any = None,
                 hosts: Any = "auto", use_daemon: bool = True, verbose: bool = True,
                 weights: Weights | None = None, overlap: str = "auto",
-                compile: bool | Mapping[str, Any] = False) -> ParallelModule:  # noqa: A002 - torch's word
+                compile: bool | Mapping[str, Any] = False) -> ParallelModule | PipelineModule:  # noqa: A002 - torch's word
     """This rank's :class:`ParallelModule` of ``model``, trained on batches shaped like
     ``example_inputs`` (the *global* batch, the same on every rank). Collective.
 
@@ -104,10 +107,14 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     recipe = Recipe(model=model, example_inputs=example_inputs, batch_dims=tuple(batch_dims),
                     name=name or type(model).__name__, profile=profile, use_daemon=use_daemon, verbose=verbose,
                     device=device, weights=weights, compile=_compile_options(compile))
+    options = _default_options(options, profile, world)
     program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
                                             always=overlap == "always")
     if verbose and rank == 0:
         print(source.describe(), flush=True)
+    if pipeline_won(source.plan):
+        return build_pipeline_module(model, example_inputs, recipe.batch_dims, source, job_profile(profile, world),
+                                     compile_options(options), device=recipe.device, weights=weights)
     host_groups = job_host_groups(world, group) if hosts == "auto" else hosts
     inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
                        check_graph=False, hosts=host_groups, weights=weights, batch_dims=recipe.batch_dims)
@@ -126,6 +133,13 @@ def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
     origin says what the other one was estimated at. A given plan for one duplica's
     graph (``overlap`` in it) runs on the program exported for half the batch."""
     opts = compile_options(options)
+    if plan is None and opts.pipeline == "auto":
+        source = _pipeline_plan(recipe, opts, world=world, rank=rank, group=group)
+        if pipeline_won(source.plan):
+            return None, None, source
+        program, graph = recipe.export(True, recipe.example_shapes)
+        checked = obtain_plan(graph, world=world, rank=rank, plan=source.plan, group=group)  # checks it fits
+        return program, graph, dataclasses.replace(checked, origin=source.origin, seconds=source.seconds)
     if plan is not None:
         given = given_plan(plan)[0]
         shapes = recipe.half_shapes() if given.overlap else recipe.example_shapes
@@ -154,6 +168,45 @@ def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
                                  origin=f"{plain.origin}; without overlap {plain_s * 1e3:.2f} ms, "
                                         f"overlapped {both_s * 1e3:.2f} ms")
     return program, graph, chosen
+
+
+def _default_options(options: CompileOptions | Mapping[str, Any] | None, profile: Any,
+                     world: int) -> CompileOptions | Mapping[str, Any] | None:
+    """The options to search with: the user's, else pipelines in the space when the
+    profile spans several hosts (a pipeline puts its stages on hosts: over a slow link
+    between them it can beat every SPMD plan)."""
+    if options is not None or profile is None or world < 2:
+        return options
+    hosts = job_profile(profile, world).hosts
+    return {"pipeline": "auto"} if len(set(hosts)) > 1 else None
+
+
+def pipeline_won(plan: Plan) -> bool:
+    """Whether ``plan`` runs its pipeline instead of its SPMD program."""
+    found = plan.pipeline
+    return bool(found and found.get("chosen"))
+
+
+def _pipeline_plan(recipe: Recipe, options: CompileOptions, *, world: int, rank: int, group: Any) -> PlanSource:
+    """The plan with pipelines in the space, compiled on rank 0 (the model exported at
+    the global batch and at each micro-batch the search prices) and sent to every rank."""
+    start = time.perf_counter()
+    box: list[Any] = [None, None]
+    if rank == 0:
+        try:
+            found = compile_pipeline(recipe.model, recipe.example_inputs, recipe.batch_dims,
+                                     job_profile(recipe.profile, world), options, name=recipe.name)
+            box = [found.to_bytes(), None]
+        except HapdError as exc:
+            box = [None, f"{type(exc).__name__}: {exc}"]
+    if world > 1:
+        dist.broadcast_object_list(box, group=group)
+    if box[1] is not None:
+        raise PlanError(f"rank 0 could not get a plan: {box[1]}")
+    found = Plan.from_bytes(box[0])
+    what = "pipeline" if pipeline_won(found) else "SPMD plan"
+    return PlanSource(found, f"compiled on rank 0 with pipelines searched ({what} chosen)",
+                      time.perf_counter() - start)
 
 
 def _compile_options(compile: bool | Mapping[str, Any]) -> Mapping[str, Any] | None:  # noqa: A002

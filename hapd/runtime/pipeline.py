@@ -156,7 +156,7 @@ class PipelineRank:
 
     def __init__(self, stages: Sequence[Stage], boundaries: dict[str, Boundary], plans: Sequence[Plan],
                  groups: Sequence[Sequence[int]], micro_batches: int, batch_dims: Sequence[int | None],
-                 *, device: torch.device | str | None = None):
+                 *, device: torch.device | str | None = None, mean_loss: bool = False):
         if not (len(stages) == len(plans) == len(groups)):
             raise PlanError(f"{len(stages)} stages, {len(plans)} plans and {len(groups)} groups")
         if micro_batches < 1:
@@ -166,6 +166,7 @@ class PipelineRank:
         if sorted(flat) != list(range(dist.get_world_size())):
             raise PlanError(f"the stage groups {[list(g) for g in groups]} do not cover ranks 0..{dist.get_world_size() - 1} once")
         self.groups = [list(g) for g in groups]
+        self.plans = list(plans)
         process_groups = [dist.new_group(g) for g in self.groups]  # every rank, same order
         self.s = next(i for i, g in enumerate(self.groups) if rank in g)
         self.stage = stages[self.s]
@@ -188,8 +189,16 @@ class PipelineRank:
         grads = self.placeholders[n_users + n_recv:]
         self.post = _depending_on(self.module.graph, set(grads))
         output = next(n for n in self.module.graph.nodes if n.op == "output")
+        self.counts: list[fx.Node] = []
+        """The last stage's loss divisors (a mean over counted targets; empty: a sum)."""
         if self.stage.last:
-            _check_summed_loss(self.module, output.args[0])
+            self.counts = loss_counts(self.module, output.args[0])
+            if self.counts and not mean_loss:
+                raise PlanError("pipeline micro-batches add their losses; the loss is a mean over counted targets "
+                                "(use reduction='sum')")
+        self.count = torch.ones(())
+        """After :meth:`step`, on the last stage: the targets the micro-batches' means
+        counted together (1 for a sum)."""
         index = {name: i for i, name in enumerate(boundaries)}
         view = self.module.hapd_view
         self.received = [_Flow(boundaries[b], index[b], _holding(view, b, layout, len(self.groups[self.s])))
@@ -321,16 +330,24 @@ class PipelineRank:
             elif node in self.post and node.op != "placeholder":
                 env[node] = _run(interp, env, node)
         assert output is not None
+        # a mean over counted targets is seeded with its count: the gradient of the
+        # micro-batch's sum, which step's caller divides by the whole batch's count
+        seed = torch.ones_like(output)
+        for count in self.counts:
+            seed = seed * env[count].to(output.dtype).reshape(output.shape)
         self.module.hapd_sync.reset()
         if output.requires_grad:  # else a frozen stage that reads no boundary: nothing in it takes a gradient
             with contextlib.nullcontext() if sync else self.module.hapd_sync.no_sync():
-                output.backward()
+                output.backward(seed)
         for flow, leaf in zip(self.received, state["received"]):
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             self._send(grad, flow, flow.boundary.producer,
                        self._peer_holdings[(flow.boundary.name, flow.boundary.producer)], mb, backward=True,
                        pending=pending)
-        return output.detach() if self.stage.last else output.detach() * 0
+        if not self.stage.last:
+            return output.detach() * 0
+        self.count = self.count + seed.detach().to(self.count.dtype)
+        return output.detach() * seed.detach()
 
     # -- an iteration --------------------------------------------------------------------
 
@@ -346,7 +363,12 @@ class PipelineRank:
     def step(self, *batch: Tensor) -> Tensor:
         """One iteration on the global batch (the same on every rank): forward and
         backward of every micro-batch; returns this rank's part of the loss (zero
-        outside the last stage). Parameters then hold their exact gradients."""
+        outside the last stage). Parameters then hold their exact gradients.
+
+        For a mean over counted targets (``mean_loss``), the loss part and the
+        gradients are those of the micro-batches' *sums*: divide both by the whole
+        batch's count, :attr:`count` on the last stage (:meth:`batch_count` gives it
+        to every rank)."""
         for k, d in enumerate(self.batch_dims):
             if d is not None and batch[k].shape[d] % self.m:
                 raise PlanError(f"input {k}: batch {batch[k].shape[d]} does not split into {self.m} micro-batches")
@@ -355,6 +377,7 @@ class PipelineRank:
         pending: list = []
         states: dict[int, dict] = {}
         total = torch.zeros(())
+        self.count = torch.zeros(()) if self.counts else torch.ones(())
         order = self.schedule()
         posted: dict[int, list] = {}
 
@@ -374,6 +397,13 @@ class PipelineRank:
             work.wait()
         self._sum_tied()
         return total
+
+    def batch_count(self) -> Tensor:
+        """The last step's :attr:`count`, on every rank (a broadcast from the last
+        stage's first rank). Collective."""
+        count = self.count.clone().to(torch.float64)
+        dist.broadcast(count, src=self.groups[-1][0])
+        return count
 
     @torch.no_grad()
     def _sum_tied(self) -> None:
@@ -513,14 +543,6 @@ def _peer_holdings(stages: Sequence[Stage], plans: Sequence[Plan], groups: Seque
     return out
 
 
-def _check_summed_loss(module: RankModule, loss: fx.Node) -> None:
-    if loss_counts(module, loss):
-        raise PlanError("pipeline micro-batches add their losses; the loss is a mean over counted targets "
-                        "(use reduction='sum')")
-
-
-
-
 
 # --------------------------------------------------------------------------------------
 # From a model and a plan with a pipeline
@@ -558,7 +580,8 @@ def compile_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dim
 
 
 def build_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dims: Sequence[int | None],
-                   plan: Plan, profile: Any, options: Any = None, *, device: torch.device | str | None = None) -> PipelineRank:
+                   plan: Plan, profile: Any, options: Any = None, *, device: torch.device | str | None = None,
+                   mean_loss: bool = False) -> PipelineRank:
     """This rank's :class:`PipelineRank` for a plan whose ``pipeline`` was chosen: the
     model exported for one micro-batch and cut at the pipeline's cuts; rank 0 compiles
     every stage's plan for its group (``profile.subset``; ``options`` without pipelines)
@@ -578,6 +601,6 @@ def build_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dims:
                 for st, g in zip(stages, groups)]]
     dist.broadcast_object_list(box, src=0)
     plans = [Plan.from_bytes(b) for b in box[0]]
-    return PipelineRank(stages, boundaries, plans, groups, m, batch_dims, device=device)
+    return PipelineRank(stages, boundaries, plans, groups, m, batch_dims, device=device, mean_loss=mean_loss)
 
 __all__ = ["Holding", "PipelineRank", "build_pipeline", "compile_pipeline", "transfers"]
