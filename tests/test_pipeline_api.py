@@ -64,14 +64,13 @@ def _loop(module, optimizer, batches, steps: int, global_loss) -> list[float]:
     return losses
 
 
-def _single_device(steps: int) -> list[float]:
+def _single_device(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     model, config = _model()
     data = _dataset(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
-    batches = iter(loader)
+    batches = iter(torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False))
 
-    class _Clip(torch.nn.Module):
+    class _Clipped(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.inner = model
@@ -82,7 +81,8 @@ def _single_device(steps: int) -> list[float]:
         def clip_grad_norm_(self, n):
             return torch.nn.utils.clip_grad_norm_(model.parameters(), n)
 
-    return _loop(_Clip(), optimizer, batches, steps, lambda t: float(t.detach()))
+    losses = _loop(_Clipped(), optimizer, batches, steps, lambda t: float(t.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _rank(rank: int, world: int, technique: str, steps: int, load: str | None, save: str | None):
@@ -103,19 +103,24 @@ def _rank(rank: int, world: int, technique: str, steps: int, load: str | None, s
     losses = _loop(module, optimizer, batches, steps, module.global_loss)
     if save is not None:
         hapd.save_checkpoint(save, module, optimizer, sampler=loader, step=steps)
-    state = module.full_state_dict()
-    return {"losses": losses, "technique": technique, "stage": getattr(module, "stage_index", None),
-            "norm": float(sum(v.double().square().sum() for v in state.values()))}
+    return {"losses": losses, "stage": getattr(module, "stage_index", None), "state": {k: v.numpy() for k, v in module.full_state_dict().items()}}  # tensors do not outlive the rank
 
 
-def test_a_pipelined_training_loop_is_the_single_device_one_and_resumes_under_spmd(tmp_path):
-    reference = _single_device(6)
-    ckpt = str(tmp_path / "pipe")
-    first = run_ranks(3, _rank, "pipeline", 3, None, ckpt, timeout=500)
-    assert sorted(r["stage"] for r in first) == [0, 1, 1]  # host a one stage, host b the other
-    for r in first:
-        assert r["losses"] == pytest.approx(reference[:3], abs=1e-5)
-    # the checkpoint of the pipeline, resumed under an SPMD plan on 2 ranks of one host
-    second = run_ranks(2, _rank, "spmd", 3, ckpt, str(tmp_path / "spmd"), timeout=500)
-    for r in second:
-        assert r["losses"] == pytest.approx(reference[3:6], abs=1e-5)
+def test_a_pipelined_loop_is_the_single_device_one_and_checkpoints_cross_techniques(tmp_path):
+    reference, final = _single_device(6)
+    spmd, pipe = str(tmp_path / "spmd"), str(tmp_path / "pipe")
+    # steps 1-2: an SPMD plan on one host's 2 ranks
+    first = run_ranks(2, _rank, "spmd", 2, None, spmd, timeout=500)
+    # steps 3-4: the pipeline the search picks on 2 hosts x (1 + 2) ranks, from that checkpoint
+    second = run_ranks(3, _rank, "pipeline", 2, spmd, pipe, timeout=500)
+    assert sorted(r["stage"] for r in second) == [0, 1, 1]  # host a one stage, host b the other
+    # steps 5-6: SPMD on 2 ranks again, from the pipeline's checkpoint
+    third = run_ranks(2, _rank, "spmd", 2, pipe, None, timeout=500)
+    for results, steps in ((first, reference[0:2]), (second, reference[2:4]), (third, reference[4:6])):
+        for r in results:
+            assert r["losses"] == pytest.approx(steps, abs=1e-5)
+    for r in second + third:
+        assert sorted(r["state"]) == sorted(final)  # the single-device names, tied lm_head.weight included
+    for key, value in final.items():
+        assert (second[0]["state"][key] == second[2]["state"][key]).all()  # every rank gets the whole dict
+        assert (torch.from_numpy(third[0]["state"][key]) - value).abs().max() <= 1e-5, key
