@@ -3,6 +3,8 @@
 
     ./run_all examples/train_gpt2.py 2 -- --steps 200 --save-every 50
     ./run_all examples/train_gpt2.py 2 -- --steps 300 --resume       # goes on from step 200
+    ./run_all examples/train_gpt2.py 2 --hosts HOSTS -- --profile cluster.json   # a cluster's profile: hapd
+                                                    # searches SPMD plans and pipelines for it and runs the faster
 
 (or ``torchrun --nproc-per-node 2 examples/train_gpt2.py ...``, or plain ``python`` for one
 process). Every rank builds the same model from the same seed; :func:`hapd.parallelize`
@@ -125,6 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint")
     p.add_argument("--export", type=Path, default=Path("gpt2-bytes"),
                    help="folder for the final model (config.json + model.safetensors)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="the cluster's profile (hapd profile / ./run_all --profile): plans, and pipelines when it "
+                        "spans several hosts, are searched for it (default: the devices as each rank sees its own)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args)
     example = tuple(default_collate([dataset[i] for i in range(args.batch)]))  # one global batch
 
-    module = hapd.parallelize(model, example)  # collective: every rank calls it
+    module = hapd.parallelize(model, example, profile=args.profile)  # collective: every rank calls it
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine(args.warmup, args.steps))
     # this rank's samples of every global batch; whole batches only, so that every step has args.batch samples
@@ -150,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         step, epoch = state["step"], data.sampler.epoch
         scheduler.load_state_dict(state["extra"]["scheduler"])
     first = module.rank == 0
+    split = module.sample_lengths()  # None: every rank reads whole batches (a pipeline's stages cut them)
+    reading = f"reading {split} samples each" if split is not None else "reading whole batches"
     if first:
         print(f"gpt2: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, {len(dataset)} windows of "
-              f"{args.seq} bytes, {per_epoch} steps per epoch, {module.world} rank(s) reading "
-              f"{module.sample_lengths()} samples each; {'resuming at' if args.resume else 'starting at'} step {step}",
-              flush=True)
+              f"{args.seq} bytes, {per_epoch} steps per epoch, {module.world} rank(s) {reading}; "
+              f"{'resuming at' if args.resume else 'starting at'} step {step}", flush=True)
 
     def save() -> None:
         hapd.save_checkpoint(args.checkpoint, module, optimizer, sampler=data, step=step,

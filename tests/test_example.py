@@ -1,8 +1,9 @@
-"""examples/train_gpt2.py, the example users copy, at tiny sizes on 2 ranks through the
-launcher (a daemon started for each job): the loss goes down, a run stopped at a
-checkpoint and resumed ends where an uninterrupted run ends (the step, the optimizer,
-the LR schedule and the data position all carry over), and the exported model loads
-with ``GPT2LMHeadModel.from_pretrained``.
+"""examples/train_gpt2.py, the example users copy, at tiny sizes through the launcher (a
+daemon started for each job): the loss goes down on 2 ranks; a run stopped at a
+checkpoint and resumed on 3 ranks given a two-host cluster's profile — where the search
+picks a pipeline — ends where the uninterrupted run ends (the step, the optimizer, the
+LR schedule and the data position all carry over, from an SPMD plan to a pipeline), and
+the exported models load with ``GPT2LMHeadModel.from_pretrained``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ pytest.importorskip("tqdm")
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_gpt2.py"
-TINY = ["--width", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "8", "--lr", "1e-2",
+TINY = ["--width", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", "8", "--lr", "1e-2",
         "--warmup", "2"]
 STEPS = 8
 TEXT = b"the quick brown fox jumps over the lazy dog. " * 10
@@ -40,13 +41,24 @@ def _example_module():
     return train_gpt2
 
 
-def train(tmp: Path, *flags: str) -> str:
-    """``./run_all examples/train_gpt2.py 2 -- TINY --text TEXT FLAGS`` in ``tmp``; its stdout."""
+def two_hosts(path: Path) -> Path:
+    """The profile of host a (one fast rank) and host b (two ranks) behind a slow link."""
+    import dataclasses
+
+    from hapd.profile.schema import Link, estimated_profile
+
+    profile = estimated_profile(3, flops=[2e10, 1e10, 1e10], hosts=["a", "b", "b"], alpha=1e-5, beta=1e6)
+    links = {n: {"inter": link["inter"], "intra": Link(alpha=1e-6, beta=1e10)} for n, link in profile.collectives.items()}
+    return dataclasses.replace(profile, collectives=links, name="two-hosts").save(path)
+
+
+def train(tmp: Path, *flags: str, ranks: int = 2) -> str:
+    """``./run_all examples/train_gpt2.py RANKS -- TINY --text TEXT FLAGS`` in ``tmp``; its stdout."""
     text = tmp / "text.txt"
     text.write_bytes(TEXT)
     env = {k: v for k, v in os.environ.items() if k not in ("HAPD_DAEMON", "HAPD_KEY_FILE", "HAPD_JOB")}
     env["HAPD_HOME"] = str(tmp / "home")
-    done = subprocess.run([str(ROOT / "run_all"), str(EXAMPLE), "2", "--", *TINY, "--text", str(text), *flags],
+    done = subprocess.run([str(ROOT / "run_all"), str(EXAMPLE), str(ranks), "--", *TINY, "--text", str(text), *flags],
                           capture_output=True, text=True, timeout=300, cwd=tmp, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert '{"hapd"' not in done.stdout  # a clean console
@@ -62,14 +74,15 @@ def final_losses(out: str) -> tuple[float, int, float, int]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, str]:
-    """An uninterrupted run of STEPS steps, and one stopped at STEPS/2 then resumed."""
+    """An uninterrupted run of STEPS steps on 2 ranks, and one stopped at STEPS/2 then
+    resumed on 3 ranks of a two-host profile (a pipeline)."""
     tmp = tmp_path_factory.mktemp("example")
     whole = train(tmp, "--steps", str(STEPS), "--save-every", "4", "--checkpoint", str(tmp / "ck-whole"),
                   "--export", str(tmp / "model"))
     stopped = train(tmp, "--steps", str(STEPS), "--stop-at", str(STEPS // 2), "--save-every", "4",
                     "--checkpoint", str(tmp / "ck-part"), "--export", str(tmp / "part-model"))
     resumed = train(tmp, "--steps", str(STEPS), "--resume", "--checkpoint", str(tmp / "ck-part"),
-                    "--export", str(tmp / "part-model"))
+                    "--export", str(tmp / "part-model"), "--profile", str(two_hosts(tmp / "two-hosts.json")), ranks=3)
     return {"whole": whole, "stopped": stopped, "resumed": resumed, "tmp": str(tmp)}
 
 
@@ -90,7 +103,8 @@ def test_the_loss_goes_down_and_checkpoints_are_written(runs):
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(runs):
     assert "checkpoint: step 4 in " in runs["stopped"] and final_losses(runs["stopped"])[3] == STEPS // 2
     resumed = runs["resumed"]
-    assert "resuming at step 4" in resumed
+    assert "resuming at step 4" in resumed and "3 rank(s) reading whole batches" in resumed, resumed[:3000]
+    assert re.search(r"^\[rank 0\] plan: .*pipeline chosen", resumed, re.M), resumed[-3000:]
     _, first_step, last, last_step = final_losses(resumed)
     assert (first_step, last_step) == (STEPS // 2 + 1, STEPS)
     whole_last = final_losses(runs["whole"])[2]
@@ -101,13 +115,16 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(runs):
 def test_the_exported_model_loads_with_from_pretrained(runs):
     from transformers import GPT2LMHeadModel
 
-    model = GPT2LMHeadModel.from_pretrained(Path(runs["tmp"]) / "model")
     example = _example_module()
     data = example.ByteWindows(TEXT, 16)
     ids = torch.stack([data[i][0] for i in range(len(data))])
-    with torch.no_grad():
-        loss = float(model(input_ids=ids, labels=ids).loss)
-    assert loss < math.log(256) - 0.3  # trained weights, not a fresh init
+    losses = []
+    for name in ("model", "part-model"):  # written by an SPMD plan, and by a pipeline
+        model = GPT2LMHeadModel.from_pretrained(Path(runs["tmp"]) / name)
+        with torch.no_grad():
+            losses.append(float(model(input_ids=ids, labels=ids).loss))
+    assert losses[0] < math.log(256) - 0.3  # trained weights, not a fresh init
+    assert losses[1] == pytest.approx(losses[0], abs=1e-4)  # the same weights, whichever technique trained them
 
 
 def test_byte_windows():

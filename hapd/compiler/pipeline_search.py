@@ -552,6 +552,7 @@ def search(
         priced += table.searches
         if len(table.units.units) < 2 or not table.units.cuts:
             reason = f"the graph has {len(table.units.units)} blocks and no cut between them"
+            continue  # nothing priced: no stage to cut
         found = table.best(m)
         if found is None and table.memory and replace(table, memory={}).best(m) is not None:
             reason = (f"no pipeline's stages fit their groups' memory (1F1B holds up to {m} micro-batches' "
