@@ -43,11 +43,22 @@ _import_option = click.option(
 )
 
 
+def _cwd_importable() -> None:
+    """Let the user's modules be imported from the current folder, as ``python -m``
+    does: ``hapd export mymodels:factory`` in the folder that holds ``mymodels.py``
+    needs no ``PYTHONPATH=.`` (the folder goes first on ``sys.path``, once)."""
+    cwd = str(Path.cwd())
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def _import(imports: tuple[str, ...]) -> None:
-    """Import the modules ``--import`` names (before any program is loaded)."""
+    """Import the modules ``--import`` names (before any program is loaded), from the
+    current folder too."""
     if imports:
         from hapd.compiler.export import import_modules
 
+        _cwd_importable()
         import_modules(imports)
 
 
@@ -107,6 +118,7 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
     from hapd.compiler.lower import lower
 
     if ":" in model:
+        _cwd_importable()
         module, inputs = call_factory(load_factory(model), batch)
         batch_dims = None
         name = type(module).__name__
@@ -132,6 +144,30 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
         hapg_path = ir.save(out.with_suffix(".hapg"))
         click.echo(f"wrote {hapg_path}")
         click.echo(format_summary(inspect_graph(ir)))
+
+
+@main.command("run", add_help_option=False,
+              context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
+def run_cmd(argv: tuple[str, ...]) -> None:
+    """Run a training script on K ranks of every host through the hapd daemons:
+    `hapd run SCRIPT -n K [--hosts FILE] [launcher options] [-- ARGS]`.
+
+    SCRIPT is a path relative to the current folder; `worker.py`, `ddp.py` and
+    `fsdp.py` are hapd's own when the folder has no such file. Without --hosts the job
+    runs on this machine, through its daemon or one started for the job. Every option
+    and the exit status are the launcher's (`hapd run --help` lists them):
+    `./run_all SCRIPT K` is `hapd run SCRIPT -n K`."""
+    import os
+
+    # The launcher is the layer above this CLI (it must not be imported here): it runs
+    # as its own program, in this process's place (signals, exit status and output are
+    # the launcher's own).
+    command = [sys.executable, "-m", "launcher", "run", *argv]
+    env = {**os.environ, "HAPD_LAUNCHER_PROG": "hapd"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, command, env)
 
 
 @main.command("lower")

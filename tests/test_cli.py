@@ -236,6 +236,27 @@ def test_export_factory_in_a_subprocess(factory_module, tmp_path) -> None:
     assert done.stdout == f"wrote {tmp_path / 'f.pt2'}\n"
 
 
+def test_export_and_import_take_modules_from_the_current_folder(tmp_path) -> None:
+    """``hapd export mymodels:factory`` in the folder holding ``mymodels.py``, without
+    ``PYTHONPATH=.`` (as ``python -m`` would), and ``--import mymodels`` likewise."""
+    (tmp_path / "mymodels.py").write_text(_FACTORY)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    here = os.environ.get("PYTHONPATH")  # the checkout under test, never the current folder
+    if here:
+        env["PYTHONPATH"] = here
+    done = subprocess.run([HAPD, "export", "mymodels:factory", "--no-hapg", "-o", "f.pt2"], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "wrote f.pt2\n"
+    done = subprocess.run([HAPD, "inspect", "f.pt2", "--import", "mymodels"], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0 and "graph Tiny" in done.stdout, done.stderr
+    done = subprocess.run([HAPD, "export", "othermodels:factory"], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr == "hapd: ExportError: cannot import 'othermodels': No module named 'othermodels'\n"
+
+
 # ----------------------------------------------------------------------------- lower / inspect
 
 
