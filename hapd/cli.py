@@ -43,11 +43,22 @@ _import_option = click.option(
 )
 
 
+def _cwd_importable() -> None:
+    """Let the user's modules be imported from the current folder, as ``python -m``
+    does: ``hapd export mymodels:factory`` in the folder that holds ``mymodels.py``
+    needs no ``PYTHONPATH=.`` (the folder goes first on ``sys.path``, once)."""
+    cwd = str(Path.cwd())
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def _import(imports: tuple[str, ...]) -> None:
-    """Import the modules ``--import`` names (before any program is loaded)."""
+    """Import the modules ``--import`` names (before any program is loaded), from the
+    current folder too."""
     if imports:
         from hapd.compiler.export import import_modules
 
+        _cwd_importable()
         import_modules(imports)
 
 
@@ -107,6 +118,7 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
     from hapd.compiler.lower import lower
 
     if ":" in model:
+        _cwd_importable()
         module, inputs = call_factory(load_factory(model), batch)
         batch_dims = None
         name = type(module).__name__
@@ -132,6 +144,30 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
         hapg_path = ir.save(out.with_suffix(".hapg"))
         click.echo(f"wrote {hapg_path}")
         click.echo(format_summary(inspect_graph(ir)))
+
+
+@main.command("run", add_help_option=False,
+              context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
+def run_cmd(argv: tuple[str, ...]) -> None:
+    """Run a training script on K ranks of every host through the hapd daemons:
+    `hapd run SCRIPT -n K [--hosts FILE] [launcher options] [-- ARGS]`.
+
+    SCRIPT is a path relative to the current folder; `worker.py`, `ddp.py` and
+    `fsdp.py` are hapd's own when the folder has no such file. Without --hosts the job
+    runs on this machine, through its daemon or one started for the job. Every option
+    and the exit status are the launcher's (`hapd run --help` lists them):
+    `./run_all SCRIPT K` is `hapd run SCRIPT -n K`."""
+    import os
+
+    # The launcher is the layer above this CLI (it must not be imported here): it runs
+    # as its own program, in this process's place (signals, exit status and output are
+    # the launcher's own).
+    command = [sys.executable, "-m", "launcher", "run", *argv]
+    env = {**os.environ, "HAPD_LAUNCHER_PROG": "hapd"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, command, env)
 
 
 @main.command("lower")
@@ -183,17 +219,32 @@ def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="With --pipeline auto: GRAPH's model exported at a smaller batch, one micro-batch of the global "
                    "batch, to price that micro-batch count (repeatable).")
+@click.option("--global-batch", type=click.IntRange(min=2), default=None,
+              help="With --overlap: the global batch the plan trains; GRAPH must have been exported at half of it "
+                   "(checked before compiling).")
 @click.option("--explain/--no-explain", "show", default=False, help="Print the full report.")
 @_import_option
 def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap: bool, memory_caps: bool,
-                max_seconds: float | None, recompute: str, pipeline: str, micro_graphs: tuple[Path, ...], show: bool,
-                imports: tuple[str, ...]) -> None:
+                max_seconds: float | None, recompute: str, pipeline: str, micro_graphs: tuple[Path, ...],
+                global_batch: int | None, show: bool, imports: tuple[str, ...]) -> None:
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
     from hapd.compiler.driver import compile as compile_plan
     from hapd.compiler.options import CompileOptions
     from hapd.compiler.plan import gap_lines
 
     _import(imports)
+    duplica_batch = None
+    if overlap:
+        duplica_batch = _graph_batch(graph)
+        if global_batch is not None and duplica_batch is not None and 2 * duplica_batch != global_batch:
+            raise OptionsError(
+                f"--overlap: {graph} was exported at batch {duplica_batch}, but a duplica's graph of global batch "
+                f"{global_batch} has batch {global_batch // 2}: export it at --batch {global_batch // 2}"
+                + (" (half the global batch)" if global_batch % 2 == 0 else "; the global batch must be even"),
+                field="global_batch")
+    elif global_batch is not None:
+        raise OptionsError("--global-batch is for --overlap (a duplica's graph is half the global batch)",
+                           field="global_batch")
 
     options = CompileOptions(zero=zero, overlap=overlap, memory_caps=memory_caps, max_seconds=max_seconds,
                              recompute=recompute, pipeline=pipeline)
@@ -207,6 +258,9 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
     )
     for line in gap_lines(plan.doc.get("dp_gap")):
         click.echo(line)
+    if duplica_batch is not None:
+        click.echo(f"overlap: {graph.name} is one duplica's batch of {duplica_batch}: the plan trains global batches of "
+                   f"{2 * duplica_batch} (two duplicas); a graph exported at the full batch trains twice it")
     found = plan.doc.get("pipeline")
     if found:
         click.echo(
@@ -216,6 +270,15 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
         )
     if show:
         click.echo(plan.explain())
+
+
+def _graph_batch(graph: Path) -> int | None:
+    """The batch of GRAPH's inputs (their batch dims' length; None when no input has
+    one, or they disagree)."""
+    from hapd.compiler.summary import inspect_graph
+
+    sizes = {shape[dim] for _name, shape, dim in inspect_graph(graph)["inputs"] if dim is not None}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 @main.command("check")

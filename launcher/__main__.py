@@ -16,6 +16,8 @@ it has heard nothing from the launcher for ``--lease`` seconds. No torch import 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import sys
 import time
@@ -24,7 +26,7 @@ from typing import Any, Sequence
 
 import click
 
-from hapd.errors import HapdError
+from hapd.errors import HapdError, OptionsError
 from hapd.util import atomic_write
 from launcher.hosts import Host, load_hosts
 from launcher.job import (DEFAULT_LEASE_S, EXIT_INTERRUPTED, EXIT_LAUNCH_ERROR, JobOptions, JobResult, check_daemons,
@@ -74,6 +76,37 @@ def _on_terminate(signum: int, _frame: object) -> None:
 
 def _exit(result: JobResult) -> None:
     sys.exit(result.exit_code)
+
+
+PACKAGED_SCRIPTS = {"worker.py": "hapd.worker", "ddp.py": "hapd.ddp", "fsdp.py": "hapd.fsdp"}
+"""Script names the launcher finds in the installed hapd when the current folder has no
+such file (the README's ``worker.py``, the baselines): ``python -m hapd.worker``'s file."""
+
+
+def resolve_script(script: Path) -> Path:
+    """SCRIPT as given when it is a file (relative to the current folder); else, for a
+    bare ``worker.py``, ``ddp.py`` or ``fsdp.py`` (:data:`PACKAGED_SCRIPTS`) or a module
+    name (``hapd.worker``), the installed module's file, found without importing it; else
+    an :class:`OptionsError` naming SCRIPT, the folder searched and what is packaged."""
+    import importlib.util
+
+    if script.is_file():
+        return script
+    name = str(script)
+    module = PACKAGED_SCRIPTS.get(name) if script.parent == Path(".") else None
+    if module is None and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+", name) and not name.endswith(".py"):
+        module = name
+    if module is not None:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin and spec.origin.endswith(".py") and Path(spec.origin).is_file():
+            return Path(spec.origin)
+    packaged = ", ".join(PACKAGED_SCRIPTS)
+    where = "" if script.is_absolute() else f" in {Path.cwd()}"
+    raise OptionsError(f"script {name} not found{where} (a path relative to the current folder, or one of the "
+                       f"packaged scripts {packaged}, or a module such as hapd.worker)", field="script")
 
 
 _common = [
@@ -133,7 +166,7 @@ def run_cmd(script: Path, args: tuple[str, ...], hosts: Path | None, nproc: int 
     When a rank fails, every rank on every host is stopped and the exit status is the
     failing rank's; when a daemon is lost, the other hosts' ranks are stopped, the lost
     daemon stops its own when the job's lease expires, and the exit status is 1."""
-    options = JobOptions(script=script, args=args, nproc_per_node=nproc, env=_env_pairs(env), ship=ship, cwd=cwd,
+    options = JobOptions(script=resolve_script(script), args=args, nproc_per_node=nproc, env=_env_pairs(env), ship=ship, cwd=cwd,
                          master_port=master_port, key_file=key_file, timeout_s=timeout, job_id=job_id, report=report,
                          stream=not quiet, verbose=verbose, lost_after_s=lost_after, lease_s=lease)
     _exit(_run(_hosts(hosts), options))
@@ -233,4 +266,4 @@ def profile_cmd(profiler_args: tuple[str, ...], hosts: Path | None, nproc: int |
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name=os.environ.get("HAPD_LAUNCHER_PROG") or None)

@@ -84,6 +84,7 @@ from hapd.serve.protocol import PROTOCOL_VERSION
 
 from launcher.hosts import Host
 from launcher.report import Timings, build_report, format_table, write_report
+from launcher.tracebacks import Tracebacks, strip_rank_prefix
 
 EXIT_LAUNCH_ERROR = 2
 """Exit status when the job could not be started (bad input, a host failed a check)."""
@@ -594,6 +595,8 @@ class Job:
         self.rank_host = {r: {"host": p.host.label, "gpu": p.host.gpu} for p in self.placements for r in p.ranks}
         self.timings = Timings()
         self.tails: dict[int, deque[str]] = {r: deque(maxlen=TAIL_LINES) for r in range(self.world_size)}
+        self.tracebacks = Tracebacks()
+        """The ranks' tracebacks: held, printed once (ranks failing alike folded), and the cause."""
         self.pieces: dict[tuple[int, str], list[str]] = {}
         """(rank, stream) -> the pieces so far of a line longer than a daemon's event."""
         self.exits: dict[int, tuple[int, float]] = {}
@@ -714,8 +717,9 @@ class Job:
                 timeout = 0.5 if deadline is None else deadline - time.monotonic()
                 if timeout <= 0:
                     break
+                self._flush_tracebacks(self.tracebacks.due())
                 try:
-                    kind, p, payload = self._events.get(timeout=timeout)
+                    kind, p, payload = self._events.get(timeout=min(timeout, self.tracebacks.hold_s / 2))
                 except queue.Empty:
                     continue
                 failed_now = self._handle(kind, p, payload, finished, lost)
@@ -738,7 +742,15 @@ class Job:
         finally:
             for poller in self._pollers:
                 poller.quit.set()
+            self._flush_tracebacks(list(self.tracebacks.held))
         return self._result(finished, lost, stop_started)
+
+    def _flush_tracebacks(self, ranks: Sequence[int]) -> None:
+        """Print the held tracebacks of ``ranks`` (once; a repeat of another rank's as one line)."""
+        for rank in ranks:
+            for line in self.tracebacks.flush(rank):
+                if self.options.stream:
+                    self._print(f"[rank {rank}] {line}", self.err)
 
     def _handle(self, kind: str, p: Placement, payload: Any, finished: set[int], lost: dict[int, str]) -> bool:
         """Take one message from a poller; True when it is the job's first failure."""
@@ -767,6 +779,7 @@ class Job:
             if (rank, stream) in self.pieces:
                 line = "".join(self.pieces.pop((rank, stream))) + line
             if stream == "exit":
+                self._flush_tracebacks([rank])
                 code = int(line)
                 self.exits[rank] = (code, event["time"])
                 if code != 0 and self.failure is None:
@@ -774,12 +787,31 @@ class Job:
                     self.say(f"rank {rank} on {p.host.label} exited with code {code}; stopping all ranks")
                     first_failure = True
                 continue
+            line = strip_rank_prefix(line, rank)  # torch's excepthook's "[rankN]: ", a second prefix
             if rank in self.tails:
                 self.tails[rank].append(line)
+            if stream == "stderr":
+                for shown in self.tracebacks.feed(rank, line) or ():
+                    if self.options.stream:
+                        self._print(f"[rank {rank}] {shown}", self.err)
+                continue
             consumed = stream == "stdout" and self.timings.feed(rank, line) is not None
             if self.options.stream and (self.options.verbose or not consumed):
-                self._print(f"[rank {rank}] {line}", self.out if stream == "stdout" else self.err)
+                self._print(f"[rank {rank}] {line}", self.out)
         return first_failure
+
+    def failure_line(self, failure: Mapping[str, Any]) -> str:
+        """The closing line of a failed rank: which, where, its exit code and the cause in
+        one line (the exception it raised, else its last stderr line)."""
+        line = f"job {self.job_id} failed: rank {failure['rank']} on {failure['host']} exited with code {failure['code']}"
+        if failure.get("cause"):
+            alike = failure.get("alike") or []
+            also = f" (ranks {', '.join(map(str, alike))} raised the same)" if len(alike) > 1 else \
+                (f" (rank {alike[0]} raised the same)" if alike else "")
+            return f"{line}: {failure['cause']}{also}"
+        if failure.get("last_line"):
+            return f"{line}; its last line on stderr: {failure['last_line'].strip()}"
+        return line
 
     def _lease_note(self, p: Placement, answered: float) -> str:
         """What becomes of the ranks of a host whose daemon stopped answering."""
@@ -813,7 +845,12 @@ class Job:
             result.exit_code = EXIT_HOST_LOST  # should not happen: a host finished without its exits
             failure = {"kind": "host", "message": f"exits of ranks {sorted(set(range(self.world_size)) - set(self.exits))} never arrived"}
         if failure is not None:
-            failure = {**failure, "tail": list(self.tails.get(failure.get("rank", -1), []))}
+            rank = failure.get("rank", -1)
+            failure = {**failure, "tail": list(self.tails.get(rank, []))}
+            if failure["kind"] == "rank":
+                failure["cause"] = self.tracebacks.cause(rank)
+                failure["alike"] = self.tracebacks.alike(rank)
+                failure["last_line"] = self.tracebacks.last_line.get(rank)
         result.failure = failure
         return result
 
@@ -854,8 +891,8 @@ class Job:
         failure = result.failure
         if failure is not None:
             if failure["kind"] == "rank":
-                self.say(f"job {self.job_id} failed: rank {failure['rank']} on {failure['host']} exited with code {failure['code']}")
-                if failure["tail"]:
+                self.say(self.failure_line(failure))
+                if failure["tail"] and not self.options.stream:  # streamed: on the screen already
                     self.say(f"last {len(failure['tail'])} line(s) of rank {failure['rank']}:")
                     for line in failure["tail"]:
                         print(f"    [rank {failure['rank']}] {line}", file=self.err, flush=True)

@@ -261,7 +261,11 @@ def test_a_batch_of_another_size_runs_its_own_program(capsys):
     ref = copy.deepcopy(model)
     module = hapd.parallelize(model, _batches(config, 1)[0], use_daemon=False)
     x, y = models.get("mlp").example_inputs(config, B - 1)
-    assert float(module(x, y).detach()) == pytest.approx(float(ref(x, y).detach()), rel=TOL)
+    # one process as two ranks: a batch of another size is named first (shard_inputs, the loader), not guessed
+    with pytest.raises(PlanError, match=r"^rank 0: inputs of shapes \[\[7, \d+\], \[7\]\], the plan runs \[\[8, \d+\], "
+                                        r"\[8\]\] on this rank \(cut a batch of another size with shard_inputs"):
+        module(x, y)
+    assert float(module(*module.shard_inputs(x, y)).detach()) == pytest.approx(float(ref(x, y).detach()), rel=TOL)
     assert "plan (training, batch shapes [[7, " in capsys.readouterr().out
     with pytest.raises(PlanError, match=r"expected 2 inputs \(x, y\), got 1"):
         module.shard_inputs(x)
@@ -289,7 +293,7 @@ def test_eval_without_a_recipe_is_an_error_naming_the_op():
     bare.train()
     x, y = models.get("mlp").example_inputs(config, B - 1)
     with pytest.raises(PlanError, match="runs only batch shapes"):
-        bare(x, y)
+        bare.shard_inputs(x, y)
 
 
 def test_transformers_gpt2_keeps_its_single_device_names():

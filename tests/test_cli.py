@@ -236,6 +236,27 @@ def test_export_factory_in_a_subprocess(factory_module, tmp_path) -> None:
     assert done.stdout == f"wrote {tmp_path / 'f.pt2'}\n"
 
 
+def test_export_and_import_take_modules_from_the_current_folder(tmp_path) -> None:
+    """``hapd export mymodels:factory`` in the folder holding ``mymodels.py``, without
+    ``PYTHONPATH=.`` (as ``python -m`` would), and ``--import mymodels`` likewise."""
+    (tmp_path / "mymodels.py").write_text(_FACTORY)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    here = os.environ.get("PYTHONPATH")  # the checkout under test, never the current folder
+    if here:
+        env["PYTHONPATH"] = here
+    done = subprocess.run([HAPD, "export", "mymodels:factory", "--no-hapg", "-o", "f.pt2"], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "wrote f.pt2\n"
+    done = subprocess.run([HAPD, "inspect", "f.pt2", "--import", "mymodels"], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0 and "graph Tiny" in done.stdout, done.stderr
+    done = subprocess.run([HAPD, "export", "othermodels:factory"], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr == "hapd: ExportError: cannot import 'othermodels': No module named 'othermodels'\n"
+
+
 # ----------------------------------------------------------------------------- lower / inspect
 
 
@@ -327,3 +348,20 @@ def test_bad_file_in_a_subprocess_has_no_traceback(tmp_path, fixtures_dir) -> No
 def test_missing_file_is_a_usage_error(tmp_path) -> None:
     result = run("inspect", tmp_path / "nope.hapg")
     assert result.exit_code == 2 and "does not exist" in result.stderr
+
+
+def test_overlap_checks_the_duplica_graphs_batch(factory_module, tmp_path) -> None:
+    """``--overlap`` takes GRAPH as one duplica's: with --global-batch a graph exported at
+    the full batch is refused, saying which batch to export; without it, the batch it
+    trains is said."""
+    assert run("export", f"{factory_module}:factory", "--batch", "8", "-o", "m.pt2", cwd=tmp_path).exit_code == 0
+    result = run("compile", "m.hapg", "-p", "paper-8", "--overlap", "--global-batch", "8", cwd=tmp_path)
+    assert result.exit_code == 2
+    assert result.stderr == ("hapd: OptionsError: --overlap: m.hapg was exported at batch 8, but a duplica's graph of "
+                             "global batch 8 has batch 4: export it at --batch 4 (half the global batch) [field global_batch]\n")
+    result = run("compile", "m.hapg", "-p", "paper-8", "--overlap", "--global-batch", "16", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert ("overlap: m.hapg is one duplica's batch of 8: the plan trains global batches of 16 (two duplicas)"
+            in result.stdout)
+    result = run("compile", "m.hapg", "-p", "paper-8", "--global-batch", "16", cwd=tmp_path)
+    assert result.exit_code == 2 and "--global-batch is for --overlap" in result.stderr

@@ -562,7 +562,9 @@ def test_cli_ping_and_a_second_daemon_on_the_same_state(daemon, tmp_path):
     other_key.write_text(os.urandom(32).hex())
     other_key.chmod(0o600)
     bad = run_cli("ping", daemon.address, "--key", str(other_key), "--timeout", "0.5")
-    assert bad.returncode == 2 and f"no daemon answered at {daemon.address}" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith(
+        f"hapd: DaemonTimeout: the daemon at {daemon.address} took the connection but did not answer the ping within 0.5 s: "
+        "most likely it refused the message's signature, holding another key"), bad.stderr
     second = run_cli("serve", "--state", str(daemon.home), "--bind", "tcp://127.0.0.1:*")
     assert second.returncode == 2 and "another hapd daemon" in second.stderr, second.stderr
     with daemon.client() as client:

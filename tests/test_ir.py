@@ -287,9 +287,24 @@ def test_loss_reduction_of_other_losses() -> None:
     assert lower(hapd.export(_SumOfSquares(), (x,))).doc["loss_reduction"] == "unknown"
 
 
+class _DictOutput(_Head):
+    def forward(self, x):
+        y = self.lin(x)
+        return {"loss": y.sum(), "logits": y}
+
+
+class _LogitsOnly(_Head):
+    def forward(self, x):
+        return {"logits": self.lin(x)}
+
+
 @pytest.mark.parametrize(("module", "message"), [
-    (_NotScalar, r"returns shape \[2, 3\]; hapd needs a scalar loss"),
-    (_TwoOutputs, "returns 2 outputs"),
+    (_NotScalar, r"^the model returns a tensor of shape \[2, 3\]; hapd needs the scalar loss \(compute the loss in forward"),
+    (_TwoOutputs, "^the model returns 2 outputs; hapd trains a forward that returns the scalar loss"),
+    (_DictOutput, r"^the model returns a dict with 'loss', 'logits'; hapd trains a forward that returns the scalar loss: "
+                  r"return `out\['loss'\]` \(e\.g\. a wrapper whose forward is `return self\.model\(\.\.\.\)\['loss'\]`\)$"),
+    (_LogitsOnly, r"^the model returns a dict with 'logits' of shape \[2, 3\]; hapd needs the scalar loss: pass the labels "
+                  r"so that it computes a loss, and return `out\['loss'\]`$"),
 ])
 def test_lowering_needs_one_scalar_output(module, message) -> None:
     program = hapd.export(module(), (torch.randn(2, 4),))

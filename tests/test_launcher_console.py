@@ -24,6 +24,7 @@ import torch
 from hapd.harness.training import report
 from hapd.runtime.distributed import DistEnv
 from launcher.report import Timings, build_report, format_table
+from launcher.tracebacks import TRACEBACK_START, Tracebacks, strip_rank_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,3 +114,82 @@ def test_a_rank_prints_its_table_only_outside_the_launcher(job, monkeypatch, cap
     kinds = [json.loads(line)["hapd"] for line in out.splitlines() if line.startswith('{"hapd"')]
     assert kinds == ["timings", "summary"] and summary["loss"] == 1.5  # the launcher's lines, either way
     assert ("hapd mlp: 1 rank(s)" in out) == (job is None), out
+
+
+# ----------------------------------------------------------------------------- errors and `hapd run`
+
+FAILING = """\
+import os
+import torch.distributed as dist
+dist.init_process_group("gloo")  # torch's excepthook then prefixes every line of a traceback with "[rankN]: "
+rank = dist.get_rank()
+
+
+def check_batch(batch):
+    if batch % 3:
+        raise ValueError(f"batch {batch} is not a multiple of 3 (rank {rank} saw it)" if rank == 2 else
+                         f"batch {batch} is not a multiple of 3")
+
+
+print(f"rank {rank} ready", flush=True)
+check_batch(8)
+"""
+
+
+def test_tracebacks_are_held_printed_once_and_folded():
+    tb = Tracebacks(hold_s=1.0)
+    frames = [TRACEBACK_START, '  File "x.py", line 3, in <module>', "    f()"]
+    assert tb.feed(0, "warming up", now=0.0) == ["warming up"]
+    for line in [*frames, "ValueError: bad batch", "  (more of the message)"]:
+        assert tb.feed(0, strip_rank_prefix(f"[rank0]: {line}", 0), now=0.1) is None
+    for line in [*frames, "mod.ValueError: bad batch"]:
+        assert tb.feed(1, line, now=0.2) is None
+    for line in [TRACEBACK_START, '  File "y.py", line 1, in <module>', "ValueError: other batch"]:
+        assert tb.feed(2, line, now=0.3) is None
+    assert tb.due(now=1.15) == [0] and tb.due(now=1.25) == [0, 1]
+    assert tb.flush(0) == [*frames, "ValueError: bad batch", "  (more of the message)"]
+    assert tb.flush(1) == ["(the same traceback as rank 0, ending:)", "mod.ValueError: bad batch"]
+    assert tb.flush(2) == [TRACEBACK_START, '  File "y.py", line 1, in <module>', "ValueError: other batch"]  # new: whole
+    for line in [*frames, "ValueError: bad batch", "  (more of the message)"]:
+        tb.feed(3, line)
+    assert tb.flush(3) == ["(the same traceback as rank 0)"] and tb.flush(3) == []
+    assert tb.cause(0) == tb.cause(1) == "ValueError: bad batch" and tb.alike(0) == [1, 3]
+    assert strip_rank_prefix("[rank1]: x", 0) == "[rank1]: x" and strip_rank_prefix("[rank1]:", 1) == ""
+
+
+def test_a_failing_script_under_hapd_run_from_another_folder(tmp_path, launcher_env):
+    """``hapd run fail.py -n 3`` in a folder outside the repository: the traceback is
+    printed once (the other ranks' as one line each), without torch's ``[rankN]:``, and
+    the closing line names the exception, the rank and the host."""
+    (tmp_path / "fail.py").write_text(FAILING)
+    done = subprocess.run([sys.executable, "-m", "hapd.cli", "run", "fail.py", "-n", "3"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=launcher_env)
+    err = done.stderr
+    assert done.returncode == 1, err
+    assert "[rank0]" not in err and "[rank1]" not in err and "[rank2]" not in err, err
+    assert err.count("Traceback (most recent call last):") == 1, err
+    first = int(re.search(r"^\[rank (\d)\] Traceback", err, re.M).group(1))
+    same = re.findall(r"^\[rank (\d)\] \(the same traceback as rank (\d)(, ending:)?\)$", err, re.M)
+    assert sorted(int(r) for r, _, _ in same) == sorted({0, 1, 2} - {first}) and {int(o) for _, o, _ in same} == {first}
+    assert "[rank 2] ValueError: batch 8 is not a multiple of 3 (rank 2 saw it)" in err or first == 2
+    closing = re.search(r"^hapd launcher: job fail-\S+ failed: rank (\d) on 127\.0\.0\.1:\d+ exited with code 1: (.*)$",
+                        err, re.M)
+    assert closing, err
+    if closing.group(1) == "2":
+        assert closing.group(2) == "ValueError: batch 8 is not a multiple of 3 (rank 2 saw it)"
+    else:
+        assert closing.group(2).startswith("ValueError: batch 8 is not a multiple of 3 (rank")
+
+
+@pytest.mark.distributed
+def test_hapd_run_finds_the_packaged_worker_from_any_folder(tmp_path, launcher_env):
+    """``hapd run worker.py -n 2`` where no worker.py is: hapd's own worker (``python -m
+    hapd.worker``'s file) runs; a script that is nowhere is named in one line."""
+    done = subprocess.run([sys.executable, "-m", "hapd.cli", "run", "worker.py", "-n", "2", "--", "--iterations", "4"],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path, env=launcher_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "per-iteration timings of job worker-" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "hapd.cli", "run", "nowhere.py", "-n", "2"], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path, env=launcher_env)
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"hapd launcher: OptionsError: script nowhere.py not found in {tmp_path} (")

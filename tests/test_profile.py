@@ -143,6 +143,28 @@ def test_bad_fields_are_named(paper8, edit, field):
     assert field.split(".")[-1].split("[")[0] in str(info.value)
 
 
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d["devices"][3].update(flopss=9e12),
+     "devices[3].flopss: unknown key; known: rank, host, model, flops, memory, elementwise_flops, op_seconds, "
+     "sync_overlap (keys starting with _ are comments)"),
+    (lambda d: d.update(collective={}), "collective: unknown key; known: format, version, name, description, units, "
+                                        "devices, collectives, measured_at, tool,"),
+    (lambda d: d["collectives"]["all_reduce"].update(inner={}), "collectives.all_reduce.inner: unknown key; known: inter, intra"),
+    (lambda d: d["collectives"]["broadcast"]["inter"].update(gamma=1.0),
+     "collectives.broadcast.inter.gamma: unknown key; known: alpha, beta"),
+])
+def test_a_misspelled_key_is_refused_naming_the_known_ones(paper8, edit, message):
+    bad = copy.deepcopy(paper8)
+    edit(bad)
+    with pytest.raises(ProfileError) as info:
+        profile_from_dict(bad)
+    assert str(info.value).startswith(message) and info.value.field == message.split(":")[0]
+    commented = copy.deepcopy(paper8)
+    commented["_comment"] = "measured by hand"
+    commented["devices"][0]["_note"] = "the fast one"
+    assert profile_from_dict(commented).profile_id == profile_from_dict(paper8).profile_id
+
+
 def test_a_point_to_point_link_is_optional_and_kept(paper8):
     """``p2p`` (one rank's message to another) may be given, inter and intra, and the
     core reads a profile with it; a profile without it is whole too."""

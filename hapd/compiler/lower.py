@@ -259,6 +259,38 @@ class _TorchLog(logging.Handler):
         return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 1] + "…"
 
 
+def _output_keys(program: ExportedProgram) -> tuple[str, list[str]] | None:
+    """(type name, keys) of a forward that returns a dict or a ``ModelOutput`` (a
+    pytree node with keys), else None."""
+    spec = getattr(getattr(program, "call_spec", None), "out_spec", None)
+    context = getattr(spec, "context", None)
+    if spec is None or not isinstance(context, (list, tuple)) or not all(isinstance(k, str) for k in context):
+        return None
+    return getattr(spec.type, "__name__", str(spec.type)), list(context)
+
+
+def _returned(program: ExportedProgram, count: int) -> str:
+    """What the forward returns, for an error: ``a dict with 'loss', 'logits'``, else ``2 outputs``."""
+    found = _output_keys(program)
+    if found is None:
+        return f"{count} outputs" if count != 1 else "a tensor"
+    kind, keys = found
+    return f"{'a dict' if kind == 'dict' else f'a {kind}'} with {', '.join(map(repr, keys))}"
+
+
+def _loss_advice(program: ExportedProgram) -> str:
+    """How to return the loss instead (``return `out.loss```) when the model gives one."""
+    found = _output_keys(program)
+    if found is None:
+        return " (compute the loss in forward from the labels among its inputs)"
+    kind, keys = found
+    suffix = "['loss']" if kind == "dict" else ".loss"
+    access = f"out{suffix}"
+    if "loss" in keys:
+        return f": return `{access}` (e.g. a wrapper whose forward is `return self.model(...){suffix}`)"
+    return f": pass the labels so that it computes a loss, and return `{access}`"
+
+
 class _Lowering:
     """One pass over the exported graph; nodes become IR nodes in graph order."""
 
@@ -459,7 +491,8 @@ class _Lowering:
         ]
         if len(user) != 1:
             raise ExportError(
-                f"the model returns {len(user)} outputs; hapd trains a forward that returns the scalar loss"
+                f"the model returns {_returned(self.program, len(user))}; hapd trains a forward that returns the "
+                f"scalar loss{_loss_advice(self.program)}"
             )
         _, arg = user[0]
         ref = self.refs.get(arg) if isinstance(arg, torch.fx.Node) else None
@@ -467,7 +500,8 @@ class _Lowering:
             raise ExportError(f"the model output {arg!r} is not a tensor computed by the graph")
         meta = self.nodes[ref[0]]["outputs"][ref[1]]
         if meta["shape"]:
-            raise ExportError(f"the model returns shape {meta['shape']}; hapd needs a scalar loss")
+            raise ExportError(f"the model returns {_returned(self.program, 1)} of shape {meta['shape']}; hapd needs "
+                              f"the scalar loss{_loss_advice(self.program)}")
         return ref
 
     def _mutations(self) -> list[dict[str, Any]]:

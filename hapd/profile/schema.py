@@ -300,14 +300,38 @@ def _number(doc: Mapping[str, Any], key: str, where: str) -> float:
     return check_range(key, value, where)
 
 
+DOCUMENT_KEYS = ("format", "version", "name", "description", "units", "devices", "collectives")
+"""The keys of a profile document hapd reads."""
+MEASURED_KEYS = ("measured_at", "tool", "tool_version", "torch_version", "backend", "options", "fits", "device_detail")
+"""The keys ``hapd profile`` adds about its measurement (kept, not read)."""
+DEVICE_KEYS = ("rank", "host", "model", "flops", "memory", "elementwise_flops", "op_seconds", "sync_overlap")
+"""The keys of a device."""
+COLLECTIVE_KEYS = ("inter", "intra")
+LINK_KEYS = ("alpha", "beta")
+
+
+def _known_keys(doc: Mapping[str, Any], known: Sequence[str], where: str) -> None:
+    """A key not in ``known`` (a misspelling such as ``"flopss"``) is a
+    :class:`ProfileError` naming it and the known keys; keys starting with ``_`` are
+    comments."""
+    unknown = [k for k in doc if k not in known and not (isinstance(k, str) and k.startswith("_"))]
+    if unknown:
+        at = f"{where}." if where else ""
+        raise ProfileError(f"{at}{unknown[0]}: unknown key; known: {', '.join(known)} (keys starting with _ are comments)",
+                           field=f"{at}{unknown[0]}")
+
+
 def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
-    """Validate a decoded profile document; errors name the offending field."""
+    """Validate a decoded profile document; errors name the offending field. Unknown
+    keys are refused, naming the known ones (a misspelled key would silently be the
+    default otherwise)."""
     if not isinstance(doc, Mapping):
         raise ProfileError("a profile is a JSON object", field="<document>")
     if doc.get("format") != PROFILE_FORMAT:
         raise ProfileError(f"format {doc.get('format')!r} is not {PROFILE_FORMAT!r}", field="format")
     if doc.get("version") != PROFILE_VERSION:
         raise ProfileError(f"version {doc.get('version')!r} is not {PROFILE_VERSION}", field="version")
+    _known_keys(doc, (*DOCUMENT_KEYS, *MEASURED_KEYS), "")
     if "units" in doc:
         _check_units(doc["units"])
     raw_devices = doc.get("devices")
@@ -318,6 +342,7 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
         where = f"devices[{i}]"
         if not isinstance(d, Mapping):
             raise ProfileError(f"{where}: expected an object", field=where)
+        _known_keys(d, DEVICE_KEYS, where)
         if d.get("rank") != i:
             raise ProfileError(f"{where}.rank: {d.get('rank')!r} but devices are listed in rank order", field=f"{where}.rank")
         host = d.get("host")
@@ -351,6 +376,7 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
         entry = raw.get(name)
         if not isinstance(entry, Mapping) or "inter" not in entry:
             raise ProfileError(f"collectives.{name}: missing (needs at least an 'inter' link)", field=f"collectives.{name}")
+        _known_keys(entry, COLLECTIVE_KEYS, f"collectives.{name}")
         links = {}
         for kind in ("inter", "intra"):
             if kind not in entry:
@@ -358,6 +384,7 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
             where = f"collectives.{name}.{kind}"
             if not isinstance(entry[kind], Mapping):
                 raise ProfileError(f"{where}: expected {{alpha, beta}}", field=where)
+            _known_keys(entry[kind], LINK_KEYS, where)
             links[kind] = Link(
                 alpha=_number(entry[kind], "alpha", where),
                 beta=_number(entry[kind], "beta", where),

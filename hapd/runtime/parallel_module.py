@@ -237,8 +237,8 @@ class ParallelModule(nn.Module):
     def forward(self, *local_inputs: Tensor) -> Tensor:
         """This rank's part of the loss of the global batch whose pieces these are, by
         the program of the current mode for that batch (the one :meth:`shard_inputs`
-        or :meth:`expect_batch` named last; the example batch when neither did, and, on
-        one rank, the inputs' own shapes)."""
+        or :meth:`expect_batch` named last; the example batch when neither did — on one
+        process as on several ranks, so a script that runs on one runs on many)."""
         check_tensors(local_inputs, "forward")
         program = self._forward_program(local_inputs)
         expected = program.local_shapes()
@@ -260,8 +260,8 @@ class ParallelModule(nn.Module):
         return compiled[id(program)]
 
     def _forward_program(self, local_inputs: Sequence[Tensor]) -> RankModule:
-        if self.world == 1:
-            return self._program(self.training, tuple(tuple(t.shape) for t in local_inputs))
+        # One process as on several ranks: the batch is the example batch, or the one
+        # shard_inputs / expect_batch (the loader) named last; another is refused below.
         shapes, split = self._cut if self._cut is not None else (self._example_shapes, None)
         program = self._program(self.training, shapes)
         if split is not None and _input_split(program) != split:

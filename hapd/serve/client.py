@@ -116,7 +116,12 @@ class Client:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 self._reset()
-                raise self._timeout(timeout, f"no reply to {mtype}{rejected}")
+                raise DaemonTimeout(
+                    f"the daemon at {self.address} took the connection but did not answer the {mtype} within "
+                    f"{timeout:g} s: most likely it refused the message's signature, holding another key (a daemon "
+                    "drops a message signed with another key without a reply and logs `bad signature: wrong key`); "
+                    f"use its key file (--key, $HAPD_KEY_FILE), or it is busy{rejected}",
+                    field="address")
             raw = sock.recv_multipart()
             try:
                 reply = self.session.decode(raw, reply=True, replay=False)
