@@ -1,7 +1,9 @@
 """hapd.parallelize returns a pipeline when the search picks one, with ParallelModule's
 surface: a train_gpt2-style loop (hapd.loader, AdamW, clipping, accumulation over two
-batches) on 2 hosts x (1 + 2) uneven ranks equals the single-device loop step by step,
-and its checkpoints load under an SPMD plan on another world size, and the reverse."""
+batches) on 2 hosts x (1 + 2) uneven ranks equals the single-device loop step by step
+for 10 steps, and its checkpoint resumes under an SPMD plan on the same ranks for 10
+more (tests/test_example.py resumes an SPMD checkpoint as a pipeline on another world
+size)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from hapd.profile.schema import Link, estimated_profile
 pytestmark = pytest.mark.timeout(600)
 
 BATCH = 8
-SAMPLES = 96  # twelve global batches: six steps of two, one epoch
+SAMPLES = 320  # forty global batches: twenty steps of two, one epoch
 LR = 3e-3
 
 
@@ -106,21 +108,21 @@ def _rank(rank: int, world: int, technique: str, steps: int, load: str | None, s
     return {"losses": losses, "stage": getattr(module, "stage_index", None), "state": {k: v.numpy() for k, v in module.full_state_dict().items()}}  # tensors do not outlive the rank
 
 
-def test_a_pipelined_loop_is_the_single_device_one_and_checkpoints_cross_techniques(tmp_path):
-    reference, final = _single_device(6)
-    spmd, pipe = str(tmp_path / "spmd"), str(tmp_path / "pipe")
-    # steps 1-2: an SPMD plan on one host's 2 ranks
-    first = run_ranks(2, _rank, "spmd", 2, None, spmd, timeout=500)
-    # steps 3-4: the pipeline the search picks on 2 hosts x (1 + 2) ranks, from that checkpoint
-    second = run_ranks(3, _rank, "pipeline", 2, spmd, pipe, timeout=500)
-    assert sorted(r["stage"] for r in second) == [0, 1, 1]  # host a one stage, host b the other
-    # steps 5-6: SPMD on 2 ranks again, from the pipeline's checkpoint
-    third = run_ranks(2, _rank, "spmd", 2, pipe, None, timeout=500)
-    for results, steps in ((first, reference[0:2]), (second, reference[2:4]), (third, reference[4:6])):
+def test_a_pipelined_loop_is_the_single_device_one_and_resumes_under_spmd(tmp_path):
+    reference, final = _single_device(20)
+    pipe = str(tmp_path / "pipe")
+    # steps 1-10: the pipeline the search picks on 2 hosts x (1 + 2) ranks
+    first = run_ranks(3, _rank, "pipeline", 10, None, pipe, timeout=500)
+    assert sorted(r["stage"] for r in first) == [0, 1, 1]  # host a one stage, host b the other
+    # steps 11-20: an SPMD plan on the same ranks, from the pipeline's checkpoint
+    second = run_ranks(3, _rank, "spmd", 10, pipe, None, timeout=500)
+    for results, steps in ((first, reference[:10]), (second, reference[10:])):
         for r in results:
             assert r["losses"] == pytest.approx(steps, abs=1e-5)
-    for r in second + third:
+    for r in first + second:
         assert sorted(r["state"]) == sorted(final)  # the single-device names, tied lm_head.weight included
     for key, value in final.items():
-        assert (second[0]["state"][key] == second[2]["state"][key]).all()  # every rank gets the whole dict
-        assert (torch.from_numpy(third[0]["state"][key]) - value).abs().max() <= 1e-5, key
+        assert (first[0]["state"][key] == first[2]["state"][key]).all()  # every rank gets the whole dict
+        # after 20 AdamW steps: Adam's normalized updates carry rounding differences of the
+        # gradients (1e-8) into the weights at up to lr-sized steps where a gradient is near 0
+        assert (torch.from_numpy(second[0]["state"][key]) - value).abs().max() <= 5e-5, key
