@@ -54,8 +54,9 @@ def test_the_line_of_an_spmd_plan() -> None:
     lengths = plan.lengths_of("x", 0)
     assert f"per-rank batch {lengths[0]}/{lengths[1]} of 8;" in line
     est, dp_cp = plan.estimate["per_iteration"], plan.doc["baselines"]["dp_cp"]
-    assert re.search(r"; [\d.]+ (µs|ms)/step predicted, [\d.]+× (faster|slower) than DP-CP \([\d.]+ (µs|ms)\)", line)
-    assert f"{max(dp_cp / est, est / dp_cp):.2f}×" in line
+    assert re.search(r"; [\d.]+ (µs|ms)/step predicted, ([\d.]+× (faster|slower) than|as fast as) DP-CP "
+                     r"\([\d.]+ (µs|ms)\)", line), line
+    assert f"{max(dp_cp / est, est / dp_cp):.2f}×" in line or abs(dp_cp / est - 1) < 5e-3
     assert line.endswith("; compiled on rank 0, 65 ms")
     assert technique(plan.doc) == "spmd" and technique_times(plan.doc) == {"spmd": est}
 

@@ -196,6 +196,8 @@ def _against(doc: Mapping[str, Any], which: str) -> str:
     name = which.upper().replace("_", "-")
     if won <= 0 or base <= 0:
         return f"{name} {_fmt_s(base)}"
+    if abs(base / won - 1) < 5e-3:
+        return f"as fast as {name} ({_fmt_s(base)})"
     if base >= won:
         return f"{base / won:.2f}× faster than {name} ({_fmt_s(base)})"
     return f"{won / base:.2f}× slower than {name} ({_fmt_s(base)})"
