@@ -257,7 +257,7 @@ def _search_with_recompute(data: bytes, profile: Profile, options: CompileOption
         plain: Searched | None = _search_rounds(data, profile, options, caps)
     except SynthesisError as exc:
         plain, failure = None, exc
-    if plain is not None and not _memory_binds(plain, options):
+    if plain is not None and not _memory_binds(plain, options, caps):
         return plain
     start = time.perf_counter()
     candidates = _fewest_recomputed(data, profile, options, caps, blocks)
@@ -281,15 +281,18 @@ def _search_with_recompute(data: bytes, profile: Profile, options: CompileOption
     return min(candidates, key=lambda c: program_cost(c.program, c.ratios))
 
 
-def _memory_binds(searched: Searched, options: CompileOptions) -> bool:
+def _memory_binds(searched: Searched, options: CompileOptions, caps: Sequence[float]) -> bool:
     """Whether memory constrained ``searched``: it fits only as searched with memory
-    priced, or the ratios without memory caps would be cheaper."""
+    priced, or the ratios without memory caps would be cheaper and do not fit (cheaper
+    ratios that fit are the LP solver's tolerance, not memory: a 661 KiB program on
+    16 GiB devices was searched again with recomputation)."""
     if searched.priced:
         return True
     if options.ratios is not None:
         return False
-    free = solve_ratios(searched.program, None).objective
-    return free < program_cost(searched.program, searched.ratios) * (1 - 1e-6)
+    free = solve_ratios(searched.program, None)
+    cheaper = free.objective < program_cost(searched.program, searched.ratios) * (1 - 1e-6)
+    return cheaper and not _fits(searched.program, list(free.ratios), caps)
 
 
 def _fewest_recomputed(
