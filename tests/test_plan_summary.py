@@ -68,7 +68,7 @@ def test_the_line_of_a_pipeline_plan_says_what_spmd_lost() -> None:
     line = plan_line(plan.doc, "given", 0.001)
     assert line.startswith(f"plan: pipeline, 2 stages (ranks 0-1, ranks 2-3), {found['micro_batches']} micro-batch")
     ratio = found["spmd_only_per_iteration"] / found["per_iteration"]
-    assert f"; SPMD " in line and f"({ratio:.2f}× slower)" in line
+    assert "; SPMD " in line and f"({ratio:.2f}× slower)" in line
     assert predicted_seconds(plan.doc) == found["per_iteration"]
     text = "\n".join(summary_lines(plan.doc))
     assert "technique: pipeline; the others lost: SPMD" in text and "stage 1: ranks 2-3 on b" in text
@@ -127,5 +127,5 @@ def test_each_search_pass_says_why_it_ran(tmp_path: Path) -> None:
     saved = profile.save(tmp_path / "small.json")
     done = CliRunner().invoke(main, ["compile", str(graph), "-p", str(saved)], catch_exceptions=False)
     assert done.exit_code == 0, done.output
-    assert f"SPMD search" in done.output and f"passes," in done.output and "plan: SPMD" in done.output
+    assert "SPMD search" in done.output and "passes," in done.output and "plan: SPMD" in done.output
     assert "memory binds" in done.output
