@@ -1,5 +1,6 @@
-"""Per-step telemetry of a :class:`~hapd.runtime.parallel_module.ParallelModule`, for any
-training script, with no code of the user's.
+"""Per-step telemetry of a :class:`~hapd.runtime.parallel_module.ParallelModule` (or a
+:class:`~hapd.runtime.pipeline_module.PipelineModule`), for any training script, with no
+code of the user's.
 
 **What a step is.** A step ends when an optimizer holding the module's parameters
 finishes ``step()`` (any ``torch.optim.Optimizer``: a global post-step hook), and begins
@@ -239,9 +240,18 @@ def _global_shapes(module: Any, local_inputs: Sequence[Tensor]) -> list[list[int
     return [list(s) for s in shapes] if shapes is not None else [list(t.shape) for t in local_inputs]
 
 
-def for_module(module: Any) -> StepTelemetry | Passthrough:
-    """The telemetry of a new :class:`~hapd.runtime.parallel_module.ParallelModule`
-    (:data:`PASSTHROUGH` when :func:`enabled` is false)."""
+def for_module(module: Any, *, instead_of: Any = None) -> StepTelemetry | Passthrough:
+    """The telemetry of a new :class:`~hapd.runtime.parallel_module.ParallelModule` or
+    :class:`~hapd.runtime.pipeline_module.PipelineModule` (:data:`PASSTHROUGH` when
+    :func:`enabled` is false); ``instead_of``: a module inside it whose own telemetry it
+    replaces (a pipeline's stage)."""
+    if instead_of is not None:
+        inner = getattr(instead_of, "_telemetry", PASSTHROUGH)
+        with _lock:
+            if inner in _recorders:
+                _recorders.remove(inner)
+                _by_optimizer.clear()
+        instead_of._telemetry = PASSTHROUGH
     if not enabled():
         return PASSTHROUGH
     from hapd.compiler.plan_summary import predicted_seconds, technique
@@ -251,7 +261,7 @@ def for_module(module: Any) -> StepTelemetry | Passthrough:
     device = recipe.device if recipe is not None else next((p.device for p in module.parameters()), torch.device("cpu"))
     info = {"technique": technique(doc), "estimate_s": predicted_seconds(doc), "plan": module.plan_source.origin,
             "plan_s": module.plan_source.seconds, "ratios": list(doc["ratios"])}
-    recorder = StepTelemetry(rank=module.rank, world=module.world, name=recipe.name if recipe is not None else "model",
+    recorder = StepTelemetry(rank=module.rank, world=module.world, name=recipe.name if recipe is not None else str(doc["program"].get("graph", "model")),
                              device=device, parameters=list(module.parameters()),
                              batch_dims=recipe.batch_dims if recipe is not None else None, plan_info=info)
     _register(recorder)
