@@ -127,6 +127,7 @@ def test_a_script_that_reports_its_own_timings_keeps_them(monkeypatch, capsys) -
         module(*_batch()).backward()
         optimizer.step()
     monkeypatch.setattr(telemetry, "_recorders", [module._telemetry])
+    monkeypatch.setattr(telemetry, "_reported_by_script", False)  # as in a fresh process
     telemetry.emit_at_exit()
     printed = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith('{"hapd"')]
     assert len(printed) == 1 and printed[0]["source"] == "parallel_module" and len(printed[0]["iteration_s"]) == 3
