@@ -465,7 +465,7 @@ def explain_plan(model: str, size: str, batch: int, layers: int | None, profile:
         cmd += ["--set", f"layers={layers}"]
     steps = [cmd, [PY, "-m", "hapd.cli", "compile", str(base) + ".pt2", "--profile", str(profile),
                    "-o", str(base) + ".hplan"],
-             [PY, "-m", "hapd.cli", "explain", str(base) + ".hplan"]]
+             [PY, "-m", "hapd.cli", "explain", "--steps", str(base) + ".hplan"]]
     text = ""
     for step in steps:
         done = subprocess.run(step, cwd=ROOT, capture_output=True, text=True, timeout=600)

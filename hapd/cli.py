@@ -230,7 +230,8 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
     from hapd.compiler.driver import compile as compile_plan
     from hapd.compiler.options import CompileOptions
-    from hapd.compiler.plan import gap_lines
+    from hapd.compiler.plan import gap_lines, search_pass_lines
+    from hapd.compiler.plan_summary import plan_line
 
     _import(imports)
     duplica_batch = None
@@ -254,8 +255,13 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
     click.echo(
         f"wrote {path}: {est['per_iteration'] * 1e3:.2f} ms/iteration estimated "
         f"(speed-up over DP-EV {base['dp_ev'] / est['per_iteration']:.2f}×, over DP-CP {base['dp_cp'] / est['per_iteration']:.2f}×); "
-        f"synthesis {stats['synthesis_seconds']:.3f} s, {stats['expanded']} states, {stats['stop_reason']}"
+        f"SPMD search {stats['seconds']:.3f} s in {_count(len(stats.get('passes') or [1]), 'pass', 'passes')}, "
+        f"{stats['expanded']} states, {stats['stop_reason']}"
     )
+    click.echo(plan_line(plan.doc))
+    if len(stats.get("passes") or []) > 1:  # say when and why a search ran again
+        for line in search_pass_lines(stats):
+            click.echo(line)
     for line in gap_lines(plan.doc.get("dp_gap")):
         click.echo(line)
     if duplica_batch is not None:
@@ -279,6 +285,10 @@ def _graph_batch(graph: Path) -> int | None:
 
     sizes = {shape[dim] for _name, shape, dim in inspect_graph(graph)["inputs"] if dim is not None}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 @main.command("check")
@@ -317,11 +327,17 @@ def check_cmd(program: Path, rtol: float | None, atol: float | None, plan_path: 
 
 @main.command("explain")
 @click.argument("plan", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-def explain_cmd(plan: Path) -> None:
-    """Print a plan for a person: estimate, ratios, every step's layouts and collectives."""
+@click.option("--steps", is_flag=True,
+              help="After the summary, the details: search passes, pipeline and overlap reports, every rank, and "
+                   "every step's layouts and collectives.")
+def explain_cmd(plan: Path, steps: bool) -> None:
+    """Print a plan for a person: which technique won and by how much the others lost,
+    the split, the predicted step time against data parallelism (DP-EV, DP-CP), where
+    the time goes, memory, and the terms used (docs/explain.md); with --steps every
+    step's layouts and collectives."""
     from hapd.compiler.plan import Plan
 
-    click.echo(Plan.load(plan).explain())
+    click.echo(Plan.load(plan).explain(steps=steps))
 
 
 @main.command("serve")

@@ -152,21 +152,34 @@ def common_options(f: Any) -> Any:
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the ranks' output (the table and failures still print).")
 @click.option("--verbose", "-v", is_flag=True,
               help='Also print the ranks\' {"hapd": ...} lines (timings, summary), which the launcher consumes.')
+@click.option("--progress", is_flag=True,
+              help="Rank 0 of a script training a hapd.parallelize module prints its progress (step, ms/step, "
+                   "samples/s) every few seconds (HAPD_PROGRESS=1).")
+@click.option("--log-dir", "log_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Rank 0 of a script training a hapd.parallelize module logs each step's time and rates there: "
+                   "TensorBoard scalars when tensorboard is installed, else hapd_steps.jsonl (HAPD_LOG_DIR).")
 def run_cmd(script: Path, args: tuple[str, ...], hosts: Path | None, nproc: int | None, key_file: Path | None,
             env: tuple[str, ...], timeout: float, master_port: int | None, report: Path | None, job_id: str | None,
-            lease: float, ship: bool, cwd: str | None, lost_after: float, quiet: bool, verbose: bool) -> None:
+            lease: float, ship: bool, cwd: str | None, lost_after: float, quiet: bool, verbose: bool, progress: bool,
+            log_dir: Path | None) -> None:
     """Run SCRIPT [ARGS] with K ranks on every host, started at one instant, with
     torchrun's environment. Put the script's own options after `--` (options the
     launcher does not know are passed on too).
 
     Output lines are printed as `[rank N] LINE`, but `{"hapd": ...}` lines, which the
     launcher consumes (echoed with -v): `{"hapd": "timings"}` lines give the one timing
-    table at the end (per rank and overall mean ± std, slowest rank, loss) and the JSON
-    report.
+    table at the end (per rank and overall mean ± std, slowest rank, loss; samples/s and
+    tokens/s) and the JSON report. A script that trains a `hapd.parallelize` module
+    prints them by itself: each rank its steps' times when it exits.
     When a rank fails, every rank on every host is stopped and the exit status is the
     failing rank's; when a daemon is lost, the other hosts' ranks are stopped, the lost
     daemon stops its own when the job's lease expires, and the exit status is 1."""
-    options = JobOptions(script=resolve_script(script), args=args, nproc_per_node=nproc, env=_env_pairs(env), ship=ship, cwd=cwd,
+    env_map = _env_pairs(env)
+    if progress:
+        env_map.setdefault("HAPD_PROGRESS", "1")
+    if log_dir is not None:
+        env_map.setdefault("HAPD_LOG_DIR", str(log_dir.absolute()))
+    options = JobOptions(script=resolve_script(script), args=args, nproc_per_node=nproc, env=env_map, ship=ship, cwd=cwd,
                          master_port=master_port, key_file=key_file, timeout_s=timeout, job_id=job_id, report=report,
                          stream=not quiet, verbose=verbose, lost_after_s=lost_after, lease_s=lease)
     _exit(_run(_hosts(hosts), options))

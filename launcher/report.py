@@ -13,7 +13,11 @@ table people read:
 - overall: iteration *i* of the job takes as long as its slowest rank (``max_r
   iteration_s[r][i]``), mean ± std over the post-warm-up iterations every rank ran;
 - the slowest rank (largest mean) and how much slower it is than the fastest;
-- the job's loss (rank 0's summary line).
+- the job's loss (rank 0's summary line, or the sum of every rank's ``loss_part``);
+- with the rates a parallelized module reports (:mod:`hapd.runtime.telemetry`: any
+  script that trains a :class:`~hapd.runtime.parallel_module.ParallelModule` under the
+  launcher prints its ``timings`` line at exit), samples/s and tokens/s per rank and for
+  the job (the samples of a step over the job's mean step time).
 
 This is the job's one table: a rank under the launcher (``HAPD_JOB`` set) prints none
 of its own (:func:`hapd.harness.training.report`), and the ``{"hapd": ...}`` lines are
@@ -95,7 +99,14 @@ def rank_row(line: Mapping[str, Any]) -> dict[str, Any]:
         "system": line.get("system"),
         "model": line.get("model"),
         "iteration_s": times,
+        **{key: line[key] for key in RATE_KEYS if line.get(key) is not None},
     }
+
+
+RATE_KEYS = ("samples_per_step", "samples_per_s", "tokens_per_s", "loss_part", "step_boundary", "technique",
+             "estimate_s")
+"""Keys of a ``timings`` line a parallelized module prints (:mod:`hapd.runtime.telemetry`)
+that a rank's row keeps."""
 
 
 def overall(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
@@ -109,8 +120,14 @@ def overall(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     means = [(r["mean_s"], r["rank"]) for r in rows if not math.isnan(r["mean_s"])]
     slowest = max(means) if means else (math.nan, None)
     fastest = min(means) if means else (math.nan, None)
+    per_step = [r["samples_per_step"] for r in rows if r.get("samples_per_step") is not None]
+    tokens = [r["tokens_per_s"] / r["samples_per_s"] for r in rows
+              if r.get("tokens_per_s") is not None and r.get("samples_per_s")]
+    samples_per_s = per_step[0] / job_times.mean if per_step and n and job_times.mean > 0 else None
     return {
         "iterations": n,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * tokens[0] if samples_per_s is not None and tokens else None,
         "mean_s": job_times.mean,
         "std_s": job_times.std,
         "slowest_rank": slowest[1],
@@ -155,7 +172,24 @@ def build_report(
         "missing_ranks": [r for r in range(world_size) if r not in timings.ranks],
         "overall": overall(rows),
         "summary": timings.summary,
+        "loss": _job_loss(timings.summary, rows, world_size),
     }
+
+
+def _job_loss(summary: Mapping[str, Any] | None, rows: Sequence[Mapping[str, Any]], world: int) -> float | None:
+    """The job's loss: rank 0's summary's, else the sum of every rank's ``loss_part``
+    (a parallelized module's part of its last training forward's loss) when every rank
+    gave one, else the first rank's ``loss``."""
+    if summary and _number(summary.get("loss")):
+        return float(summary["loss"])
+    parts = [r.get("loss_part") for r in rows]
+    if rows and len(rows) == world and all(_number(p) for p in parts):
+        return float(sum(parts))  # type: ignore[arg-type]
+    return next((float(r["loss"]) for r in rows if _number(r.get("loss"))), None)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _ms(value: float | None) -> str:
@@ -171,7 +205,11 @@ def format_table(report: Mapping[str, Any]) -> str:
     warmups = sorted({r["warmup"] for r in rows})
     host_w = max(4, *(len(str(r["host"] or "-")) for r in rows))
     gpu_w = max(3, *(len(str(r["gpu"] or "-")) for r in rows))
+    rates = any(r.get("samples_per_s") is not None for r in rows)
+    tokens = any(r.get("tokens_per_s") is not None for r in rows)
     head = f"{'rank':>5}  {'host':<{host_w}}  {'gpu':<{gpu_w}}  {'iters':>5}  {'mean ms':>10}  {'std ms':>9}  {'min ms':>9}  {'max ms':>9}"
+    head += f"  {'samples/s':>10}" if rates else ""
+    head += f"  {'tokens/s':>10}" if tokens else ""
     what = " ".join(str(v) for v in (rows[0].get("system"), rows[0].get("model")) if v)
     lines = [
         f"per-iteration timings of job {report['job']} ({what + '; ' if what else ''}{len(rows)} of "
@@ -182,17 +220,29 @@ def format_table(report: Mapping[str, Any]) -> str:
         mark = "  <- slowest" if r["rank"] == total["slowest_rank"] and len(rows) > 1 else ""
         lines.append(
             f"{r['rank']:>5}  {str(r['host'] or '-'):<{host_w}}  {str(r['gpu'] or '-'):<{gpu_w}}  {r['iterations']:>5}  "
-            f"{_ms(r['mean_s']):>10}  {_ms(r['std_s']):>9}  {_ms(r['min_s']):>9}  {_ms(r['max_s']):>9}{mark}"
+            f"{_ms(r['mean_s']):>10}  {_ms(r['std_s']):>9}  {_ms(r['min_s']):>9}  {_ms(r['max_s']):>9}"
+            + (f"  {_rate(r.get('samples_per_s')):>10}" if rates else "")
+            + (f"  {_rate(r.get('tokens_per_s')):>10}" if tokens else "") + mark
         )
+    job_rates = ""
+    if rates:
+        job_rates = f"  {'':>9}  {'':>9}  {_rate(total.get('samples_per_s')):>10}"
+        job_rates += f"  {_rate(total.get('tokens_per_s')):>10}" if tokens else ""
     lines.append(
         f"{'job':>5}  {'(per iteration: slowest rank)':<{host_w + gpu_w + 2}}  {total['iterations']:>5}  "
-        f"{_ms(total['mean_s']):>10}  {_ms(total['std_s']):>9}"
+        f"{_ms(total['mean_s']):>10}  {_ms(total['std_s']):>9}{job_rates}"
     )
     ratio = total.get("slowest_over_fastest")
     lines.append(
         f"overall {_ms(total['mean_s'])} ± {_ms(total['std_s'])} ms per iteration; slowest rank {total['slowest_rank']} "
         f"({_ms(total['slowest_mean_s'])} ms mean" + (f", {ratio:.2f}× the fastest, rank {total['fastest_rank']})" if ratio else ")")
     )
+    if total.get("samples_per_s") is not None:
+        lines.append(f"throughput {total['samples_per_s']:.1f} samples/s"
+                     + (f", {total['tokens_per_s']:.0f} tokens/s" if total.get("tokens_per_s") is not None else "")
+                     + f" ({rows[0].get('samples_per_step', 0):g} samples per step"
+                     + (f", steps end at each {rows[0]['step_boundary']}" if rows[0].get("step_boundary") else "")
+                     + ")")
     loss = _final_loss(report)
     if loss is not None:
         lines.append(f"loss {loss:.6g} (last iteration, global batch)")
@@ -201,8 +251,17 @@ def format_table(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _rate(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+
+
 def _final_loss(report: Mapping[str, Any]) -> float | None:
-    """The loss the job reported: rank 0's summary's, else the first rank's timings line's."""
+    """The loss the job reported: the report's (:func:`_job_loss`), else rank 0's
+    summary's, else the first rank's timings line's."""
+    if report.get("loss") is not None:
+        return float(report["loss"])
     for source in (report.get("summary") or {}, *report["ranks"]):
         value = source.get("loss")
         if isinstance(value, (int, float)) and not isinstance(value, bool):

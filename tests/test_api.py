@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -344,7 +345,9 @@ def test_plans_come_from_the_daemon_and_its_cache(tmp_path, monkeypatch, capsys)
             module = hapd.parallelize(model, _batches(config, 1)[0])
             origins.append(module.plan_source.origin)
         assert origins == ["compiled by the daemon", "daemon cache hit"]
-        assert "plan: daemon cache hit, " in capsys.readouterr().out
+        line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("plan: ")][-1]
+        assert line.startswith("plan: SPMD (") and "/step predicted" in line and "DP-CP" in line, line
+        assert re.search(r"; daemon cache hit, \d+ ms$", line), line
     finally:
         proc.terminate()
         proc.wait(30)

@@ -244,6 +244,6 @@ def test_cli_compiles_an_overlapped_plan_and_explains_it(graph4, tmp_path):
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)
     assert plan.overlap and plan.key["options"]["overlap"] is True
-    explained = CliRunner().invoke(main, ["explain", str(out)], catch_exceptions=False)
+    explained = CliRunner().invoke(main, ["explain", "--steps", str(out)], catch_exceptions=False)
     assert explained.exit_code == 0, explained.output
     assert "overlap: 2 duplicas interleaved" in explained.output

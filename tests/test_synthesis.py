@@ -103,7 +103,7 @@ def test_cli_compile_and_explain(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert out.is_file() and "wrote" in done.stdout
-    explained = subprocess.run([str(HAPD), "explain", str(out)], capture_output=True, text=True)
+    explained = subprocess.run([str(HAPD), "explain", "--steps", str(out)], capture_output=True, text=True)
     assert explained.returncode == 0, explained.stderr
     assert "plan for" in explained.stdout
     for step in Plan.load(out).program["steps"]:

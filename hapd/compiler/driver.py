@@ -101,6 +101,7 @@ def _plan_document(data: bytes, profile: Profile, options: CompileOptions, found
             "stop_reason": program["stats"]["stop_reason"],
             "chosen_from": found.chosen_from,
             "front_width": found.front_width,
+            "passes": [dict(p) for p in found.passes],
         },
     }
 

@@ -109,8 +109,11 @@ class Plan:
                 return list(entry["lengths"])
         raise PlanError(f"the plan does not split {tensor} on dim {dim}", node=tensor)
 
-    def explain(self) -> str:
-        return explain(self)
+    def explain(self, steps: bool = True) -> str:
+        """The plan for a person (:func:`explain`): a summary first, then with ``steps``
+        (the default) the details and every step; without, only the summary (what
+        ``hapd explain`` prints unless ``--steps``)."""
+        return explain(self, steps=steps)
 
 
 def split_lengths(program: Mapping[str, Any], ratios: list[float]) -> list[dict[str, Any]]:
@@ -291,6 +294,20 @@ def _pipeline_lines(doc: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def search_pass_lines(stats: Mapping[str, Any]) -> list[str]:
+    """Each SPMD search pass of the compile (``stats["passes"]``), its seconds and why it
+    ran; nothing for a plan written before the compile recorded them."""
+    passes = stats.get("passes") or []
+    if not passes:
+        return []
+    lines = [f"SPMD search passes: {len(passes)}"]
+    for k, p in enumerate(passes, 1):
+        kept = "  (kept)" if p.get("kept") else ""
+        lines.append(f"  {k}. {p['what']}: {p['seconds']:.3f} s, {_fmt_s(p['cost']) if p.get('cost') else '-'}; "
+                     f"{p['why']}{kept}")
+    return lines
+
+
 def _sync_lines(est: Mapping[str, Any]) -> list[str]:
     """How much of the gradient sync the estimate hides behind the backward pass."""
     sync = est.get("gradient_sync")
@@ -300,13 +317,26 @@ def _sync_lines(est: Mapping[str, Any]) -> list[str]:
             f"pass (the devices hide {sync['share']:.0%} of a sum behind compute, profile sync_overlap)"]
 
 
-def explain(plan: Plan) -> str:
-    """A readable report: estimate vs baselines, ratios, every step with its layouts and
-    collectives, per-device totals, and why replicated ops are replicated."""
+def explain(plan: Plan, *, steps: bool = True) -> str:
+    """A readable report. First a summary (:func:`hapd.compiler.plan_summary.summary_lines`:
+    which technique won and by how much the others lost, the split, the predicted step
+    time against DP-EV and DP-CP, where time goes, memory, the compile's search passes,
+    the terms used) and why the plan costs more than DP-CP where it does; then, with
+    ``steps``, the details: estimate vs baselines, the search passes, overlap, gradient
+    sync and pipeline reports, per-device totals, and every step with its layouts and
+    collectives and why replicated ops are replicated."""
+    from hapd.compiler.plan_summary import summary_lines
+
     doc, program, ratios = plan.doc, plan.program, plan.ratios
     est, base, stats = doc["estimate"], doc["baselines"], doc["stats"]
     opaque = set(doc.get("opaque_ops", []))
-    lines = [
+    gap = doc.get("dp_gap")
+    head = summary_lines(doc)
+    if gap:
+        head += gap_lines(gap)[: 1 + len(gap["causes"])]
+    if not steps:
+        return "\n".join([*head, "(hapd explain --steps: the details and every step's layouts and collectives)"])
+    lines = [*head, "", "details:",
         f"plan for {program['graph']} on {doc['key'].get('profile_name', '?')} ({program['devices']} devices)",
         f"  graph {doc['key']['graph_id'][:16]}  profile {doc['key']['profile_id'][:16]}  hapd {doc['key']['compiler_version']}",
         f"estimated per iteration: {_fmt_s(est['per_iteration'])}"
@@ -317,6 +347,7 @@ def explain(plan: Plan) -> str:
         f"synthesis: {stats['seconds']:.3f} s, {stats['expanded']} states expanded, "
         f"{stats['lp_rounds']} search/LP rounds, stop reason {stats['stop_reason']}",
     ]
+    lines += search_pass_lines(stats)
     lines += gap_lines(doc.get("dp_gap"))
     lines += _overlap_lines(plan)
     lines += _sync_lines(est)

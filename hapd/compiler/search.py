@@ -16,6 +16,7 @@ search prices a stage's group.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
@@ -39,6 +40,23 @@ from hapd.compiler.recompute import graph_blocks
 from hapd.errors import GraphError, SynthesisError
 from hapd.profile.schema import Profile
 from hapd.util import format_bytes
+
+
+_PASSES: contextvars.ContextVar[list[dict] | None] = contextvars.ContextVar("hapd_search_passes", default=None)
+"""The search passes :func:`search_spmd` records (None outside one)."""
+
+
+def _note_pass(what: str, why: str, seconds: float, cost: float | None = None, *, brief: str) -> dict | None:
+    """Record one search pass of the running :func:`search_spmd` (a map in the plan's
+    ``stats["passes"]``: what ran, why, ``brief``ly why, its seconds and the cost it
+    found); None outside one."""
+    passes = _PASSES.get()
+    if passes is None:
+        return None
+    entry = {"what": what, "why": why, "brief": brief, "seconds": float(seconds),
+             "cost": None if cost is None else float(cost), "kept": False}
+    passes.append(entry)
+    return entry
 
 
 def synthesize(
@@ -121,14 +139,34 @@ def _search_rounds(
     for zero, scale in _price_schedule(options):
         attempt = replace(options, zero=zero)
         price = None if scale == 0 else [scale * (scale_cost or 0.0) / cap for cap in caps]
+        start = time.perf_counter()
         try:
             searched = _rounds(data, profile, attempt, caps, price, recompute)
+            if tried:
+                _note_pass(f"search with memory priced at {scale:g}× (ZeRO-style parameters allowed)"
+                           + (f", {len(recompute)} blocks recomputed" if recompute else ""),
+                           _unfit_why(tried[-1], caps, profile) + "; this one fits",
+                           time.perf_counter() - start, searched.cost, brief="memory priced: did not fit")
             return replace(searched, priced=bool(tried))
         except _DoesNotFit as exc:
+            if tried:
+                _note_pass(f"search with memory priced at {scale:g}× (ZeRO-style parameters allowed)"
+                           + (f", {len(recompute)} blocks recomputed" if recompute else ""),
+                           _unfit_why(tried[-1], caps, profile) + "; this one does not fit either",
+                           time.perf_counter() - start, brief="memory priced: did not fit")
             tried.append(exc.program)
             if scale_cost is None:
                 scale_cost = max(program_cost(exc.program, profile.flops_ratios()), 1e-9)
     raise SynthesisError(_no_fit_message(tried, caps, profile))
+
+
+def _unfit_why(program: dict, caps: list[float], profile: Profile) -> str:
+    """Why the search ran again: the previous program did not fit, on which device by how much."""
+    ratios = least_overshoot(program, caps)
+    peaks = peak_memory(program, ratios)
+    d = max(range(len(caps)), key=lambda k: peaks[k] - caps[k])
+    return (f"the previous search's program did not fit device memory (device {d} needs {format_bytes(peaks[d])}, "
+            f"has {format_bytes(caps[d])})")
 
 
 MEMORY_PRICES = (0.0, 1.0, 4.0, 16.0, 64.0, 256.0)
@@ -219,9 +257,19 @@ def _search_with_recompute(data: bytes, profile: Profile, options: CompileOption
         plain: Searched | None = _search_rounds(data, profile, options, caps)
     except SynthesisError as exc:
         plain, failure = None, exc
-    if plain is not None and not _memory_binds(plain, options):
+    if plain is not None and not _memory_binds(plain, options, caps):
         return plain
+    start = time.perf_counter()
     candidates = _fewest_recomputed(data, profile, options, caps, blocks)
+    fewest = min((len(c.program.get("recompute") or ()) for c in candidates), default=None)
+    _note_pass(f"searches with activation recomputation ({len(blocks)} blocks, bisected for the fewest that fit)",
+               ("no program fit without recomputation" if plain is None else
+                "memory binds: the program without recomputation fits only with memory priced or with ratios the "
+                "memory caps squeeze") + (f"; the fewest that fit: {fewest} of them" if fewest is not None else
+                                          "; none fits unpriced"),
+               time.perf_counter() - start,
+               min((program_cost(c.program, c.ratios) for c in candidates), default=None),
+               brief="recomputation: memory binds")
     if plain is not None:
         candidates.append(plain)
     if not candidates:  # recomputing every block still needs memory priced, if it fits at all
@@ -233,15 +281,18 @@ def _search_with_recompute(data: bytes, profile: Profile, options: CompileOption
     return min(candidates, key=lambda c: program_cost(c.program, c.ratios))
 
 
-def _memory_binds(searched: Searched, options: CompileOptions) -> bool:
+def _memory_binds(searched: Searched, options: CompileOptions, caps: Sequence[float]) -> bool:
     """Whether memory constrained ``searched``: it fits only as searched with memory
-    priced, or the ratios without memory caps would be cheaper."""
+    priced, or the ratios without memory caps would be cheaper and do not fit (cheaper
+    ratios that fit are the LP solver's tolerance, not memory: a 661 KiB program on
+    16 GiB devices was searched again with recomputation)."""
     if searched.priced:
         return True
     if options.ratios is not None:
         return False
-    free = solve_ratios(searched.program, None).objective
-    return free < program_cost(searched.program, searched.ratios) * (1 - 1e-6)
+    free = solve_ratios(searched.program, None)
+    cheaper = free.objective < program_cost(searched.program, searched.ratios) * (1 - 1e-6)
+    return cheaper and not _fits(searched.program, list(free.ratios), caps)
 
 
 def _fewest_recomputed(
@@ -452,11 +503,20 @@ def _with_expert_parallel_candidate(
     if not nodes:
         return searched
     forced = replace(options, force={name: _core.rule_names()["EXPERT_PARALLEL"] for name in nodes})
+    what = f"search with expert parallelism forced on {len(nodes)} ops"
+    why = ("the graph has stacked expert weights: expert parallelism is priced as a candidate of its own (the free "
+           "search's front drops it before its saving shows)")
+    start = time.perf_counter()
     try:
         candidate = _search_rounds(data, profile, forced, caps, searched.program.get("recompute", ()))
     except SynthesisError:  # it does not fit, say: the free search's program stands
+        _note_pass(what, why + "; it does not fit", time.perf_counter() - start, brief="expert-parallel candidate")
         return searched
-    if program_cost(candidate.program, candidate.ratios) < program_cost(searched.program, searched.ratios):
+    cost = program_cost(candidate.program, candidate.ratios)
+    won = cost < program_cost(searched.program, searched.ratios)
+    _note_pass(what, why + ("; it is cheaper" if won else "; the free search's program is cheaper"),
+               time.perf_counter() - start, cost, brief="expert-parallel candidate")
+    if won:
         return replace(candidate, rounds=searched.rounds + candidate.rounds, expanded=searched.expanded + candidate.expanded)
     return searched
 
@@ -516,6 +576,17 @@ class SpmdSearch:
     """Seconds from the start of the search to the end of the kept front width's."""
     front_width: int
     """The front width whose search was kept."""
+    passes: tuple[dict, ...] = ()
+    """Every search pass in the order they ran: ``what`` ran, ``why``, its ``seconds``,
+    the ``cost`` it found (seconds per step, None when nothing fit) and whether its
+    program was ``kept`` (the plan's ``stats["passes"]``, ``docs/formats.md``)."""
+
+
+def _widen_why(chosen: tuple[dict, list[float], str], baselines: Baselines, width: int, wider: int) -> str:
+    cost = program_cost(chosen[0], chosen[1])
+    return (f"the plan found with front width {width} ({cost * 1e3:.3f} ms) cost more than DP-CP "
+            f"({baselines.dp_cp * 1e3:.3f} ms), whose program is in the search space: the front evidently pruned "
+            f"better programs, so the search ran again {wider // width}× wider")
 
 
 def search_spmd(data: bytes, profile: Profile, options: CompileOptions) -> SpmdSearch:
@@ -527,21 +598,39 @@ def search_spmd(data: bytes, profile: Profile, options: CompileOptions) -> SpmdS
     start = time.perf_counter()
     caps = [float(d.memory) for d in profile.devices] if options.memory_caps else None
     searching: CompileOptions | None = options
-    best: tuple[float, SpmdSearch] | None = None
-    while searching is not None:
-        searched = _search_with_recompute(data, profile, searching, caps)
-        searched = _with_expert_parallel_candidate(data, profile, searching, caps, searched)
-        synthesis_seconds = time.perf_counter() - start
-        baselines = _baselines(data, profile, searching)
-        chosen = _prefer_data_parallel(searched, baselines, searching, caps)
-        cost = program_cost(chosen[0], chosen[1])
-        if best is None or cost < best[0]:
-            found = SpmdSearch(searched=searched, baselines=baselines, program=chosen[0], ratios=chosen[1],
-                               chosen_from=chosen[2], synthesis_seconds=synthesis_seconds,
-                               front_width=searching.front_width)
-            best = (cost, found)
-        # a plan dearer than a data parallelism that does not fit lost nothing to the front
-        dp_out = caps is not None and chosen[2] != "data_parallel" and not dp_fits(baselines.dp_program, profile)
-        searching = None if dp_out else _wider_front(searching, chosen, baselines, time.perf_counter() - start)
+    best: tuple[float, SpmdSearch, dict] | None = None
+    passes: list[dict] = []
+    token = _PASSES.set(passes)
+    why, brief = "the first search", "first"
+    try:
+        while searching is not None:
+            begin, first = time.perf_counter(), len(passes)
+            searched = _search_with_recompute(data, profile, searching, caps)
+            searched = _with_expert_parallel_candidate(data, profile, searching, caps, searched)
+            synthesis_seconds = time.perf_counter() - start
+            baselines = _baselines(data, profile, searching)
+            chosen = _prefer_data_parallel(searched, baselines, searching, caps)
+            cost = program_cost(chosen[0], chosen[1])
+            inner = sum(p["seconds"] for p in passes[first:])
+            main = {"what": f"search ⇄ LP rounds, front width {searching.front_width}"
+                            + (", data parallelism cheaper" if chosen[2] == "data_parallel" else ""),
+                    "why": why, "brief": brief, "seconds": time.perf_counter() - begin - inner, "cost": cost,
+                    "kept": False}
+            passes.insert(first, main)
+            if best is None or cost < best[0]:
+                found = SpmdSearch(searched=searched, baselines=baselines, program=chosen[0], ratios=chosen[1],
+                                   chosen_from=chosen[2], synthesis_seconds=synthesis_seconds,
+                                   front_width=searching.front_width)
+                best = (cost, found, main)
+            # a plan dearer than a data parallelism that does not fit lost nothing to the front
+            dp_out = caps is not None and chosen[2] != "data_parallel" and not dp_fits(baselines.dp_program, profile)
+            wider = None if dp_out else _wider_front(searching, chosen, baselines, time.perf_counter() - start)
+            if wider is not None:
+                why = _widen_why(chosen, baselines, searching.front_width, wider.front_width)
+                brief = f"front width {wider.front_width}: the plan lost to DP-CP"
+            searching = wider
+    finally:
+        _PASSES.reset(token)
     assert best is not None
-    return best[1]
+    best[2]["kept"] = True
+    return replace(best[1], passes=tuple(passes))

@@ -63,6 +63,7 @@ from hapd import models
 from hapd.errors import HapdError, OptionsError
 from hapd.runtime.distributed import DistEnv, init_distributed
 from hapd.runtime.stepwatch import StepWatch
+from hapd.runtime.telemetry import script_reported
 from hapd.util import atomic_write, summarize as summarize_times
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -433,6 +434,7 @@ def report(env: DistEnv, *, system: str, model: str, times: Sequence[float], war
     given. Collective: every rank must call it. Returns the summary (on every rank).
     See the module docstring for the format.
     """
+    script_reported()  # this line, not the parallelized module's (hapd.runtime.telemetry)
     times = [float(t) for t in times]
     timed = summarize_times(times[warmup:])
     line = {"hapd": "timings", "rank": env.rank, "world": env.world, "system": system, "model": model,

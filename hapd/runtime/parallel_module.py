@@ -44,6 +44,7 @@ from hapd.compiler.lower import GraphIR
 from hapd.compiler.op_facts import MODE_DEPENDENT_OPS, overloads
 from hapd.compiler.plan import Plan
 from hapd.errors import OptionsError, PlanError, UnsupportedOpError
+from hapd.runtime import telemetry
 from hapd.runtime.collectives import all_gather
 from hapd.runtime.held import Held, whole
 from hapd.runtime.layout import IDENTITY, gather, gather_dim
@@ -93,6 +94,8 @@ class ParallelModule(nn.Module):
         self._cut: tuple[Shapes, tuple] | None = None
         """(global shapes, input split) of the batch the next forward's inputs were cut
         from (:meth:`shard_inputs`, :meth:`expect_batch`); None: the example batch."""
+        self._telemetry = telemetry.for_module(self)
+        """Times each training step for the launcher, progress and logs (:mod:`hapd.runtime.telemetry`)."""
 
     # -- what the plan says --------------------------------------------------------------
 
@@ -246,7 +249,7 @@ class ParallelModule(nn.Module):
         if len(got) != len(expected) or any(e and g != e for g, e in zip(got, expected)):
             raise PlanError(f"rank {self.rank}: inputs of shapes {got}, the plan runs {expected} on this rank "
                             "(cut a batch of another size with shard_inputs, or read it with hapd.loader)")
-        return self._runner(program)(*local_inputs)
+        return self._telemetry.forward(self, self._runner(program), local_inputs)
 
     def _runner(self, program: RankModule) -> Callable[..., Tensor]:
         """``program``, or its ``torch.compile`` when the module compiles (made once per

@@ -69,7 +69,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     current CUDA device with NCCL, else where the model's parameters are). ``hosts``:
     ``"auto"`` sums replicated gradients in two levels across hosts when the ranks of
     several hosts share it (torchrun's ``GROUP_RANK``); None: one flat all-reduce.
-    With ``verbose``, rank 0 prints where the plan came from and how long it took.
+    With ``verbose``, rank 0 prints one line: the technique, the per-rank batch or
+    ratios, the predicted time per step against DP-CP, where the plan came from and how
+    long it took (:meth:`~hapd.runtime.plan_source.PlanSource.summary`).
 
     Joins the job torchrun started when ``WORLD_SIZE`` is set and no process group
     exists; one process without either runs the plan for one device.
@@ -111,7 +113,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
                                             always=overlap == "always")
     if verbose and rank == 0:
-        print(source.describe(), flush=True)
+        print(source.summary(), flush=True)
     if pipeline_won(source.plan):
         return build_pipeline_module(model, example_inputs, recipe.batch_dims, source, job_profile(profile, world),
                                      compile_options(options), device=recipe.device, weights=weights)

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from hapd.compiler.plan import Plan
 from hapd.errors import PlanError
+from hapd.runtime import telemetry
 from hapd.runtime.held import Held
 from hapd.runtime.parallel_module import ParallelModule, check_tensors
 from hapd.runtime.pipeline import PipelineRank, build_pipeline
@@ -93,6 +94,8 @@ class PipelineModule(nn.Module):
         self._owners = dict(owners)
         self._example_shapes = tuple(tuple(int(n) for n in s) for s in example_shapes)
         self._kept: list[Tensor | None] | None = None
+        self._telemetry = telemetry.for_module(self, instead_of=self.stage)
+        """Times each training step for the launcher, progress and logs (:mod:`hapd.runtime.telemetry`)."""
 
     # -- what the plan says --------------------------------------------------------------
 
@@ -142,6 +145,9 @@ class PipelineModule(nn.Module):
     def forward(self, *global_batch: Tensor) -> Tensor:
         """Runs the pipeline's schedule on the global batch; returns this rank's part of
         the loss, whose ``backward()`` adds the step's gradients (module docstring)."""
+        return self._telemetry.forward(self, self._step, global_batch)
+
+    def _step(self, *global_batch: Tensor) -> Tensor:
         check_tensors(global_batch, "forward")
         if not self.training:
             raise PlanError("eval() forward: a pipeline runs only training steps (parallelize with "

@@ -6,7 +6,8 @@ used as is; otherwise rank 0 asks the daemon at ``$HAPD_DAEMON`` (a cache hit, a
 LP-only re-plan or a compile there) and compiles the plan itself when none answers,
 and the bytes are broadcast to every rank, so ranks never synthesize on their own.
 Both say where a plan came from and how long it took (:meth:`PlanSource.describe`:
-``plan: daemon cache hit, 2 ms``).
+``plan: daemon cache hit, 2 ms``); :meth:`PlanSource.summary` is the line
+:func:`hapd.parallelize` prints: that and what the plan runs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hapd.compiler.options import CompileOptions
 from hapd.compiler.driver import compile as compile_plan
 from hapd.compiler.lower import GraphIR
 from hapd.compiler.plan import Plan
+from hapd.compiler.plan_summary import plan_line
 from hapd.errors import HapdError, PlanError
 from hapd.profile.local import device_profile
 from hapd.profile.schema import Profile, estimated_profile, load_profile
@@ -53,6 +55,13 @@ class PlanSource:
     def describe(self, what: str = "plan") -> str:
         """``plan: daemon cache hit, 2 ms`` (``what`` names the plan)."""
         return f"{what}: {self.origin}, {_format_duration(self.seconds)}"
+
+    def summary(self) -> str:
+        """The one line :func:`hapd.parallelize` prints: the technique and what the others
+        were predicted at, the per-rank batch or ratios, the predicted time per step
+        against DP-CP, where the plan came from and how long it took
+        (:func:`hapd.compiler.plan_summary.plan_line`)."""
+        return plan_line(self.plan.doc, self.origin, self.seconds)
 
 
 def _format_duration(seconds: float) -> str:
