@@ -309,7 +309,7 @@ def _sync_lines(est: Mapping[str, Any]) -> list[str]:
             f"pass (the devices hide {sync['share']:.0%} of a sum behind compute, profile sync_overlap)"]
 
 
-def _technique_lines(doc: Mapping[str, Any]) -> list[str]:
+def technique_lines(doc: Mapping[str, Any]) -> list[str]:
     """Which technique runs and what each one searched was predicted at (nothing for a
     plan that priced one technique alone)."""
     priced = doc["estimate"].get("techniques") or {}
@@ -339,7 +339,7 @@ def explain(plan: Plan) -> str:
         f"synthesis: {stats['seconds']:.3f} s, {stats['expanded']} states expanded, "
         f"{stats['lp_rounds']} search/LP rounds, stop reason {stats['stop_reason']}",
     ]
-    lines += _technique_lines(doc)
+    lines += technique_lines(doc)
     lines += gap_lines(doc.get("dp_gap"))
     lines += _overlap_lines(plan)
     lines += _sync_lines(est)

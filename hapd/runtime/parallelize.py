@@ -119,11 +119,13 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
 def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
                    options: CompileOptions | Mapping[str, Any] | None, *, world: int, rank: int,
                    group: Any, always: bool = False) -> tuple[Any, GraphIR, PlanSource]:
-    """The training program, its graph and plan. With ``options.overlap`` (and no given
-    plan) both executions are compiled — the program for the whole batch, and one
-    duplica's (half the batch) priced as two interleaved duplicas — and the cheaper
-    estimate wins (``always``: the duplicas' whatever the estimates); the plan source's
-    origin says what the other one was estimated at. A given plan for one duplica's
+    """The training program, its graph and plan. With ``options.overlap`` or
+    ``options.pipeline`` auto (and no given plan) the model is exported once with a
+    symbolic batch and one compile searches every technique in the options
+    (:meth:`Recipe.graphs`, :func:`hapd.compiler.techniques.compile_techniques`): the
+    program returned is the global batch's, or the half batch's when overlap won
+    (``Plan.technique``), and the plan source's origin says what each technique was
+    estimated at (``always``: the duplicas' whatever the estimates). A given plan for one duplica's
     graph (``overlap`` in it) runs on the program exported for half the batch."""
     opts = compile_options(options)
     if plan is not None:
@@ -132,10 +134,17 @@ def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
         program, graph = recipe.export(True, shapes)
         return program, graph, obtain_plan(graph, world=world, rank=rank, profile=recipe.profile, options=options,
                                            plan=plan, group=group, use_daemon=recipe.use_daemon)
-    if not opts.overlap:
+    if not opts.overlap and opts.pipeline != "auto":
         program, graph = recipe.export(True, recipe.example_shapes)
         return program, graph, obtain_plan(graph, world=world, rank=rank, profile=recipe.profile, options=options,
                                            group=group, use_daemon=recipe.use_daemon)
+    if not always:  # every technique in options from one export (hapd.compiler.techniques)
+        graphs = recipe.graphs(opts)
+        source = obtain_plan(graphs, world=world, rank=rank, profile=recipe.profile, options=opts, group=group,
+                             use_daemon=recipe.use_daemon)
+        overlap = source.plan.technique == "overlap"
+        program, graph = recipe.export_at(True, recipe.batch // 2 if overlap else recipe.batch)
+        return program, graph, dataclasses.replace(source, origin=f"{source.origin}; {_techniques(source.plan)}")
     half_program, half_graph = recipe.export(True, recipe.half_shapes())
     both = obtain_plan(half_graph, world=world, rank=rank, profile=recipe.profile, options=opts, group=group,
                        use_daemon=recipe.use_daemon)
@@ -154,6 +163,13 @@ def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
                                  origin=f"{plain.origin}; without overlap {plain_s * 1e3:.2f} ms, "
                                         f"overlapped {both_s * 1e3:.2f} ms")
     return program, graph, chosen
+
+
+def _techniques(plan: Plan) -> str:
+    """``technique overlap (spmd 2.10 ms, overlap 1.90 ms, pipeline not priced)``."""
+    parts = [f"{name} {found['per_iteration'] * 1e3:.2f} ms" if found.get("per_iteration") is not None
+             else f"{name} not priced" for name, found in (plan.estimate.get("techniques") or {}).items()]
+    return f"technique {plan.technique} ({', '.join(parts)})"
 
 
 def _compile_options(compile: bool | Mapping[str, Any]) -> Mapping[str, Any] | None:  # noqa: A002
