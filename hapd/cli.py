@@ -104,8 +104,12 @@ def _building(*, with_weights: bool) -> Iterator[None]:
               help="Build a benchmark model with its weights, or on the meta device (shapes only: the program holds no "
                    "weights, lowers to the same graph and plans the same; runs take weights=)  "
                    "[default: --no-weights for --size paper, else --weights]")
+@click.option("--symbolic-batch/--static-batch", "symbolic", default=True, show_default=True,
+              help="Export the batch dim symbolic: the one .pt2 gives the graph at every batch a compile prices "
+                   "(micro-batches of --pipeline auto, the half batch of --overlap). A model that cannot be exported "
+                   "so is exported static, and the command says why.")
 def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], out: Path | None, hapg: bool,
-               weights: bool | None) -> None:
+               weights: bool | None, symbolic: bool) -> None:
     """Export MODEL to a torch.export program.
 
     MODEL is a benchmark model name (mlp, vgg19, vit, bert, bert_moe, gpt2_block,
@@ -137,8 +141,16 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
         name = model
     out = out or Path(f"{name}.pt2")
     out.parent.mkdir(parents=True, exist_ok=True)
-    export(module, inputs, path=out, batch_dims=batch_dims, name=name)
-    click.echo(f"wrote {out}")
+    from hapd.compiler.shapes import batch_info
+
+    program = export(module, inputs, path=out, batch_dims=batch_dims, name=name, symbolic_batch=symbolic)
+    info = batch_info(program)
+    if info is not None and info.symbolic:
+        click.echo(f"wrote {out} (symbolic batch, example batch {info.size})")
+    elif symbolic and info is not None:
+        click.echo(f"wrote {out} (static batch {info.size}: not exportable with a symbolic batch: {info.reason})")
+    else:
+        click.echo(f"wrote {out}")
     if hapg:
         ir = lower(out)
         hapg_path = ir.save(out.with_suffix(".hapg"))
@@ -206,19 +218,22 @@ def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
 @click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Output .hplan (default beside GRAPH).")
 @click.option("--zero/--no-zero", default=False, show_default=True, help="Allow ZeRO-style parameters.")
 @click.option("--overlap/--no-overlap", default=False, show_default=True,
-              help="Plan two interleaved duplicas, one computing while the other communicates: GRAPH is one "
-                   "duplica's, exported at half the global batch.")
+              help="Also price two interleaved duplicas, one computing while the other communicates, on the half-batch "
+                   "graph cut from GRAPH (a .pt2 exported with a symbolic batch), the cheaper technique wins; a "
+                   "static GRAPH is one duplica's, exported at half the global batch.")
 @click.option("--memory-caps/--no-memory-caps", default=True, show_default=True,
               help="Fit the plan in each device's memory (the profile's).")
 @click.option("--max-seconds", type=float, default=None, help="Time budget of one search.")
 @click.option("--recompute", type=click.Choice(["auto", "never", "always"]), default="auto", show_default=True,
               help="Recompute blocks' activations in the backward pass: when memory binds, never, or every block.")
 @click.option("--pipeline", type=click.Choice(["off", "auto"]), default="off", show_default=True,
-              help="Also search pipelines: stages on groups of hosts over micro-batches (1F1B); the cheaper plan wins.")
+              help="Also search pipelines: stages on groups of hosts over micro-batches (1F1B), their graphs cut from "
+                   "GRAPH (a .pt2 exported with a symbolic batch); the cheaper plan wins.")
 @click.option("--micro-graph", "micro_graphs", multiple=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="With --pipeline auto: GRAPH's model exported at a smaller batch, one micro-batch of the global "
-                   "batch, to price that micro-batch count (repeatable).")
+              help="Deprecated (a .pt2 exported with a symbolic batch gives every micro-batch graph): with --pipeline "
+                   "auto and a static GRAPH, its model exported at a smaller batch, to price that micro-batch count "
+                   "(repeatable).")
 @click.option("--global-batch", type=click.IntRange(min=2), default=None,
               help="With --overlap: the global batch the plan trains; GRAPH must have been exported at half of it "
                    "(checked before compiling).")
@@ -230,7 +245,7 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
     from hapd.compiler.driver import compile as compile_plan
     from hapd.compiler.options import CompileOptions
-    from hapd.compiler.plan import gap_lines, search_pass_lines
+    from hapd.compiler.plan import gap_lines, search_pass_lines, technique_lines
     from hapd.compiler.plan_summary import plan_line
 
     _import(imports)
@@ -249,6 +264,9 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
 
     options = CompileOptions(zero=zero, overlap=overlap, memory_caps=memory_caps, max_seconds=max_seconds,
                              recompute=recompute, pipeline=pipeline)
+    if micro_graphs:
+        click.echo("note: --micro-graph is deprecated: export GRAPH with a symbolic batch (hapd export) and every "
+                   "micro-batch graph is cut from it", err=True)
     plan = compile_plan(graph, profile, options, micro_graphs=micro_graphs)
     path = plan.save(out or graph.with_suffix(".hplan"))
     est, base, stats = plan.estimate, plan.doc["baselines"], plan.doc["stats"]
@@ -267,6 +285,8 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
     if duplica_batch is not None:
         click.echo(f"overlap: {graph.name} is one duplica's batch of {duplica_batch}: the plan trains global batches of "
                    f"{2 * duplica_batch} (two duplicas); a graph exported at the full batch trains twice it")
+    for line in technique_lines(plan.doc):
+        click.echo(line)
     found = plan.doc.get("pipeline")
     if found:
         click.echo(

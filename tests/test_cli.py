@@ -91,7 +91,7 @@ def test_export_mlp_writes_pt2_and_hapg(tmp_path) -> None:
     pt2, hapg = tmp_path / "tmp" / "x.pt2", tmp_path / "tmp" / "x.hapg"
     assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == ["x.hapg", "x.pt2"]
     lines = result.stdout.splitlines()
-    assert lines[:2] == ["wrote tmp/x.pt2", "wrote tmp/x.hapg"]
+    assert lines[:2] == ["wrote tmp/x.pt2 (symbolic batch, example batch 4)", "wrote tmp/x.hapg"]
     ir = GraphIR.load(hapg)
     assert lines[2].startswith(f"graph mlp  id {ir.graph_id[:16]}  ")
     assert has_line(result.stdout, "x", "[4,", "32]", "batch", "dim", "0")
@@ -149,7 +149,7 @@ def test_export_without_hapg_and_overrides(tmp_path) -> None:
     out = tmp_path / "deep" / "bert.pt2"
     result = run("export", "bert", "-b", "3", "--set", "layers=1", "--set", "dropout=0.0", "--no-hapg", "-o", out)
     assert result.exit_code == 0, result.output
-    assert result.stdout == f"wrote {out}\n"
+    assert result.stdout == f"wrote {out} (symbolic batch, example batch 3)\n"
     assert [p.name for p in out.parent.iterdir()] == ["bert.pt2"]
     summary = _core.load_graph(lower(out).data)
     assert ("aten.scaled_dot_product_attention", 1) in summary["ops"]
@@ -213,7 +213,7 @@ def factory_module(tmp_path, monkeypatch) -> str:
 def test_export_factory(factory_module, tmp_path) -> None:
     result = run("export", f"{factory_module}:factory", "--batch", "5", cwd=tmp_path)
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith("wrote Tiny.pt2\nwrote Tiny.hapg\ngraph Tiny  id ")
+    assert result.stdout.startswith("wrote Tiny.pt2 (symbolic batch, example batch 5)\nwrote Tiny.hapg\ngraph Tiny  id ")
     summary = _core.load_graph((tmp_path / "Tiny.hapg").read_bytes())
     assert summary["inputs"] == [("x", [5, 6], 0), ("y", [5], 0)]
     assert summary["parameters"] == [("proj.weight", [4, 6], True), ("proj.bias", [4], True)]
@@ -233,7 +233,7 @@ def test_export_factory_in_a_subprocess(factory_module, tmp_path) -> None:
     done = subprocess.run([HAPD, "export", f"{factory_module}:factory", "--no-hapg", "-o", tmp_path / "f.pt2"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(src)})
     assert done.returncode == 0, done.stderr
-    assert done.stdout == f"wrote {tmp_path / 'f.pt2'}\n"
+    assert done.stdout.startswith(f"wrote {tmp_path / 'f.pt2'}") and done.stdout.count("\n") == 1
 
 
 def test_export_and_import_take_modules_from_the_current_folder(tmp_path) -> None:

@@ -236,8 +236,8 @@ def test_pipeline_options_are_validated_and_keyed() -> None:
     with pytest.raises(OptionsError) as err:
         CompileOptions(pipeline="on")
     assert err.value.field == "pipeline"
-    with pytest.raises(OptionsError):
-        CompileOptions(pipeline="auto", overlap=True)
+    with pytest.raises(OptionsError):  # both price other batches: one graph cannot give them
+        compile_plan(_mlp(BATCH), _two_hosts(1e6), CompileOptions(pipeline="auto", overlap=True))
     with pytest.raises(OptionsError):
         CompileOptions(pipeline="auto", ratios=(0.5, 0.5))
     assert CompileOptions().key()["pipeline"] == "off" and CompileOptions(pipeline="auto").key()["pipeline"] == "auto"

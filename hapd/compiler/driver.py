@@ -29,13 +29,39 @@ from hapd.profile.schema import Profile, load_profile
 def compile(  # noqa: A001 - hapd.compile is the public name
     graph: Any, profile: Any, options: CompileOptions | None = None, micro_graphs: Sequence[Any] = ()
 ) -> Plan:
-    """Compile ``graph`` (GraphIR, .hapg/.pt2 path, bytes or ExportedProgram) for
-    ``profile`` (Profile or path) into a :class:`Plan`. With ``options.pipeline`` auto,
+    """Compile ``graph`` (GraphIR, .hapg/.pt2 path, bytes, ExportedProgram or
+    :class:`~hapd.compiler.techniques.GraphSet`) for ``profile`` (Profile or path) into a
+    :class:`Plan`.
+
+    A program exported with a symbolic batch (``hapd export``; :mod:`hapd.compiler.shapes`)
+    with ``options.pipeline`` auto or ``options.overlap`` is compiled with every technique
+    in the space from that one program (:func:`hapd.compiler.techniques.compile_techniques`:
+    SPMD at the global batch, pipelines over the micro-batch graphs derived from it,
+    overlap on the half-batch graph; the cheapest wins, ``Plan.technique`` says which),
+    and so is a static program with both (the graphs it cannot give are reported not
+    priced, with the reason). A single graph compiles as before: with ``options.overlap``
+    it is one duplica's graph (half the global batch); with ``options.pipeline`` auto,
     ``micro_graphs`` are the same model exported at smaller batches (the global batch
     over each micro-batch count to price; the global batch itself is always priced)."""
+    from hapd.compiler import techniques
+
     options = options or CompileOptions()
     if micro_graphs and options.pipeline != "auto":
         raise OptionsError("micro-batch graphs are for pipeline auto", field="micro_graphs")
+    if isinstance(graph, techniques.GraphSet):
+        return techniques.compile_techniques(graph, profile, options)
+    program = _program(graph) if techniques.needs_other_batches(options) and not micro_graphs else None
+    if program is not None:
+        from hapd.compiler.shapes import is_symbolic
+
+        exported, name, batch_dims = program
+        if is_symbolic(exported) or (options.pipeline == "auto" and options.overlap):
+            graphs = techniques.graphs_of_program(exported, options, name=name, batch_dims=batch_dims)
+            return techniques.compile_techniques(graphs, profile, options)
+        graph = exported if name is None else _graph_bytes_of(exported, name, batch_dims)
+    if options.pipeline == "auto" and options.overlap:
+        raise OptionsError("pipeline auto with overlap prices graphs at several batches: give the program exported "
+                           "with a symbolic batch (hapd export), not one graph", field="pipeline")
     profile = load_profile(profile)
     data = _graph_bytes(graph)
     _core.load_graph(data)  # a malformed graph is a GraphValidationError naming the field, before any search
@@ -44,7 +70,44 @@ def compile(  # noqa: A001 - hapd.compile is the public name
     doc = _plan_document(data, profile, options, found, seconds=time.perf_counter() - start)
     if options.pipeline == "auto":
         _add_pipeline(doc, data, micro_graphs, profile, options, program_cost(found.program, found.ratios))
+    _add_technique(doc)
     return Plan(doc)
+
+
+def _add_technique(doc: dict) -> None:
+    """The technique the plan runs and what was priced: its own estimate, and the
+    pipeline's when one was searched (a single graph prices no other technique)."""
+    from hapd.compiler.techniques import technique_of
+
+    technique = technique_of(doc)
+    doc["technique"] = technique
+    own = "overlap" if technique == "overlap" else "spmd"
+    priced: dict[str, Any] = {own: {"per_iteration": doc["estimate"]["per_iteration"]}}
+    if "pipeline" in doc:
+        found = doc["pipeline"]
+        priced["pipeline"] = ({"per_iteration": found["per_iteration"], "micro_batches": found["micro_batches"]}
+                              if found is not None else
+                              {"per_iteration": None, "reason": doc["stats"]["pipeline"].get("reason") or "none found"})
+    doc["estimate"]["techniques"] = priced
+
+
+def _program(graph: Any) -> tuple[Any, str | None, dict | None] | None:
+    """(program, stored name, stored batch dims) of an ExportedProgram or a ``.pt2``
+    path; ``None`` for a graph."""
+    from torch.export import ExportedProgram
+
+    if isinstance(graph, ExportedProgram):
+        return graph, None, None
+    if isinstance(graph, (str, Path)) and Path(graph).suffix == ".pt2":
+        from hapd.compiler.lower import load_exported
+
+        program, stored = load_exported(graph)
+        return program, stored.get("name"), stored.get("batch_dims")
+    return None
+
+
+def _graph_bytes_of(program: Any, name: str | None, batch_dims: dict | None) -> bytes:
+    return lower(program, name=name, batch_dims=batch_dims).data
 
 
 def _graph_bytes(graph: Any) -> bytes:

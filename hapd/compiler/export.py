@@ -6,6 +6,7 @@ import importlib
 import inspect
 import itertools
 import json
+import logging
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -16,7 +17,10 @@ from torch.export.graph_signature import InputKind
 from hapd.errors import ExportError
 from hapd.compiler.fake import model_faked
 from hapd.compiler.lower import EXTRA_FILE, FROZEN_KEY, frozen_parameters
+from hapd.compiler.shapes import BatchInfo, dynamic_shapes, set_batch_info
 from hapd.util import atomic_file
+
+_log = logging.getLogger(__name__)
 
 
 def export(
@@ -27,6 +31,7 @@ def export(
     batch_dims: Sequence[int | None] | None = None,
     name: str | None = None,
     training: bool = True,
+    symbolic_batch: bool = False,
 ) -> ExportedProgram:
     """Export ``model`` (whose forward returns the scalar loss) in training mode, or in
     eval mode with ``training=False`` (dropout is the identity, batch norm uses its
@@ -45,6 +50,14 @@ def export(
     weights on the example inputs' device would be, so both lower to the same graph and
     share a graph id (and a cached plan), and the program holds no weights — :func:`hapd.distribute`
     and :func:`hapd.parallelize` then take ``weights=``.
+
+    ``symbolic_batch``: export the batch dim symbolic (one ``torch.export`` dimension on
+    every input's batch dim, :mod:`hapd.compiler.shapes`), so that one program gives the
+    graph at any batch (:func:`hapd.compiler.shapes.program_at`): micro-batches of a
+    pipeline, one duplica of overlap. A model that cannot be exported so is exported at
+    the example batch instead, and the program says why
+    (:func:`hapd.compiler.shapes.batch_info`, the ``.pt2``'s ``static_reason``), which
+    is logged at warning level.
     """
     example_inputs = tuple(example_inputs)
     if batch_dims is None:
@@ -52,25 +65,54 @@ def export(
     if len(batch_dims) != len(example_inputs):
         raise ExportError(f"{len(batch_dims)} batch dims for {len(example_inputs)} example inputs")
     model.train(training)
-    try:
-        if on_meta(model):
-            with model_faked(model, example_inputs) as (fake_inputs, restore):
-                program = torch.export.export(model, fake_inputs, strict=False)
-            restore(program)
-        else:
-            program = torch.export.export(model, example_inputs, strict=False)
-    except Exception as exc:
-        raise ExportError(f"torch.export failed for {type(model).__name__}: {type(exc).__name__}: {exc}") from exc
+    size = _batch_size(example_inputs, batch_dims)
+    info = BatchInfo(size=size, symbolic=False, reason="exported static")
+    program = None
+    if symbolic_batch:
+        try:
+            program = _export(model, example_inputs, dynamic_shapes(example_inputs, batch_dims))
+            info = BatchInfo(size=size, symbolic=True)
+        except Exception as exc:  # noqa: BLE001 - any reason torch gives: fall back, and say why
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+            if size < 2:
+                reason = f"example batch {size}: torch.export specializes a dim of size 0 or 1 ({reason})"
+            info = BatchInfo(size=size, symbolic=False, reason=reason)
+            _log.warning("%s: exported at the static batch %d, not a symbolic batch: %s",
+                         name or type(model).__name__, size, reason)
+    if program is None:
+        try:
+            program = _export(model, example_inputs, None)
+        except Exception as exc:
+            raise ExportError(f"torch.export failed for {type(model).__name__}: {type(exc).__name__}: {exc}") from exc
+    set_batch_info(program, info)
     if path is not None:
         names = user_input_names(program)
         meta = {"name": name or type(model).__name__, "batch_dims": dict(zip(names, batch_dims)),
-                FROZEN_KEY: frozen_parameters(program)}
+                FROZEN_KEY: frozen_parameters(program), **info.to_doc()}
         try:
             with atomic_file(path) as handle:
                 torch.export.save(program, handle, extra_files={EXTRA_FILE: json.dumps(meta, sort_keys=True)})
         except OSError as exc:
             raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from exc
     return program
+
+
+def _export(model: torch.nn.Module, example_inputs: tuple[Any, ...], shapes: Any) -> ExportedProgram:
+    """``torch.export.export`` (non-strict), from shapes alone for a meta model."""
+    if on_meta(model):
+        with model_faked(model, example_inputs) as (fake_inputs, restore):
+            program = torch.export.export(model, fake_inputs, dynamic_shapes=shapes, strict=False)
+        restore(program)
+        return program
+    return torch.export.export(model, example_inputs, dynamic_shapes=shapes, strict=False)
+
+
+def _batch_size(example_inputs: Sequence[Any], batch_dims: Sequence[int | None]) -> int:
+    """The example batch: the length of the first input's batch dim (0 without one)."""
+    for t, d in zip(example_inputs, batch_dims):
+        if d is not None and isinstance(t, torch.Tensor) and 0 <= d < t.dim():
+            return int(t.shape[d])
+    return 0
 
 
 def on_meta(model: torch.nn.Module) -> bool:

@@ -110,6 +110,7 @@ def lower(
     *,
     name: str | None = None,
     batch_dims: Mapping[str, int | None] | None = None,
+    batch: int | None = None,
 ) -> GraphIR:
     """Lower an exported program (or a ``.pt2`` path) to the graph IR: its functional
     form (:func:`hapd.compiler.normalize.normalize`, which the runtime replays too), with
@@ -117,12 +118,24 @@ def lower(
 
     ``batch_dims`` maps user-input names to their batch dim (``None``: no batch dim);
     inputs not named get dim 0. A ``.pt2`` written by :func:`hapd.export` carries the
-    model name and batch dims itself.
+    model name and batch dims itself. A program with a symbolic batch
+    (:mod:`hapd.compiler.shapes`) is lowered at ``batch`` (default: the batch it was
+    exported with); a static one only at its own.
     """
+    from hapd.compiler.shapes import batch_info, program_at
+
     if not isinstance(program, ExportedProgram):
         program, stored = load_exported(program)
         name = name or stored.get("name")
         batch_dims = batch_dims if batch_dims is not None else stored.get("batch_dims")
+    info = batch_info(program)
+    if info is not None and info.symbolic:
+        at = batch if batch is not None else info.size
+        if not at:
+            raise ExportError("the program's batch dim is symbolic and its example batch unknown: pass batch=")
+        program = program_at(program, at)
+    elif batch is not None:
+        program = program_at(program, batch)  # its own batch, else a ShapeError saying it is static
     program = normalize(program)
     try:
         doc = _Lowering(program, name or "model", dict(batch_dims or {}), saved_activations(program)).run()
@@ -194,6 +207,11 @@ def load_exported(path: str | Path) -> tuple[ExportedProgram, dict[str, Any]]:
         raise GraphFormatError(f"{path}: unreadable {EXTRA_FILE} ({exc})") from exc
     stored = stored if isinstance(stored, dict) else {}
     restore_frozen(program, stored.get(FROZEN_KEY, []), path)
+    from hapd.compiler.shapes import BatchInfo, set_batch_info
+
+    info = BatchInfo.from_doc(stored)
+    if info is not None:
+        set_batch_info(program, info)
     return program, stored
 
 

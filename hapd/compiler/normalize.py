@@ -93,17 +93,20 @@ ALLOWED_OUTPUTS = (OutputKind.USER_OUTPUT, OutputKind.BUFFER_MUTATION)
 """What a program may return: the loss, and the new values of the buffers it updates."""
 
 
-def normalize(program: ExportedProgram) -> ExportedProgram:
+def normalize(program: ExportedProgram, *, functional: bool = False) -> ExportedProgram:
     """The functional form of ``program`` with canonical node names (a new program;
     ``program`` itself is not changed). Raises :class:`~hapd.errors.UnsupportedOpError`
     for an op that cannot be made functional and :class:`~hapd.errors.ExportError` for
-    an output that is neither the loss nor a buffer update."""
+    an output that is neither the loss nor a buffer update. ``functional``: ``program``
+    is functional already (cut at one batch from a symbolic program made functional
+    once, :func:`hapd.compiler.shapes.program_at`): step 1 is skipped, and ``program``
+    itself is changed."""
     if getattr(program, _MARK, False):
         return program
     cached = getattr(program, _NORMAL_FORM, None)
     if cached is not None:
         return cached
-    functional = _functionalize(program)
+    functional = program if functional else _functionalize(program)
     _drop_assertions(functional.graph_module)
     _verify(functional)
     _views_as_reshapes(functional.graph_module)
@@ -123,6 +126,12 @@ def is_normalized(program: ExportedProgram) -> bool:
 # --------------------------------------------------------------------------------------
 # 1. functionalize
 # --------------------------------------------------------------------------------------
+
+
+def functionalize(program: ExportedProgram) -> ExportedProgram:
+    """Step 1 alone (a symbolic program is made functional once, then cut at each
+    batch: :mod:`hapd.compiler.shapes`)."""
+    return _functionalize(program)
 
 
 def _functionalize(program: ExportedProgram) -> ExportedProgram:

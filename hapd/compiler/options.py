@@ -79,11 +79,13 @@ class CompileOptions:
     """Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use)."""
     overlap: bool = False
     """Price programs as two duplicas interleaved, one computing while the other
-    communicates (HiDup; :mod:`hapd.compiler.overlap`). The graph compiled is then one
-    duplica's (export it at half the global batch); the plan records ``overlap`` and
-    ``duplicas`` for the runtime, and its estimate and baselines are for the global
-    batch. Whether it beats the plain plan of the full-batch graph depends on the model
-    and the cluster: compile both and keep the cheaper (``bench/overlap_search.py``)."""
+    communicates (HiDup; :mod:`hapd.compiler.overlap`). Compiling a program exported
+    with a symbolic batch (``hapd export``), overlap joins the techniques searched: the
+    program's half-batch graph is compiled so and competes with the SPMD plan (and the
+    pipelines with ``pipeline`` auto; :mod:`hapd.compiler.techniques`). Compiling one
+    graph, that graph is one duplica's (exported at half the global batch); the plan
+    records ``overlap`` and ``duplicas`` for the runtime, and its estimate and baselines
+    are for the global batch."""
     memory_caps: bool = True
     """Fit the plan in each device's memory (the profile's ``memory``, each device its
     own): the LP keeps every device's predicted peak (parameters, gradients, Adam state,
@@ -115,10 +117,13 @@ class CompileOptions:
     """Pipeline stages (HSPMD; ``docs/pipelines.md``): ``"auto"`` also searches
     pipelines that cut the program at block boundaries into stages, each on a group of
     whole hosts with its own SPMD plan, over micro-batches in the 1F1B order, and keeps
-    one when its predicted time beats the SPMD plan's (the plan's ``pipeline``). It
-    prices each micro-batch count it is given a graph for (``compile``'s
-    ``micro_graphs``); ``"off"``: the SPMD plan only. Not with ``overlap`` or fixed
-    ``ratios`` (the ratios of the whole cluster)."""
+    one when its predicted time beats the SPMD plan's (the plan's ``pipeline``). From a
+    program exported with a symbolic batch it prices every micro-batch count of
+    :func:`~hapd.compiler.pipeline_search.micro_batch_counts`, deriving their graphs;
+    from one graph, each count it is given a graph for (``compile``'s
+    ``micro_graphs``); ``"off"``: the SPMD plan only. With ``overlap`` too, only from a
+    program (:mod:`hapd.compiler.techniques`). Not with fixed ``ratios`` (the ratios of
+    the whole cluster)."""
 
     def __post_init__(self) -> None:
         """Every field's type and range, checked here, before the core sees any of them
@@ -140,9 +145,6 @@ class CompileOptions:
             raise OptionsError(f"recompute {self.recompute!r} is not auto, never or always", field="recompute")
         if not isinstance(self.pipeline, str) or self.pipeline not in PIPELINE:
             raise OptionsError(f"pipeline {self.pipeline!r} is not off or auto", field="pipeline")
-        if self.pipeline == "auto" and self.overlap:
-            raise OptionsError("pipeline auto and overlap cannot be combined: a pipeline runs micro-batches, "
-                               "not interleaved duplicas", field="pipeline")
         if self.pipeline == "auto" and self.ratios is not None:
             raise OptionsError("pipeline auto with fixed ratios: each stage's group gets its own ratios",
                                field="pipeline")

@@ -70,6 +70,15 @@ class Plan:
         found = self.doc.get("pipeline")
         return found if found and found.get("chosen") else None
 
+    @property
+    def technique(self) -> str:
+        """What the runtime runs: ``"spmd"``, ``"pipeline"`` (:attr:`pipeline`) or
+        ``"overlap"`` (duplicas); a plan written before it was recorded gets it from its
+        ``overlap`` and ``pipeline`` fields."""
+        from hapd.compiler.techniques import technique_of
+
+        return technique_of(self.doc)
+
     def to_bytes(self) -> bytes:
         return msgpack.packb(dict(self.doc), use_bin_type=True)
 
@@ -317,6 +326,19 @@ def _sync_lines(est: Mapping[str, Any]) -> list[str]:
             f"pass (the devices hide {sync['share']:.0%} of a sum behind compute, profile sync_overlap)"]
 
 
+def technique_lines(doc: Mapping[str, Any]) -> list[str]:
+    """Which technique runs and what each one searched was predicted at (nothing for a
+    plan that priced one technique alone)."""
+    priced = doc["estimate"].get("techniques") or {}
+    if len(priced) < 2:
+        return []
+    parts = []
+    for name, found in priced.items():
+        seconds = found.get("per_iteration")
+        parts.append(f"{name} {_fmt_s(seconds)}" if seconds is not None else f"{name} not priced ({found.get('reason', '')})")
+    return [f"technique: {doc.get('technique', '?')} runs; " + "; ".join(parts)]
+
+
 def explain(plan: Plan, *, steps: bool = True) -> str:
     """A readable report. First a summary (:func:`hapd.compiler.plan_summary.summary_lines`:
     which technique won and by how much the others lost, the split, the predicted step
@@ -348,6 +370,7 @@ def explain(plan: Plan, *, steps: bool = True) -> str:
         f"{stats['lp_rounds']} search/LP rounds, stop reason {stats['stop_reason']}",
     ]
     lines += search_pass_lines(stats)
+    lines += technique_lines(doc)
     lines += gap_lines(doc.get("dp_gap"))
     lines += _overlap_lines(plan)
     lines += _sync_lines(est)

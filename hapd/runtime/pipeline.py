@@ -581,9 +581,10 @@ def compile_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dim
 
 def build_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dims: Sequence[int | None],
                    plan: Plan, profile: Any, options: Any = None, *, device: torch.device | str | None = None,
-                   mean_loss: bool = False) -> PipelineRank:
+                   mean_loss: bool = False, program: Any = None) -> PipelineRank:
     """This rank's :class:`PipelineRank` for a plan whose ``pipeline`` was chosen: the
-    model exported for one micro-batch and cut at the pipeline's cuts; rank 0 compiles
+    model's program for one micro-batch (``program``, e.g. cut from its symbolic export;
+    default: the model exported for one) cut at the pipeline's cuts; rank 0 compiles
     every stage's plan for its group (``profile.subset``; ``options`` without pipelines)
     and sends them to the other ranks. Collective."""
     doc = plan.pipeline
@@ -592,7 +593,8 @@ def build_pipeline(model: torch.nn.Module, inputs: Sequence[Tensor], batch_dims:
     found = PipelinePlan.from_doc(doc)
     groups = [list(s.ranks) for s in found.stages]
     m = found.micro_batches
-    program = export(model, _micro_inputs(inputs, batch_dims, m), batch_dims=batch_dims)
+    if program is None:
+        program = export(model, _micro_inputs(inputs, batch_dims, m), batch_dims=batch_dims)
     stages, boundaries = split_program(program, found.cuts)
     stage_options = dataclasses.replace(options or CompileOptions(), pipeline="off", overlap=False)
     box: list[Any] = [None]

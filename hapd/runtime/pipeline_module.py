@@ -48,6 +48,7 @@ from hapd.runtime.held import Held
 from hapd.runtime.parallel_module import ParallelModule, check_tensors
 from hapd.runtime.pipeline import PipelineRank, build_pipeline
 from hapd.runtime.plan_source import PlanSource
+from hapd.runtime.programs import Recipe
 
 
 class _KeptGradients(torch.autograd.Function):
@@ -291,17 +292,20 @@ class PipelineModule(nn.Module):
 
 
 
-def build_pipeline_module(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims: Sequence[int | None],
-                          source: PlanSource, profile: Any, options: Any, *, device: torch.device | str | None = None,
+def build_pipeline_module(recipe: Recipe, source: PlanSource, profile: Any, options: Any, *,
                           weights: Any = None) -> PipelineModule:
-    """This rank's :class:`PipelineModule` for a plan whose pipeline won (collective):
-    the stages as :func:`~hapd.runtime.pipeline.build_pipeline` builds them (rank 0
-    compiles every stage's plan), and what checkpoints need of the whole model."""
+    """This rank's :class:`PipelineModule` of ``recipe``'s model for a plan whose
+    pipeline won (collective): the micro-batch's program cut from the model's one
+    export, its stages as :func:`~hapd.runtime.pipeline.build_pipeline` builds them
+    (rank 0 compiles every stage's plan), and what checkpoints need of the whole model."""
     if weights is not None:
         raise PlanError("a pipeline reads its stages' weights from the model: parallelize a model on the meta device "
                         "with options={'pipeline': 'off'}")
-    pipe = build_pipeline(model, example_inputs, batch_dims, source.plan, profile, options, device=device,
-                          mean_loss=True)
+    model, example_inputs = recipe.model, recipe.example_inputs
+    m = int(source.plan.pipeline["micro_batches"])
+    program = recipe.export_at(True, recipe.batch // m)[0]
+    pipe = build_pipeline(model, example_inputs, recipe.batch_dims, source.plan, profile, options,
+                          device=recipe.device, mean_loss=True, program=program)
     module = pipe.module
     mine = {**{k: tuple(module.hapd_view.full_shape(t)) if t in module.hapd_view.tensors else
                tuple(module.get_parameter(k).shape) for k, (t, _) in module.hapd_params.items()},

@@ -28,6 +28,7 @@ from hapd.compiler.driver import compile as compile_plan
 from hapd.compiler.lower import GraphIR
 from hapd.compiler.plan import Plan
 from hapd.compiler.plan_summary import plan_line
+from hapd.compiler.techniques import GraphSet
 from hapd.errors import HapdError, PlanError
 from hapd.profile.local import device_profile
 from hapd.profile.schema import Profile, estimated_profile, load_profile
@@ -78,24 +79,26 @@ def daemon_key_path() -> Path:
     return default_key_path()
 
 
-def plan_from_daemon(graph: GraphIR, profile: Profile, options: CompileOptions, *,
+def plan_from_daemon(graph: GraphIR | GraphSet, profile: Profile, options: CompileOptions, *,
                      address: str | None = None) -> tuple[bytes, str]:
     """``(plan bytes, origin)`` from the daemon at ``address`` (default
     ``$HAPD_DAEMON``): a cache hit, an LP-only re-plan of a cached program, or a compile
-    there. Raises :class:`~hapd.errors.HapdError` when there is no daemon, it does not
-    answer, or it refuses."""
+    there. ``graph``: one graph, or the graphs of every batch a technique search
+    prices (pipelines, overlap: :class:`~hapd.compiler.techniques.GraphSet`, sent as
+    ``graphs``). Raises :class:`~hapd.errors.HapdError` when there is no daemon, it
+    does not answer, or it refuses."""
     address = address or os.environ.get("HAPD_DAEMON")
     if not address:
         raise HapdError("HAPD_DAEMON is not set")
     profile_doc = json.loads(profile.to_json())
     with Client(address, daemon_key_path(), DAEMON_PING_S) as client:
         client.ping()
-        data, cache = client.compile(graph.data, "hapg", profile=profile_doc, options=options.key(),
-                                     timeout_s=DAEMON_COMPILE_S)
+        sent, kind = (graph.to_bytes(), "graphs") if isinstance(graph, GraphSet) else (graph.data, "hapg")
+        data, cache = client.compile(sent, kind, profile=profile_doc, options=options.key(), timeout_s=DAEMON_COMPILE_S)
     return bytes(data), _DAEMON_ORIGIN.get(cache, f"daemon ({cache})")
 
 
-def _plan_on_rank_zero(graph: GraphIR, profile: Profile, options: CompileOptions, use_daemon: bool) -> tuple[bytes, str]:
+def _plan_on_rank_zero(graph: GraphIR | GraphSet, profile: Profile, options: CompileOptions, use_daemon: bool) -> tuple[bytes, str]:
     """Rank 0's plan bytes: from the daemon when one answers, else compiled here."""
     why = ""
     if use_daemon and os.environ.get("HAPD_DAEMON"):
@@ -111,7 +114,7 @@ def _src_rank(group: Any) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
-def obtain_plan(graph: GraphIR, *, world: int, rank: int, profile: Profile | str | Path | Mapping | None = None,
+def obtain_plan(graph: GraphIR | GraphSet, *, world: int, rank: int, profile: Profile | str | Path | Mapping | None = None,
                 options: CompileOptions | Mapping[str, Any] | None = None, plan: Plan | str | Path | bytes | None = None,
                 group: Any = None, use_daemon: bool = True) -> PlanSource:
     """The job's plan for ``graph``; collective when ``world > 1`` (every rank calls it).
@@ -156,7 +159,9 @@ def given_plan(plan: Plan | str | Path | bytes) -> tuple[Plan, str]:
     return Plan.load(plan), f"file {plan}"
 
 
-def _check_plan_fits(plan: Plan, graph: GraphIR, world: int) -> None:
+def _check_plan_fits(plan: Plan, graph: GraphIR | GraphSet, world: int) -> None:
+    if isinstance(graph, GraphSet):
+        graph = graph.half if plan.technique == "overlap" and graph.half is not None else graph.full
     if plan.key.get("graph_id") != graph.graph_id:
         raise PlanError(f"the plan was compiled for graph {str(plan.key.get('graph_id'))[:12]}…, this program is "
                         f"{graph.graph_id[:12]}… (a different model, batch size or torch version)")

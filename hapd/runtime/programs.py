@@ -11,8 +11,9 @@ other program's plan holds every parameter as the training plan does.
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,14 @@ from torch import Tensor, nn
 from hapd.compiler.export import export, user_input_names
 from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.op_facts import EVAL_RULE, SAME_OP_IN_EVAL
+from hapd.compiler.options import CompileOptions
+from hapd.compiler.shapes import batch_info, is_symbolic, lower_at, program_at
+from hapd.compiler.techniques import GraphSet, graph_set
 from hapd.errors import PlanError
 from hapd.profile.schema import Profile
 from hapd.runtime.weights import WeightSource
+
+_log = logging.getLogger(__name__)
 
 Shapes = tuple[tuple[int, ...], ...]
 """The shapes of a global batch's inputs, in forward order."""
@@ -53,6 +59,66 @@ class Recipe:
     compile: Mapping[str, Any] | None = None
     """``torch.compile`` keyword arguments every program of the module runs under; None:
     the programs run as fx modules."""
+    exported: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What was exported, kept: training mode → the program exported with a symbolic
+    batch (:meth:`symbolic`), and (mode, shapes) → a program and its graph."""
+
+    @property
+    def batch(self) -> int:
+        """The example batch (the global batch of a training step; 0 without a batch dim)."""
+        for shape, d in zip(self.example_shapes, self.batch_dims):
+            if d is not None:
+                return int(shape[d])
+        return 0
+
+    def shapes_at(self, batch: int) -> Shapes:
+        """The example batch's shapes with ``batch`` samples."""
+        return tuple(shape if d is None else (*shape[:d], batch, *shape[d + 1:])
+                     for shape, d in zip(self.example_shapes, self.batch_dims))
+
+    def symbolic(self, training: bool = True) -> Any:
+        """The model exported once in that mode with a symbolic batch
+        (:mod:`hapd.compiler.shapes`): every batch's program is cut from it. A model that
+        cannot be exported so comes back static (:func:`~hapd.compiler.shapes.batch_info`
+        says why)."""
+        key = ("symbolic", training)
+        if key not in self.exported:
+            was = self.model.training
+            try:
+                with torch.enable_grad():
+                    self.exported[key] = export(self.model, self.example_inputs, batch_dims=self.batch_dims,
+                                                training=training, symbolic_batch=True)
+            finally:
+                self.model.train(was)
+        return self.exported[key]
+
+    def export_at(self, training: bool, batch: int) -> tuple[Any, GraphIR]:
+        """The program and graph of a global batch of ``batch`` samples, cut from the
+        one symbolic program (:meth:`symbolic`); the model exported again at that batch
+        when its program is static."""
+        key = ("at", training, batch)
+        if key not in self.exported:
+            program = self.symbolic(training)
+            if is_symbolic(program) or batch == self.batch:
+                names = dict(zip(user_input_names(program), self.batch_dims))
+                self.exported[key] = (program_at(program, batch),
+                                      lower_at(program, batch, name=self.name, batch_dims=names))
+            else:
+                self.exported[key] = self.export(training, self.shapes_at(batch))
+        return self.exported[key]
+
+    def graphs(self, options: CompileOptions) -> GraphSet:
+        """The graphs a compile with ``options`` prices (the global batch's, the
+        micro-batches' of pipelines, the half batch's of overlap), from the one symbolic
+        program; with a static one, from the model exported again at each batch (said
+        in the log)."""
+        program = self.symbolic(True)
+        if not is_symbolic(program):
+            info = batch_info(program)
+            _log.info("%s: the model exports only at a static batch (%s): exporting it again at each batch priced",
+                      self.name, info.reason if info is not None else "?")
+        full = self.export_at(True, self.batch)[1]
+        return graph_set(lambda b: self.export_at(True, b)[1], full, options)
 
     @property
     def example_shapes(self) -> Shapes:

@@ -50,6 +50,7 @@ from hapd.errors import HapdError, OptionsError, PlanError
 from hapd.util import atomic_write, format_bytes
 
 if TYPE_CHECKING:
+    from hapd.compiler.techniques import GraphSet
     from hapd.compiler.options import CompileOptions
     from hapd.compiler.plan import Plan
     from hapd.profile.schema import Profile
@@ -90,14 +91,22 @@ class CacheKey:
     compiler_version: str
     options: Mapping[str, Any]
     """``CompileOptions.key()``."""
+    graphs: Mapping[str, Any] | None = None
+    """A technique search's graphs (:meth:`hapd.compiler.techniques.GraphSet.key`: the
+    ids of the micro-batch and half-batch graphs priced beside ``graph_id``, the global
+    batch's, and why any is missing); ``None`` for a compile of one graph (its key is
+    then what it was before techniques were searched)."""
 
     def parts(self) -> dict[str, Any]:
-        return {
+        parts = {
             "graph_id": self.graph_id,
             "profile_id": self.profile_id,
             "compiler_version": self.compiler_version,
             "options": dict(self.options),
         }
+        if self.graphs is not None:
+            parts["graphs"] = dict(self.graphs)
+        return parts
 
     @property
     def digest(self) -> str:
@@ -111,16 +120,27 @@ class CacheKey:
         return _digest(parts)
 
     @classmethod
-    def of(cls, graph_id: str, profile: "Profile", options: "CompileOptions") -> "CacheKey":
-        return cls(graph_id, profile.profile_id, __version__, options.key())
+    def of(cls, graph: "str | bytes | GraphSet", profile: "Profile", options: "CompileOptions") -> "CacheKey":
+        """The key of compiling ``graph`` (a graph id, a graph's bytes, or the graphs of
+        a technique search) for ``profile`` with ``options``."""
+        if isinstance(graph, str):
+            return cls(graph, profile.profile_id, __version__, options.key())
+        if isinstance(graph, (bytes, bytearray)):
+            return cls(hashlib.sha256(graph).hexdigest(), profile.profile_id, __version__, options.key())
+        return cls(graph.full.graph_id, profile.profile_id, __version__, options.key(), graph.key())
 
     def matches(self, plan_key: Mapping[str, Any]) -> bool:
-        """Whether a plan's ``key`` map is for this key."""
+        """Whether a plan's ``key`` map is for this key (a technique search's plan
+        names the global batch's graph in ``graphs.full``; its ``graph_id`` is the graph
+        its program runs, the half batch's for overlap)."""
+        graphs = plan_key.get("graphs")
+        full = graphs.get("full") if isinstance(graphs, Mapping) else plan_key.get("graph_id")
         return (
-            plan_key.get("graph_id") == self.graph_id
+            full == self.graph_id
             and plan_key.get("profile_id") == self.profile_id
             and plan_key.get("compiler_version") == self.compiler_version
             and _digest({"o": plan_key.get("options")}) == _digest({"o": dict(self.options)})
+            and _digest({"g": graphs}) == _digest({"g": dict(self.graphs) if self.graphs is not None else None})
         )
 
 
@@ -399,7 +419,8 @@ class PlanCache:
             for entry in reversed(self._index.values()):
                 if entry.kind == "plan" and entry.family == family and entry.parts and entry.profile_id != key.profile_id:
                     p = entry.parts
-                    out.append(CacheKey(p["graph_id"], p["profile_id"], p["compiler_version"], p["options"]))
+                    out.append(CacheKey(p["graph_id"], p["profile_id"], p["compiler_version"], p["options"],
+                                        p.get("graphs")))
             return out
 
     # -- lowered graphs
@@ -414,10 +435,12 @@ class PlanCache:
 
     # -- the compile path
 
-    def lookup(self, graph: bytes, profile: "Profile", options: "CompileOptions") -> Served | None:
-        """A cache hit for (graph, profile, options), or None. Cheap: no compile."""
+    def lookup(self, graph: "bytes | GraphSet", profile: "Profile", options: "CompileOptions") -> Served | None:
+        """A cache hit for (graph, profile, options), or None. Cheap: no compile.
+        ``graph``: a graph's bytes, or the graphs of a technique search
+        (:class:`~hapd.compiler.techniques.GraphSet`)."""
         start = time.perf_counter()
-        key = CacheKey.of(hashlib.sha256(graph).hexdigest(), profile, options)
+        key = CacheKey.of(graph, profile, options)
         found = self.get(key)
         if found is None:
             return None
@@ -425,18 +448,20 @@ class PlanCache:
             self.counters["hits"] += 1
         return Served(found[0], found[1], "hit", time.perf_counter() - start)
 
-    def compile(self, graph: bytes, profile: "Profile", options: "CompileOptions", *, relp: bool = True) -> Served:
+    def compile(self, graph: "bytes | GraphSet", profile: "Profile", options: "CompileOptions", *,
+                relp: bool = True) -> Served:
         """Serve (graph, profile, options) from the cache, by re-solving the LP for a
-        program cached for another profile (``relp``), or by compiling; store the result."""
+        program cached for another profile (``relp``; one graph only: a technique
+        search is run again), or by compiling; store the result."""
         from hapd.compiler.driver import compile as compile_plan
 
         start = time.perf_counter()
         hit = self.lookup(graph, profile, options)
         if hit is not None:
             return hit
-        key = CacheKey.of(hashlib.sha256(graph).hexdigest(), profile, options)
+        key = CacheKey.of(graph, profile, options)
         plan, path = None, "miss"
-        if relp:
+        if relp and isinstance(graph, (bytes, bytearray)):
             plan = self._relp(graph, key, profile, options)
             if plan is not None:
                 path = "lp-only"

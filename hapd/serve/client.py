@@ -165,7 +165,8 @@ class Client:
         *,
         timeout_s: float = 600.0,
     ) -> tuple[bytes, str]:
-        """``(plan bytes, cache path)`` for a graph (``kind`` ``"hapg"`` or ``"pt2"``);
+        """``(plan bytes, cache path)`` for a graph (``kind`` ``"hapg"`` or ``"pt2"``, or
+        ``"graphs"``: the graphs of a technique search, ``GraphSet.to_bytes()``);
         the path is ``"hit"``, ``"miss"`` or ``"lp-only"``."""
         body: dict[str, Any] = {"graph": bytes(graph), "graph_kind": kind}
         if profile is not None:

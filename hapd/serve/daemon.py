@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import msgpack
 import zmq
 
 from hapd import __version__
@@ -343,7 +344,8 @@ class Daemon:
         self.worker = threading.Thread(target=self._work, name="hapd-compile", daemon=True)
         self.worker.start()
         self.drops = DropProcessor(
-            cfg.watch, cache=self.cache, profile=self.profile, options=self.options, relp=cfg.relp, lower=self._lower,
+            cfg.watch, cache=self.cache, profile=self.profile, options=self.options, relp=cfg.relp,
+            lower=lambda data: self._lower_for(data, self.options),
             on_ready=self._tasks.put, settle_s=cfg.settle_s, rescan_s=cfg.rescan_s,
         )
         self.drops.start()
@@ -500,14 +502,14 @@ class Daemon:
         start = time.perf_counter()
         body = msg.body
         kind = body["graph_kind"]
-        if kind not in ("hapg", "pt2"):
-            raise OptionsError(f"graph_kind {kind!r} is not hapg or pt2", field="graph_kind")
+        if kind not in ("hapg", "pt2", "graphs"):
+            raise OptionsError(f"graph_kind {kind!r} is not hapg, pt2 or graphs", field="graph_kind")
         graph = body["graph"]
         if not graph:
             raise GraphFormatError("the graph is empty (0 bytes)")
         profile = self.profile if body.get("profile") is None else load_profile(body["profile"])
         options = CompileOptions.from_mapping({**(self.config.options or {}), **(body.get("options") or {})})
-        lowered = graph if kind == "hapg" else self.cache.get_lowered(self._lowered_key(graph))
+        lowered = self._lowered_before(graph, kind, options)
         served = self.cache.lookup(lowered, profile, options) if lowered is not None else None
         if served is not None:
             log.info("compile request: cache hit, %.1f ms", (time.perf_counter() - start) * 1e3)
@@ -578,7 +580,7 @@ class Daemon:
 
     def _process_request(self, replies: zmq.Socket, req: _Request) -> None:
         try:
-            graph = req.graph if req.kind == "hapg" else self._lower(req.graph)
+            graph = self._graphs(req.graph, req.kind, req.options)
             served = self.cache.compile(graph, req.profile, req.options, relp=self.config.relp)
             seconds = time.perf_counter() - req.received
             uncached = f" (not cached: {served.not_cached})" if served.not_cached else ""
@@ -595,9 +597,60 @@ class Daemon:
 
     # -- .pt2
 
-    def _lowered_key(self, pt2: bytes) -> str:
+    def _lowered_key(self, pt2: bytes, options: CompileOptions | None = None) -> str:
+        """Key of a .pt2's lowered graph; with ``options`` that price other batches
+        (pipelines, overlap), of the graphs of every batch they price."""
         tag = f"hapd.lowered\0{__version__}\0torch {self._torch_version}\0".encode()
+        if options is not None and _prices_other_batches(options):
+            tag += f"graphs\0pipeline {options.pipeline}\0overlap {options.overlap}\0".encode()
         return hashlib.sha256(tag + hashlib.sha256(pt2).digest()).hexdigest()
+
+    def _lowered_before(self, graph: bytes, kind: str, options: CompileOptions) -> Any:
+        """What a compile request's cache lookup reads, without lowering: the graph, the
+        graphs sent (kind ``graphs``), or a .pt2's graph(s) lowered before; ``None`` when
+        the .pt2 has not been lowered yet."""
+        if kind == "hapg":
+            return graph
+        if kind == "graphs":
+            return _graph_set(graph)
+        cached = self.cache.get_lowered(self._lowered_key(graph, options))
+        if cached is None or not _prices_other_batches(options):
+            return cached
+        return _graph_set(cached)
+
+    def _graphs(self, graph: bytes, kind: str, options: CompileOptions) -> Any:
+        """A request's graph to compile: as sent, or its .pt2 lowered for ``options``."""
+        if kind == "hapg":
+            return graph
+        if kind == "graphs":
+            return _graph_set(graph)
+        return self._lower_for(graph, options)
+
+    def _lower_for(self, pt2: bytes, options: CompileOptions) -> Any:
+        """A .pt2's graph IR, or with pipelines or overlap in ``options`` the graphs of
+        every batch they price, cut from the program
+        (:func:`hapd.compiler.techniques.graphs_of_program`; cached)."""
+        if not _prices_other_batches(options):
+            return self._lower(pt2)
+        from hapd.compiler.lower import load_exported
+        from hapd.compiler.techniques import GraphSet, graphs_of_program
+
+        key = self._lowered_key(pt2, options)
+        cached = self.cache.get_lowered(key)
+        if cached is not None:
+            return GraphSet.from_bytes(cached)
+        tmp = self._private_copy(pt2)
+        try:
+            program, stored = load_exported(tmp)
+            graphs = graphs_of_program(program, options, name=stored.get("name"), batch_dims=stored.get("batch_dims"))
+        except HapdError as exc:  # name the graph, not the private copy
+            exc.message = str(exc).replace(str(tmp), "the .pt2 file")
+            exc.args = (exc.message,)
+            raise
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.cache.put_lowered(key, graphs.to_bytes())
+        return graphs
 
     def _lower(self, pt2: bytes) -> bytes:
         """The graph IR of a .pt2 (from the cache when it was lowered before)."""
@@ -635,6 +688,24 @@ class Daemon:
                 tmp.unlink(missing_ok=True)
                 reasons.append(f"{folder}: {exc.strerror}")
         raise HapdError(f"no room for a private copy of the .pt2 to lower ({'; '.join(reasons)})")
+
+
+def _prices_other_batches(options: CompileOptions) -> bool:
+    """Whether ``options`` price graphs at other batches than the global one
+    (:func:`hapd.compiler.techniques.needs_other_batches`, without importing torch)."""
+    return options.pipeline == "auto" or options.overlap
+
+
+def _graph_set(data: bytes) -> Any:
+    """The graphs of a technique search from their bytes (a request's ``graphs``);
+    :class:`GraphFormatError` for bytes that are not that."""
+    from hapd.compiler.techniques import GraphSet
+
+    try:
+        return GraphSet.from_bytes(data)
+    except (ValueError, KeyError, TypeError, AttributeError, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError) as exc:
+        raise GraphFormatError(f"graphs: not the graphs of a technique search ({type(exc).__name__}: {exc})") from exc
 
 
 def _rejection_kind(exc: ProtocolError) -> str:

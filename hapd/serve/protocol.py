@@ -159,8 +159,9 @@ REQUESTS: dict[str, MessageType] = {
             "compile",
             "Compile a graph for a profile (the daemon's unless given); served from the plan cache when it can.",
             (
-                Field("graph", "bytes", "the graph file's bytes: a .hapg graph IR or a torch.export .pt2"),
-                Field("graph_kind", "str", '"hapg" or "pt2"'),
+                Field("graph", "bytes", "the graph file's bytes: a .hapg graph IR or a torch.export .pt2, or the "
+                      "graphs of a technique search (hapd.compiler.techniques.GraphSet.to_bytes)"),
+                Field("graph_kind", "str", '"hapg", "pt2" or "graphs"'),
                 _opt("profile", "map", "a cluster profile document (the JSON map); default: the daemon's profile"),
                 _opt("options", "map", "CompileOptions fields (mode, zero, max_rounds, …); default: the daemon's"),
             ),
