@@ -247,7 +247,7 @@ def test_export_and_import_take_modules_from_the_current_folder(tmp_path) -> Non
     done = subprocess.run([HAPD, "export", "mymodels:factory", "--no-hapg", "-o", "f.pt2"], capture_output=True,
                           text=True, timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "wrote f.pt2\n"
+    assert done.stdout == "wrote f.pt2 (symbolic batch, example batch 8)\n"
     done = subprocess.run([HAPD, "inspect", "f.pt2", "--import", "mymodels"], capture_output=True, text=True,
                           timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 0 and "graph Tiny" in done.stdout, done.stderr

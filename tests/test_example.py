@@ -104,7 +104,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(runs):
     assert "checkpoint: step 4 in " in runs["stopped"] and final_losses(runs["stopped"])[3] == STEPS // 2
     resumed = runs["resumed"]
     assert "resuming at step 4" in resumed and "3 rank(s) reading whole batches" in resumed, resumed[:3000]
-    assert re.search(r"^\[rank 0\] plan: .*pipeline chosen", resumed, re.M), resumed[-3000:]
+    assert re.search(r"^\[rank 0\] plan: pipeline, 2 stages \(rank 0, ranks 1-2\)", resumed, re.M), resumed[-3000:]
     _, first_step, last, last_step = final_losses(resumed)
     assert (first_step, last_step) == (STEPS // 2 + 1, STEPS)
     whole_last = final_losses(runs["whole"])[2]

@@ -64,7 +64,9 @@ def test_the_line_of_an_spmd_plan() -> None:
 def test_the_line_of_a_pipeline_plan_says_what_spmd_lost() -> None:
     plan = _pipelined()
     found = plan.doc["pipeline"]
-    assert found["chosen"] and "technique" not in plan.doc  # today's fields: the fallbacks
+    assert found["chosen"] and plan.doc["technique"] == "pipeline"
+    for doc in (plan.doc, {k: v for k, v in plan.doc.items() if k != "technique"}):  # and an older plan's fields
+        assert technique(doc) == "pipeline"
     line = plan_line(plan.doc, "given", 0.001)
     assert line.startswith(f"plan: pipeline, 2 stages (ranks 0-1, ranks 2-3), {found['micro_batches']} micro-batch")
     ratio = found["spmd_only_per_iteration"] / found["per_iteration"]
@@ -78,7 +80,8 @@ def test_the_technique_fields_when_a_plan_carries_them() -> None:
     doc = copy.deepcopy(dict(_data_parallel().doc))
     won = doc["estimate"]["per_iteration"]
     doc["technique"] = "overlap"
-    doc["estimate"]["techniques"] = {"spmd": won * 1.25, "pipeline": None, "overlap": won}
+    doc["estimate"]["techniques"] = {"spmd": {"per_iteration": won * 1.25}, "overlap": {"per_iteration": won},
+                                     "pipeline": {"per_iteration": None, "reason": "one host"}}
     line = plan_line(doc)
     assert line.startswith("plan: overlap, per-rank batch ")
     assert "SPMD " in line and "(1.25× slower)" in line and "pipeline: none found" in line
@@ -86,6 +89,8 @@ def test_the_technique_fields_when_a_plan_carries_them() -> None:
     assert technique(doc) == "pipeline"
     # an older overlapped plan: only the flag
     old = copy.deepcopy(dict(_data_parallel().doc))
+    old.pop("technique", None)
+    old["estimate"].pop("techniques", None)
     old["overlap"] = True
     assert technique(old) == "overlap" and technique_times(old) == {"overlap": won}
 

@@ -67,6 +67,13 @@ def technique(doc: Mapping[str, Any]) -> str:
     return "overlap" if doc.get("overlap") else "spmd"
 
 
+def _seconds(found: Any) -> float | None:
+    """A technique's entry: ``{"per_iteration": s or None, "reason": …}`` (or bare seconds)."""
+    if isinstance(found, Mapping):
+        found = found.get("per_iteration")
+    return None if found is None else float(found)
+
+
 def technique_times(doc: Mapping[str, Any]) -> dict[str, float | None]:
     """Each technique the compile priced → its predicted seconds per step (None: searched,
     none found). ``doc["estimate"]["techniques"]`` when the plan records it; else the
@@ -74,7 +81,7 @@ def technique_times(doc: Mapping[str, Any]) -> dict[str, float | None]:
     it found none), with the SPMD plan the pipeline was measured against."""
     recorded = doc.get("estimate", {}).get("techniques")
     if isinstance(recorded, Mapping) and recorded:
-        return {str(k): (None if v is None else float(v)) for k, v in recorded.items()}
+        return {str(k): _seconds(v) for k, v in recorded.items()}
     out: dict[str, float | None] = {}
     own = technique(doc)
     found = doc.get("pipeline")

@@ -151,7 +151,7 @@ def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
                              use_daemon=recipe.use_daemon)
         overlap = source.plan.technique == "overlap"
         program, graph = recipe.export_at(True, recipe.batch // 2 if overlap else recipe.batch)
-        return program, graph, dataclasses.replace(source, origin=f"{source.origin}; {_techniques(source.plan)}")
+        return program, graph, source  # its summary line says what each technique was predicted at
     half_program, half_graph = recipe.export(True, recipe.half_shapes())
     both = obtain_plan(half_graph, world=world, rank=rank, profile=recipe.profile, options=opts, group=group,
                        use_daemon=recipe.use_daemon)
@@ -188,13 +188,6 @@ def pipeline_won(plan: Plan) -> bool:
     """Whether ``plan`` runs its pipeline instead of its SPMD program."""
     found = plan.pipeline
     return bool(found and found.get("chosen"))
-
-
-def _techniques(plan: Plan) -> str:
-    """``technique overlap (spmd 2.10 ms, overlap 1.90 ms, pipeline not priced)``."""
-    parts = [f"{name} {found['per_iteration'] * 1e3:.2f} ms" if found.get("per_iteration") is not None
-             else f"{name} not priced" for name, found in (plan.estimate.get("techniques") or {}).items()]
-    return f"technique {plan.technique} ({', '.join(parts)})"
 
 
 def _compile_options(compile: bool | Mapping[str, Any]) -> Mapping[str, Any] | None:  # noqa: A002
