@@ -93,10 +93,13 @@ def _rank(rank: int, world: int, technique: str, steps: int, load: str | None, s
     model, config = _model()
     data = _dataset(config)
     example = tuple(t[:BATCH] for t in data.tensors)
-    options = None if technique == "pipeline" else {"pipeline": "off"}
+    options = {"pipeline": None, "spmd": {"pipeline": "off"}, "overlap": {"overlap": True}}[technique]
     module = hapd.parallelize(model, example, profile=_profile(world), options=options, use_daemon=False,
-                              verbose=False)
+                              verbose=False,
+                              overlap="always" if technique == "overlap" else "auto")
     assert isinstance(module, PipelineModule) == (technique == "pipeline"), type(module).__name__
+    if technique == "overlap":
+        assert module.inner.hapd_duplicas == 2  # two interleaved duplicas of half the batch
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
     loader = hapd.loader(data, module, shuffle=False)
     if load is not None:
@@ -126,3 +129,15 @@ def test_a_pipelined_loop_is_the_single_device_one_and_resumes_under_spmd(tmp_pa
         # after 20 AdamW steps: Adam's normalized updates carry rounding differences of the
         # gradients (1e-8) into the weights at up to lr-sized steps where a gradient is near 0
         assert (torch.from_numpy(second[0]["state"][key]) - value).abs().max() <= 5e-5, key
+
+
+def test_an_overlapped_loop_is_the_single_device_one_and_resumes_under_spmd(tmp_path):
+    """The same loop on two interleaved duplicas (overlap), and its checkpoint resumed by
+    an SPMD plan."""
+    reference, _ = _single_device(4)
+    ckpt = str(tmp_path / "overlap")
+    first = run_ranks(2, _rank, "overlap", 2, None, ckpt, timeout=500)
+    second = run_ranks(2, _rank, "spmd", 2, ckpt, None, timeout=500)
+    for results, steps in ((first, reference[:2]), (second, reference[2:])):
+        for r in results:
+            assert r["losses"] == pytest.approx(steps, abs=1e-5)

@@ -21,8 +21,10 @@ from hapd.compiler.export import export
 from hapd.compiler.lower import lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.plan import Plan
-from hapd.compiler.shapes import batch_info, lower_at, program_at
-from hapd.compiler.techniques import GraphSet, graphs_of_program, technique_of
+from hapd.compiler.lower import lower_at
+from hapd.compiler.shapes import batch_info, program_at
+from hapd.compiler.plan_summary import technique as technique_of
+from hapd.compiler.techniques import GraphSet, graphs_of_program
 from hapd.errors import OptionsError, ShapeError
 from hapd.profile.schema import Link, estimated_profile
 from hapd.serve.cache import PlanCache

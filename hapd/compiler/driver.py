@@ -9,20 +9,26 @@ keeps, and with ``CompileOptions.pipeline`` auto adds the best pipeline
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from torch.export import ExportedProgram
+
 from hapd import __version__, _core
 from hapd.compiler import pipeline_search
 from hapd.compiler.dp_gap import dp_gap
-from hapd.compiler.lower import GraphIR, lower
+from hapd.compiler.lower import GraphIR, load_exported, lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.overlap import is_overlapped
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
+from hapd.compiler.plan_summary import technique
 from hapd.compiler.ratios import peak_memory, program_cost
 from hapd.compiler.search import SpmdSearch, dp_fits, search_spmd
-from hapd.errors import OptionsError
+from hapd.compiler.shapes import is_symbolic
+from hapd.compiler.techniques import GraphSet, graphs_of_program, needs_other_batches
+from hapd.errors import HapdError, OptionsError
 from hapd.profile.schema import Profile, load_profile
 
 
@@ -35,7 +41,7 @@ def compile(  # noqa: A001 - hapd.compile is the public name
 
     A program exported with a symbolic batch (``hapd export``; :mod:`hapd.compiler.shapes`)
     with ``options.pipeline`` auto or ``options.overlap`` is compiled with every technique
-    in the space from that one program (:func:`hapd.compiler.techniques.compile_techniques`:
+    in the space from that one program (:func:`compile_techniques`:
     SPMD at the global batch, pipelines over the micro-batch graphs derived from it,
     overlap on the half-batch graph; the cheapest wins, ``Plan.technique`` says which),
     and so is a static program with both (the graphs it cannot give are reported not
@@ -43,21 +49,17 @@ def compile(  # noqa: A001 - hapd.compile is the public name
     it is one duplica's graph (half the global batch); with ``options.pipeline`` auto,
     ``micro_graphs`` are the same model exported at smaller batches (the global batch
     over each micro-batch count to price; the global batch itself is always priced)."""
-    from hapd.compiler import techniques
-
     options = options or CompileOptions()
     if micro_graphs and options.pipeline != "auto":
         raise OptionsError("micro-batch graphs are for pipeline auto", field="micro_graphs")
-    if isinstance(graph, techniques.GraphSet):
-        return techniques.compile_techniques(graph, profile, options)
-    program = _program(graph) if techniques.needs_other_batches(options) and not micro_graphs else None
+    if isinstance(graph, GraphSet):
+        return compile_techniques(graph, profile, options)
+    program = _program(graph) if needs_other_batches(options) and not micro_graphs else None
     if program is not None:
-        from hapd.compiler.shapes import is_symbolic
-
         exported, name, batch_dims = program
         if is_symbolic(exported) or (options.pipeline == "auto" and options.overlap):
-            graphs = techniques.graphs_of_program(exported, options, name=name, batch_dims=batch_dims)
-            return techniques.compile_techniques(graphs, profile, options)
+            graphs = graphs_of_program(exported, options, name=name, batch_dims=batch_dims)
+            return compile_techniques(graphs, profile, options)
         graph = exported if name is None else _graph_bytes_of(exported, name, batch_dims)
     if options.pipeline == "auto" and options.overlap:
         raise OptionsError("pipeline auto with overlap prices graphs at several batches: give the program exported "
@@ -74,14 +76,79 @@ def compile(  # noqa: A001 - hapd.compile is the public name
     return Plan(doc)
 
 
+def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions | None = None) -> Plan:
+    """The cheapest technique's plan for ``graphs`` on ``profile`` (see the module
+    docstring); ``options.pipeline`` auto and ``options.overlap`` put pipelines and
+    overlap in the space."""
+    options = options or CompileOptions()
+    if options.overlap and options.ratios is not None:
+        raise OptionsError("overlap with fixed ratios over a technique search", field="ratios")
+    profile = load_profile(profile)
+    spmd_options = dataclasses.replace(options, overlap=False)
+    spmd = dict(compile(graphs.full, profile, spmd_options,
+                               micro_graphs=list(graphs.micro.values()) if options.pipeline == "auto" else ()).doc)
+    priced: dict[str, dict[str, Any]] = {"spmd": {"per_iteration": spmd["estimate"]["per_iteration"]}}
+    stats = {"spmd_seconds": spmd["stats"]["seconds"]}
+    dispatch = 0.0
+    found = spmd.get("pipeline")
+    if options.pipeline != "auto":
+        priced["pipeline"] = {"per_iteration": None, "reason": "not searched (options.pipeline off)"}
+    elif found is None:
+        reason = (spmd["stats"].get("pipeline") or {}).get("reason") or "no pipeline found"
+        priced["pipeline"] = {"per_iteration": None, "reason": reason}
+    else:
+        dispatch = found["spmd_only_per_iteration"] - spmd["estimate"]["per_iteration"]
+        priced["pipeline"] = {"per_iteration": found["per_iteration"], "micro_batches": found["micro_batches"]}
+        if "pipeline" in graphs.missing:
+            priced["pipeline"]["note"] = graphs.missing["pipeline"]
+    if options.pipeline == "auto":
+        stats["pipeline_seconds"] = spmd["stats"]["pipeline"]["seconds"]
+    duplica: dict[str, Any] | None = None
+    if not options.overlap:
+        priced["overlap"] = {"per_iteration": None, "reason": "not searched (options.overlap off)"}
+    elif graphs.half is None:
+        priced["overlap"] = {"per_iteration": None, "reason": graphs.missing.get("overlap", "no half-batch graph")}
+    else:
+        overlap_options = dataclasses.replace(options, pipeline="off", overlap=True)
+        try:
+            duplica = dict(compile(graphs.half, profile, overlap_options).doc)
+            priced["overlap"] = {"per_iteration": duplica["estimate"]["per_iteration"]}
+            stats["overlap_seconds"] = duplica["stats"]["seconds"]
+        except HapdError as exc:
+            priced["overlap"] = {"per_iteration": None, "reason": f"{type(exc).__name__}: {exc}"}
+    winner = _cheapest(priced, dispatch)
+    doc = duplica if winner == "overlap" and duplica is not None else spmd
+    if winner != "pipeline" and doc.get("pipeline"):
+        doc["pipeline"] = {**doc["pipeline"], "chosen": False}
+    if winner == "overlap" and spmd.get("pipeline") is not None:
+        doc["pipeline"] = {**spmd["pipeline"], "chosen": False}
+        doc["stats"] = {**doc["stats"], "pipeline": spmd["stats"]["pipeline"]}
+    doc["key"] = {**doc["key"], "options": options.key(), "graphs": graphs.key()}
+    doc["technique"] = winner
+    doc["estimate"] = {**doc["estimate"], "techniques": priced}
+    doc["stats"] = {**doc["stats"], "techniques": {**stats, "seconds": sum(stats.values())}}
+    return Plan(doc)
+
+
+def _cheapest(priced: Mapping[str, Mapping[str, Any]], dispatch: float) -> str:
+    """The technique of least predicted seconds per iteration; a pipeline's prediction
+    includes its ops' dispatch (the profile's ``op_seconds``), so the others are
+    compared with the SPMD plan's dispatch (``dispatch``) added; ties go to the
+    simpler (SPMD, then overlap)."""
+    def cost(name: str) -> float:
+        seconds = priced[name].get("per_iteration")
+        if seconds is None:
+            return float("inf")
+        return seconds if name == "pipeline" else seconds + dispatch
+    return min(("spmd", "overlap", "pipeline"), key=lambda name: (cost(name), ("spmd", "overlap", "pipeline").index(name)))
+
+
 def _add_technique(doc: dict) -> None:
     """The technique the plan runs and what was priced: its own estimate, and the
     pipeline's when one was searched (a single graph prices no other technique)."""
-    from hapd.compiler.techniques import technique_of
-
-    technique = technique_of(doc)
-    doc["technique"] = technique
-    own = "overlap" if technique == "overlap" else "spmd"
+    runs = technique(doc)
+    doc["technique"] = runs
+    own = "overlap" if runs == "overlap" else "spmd"
     priced: dict[str, Any] = {own: {"per_iteration": doc["estimate"]["per_iteration"]}}
     if "pipeline" in doc:
         found = doc["pipeline"]
@@ -94,13 +161,9 @@ def _add_technique(doc: dict) -> None:
 def _program(graph: Any) -> tuple[Any, str | None, dict | None] | None:
     """(program, stored name, stored batch dims) of an ExportedProgram or a ``.pt2``
     path; ``None`` for a graph."""
-    from torch.export import ExportedProgram
-
     if isinstance(graph, ExportedProgram):
         return graph, None, None
     if isinstance(graph, (str, Path)) and Path(graph).suffix == ".pt2":
-        from hapd.compiler.lower import load_exported
-
         program, stored = load_exported(graph)
         return program, stored.get("name"), stored.get("batch_dims")
     return None

@@ -30,6 +30,7 @@ from hapd.compiler.flops import FlopCounter
 from hapd.compiler.normalize import buffer_mutations, normalize
 from hapd.compiler.op_facts import LOSS_OPS, REDUCTIONS
 from hapd.compiler.saved import SavedActivations, saved_activations
+from hapd.compiler.shapes import LOWERED_AT, BatchInfo, batch_info, program_at, set_batch_info
 from hapd.compiler.tied import unread_aliases
 from hapd.errors import ExportError, GraphError, GraphFormatError
 from hapd.util import atomic_write
@@ -122,8 +123,6 @@ def lower(
     (:mod:`hapd.compiler.shapes`) is lowered at ``batch`` (default: the batch it was
     exported with); a static one only at its own.
     """
-    from hapd.compiler.shapes import batch_info, program_at
-
     if not isinstance(program, ExportedProgram):
         program, stored = load_exported(program)
         name = name or stored.get("name")
@@ -207,8 +206,6 @@ def load_exported(path: str | Path) -> tuple[ExportedProgram, dict[str, Any]]:
         raise GraphFormatError(f"{path}: unreadable {EXTRA_FILE} ({exc})") from exc
     stored = stored if isinstance(stored, dict) else {}
     restore_frozen(program, stored.get(FROZEN_KEY, []), path)
-    from hapd.compiler.shapes import BatchInfo, set_batch_info
-
     info = BatchInfo.from_doc(stored)
     if info is not None:
         set_batch_info(program, info)
@@ -612,3 +609,15 @@ def _tensor_meta(node: torch.fx.Node, val: Any, *, name: str | None = None) -> d
             shape.append(int(d))
         return {"name": name or node.name, "shape": shape, "dtype": str(val.dtype).removeprefix("torch.")}
     return {"name": name or node.name, "shape": [], "dtype": "none"}
+
+
+def lower_at(program: ExportedProgram, batch: int, *, name: str | None = None,
+             batch_dims: Mapping[str, int | None] | None = None) -> GraphIR:
+    """The graph IR of :func:`~hapd.compiler.shapes.program_at` (kept on ``program``:
+    asked again, the same :class:`GraphIR`)."""
+    key = (batch, name, tuple(sorted((batch_dims or {}).items())))
+    cache: dict[Any, Any] = getattr(program, LOWERED_AT, None) or {}
+    setattr(program, LOWERED_AT, cache)
+    if key not in cache:
+        cache[key] = lower(program_at(program, batch), name=name, batch_dims=batch_dims)
+    return cache[key]

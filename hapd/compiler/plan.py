@@ -22,6 +22,7 @@ from hapd.compiler.ratios import (
     sync_overlap,
     sync_seconds,
 )
+from hapd.compiler.plan_summary import summary_lines, technique
 from hapd.util import atomic_write, format_bytes
 
 PLAN_FORMAT = "hapd.plan"
@@ -75,9 +76,7 @@ class Plan:
         """What the runtime runs: ``"spmd"``, ``"pipeline"`` (:attr:`pipeline`) or
         ``"overlap"`` (duplicas); a plan written before it was recorded gets it from its
         ``overlap`` and ``pipeline`` fields."""
-        from hapd.compiler.techniques import technique_of
-
-        return technique_of(self.doc)
+        return technique(self.doc)
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(dict(self.doc), use_bin_type=True)
@@ -347,8 +346,6 @@ def explain(plan: Plan, *, steps: bool = True) -> str:
     ``steps``, the details: estimate vs baselines, the search passes, overlap, gradient
     sync and pipeline reports, per-device totals, and every step with its layouts and
     collectives and why replicated ops are replicated."""
-    from hapd.compiler.plan_summary import summary_lines
-
     doc, program, ratios = plan.doc, plan.program, plan.ratios
     est, base, stats = doc["estimate"], doc["baselines"], doc["stats"]
     opaque = set(doc.get("opaque_ops", []))

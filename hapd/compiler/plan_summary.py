@@ -64,7 +64,7 @@ def technique(doc: Mapping[str, Any]) -> str:
     found = doc.get("pipeline")
     if found and found.get("chosen"):
         return "pipeline"
-    return "overlap" if doc.get("overlap") else "spmd"
+    return "overlap" if doc.get("overlap") or int(doc.get("duplicas", 1)) > 1 else "spmd"
 
 
 def _seconds(found: Any) -> float | None:

@@ -15,7 +15,7 @@ products) into the integers they are at that batch, and drops the slices over a 
 dim that a static export never records (``x[:, 0]`` slices the batch dim whole first
 when its length is symbolic); the rest of ``normalize`` then runs on the result. The
 lowered graph is the one a fixed export at that batch lowers to — the same nodes, shapes
-and graph id — so plans cached for either serve both. :func:`lower_at` lowers it; both
+and graph id — so plans cached for either serve both. :func:`hapd.compiler.lower.lower_at` lowers it; both
 keep what they made on the program, so the micro-batch graphs of a pipeline search, the
 half-batch graph of overlap and the runtime's programs are each made once.
 """
@@ -30,6 +30,7 @@ from torch import fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from hapd.compiler.normalize import functionalize, normalize
 from hapd.errors import ShapeError
 
 BATCH_DIM = "batch"
@@ -41,7 +42,8 @@ _FUNCTIONAL = "_hapd_symbolic_functional"
 """Attribute of a symbolic program: its functional form (made once)."""
 _AT = "_hapd_programs_at"
 """Attribute of a symbolic program: batch → its concrete, normalized program."""
-_LOWERED = "_hapd_lowered_at"
+LOWERED_AT = "_hapd_lowered_at"
+"""The attribute a program keeps its lowered graphs by batch under (:func:`hapd.compiler.lower.lower_at`)."""
 """Attribute of a program: (batch, name, batch dims) → its lowered graph."""
 
 
@@ -123,12 +125,27 @@ def _batch_symbol(program: ExportedProgram) -> Any:
     return next(iter(found), None)
 
 
+def batch_of(program: ExportedProgram, shapes: Mapping[str, Sequence[int]]) -> int | None:
+    """The batch at which ``program``'s symbolic batch dim takes the user inputs'
+    ``shapes`` (input name → shape, e.g. a plan's tensors); ``None`` for a static
+    program or when no named input has the batch dim."""
+    symbol = _batch_symbol(program)
+    if symbol is None:
+        return None
+    for node in _user_inputs(program):
+        val, shape = node.meta.get("val"), shapes.get(node.name)
+        if not isinstance(val, torch.Tensor) or shape is None or len(shape) != val.dim():
+            continue
+        for d, size in zip(val.shape, shape):
+            if isinstance(d, torch.SymInt) and d.node.expr == symbol:
+                return int(size)
+    return None
+
+
 def program_at(program: ExportedProgram, batch: int) -> ExportedProgram:
     """The normalized (:func:`hapd.compiler.normalize.normalize`) concrete program of
     ``program`` at global batch ``batch``. A static program is only its own batch:
     :class:`ShapeError` for another, with the reason it is static."""
-    from hapd.compiler.normalize import normalize
-
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ShapeError(f"batch {batch!r} must be a positive integer")
     info = batch_info(program)
@@ -151,24 +168,8 @@ def program_at(program: ExportedProgram, batch: int) -> ExportedProgram:
     return cache[batch]
 
 
-def lower_at(program: ExportedProgram, batch: int, *, name: str | None = None,
-             batch_dims: Mapping[str, int | None] | None = None) -> Any:
-    """The graph IR of :func:`program_at` (kept on ``program``: asked again, the same
-    :class:`~hapd.compiler.lower.GraphIR`)."""
-    from hapd.compiler.lower import lower
-
-    key = (batch, name, tuple(sorted((batch_dims or {}).items())))
-    cache: dict[Any, Any] = getattr(program, _LOWERED, None) or {}
-    setattr(program, _LOWERED, cache)
-    if key not in cache:
-        cache[key] = lower(program_at(program, batch), name=name, batch_dims=batch_dims)
-    return cache[key]
-
-
 def _functional(program: ExportedProgram) -> ExportedProgram:
     """The symbolic program's functional form (normalize's first step, symbolic)."""
-    from hapd.compiler.normalize import functionalize
-
     return functionalize(program)
 
 
@@ -276,5 +277,5 @@ def half_batch(batch: int) -> int:
     return batch // 2
 
 
-__all__ = ["BATCH_DIM", "BatchInfo", "batch_info", "dynamic_shapes", "half_batch", "is_symbolic", "lower_at",
+__all__ = ["BATCH_DIM", "BatchInfo", "batch_info", "batch_of", "dynamic_shapes", "half_batch", "is_symbolic",
            "micro_batches", "program_at", "set_batch_info"]

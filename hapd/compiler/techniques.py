@@ -7,7 +7,7 @@ batch over each micro-batch count (:func:`hapd.compiler.pipeline_search.micro_ba
 the pipeline search) and half the global batch (one duplica of overlap). A
 :class:`GraphSet` holds them; :func:`graphs_of_program` derives them from one program
 exported with a symbolic batch (:mod:`hapd.compiler.shapes`), and a static program gives
-only its own batch, each missing graph with the reason. :func:`compile_techniques`
+only its own batch, each missing graph with the reason. :func:`hapd.compiler.driver.compile_techniques`
 searches each technique whose graphs are there and returns the cheapest's plan:
 
 - ``spmd``: the SPMD plan of the global batch;
@@ -24,20 +24,18 @@ cache keyed on it covers every input of the search (``docs/formats.md``).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import msgpack
 
-from hapd.compiler.lower import GraphIR
+from hapd.compiler.lower import GraphIR, lower, lower_at
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.pipeline_search import micro_batch_counts
 from hapd.compiler.pipeline_cost import graph_batch
-from hapd.compiler.plan import Plan
-from hapd.errors import GraphError, HapdError, OptionsError
+from hapd.compiler.shapes import batch_info, is_symbolic
+from hapd.errors import GraphError
 
-TECHNIQUES = ("spmd", "pipeline", "overlap")
 """The techniques a compile can pick, in the order they are reported."""
 
 
@@ -117,8 +115,6 @@ def graphs_of_program(program: Any, options: CompileOptions, *, name: str | None
     :func:`hapd.compiler.lower.load_exported` for a ``.pt2``): every graph from the one
     program when its batch is symbolic, else the global batch's alone, the others
     missing with the reason the program is static."""
-    from hapd.compiler.shapes import batch_info, is_symbolic, lower_at
-
     info = batch_info(program)
     if is_symbolic(program):
         size = info.size if info is not None else 0
@@ -126,8 +122,6 @@ def graphs_of_program(program: Any, options: CompileOptions, *, name: str | None
             raise GraphError("the program's batch is symbolic and its example batch unknown (export it with hapd.export)")
         full = lower_at(program, size, name=name, batch_dims=batch_dims)
         return graph_set(lambda b: lower_at(program, b, name=name, batch_dims=batch_dims), full, options)
-    from hapd.compiler.lower import lower
-
     full = lower(program, name=name, batch_dims=batch_dims)
     why = info.reason if info is not None and info.reason else "exported static"
     return graph_set(lambda b: full, full, options,
@@ -135,90 +129,4 @@ def graphs_of_program(program: Any, options: CompileOptions, *, name: str | None
                                  "export it with a symbolic batch (hapd export) for the other batches")
 
 
-def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions | None = None) -> Plan:
-    """The cheapest technique's plan for ``graphs`` on ``profile`` (see the module
-    docstring); ``options.pipeline`` auto and ``options.overlap`` put pipelines and
-    overlap in the space."""
-    from hapd.compiler import driver
-    from hapd.profile.schema import load_profile
-
-    options = options or CompileOptions()
-    if options.overlap and options.ratios is not None:
-        raise OptionsError("overlap with fixed ratios over a technique search", field="ratios")
-    profile = load_profile(profile)
-    spmd_options = dataclasses.replace(options, overlap=False)
-    spmd = dict(driver.compile(graphs.full, profile, spmd_options,
-                               micro_graphs=list(graphs.micro.values()) if options.pipeline == "auto" else ()).doc)
-    priced: dict[str, dict[str, Any]] = {"spmd": {"per_iteration": spmd["estimate"]["per_iteration"]}}
-    stats = {"spmd_seconds": spmd["stats"]["seconds"]}
-    dispatch = 0.0
-    found = spmd.get("pipeline")
-    if options.pipeline != "auto":
-        priced["pipeline"] = {"per_iteration": None, "reason": "not searched (options.pipeline off)"}
-    elif found is None:
-        reason = (spmd["stats"].get("pipeline") or {}).get("reason") or "no pipeline found"
-        priced["pipeline"] = {"per_iteration": None, "reason": reason}
-    else:
-        dispatch = found["spmd_only_per_iteration"] - spmd["estimate"]["per_iteration"]
-        priced["pipeline"] = {"per_iteration": found["per_iteration"], "micro_batches": found["micro_batches"]}
-        if "pipeline" in graphs.missing:
-            priced["pipeline"]["note"] = graphs.missing["pipeline"]
-    if options.pipeline == "auto":
-        stats["pipeline_seconds"] = spmd["stats"]["pipeline"]["seconds"]
-    duplica: dict[str, Any] | None = None
-    if not options.overlap:
-        priced["overlap"] = {"per_iteration": None, "reason": "not searched (options.overlap off)"}
-    elif graphs.half is None:
-        priced["overlap"] = {"per_iteration": None, "reason": graphs.missing.get("overlap", "no half-batch graph")}
-    else:
-        overlap_options = dataclasses.replace(options, pipeline="off", overlap=True)
-        try:
-            duplica = dict(driver.compile(graphs.half, profile, overlap_options).doc)
-            priced["overlap"] = {"per_iteration": duplica["estimate"]["per_iteration"]}
-            stats["overlap_seconds"] = duplica["stats"]["seconds"]
-        except HapdError as exc:
-            priced["overlap"] = {"per_iteration": None, "reason": f"{type(exc).__name__}: {exc}"}
-    winner = _cheapest(priced, dispatch)
-    doc = duplica if winner == "overlap" and duplica is not None else spmd
-    if winner != "pipeline" and doc.get("pipeline"):
-        doc["pipeline"] = {**doc["pipeline"], "chosen": False}
-    if winner == "overlap" and spmd.get("pipeline") is not None:
-        doc["pipeline"] = {**spmd["pipeline"], "chosen": False}
-        doc["stats"] = {**doc["stats"], "pipeline": spmd["stats"]["pipeline"]}
-    doc["key"] = {**doc["key"], "options": options.key(), "graphs": graphs.key()}
-    doc["technique"] = winner
-    doc["estimate"] = {**doc["estimate"], "techniques": priced}
-    doc["stats"] = {**doc["stats"], "techniques": {**stats, "seconds": sum(stats.values())}}
-    return Plan(doc)
-
-
-def _cheapest(priced: Mapping[str, Mapping[str, Any]], dispatch: float) -> str:
-    """The technique of least predicted seconds per iteration; a pipeline's prediction
-    includes its ops' dispatch (the profile's ``op_seconds``), so the others are
-    compared with the SPMD plan's dispatch (``dispatch``) added; ties go to the
-    simpler (SPMD, then overlap)."""
-    def cost(name: str) -> float:
-        seconds = priced[name].get("per_iteration")
-        if seconds is None:
-            return float("inf")
-        return seconds if name == "pipeline" else seconds + dispatch
-    return min(("spmd", "overlap", "pipeline"), key=lambda name: (cost(name), ("spmd", "overlap", "pipeline").index(name)))
-
-
-def technique_of(doc: Mapping[str, Any]) -> str:
-    """The technique a plan document runs: its ``technique``, else (a plan written
-    before it was recorded) ``overlap`` for duplicas, ``pipeline`` for a chosen
-    pipeline, ``spmd`` otherwise."""
-    found = doc.get("technique")
-    if found in TECHNIQUES:
-        return str(found)
-    if doc.get("overlap") or int(doc.get("duplicas", 1)) > 1:
-        return "overlap"
-    pipeline = doc.get("pipeline")
-    if pipeline and pipeline.get("chosen"):
-        return "pipeline"
-    return "spmd"
-
-
-__all__ = ["GraphSet", "TECHNIQUES", "compile_techniques", "graph_set", "graphs_of_program", "needs_other_batches",
-           "technique_of"]
+__all__ = ["GraphSet", "graph_set", "graphs_of_program", "needs_other_batches"]

@@ -86,8 +86,7 @@ class ParallelModule(nn.Module):
         # dropouts run as hapd's counter-based draws (a recompute span's among them)
         self._mode_dependent += [(name, "aten.native_dropout") for name, m in inner.named_modules()
                                  if isinstance(m, CounterDropout)]
-        self._example_shapes: Shapes = recipe.example_shapes if recipe is not None else \
-            tuple(tuple(s) for s in self.global_shapes())
+        self._example_shapes: Shapes = recipe.example_shapes if recipe is not None else self._program_shapes(inner)
         self._programs: dict[tuple[bool, Shapes], RankModule] = {(True, self._example_shapes): inner}
         """The programs built so far, by (training mode, global batch shapes); a plain
         dict: they hold no state of their own (``inner``'s parameters and buffers)."""
@@ -116,9 +115,18 @@ class ParallelModule(nn.Module):
         return list(self.inner.hapd_inputs)
 
     def global_shapes(self) -> list[list[int]]:
-        """The shape of each input of the global batch the plan was compiled for."""
-        view = self.inner.hapd_view
-        return [view.full_shape(n) if n in view.tensors else [] for n, _ in self.inner.hapd_inputs]
+        """The shape of each input of the global batch the training program runs (both
+        duplicas' when it runs two of half the batch)."""
+        return [list(s) for s in self._example_shapes]
+
+    @staticmethod
+    def _program_shapes(inner: RankModule) -> Shapes:
+        """The global batch's shapes of a program: its plan's inputs, the batch dim 0
+        times its duplicas."""
+        view = inner.hapd_view
+        duplicas = int(getattr(inner, "hapd_duplicas", 1))
+        shapes = [list(view.full_shape(n)) if n in view.tensors else [] for n, _ in inner.hapd_inputs]
+        return tuple(tuple([s[0] * duplicas, *s[1:]] if s else s) for s in shapes)
 
     def sample_lengths(self, batch: int | None = None) -> list[int] | None:
         """Samples of each global batch every rank reads, when every input is split
@@ -159,7 +167,7 @@ class ParallelModule(nn.Module):
         program = self._program(self.training, shapes)
         pieces = program.shard_inputs(*global_batch)
         self._cut = (shapes, _input_split(program))
-        return pieces
+        return _joined_halves(program, pieces)
 
     def expect_batch(self, *global_shapes: Sequence[int], lengths: Sequence[int] | None = None) -> None:
         """Say that the next forwards get this rank's pieces of a global batch of these
@@ -244,6 +252,7 @@ class ParallelModule(nn.Module):
         process as on several ranks, so a script that runs on one runs on many)."""
         check_tensors(local_inputs, "forward")
         program = self._forward_program(local_inputs)
+        local_inputs = _split_halves(program, local_inputs)
         expected = program.local_shapes()
         got = [list(t.shape) for t in local_inputs]
         if len(got) != len(expected) or any(e and g != e for g, e in zip(got, expected)):
@@ -456,6 +465,35 @@ def check_tensors(values: Sequence[Any], what: str) -> None:
             raise OptionsError(f"{what}: input {k} is a {type(value).__name__}, not a tensor (pass the batch's "
                                "tensors as separate arguments, in the order of the example inputs)",
                                field=f"inputs[{k}]")
+
+
+def _joined_halves(program: RankModule, pieces: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """A duplica program's pieces of both halves (the first half's inputs, then the
+    second's) as one tensor per model input, the halves joined along its batch dim: the
+    forward's arguments have the model's arity whatever runs."""
+    if getattr(program, "hapd_duplicas", 1) == 1:
+        return tuple(pieces)
+    n = len(pieces) // 2
+    return tuple(a if d is None else torch.cat([a, b], dim=d)
+                 for a, b, d in zip(pieces[:n], pieces[n:], program.hapd_batch_dims))
+
+
+def _split_halves(program: RankModule, inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """The inverse of :func:`_joined_halves` for a duplica program given one tensor per
+    model input (its pieces of the two halves as the program's inputs); else ``inputs``."""
+    dims = getattr(program, "hapd_batch_dims", None)
+    if getattr(program, "hapd_duplicas", 1) == 1 or dims is None or len(inputs) != len(dims):
+        return tuple(inputs)
+    single = program.hapd_single.local_shapes()
+    first, second = [], []
+    for t, d, shape in zip(inputs, dims, single):
+        if d is None:
+            first.append(t)
+            second.append(t)
+            continue
+        first.append(t.narrow(d, 0, shape[d]))
+        second.append(t.narrow(d, shape[d], t.shape[d] - shape[d]))
+    return (*first, *second)
 
 
 def _input_split(program: RankModule) -> tuple:

@@ -129,7 +129,7 @@ def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
     """The training program, its graph and plan. With ``options.overlap`` or
     ``options.pipeline`` auto (and no given plan) the model is exported once with a
     symbolic batch and one compile searches every technique in the options
-    (:meth:`Recipe.graphs`, :func:`hapd.compiler.techniques.compile_techniques`): the
+    (:meth:`Recipe.graphs`, :func:`hapd.compiler.driver.compile_techniques`): the
     program returned is the global batch's, or the half batch's when overlap won
     (``Plan.technique``), and the plan source's origin says what each technique was
     estimated at (``always``: the duplicas' whatever the estimates). A given plan for one duplica's

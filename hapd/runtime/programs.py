@@ -24,7 +24,8 @@ from hapd.compiler.export import export, user_input_names
 from hapd.compiler.lower import GraphIR, lower
 from hapd.compiler.op_facts import EVAL_RULE, SAME_OP_IN_EVAL
 from hapd.compiler.options import CompileOptions
-from hapd.compiler.shapes import batch_info, is_symbolic, lower_at, program_at
+from hapd.compiler.lower import lower_at
+from hapd.compiler.shapes import batch_info, is_symbolic, program_at
 from hapd.compiler.techniques import GraphSet, graph_set
 from hapd.errors import PlanError
 from hapd.profile.schema import Profile

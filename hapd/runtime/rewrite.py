@@ -58,6 +58,7 @@ from hapd.compiler.lower import load_exported, lower
 from hapd.compiler.normalize import buffer_mutations, normalize
 from hapd.compiler.op_facts import NO_EMPTY_SPLIT_OPS
 from hapd.compiler.plan import Plan
+from hapd.compiler.shapes import batch_of, is_symbolic, program_at
 from hapd.compiler.tied import aliases_of_read
 from hapd.errors import PlanError
 from hapd.runtime import collectives, recompute
@@ -100,6 +101,18 @@ def _sources_of(program: ExportedProgram) -> dict[str, tuple[str, str, Tensor | 
 
 def _user_inputs(program: ExportedProgram) -> list[str]:
     return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+
+
+def _at_plan_batch(program: ExportedProgram, plan: Plan) -> ExportedProgram:
+    """``program`` at the batch ``plan`` was compiled for, when its batch is symbolic
+    (:mod:`hapd.compiler.shapes`: one export serves every batch a plan may run)."""
+    if not is_symbolic(program):
+        return program
+    batch = batch_of(program, {t["name"]: t["shape"] for t in plan.program["tensors"]})
+    if batch is None:
+        raise PlanError("the program's batch is symbolic and the plan names none of its inputs: it was compiled for "
+                        "another program")
+    return program_at(program, batch)
 
 
 def _check(program: ExportedProgram, plan: Plan, rank: int, world: int, *, graph: bool) -> None:
@@ -457,9 +470,9 @@ def distribute(
     (no duplicas), where there is nothing to slice. Default: ``"torch"`` for such a
     program, ``"counter"`` otherwise.
     """
-    ep = normalize(_load_program(program, example_inputs))
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
+    ep = normalize(_at_plan_batch(_load_program(program, example_inputs), plan))
     rank, world = _rank_and_world(rank, world, group)
     _check(ep, plan, rank, world, graph=check_graph)
     rng = choose_rng(rng, world=world, overlap=bool(plan.overlap))

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hapd.compiler.plan_summary import predicted_seconds, technique
 from hapd.util import summarize
 
 ENV_TELEMETRY = "HAPD_TELEMETRY"
@@ -254,8 +255,6 @@ def for_module(module: Any, *, instead_of: Any = None) -> StepTelemetry | Passth
         instead_of._telemetry = PASSTHROUGH
     if not enabled():
         return PASSTHROUGH
-    from hapd.compiler.plan_summary import predicted_seconds, technique
-
     recipe = getattr(module, "_recipe", None)
     doc = module.plan.doc
     device = recipe.device if recipe is not None else next((p.device for p in module.parameters()), torch.device("cpu"))
