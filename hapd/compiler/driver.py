@@ -24,6 +24,7 @@ from hapd.compiler.ratios import peak_memory, program_cost
 from hapd.compiler.search import SpmdSearch, dp_fits, search_spmd
 from hapd.errors import OptionsError
 from hapd.profile.schema import Profile, load_profile
+from hapd.util import gc_paused
 
 
 def compile(  # noqa: A001 - hapd.compile is the public name
@@ -42,7 +43,14 @@ def compile(  # noqa: A001 - hapd.compile is the public name
     priced, with the reason). A single graph compiles as before: with ``options.overlap``
     it is one duplica's graph (half the global batch); with ``options.pipeline`` auto,
     ``micro_graphs`` are the same model exported at smaller batches (the global batch
-    over each micro-batch count to price; the global batch itself is always priced)."""
+    over each micro-batch count to price; the global batch itself is always priced).
+
+    The cyclic garbage collector is paused while it runs (:func:`hapd.util.gc_paused`)."""
+    with gc_paused():
+        return _compile(graph, profile, options, micro_graphs)
+
+
+def _compile(graph: Any, profile: Any, options: CompileOptions | None, micro_graphs: Sequence[Any]) -> Plan:
     from hapd.compiler import techniques
 
     options = options or CompileOptions()

@@ -31,6 +31,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from hapd.errors import ShapeError
+from hapd.util import gc_paused
 
 BATCH_DIM = "batch"
 """Name of the symbolic batch dimension (``torch.export.Dim``)."""
@@ -151,6 +152,7 @@ def program_at(program: ExportedProgram, batch: int) -> ExportedProgram:
     return cache[batch]
 
 
+@gc_paused()
 def lower_at(program: ExportedProgram, batch: int, *, name: str | None = None,
              batch_dims: Mapping[str, int | None] | None = None) -> Any:
     """The graph IR of :func:`program_at` (kept on ``program``: asked again, the same

@@ -36,6 +36,7 @@ from hapd.compiler.pipeline_search import micro_batch_counts
 from hapd.compiler.pipeline_cost import graph_batch
 from hapd.compiler.plan import Plan
 from hapd.errors import GraphError, HapdError, OptionsError
+from hapd.util import gc_paused
 
 TECHNIQUES = ("spmd", "pipeline", "overlap")
 """The techniques a compile can pick, in the order they are reported."""
@@ -111,6 +112,7 @@ def graph_set(at: Callable[[int], GraphIR], full: GraphIR, options: CompileOptio
     return GraphSet(full=full, micro=micro, half=half, missing=missing)
 
 
+@gc_paused()
 def graphs_of_program(program: Any, options: CompileOptions, *, name: str | None = None,
                       batch_dims: Mapping[str, int | None] | None = None) -> GraphSet:
     """The :class:`GraphSet` of an exported program (an ``ExportedProgram``; see
@@ -135,6 +137,7 @@ def graphs_of_program(program: Any, options: CompileOptions, *, name: str | None
                                  "export it with a symbolic batch (hapd export) for the other batches")
 
 
+@gc_paused()
 def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions | None = None) -> Plan:
     """The cheapest technique's plan for ``graphs`` on ``profile`` (see the module
     docstring); ``options.pipeline`` auto and ``options.overlap`` put pipelines and
