@@ -6,6 +6,7 @@ and the error that says why one failed. The LP of a plain program is
 
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -46,11 +47,15 @@ def variable(lp: pulp.LpProblem, name: str, lowBound: float | None = None) -> pu
     return pulp.LpVariable(name, lowBound=lowBound)
 
 
+_WARNINGS_LOCK = threading.Lock()
+
+
 def solver() -> Any:
     """CBC: the system one (``COIN_CMD``) where installed, else the one bundled with PuLP
     (``PULP_CBC_CMD``, which PuLP ≥ 3.3 deprecates; its warning is PuLP's, not the
-    caller's, so it is silenced here)."""
-    with warnings.catch_warnings():
+    caller's, so it is silenced here; under a lock, as the warning filters are the
+    process's and the pipeline search solves on several threads)."""
+    with _WARNINGS_LOCK, warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         coin = pulp.COIN_CMD(msg=False)
         if coin.available():
