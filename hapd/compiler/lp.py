@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -26,6 +27,33 @@ class LPResult:
     """Estimated seconds per iteration under those ratios."""
     variables: int
     """LP size: ratio + auxiliary variables."""
+
+
+class SolvedLPs:
+    """The ratios of LPs solved in this process, by a key of the LP (the most recent
+    ``kept``): the search ⇄ LP rounds, the memory checks and the
+    pipeline search's groups meet the same LP again and again (a round's program
+    unchanged, the data-parallel program the search's own), and each solve starts a CBC
+    process. A key must hold everything the LP is made of, in the order it is posed
+    (CBC's answer among equally good ratios may depend on it)."""
+
+    def __init__(self, kept: int = 4096):
+        self.kept = kept
+        self.lock = threading.Lock()
+        self.entries: OrderedDict[bytes, tuple[tuple[float, ...], int]] = OrderedDict()
+
+    def get(self, key: bytes) -> tuple[tuple[float, ...], int] | None:
+        with self.lock:
+            found = self.entries.get(key)
+            if found is not None:
+                self.entries.move_to_end(key)
+            return found
+
+    def put(self, key: bytes, value: tuple[tuple[float, ...], int]) -> None:
+        with self.lock:
+            self.entries[key] = value
+            while len(self.entries) > self.kept:
+                self.entries.popitem(last=False)
 
 
 def row_values(row: Mapping[str, Sequence[float]], ratios: Sequence[float]) -> list[float]:

@@ -29,14 +29,12 @@ keeps its epigraph form: ``T ≥ serial − η·S`` and ``T ≥ serial − η·B
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
 import msgpack
 import pulp
 
-from hapd.compiler.lp import LPResult, cap_memory, lp_failure, memory_rows, row_values, solver, variable
+from hapd.compiler.lp import LPResult, SolvedLPs, cap_memory, lp_failure, memory_rows, row_values, solver, variable
 from hapd.compiler.overlap import is_overlapped, overlap_cost, solve_overlapped
 from hapd.errors import SynthesisError
 from hapd.util import format_bytes
@@ -290,33 +288,8 @@ def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPRe
     return LPResult(ratios=ratios, objective=program_cost(program, ratios), variables=len(r) + len(t) + extra)
 
 
-class _Solved:
-    """The ratios of LPs solved in this process, by :func:`_lp_key` (the most recent
-    :data:`SOLVED_KEPT`): the search ⇄ LP rounds and the pipeline search's groups meet
-    the same LP again and again (a round's program unchanged, the data-parallel program
-    the search's own), and each solve starts a CBC process."""
-
-    def __init__(self, kept: int):
-        self.kept = kept
-        self.lock = threading.Lock()
-        self.entries: OrderedDict[bytes, tuple[tuple[float, ...], int]] = OrderedDict()
-
-    def get(self, key: bytes) -> tuple[tuple[float, ...], int] | None:
-        with self.lock:
-            found = self.entries.get(key)
-            if found is not None:
-                self.entries.move_to_end(key)
-            return found
-
-    def put(self, key: bytes, value: tuple[tuple[float, ...], int]) -> None:
-        with self.lock:
-            self.entries[key] = value
-            while len(self.entries) > self.kept:
-                self.entries.popitem(last=False)
-
-
-SOLVED_KEPT = 4096
-_SOLVED = _Solved(SOLVED_KEPT)
+_SOLVED = SolvedLPs()
+"""The plain LPs solved in this process (:class:`hapd.compiler.lp.SolvedLPs`)."""
 
 
 def _lp_key(n: int, groups: Mapping[tuple, tuple[list, list, float]], fixed: Mapping[str, float], eta: float,
