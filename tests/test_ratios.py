@@ -197,3 +197,22 @@ def test_program_without_overlap_share_prices_serially():
     del prog["sync_overlap"]
     ratios = (0.5, 0.5)
     assert program_cost(prog, ratios) == pytest.approx(0.5 + 0.5)  # max(0.25, 0.5) + sync
+
+
+def test_the_same_lp_is_solved_once_and_another_program_priced_at_its_ratios(monkeypatch):
+    """An LP met again (the same rows, in the same order) takes the ratios CBC gave
+    the first time without starting it; the objective is the asking program's cost at
+    them. Other rows, or memory caps, are another LP."""
+    from hapd.compiler import ratios
+
+    slow = row([0.0, 0.0], [1 / 3.0, 1 / 1.5])  # a speed ratio no other test of this file poses
+    first = solve_ratios(program([(slow, ZERO)]))
+    monkeypatch.setattr(ratios, "solver", lambda: pytest.fail("the LP was solved before"))
+    again = program([(slow, ZERO)], memory=row([5.0, 5.0], [8.0, 8.0]))  # memory is no row of an LP without caps
+    second = solve_ratios(again)
+    assert second.ratios == first.ratios
+    assert second.objective == pytest.approx(program_cost(again, first.ratios))
+    with pytest.raises(pytest.fail.Exception):
+        solve_ratios(program([(row([0.0, 0.0], [1 / 3.0, 1 / 1.25]), ZERO)]))
+    with pytest.raises(pytest.fail.Exception):
+        solve_ratios(program([(slow, ZERO)]), memory_caps=[1e9, 1e9])

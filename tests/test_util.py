@@ -101,3 +101,30 @@ def test_summarize_no_times_is_nan():
     s = summarize([])
     assert s.count == 0
     assert all(math.isnan(v) for v in (s.mean, s.std, s.min, s.max, s.median, s.p90))
+
+
+def test_gc_paused_nests_and_restores_the_collector_as_it_was():
+    import gc
+
+    from hapd.util import gc_paused
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with gc_paused():
+            assert not gc.isenabled()
+            with gc_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # the outer block still holds the pause
+        assert gc.isenabled()
+        gc.disable()
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # off before: left off
+        gc.enable()
+        with pytest.raises(RuntimeError):
+            with gc_paused():
+                raise RuntimeError("a failed compile")
+        assert gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()

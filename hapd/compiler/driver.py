@@ -30,6 +30,7 @@ from hapd.compiler.shapes import is_symbolic
 from hapd.compiler.techniques import GraphSet, graphs_of_program, needs_other_batches
 from hapd.errors import HapdError, OptionsError
 from hapd.profile.schema import Profile, load_profile
+from hapd.util import gc_paused
 
 
 def compile(  # noqa: A001 - hapd.compile is the public name
@@ -48,7 +49,14 @@ def compile(  # noqa: A001 - hapd.compile is the public name
     priced, with the reason). A single graph compiles as before: with ``options.overlap``
     it is one duplica's graph (half the global batch); with ``options.pipeline`` auto,
     ``micro_graphs`` are the same model exported at smaller batches (the global batch
-    over each micro-batch count to price; the global batch itself is always priced)."""
+    over each micro-batch count to price; the global batch itself is always priced).
+
+    The cyclic garbage collector is paused while it runs (:func:`hapd.util.gc_paused`)."""
+    with gc_paused():
+        return _compile(graph, profile, options, micro_graphs)
+
+
+def _compile(graph: Any, profile: Any, options: CompileOptions | None, micro_graphs: Sequence[Any]) -> Plan:
     options = options or CompileOptions()
     if micro_graphs and options.pipeline != "auto":
         raise OptionsError("micro-batch graphs are for pipeline auto", field="micro_graphs")
@@ -76,6 +84,7 @@ def compile(  # noqa: A001 - hapd.compile is the public name
     return Plan(doc)
 
 
+@gc_paused()
 def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions | None = None) -> Plan:
     """The cheapest technique's plan for ``graphs`` on ``profile`` (see the module
     docstring); ``options.pipeline`` auto and ``options.overlap`` put pipelines and

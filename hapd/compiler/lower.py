@@ -33,7 +33,7 @@ from hapd.compiler.saved import SavedActivations, saved_activations
 from hapd.compiler.shapes import LOWERED_AT, BatchInfo, batch_info, program_at, set_batch_info
 from hapd.compiler.tied import unread_aliases
 from hapd.errors import ExportError, GraphError, GraphFormatError
-from hapd.util import atomic_write
+from hapd.util import atomic_write, gc_paused
 
 _log = logging.getLogger(__name__)
 
@@ -611,6 +611,7 @@ def _tensor_meta(node: torch.fx.Node, val: Any, *, name: str | None = None) -> d
     return {"name": name or node.name, "shape": [], "dtype": "none"}
 
 
+@gc_paused()
 def lower_at(program: ExportedProgram, batch: int, *, name: str | None = None,
              batch_dims: Mapping[str, int | None] | None = None) -> GraphIR:
     """The graph IR of :func:`~hapd.compiler.shapes.program_at` (kept on ``program``:

@@ -6,7 +6,9 @@ and the error that says why one failed. The LP of a plain program is
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -25,6 +27,33 @@ class LPResult:
     """Estimated seconds per iteration under those ratios."""
     variables: int
     """LP size: ratio + auxiliary variables."""
+
+
+class SolvedLPs:
+    """The ratios of LPs solved in this process, by a key of the LP (the most recent
+    ``kept``): the search ⇄ LP rounds, the memory checks and the
+    pipeline search's groups meet the same LP again and again (a round's program
+    unchanged, the data-parallel program the search's own), and each solve starts a CBC
+    process. A key must hold everything the LP is made of, in the order it is posed
+    (CBC's answer among equally good ratios may depend on it)."""
+
+    def __init__(self, kept: int = 4096):
+        self.kept = kept
+        self.lock = threading.Lock()
+        self.entries: OrderedDict[bytes, tuple[tuple[float, ...], int]] = OrderedDict()
+
+    def get(self, key: bytes) -> tuple[tuple[float, ...], int] | None:
+        with self.lock:
+            found = self.entries.get(key)
+            if found is not None:
+                self.entries.move_to_end(key)
+            return found
+
+    def put(self, key: bytes, value: tuple[tuple[float, ...], int]) -> None:
+        with self.lock:
+            self.entries[key] = value
+            while len(self.entries) > self.kept:
+                self.entries.popitem(last=False)
 
 
 def row_values(row: Mapping[str, Sequence[float]], ratios: Sequence[float]) -> list[float]:
@@ -46,11 +75,15 @@ def variable(lp: pulp.LpProblem, name: str, lowBound: float | None = None) -> pu
     return pulp.LpVariable(name, lowBound=lowBound)
 
 
+_WARNINGS_LOCK = threading.Lock()
+
+
 def solver() -> Any:
     """CBC: the system one (``COIN_CMD``) where installed, else the one bundled with PuLP
     (``PULP_CBC_CMD``, which PuLP ≥ 3.3 deprecates; its warning is PuLP's, not the
-    caller's, so it is silenced here)."""
-    with warnings.catch_warnings():
+    caller's, so it is silenced here; under a lock, as the warning filters are the
+    process's and the pipeline search solves on several threads)."""
+    with _WARNINGS_LOCK, warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         coin = pulp.COIN_CMD(msg=False)
         if coin.available():

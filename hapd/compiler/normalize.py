@@ -112,6 +112,8 @@ def normalize(program: ExportedProgram, *, functional: bool = False) -> Exported
     _views_as_reshapes(functional.graph_module)
     _linear_on_leading_dims(functional.graph_module)
     _constant_attention_masks(functional.graph_module)
+    # the passes change the graph alone: its module's code is generated once, on the
+    # renamed copy (the functional program's module is never run)
     normalized = _canonical_names(functional)
     setattr(normalized, _MARK, True)
     setattr(program, _NORMAL_FORM, normalized)  # lowering, then distributing, re-traces once
@@ -180,7 +182,6 @@ def _drop_assertions(module: fx.GraphModule) -> None:
     for node in reversed(list(graph.nodes)):
         if _is_dead_check(node):
             graph.erase_node(node)
-    module.recompile()
 
 
 # --------------------------------------------------------------------------------------
@@ -275,7 +276,6 @@ def _views_as_reshapes(module: fx.GraphModule) -> None:
         shape = _static_shape(node.meta.get("val"))
         if shape is not None:
             node.args = (node.args[0], shape)
-    module.recompile()
 
 
 # --------------------------------------------------------------------------------------
@@ -319,8 +319,6 @@ def _linear_on_leading_dims(module: fx.GraphModule) -> None:
         back.replace_all_uses_with(lin)
         module.graph.erase_node(back)
         changed = True
-    if changed:
-        module.recompile()
 
 
 def _leading_split(shape: list[int], flat: list[int]) -> int | None:
@@ -375,7 +373,6 @@ def _constant_attention_masks(module: fx.GraphModule) -> None:
         changed = True
     if changed:
         module.graph.eliminate_dead_code()
-        module.recompile()
 
 
 def _constant_value(node: fx.Node) -> torch.Tensor | None:
@@ -479,10 +476,8 @@ def _canonical_names(program: ExportedProgram) -> ExportedProgram:
             for arg in [*entry.signature.inputs, *entry.signature.outputs]:
                 if isinstance(getattr(arg, "name", None), str) and arg.name in renamed:
                     arg.name = renamed[arg.name]
-    module = fx.GraphModule(program.graph_module, graph)
-    module.meta.update(program.graph_module.meta)
-    return ExportedProgram(
-        root=module,
+    out = ExportedProgram(
+        root=program.graph_module,  # its attributes are copied onto the module made of graph (code generated once)
         graph=graph,
         graph_signature=signature,
         state_dict=program.state_dict,
@@ -492,6 +487,8 @@ def _canonical_names(program: ExportedProgram) -> ExportedProgram:
         constants=program.constants,
         verifiers=program.verifiers,
     )
+    out.graph_module.meta.update(program.graph_module.meta)
+    return out
 
 
 def _renamed_output(spec: OutputSpec, renamed: dict[str, str]) -> OutputSpec:

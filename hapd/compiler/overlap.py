@@ -26,12 +26,14 @@ maximum at the optimum.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import msgpack
 import pulp
 
-from hapd.compiler.lp import LPResult, cap_memory, lp_failure, row_values, solver, variable
+from hapd.compiler.lp import LPResult, SolvedLPs, cap_memory, lp_failure, memory_rows, row_values, solver, variable
 from hapd.errors import SynthesisError
 
 DUPLICAS = 2
@@ -234,6 +236,14 @@ def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | 
     """Sharding ratios minimizing overlapped ``program``'s cost (:func:`overlap_cost`),
     under per-device memory caps when given."""
     n = int(program["devices"])
+    known = hashlib.sha256(msgpack.packb(
+        [n, PASSES, [step["overlap"] for step in program["steps"]],
+         None if memory_caps is None else [list(memory_caps), [[list(m["constant"]), list(m["coef"])]
+                                                                for m in memory_rows(program)]]],
+        use_bin_type=True)).digest()  # everything its LP is made of, in order: the same key, the same LP
+    solved = _SOLVED.get(known)
+    if solved is not None:
+        return LPResult(ratios=solved[0], objective=overlap_cost(program, solved[0]), variables=solved[1])
     lp = pulp.LpProblem("hapd_overlap_ratios", pulp.LpMinimize)
     r = [variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
     maxima = _Maxima(lp, r)
@@ -283,4 +293,10 @@ def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | 
     ratios = [max(0.0, float(v.value() or 0.0)) for v in r]
     total = sum(ratios)
     ratios = tuple(v / total for v in ratios)
+    _SOLVED.put(known, (ratios, len(lp.variables())))
     return LPResult(ratios=ratios, objective=overlap_cost(program, ratios), variables=len(lp.variables()))
+
+
+_SOLVED = SolvedLPs()
+"""The overlapped LPs solved in this process (:class:`hapd.compiler.lp.SolvedLPs`): the
+memory checks of an overlap search pose the same few again and again."""

@@ -270,18 +270,24 @@ class UnitMemory:
 
 
 def unit_memory(program: Mapping[str, Any], ratios: Sequence[float], doc: Mapping[str, Any], unit_of: Mapping[str, int],
-                units: int, capacity: Sequence[float], *, searched: Mapping[str, Any] | None = None) -> UnitMemory:
+                units: int, capacity: Sequence[float], *, searched: Mapping[str, Any] | None = None,
+                unit_bytes: tuple[tuple[list[float], list[float], float], tuple[list[float], list[float], float] | None]
+                | None = None) -> UnitMemory:
     """:class:`UnitMemory` of ``program`` (a group's plan of the graph ``doc``, or of
     ``searched``, the graph with repeated blocks dropped that stands for it) under
     ``ratios`` on devices of ``capacity`` bytes. A program of ``searched`` has its
     parameter and activation parts scaled by how many more parameter and op result
     bytes ``doc`` has (the dropped blocks repeat the kept ones' layouts), and its
     collectives' buffer at least the gradient bucket the scaled gradients fill. A parameter
-    counts in every unit that reads it (a tied embedding is held by both its stages)."""
+    counts in every unit that reads it (a tied embedding is held by both its stages).
+    ``unit_bytes``: :func:`graph_unit_bytes` of ``doc`` and ``searched``, where the caller
+    prices several programs of the same graphs (they depend on the graphs alone)."""
     parts = {name: tuple(values) for name, values in part_memory(dict(program), ratios).items()}
-    state, acts, total_state = _unit_bytes(doc, unit_of, units)
+    whole_bytes, searched_bytes = unit_bytes or graph_unit_bytes(doc, unit_of, units, searched)
+    state, acts, total_state = whole_bytes
     if searched is not None:
-        _, searched_acts, searched_state = _unit_bytes(searched, {}, 0)
+        assert searched_bytes is not None
+        _, searched_acts, searched_state = searched_bytes
         scale = {"activations": sum(acts) / searched_acts[0] if searched_acts[0] > 0 else 1.0}
         for name in ("parameters", "gradients", "optimizer", "optimizer_temporaries"):
             scale[name] = total_state / searched_state if searched_state > 0 else 1.0
@@ -298,6 +304,14 @@ def unit_memory(program: Mapping[str, Any], ratios: Sequence[float], doc: Mappin
 
     return UnitMemory(parts=parts, capacity=tuple(float(c) for c in capacity), state_share=prefix(state, total_state),
                       activation_share=prefix(acts, sum(acts)))
+
+
+def graph_unit_bytes(
+    doc: Mapping[str, Any], unit_of: Mapping[str, int], units: int, searched: Mapping[str, Any] | None = None
+) -> tuple[tuple[list[float], list[float], float], tuple[list[float], list[float], float] | None]:
+    """What :func:`unit_memory` reads of the graphs: :func:`_unit_bytes` of ``doc`` per
+    unit, and of ``searched`` (the graph with repeated blocks dropped) as one unit."""
+    return _unit_bytes(doc, unit_of, units), (_unit_bytes(searched, {}, 0) if searched is not None else None)
 
 
 def _unit_bytes(doc: Mapping[str, Any], unit_of: Mapping[str, int], units: int) -> tuple[list[float], list[float], float]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Collection, Mapping, Sequence
 
@@ -21,6 +23,7 @@ from hapd.compiler.pipeline_cost import (
     UnitMemory,
     boundary_seconds,
     graph_batch,
+    graph_unit_bytes,
     graph_units,
     one_f_one_b,
     op_counts,
@@ -475,35 +478,65 @@ def stage_table(ir: GraphIR, profile: Profile, options: CompileOptions, *, repea
     memory: dict[str, UnitMemory] = {}
     ops = op_counts(doc, units.unit_of, count)
     searches = whole = 0
+    reduced_doc = reduction.ir.doc if reduction is not None and options.memory_caps else None
+    bytes_of: dict[bool, Any] = {}  # what unit_memory reads of the graphs, by whether the reduced one was searched
+    if options.memory_caps and count >= 2 and units.cuts:
+        bytes_of[False] = graph_unit_bytes(doc, units.unit_of, count)
+        if reduced_doc is not None:
+            bytes_of[True] = (bytes_of[False][0], graph_unit_bytes(reduced_doc, {}, 0)[0])
+
+    def price(group: Group) -> tuple[UnitCosts | None, UnitMemory | None, int, int]:
+        """(its units' costs, their memory, searches run, whole-graph searches)."""
+        if batch < len(group.ranks):
+            return None, None, 0, 0  # fewer samples than ranks
+        sub = profile.subset(group.ranks, name=f"{profile.name}:{'+'.join(group.hosts)}")
+        capacity = [d.memory for d in sub.devices]
+        found = _reduced_costs(reduction, count, sub, group_options) if reduction is not None else None
+        searched = reduced_doc if found is not None else None
+        wholes = 0
+        if found is None:
+            if reduction is not None:
+                wholes = 1
+            try:
+                program, ratios = search_program(ir.data, sub, group_options)
+            except SynthesisError:
+                return None, None, 0, wholes
+            found = unit_costs(program, ratios, units.unit_of, count), (program, ratios)
+        held = None
+        if options.memory_caps:
+            program, ratios = found[1]
+            held = unit_memory(program, ratios, doc, units.unit_of, count, capacity, searched=searched,
+                               unit_bytes=bytes_of[searched is not None])
+        return with_dispatch(found[0], ops, op_dispatch(sub)), held, 1, wholes
+
     if count >= 2 and units.cuts:
-        for group in groups.values():
-            if group.key in costs:
-                continue
-            costs[group.key] = None
-            if batch < len(group.ranks):
-                continue  # fewer samples than ranks
-            sub = profile.subset(group.ranks, name=f"{profile.name}:{'+'.join(group.hosts)}")
-            capacity = [d.memory for d in sub.devices]
-            found = _reduced_costs(reduction, count, sub, group_options) if reduction is not None else None
-            searched = reduction.ir.doc if found is not None and reduction is not None else None
-            if found is None:
-                if reduction is not None:
-                    whole += 1
-                try:
-                    program, ratios = search_program(ir.data, sub, group_options)
-                except SynthesisError:
-                    continue
-                found = unit_costs(program, ratios, units.unit_of, count), (program, ratios)
-            searches += 1
-            costs[group.key] = with_dispatch(found[0], ops, op_dispatch(sub))
-            if options.memory_caps:
-                program, ratios = found[1]
-                memory[group.key] = unit_memory(program, ratios, doc, units.unit_of, count, capacity, searched=searched)
+        distinct = list({group.key: group for group in groups.values()}.values())
+        for group, (cost, held, searched_here, whole_here) in zip(distinct, _each(price, distinct)):
+            costs[group.key] = cost
+            if held is not None:
+                memory[group.key] = held
+            searches += searched_here
+            whole += whole_here
     link = p2p_link(profile)
     boundary = tuple(boundary_seconds(c, link) if c is not None else 0.0 for c in units.crossing)
     summed = (profile.collectives.get("grad_sync") or profile.collectives["all_reduce"])["inter"]
     return StageTable(units=units, groups=groups, costs=costs, boundary=boundary, searches=searches, sum_link=summed,
                       priced_units=priced_units, whole_searches=whole, memory=memory)
+
+
+SEARCH_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Threads pricing a micro-batch graph's groups at once (:func:`stage_table`): each
+group's search is independent, and the core's search and the LP's solver process run
+without Python's lock, so a second thread computes while one waits."""
+
+
+def _each(price: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """``[price(item) for item in items]``, on :data:`SEARCH_THREADS` threads (the
+    results in the order of ``items``, whatever order they finish in)."""
+    if SEARCH_THREADS < 2 or len(items) < 2:
+        return [price(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(SEARCH_THREADS, len(items)), thread_name_prefix="hapd-stage") as pool:
+        return list(pool.map(price, items))
 
 
 def _reduced_costs(

@@ -28,11 +28,13 @@ keeps its epigraph form: ``T ≥ serial − η·S`` and ``T ≥ serial − η·B
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Mapping, Sequence
 
+import msgpack
 import pulp
 
-from hapd.compiler.lp import LPResult, cap_memory, lp_failure, memory_rows, row_values, solver, variable
+from hapd.compiler.lp import LPResult, SolvedLPs, cap_memory, lp_failure, memory_rows, row_values, solver, variable
 from hapd.compiler.overlap import is_overlapped, overlap_cost, solve_overlapped
 from hapd.errors import SynthesisError
 from hapd.util import format_bytes
@@ -251,11 +253,15 @@ def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPRe
     if n == 1:  # the one device holds everything: no LP to solve (nor a CBC process to start)
         return _one_device(program, memory_caps)
     groups, fixed = _row_groups(program)
+    eta, sync = sync_overlap(program), _constant_sync(program)
+    known = _lp_key(n, groups, fixed, eta, sync, program, memory_caps)
+    solved = _SOLVED.get(known)
+    if solved is not None:
+        return LPResult(ratios=solved[0], objective=program_cost(program, solved[0]), variables=solved[1])
     lp = pulp.LpProblem("hapd_sharding_ratios", pulp.LpMinimize)
     r = [variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
     t = {key: variable(lp, f"t_{i}") for i, key in enumerate(groups)}
     serial = pulp.lpSum(scale * t[key] for key, (_, _, scale) in groups.items()) + sum(fixed.values())
-    eta, sync = sync_overlap(program), _constant_sync(program)
     if eta > 0 and sync:  # T ≥ serial − η·min(S, B), as two linear rows
         total = variable(lp, "total")
         compute = pulp.lpSum(scale * t[key] for key, (_, _, scale) in groups.items() if key[0] == "comp")
@@ -278,7 +284,23 @@ def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPRe
     total = sum(ratios)
     ratios = tuple(v / total for v in ratios)
     extra = 1 if eta > 0 and sync else 0
+    _SOLVED.put(known, (ratios, len(r) + len(t) + extra))
     return LPResult(ratios=ratios, objective=program_cost(program, ratios), variables=len(r) + len(t) + extra)
+
+
+_SOLVED = SolvedLPs()
+"""The plain LPs solved in this process (:class:`hapd.compiler.lp.SolvedLPs`)."""
+
+
+def _lp_key(n: int, groups: Mapping[tuple, tuple[list, list, float]], fixed: Mapping[str, float], eta: float,
+            sync: float | None, program: Mapping[str, Any], memory_caps: Sequence[float] | None) -> bytes:
+    """Everything :func:`_solve`'s LP is made of, in the order it is made (CBC's answer
+    among equally good ratios may depend on it), hashed: equal keys are the same LP."""
+    doc = [n, [[which[0], list(const), list(coef), scale] for which, (const, coef, scale) in groups.items()],
+           [[k, fixed[k]] for k in sorted(fixed)], eta, sync, BACKWARD_SHARE,
+           None if memory_caps is None else [list(memory_caps),
+                                              [[list(m["constant"]), list(m["coef"])] for m in memory_rows(program)]]]
+    return hashlib.sha256(msgpack.packb(doc, use_bin_type=True)).digest()
 
 
 def _one_device(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPResult:

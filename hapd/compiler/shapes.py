@@ -235,13 +235,13 @@ def _concretize(program: ExportedProgram, symbol: Any, batch: int) -> ExportedPr
         if val is not None:
             new.meta["val"] = new_val
         env[node] = new
-    module = fx.GraphModule(program.graph_module, graph)
-    module.meta.update(program.graph_module.meta)
-    return ExportedProgram(
-        root=module, graph=graph, graph_signature=program.graph_signature, state_dict=program.state_dict,
+    out = ExportedProgram(  # the module of graph made once, with program's attributes (code generated once)
+        root=program.graph_module, graph=graph, graph_signature=program.graph_signature, state_dict=program.state_dict,
         range_constraints={}, module_call_graph=program.module_call_graph, example_inputs=None,
         constants=program.constants, verifiers=program.verifiers,
     )
+    out.graph_module.meta.update(program.graph_module.meta)
+    return out
 
 
 def _whole_slice(node: fx.Node, val: Any, env: Mapping[fx.Node, Any]) -> bool:

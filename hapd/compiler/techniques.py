@@ -35,6 +35,7 @@ from hapd.compiler.pipeline_search import micro_batch_counts
 from hapd.compiler.pipeline_cost import graph_batch
 from hapd.compiler.shapes import batch_info, is_symbolic
 from hapd.errors import GraphError
+from hapd.util import gc_paused
 
 """The techniques a compile can pick, in the order they are reported."""
 
@@ -109,6 +110,7 @@ def graph_set(at: Callable[[int], GraphIR], full: GraphIR, options: CompileOptio
     return GraphSet(full=full, micro=micro, half=half, missing=missing)
 
 
+@gc_paused()
 def graphs_of_program(program: Any, options: CompileOptions, *, name: str | None = None,
                       batch_dims: Mapping[str, int | None] | None = None) -> GraphSet:
     """The :class:`GraphSet` of an exported program (an ``ExportedProgram``; see
