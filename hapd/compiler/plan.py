@@ -22,7 +22,7 @@ from hapd.compiler.ratios import (
     sync_overlap,
     sync_seconds,
 )
-from hapd.compiler.plan_summary import summary_lines, technique
+from hapd.compiler.plan_summary import format_seconds, summary_lines, technique
 from hapd.util import atomic_write, format_bytes
 
 PLAN_FORMAT = "hapd.plan"
@@ -183,14 +183,6 @@ def replicated_flop_share(program: Mapping[str, Any]) -> float:
     return full / total if total > 0 else 0.0
 
 
-def _fmt_s(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.3f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} µs"
-
-
 def _replicated_share(doc: Mapping[str, Any]) -> float:
     """The plan's replicated FLOP share (computed for a plan written before the
     estimate recorded it)."""
@@ -204,7 +196,7 @@ def gap_lines(gap: Mapping[str, Any] | None) -> list[str]:
     if not gap:
         return []
     lines = [f"costlier than data parallelism: {gap['plan'] / gap['dp_cp']:.3f}× DP-CP "
-             f"({_fmt_s(gap['plan'])} against {_fmt_s(gap['dp_cp'])}), because:"]
+             f"({format_seconds(gap['plan'])} against {format_seconds(gap['dp_cp'])}), because:"]
     lines += [f"  {cause}" for cause in gap["causes"]]
     for forced in gap.get("forcing", []):
         nodes = forced["nodes"]
@@ -214,7 +206,7 @@ def gap_lines(gap: Mapping[str, Any] | None) -> list[str]:
     if gap["steps"]:
         lines.append("  the steps that cost more than DDP pays for their ops:")
     for s in gap["steps"]:
-        lines.append(f"    {s['node']:<28} {s['op']:<32} +{_fmt_s(s['extra']):>10}  {s['why']}")
+        lines.append(f"    {s['node']:<28} {s['op']:<32} +{format_seconds(s['extra']):>10}  {s['why']}")
     if gap.get("more_steps"):
         lines.append(f"    … {gap['more_steps']} more step(s)")
     return lines
@@ -240,20 +232,20 @@ def _overlap_lines(plan: Plan) -> list[str]:
     schedule = overlap.schedule(plan.program, plan.ratios)
     lines = [
         f"overlap: {plan.duplicas} duplicas interleaved, each 1/{plan.duplicas} of the global batch; "
-        f"communication hidden {_fmt_s(schedule.hidden())}, exposed {_fmt_s(schedule.exposed())}, "
-        f"serial {_fmt_s(schedule.serial)} (parameters' collectives and gradient all-reduce, once)",
+        f"communication hidden {format_seconds(schedule.hidden())}, exposed {format_seconds(schedule.exposed())}, "
+        f"serial {format_seconds(schedule.serial)} (parameters' collectives and gradient all-reduce, once)",
     ]
     for p in overlap.PASSES:
         intervals = schedule.intervals[p]
         lines.append(
-            f"  {p}: {_fmt_s(schedule.pass_cost(p))} = compute {_fmt_s(schedule.compute(p))} + exposed "
-            f"{_fmt_s(schedule.exposed(p))} ({len(intervals) - 1} communication points, hidden {_fmt_s(schedule.hidden(p))})"
+            f"  {p}: {format_seconds(schedule.pass_cost(p))} = compute {format_seconds(schedule.compute(p))} + exposed "
+            f"{format_seconds(schedule.exposed(p))} ({len(intervals) - 1} communication points, hidden {format_seconds(schedule.hidden(p))})"
         )
         for part in intervals[1:]:
             lines.append(
-                f"    interval {part.index:<4} at {part.node:<30} communication {_fmt_s(part.communication):>10}  "
-                f"hidden {_fmt_s(part.hidden):>10}  exposed {_fmt_s(part.exposed):>10}  "
-                f"compute A {_fmt_s(part.compute_a)} B {_fmt_s(part.compute_b)}"
+                f"    interval {part.index:<4} at {part.node:<30} communication {format_seconds(part.communication):>10}  "
+                f"hidden {format_seconds(part.hidden):>10}  exposed {format_seconds(part.exposed):>10}  "
+                f"compute A {format_seconds(part.compute_a)} B {format_seconds(part.compute_b)}"
             )
     return lines
 
@@ -273,12 +265,12 @@ def _pipeline_lines(doc: Mapping[str, Any]) -> list[str]:
     if not found:
         return [f"pipeline: none ({searched.get('reason') or 'no pipeline found'}); the SPMD plan runs"]
     spmd, cost = found["spmd_only_per_iteration"], found["per_iteration"]
-    verdict = (f"beats the SPMD-only plan's {_fmt_s(spmd)} ({spmd / cost:.2f}×): the pipeline runs" if found["chosen"]
-               else f"loses to the SPMD-only plan's {_fmt_s(spmd)} ({cost / spmd:.2f}× slower): the SPMD plan runs")
+    verdict = (f"beats the SPMD-only plan's {format_seconds(spmd)} ({spmd / cost:.2f}×): the pipeline runs" if found["chosen"]
+               else f"loses to the SPMD-only plan's {format_seconds(spmd)} ({cost / spmd:.2f}× slower): the SPMD plan runs")
     lines = [
         f"pipeline: {len(found['stages'])} stages, {_count(found['micro_batches'], 'micro-batch', 'micro-batches')} "
         f"of {found['micro_batch_size']} "
-        f"({found['schedule'].upper()}), predicted {_fmt_s(cost)} per iteration, bubble {found['bubble']:.1%}; {verdict}",
+        f"({found['schedule'].upper()}), predicted {format_seconds(cost)} per iteration, bubble {found['bubble']:.1%}; {verdict}",
     ]
     for stage in found["stages"]:
         first, last = stage["blocks"]
@@ -286,16 +278,16 @@ def _pipeline_lines(doc: Mapping[str, Any]) -> list[str]:
         ranks = stage["ranks"]
         span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
         cut = (f"cut after {stage['last_node']}, sends {format_bytes(stage['boundary_bytes'])} "
-               f"({_fmt_s(stage['boundary_seconds'])} both ways) per micro-batch" if stage["last_node"] else "the loss")
+               f"({format_seconds(stage['boundary_seconds'])} both ways) per micro-batch" if stage["last_node"] else "the loss")
         lines.append(
             f"  stage {stage['index']}: {_count(stage['block_count'], 'block', 'blocks')} ({blocks}) on {', '.join(stage['hosts'])} ({span}); "
-            f"per micro-batch forward {_fmt_s(stage['forward'])}, backward {_fmt_s(stage['backward'])}; "
-            f"gradient sync {_fmt_s(stage['sync'])}; {cut}"
+            f"per micro-batch forward {format_seconds(stage['forward'])}, backward {format_seconds(stage['backward'])}; "
+            f"gradient sync {format_seconds(stage['sync'])}; {cut}"
         )
     if found.get("shared_parameters"):
         lines.append(f"  shared parameters summed between stages' groups: {', '.join(found['shared_parameters'])}, "
-                     f"{_fmt_s(found['shared_sync'])} per iteration")
-    tried = ", ".join(f"m={t['micro_batches']}: {_fmt_s(t['per_iteration']) if t['per_iteration'] is not None else '-'}"
+                     f"{format_seconds(found['shared_sync'])} per iteration")
+    tried = ", ".join(f"m={t['micro_batches']}: {format_seconds(t['per_iteration']) if t['per_iteration'] is not None else '-'}"
                       for t in searched.get("tried", []))
     lines.append(f"  micro-batch counts tried: {tried}; search {searched['seconds']:.3f} s, "
                  f"{searched['groups_priced']} group searches")
@@ -311,7 +303,7 @@ def search_pass_lines(stats: Mapping[str, Any]) -> list[str]:
     lines = [f"SPMD search passes: {len(passes)}"]
     for k, p in enumerate(passes, 1):
         kept = "  (kept)" if p.get("kept") else ""
-        lines.append(f"  {k}. {p['what']}: {p['seconds']:.3f} s, {_fmt_s(p['cost']) if p.get('cost') else '-'}; "
+        lines.append(f"  {k}. {p['what']}: {p['seconds']:.3f} s, {format_seconds(p['cost']) if p.get('cost') else '-'}; "
                      f"{p['why']}{kept}")
     return lines
 
@@ -321,7 +313,7 @@ def _sync_lines(est: Mapping[str, Any]) -> list[str]:
     sync = est.get("gradient_sync")
     if not sync or sync["seconds"] <= 0:
         return []
-    return [f"gradient sync: {_fmt_s(sync['seconds'])}, of it {_fmt_s(sync['hidden'])} hidden behind the backward "
+    return [f"gradient sync: {format_seconds(sync['seconds'])}, of it {format_seconds(sync['hidden'])} hidden behind the backward "
             f"pass (the devices hide {sync['share']:.0%} of a sum behind compute, profile sync_overlap)"]
 
 
@@ -334,7 +326,7 @@ def technique_lines(doc: Mapping[str, Any]) -> list[str]:
     parts = []
     for name, found in priced.items():
         seconds = found.get("per_iteration")
-        parts.append(f"{name} {_fmt_s(seconds)}" if seconds is not None else f"{name} not priced ({found.get('reason', '')})")
+        parts.append(f"{name} {format_seconds(seconds)}" if seconds is not None else f"{name} not priced ({found.get('reason', '')})")
     return [f"technique: {doc.get('technique', '?')} runs; " + "; ".join(parts)]
 
 
@@ -358,9 +350,9 @@ def explain(plan: Plan, *, steps: bool = True) -> str:
     lines = [*head, "", "details:",
         f"plan for {program['graph']} on {doc['key'].get('profile_name', '?')} ({program['devices']} devices)",
         f"  graph {doc['key']['graph_id'][:16]}  profile {doc['key']['profile_id'][:16]}  hapd {doc['key']['compiler_version']}",
-        f"estimated per iteration: {_fmt_s(est['per_iteration'])}"
-        f"   DP-EV {_fmt_s(base['dp_ev'])} ({base['dp_ev'] / est['per_iteration']:.2f}×)"
-        f"   DP-CP {_fmt_s(base['dp_cp'])} ({base['dp_cp'] / est['per_iteration']:.2f}×)",
+        f"estimated per iteration: {format_seconds(est['per_iteration'])}"
+        f"   DP-EV {format_seconds(base['dp_ev'])} ({base['dp_ev'] / est['per_iteration']:.2f}×)"
+        f"   DP-CP {format_seconds(base['dp_cp'])} ({base['dp_cp'] / est['per_iteration']:.2f}×)",
         f"replicated FLOPs: {_replicated_share(doc):.1%} of the forward FLOPs run whole on every device",
         _recompute_line(program),
         f"synthesis: {stats['seconds']:.3f} s, {stats['expanded']} states expanded, "
@@ -375,8 +367,8 @@ def explain(plan: Plan, *, steps: bool = True) -> str:
     lines.append("devices:")
     for d, r in enumerate(ratios):
         lines.append(
-            f"  rank {d:<3} ratio {r:.4f}  compute {_fmt_s(est['compute'][d]):>10}  "
-            f"communication {_fmt_s(est['communication'][d]):>10}  memory {format_bytes(est['memory'][d])}"
+            f"  rank {d:<3} ratio {r:.4f}  compute {format_seconds(est['compute'][d]):>10}  "
+            f"communication {format_seconds(est['communication'][d]):>10}  memory {format_bytes(est['memory'][d])}"
         )
     lines.append("steps:")
     for step in program["steps"]:
@@ -386,16 +378,16 @@ def explain(plan: Plan, *, steps: bool = True) -> str:
         outs = ", ".join(f"{o['tensor']}:{o['layout']}" for o in step["outputs"])
         span = step.get("recompute_span")
         again = f"  recomputed (span {span})" if span is not None else ""
-        lines.append(f"  {step['node']:<30} {step['op']:<34} {step['rule']:<16} {_fmt_s(comp + comm):>10}{again}")
+        lines.append(f"  {step['node']:<30} {step['op']:<34} {step['rule']:<16} {format_seconds(comp + comm):>10}{again}")
         lines.append(f"      {ins} -> {outs}")
         for s in step["sources"]:
-            sync = f", gradient all-reduce {format_bytes(s['bytes'])} {_fmt_s(max(row_values(s['cost'], ratios)))}" if s["grad_sync"] else ""
+            sync = f", gradient all-reduce {format_bytes(s['bytes'])} {format_seconds(max(row_values(s['cost'], ratios)))}" if s["grad_sync"] else ""
             lines.append(f"      source {s['kind']} {s['target']} as {s['layout']}{sync}")
         for c in step["comms"]:
             t = max(row_values(c["cost"], ratios), default=0.0)
             back = " (+ backward)" if c["grad"] else ""
             lines.append(
-                f"      {c['collective']} {c['tensor']} {c['from']} -> {c['to']}, {format_bytes(c['bytes'])}, {_fmt_s(t)}{back}"
+                f"      {c['collective']} {c['tensor']} {c['from']} -> {c['to']}, {format_bytes(c['bytes'])}, {format_seconds(t)}{back}"
             )
         if step["rule"] == "replicated" and step["work"] != "free":
             why = (

@@ -43,7 +43,8 @@ GLOSSARY = (
 )
 
 
-def _fmt_s(seconds: float) -> str:
+def format_seconds(seconds: float) -> str:
+    """``1.234 s``, ``12.35 ms`` or ``123.4 µs``."""
     if seconds >= 1:
         return f"{seconds:.3f} s"
     if seconds >= 1e-3:
@@ -191,8 +192,8 @@ def _others(doc: Mapping[str, Any]) -> list[str]:
         if t is None:
             out.append(f"{_NAMES[name]}: none found")
         elif won > 0:
-            out.append(f"{_NAMES[name]} {_fmt_s(t)} ({t / won:.2f}× slower)" if t >= won else
-                       f"{_NAMES[name]} {_fmt_s(t)} (faster, not run: {won / t:.2f}×)")
+            out.append(f"{_NAMES[name]} {format_seconds(t)} ({t / won:.2f}× slower)" if t >= won else
+                       f"{_NAMES[name]} {format_seconds(t)} (faster, not run: {won / t:.2f}×)")
     return out
 
 
@@ -202,12 +203,12 @@ def _against(doc: Mapping[str, Any], which: str) -> str:
     won = predicted_seconds(doc)
     name = which.upper().replace("_", "-")
     if won <= 0 or base <= 0:
-        return f"{name} {_fmt_s(base)}"
+        return f"{name} {format_seconds(base)}"
     if abs(base / won - 1) < 5e-3:
-        return f"as fast as {name} ({_fmt_s(base)})"
+        return f"as fast as {name} ({format_seconds(base)})"
     if base >= won:
-        return f"{base / won:.2f}× faster than {name} ({_fmt_s(base)})"
-    return f"{won / base:.2f}× slower than {name} ({_fmt_s(base)})"
+        return f"{base / won:.2f}× faster than {name} ({format_seconds(base)})"
+    return f"{won / base:.2f}× slower than {name} ({format_seconds(base)})"
 
 
 def plan_line(doc: Mapping[str, Any], origin: str | None = None, seconds: float | None = None) -> str:
@@ -222,7 +223,7 @@ def plan_line(doc: Mapping[str, Any], origin: str | None = None, seconds: float 
     """
     own = technique(doc)
     name = _NAMES[own] + (f" ({_spmd_kind(doc)})" if own == "spmd" else "")
-    line = (f"plan: {name}, {split_text(doc)}; {_fmt_s(predicted_seconds(doc))}/step predicted, "
+    line = (f"plan: {name}, {split_text(doc)}; {format_seconds(predicted_seconds(doc))}/step predicted, "
             f"{_against(doc, 'dp_cp')}")
     others = _others(doc)
     line += "; " + ", ".join(others) if others else ""
@@ -239,8 +240,8 @@ def _stage_rows(doc: Mapping[str, Any]) -> list[str]:
         blocks = first if first == last else f"{first} … {last}"
         cut = (f"sends {format_bytes(stage['boundary_bytes'])} per micro-batch" if stage["last_node"] else "the loss")
         out.append(f"  stage {stage['index']}: {_ranks(stage['ranks'])} on {', '.join(stage['hosts'])}, "
-                   f"{stage['block_count']} block{'s' if stage['block_count'] != 1 else ''} ({blocks}), forward {_fmt_s(stage['forward'])} + backward "
-                   f"{_fmt_s(stage['backward'])} per micro-batch, {cut}")
+                   f"{stage['block_count']} block{'s' if stage['block_count'] != 1 else ''} ({blocks}), forward {format_seconds(stage['forward'])} + backward "
+                   f"{format_seconds(stage['backward'])} per micro-batch, {cut}")
     return out
 
 
@@ -254,7 +255,7 @@ def _device_rows(doc: Mapping[str, Any]) -> list[str]:
     split = input_split(doc) or [None] * len(ratios)
     rows: list[tuple[list[int], tuple]] = []
     for d, r in enumerate(ratios):
-        key = (f"{r:.4f}", split[d], _fmt_s(est["compute"][d]), _fmt_s(est["communication"][d]),
+        key = (f"{r:.4f}", split[d], format_seconds(est["compute"][d]), format_seconds(est["communication"][d]),
                format_bytes(est["memory"][d]))
         if rows and rows[-1][1] == key:
             rows[-1][0].append(d)
@@ -277,16 +278,16 @@ def _time_line(doc: Mapping[str, Any]) -> str:
         found = doc["pipeline"]
         work = max(s["forward"] + s["backward"] for s in found["stages"]) * found["micro_batches"]
         sends = sum(s["boundary_seconds"] for s in found["stages"]) * found["micro_batches"]
-        return (f"where time goes: the slowest stage computes {_fmt_s(work)} per step, the cuts send "
-                f"{_fmt_s(sends)}, the bubble (stages waiting) is {found['bubble']:.0%} of the step")
+        return (f"where time goes: the slowest stage computes {format_seconds(work)} per step, the cuts send "
+                f"{format_seconds(sends)}, the bubble (stages waiting) is {found['bubble']:.0%} of the step")
     comp, comm = max(est["compute"], default=0.0), max(est["communication"], default=0.0)
-    line = f"where time goes: compute up to {_fmt_s(comp)} per rank, communication up to {_fmt_s(comm)}"
+    line = f"where time goes: compute up to {format_seconds(comp)} per rank, communication up to {format_seconds(comm)}"
     if est.get("overlap"):
         o = est["overlap"]
-        line += f" (of it {_fmt_s(o['hidden'])} hidden under compute, {_fmt_s(o['exposed'])} exposed)"
+        line += f" (of it {format_seconds(o['hidden'])} hidden under compute, {format_seconds(o['exposed'])} exposed)"
     elif est.get("gradient_sync") and est["gradient_sync"]["seconds"] > 0:
         sync = est["gradient_sync"]
-        line += f" (gradient sync {_fmt_s(sync['seconds'])}, {_fmt_s(sync['hidden'])} of it behind the backward)"
+        line += f" (gradient sync {format_seconds(sync['seconds'])}, {format_seconds(sync['hidden'])} of it behind the backward)"
     share = est.get("replicated_flop_share")
     if share:
         line += f"; {share:.0%} of the FLOPs replicated"
@@ -340,7 +341,7 @@ def summary_lines(doc: Mapping[str, Any], *, glossary: bool = True) -> list[str]
         f"hapd {key.get('compiler_version', '?')}",
         f"technique: {name}" + (f"; the others lost: {', '.join(others)}" if others else
                                 "; the only technique searched (compile with --pipeline auto / --overlap to price others)"),
-        f"predicted per step: {_fmt_s(won)}, {_against(doc, 'dp_ev')}, {_against(doc, 'dp_cp')}",
+        f"predicted per step: {format_seconds(won)}, {_against(doc, 'dp_ev')}, {_against(doc, 'dp_cp')}",
         f"split: {split_text(doc)}",
         _time_line(doc),
         _memory_line(doc),
@@ -353,5 +354,5 @@ def summary_lines(doc: Mapping[str, Any], *, glossary: bool = True) -> list[str]
     return lines
 
 
-__all__ = ["GLOSSARY", "TECHNIQUES", "input_split", "plan_line", "predicted_seconds", "split_text", "summary_lines",
+__all__ = ["GLOSSARY", "TECHNIQUES", "format_seconds", "input_split", "plan_line", "predicted_seconds", "split_text", "summary_lines",
            "technique", "technique_times"]

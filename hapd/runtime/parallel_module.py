@@ -378,15 +378,15 @@ class ParallelModule(nn.Module):
         split, replicated = self.params_by_kind()
         device = next((p.grad.device for p in split + replicated), torch.device("cpu"))
         if math.isinf(norm_type):
-            local = _max_abs(split, device)
+            local = max_abs(split, device)
             if self.world > 1:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
-            total = torch.maximum(local, _max_abs(replicated, device))
+            total = torch.maximum(local, max_abs(replicated, device))
         else:
-            local = _power_sum(split, norm_type, device)
+            local = power_sum(split, norm_type, device)
             if self.world > 1:
                 dist.all_reduce(local, group=self.group)
-            total = (local + _power_sum(replicated, norm_type, device)) ** (1.0 / norm_type)
+            total = (local + power_sum(replicated, norm_type, device)) ** (1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -520,14 +520,14 @@ def _sample_split(program: RankModule) -> list[int] | None:
     return found
 
 
-def _power_sum(params: Sequence[nn.Parameter], norm_type: float, device: torch.device) -> Tensor:
+def power_sum(params: Sequence[nn.Parameter], norm_type: float, device: torch.device) -> Tensor:
     total = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
         total += torch.linalg.vector_norm(p.grad.detach(), norm_type).to(torch.float32) ** norm_type
     return total
 
 
-def _max_abs(params: Sequence[nn.Parameter], device: torch.device) -> Tensor:
+def max_abs(params: Sequence[nn.Parameter], device: torch.device) -> Tensor:
     total = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
         if p.grad.numel():

@@ -45,7 +45,7 @@ from hapd.compiler.plan import Plan
 from hapd.errors import PlanError
 from hapd.runtime import telemetry
 from hapd.runtime.held import Held
-from hapd.runtime.parallel_module import ParallelModule, check_tensors
+from hapd.runtime.parallel_module import ParallelModule, check_tensors, max_abs, power_sum
 from hapd.runtime.pipeline import PipelineRank, build_pipeline
 from hapd.runtime.plan_source import PlanSource
 from hapd.runtime.programs import Recipe
@@ -239,15 +239,10 @@ class PipelineModule(nn.Module):
         replicated = [p for p in replicated if mine(p)] if self.pipe.local == 0 else []
         device = next((p.grad.device for p in self.stage.parameters() if p.grad is not None), torch.device("cpu"))
         if math.isinf(norm_type):
-            total = torch.zeros((), dtype=torch.float32, device=device)
-            for p in split + replicated:
-                if p.grad.numel():
-                    total = torch.maximum(total, p.grad.detach().abs().max().to(torch.float32))
+            total = max_abs(split + replicated, device)
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
         else:
-            total = torch.zeros((), dtype=torch.float32, device=device)
-            for p in split + replicated:
-                total += torch.linalg.vector_norm(p.grad.detach(), norm_type).to(torch.float32) ** norm_type
+            total = power_sum(split + replicated, norm_type, device)
             dist.all_reduce(total)
             total = total ** (1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):

@@ -40,7 +40,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import msgpack
 import zmq
@@ -639,18 +639,26 @@ class Daemon:
         cached = self.cache.get_lowered(key)
         if cached is not None:
             return GraphSet.from_bytes(cached)
+        def derive(path: Path) -> GraphSet:
+            program, stored = load_exported(path)
+            return graphs_of_program(program, options, name=stored.get("name"), batch_dims=stored.get("batch_dims"))
+
+        graphs = self._read_pt2(pt2, derive)
+        self.cache.put_lowered(key, graphs.to_bytes())
+        return graphs
+
+    def _read_pt2(self, pt2: bytes, read: Callable[[Path], Any]) -> Any:
+        """``read`` of a private copy of the .pt2 bytes (removed after); an error names
+        the graph, not the copy."""
         tmp = self._private_copy(pt2)
         try:
-            program, stored = load_exported(tmp)
-            graphs = graphs_of_program(program, options, name=stored.get("name"), batch_dims=stored.get("batch_dims"))
-        except HapdError as exc:  # name the graph, not the private copy
+            return read(tmp)
+        except HapdError as exc:
             exc.message = str(exc).replace(str(tmp), "the .pt2 file")
             exc.args = (exc.message,)
             raise
         finally:
             tmp.unlink(missing_ok=True)
-        self.cache.put_lowered(key, graphs.to_bytes())
-        return graphs
 
     def _lower(self, pt2: bytes) -> bytes:
         """The graph IR of a .pt2 (from the cache when it was lowered before)."""
@@ -660,15 +668,7 @@ class Daemon:
             return cached
         from hapd.compiler.lower import lower
 
-        tmp = self._private_copy(pt2)
-        try:
-            graph = lower(tmp).data
-        except HapdError as exc:  # name the graph, not the private copy
-            exc.message = str(exc).replace(str(tmp), "the .pt2 file")
-            exc.args = (exc.message,)
-            raise
-        finally:
-            tmp.unlink(missing_ok=True)
+        graph = self._read_pt2(pt2, lambda path: lower(path).data)
         self.cache.put_lowered(key, graph)
         return graph
 
