@@ -29,6 +29,7 @@ _LAZY = {
     "UnevenSampler": "hapd.runtime.data",
     "UnevenBatchSampler": "hapd.runtime.data",
     "loader": "hapd.runtime.data",
+    "Elastic": "hapd.runtime.elastic",
     "save_checkpoint": "hapd.runtime.checkpoint",
     "load_checkpoint": "hapd.runtime.checkpoint",
     "export_safetensors": "hapd.runtime.checkpoint",

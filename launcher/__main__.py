@@ -28,6 +28,7 @@ import click
 
 from hapd.errors import HapdError, OptionsError
 from hapd.util import atomic_write
+from launcher.elastic import ElasticOptions, ElasticRun, append_host, parse_elastic
 from launcher.hosts import Host, load_hosts
 from launcher.job import (DEFAULT_LEASE_S, EXIT_INTERRUPTED, EXIT_LAUNCH_ERROR, JobOptions, JobResult, check_daemons,
                           launcher_dir, place, run_job)
@@ -158,10 +159,18 @@ def common_options(f: Any) -> Any:
 @click.option("--log-dir", "log_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Rank 0 of a script training a hapd.parallelize module logs each step's time and rates there: "
                    "TensorBoard scalars when tensorboard is installed, else hapd_steps.jsonl (HAPD_LOG_DIR).")
+@click.option("--elastic", "elastic", default=None, metavar="MIN:MAX",
+              help="Go on when hosts leave (down to MIN) or join the host file (up to MAX): the job restarts on the "
+                   "hosts left from the newest in-memory snapshot (a script using hapd.Elastic); see launcher.elastic.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=10, show_default=True,
+              help="With --elastic: faults survived before the job gives up.")
+@click.option("--snapshot-every", type=int, default=0, show_default=True,
+              help="With --elastic: steps between in-memory snapshots (0: chosen so they cost ≤ 5% of the step "
+                   "time; negative: none, resume from the script's checkpoint).")
 def run_cmd(script: Path, args: tuple[str, ...], hosts: Path | None, nproc: int | None, key_file: Path | None,
             env: tuple[str, ...], timeout: float, master_port: int | None, report: Path | None, job_id: str | None,
             lease: float, ship: bool, cwd: str | None, lost_after: float, quiet: bool, verbose: bool, progress: bool,
-            log_dir: Path | None) -> None:
+            log_dir: Path | None, elastic: str | None, max_restarts: int, snapshot_every: int) -> None:
     """Run SCRIPT [ARGS] with K ranks on every host, started at one instant, with
     torchrun's environment. Put the script's own options after `--` (options the
     launcher does not know are passed on too).
@@ -182,13 +191,21 @@ def run_cmd(script: Path, args: tuple[str, ...], hosts: Path | None, nproc: int 
     options = JobOptions(script=resolve_script(script), args=args, nproc_per_node=nproc, env=env_map, ship=ship, cwd=cwd,
                          master_port=master_port, key_file=key_file, timeout_s=timeout, job_id=job_id, report=report,
                          stream=not quiet, verbose=verbose, lost_after_s=lost_after, lease_s=lease)
-    _exit(_run(_hosts(hosts), options))
+    host_list = _hosts(hosts)
+    runner = None
+    if elastic is not None:
+        low, high = parse_elastic(elastic, len(host_list) if host_list else 1)
+
+        def runner(found: list[Host], opts: JobOptions) -> JobResult:
+            spec = ElasticOptions(low, high, max_restarts=max_restarts, snapshot_every=snapshot_every, host_file=hosts)
+            return ElasticRun(found, opts, spec, launcher_start=LAUNCHER_START).run()
+    _exit(_run(host_list, options, runner))
 
 
-def _run(hosts: list[Host] | None, options: JobOptions) -> JobResult:
+def _run(hosts: list[Host] | None, options: JobOptions, runner: Any = None) -> JobResult:
     previous = {sig: signal.signal(sig, _on_terminate) for sig in STOPPING_SIGNALS}
     try:
-        return run_job(hosts, options, launcher_start=LAUNCHER_START)
+        return run_job(hosts, options, launcher_start=LAUNCHER_START, runner=runner)
     except KeyboardInterrupt:  # before the job started (a job that started returns a result)
         try:
             click.echo("hapd launcher: interrupted", err=True)
@@ -198,6 +215,18 @@ def _run(hosts: list[Host] | None, options: JobOptions) -> JobResult:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@main.command("join")
+@click.argument("host_line", nargs=-1, required=True)
+@click.option("--hosts", "-H", "hosts", type=click.Path(dir_okay=False, exists=True, path_type=Path), required=True,
+              help="The host file of the running elastic job.")
+def join_cmd(host_line: tuple[str, ...], hosts: Path) -> None:
+    """Add a host to a running elastic job: append `HOST slots=N [port=P] [gpu=MODEL]`
+    to its host file; the job's launcher pings it and, once it answers with the slots,
+    takes it in at the next step boundary."""
+    host = append_host(hosts, " ".join(host_line))
+    click.echo(f"{host.label} added to {hosts}: the elastic launcher watching it takes it in at the next step boundary")
 
 
 @main.command("check")

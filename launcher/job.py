@@ -171,6 +171,9 @@ class JobOptions:
     host_env: bool = False
     """Give every rank ``HAPD_HOST`` = its host's name in the host file (the profiler names
     devices' hosts by it; namespaces or containers on one machine share a host name)."""
+    env_of_host: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """More environment for the ranks of one host, by its label (an elastic job's
+    snapshot partner)."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
@@ -603,6 +606,14 @@ class Job:
         self.first_output: dict[int, float] = {}
         self.failure: dict[str, Any] | None = None
         self.launched: list[Placement] = []
+        self.on_elastic: Callable[[int, dict[str, Any]], None] | None = None
+        """Called with each ``{"hapd": "elastic", ...}`` line (rank, object) of rank 0."""
+        self.failed_at: float | None = None
+        """When the job's first failure happened (a failing rank's exit on its daemon's
+        clock, a lost daemon's last answer), wall clock."""
+        self.on_tick: Callable[[], None] | None = None
+        """Called about every half second while the job runs (an elastic launcher
+        watches its host file from there)."""
         self._events: queue.Queue[tuple] = queue.Queue()
         self._pollers: list[_Poller] = []
         key = options.key_file or default_key_path()
@@ -649,7 +660,8 @@ class Job:
             try:
                 self.control[p.node_rank].launch(
                     self.job_id, remote_script, script_bytes=script_bytes, args=opts.args,
-                    env={**env, "HAPD_HOST": p.host.label} if opts.host_env else env, nproc=p.nproc,
+                    env={**env, **({"HAPD_HOST": p.host.label} if opts.host_env else {}),
+                         **opts.env_of_host.get(p.host.label, {})}, nproc=p.nproc,
                     node_rank=p.node_rank, nnodes=len(self.placements), rank_offset=p.rank_offset,
                     world_size=self.world_size, master_addr=master.name, master_port=port, start_at=start_at, cwd=cwd,
                     lease_s=opts.lease_s,
@@ -718,6 +730,8 @@ class Job:
                 if timeout <= 0:
                     break
                 self._flush_tracebacks(self.tracebacks.due())
+                if self.on_tick is not None and stop_started is None:
+                    self.on_tick()
                 try:
                     kind, p, payload = self._events.get(timeout=min(timeout, self.tracebacks.hold_s / 2))
                 except queue.Empty:
@@ -762,6 +776,7 @@ class Job:
             lost[p.node_rank] = message
             first = self.failure is None
             if first:
+                self.failed_at = time.time() - (time.monotonic() - answered)
                 self.failure = {"kind": "host", "host": p.host.label, "ranks": [p.rank_offset, p.rank_offset + p.nproc - 1],
                                 "message": message}
                 others = len(self.launched) - len(lost) > 0
@@ -782,6 +797,8 @@ class Job:
                 self._flush_tracebacks([rank])
                 code = int(line)
                 self.exits[rank] = (code, event["time"])
+                if code != 0 and (self.failed_at is None or event["time"] < self.failed_at):
+                    self.failed_at = float(event["time"])
                 if code != 0 and self.failure is None:
                     self.failure = {"kind": "rank", "rank": rank, "code": code, "host": p.host.label}
                     self.say(f"rank {rank} on {p.host.label} exited with code {code}; stopping all ranks")
@@ -795,7 +812,10 @@ class Job:
                     if self.options.stream:
                         self._print(f"[rank {rank}] {shown}", self.err)
                 continue
-            consumed = stream == "stdout" and self.timings.feed(rank, line) is not None
+            value = self.timings.feed(rank, line) if stream == "stdout" else None
+            consumed = value is not None
+            if value is not None and value["hapd"] == "elastic" and rank == 0 and self.on_elastic is not None:
+                self.on_elastic(rank, value)
             if self.options.stream and (self.options.verbose or not consumed):
                 self._print(f"[rank {rank}] {line}", self.out)
         return first_failure
@@ -918,11 +938,14 @@ class Job:
 
 
 def run_job(hosts: Sequence[Host] | None, options: JobOptions, *, out: TextIO | None = None, err: TextIO | None = None,
-            launcher_start: float | None = None, on_started: Callable[[Job], None] | None = None) -> JobResult:
+            launcher_start: float | None = None, on_started: Callable[[Job], None] | None = None,
+            runner: Callable[[Sequence[Host], JobOptions], JobResult] | None = None) -> JobResult:
     """Run a job on ``hosts`` (None: this machine, through the default daemon, or a
     private one started for the job and stopped afterwards). Raises :class:`LaunchError`
     or :class:`OptionsError` when it cannot start (nothing is left running); otherwise
-    returns how it ended (also after Ctrl-C: ``failure.kind == "interrupt"``)."""
+    returns how it ended (also after Ctrl-C: ``failure.kind == "interrupt"``).
+    ``runner(hosts, options)`` runs the job instead of one :class:`Job` (an elastic
+    job's generations, :class:`launcher.elastic.ElasticRun`)."""
     launcher_start = launcher_start or time.time()
     err_stream = err or sys.stderr
     local: LocalDaemon | None = None
@@ -944,6 +967,8 @@ def run_job(hosts: Sequence[Host] | None, options: JobOptions, *, out: TextIO | 
                       flush=True)
                 options = _replace(options, key_file=local.key_file)
                 hosts = [local.host()]
+        if runner is not None:
+            return runner(hosts, options)
         job = Job(hosts, options, out=out, err=err, launcher_start=launcher_start)
         try:
             job.start()

@@ -73,6 +73,8 @@ class Timings:
             self.ranks[int(value.get("rank", rank))] = value
         elif kind == "summary":
             self.summary = value
+        elif kind == "elastic" and value.get("event") in ("step", "snapshot"):
+            pass  # one per step or snapshot: the elastic launcher keeps the last (launcher.elastic)
         else:
             self.other.append({**value, "_rank": rank})
         return value

@@ -436,3 +436,41 @@ def test_a_transformers_gpt2_loads_with_from_pretrained(tmp_path):
     again = hapd.parallelize(ZOO["gpt2"](batch=2)[0], inputs, use_daemon=False, verbose=False)
     hapd.import_safetensors(again, folder, strip_prefix="model.")
     assert all(torch.equal(v, full[k]) for k, v in again.full_state_dict().items())
+
+
+def _snapshot_half(rank: int, world: int, base: str) -> dict[str, Any]:
+    """HALF steps on 2 ranks, then each rank's snapshot files written in a folder of its
+    own (as on hosts without a shared file system)."""
+    from hapd.runtime.checkpoint import snapshot_files
+
+    data = _dataset()
+    module = hapd.parallelize(_model(), _example(data), options={"ratios": RATIOS_2, "force": FORCE_2},
+                              use_daemon=False, verbose=False)
+    optimizer = torch.optim.Adam(module.parameters(), lr=LR)
+    loader = hapd.loader(data, module, seed=SEED)
+    losses = _train(_parallel_step(module), loader, optimizer, 0, HALF)
+    files = snapshot_files(Path(base) / f"rank{rank}", module, optimizer, sampler=loader, step=HALF,
+                           extra={"note": "snapshot"})
+    return {"files": files, "losses": losses, "full": _values(module.full_state_dict())}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_snapshot_files_of_every_rank_are_a_checkpoint_that_reshards(tmp_path, resumed):
+    """What elastic jobs keep in memory: each rank's files, written on its own host; put
+    together in one folder they load on one process and train on like the checkpoint."""
+    ranks = run_ranks(2, _snapshot_half, str(tmp_path / "hosts"), timeout=300)
+    assert MANIFEST in ranks[0]["files"] and MANIFEST not in ranks[1]["files"]
+    assert not set(ranks[0]["files"]) & set(ranks[1]["files"])  # each rank sends only its own files
+    folder = tmp_path / "together"
+    folder.mkdir()
+    for r in ranks:
+        for name, data in r["files"].items():
+            (folder / name).write_bytes(data)
+    one = _second_half(0, 1, str(folder), None)
+    assert one["state"] == {"step": HALF, "extra": {"note": "snapshot"}}
+    assert all(np.array_equal(v, ranks[0]["full"][k]) for k, v in one["full"].items())
+    assert _rel(one["losses"], resumed["reference"][HALF:]) <= TOL
+    (folder / sorted(n for n in ranks[1]["files"])[0]).write_bytes(b"damaged")
+    with pytest.raises(CheckpointError, match="damaged|digest"):
+        _second_half(0, 1, str(folder), None)

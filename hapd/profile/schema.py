@@ -189,6 +189,20 @@ class Profile:
         return Profile(name=name or f"{self.name}[{','.join(map(str, ranks))}]", devices=devices,
                        collectives=collectives, description=f"ranks {ranks} of {self.name}")
 
+    def on_hosts(self, hosts: Sequence[str]) -> "Profile":
+        """The profile of the devices on ``hosts`` alone, in that host order (a job running
+        on part of the cluster the profile measured: an elastic job after a host left).
+        :class:`ProfileError` naming a host the profile does not have."""
+        missing = [h for h in hosts if not self.ranks_of(h)]
+        if missing or len(set(hosts)) != len(hosts):
+            known = ", ".join(self.hosts)
+            raise ProfileError(f"hosts {', '.join(missing) or ', '.join(hosts)} are not distinct hosts of profile "
+                               f"{self.name} (its hosts: {known})", field="devices")
+        if list(hosts) == self.hosts:
+            return self
+        ranks = [r for h in hosts for r in self.ranks_of(h)]
+        return self.subset(ranks, name=f"{self.name}@{'+'.join(hosts)}")
+
     def to_json(self) -> str:
         doc = {
             "format": PROFILE_FORMAT,

@@ -54,6 +54,7 @@ from hapd.runtime.checkpoint_format import (
     RNG,
     SAMPLER,
     TEMP,
+    file_digests,
     find_checkpoint,
     read_manifest,
     safetensors_file,
@@ -131,21 +132,9 @@ def save_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
     target = Path(path)
     ranks = _ranks(module)
     held = held_tensors(module)
-    state, pieces = _model_state(held)
-    if optimizer is not None:
-        optim_state, optim_pieces = _optimizer_state(optimizer, held, ranks)
-        state.update(optim_state)
-        pieces.update(optim_pieces)
-    state[f"{RNG}{ranks.rank}"] = _rng_state()
-    if ranks.rank == 0:
-        state[EXTRA] = {"step": int(step), "extra": dict(extra or {})}
-        if sampler is not None:
-            state[SAMPLER] = sampler.state_dict()
     temp = _temp_folder(target, ranks)
     try:
-        with quiet_dcp():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(temp), planner=PieceSavePlanner(pieces),
-                     process_group=ranks.group, no_dist=not ranks.distributed)
+        _write_pieces(temp, module, held, optimizer, sampler, step, extra, ranks)
     except BaseException as exc:
         if ranks.rank == 0:  # DCP raises on every rank once every rank is done writing
             shutil.rmtree(temp, ignore_errors=True)
@@ -164,6 +153,57 @@ def save_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
     if error is not None:
         raise CheckpointError(f"could not put the checkpoint in place at {target}: {error}")
     return target
+
+
+def _write_pieces(folder: Path, module: nn.Module, held: list[Held], optimizer: torch.optim.Optimizer | None,
+                  sampler: Any, step: int, extra: dict | None, ranks: _Ranks) -> None:
+    """Every rank writes its pieces (model, optimizer, its RNG; rank 0 the step, ``extra``
+    and the sampler) into ``folder`` with DCP (collective); rank 0 also DCP's metadata."""
+    state, pieces = _model_state(held)
+    if optimizer is not None:
+        optim_state, optim_pieces = _optimizer_state(optimizer, held, ranks)
+        state.update(optim_state)
+        pieces.update(optim_pieces)
+    state[f"{RNG}{ranks.rank}"] = _rng_state()
+    if ranks.rank == 0:
+        state[EXTRA] = {"step": int(step), "extra": dict(extra or {})}
+        if sampler is not None:
+            state[SAMPLER] = sampler.state_dict()
+    with quiet_dcp():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, thread_count=1), planner=PieceSavePlanner(pieces),
+                 process_group=ranks.group, no_dist=not ranks.distributed)
+
+
+def snapshot_files(folder: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                   sampler: Any = None, step: int = 0, extra: dict | None = None) -> dict[str, bytes]:
+    """This rank's files of a checkpoint of the same content as :func:`save_checkpoint`,
+    written in ``folder`` *on this rank's own host* (each rank makes it; no shared file
+    system is needed) and returned as bytes: this rank's DCP file, and on rank 0 also
+    DCP's metadata and the manifest, whose digests cover every rank's files (gathered).
+    The files of every rank of one call, put in one folder, are a checkpoint
+    :func:`load_checkpoint` reads on any world size (:mod:`hapd.runtime.elastic` keeps
+    them in the daemons' memory). Collective."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ranks = _ranks(module)
+    held = held_tensors(module)
+    before = {p.name for p in folder.iterdir()}
+    try:
+        _write_pieces(folder, module, held, optimizer, sampler, step, extra, ranks)
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"could not write the snapshot in {folder}: {_first_line(exc)}") from exc
+    mine = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name not in before and p.name != MANIFEST)
+    digests = file_digests(folder, mine)
+    if ranks.distributed:
+        every: list[Any] = [None] * ranks.world
+        dist.all_gather_object(every, digests, group=ranks.group)
+    else:
+        every = [digests]
+    if ranks.rank == 0:
+        merged = {name: digest for part in every for name, digest in part.items()}
+        _write_manifest(folder, module, held, ranks, step, optimizer, files=merged)
+        mine.append(MANIFEST)
+    return {name: (folder / name).read_bytes() for name in mine}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -295,7 +335,7 @@ def _prepare(target: Path) -> Path:
 
 
 def _write_manifest(folder: Path, module: nn.Module, held: list[Held], ranks: _Ranks, step: int,
-                    optimizer: torch.optim.Optimizer | None) -> None:
+                    optimizer: torch.optim.Optimizer | None, *, files: Mapping[str, str] | None = None) -> None:
     plan = getattr(module, "plan", None)
     layouts = module.parameter_layouts() if hasattr(module, "parameter_layouts") else {}
     write_manifest(folder, {
@@ -309,7 +349,7 @@ def _write_manifest(folder: Path, module: nn.Module, held: list[Held], ranks: _R
         "torch": torch.__version__,
         "saved_at": time.time(),
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-    })
+    }, files=files)
 
 
 def _publish(temp: Path, target: Path) -> None:

@@ -47,7 +47,7 @@ import json
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from hapd.errors import CheckpointError
 from hapd.util import atomic_write
@@ -132,10 +132,13 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def write_manifest(folder: Path, fields: Mapping[str, Any]) -> None:
+def write_manifest(folder: Path, fields: Mapping[str, Any], *, files: Mapping[str, str] | None = None) -> None:
     """Write the manifest of the checkpoint in ``folder``: the format, its version,
-    ``fields``, the digest of every other file in the folder and its own (atomically)."""
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, **fields, "files": file_digests(folder)}
+    ``fields``, the digest of every other file in the folder (or ``files``: name ->
+    digest, for a checkpoint whose files are written on several hosts) and its own
+    (atomically)."""
+    recorded = dict(files) if files is not None else file_digests(folder)
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, **fields, "files": recorded}
     manifest["manifest_digest"] = _manifest_digest(manifest)
     atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
 
@@ -153,8 +156,11 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def file_digests(folder: Path) -> dict[str, str]:
-    """File name -> BLAKE2b digest of every file of the checkpoint folder but the manifest."""
+def file_digests(folder: Path, names: Sequence[str] | None = None) -> dict[str, str]:
+    """File name -> BLAKE2b digest of every file of the checkpoint folder but the
+    manifest (or of the files ``names``)."""
+    if names is not None:
+        return {name: _file_digest(folder / name) for name in names}
     return {p.name: _file_digest(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
 
 

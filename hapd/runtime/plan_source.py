@@ -170,13 +170,27 @@ def _check_plan_fits(plan: Plan, graph: GraphIR | GraphSet, world: int) -> None:
         raise PlanError(f"the plan is for {devices} devices, this job has {world} ranks")
 
 
+JOB_HOSTS_ENV = "HAPD_HOSTS"
+"""The hosts a launcher runs the job on, comma-separated in rank order (their names in
+the host file, which a profile measured through that launcher uses too)."""
+
+
 def job_profile(profile: Profile | str | Path | Mapping | None, world: int, *, device: Any = None,
                 group: Any = None) -> Profile:
     """``profile`` loaded for ``world`` ranks; without one, the job's devices as each
     rank describes its ``device`` (:func:`hapd.profile.local.device_profile`:
-    collective over ``group``), or with no device an estimated homogeneous profile."""
+    collective over ``group``), or with no device an estimated homogeneous profile.
+
+    A launcher that runs the job on some of the profile's hosts names them, in rank
+    order, in ``$HAPD_HOSTS`` (an elastic job after a host left or joined): a profile
+    of more devices than ``world`` is then cut to those hosts' devices
+    (:meth:`~hapd.profile.schema.Profile.on_hosts`)."""
     if profile is not None:
-        return load_profile(profile, world_size=world)
+        loaded = load_profile(profile)
+        hosts = [h for h in os.environ.get(JOB_HOSTS_ENV, "").split(",") if h]
+        if loaded.world != world and hosts:
+            loaded = loaded.on_hosts(hosts)
+        return load_profile(loaded, world_size=world)
     if device is not None:
         return device_profile(torch.device(device), world=world, group=group)
     return estimated_profile(world, name=f"estimated-{world}")
@@ -187,5 +201,5 @@ def compile_options(options: CompileOptions | Mapping[str, Any] | None) -> Compi
     return CompileOptions.from_mapping(options)
 
 
-__all__ = ["DAEMON_COMPILE_S", "DAEMON_PING_S", "PlanSource", "compile_options", "daemon_key_path", "given_plan",
+__all__ = ["DAEMON_COMPILE_S", "DAEMON_PING_S", "JOB_HOSTS_ENV", "PlanSource", "compile_options", "daemon_key_path", "given_plan",
            "job_profile", "obtain_plan", "plan_from_daemon"]

@@ -1,0 +1,453 @@
+"""Elastic jobs: a host that leaves or joins does not end the job.
+
+    python -m launcher run train.py --hosts hosts.txt --elastic 2:3 -- ARGS
+    python -m launcher join gpu-c slots=2 --hosts hosts.txt      # joins at the next step boundary
+
+An elastic job runs in *generations*: one :class:`~launcher.job.Job` per set of hosts.
+When a generation fails the launcher decides what the failure was:
+
+- a host whose daemon stops answering (killed, its link down) is **dropped**;
+- a rank killed by a signal (the OOM killer, ``kill -9``), or a rank failing because a
+  peer went away (a collective's connection closed or timed out), is a **fault**: the
+  same hosts, less any that stopped answering, go on;
+- any other failure (an exception in the script) ends the job as without ``--elastic``:
+  running the script again would fail again.
+
+Every rank of the failed generation is stopped at once by its daemon (SIGTERM, SIGKILL
+after 5 s; none waits in a collective: :class:`~launcher.job.Job` cancels them, and the
+process group's timeout, ``HAPD_COLLECTIVE_TIMEOUT``, bounds what the cancel cannot
+reach); a lost daemon stops its own when the job's lease expires. The next generation
+starts on the hosts left when at least ``min_hosts`` are (else the job ends, exit 1) and
+at most ``max_restarts`` faults happened. Its ranks run the script from its top with
+``HAPD_ELASTIC_RUN`` (the run's id), ``HAPD_GENERATION``, ``HAPD_HOSTS`` (the hosts'
+labels in rank order: :func:`hapd.runtime.plan_source.job_profile` cuts the cluster's
+profile to them, so the plan comes from the daemon's cache or an LP-only re-plan),
+``HAPD_ELASTIC_DAEMONS`` and ``HAPD_ELASTIC_BUDDY`` (where the snapshots are):
+:class:`hapd.runtime.elastic.Elastic` resumes from the newest complete snapshot.
+
+A host that appears in the host file (``python -m launcher join`` appends it), answers
+a ping and has the slots joins at the next step boundary: the launcher asks the job to
+pause (rank 0 learns it after its step, the ranks snapshot that step and exit) and
+starts the next generation with it, losing no step.
+
+The launcher prints each change in one line (what was lost or joined, when, the hosts
+and plan now running, the step resumed and the steps lost, and the time to resume split
+into detection, re-plan, restart and state load), and the JSON report's ``elastic``
+section holds the same per generation. No torch import here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TextIO
+
+from hapd.errors import HapdError, OptionsError
+from hapd.serve.client import Client
+from hapd.serve.keys import default_key_path, home_dir, load_key
+
+from launcher.hosts import Host, load_hosts, parse_hosts
+from launcher.job import EXIT_HOST_LOST, Job, JobOptions, JobResult, default_job_id
+from launcher.report import write_report
+
+PEER_FAILURE = re.compile(
+    r"connection closed by peer|connection reset|broken pipe|timed out|timeout|DistNetworkError|DistBackendError|"
+    r"Connection refused|ECONNRESET|gloo/transport|NCCL error|ProcessGroup.*abort", re.IGNORECASE)
+"""What a rank's failure says when it failed because a peer went away (not its own
+bug): Gloo's and NCCL's errors, a collective's timeout."""
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+"""``HAPD_COLLECTIVE_TIMEOUT`` of an elastic job's ranks unless ``--env`` sets it: a
+rank waiting on a peer that is gone fails after this long even if nothing stops it."""
+
+WATCH_EVERY_S = 1.0
+"""How often the host file is looked at for joining hosts."""
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """``--elastic MIN:MAX`` and its companions."""
+
+    min_hosts: int
+    max_hosts: int
+    max_restarts: int = 10
+    """Faults survived before the job gives up (joins do not count)."""
+    snapshot_every: int = 0
+    """``HAPD_SNAPSHOT_EVERY``: steps between snapshots; 0: chosen by cost; < 0: none."""
+    host_file: Path | None = None
+    """Watched for hosts joining (None: no joins)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_hosts <= self.max_hosts:
+            raise OptionsError(f"--elastic {self.min_hosts}:{self.max_hosts}: need 1 ≤ MIN ≤ MAX", field="elastic")
+        if self.max_restarts < 0:
+            raise OptionsError(f"--max-restarts {self.max_restarts} must be ≥ 0", field="max_restarts")
+
+
+def parse_elastic(text: str, hosts: int) -> tuple[int, int]:
+    """``MIN:MAX``, ``MIN:`` or ``MIN`` (MAX: the hosts given) as host counts."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d*)\s*)?", text)
+    if match is None:
+        raise OptionsError(f"--elastic {text!r}: expected MIN:MAX host counts, e.g. 2:3", field="elastic")
+    low = int(match.group(1))
+    high = int(match.group(2)) if match.group(2) else max(hosts, low)
+    return low, high
+
+
+@dataclass
+class Generation:
+    """One set of hosts the job ran on."""
+
+    index: int
+    job_id: str
+    hosts: list[str]
+    started: float
+    world: int = 0
+    ended: float | None = None
+    outcome: str = ""
+    resumed: dict[str, Any] | None = None
+    first_step: dict[str, Any] | None = None
+    last_step: int | None = None
+    snapshots: int = 0
+    last_snapshot: int | None = None
+    plan: str | None = None
+    recovery: dict[str, Any] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class _Pending:
+    """Hosts of the host file being checked for a join (pinged off the main thread)."""
+
+    ready: list[Host] = field(default_factory=list)
+    checking: bool = False
+    asked: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ElasticRun:
+    """An elastic job: generations of :class:`Job` until one finishes (see the module
+    docstring). :meth:`run` returns the last generation's result with the elastic
+    report."""
+
+    def __init__(self, hosts: Sequence[Host], options: JobOptions, elastic: ElasticOptions, *,
+                 out: TextIO | None = None, err: TextIO | None = None, launcher_start: float | None = None) -> None:
+        if len(hosts) < elastic.min_hosts:
+            raise OptionsError(f"--elastic {elastic.min_hosts}:{elastic.max_hosts}: the host file has {len(hosts)} "
+                               "host(s)", field="elastic")
+        self.hosts = list(hosts)[:elastic.max_hosts]
+        self.options = options
+        self.elastic = elastic
+        self.out, self.err = out, err
+        self.launcher_start = launcher_start or time.time()
+        self.run_id = options.job_id or default_job_id(options.script)
+        self.generations: list[Generation] = []
+        self.dropped: list[dict[str, Any]] = []
+        self.joined: list[dict[str, Any]] = []
+        self.faults = 0
+        self._pending = _Pending()
+        self._watch_at = 0.0
+        self._job: Job | None = None
+        self._key = load_key(options.key_file or default_key_path())
+        self._every_host: dict[str, Host] = {h.label: h for h in self.hosts}
+        """Every host the job ran on (their daemons hold the run's snapshots)."""
+
+    # ------------------------------------------------------------------ output
+
+    def say(self, text: str) -> None:
+        try:
+            print(f"hapd launcher: {text}", file=self.err or sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+
+    # ------------------------------------------------------------------ the generations
+
+    def _options_for(self, index: int, hosts: Sequence[Host]) -> JobOptions:
+        labels = [h.label for h in hosts]
+        addresses = [h.address for h in hosts]
+        env = {
+            "HAPD_ELASTIC_RUN": self.run_id,
+            "HAPD_GENERATION": str(index),
+            "HAPD_HOSTS": ",".join(labels),
+            "HAPD_ELASTIC_DAEMONS": ",".join(addresses),
+            "HAPD_SNAPSHOT_EVERY": str(self.elastic.snapshot_every),
+            "HAPD_PAUSE_CHECK": "1" if self.elastic.host_file is not None else "0",
+            "HAPD_COLLECTIVE_TIMEOUT": f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g}",
+            **self.options.env,
+        }
+        buddies = {h.label: {"HAPD_ELASTIC_BUDDY": hosts[(i + 1) % len(hosts)].address if len(hosts) > 1 else ""}
+                   for i, h in enumerate(hosts)}
+        report = None
+        if self.options.report is not None:
+            report = self.options.report.with_name(f"{self.options.report.stem}-g{index}{self.options.report.suffix}")
+        return dataclasses.replace(self.options, job_id=f"{self.run_id}-g{index}", env=env, host_env=True,
+                                   env_of_host=buddies, report=report)
+
+    def run(self) -> JobResult:
+        hosts = list(self.hosts)
+        index = 0
+        previous: Generation | None = None
+        while True:
+            gen = Generation(index, f"{self.run_id}-g{index}", [h.label for h in hosts], time.time())
+            self.generations.append(gen)
+            job = Job(hosts, self._options_for(index, hosts), out=self.out, err=self.err,
+                      launcher_start=self.launcher_start)
+            gen.world = job.world_size
+            job.on_tick = self._watch
+            job.on_elastic = lambda rank, value, g=gen, p=previous: self._on_event(g, p, value)
+            self._job = job
+            self._pending = _Pending()
+            try:
+                job.start()
+                result = job.wait()
+            finally:
+                job.close()
+                self._job = None
+            result = job.finish(result)
+            gen.ended = time.time()
+            decided = self._decide(gen, job, result, hosts)
+            if decided is None:
+                return self._finish(result)
+            hosts = decided
+            previous = gen
+            index += 1
+
+    def _decide(self, gen: Generation, job: Job, result: JobResult, hosts: list[Host]) -> list[Host] | None:
+        """The next generation's hosts, or None when the job ends with ``result``."""
+        paused = gen.outcome == "paused"
+        failure = result.failure
+        if result.exit_code == 0 and not paused:
+            gen.outcome = "finished"
+            return None
+        if failure is not None and failure.get("kind") == "interrupt":
+            gen.outcome = "interrupted"
+            return None
+        if paused and failure is None:
+            joining = [h for h in self._pending.ready if h.label not in {x.label for x in hosts}]
+            room = self.elastic.max_hosts - len(hosts)
+            joining = joining[:room]
+            for h in joining:
+                self.joined.append({"host": h.label, "generation": gen.index + 1, "time": time.time(),
+                                    "at_step": gen.last_step})
+            gen.outcome = "paused for " + (", ".join(h.label for h in joining) or "nothing") + " to join"
+            if joining:
+                self.say(f"host(s) {', '.join(h.label for h in joining)} join at step {gen.last_step}: going on with "
+                         f"{len(hosts) + len(joining)} hosts")
+            self._every_host.update({h.label: h for h in joining})
+            return hosts + joining
+        lost = set(result.lost) | self._unanswering([h for h in hosts if h.label not in result.lost])
+        fault = self._fault(failure, lost)
+        if fault is None:
+            gen.outcome = "failed"
+            return None
+        gen.outcome = fault
+        failed_at = job.failed_at or gen.ended or time.time()
+        for label in sorted(lost):
+            self.dropped.append({"host": label, "generation": gen.index, "time": failed_at, "at_step": gen.last_step})
+        left = [h for h in hosts if h.label not in lost]
+        self.faults += 1
+        gen.recovery = {"failed_at": failed_at, "decided_at": time.time(), "lost": sorted(lost)}
+        if len(left) < self.elastic.min_hosts:
+            self.say(f"{fault}: {len(left)} host(s) left, fewer than --elastic's minimum {self.elastic.min_hosts}: "
+                     "the job ends")
+            result.exit_code = result.exit_code or EXIT_HOST_LOST
+            return None
+        if self.faults > self.elastic.max_restarts:
+            self.say(f"{fault}: {self.faults} faults, more than --max-restarts {self.elastic.max_restarts}: the job ends")
+            return None
+        what = f"lost {', '.join(sorted(lost))}" if lost else "same hosts"
+        self.say(f"{fault} at {time.strftime('%H:%M:%S', time.localtime(failed_at))} (last step {gen.last_step}, "
+                 f"last snapshot {gen.last_snapshot}); {what}: restarting on {len(left)} host(s) "
+                 f"({', '.join(h.label for h in left)}), detection took {time.time() - failed_at:.1f} s")
+        return left
+
+    def _fault(self, failure: Mapping[str, Any] | None, lost: set[str]) -> str | None:
+        """What the failure was when the job can go on, else None."""
+        if lost:
+            return f"host(s) {', '.join(sorted(lost))} lost"
+        if failure is None:
+            return None
+        if failure.get("kind") == "host":
+            return f"host {failure.get('host')} lost"
+        if failure.get("kind") != "rank":
+            return None
+        code = int(failure.get("code") or 0)
+        if code > 128 or code < 0:  # exit_status gives 128 + N for a signal N
+            return f"rank {failure.get('rank')} on {failure.get('host')} killed (exit {code})"
+        cause = " ".join(str(failure.get(k) or "") for k in ("cause", "last_line"))
+        if PEER_FAILURE.search(cause):
+            return f"rank {failure.get('rank')} on {failure.get('host')} lost a peer ({cause.strip()[:120]})"
+        return None
+
+    def _unanswering(self, hosts: Sequence[Host]) -> set[str]:
+        """The hosts whose daemon does not answer a ping now."""
+
+        def one(h: Host) -> str | None:
+            try:
+                with Client(h.address, self._key, min(2.0, self.options.timeout_s)) as client:
+                    client.ping()
+            except HapdError:
+                return h.label
+            return None
+
+        if not hosts:
+            return set()
+        with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
+            return {label for label in pool.map(one, hosts) if label is not None}
+
+    # ------------------------------------------------------------------ events from rank 0
+
+    def _on_event(self, gen: Generation, previous: Generation | None, value: Mapping[str, Any]) -> None:
+        event = value.get("event")
+        if event == "step":
+            gen.last_step = int(value.get("step", 0))
+        elif event == "snapshot":
+            gen.snapshots += 1
+            gen.last_snapshot = int(value.get("step", 0))
+        elif event == "paused":
+            gen.outcome = "paused"
+            gen.last_step = int(value.get("step", 0))
+        elif event == "resumed":
+            gen.resumed = dict(value)
+            gen.plan = value.get("plan")
+        elif event == "first_step":
+            gen.first_step = dict(value)
+            gen.last_step = int(value.get("step", 0))
+            if previous is not None and previous.recovery is not None and gen.resumed is not None:
+                self._recovered(gen, previous)
+
+    def _recovered(self, gen: Generation, previous: Generation) -> None:
+        rec = previous.recovery or {}
+        resumed = gen.resumed or {}
+        first = gen.first_step or {}
+        plan_s = float(resumed.get("plan_s") or 0.0)
+        load_s = float(resumed.get("load_s") or 0.0)
+        detection = rec["decided_at"] - rec["failed_at"]
+        restart = max(0.0, float(resumed.get("time", first.get("time", 0.0))) - load_s - rec["decided_at"] - plan_s)
+        total = float(first.get("time", 0.0)) - rec["failed_at"]
+        step = int(resumed.get("step", 0))
+        lost_steps = max(0, (previous.last_step or 0) - step)
+        rec.update(detection_s=detection, replan_s=plan_s, restart_s=restart, load_s=load_s, total_s=total,
+                   resumed_step=step, steps_lost=lost_steps, source=resumed.get("source"), plan=resumed.get("plan"),
+                   generation=gen.index, hosts=gen.hosts)
+        self.say(f"generation {gen.index} on {len(gen.hosts)} host(s) ({', '.join(gen.hosts)}), {gen.world} ranks: "
+                 f"resumed at step {step} from {resumed.get('source')} ({lost_steps} step(s) lost); plan: "
+                 f"{resumed.get('plan')}; first step {total:.1f} s after the failure: detection {detection:.1f} s, "
+                 f"re-plan {plan_s:.2f} s, restart {restart:.1f} s, state load {load_s:.2f} s")
+
+    # ------------------------------------------------------------------ joins
+
+    def _watch(self) -> None:
+        """Look at the host file for hosts to join (main thread, cheap); pings run on a
+        thread; once one is ready, ask the job to pause."""
+        if self.elastic.host_file is None or self._job is None:
+            return
+        pending = self._pending
+        with pending.lock:
+            ready = list(pending.ready)
+            checking = pending.checking
+        if ready and not pending.asked:
+            pending.asked = True
+            self._ask_pause(self._job)
+            return
+        now = time.monotonic()
+        if checking or now < self._watch_at:
+            return
+        self._watch_at = now + WATCH_EVERY_S
+        current = {label for g in self.generations[-1:] for label in g.hosts}
+        if len(current) >= self.elastic.max_hosts:
+            return
+        try:
+            listed = load_hosts(self.elastic.host_file)
+        except OptionsError:
+            return  # being written; looked at again next time
+        candidates = [h for h in listed if h.label not in current]
+        if not candidates:
+            return
+        pending.checking = True
+        threading.Thread(target=self._check_candidates, args=(candidates, pending), daemon=True,
+                         name="hapd-launcher-join-check").start()
+
+    def _check_candidates(self, candidates: Sequence[Host], pending: _Pending) -> None:
+        need = self.options.nproc_per_node
+        ready = []
+        for h in candidates:
+            try:
+                with Client(h.address, self._key, min(2.0, self.options.timeout_s)) as client:
+                    pong = client.ping()
+            except HapdError:
+                continue
+            if int(pong.get("slots", 0)) >= (need or h.slots):
+                ready.append(h)
+        with pending.lock:
+            pending.ready = ready
+            pending.checking = False
+
+    def _ask_pause(self, job: Job) -> None:
+        first = job.placements[0]
+        try:
+            job.control[first.node_rank].job_pause(job.job_id)
+        except HapdError as exc:
+            self.say(f"could not ask job {job.job_id} to pause for a joining host: {exc}")
+            return
+        names = ", ".join(h.label for h in self._pending.ready)
+        self.say(f"host(s) {names} ready to join: pausing the job at the next step boundary")
+
+    # ------------------------------------------------------------------ the end
+
+    def _finish(self, result: JobResult) -> JobResult:
+        report = dict(result.report or {})
+        report["elastic"] = {
+            "run": self.run_id,
+            "min_hosts": self.elastic.min_hosts,
+            "max_hosts": self.elastic.max_hosts,
+            "faults": self.faults,
+            "dropped": self.dropped,
+            "joined": self.joined,
+            "generations": [g.describe() for g in self.generations],
+        }
+        result.report = report
+        path = self.options.report or home_dir() / "runs" / f"{self.run_id}.json"
+        try:
+            result.report_path = write_report(report, path)
+            self.say(f"elastic report: {result.report_path} ({len(self.generations)} generation(s), {self.faults} "
+                     f"fault(s), {len(self.joined)} join(s))")
+        except OSError as exc:
+            self.say(f"could not write the report to {path}: {exc}")
+        self._drop_snapshots()
+        return result
+
+    def _drop_snapshots(self) -> None:
+        """Free the run's snapshots on every daemon that still answers."""
+        for h in self._every_host.values():
+            try:
+                with Client(h.address, self._key, min(2.0, self.options.timeout_s)) as client:
+                    client.snapshot_drop(self.run_id)
+            except HapdError:
+                pass
+
+
+def append_host(host_file: Path, line: str) -> Host:
+    """Append ``line`` (``HOST slots=N [port=P] [gpu=MODEL]``) to ``host_file``; the
+    host it names (checked, and refused when already listed)."""
+    new = parse_hosts(line, "<join>")
+    if len(new) != 1:
+        raise OptionsError(f"{line!r}: expected one host line", field="hosts")
+    listed = load_hosts(host_file)
+    if any(h.label == new[0].label for h in listed):
+        raise OptionsError(f"{new[0].label} is already in {host_file}", field="hosts")
+    text = host_file.read_text()
+    with open(host_file, "a") as f:
+        f.write(("" if text.endswith("\n") or not text else "\n") + line.strip() + "\n")
+    return new[0]
+
+
+__all__ = ["ElasticOptions", "ElasticRun", "Generation", "append_host", "parse_elastic"]

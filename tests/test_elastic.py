@@ -1,0 +1,267 @@
+"""Elastic jobs end to end: a host killed mid-run (its daemon and its ranks, SIGKILL),
+the job goes on on the hosts left from the in-memory snapshot of the last step, every
+loss equal to a reference run that trained the same steps on the same hosts from the
+same state; a host joining at a step boundary; a rank killed; a script error that is
+not a fault ends the job as before.
+
+Three daemons on loopback ports are the hosts (one rank each, uneven speeds in the
+profile); the model is a tiny MLP so that a run takes seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import _bench
+import pytest
+from _jobs import job_processes, launched
+from _wait import GENEROUS_S
+
+from hapd.profile.schema import estimated_profile, load_profile
+from launcher.elastic import PEER_FAILURE, ElasticOptions, append_host, parse_elastic
+from launcher.hosts import load_hosts
+
+pytestmark = [pytest.mark.daemon, pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = r'''
+import json, os, sys, hashlib
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import hapd
+
+steps, profile = int(sys.argv[1]), sys.argv[2]
+save_to = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None
+load_from = sys.argv[4] if len(sys.argv) > 4 else None
+fail_at = int(os.environ.get("ELASTIC_TEST_RAISE_AT", "0"))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y, reduction="sum")
+
+torch.manual_seed(0)
+x, y = torch.randn(96, 16), torch.randn(96, 4)
+data = TensorDataset(x, y)
+model = Net()
+module = hapd.parallelize(model, (x[:12], y[:12]), profile=profile)
+optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
+loader = hapd.loader(data, module, seed=0, drop_last=True)
+elastic = hapd.Elastic(module, optimizer, sampler=loader)
+step = elastic.resume()
+if load_from:
+    step = hapd.load_checkpoint(load_from, module, optimizer, sampler=loader)["step"]
+seen = []
+while step < steps:
+    loader.set_epoch(loader.sampler.epoch)
+    for xb, yb in loader:
+        optimizer.zero_grad()
+        part = module(xb, yb)
+        part.backward()
+        optimizer.step()
+        step += 1
+        loss = float(module.global_loss(part.detach()))
+        if module.rank == 0:
+            print(json.dumps({"step": step, "loss": loss, "world": module.world}), flush=True)
+        if fail_at and step == fail_at:
+            raise ValueError("a bug in the training script")
+        elastic.step_done(step)
+        if step >= steps:
+            break
+    else:
+        loader.set_epoch(loader.sampler.epoch + 1)
+elastic.close()
+if save_to:
+    hapd.save_checkpoint(save_to, module, optimizer, sampler=loader, step=step)
+state = module.full_state_dict()
+if module.rank == 0:
+    digest = hashlib.sha256(b"".join(state[k].detach().numpy().tobytes() for k in sorted(state))).hexdigest()
+    print(json.dumps({"final": digest, "step": step}), flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def hosts3(tmp_path_factory):
+    """Three daemons on loopback ports (the hosts of the tests), 2 slots each."""
+    cluster = _bench.bench_launcher().LoopbackCluster(tmp_path_factory.mktemp("elastic"), 3, 2).start()
+    yield cluster
+    cluster.close()
+
+
+def _setup(cluster, tmp_path: Path, n_hosts: int = 3) -> tuple[Path, Path, Path, list[str]]:
+    hostfile = tmp_path / "hosts.txt"
+    text = cluster.host_lines(slots=[1] * cluster.n)
+    lines = text.splitlines()
+    hostfile.write_text("\n".join(lines[:n_hosts]) + "\n")
+    labels = [h.label for h in load_hosts(tmp_path / "hosts.txt")]
+    all_labels = labels + [f"127.0.0.1:{cluster.port(i)}" for i in range(n_hosts, cluster.n)]
+    profile = tmp_path / "profile.json"
+    estimated_profile(cluster.n, flops=[3e10, 2e10, 1e10][: cluster.n], hosts=all_labels, name="three").save(profile)
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    return hostfile, profile, script, lines
+
+
+def _env(cluster, tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HAPD_DAEMON",)}
+    env["HAPD_HOME"] = str(tmp_path / "home")
+    env["HAPD_KEY_FILE"] = str(cluster.key_file)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _losses(stdout: str) -> dict[int, tuple[float, int]]:
+    """step -> (loss, world) from rank 0's lines (the last one printed for a step)."""
+    out = {}
+    for line in stdout.splitlines():
+        text = line.split("] ", 1)[1] if line.startswith("[rank 0] ") else None
+        if text and text.startswith('{"step"'):
+            value = json.loads(text)
+            out[value["step"]] = (value["loss"], value["world"])
+    return out
+
+
+def _final(stdout: str) -> str:
+    for line in stdout.splitlines():
+        if '{"final"' in line:
+            return json.loads(line.split("] ", 1)[1])["final"]
+    raise AssertionError("no final digest:\n" + stdout[-3000:])
+
+
+def _run(args: list[str], env: dict[str, str], job: str, *, on_line=None, timeout: float = 240.0) -> tuple[int, str, str]:
+    with launched(["run", *args, "--job-id", job, "-v"], env, job) as proc:
+        out_lines: list[str] = []
+        deadline = time.monotonic() + timeout
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out_lines.append(line.rstrip("\n"))
+            if on_line is not None:
+                on_line(line.rstrip("\n"))
+            if time.monotonic() > deadline:
+                break
+        err = proc.stderr.read() if proc.stderr else ""
+        code = proc.wait(30)
+    return code, "\n".join(out_lines), err
+
+
+def _kill_host(cluster, i: int, job_prefix: str) -> None:
+    """SIGKILL host ``i``: its daemon and every rank it runs of the job."""
+    label = f"127.0.0.1:{cluster.port(i)}"
+    cluster.procs[i].kill()
+    for pid in _host_ranks(job_prefix, label):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _host_ranks(job_prefix: str, label: str) -> list[int]:
+    pids = []
+    for pid in _job_pids(job_prefix):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if b"\0HAPD_HOST=" + label.encode() + b"\0" in b"\0" + env:
+            pids.append(pid)
+    return pids
+
+
+def _job_pids(job_prefix: str) -> list[int]:
+    return [pid for g in range(8) for pid in job_processes(f"{job_prefix}-g{g}")]
+
+
+def test_parse_elastic_and_options():
+    assert parse_elastic("2:3", 3) == (2, 3)
+    assert parse_elastic("2", 3) == (2, 3)
+    assert parse_elastic("1:", 2) == (1, 2)
+    with pytest.raises(Exception, match="MIN:MAX"):
+        parse_elastic("two", 3)
+    with pytest.raises(Exception, match="MIN ≤ MAX"):
+        ElasticOptions(3, 2)
+    assert PEER_FAILURE.search("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert not PEER_FAILURE.search("ValueError: a bug in the training script")
+
+
+def test_join_appends_a_checked_host_line(tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("127.0.0.1 slots=1 port=6001\n")
+    host = append_host(hostfile, "127.0.0.1 slots=2 port=6002")
+    assert host.port == 6002 and [h.port for h in load_hosts(hostfile)] == [6001, 6002]
+    with pytest.raises(Exception, match="already"):
+        append_host(hostfile, "127.0.0.1 slots=2 port=6002")
+    with pytest.raises(Exception, match="slots"):
+        append_host(hostfile, "127.0.0.1 port=6003")
+    assert len(load_hosts(hostfile)) == 2  # a refused line changes nothing
+
+
+def test_host_killed_job_goes_on_from_the_snapshot(hosts3, tmp_path):
+    """Host 2 (daemon and rank) is killed after step 8 of 14: the job finishes on the
+    other two from the newest complete snapshot (snapshots every step: step 7, or 6
+    when 7's was still being sent), and every loss equals the reference's: steps 1-k on
+    three hosts, a checkpoint, the rest on the two; the final parameters bit for bit."""
+    hostfile, profile, script, lines = _setup(hosts3, tmp_path)
+    env = _env(hosts3, tmp_path)
+    killed = {}
+
+    def on_line(line: str) -> None:
+        if not killed and '"event": "step", "step": 8}' in line:
+            killed["at"] = time.time()
+            _kill_host(hosts3, 2, "el-kill")
+
+    try:
+        code, out, err = _run([str(script), "--hosts", str(hostfile), "--elastic", "2:3", "--snapshot-every", "1",
+                               "--", "14", str(profile)], env, "el-kill", on_line=on_line)
+    finally:
+        if hosts3.procs[2].poll() is not None:
+            hosts3.start_daemon(2)
+    assert code == 0, err[-4000:]
+    assert killed, out[-3000:]
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, 15)), out[-3000:]
+    assert {losses[s][1] for s in range(1, 6)} == {3} and {losses[s][1] for s in range(9, 15)} == {2}
+    assert "host(s) 127.0.0.1:" in err and "lost" in err and "resumed at step" in err, err[-3000:]
+    report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())
+    gens = report["elastic"]["generations"]
+    assert len(gens) == 2 and gens[0]["recovery"]["resumed_step"] >= 6 and gens[0]["recovery"]["steps_lost"] <= 2, gens
+    for part in ("detection_s", "replan_s", "restart_s", "load_s"):
+        assert gens[0]["recovery"][part] >= 0
+    assert not _job_pids("el-kill")  # nothing orphaned
+
+    # the reference: steps 1-k on three hosts, a checkpoint, the rest on the two survivors from it
+    resumed = gens[0]["recovery"]["resumed_step"]
+    two = tmp_path / "hosts2.txt"
+    two.write_text("\n".join(lines[:2]) + "\n")
+    profile2 = tmp_path / "profile2.json"
+    load_profile(profile).on_hosts([h.label for h in load_hosts(two)]).save(profile2)
+    ckpt = tmp_path / "ckpt"
+    code, ref_a, err_a = _run([str(script), "--hosts", str(hostfile), "--", str(resumed), str(profile), str(ckpt)], env,
+                              "el-ref-a")
+    assert code == 0, err_a[-3000:]
+    code, ref_b, err_b = _run([str(script), "--hosts", str(two), "--", "14", str(profile2), "-", str(ckpt)], env,
+                              "el-ref-b")
+    assert code == 0, err_b[-3000:]
+    reference = {**_losses(ref_a), **_losses(ref_b)}
+    assert sorted(reference) == list(range(1, 15))
+    for s in range(1, 15):
+        assert abs(reference[s][0] - losses[s][0]) <= 1e-5 * abs(reference[s][0]), (s, reference[s], losses[s])
+    assert _final(out) == _final(ref_b)  # the parameters after recovery are the reference's, bit for bit
+
+
+def test_a_bug_in_the_script_is_not_a_fault(hosts3, tmp_path):
+    hostfile, profile, script, _ = _setup(hosts3, tmp_path, n_hosts=2)
+    env = {**_env(hosts3, tmp_path), "ELASTIC_TEST_RAISE_AT": "2"}
+    code, out, err = _run([str(script), "--hosts", str(hostfile), "--elastic", "1:2", "--", "6", str(profile)], env,
+                          "el-bug")
+    assert code == 1, err[-3000:]
+    assert "ValueError: a bug in the training script" in err
+    assert "restarting" not in err
