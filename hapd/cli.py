@@ -385,11 +385,13 @@ def explain_cmd(plan: Path, steps: bool) -> None:
               help="Peers connected to the control API at once; more are refused as they connect  [default: 32]")
 @click.option("--relp/--no-relp", default=True, show_default=True,
               help="Serve a graph cached for another profile by re-solving only the LP.")
+@click.option("--snapshot-mb", type=click.IntRange(min=0), default=None,
+              help="MiB of training snapshots (for elastic restarts) held in memory at most  [default: 4096]")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @_import_option
 def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | None, key_file: Path | None,
               home: Path | None, max_cache_bytes: int, max_request_bytes: int, options: tuple[str, ...],
-              slots: int | None, max_connections: int | None, relp: bool, log_level: str,
+              slots: int | None, max_connections: int | None, relp: bool, snapshot_mb: int | None, log_level: str,
               imports: tuple[str, ...]) -> None:
     """Run the daemon: compile graphs dropped into the watch folder into plans
     (WATCH/out/NAME.hplan and NAME.report.txt; bad files give WATCH/failed/NAME.error),
@@ -429,6 +431,8 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
     extra: dict[str, object] = {"slots": slots} if slots is not None else {}
     if max_connections is not None:
         extra["max_connections"] = max_connections
+    if snapshot_mb is not None:
+        extra["snapshot_max_bytes"] = snapshot_mb * 2**20
     config = DaemonConfig.defaults(
         profile=profile, home=home, watch=watch, cache=cache, key_file=key_file,
         bind=bind or DEFAULT_ADDRESS, allow_remote=bind is not None, max_cache_bytes=max_cache_bytes,

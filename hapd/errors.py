@@ -93,6 +93,10 @@ class DaemonTimeout(ProtocolError):
     """No daemon answered at an address in time."""
 
 
+class SnapshotError(HapdError):
+    """A training snapshot cannot be stored in a daemon's memory, or is not there to read."""
+
+
 class RemoteError(HapdError):
     """A daemon answered a request with an error."""
 

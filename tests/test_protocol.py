@@ -55,6 +55,11 @@ SAMPLE_REQUESTS = {
     "job_status": {"job": "j1"},
     "job_events": {"job": "j1", "after": 0},
     "cancel": {"job": "j1"},
+    "snapshot_put": {"run": "j1", "step": 40, "rank": 1, "world": 2, "count": 2, "name": "__1_0.distcp", "offset": 0,
+                     "total": 3, "data": b"abc"},
+    "snapshot_list": {"run": "j1"},
+    "snapshot_get": {"run": "j1", "step": 40, "rank": 1, "name": "__1_0.distcp", "offset": 0, "length": 3},
+    "snapshot_drop": {"run": "j1", "before_step": 40},
     "part": {"message": "a" * 32, "type": "compile", "index": 0, "count": 2, "size": 10, "data": b"\x82\xa5"},
 }
 

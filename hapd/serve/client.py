@@ -23,9 +23,16 @@ from typing import Any, Mapping, Sequence
 
 import zmq
 
-from hapd.errors import DaemonTimeout, ProtocolError, RemoteError
+from hapd.errors import DaemonTimeout, ProtocolError, RemoteError, SnapshotError
 from hapd.serve.keys import default_key_path, load_key
-from hapd.serve.protocol import DEFAULT_ADDRESS, Limits, Message, Session
+from hapd.serve.protocol import DEFAULT_ADDRESS, PART_BYTES, PART_SLACK_BYTES, Limits, Message, Session
+
+SNAPSHOT_CHUNK_BYTES = PART_BYTES - PART_SLACK_BYTES
+"""Bytes of a snapshot file per ``snapshot_put`` by default: each put is then one message,
+never sent in parts (parts take as many exchanges, and a daemon receives only a few
+requests in parts at once, while every rank of two hosts may be sending)."""
+SNAPSHOT_READ_BYTES = 8 * 2**20
+"""Bytes of a snapshot file per ``snapshot_get`` (the daemon answers at most 16 MiB)."""
 
 
 def default_address() -> str:
@@ -33,7 +40,7 @@ def default_address() -> str:
     return os.environ.get("HAPD_DAEMON") or DEFAULT_ADDRESS
 
 
-__all__ = ["Client", "DaemonTimeout", "default_address", "default_key_path"]
+__all__ = ["Client", "DaemonTimeout", "default_address", "default_key_path", "SNAPSHOT_CHUNK_BYTES"]
 
 
 class Client:
@@ -236,3 +243,58 @@ class Client:
 
     def cancel(self, job: str) -> None:
         self.request("cancel", {"job": job})
+
+    # -- training snapshots (held in the daemon's memory, for elastic restarts)
+
+    def snapshot_put(self, run: str, step: int, rank: int, world: int, files: Mapping[str, bytes], *,
+                     chunk_bytes: int = SNAPSHOT_CHUNK_BYTES, timeout_s: float | None = None) -> None:
+        """Store ``rank``'s snapshot of ``step`` (its files, name → bytes) in the daemon,
+        each file in ``snapshot_put`` requests of at most ``chunk_bytes`` (a chunk over
+        about 1 MiB goes in parts and must fit the daemon's ``--max-request-bytes``).
+        The entry is complete, and listed, once the last chunk is in."""
+        if not files:
+            raise SnapshotError(f"run {run} step {step} rank {rank}: a snapshot needs at least one file", field="files")
+        if chunk_bytes < 1:
+            raise SnapshotError(f"chunk_bytes {chunk_bytes} must be ≥ 1", field="chunk_bytes")
+        head = {"run": run, "step": step, "rank": rank, "world": world, "count": len(files)}
+        for name, data in files.items():
+            data = bytes(data)
+            for offset in range(0, max(len(data), 1), chunk_bytes):
+                self.request("snapshot_put", {**head, "name": name, "offset": offset, "total": len(data),
+                                              "data": data[offset:offset + chunk_bytes]}, timeout_s=timeout_s)
+
+    def snapshot_list(self, run: str) -> list[dict[str, Any]]:
+        """The complete snapshots of ``run`` the daemon holds, by step then rank:
+        ``[{step, rank, world, bytes, files: [names]}]`` (empty for an unknown run)."""
+        return list(self.request("snapshot_list", {"run": run}).body["entries"])
+
+    def snapshot_get(self, run: str, step: int, rank: int, *, timeout_s: float | None = None) -> dict[str, bytes]:
+        """Every file of ``rank``'s complete snapshot of ``step``, name → bytes;
+        :class:`~hapd.errors.SnapshotError` when the daemon holds none."""
+        entry = next((e for e in self.snapshot_list(run) if (e["step"], e["rank"]) == (step, rank)), None)
+        if entry is None:
+            raise SnapshotError(f"the daemon at {self.address} holds no complete snapshot of run {run} at step {step} "
+                                f"rank {rank}", field="step")
+        files: dict[str, bytes] = {}
+        for name in entry["files"]:
+            data = bytearray()
+            while True:
+                body = self.request("snapshot_get", {"run": run, "step": step, "rank": rank, "name": name,
+                                                     "offset": len(data), "length": SNAPSHOT_READ_BYTES},
+                                    timeout_s=timeout_s).body
+                data += body["data"]
+                if len(data) >= body["total"] or not body["data"]:
+                    break
+            if len(data) != body["total"]:
+                raise SnapshotError(f"{name} of run {run} step {step} rank {rank}: got {len(data)} bytes of "
+                                    f"{body['total']} (was it replaced meanwhile?)", field="name")
+            files[name] = bytes(data)
+        return files
+
+    def snapshot_drop(self, run: str, before_step: int | None = None) -> int:
+        """Forget ``run``'s snapshots (only steps < ``before_step`` when given); how many
+        (step, rank) entries were forgotten."""
+        body: dict[str, Any] = {"run": run}
+        if before_step is not None:
+            body["before_step"] = before_step
+        return int(self.request("snapshot_drop", body).body["count"])

@@ -4,8 +4,9 @@ Threads and who owns what:
 
 - the **main loop** (:meth:`Daemon.run`) owns the ROUTER socket: it authenticates and
   dispatches every request, answers cheap ones at once (ping, status, job messages,
-  compile requests the cache can serve) and never waits on a compile, so ``ping``
-  stays answerable while a big graph compiles;
+  snapshot messages, compile requests the cache can serve) and never waits on a
+  compile, so ``ping`` and the ranks' snapshots stay answerable while a big graph
+  compiles; training snapshots live in its :class:`~hapd.serve.snapshots.SnapshotStore`;
 - one **compile worker** takes drops and compile requests from a FIFO queue, one at a
   time (compiles are CPU-heavy), and sends compile replies back through an inproc PAIR
   socket that the main loop forwards to the ROUTER;
@@ -55,6 +56,8 @@ from hapd.profile.schema import Profile, load_profile
 from hapd.serve.protocol import (DEFAULT_ADDRESS, PART_BYTES, PART_SLACK_BYTES, PROTOCOL_VERSION, Limits, Message,
                                  PartedMessages, Session, split_envelope)
 from hapd.serve.drops import SUBFOLDERS, DropProcessor
+from hapd.serve.snapshots import (DEFAULT_SNAPSHOT_KEEP, DEFAULT_SNAPSHOT_MAX_BYTES, DEFAULT_SNAPSHOT_TTL_S,
+                                  SnapshotStore)
 from hapd.serve.guard import MAX_LOGGED_CHARS, MAX_REPLY_ERROR_CHARS, ConnectionGate, RateLimitedLog, shorten, source_fd
 from hapd.serve.watch import DEFAULT_RESCAN_S, DEFAULT_SETTLE_S, Drop
 from hapd.util import atomic_write
@@ -147,6 +150,12 @@ class DaemonConfig:
     """How long a stop waits for the compile in progress before abandoning it."""
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     """Peers connected to the control API at once; a connection beyond is refused."""
+    snapshot_max_bytes: int = DEFAULT_SNAPSHOT_MAX_BYTES
+    """Bytes of training snapshots held in memory at most (``hapd serve --snapshot-mb``)."""
+    snapshot_ttl_s: float = DEFAULT_SNAPSHOT_TTL_S
+    """A run's snapshots untouched (no put, get or list) this long are dropped."""
+    snapshot_keep: int = DEFAULT_SNAPSHOT_KEEP
+    """Most recent distinct steps of a run whose snapshots are kept."""
 
     def __post_init__(self) -> None:
         if self.max_cache_bytes < 1:
@@ -159,6 +168,12 @@ class DaemonConfig:
             raise OptionsError(f"slots {self.slots} must be ≥ 0", field="slots")
         if self.max_connections < 1:
             raise OptionsError(f"max_connections {self.max_connections} must be ≥ 1", field="max_connections")
+        if self.snapshot_max_bytes < 0:
+            raise OptionsError(f"snapshot_max_bytes {self.snapshot_max_bytes} must be ≥ 0", field="snapshot_max_bytes")
+        if not self.snapshot_ttl_s > 0:
+            raise OptionsError(f"snapshot_ttl_s {self.snapshot_ttl_s} must be > 0", field="snapshot_ttl_s")
+        if self.snapshot_keep < 1:
+            raise OptionsError(f"snapshot_keep {self.snapshot_keep} must be ≥ 1", field="snapshot_keep")
         if not is_loopback(self.bind) and not self.allow_remote:
             raise OptionsError(
                 f"refusing to bind {self.bind}: not a loopback address (a daemon starts processes); "
@@ -284,6 +299,8 @@ class Daemon:
         self.worker: threading.Thread | None = None
         self.drops: DropProcessor | None = None
         self.jobs: JobManager | None = None
+        self.snapshots = SnapshotStore(keep=config.snapshot_keep, max_bytes=config.snapshot_max_bytes,
+                                       ttl_s=config.snapshot_ttl_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -490,6 +507,7 @@ class Daemon:
             "queue": self.queue_length(),
             "jobs": self.jobs.summaries(),
             "drops": {"folder": str(self.config.watch), "done": self.drops.done, "failed": self.drops.failed},
+            "snapshots": self.snapshots.stats(),
         }
 
     def queue_length(self) -> int:
@@ -533,6 +551,25 @@ class Daemon:
     def _on_cancel(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
         self.jobs.cancel(msg.body["job"])
         return "ok", {}
+
+    # -- training snapshots (in memory, answered at once: never behind a compile)
+
+    def _on_snapshot_put(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        b = msg.body
+        self.snapshots.put(b["run"], b["step"], b["rank"], b["world"], b["name"], b["data"], offset=b["offset"],
+                           total=b["total"], count=b["count"])
+        return "ok", {}
+
+    def _on_snapshot_list(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        return "snapshots", {"entries": self.snapshots.list(msg.body["run"])}
+
+    def _on_snapshot_get(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        b = msg.body
+        data, total = self.snapshots.get(b["run"], b["step"], b["rank"], b["name"], b["offset"], b["length"])
+        return "snapshot_data", {"data": data, "total": total}
+
+    def _on_snapshot_drop(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        return "dropped", {"count": self.snapshots.drop(msg.body["run"], msg.body.get("before_step"))}
 
     # ------------------------------------------------------------------ the compile worker
 

@@ -145,6 +145,18 @@ def _job(doc: str = "job id") -> Field:
     return Field("job", "str", doc, max_chars=MAX_JOB_ID_CHARS)
 
 
+MAX_SNAPSHOT_NAME_CHARS = 128
+"""Longest snapshot file name a message may carry."""
+
+
+def _run() -> Field:
+    return Field("run", "str", "run id: letters, digits, '.', '_', '-' (≤ 64), like a job id", max_chars=MAX_JOB_ID_CHARS)
+
+
+def _snapshot_file(doc: str) -> Field:
+    return Field("name", "str", doc, max_chars=MAX_SNAPSHOT_NAME_CHARS)
+
+
 JOB_STATES = ("starting", "running", "exited", "failed", "cancelled")
 """States of a launched job, in the order they can happen."""
 
@@ -202,6 +214,42 @@ REQUESTS: dict[str, MessageType] = {
         ),
         MessageType("cancel", "Stop every rank of a job (its whole process group).", (_job(),), ("ok",)),
         MessageType(
+            "snapshot_put",
+            "Store a chunk of one file of a rank's training snapshot in the daemon's memory.",
+            (
+                _run(),
+                Field("step", "int", "training step of the snapshot (≥ 0)"),
+                Field("rank", "int", "global rank that saved it (0 ≤ rank < world)"),
+                Field("world", "int", "ranks of the run that saved it"),
+                Field("count", "int", "how many files the rank's snapshot has (the same in each of its puts)"),
+                _snapshot_file("file name: 1-128 letters, digits, '.', '_', '-', without '..'"),
+                Field("offset", "int", "where the chunk goes in the file; 0 (re)starts the file, others continue it"),
+                Field("total", "int", "bytes of the whole file"),
+                Field("data", "bytes", "the chunk"),
+            ),
+            ("ok",),
+        ),
+        MessageType("snapshot_list", "The complete snapshots of a run this daemon holds.", (_run(),), ("snapshots",)),
+        MessageType(
+            "snapshot_get",
+            "Bytes of one file of a snapshot.",
+            (
+                _run(),
+                Field("step", "int", "training step"),
+                Field("rank", "int", "global rank"),
+                _snapshot_file("file name"),
+                Field("offset", "int", "first byte to return"),
+                Field("length", "int", "most bytes to return (at most 16 MiB)"),
+            ),
+            ("snapshot_data",),
+        ),
+        MessageType(
+            "snapshot_drop",
+            "Forget a run's snapshots, or only those of steps before a step.",
+            (_run(), _opt("before_step", "int", "drop only steps < before_step; default every step")),
+            ("dropped",),
+        ),
+        MessageType(
             "part",
             "One piece of a request whose body is longer than PART_BYTES; answered ok, the last by the whole "
             "request's reply.",
@@ -255,9 +303,22 @@ REPLIES: dict[str, MessageType] = {
                 Field("queue", "int", "drops and compiles waiting or in progress"),
                 Field("jobs", "list", "job summaries: {job, state, nproc, world_size, rank_offset, started}"),
                 _opt("drops", "map", "drop folder counters: done, failed, and the folder"),
+                _opt("snapshots", "map", "snapshot store: runs, entries, bytes, max_bytes"),
             ),
         ),
-        MessageType("ok", "Success without data (shutdown, cancel, a part before the last)."),
+        MessageType(
+            "snapshots",
+            "Reply to snapshot_list.",
+            (Field("entries", "list", "complete snapshots by step then rank: [{step, rank, world, bytes, files: [names]}]"),),
+        ),
+        MessageType(
+            "snapshot_data",
+            "Reply to snapshot_get.",
+            (Field("data", "bytes", "the file's bytes from offset (fewer than length at its end)"),
+             Field("total", "int", "bytes of the whole file")),
+        ),
+        MessageType("dropped", "Reply to snapshot_drop.", (Field("count", "int", "snapshots (step, rank) forgotten"),)),
+        MessageType("ok", "Success without data (shutdown, cancel, snapshot_put, a part before the last)."),
         MessageType(
             "launched",
             "Reply to launch.",
@@ -712,6 +773,7 @@ __all__ = [
     "DEFAULT_ADDRESS",
     "Limits",
     "MAX_JOB_ID_CHARS",
+    "MAX_SNAPSHOT_NAME_CHARS",
     "ReplayMemory",
     "Field",
     "MessageType",
