@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,7 +91,7 @@ if module.rank == 0:
 @pytest.fixture(scope="module")
 def hosts3(tmp_path_factory):
     """Three daemons on loopback ports (the hosts of the tests), 2 slots each."""
-    cluster = _bench.bench_launcher().LoopbackCluster(tmp_path_factory.mktemp("elastic"), 3, 2).start()
+    cluster = _bench.load("launcher").LoopbackCluster(tmp_path_factory.mktemp("elastic"), 3, 2).start()
     yield cluster
     cluster.close()
 
@@ -137,20 +137,25 @@ def _final(stdout: str) -> str:
     raise AssertionError("no final digest:\n" + stdout[-3000:])
 
 
-def _run(args: list[str], env: dict[str, str], job: str, *, on_line=None, timeout: float = 240.0) -> tuple[int, str, str]:
-    with launched(["run", *args, "--job-id", job, "-v"], env, job) as proc:
+def _run(args: list[str], env: dict[str, str], job: str, *, on_line=None) -> tuple[int, str, str]:
+    """The launcher on ``args`` (script first) with ``-v`` (rank 0's elastic events on
+    stdout), ``on_line`` called with each stdout line as it comes; (status, stdout, stderr)."""
+    script, rest = args[0], args[1:]
+    with launched(["run", script, "--job-id", job, "-v", *rest], env, job) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        err_lines: list[str] = []
+        reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
+        reader.start()
         out_lines: list[str] = []
-        deadline = time.monotonic() + timeout
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out_lines.append(line.rstrip("\n"))
-            if on_line is not None:
-                on_line(line.rstrip("\n"))
-            if time.monotonic() > deadline:
-                break
-        err = proc.stderr.read() if proc.stderr else ""
-        code = proc.wait(30)
-    return code, "\n".join(out_lines), err
+        with proc.stdout:
+            for line in proc.stdout:
+                out_lines.append(line.rstrip("\n"))
+                if on_line is not None:
+                    on_line(line.rstrip("\n"))
+        code = proc.wait(GENEROUS_S)
+        reader.join(GENEROUS_S)
+        proc.stderr.close()
+    return code, "\n".join(out_lines), "".join(err_lines)
 
 
 def _kill_host(cluster, i: int, job_prefix: str) -> None:
@@ -239,6 +244,7 @@ def test_host_killed_job_goes_on_from_the_snapshot(hosts3, tmp_path):
 
     # the reference: steps 1-k on three hosts, a checkpoint, the rest on the two survivors from it
     resumed = gens[0]["recovery"]["resumed_step"]
+    hostfile, profile, script, lines = _setup(hosts3, tmp_path)  # host 2's daemon came back on another port
     two = tmp_path / "hosts2.txt"
     two.write_text("\n".join(lines[:2]) + "\n")
     profile2 = tmp_path / "profile2.json"
@@ -259,9 +265,8 @@ def test_host_killed_job_goes_on_from_the_snapshot(hosts3, tmp_path):
 
 def test_a_bug_in_the_script_is_not_a_fault(hosts3, tmp_path):
     hostfile, profile, script, _ = _setup(hosts3, tmp_path, n_hosts=2)
-    env = {**_env(hosts3, tmp_path), "ELASTIC_TEST_RAISE_AT": "2"}
-    code, out, err = _run([str(script), "--hosts", str(hostfile), "--elastic", "1:2", "--", "6", str(profile)], env,
-                          "el-bug")
+    code, out, err = _run([str(script), "--hosts", str(hostfile), "--elastic", "1:2", "--env", "ELASTIC_TEST_RAISE_AT=2",
+                           "--", "6", str(profile)], _env(hosts3, tmp_path), "el-bug")
     assert code == 1, err[-3000:]
     assert "ValueError: a bug in the training script" in err
     assert "restarting" not in err

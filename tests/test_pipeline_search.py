@@ -394,3 +394,26 @@ def test_every_op_pays_the_profiles_small_op_seconds_once_per_micro_batch() -> N
     found = pipeline_search(graphs, slow_ops, CompileOptions(), spmd_only=1.0)
     assert found.best is not None
     assert found.best.spmd_only_per_iteration == pytest.approx(1.0 + 3 * total_ops * 1e-4)
+
+
+def test_a_graph_without_blocks_is_searched_for_pipelines_and_runs_spmd():
+    """Two bare linears (no module block to cut between) on a profile of three hosts:
+    the pipeline search finds no stage cut and the plan is SPMD (it raised IndexError)."""
+    import torch
+    from torch import nn
+
+    import hapd
+    from hapd.compiler.options import CompileOptions
+    from hapd.profile.schema import estimated_profile
+
+    class Bare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x, y):
+            return nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y, reduction="sum")
+
+    graph = hapd.lower(hapd.export(Bare(), (torch.randn(12, 16), torch.randn(12, 4))))
+    profile = estimated_profile(3, flops=[3e10, 2e10, 1e10], hosts=["a", "b", "c"])
+    assert hapd.compile(graph, profile, CompileOptions.from_mapping({"pipeline": "auto"})).technique == "spmd"

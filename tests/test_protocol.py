@@ -55,6 +55,7 @@ SAMPLE_REQUESTS = {
     "job_status": {"job": "j1"},
     "job_events": {"job": "j1", "after": 0},
     "cancel": {"job": "j1"},
+    "pause": {"job": "j1"},
     "snapshot_put": {"run": "j1", "step": 40, "rank": 1, "world": 2, "count": 2, "name": "__1_0.distcp", "offset": 0,
                      "total": 3, "data": b"abc"},
     "snapshot_list": {"run": "j1"},

@@ -207,7 +207,7 @@ def op_counts(doc: Mapping[str, Any], unit_of: Mapping[str, int], units: int) ->
     """Op nodes of the graph ``doc`` per unit."""
     counts = [0] * units
     for node in doc["nodes"]:
-        if node.get("kind") == "op" and node["name"] in unit_of:
+        if units and node.get("kind") == "op" and node["name"] in unit_of:  # a graph without blocks has no unit
             counts[unit_of[node["name"]]] += 1
     return counts
 

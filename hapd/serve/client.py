@@ -241,6 +241,15 @@ class Client:
         body = self.request("job_events", {"job": job, "after": after}).body
         return list(body["events"]), bool(body["done"])
 
+    def job_pause(self, job: str) -> None:
+        """Ask ``job``'s ranks to stop at their next step boundary (an elastic job's
+        launcher, for a host joining)."""
+        self.request("pause", {"job": job})
+
+    def job_paused(self, job: str) -> bool:
+        """Whether a pause was asked for ``job`` (what an elastic job's rank 0 asks after each step)."""
+        return bool(self.job_status(job).get("pause", False))
+
     def cancel(self, job: str) -> None:
         self.request("cancel", {"job": job})
 

@@ -552,6 +552,10 @@ class Daemon:
         self.jobs.cancel(msg.body["job"])
         return "ok", {}
 
+    def _on_pause(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        self.jobs.get(msg.body["job"]).pause_requested = True
+        return "ok", {}
+
     # -- training snapshots (in memory, answered at once: never behind a compile)
 
     def _on_snapshot_put(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:

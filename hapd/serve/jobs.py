@@ -233,6 +233,9 @@ class Job:
     renewed: float = field(default_factory=time.monotonic)
     """When the lease was last renewed (monotonic clock)."""
     reason: str | None = None
+    pause_requested: bool = False
+    """A ``pause`` request came: the job's ranks stop at their next step boundary (they
+    read it in ``job_status``)."""
     """Why the job ended, or is ending (the first cause wins)."""
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     """This launch's mark (``HAPD_JOB_TOKEN``), inherited by every process of the job."""
@@ -291,6 +294,8 @@ class Job:
         out = {"job": self.spec.job, "state": self.state, "ranks": [r.summary() for r in self.ranks]}
         if self.reason is not None:
             out["reason"] = self.reason
+        if self.pause_requested:
+            out["pause"] = True
         return out
 
 

@@ -213,6 +213,8 @@ REQUESTS: dict[str, MessageType] = {
             ("events",),
         ),
         MessageType("cancel", "Stop every rank of a job (its whole process group).", (_job(),), ("ok",)),
+        MessageType("pause", "Ask a job's ranks to stop at their next step boundary (an elastic job, for a host "
+                             "joining); job_status then says pause: true.", (_job(),), ("ok",)),
         MessageType(
             "snapshot_put",
             "Store a chunk of one file of a rank's training snapshot in the daemon's memory.",
@@ -332,6 +334,7 @@ REPLIES: dict[str, MessageType] = {
                 Field("state", "str", "one of " + ", ".join(JOB_STATES)),
                 Field("ranks", "list", "per local rank: {rank (global), local_rank, pid, returncode (nil while running)}"),
                 _opt("reason", "str", "why the job ended or is ending (a failing rank, a cancel, an expired lease)"),
+                _opt("pause", "bool", "a pause was asked for the job (its ranks stop at their next step boundary)"),
             ),
         ),
         MessageType(
