@@ -5,6 +5,8 @@
     ./run_all examples/train_gpt2.py 2 -- --steps 300 --resume       # goes on from step 200
     ./run_all examples/train_gpt2.py 2 --hosts HOSTS -- --profile cluster.json   # a cluster's profile: hapd
                                                     # searches SPMD plans and pipelines for it and runs the faster
+    python -m launcher run examples/train_gpt2.py -n 2 --hosts HOSTS --elastic 2:3 -- --profile cluster.json
+                                                    # a host lost or joining: the job goes on (hapd.Elastic)
 
 (or ``torchrun --nproc-per-node 2 examples/train_gpt2.py ...``, or plain ``python`` for one
 process). Every rank builds the same model from the same seed; :func:`hapd.parallelize`
@@ -149,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     data = hapd.loader(dataset, module, seed=args.seed, drop_last=True)
     per_epoch = len(data)
 
-    step = epoch = 0
-    if args.resume:  # parameters, optimizer, data position, RNG; on any number of ranks
+    # under `--elastic`, a job restarted on other hosts goes on from its newest in-memory snapshot
+    elastic = hapd.Elastic(module, optimizer, sampler=data, state={"scheduler": scheduler})
+    step = elastic.resume()  # 0 unless an elastic launcher restarted the job
+    epoch = data.sampler.epoch if step else 0
+    if args.resume and not step:  # parameters, optimizer, data position, RNG; on any number of ranks
         state = hapd.load_checkpoint(args.checkpoint, module, optimizer, sampler=data)
         step, epoch = state["step"], data.sampler.epoch
         scheduler.load_state_dict(state["extra"]["scheduler"])
@@ -192,10 +197,12 @@ def main(argv: list[str] | None = None) -> int:
             bar.update()
             if args.save_every and step % args.save_every == 0:
                 save()
+            elastic.step_done(step)  # a snapshot when due; stops here when a host joins
             if step >= last:
                 break
         epoch += 1
     bar.close()
+    elastic.close()
     seconds = time.perf_counter() - start
     if not args.save_every or step % args.save_every:
         save()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -270,3 +272,45 @@ def test_a_bug_in_the_script_is_not_a_fault(hosts3, tmp_path):
     assert code == 1, err[-3000:]
     assert "ValueError: a bug in the training script" in err
     assert "restarting" not in err
+
+
+def test_a_killed_rank_restarts_and_a_host_joins_at_a_step_boundary(hosts3, tmp_path):
+    """On 2 of the 3 hosts: rank 1 is killed (SIGKILL) after step 3: the same hosts go
+    on from the snapshot; at step 7 the third host is added to the host file with
+    ``launcher join``: the job pauses at a step boundary (no step lost) and finishes on
+    3 hosts."""
+    hostfile, profile, script, lines = _setup(hosts3, tmp_path, n_hosts=2)
+    env = _env(hosts3, tmp_path)
+    done: dict[str, float] = {}
+
+    def on_line(line: str) -> None:
+        if "kill" not in done and '"event": "step", "step": 3}' in line:
+            done["kill"] = time.time()
+            label = lines[1].split()[0] + ":" + lines[1].split("port=")[1].split()[0]
+            for pid in _host_ranks("el-join", label):
+                os.kill(pid, signal.SIGKILL)
+        if "kill" in done and "join" not in done and '"step": 7, "loss"' in line:
+            done["join"] = time.time()
+            joined = _launcher(["join", *lines[2].split(), "--hosts", str(hostfile)], env)
+            assert joined.returncode == 0, joined.stderr
+
+    code, out, err = _run([str(script), "--hosts", str(hostfile), "--elastic", "1:3", "--snapshot-every", "1", "--",
+                           "12", str(profile)], env, "el-join", on_line=on_line)
+    assert code == 0, err[-4000:]
+    assert set(done) == {"kill", "join"}, err[-3000:]
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, 13)), out[-3000:]
+    assert losses[1][1] == 2 and losses[12][1] == 3
+    report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())["elastic"]
+    gens = report["generations"]
+    assert len(gens) == 3, gens
+    assert "killed" in gens[0]["outcome"] and gens[0]["recovery"]["lost"] == []
+    assert gens[1]["outcome"].startswith("paused for") and gens[2]["resumed"]["step"] == gens[1]["last_step"]
+    assert [j["host"] for j in report["joined"]] == [lines[2].split()[0] + ":" + lines[2].split("port=")[1].split()[0]]
+    assert report["faults"] == 1
+    assert not _job_pids("el-join")
+
+
+def _launcher(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=GENEROUS_S)
