@@ -214,3 +214,28 @@ def test_fuzz_entry_files_are_never_served(tmp_path_factory, blob):
     path.write_bytes(blob)
     assert cache.get(key) is None
     PlanCache(root, 10**6)  # the start-up scan copes too
+
+
+def test_a_technique_search_is_re_planned_by_its_lp_for_a_host_subset(tmp_path, bert, profiles):
+    """What an elastic job asks after losing a host: the technique search of the same
+    graphs for the profile cut to the hosts left. The cached SPMD plan's program is
+    re-costed and its LP re-solved (no search); a cached pipeline plan is not reused."""
+    from hapd.compiler.lower import GraphIR
+    from hapd.compiler.techniques import GraphSet
+
+    p8 = profiles[0]
+    graphs = GraphSet(full=GraphIR(bert), missing={"pipeline": "not exported", "overlap": "not exported"})
+    options = CompileOptions(pipeline="auto", overlap=True)
+    cache = PlanCache(tmp_path, 10**8)
+    first = cache.compile(graphs, p8, options)
+    assert first.path == "miss" and first.plan.technique == "spmd"
+    left = p8.on_hosts(p8.hosts[:-1])
+    assert left.world < p8.world
+    moved = cache.compile(graphs, left, options)
+    assert moved.path == "lp-only" and moved.plan.technique == "spmd"
+    assert len(moved.plan.ratios) == left.world
+    assert moved.plan.key["graphs"] == graphs.key() and moved.plan.key["profile_id"] == left.profile_id
+    assert [(s["node"], s["rule"]) for s in moved.plan.program["steps"]] == \
+        [(s["node"], s["rule"]) for s in first.plan.program["steps"]]
+    assert "LP-only re-plan" in moved.plan.estimate["techniques"]["pipeline"]["reason"]
+    assert cache.compile(graphs, left, options).path == "hit"

@@ -14,6 +14,14 @@ the full search.
 
 The plan records ``stats.path = "lp-only"`` and ``stats.replanned_from`` (A's profile
 id); its cache key is B's, with the caller's options.
+
+A technique search's plan (:class:`~hapd.compiler.techniques.GraphSet`: SPMD priced
+against pipelines and overlap) is re-planned the same way when the cached plan runs
+SPMD (:func:`relp_graphs`): its program on the global batch's graph, the LP re-solved
+for B, and the other techniques not priced again (the plan says so). An elastic job
+that lost a host gets its plan so in a fraction of a search. A cached pipeline or
+overlap plan is not re-planned: its stages or duplicas are chosen for A's devices,
+and B gets a full search.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import time
 from hapd.compiler.driver import compile as compile_plan
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.plan import Plan
+from hapd.compiler.techniques import GraphSet
 from hapd.errors import PlanError
 from hapd.profile.schema import Profile
 
@@ -51,4 +60,26 @@ def relp_plan(graph: bytes, old: Plan, profile: Profile, options: CompileOptions
         "replanned_from": old.key.get("profile_id"),
         "seconds": time.perf_counter() - start,
     }
+    return Plan(doc)
+
+
+def relp_graphs(graphs: GraphSet, old: Plan, profile: Profile, options: CompileOptions) -> Plan:
+    """An SPMD technique-search plan ``old`` re-planned for ``profile`` (the module
+    docstring): its program re-costed on ``graphs.full`` with the LP re-solved; keyed as
+    the technique search of ``graphs`` with ``options``. :class:`PlanError` when ``old``
+    runs another technique (the caller then searches)."""
+    if old.technique != "spmd":
+        raise PlanError(f"the cached plan runs {old.technique}, chosen for its devices: only an SPMD program is "
+                        "re-planned by its LP")
+    start = time.perf_counter()
+    plan = relp_plan(graphs.full.data, old, profile, dataclasses.replace(options, pipeline="off", overlap=False))
+    doc = dict(plan.doc)
+    why = f"not priced again: LP-only re-plan of the SPMD program cached for profile {str(old.key.get('profile_id'))[:12]}"
+    doc["key"] = {**doc["key"], "options": options.key(), "graphs": graphs.key()}
+    doc["technique"] = "spmd"
+    doc["estimate"] = {**doc["estimate"], "techniques": {
+        "spmd": {"per_iteration": doc["estimate"]["per_iteration"]},
+        **{name: {"per_iteration": None, "reason": why} for name in ("pipeline", "overlap")}}}
+    doc.pop("pipeline", None)
+    doc["stats"] = {**doc["stats"], "seconds": time.perf_counter() - start}
     return Plan(doc)

@@ -451,8 +451,9 @@ class PlanCache:
     def compile(self, graph: "bytes | GraphSet", profile: "Profile", options: "CompileOptions", *,
                 relp: bool = True) -> Served:
         """Serve (graph, profile, options) from the cache, by re-solving the LP for a
-        program cached for another profile (``relp``; one graph only: a technique
-        search is run again), or by compiling; store the result."""
+        program cached for another profile (``relp``; for a technique search, when the
+        cached plan runs SPMD: :func:`hapd.compiler.replan.relp_graphs`), or by
+        compiling; store the result."""
         from hapd.compiler.driver import compile as compile_plan
 
         start = time.perf_counter()
@@ -461,7 +462,7 @@ class PlanCache:
             return hit
         key = CacheKey.of(graph, profile, options)
         plan, path = None, "miss"
-        if relp and isinstance(graph, (bytes, bytearray)):
+        if relp:
             plan = self._relp(graph, key, profile, options)
             if plan is not None:
                 path = "lp-only"
@@ -473,15 +474,18 @@ class PlanCache:
             self.counters["lp_only" if path == "lp-only" else "misses"] += 1
         return Served(plan, data, path, time.perf_counter() - start, not_cached)
 
-    def _relp(self, graph: bytes, key: CacheKey, profile: "Profile", options: "CompileOptions") -> "Plan | None":
-        from hapd.compiler.replan import relp_plan
+    def _relp(self, graph: "bytes | GraphSet", key: CacheKey, profile: "Profile",
+              options: "CompileOptions") -> "Plan | None":
+        from hapd.compiler.replan import relp_graphs, relp_plan
 
         for other in self.other_profiles(key):
             found = self.get(other)
             if found is None:
                 continue
             try:
-                return relp_plan(graph, found[0], profile, options)
+                if isinstance(graph, (bytes, bytearray)):
+                    return relp_plan(graph, found[0], profile, options)
+                return relp_graphs(graph, found[0], profile, options)
             except HapdError as exc:
                 log.info("cache: cannot reuse the program of profile %s… (%s): full compile", other.profile_id[:12], exc)
                 return None
