@@ -66,6 +66,10 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 """``HAPD_COLLECTIVE_TIMEOUT`` of an elastic job's ranks unless ``--env`` sets it: a
 rank waiting on a peer that is gone fails after this long even if nothing stops it."""
 
+MAX_RUN_ID_CHARS = 58
+"""An elastic job's id leaves room for its generations' suffix (``-g12``) within a
+job id's 64 characters."""
+
 WATCH_EVERY_S = 1.0
 """How often the host file is looked at for joining hosts."""
 
@@ -149,6 +153,9 @@ class ElasticRun:
         self.out, self.err = out, err
         self.launcher_start = launcher_start or time.time()
         self.run_id = options.job_id or default_job_id(options.script)
+        if len(self.run_id) > MAX_RUN_ID_CHARS:
+            raise OptionsError(f"--job-id {self.run_id!r}: an elastic job's id is at most {MAX_RUN_ID_CHARS} characters "
+                               "(its generations are JOB-g0, JOB-g1, …)", field="job_id")
         self.generations: list[Generation] = []
         self.dropped: list[dict[str, Any]] = []
         self.joined: list[dict[str, Any]] = []
@@ -426,11 +433,12 @@ class ElasticRun:
         return result
 
     def _drop_snapshots(self) -> None:
-        """Free the run's snapshots on every daemon that still answers."""
+        """Free every generation's snapshots on every daemon that still answers."""
         for h in self._every_host.values():
             try:
                 with Client(h.address, self._key, min(2.0, self.options.timeout_s)) as client:
-                    client.snapshot_drop(self.run_id)
+                    for gen in self.generations:
+                        client.snapshot_drop(gen.job_id)
             except HapdError:
                 pass
 

@@ -129,6 +129,22 @@ class _Sender:
             except HapdError as exc:  # that copy is missing; the other may do
                 self.errors.append(f"{address}: {type(exc).__name__}: {exc}")
 
+    def drop(self, runs: list[str], addresses: list[str]) -> None:
+        """Free ``runs``' snapshots on ``addresses`` in the background (after the previous send)."""
+        self.wait()
+
+        def drop() -> None:
+            for address in addresses:
+                try:
+                    with Client(address, self.key, DAEMON_TIMEOUT_S) as client:
+                        for run in runs:
+                            client.snapshot_drop(run)
+                except HapdError as exc:
+                    self.errors.append(f"{address}: {type(exc).__name__}: {exc}")
+
+        self.thread = threading.Thread(target=drop, daemon=True, name="hapd-snapshot-drop")
+        self.thread.start()
+
     def wait(self) -> float:
         """Seconds spent waiting for the previous send."""
         start = time.perf_counter()
@@ -168,10 +184,16 @@ class Elastic:
         self._step_time: float | None = None
         self._last_step_end: float | None = None
         self._first_step_said = False
+        self._snapshots = 0
         self._own = own
         if self.active:
             targets = [a for a in dict.fromkeys([own, buddy]) if a]
-            self._sender = _Sender(self.run or "", targets, _key_bytes(), self.rank)
+            self._sender = _Sender(self.snapshot_run(self.generation), targets, _key_bytes(), self.rank)
+
+    def snapshot_run(self, generation: int) -> str:
+        """The daemons' key of one generation's snapshots (its job id): a generation's
+        files never mix with another's of the same step."""
+        return f"{self.run}-g{generation}"
 
     @property
     def active(self) -> bool:
@@ -209,19 +231,28 @@ class Elastic:
         return step
 
     def _newest_snapshot(self) -> dict[str, Any] | None:
-        """Rank 0: the newest step every one of whose ranks' files some daemon holds."""
-        holders: dict[tuple[int, int], dict[int, str]] = {}
-        for address in self.daemons:
-            try:
-                with Client(address, _key_bytes(), DAEMON_TIMEOUT_S) as client:
-                    entries = client.snapshot_list(self.run or "")
-            except HapdError:
-                continue
-            for entry in entries:
-                holders.setdefault((int(entry["step"]), int(entry["world"])), {}).setdefault(int(entry["rank"]), address)
-        for (step, world), ranks in sorted(holders.items(), reverse=True):
-            if set(ranks) == set(range(world)):
-                return {"step": step, "world": world, "holders": {str(r): a for r, a in ranks.items()}}
+        """Rank 0: the newest step every one of whose ranks' files some daemon holds, of
+        the latest earlier generation that has one complete."""
+        clients = {address: Client(address, _key_bytes(), DAEMON_TIMEOUT_S) for address in self.daemons}
+        try:
+            for generation in range(self.generation - 1, -1, -1):
+                run = self.snapshot_run(generation)
+                holders: dict[tuple[int, int], dict[int, str]] = {}
+                for address, client in clients.items():
+                    try:
+                        entries = client.snapshot_list(run)
+                    except HapdError:
+                        continue
+                    for entry in entries:
+                        holders.setdefault((int(entry["step"]), int(entry["world"])), {}).setdefault(
+                            int(entry["rank"]), address)
+                for (step, world), ranks in sorted(holders.items(), reverse=True):
+                    if set(ranks) == set(range(world)):
+                        return {"run": run, "step": step, "world": world,
+                                "holders": {str(r): a for r, a in ranks.items()}}
+        finally:
+            for client in clients.values():
+                client.close()
         return None
 
     def _load_snapshot(self, choice: Mapping[str, Any]) -> int:
@@ -235,7 +266,7 @@ class Elastic:
                     for rank, address in sorted(choice["holders"].items(), key=lambda kv: int(kv[0])):
                         client = clients.get(address) or clients.setdefault(address, Client(address, _key_bytes(),
                                                                                             DAEMON_TIMEOUT_S))
-                        for name, data in client.snapshot_get(self.run or "", int(choice["step"]), int(rank)).items():
+                        for name, data in client.snapshot_get(choice["run"], int(choice["step"]), int(rank)).items():
                             (folder / name).write_bytes(data)
                 finally:
                     for client in clients.values():
@@ -302,6 +333,11 @@ class Elastic:
             files = snapshot_files(folder, self.module, self.optimizer, sampler=self.sampler, step=step, extra=extra)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        self._snapshots += 1
+        if self._snapshots == 2 and self.rank == 0 and self.generation > 0:
+            # every rank waited for its first snapshot's send before this one's collective write: this
+            # generation has a complete snapshot, and the older generations' are no longer needed
+            self._sender.drop([self.snapshot_run(g) for g in range(self.generation)], self.daemons)
         self._sender.send(step, self.world, files)
         took = time.perf_counter() - start
         if self.every == 0 and self._step_time:  # choose the interval from the first snapshot's cost
