@@ -60,12 +60,12 @@ test-newest:
 	$(NEWEST)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(NEWEST_TESTS)
 
 # The daemon's image (Dockerfile) with buildah where it is (no daemon needed: chroot
-# isolation, the layer cache kept), else docker.
+# isolation, the layer cache kept, a failed step's container removed), else docker.
 image:
 	@if command -v buildah >/dev/null 2>&1; then \
-	    set -x; buildah bud --isolation chroot --layers --format docker $(IMAGE_ARGS) . ; \
+	    set -x; buildah bud --isolation chroot --layers --force-rm --format docker $(IMAGE_ARGS) . ; \
 	elif command -v docker >/dev/null 2>&1; then \
-	    set -x; docker build $(IMAGE_ARGS) . ; \
+	    set -x; docker build --force-rm $(IMAGE_ARGS) . ; \
 	else \
 	    echo "make image: needs buildah or docker (Debian: apt-get install buildah)" >&2; exit 2; \
 	fi

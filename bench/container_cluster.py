@@ -361,6 +361,22 @@ class Made:
     base: str | None = None
     image: str | None = None
     image_ids_before: set[str] = field(default_factory=set)
+    build_containers_before: set[str] = field(default_factory=set)
+
+
+def build_containers() -> set[str]:
+    """buildah's working containers (a build interrupted mid-step leaves its own)."""
+    if shutil.which("buildah") is None:
+        return set()
+    return set(_run(["buildah", "containers", "-q", "--notruncate"], check=False).stdout.split())
+
+
+def remove_build_containers(made: Made) -> list[str]:
+    """The working containers of this run's builds that are still there; their ids."""
+    left = sorted(build_containers() - made.build_containers_before)
+    for cid in left:
+        _run(["buildah", "rm", cid], check=False, timeout=120)
+    return [cid[:12] for cid in left]
 
 
 def remove_images(podman: Podman, made: Made) -> list[str]:
@@ -441,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, _on_term)  # a bench script: SIGTERM tears down like Ctrl-C
     podman = Podman(runtime=ns.runtime, cgroup_manager=ns.cgroup_manager)
-    made = Made(image_ids_before=podman.image_ids())
+    made = Made(image_ids_before=podman.image_ids(), build_containers_before=build_containers())
     results: dict[str, Any] = {"hosts": ns.hosts, "ranks_per_host": ns.ranks, "rate_mbit": ns.rate_mbit,
                                "model": ns.model, "batch": ns.batch, "image": ns.image}
     work = Path(tempfile.mkdtemp(prefix="hapd-container-"))
@@ -517,6 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "report": job_report}
         log(f"job: {job_report.get('world_size')} ranks on {ns.hosts} containers, finished in {job_s:.1f} s")
     finally:
+        results["removed_build_containers"] = remove_build_containers(made)
         if cluster is not None:
             cluster.close()
             results["leftovers"] = leftovers(podman, cluster)

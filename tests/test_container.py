@@ -84,7 +84,7 @@ def test_make_image_passes_base_tag_ca_and_flags():
     builders = [line for line in done.stdout.splitlines() if "buildah bud" in line or "docker build" in line]
     assert len(builders) == 2
     for line in builders:
-        for part in ("--no-cache", "--build-arg BASE=localhost/base:x", "--secret id=ca,src=/some/ca.pem",
+        for part in ("--force-rm", "--no-cache", "--build-arg BASE=localhost/base:x", "--secret id=ca,src=/some/ca.pem",
                      "-t localhost/hapd:t"):
             assert part in line, (part, line)
     plain = subprocess.run(["make", "-n", "-C", str(ROOT), "image", "CA_BUNDLE="], capture_output=True, text=True,
