@@ -13,8 +13,18 @@ NEWEST ?= .venv-newest
 TEST_WORKERS ?= 2
 # the exactness and zoo tests, run again under the newest torch
 NEWEST_TESTS ?= tests/test_zoo.py tests/test_dropout.py tests/test_frozen.py tests/test_lowering.py
+# `make image`: the image's tag, its base (empty: the Dockerfile's default, the official
+# PyTorch image) and a CA bundle the build's downloads trust behind a proxy that re-signs
+# TLS (given to the build as the secret `ca`, never stored in the image), and more flags
+# for the builder (e.g. --no-cache)
+IMAGE     ?= hapd
+BASE      ?=
+CA_BUNDLE ?= $(SSL_CERT_FILE)
+IMAGE_FLAGS ?=
+comma     := ,
+IMAGE_ARGS = $(IMAGE_FLAGS) $(if $(BASE),--build-arg BASE=$(BASE)) $(if $(CA_BUNDLE),--secret id=ca$(comma)src=$(CA_BUNDLE)) -t $(IMAGE)
 
-.PHONY: install demo test test-rust test-python test-newest bench clean
+.PHONY: install demo test test-rust test-python test-newest image bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +58,17 @@ test-newest:
 	$(NEWEST)/bin/python -m pip install -q -e '.[test]'
 	$(NEWEST)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(NEWEST)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(NEWEST_TESTS)
+
+# The daemon's image (Dockerfile) with buildah where it is (no daemon needed: chroot
+# isolation, the layer cache kept, a failed step's container removed), else docker.
+image:
+	@if command -v buildah >/dev/null 2>&1; then \
+	    set -x; buildah bud --isolation chroot --layers --force-rm --format docker $(IMAGE_ARGS) . ; \
+	elif command -v docker >/dev/null 2>&1; then \
+	    set -x; docker build --force-rm $(IMAGE_ARGS) . ; \
+	else \
+	    echo "make image: needs buildah or docker (Debian: apt-get install buildah)" >&2; exit 2; \
+	fi
 
 clean:
 	rm -rf $(VENV) $(NEWEST) rustcore/target hapd/_core*.so

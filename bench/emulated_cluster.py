@@ -145,16 +145,6 @@ def make_cluster_class():
         def _command(self, i: int) -> list[str]:
             return ["nsenter", f"--net=/var/run/netns/{self.namespaces[i]}", "--"]
 
-        def shape(self, rate_mbit: float) -> None:
-            """tbf on each namespace's interface: what the machine sends goes at rate_mbit."""
-            rate_kbit = max(1, int(rate_mbit * 1000))
-            burst = max(16 * 1024, int(rate_mbit * 1e6 / 8 / 250))  # ≥ 4 ms at rate
-            for ns in self.namespaces:
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", self.IFNAME, "root"],
-                               capture_output=True)
-                self._run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.IFNAME, "root", "tbf",
-                          "rate", f"{rate_kbit}kbit", "burst", str(burst), "latency", "200ms")
-
     return EmulatedCluster
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -177,8 +178,9 @@ class NamespaceCluster(_Daemons):
     """``n`` network namespaces ``hapd-lTAG-i`` on a bridge ``hlTAGbr`` (10.77.N.1/24 in
     the root namespace), host ``i`` at 10.77.N.(i+2) on an interface named ``hapd0`` in
     every namespace (so ``GLOO_SOCKET_IFNAME=hapd0`` is right on all of them), one daemon
-    per namespace on port 5557. :meth:`create` raises :class:`RuntimeError` with the
-    reason when namespaces cannot be made here; :meth:`close` removes everything."""
+    per namespace on port 5557. :meth:`shape` limits each host's link with ``tc … tbf``.
+    :meth:`create` raises :class:`RuntimeError` with the reason when namespaces cannot be
+    made here; :meth:`close` removes everything."""
 
     IFNAME = "hapd0"
     PORT = 5557
@@ -232,6 +234,19 @@ class NamespaceCluster(_Daemons):
             self.close()
             raise
         return self
+
+    def shape(self, rate_mbit: float) -> None:
+        """tbf on each namespace's interface: what the host sends goes at ``rate_mbit``
+        (Mbit/s); traffic inside a namespace (loopback) is not shaped."""
+        if not (rate_mbit > 0 and math.isfinite(rate_mbit)):
+            raise ValueError(f"link rate {rate_mbit!r} Mbit/s must be a positive number")
+        rate_kbit = max(1, int(rate_mbit * 1000))
+        burst = max(16 * 1024, int(rate_mbit * 1e6 / 8 / 250))  # ≥ 4 ms at rate
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", self.IFNAME, "root"],
+                           capture_output=True)
+            self._run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.IFNAME, "root", "tbf",
+                      "rate", f"{rate_kbit}kbit", "burst", str(burst), "latency", "200ms")
 
     def _command(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.namespaces[i]]
