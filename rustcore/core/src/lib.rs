@@ -32,6 +32,12 @@
 //! - **step** — one triple chosen by the search, in program order.
 //! - **plan** — the chosen steps, their layouts and collectives, the ratios and the
 //!   cost estimate: what the runtime applies to a module for each rank.
+//! - **training step** — one optimizer update (what checkpoints, snapshots, the loader
+//!   and the launcher's timings count); "step" alone in the runtime means this one.
+//! - **generation** — one run of an elastic job on one set of hosts (`JOB-g0`,
+//!   `JOB-g1`, …); a host lost or joining starts the next.
+//! - **snapshot** — each rank's files of a checkpoint of one training step, kept in the
+//!   daemons' memory for an elastic job to resume from.
 
 pub mod comm;
 pub mod cost;
