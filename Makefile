@@ -47,7 +47,7 @@ test-rust:
 	$(CARGO) test --manifest-path rustcore/Cargo.toml --workspace --exclude hapd-bindings -q
 
 test-python: install
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 test: test-rust test-python
 

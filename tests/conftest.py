@@ -97,3 +97,21 @@ def check_program():
         return report
 
     return run
+
+
+LONGEST_FIRST = (
+    "test_zoo.py", "test_elastic.py", "test_launcher.py", "test_example.py", "test_checkpoint.py",
+    "test_distribute.py", "test_pipeline_api.py", "test_gpu_step_bench.py", "test_frozen.py",
+    "test_memory_cluster.py", "test_collectives.py", "test_dropout.py", "test_container.py",
+)
+"""The test files that take longest (``make test`` prints ``--durations``), longest first.
+
+``make test`` runs the files on two pytest-xdist workers, a whole file per worker
+(``--dist loadfile``), handed out in collection order: collected alphabetically, the
+longest file (``test_zoo.py``) came last and ran alone while the other worker idled.
+Handing out the longest files first (the LPT rule) leaves only short files for the end."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
