@@ -253,3 +253,26 @@ def test_missing_or_unreadable_files(tmp_path):
     assert info.value.field == "<document>"
     with pytest.raises(ProfileError):
         profile_from_dict([1, 2, 3])
+
+
+def test_a_profile_cut_to_the_hosts_a_job_runs_on(monkeypatch):
+    """An elastic job that lost a host runs on the others: the cluster's profile is cut
+    to their devices, in the order the launcher names them (HAPD_HOSTS)."""
+    from hapd.errors import ProfileError
+    from hapd.runtime.plan_source import JOB_HOSTS_ENV, job_profile
+
+    paper = load_profile("paper-8")
+    hosts = paper.hosts
+    assert len(hosts) >= 2
+    kept = paper.on_hosts([hosts[-1], hosts[0]])
+    assert kept.world == len(paper.ranks_of(hosts[-1])) + len(paper.ranks_of(hosts[0]))
+    assert [d.model for d in kept.devices] == [paper.devices[r].model for r in paper.ranks_of(hosts[-1])
+                                                 + paper.ranks_of(hosts[0])]
+    assert paper.on_hosts(hosts) is paper
+    with pytest.raises(ProfileError, match="nowhere"):
+        paper.on_hosts(["nowhere"])
+    monkeypatch.setenv(JOB_HOSTS_ENV, ",".join(hosts[:-1]))
+    cut = job_profile("paper-8", paper.world - len(paper.ranks_of(hosts[-1])))
+    assert cut.hosts == hosts[:-1]
+    with pytest.raises(ProfileError, match="ranks"):
+        job_profile("paper-8", 3)  # the hosts named hold more devices than the job's ranks
