@@ -579,13 +579,13 @@ def test_dockerfile_matches_the_project():
     (torch_req,) = [Requirement(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
                     if Requirement(d).name == "torch"]
     args = dict(a.split("=", 1) for word, a in steps if word == "ARG" and "=" in a)
-    base = args["BASE_IMAGE"]
+    base = args["BASE"]
     assert base.startswith("pytorch/pytorch:"), base
     assert torch_req.specifier.contains(base.split(":")[1].split("-")[0]), (base, str(torch_req))  # a supported torch
-    assert [a for w, a in steps if w == "FROM"] == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+    assert [a for w, a in steps if w == "FROM"] == ["${BASE} AS build", "${BASE}"]
     runs = " ".join(a for w, a in steps if w == "RUN")
     assert "python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ." in runs
-    assert "python -m pip install --no-cache-dir /tmp/wheels/hapd-*.whl" in runs
+    assert "python -m pip install --no-cache-dir -c /tmp/wheels/constraints.txt /tmp/wheels/hapd-*.whl" in runs
     assert "maturin" in (ROOT / "pyproject.toml").read_text() and "pip install" in (ROOT / "Makefile").read_text()
 
     cmd = json.loads([a for w, a in steps if w == "CMD"][-1])
