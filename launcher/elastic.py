@@ -53,7 +53,7 @@ from hapd.serve.client import Client
 from hapd.serve.keys import default_key_path, home_dir, load_key
 
 from launcher.hosts import Host, load_hosts, parse_hosts
-from launcher.job import EXIT_HOST_LOST, Job, JobOptions, JobResult, default_job_id
+from launcher.job import EXIT_HOST_LOST, Job, JobOptions, JobResult, Placement, default_job_id
 from launcher.report import write_report
 
 PEER_FAILURE = re.compile(
@@ -69,6 +69,9 @@ rank waiting on a peer that is gone fails after this long even if nothing stops 
 MAX_RUN_ID_CHARS = 58
 """An elastic job's id leaves room for its generations' suffix (``-g12``) within a
 job id's 64 characters."""
+
+FAILURE_PING_S = 1.5
+"""How long a host may take to answer the ping an elastic job's failure sends it."""
 
 WATCH_EVERY_S = 1.0
 """How often the host file is looked at for joining hosts."""
@@ -209,6 +212,7 @@ class ElasticRun:
                       launcher_start=self.launcher_start)
             gen.world = job.world_size
             job.on_tick = self._watch
+            job.on_failure = lambda hosts, j=job: self._ping_after_failure(j, hosts)
             job.on_elastic = lambda rank, value, g=gen, p=previous: self._on_event(g, p, value)
             self._job = job
             self._pending = _Pending()
@@ -293,6 +297,23 @@ class ElasticRun:
         if PEER_FAILURE.search(cause):
             return f"rank {failure.get('rank')} on {failure.get('host')} lost a peer ({cause.strip()[:120]})"
         return None
+
+    def _ping_after_failure(self, job: Job, placements: Sequence[Placement]) -> None:
+        """At a generation's first failure, ping the hosts still running (on a thread):
+        one that does not answer within :data:`FAILURE_PING_S` is lost now, without
+        waiting for its poller's ``--lost-after``. A host dropped so by mistake (a busy
+        daemon) answers pings again and joins back through the host file."""
+
+        def one(p: Placement) -> None:
+            try:
+                with Client(p.host.address, self._key, FAILURE_PING_S) as client:
+                    client.ping()
+            except HapdError as exc:
+                job.declare_lost(p, f"no answer to a ping within {FAILURE_PING_S:g} s after the job failed "
+                                    f"({type(exc).__name__})")
+
+        for p in placements:
+            threading.Thread(target=one, args=(p,), daemon=True, name="hapd-launcher-failure-ping").start()
 
     def _unanswering(self, hosts: Sequence[Host]) -> set[str]:
         """The hosts whose daemon does not answer a ping now."""

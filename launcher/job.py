@@ -611,6 +611,9 @@ class Job:
         self.failed_at: float | None = None
         """When the job's first failure happened (a failing rank's exit on its daemon's
         clock, a lost daemon's last answer), wall clock."""
+        self.on_failure: Callable[[list[Placement]], None] | None = None
+        """Called once at the job's first failure with the hosts not yet finished or lost
+        (an elastic launcher pings them at once, :meth:`declare_lost`)."""
         self.on_tick: Callable[[], None] | None = None
         """Called about every half second while the job runs (an elastic launcher
         watches its host file from there)."""
@@ -700,12 +703,18 @@ class Job:
         self.say(f"job {self.job_id}: {self.world_size} ranks on {len(self.placements)} host(s) ({hosts}); "
                  f"MASTER_ADDR={master.name} MASTER_PORT={port}; {when}")
 
+    def declare_lost(self, placement: Placement, message: str) -> None:
+        """Take ``placement``'s daemon as lost now (any thread), as its poller would once a
+        poll went unanswered for ``lost_after_s``."""
+        self._events.put(("lost", placement, (message, time.monotonic())))
+
     def _cancel(self, placements: Sequence[Placement], *, quiet: bool = False) -> None:
         """Send ``cancel`` to these hosts at once (one that does not answer is skipped)."""
 
         def one(p: Placement) -> None:
-            try:
-                self.control[p.node_rank].cancel(self.job_id)
+            try:  # a client of its own: the control client may be in use, and this may run on a thread
+                with Client(p.host.address, self._key, self.options.timeout_s) as client:
+                    client.cancel(self.job_id)
             except HapdError as exc:
                 if not quiet:
                     self.say(f"could not cancel job {self.job_id} on {p.host.label}: {exc}")
@@ -739,6 +748,8 @@ class Job:
                 failed_now = self._handle(kind, p, payload, finished, lost)
                 if failed_now and stop_started is None:
                     stop_started, deadline = self._stop_all(finished, lost)
+                    if self.on_failure is not None:
+                        self.on_failure([q for q in self.launched if q.node_rank not in finished and q.node_rank not in lost])
         except KeyboardInterrupt:
             if self.failure is None:
                 self.failure = {"kind": "interrupt"}
@@ -772,6 +783,8 @@ class Job:
             finished.add(p.node_rank)
             return False
         if kind == "lost":
+            if p.node_rank in lost or p.node_rank in finished:  # said by its poller and by a ping
+                return False
             message, answered = payload
             lost[p.node_rank] = message
             first = self.failure is None
@@ -841,8 +854,15 @@ class Job:
                 f"expires, {self.options.lease_s:g} s after the last poll it received (in about {left:.0f} s if it is running)")
 
     def _stop_all(self, finished: set[int], lost: Mapping[int, str]) -> tuple[float, float]:
+        """Cancel every host's ranks, on a thread: a host that died (its daemon not yet
+        known lost) keeps its cancel waiting ``timeout_s``, and the events of the others
+        (their ranks stopped) must be taken meanwhile. Nothing waits for the thread: the
+        hosts' events say when their ranks stopped (:meth:`wait`), and a cancel still
+        waiting on a dead host when the launcher exits has nothing left to stop."""
         started = time.monotonic()
-        self._cancel([p for p in self.launched if p.node_rank not in finished and p.node_rank not in lost])
+        targets = [p for p in self.launched if p.node_rank not in finished and p.node_rank not in lost]
+        thread = threading.Thread(target=self._cancel, args=(targets,), daemon=True, name="hapd-launcher-cancel")
+        thread.start()
         return started, started + self.options.grace_s
 
     def _result(self, finished: set[int], lost: Mapping[int, str], stop_started: float | None) -> JobResult:
