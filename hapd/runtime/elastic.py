@@ -304,8 +304,9 @@ class Elastic:
             shutil.rmtree(folder, ignore_errors=True)
         self._sender.send(step, self.world, files)
         took = time.perf_counter() - start
-        if self.every == 0 and self._step_time:  # choose the interval from the first snapshot's cost
-            self.every = max(1, math.ceil(took / (SNAPSHOT_BUDGET * self._step_time)))
+        if self.every == 0:  # choose the interval from the first snapshot's cost, the same on every rank
+            wanted = max(1, math.ceil(took / (SNAPSHOT_BUDGET * self._step_time))) if self._step_time else 0
+            self.every = max(self._gather(wanted))
         if self.rank == 0:
             _say("snapshot", step=step, bytes=sum(len(b) for b in files.values()), seconds=took, waited_s=waited,
                  every=self.every, errors=self._sender.errors[-3:])
