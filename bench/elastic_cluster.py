@@ -105,6 +105,7 @@ save_to = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None
 load_from = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "-" else None
 gen = int(os.environ.get("HAPD_GENERATION", "0"))
 torch.set_num_threads(1)
+torch.manual_seed(0)  # rank 0's seed is the dropout streams' seed: the same in every run
 BATCH, SAMPLES = 24, 600
 net, config = models.build("zoo.gpt2", "small", hidden=128, layers=2, seq=32, vocab=512)
 g = torch.Generator().manual_seed(1)
@@ -470,6 +471,12 @@ def running_ranks(prefix: str) -> dict[str, list[tuple[int, int]]]:
     out: dict[str, list[tuple[int, int]]] = {}
     for pid in job_processes(prefix):
         env = _environ(pid)
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"rank_guard" in a for a in argv) or not any(a.endswith(b"train.py") for a in argv):
+            continue  # the daemon's guard around the rank, or a child of the rank
         if "LOCAL_RANK" in env and "HAPD_HOST" in env and "ELBENCH_CGROUPS" in env:
             out.setdefault(env["HAPD_HOST"], []).append((int(env["LOCAL_RANK"]), pid))
     return out
@@ -514,7 +521,7 @@ class Bench:
         job = f"elb{os.getpid() % 10000}-{self.runs}-{name}"
         report = self.work / f"{job}.json"
         cmd = [PY, "-m", "launcher", "run", str(self.script), "-n", str(RANKS_PER_HOST), "--hosts", str(hostfile),
-               "--key", str(self.cluster.key_file), "--cwd", str(ROOT), "--timeout", "20", "--lost-after", "5",
+               "--key", str(self.cluster.key_file), "--cwd", str(ROOT), "--lost-after", "5",
                "--job-id", job, "--report", str(report), "-v",
                "--env", f"GLOO_SOCKET_IFNAME={self.cluster.IFNAME}", "--env", "OMP_NUM_THREADS=1",
                "--env", "HAPD_COLLECTIVE_TIMEOUT=30",
@@ -568,7 +575,8 @@ class Bench:
             except ProcessLookupError:
                 pass
         return {"job": job, "code": code, "wall_s": time.time() - t0, "report": data, "stderr_tail": stderr[-2000:],
-                "leftover": len(left), **parsed}
+                "leftover": len(left),
+                "launcher_lines": [l for l in stderr.splitlines() if l.startswith("hapd launcher:")][-40:], **parsed}
 
     def plain(self, name: str, hosts: Sequence[str], steps: int, save: Path | None = None,
               load: Path | None = None) -> dict[str, Any]:
@@ -627,7 +635,11 @@ def scenario_kill(b: Bench, steps: int, kill_at: int, everies: Sequence[int]) ->
             b.cluster.restart_daemon(2)
         rows = recovery_rows(r["report"])
         entry = {"every": every, "code": r["code"], "killed_at": killed.get("at"), "recovery": rows,
-                 "leftover": r["leftover"], "steps_done": max(r["losses"], default=0)}
+                 "leftover": r["leftover"], "steps_done": max(r["losses"], default=0),
+                 "launcher_lines": r["launcher_lines"]}
+        snaps = [e for e in r["events"] if e.get("event") == "snapshot"]
+        entry["snapshot_every_chosen"] = snaps[0].get("every") if snaps else None
+        entry["snapshot_s"] = snaps[0].get("seconds") if snaps else None
         gens = (r["report"].get("elastic") or {}).get("generations", [])
         if rows and killed.get("at"):
             first = (gens[-1].get("first_step") or {}).get("time")
@@ -652,15 +664,16 @@ def scenario_join(b: Bench, steps: int, join_at: int, last: int) -> dict[str, An
 
     log(f"join: 2 hosts, host 2 joins after step {join_at} of {steps}")
     r = b.launch("join", hostfile, [str(steps), str(b.profile)], elastic="2:3", on_line=on_line)
-    log("join: a fresh launch on 3 hosts")
-    fresh = b.plain("fresh3", b.labels, steps)
+    log("join: a fresh elastic launch on 3 hosts (the same snapshots and pause checks)")
+    fresh = b.launch("fresh3", b.hostfile([0, 1, 2], "fresh3"), [str(steps), str(b.profile)], elastic="2:3")
     gens = (r["report"].get("elastic") or {}).get("generations", [])
     worlds = sorted({v[1] for s, v in r["losses"].items() if s > join_at + 1})
     tj, tf = throughput(r["losses"], last), throughput(fresh["losses"], last)
     out = {"steps": steps, "join_at": join_at, "last": last, "code": r["code"], "fresh_code": fresh["code"],
            "generations": [{k: g.get(k) for k in ("index", "hosts", "outcome", "last_step", "resumed")} for g in gens],
            "worlds_after_join": worlds, "steps_per_s_after_join": tj, "steps_per_s_fresh": tf,
-           "ratio": tj / tf if tj and tf else None, "leftover": r["leftover"]}
+           "ratio": tj / tf if tj and tf else None, "leftover": r["leftover"],
+           "launcher_lines": r["launcher_lines"]}
     if gens:
         pause = next((g for g in gens if str(g.get("outcome", "")).startswith("paused")), None)
         nxt = gens[-1]
@@ -756,8 +769,8 @@ def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str
     out = {"steps": steps, "schedule": [f.__dict__ for f in schedule], "injected": state["done"], "code": r["code"],
            "generations": len(gens), "faults_seen": (r["report"].get("elastic") or {}).get("faults"),
            "joins": len((r["report"].get("elastic") or {}).get("joined", [])), "recoveries": rows,
-           "recovered": sum(1 for d in injected if d["time"] < (r["report"].get("end") or time.time()))
-           if r["code"] == 0 else None, "leftover": r["leftover"], "steps_done": max(r["losses"], default=0)}
+           "leftover": r["leftover"], "steps_done": max(r["losses"], default=0),
+           "launcher_lines": r["launcher_lines"]}
     out["all_recovered"] = r["code"] == 0 and out["steps_done"] >= steps and len(injected) == len(schedule)
     if r["code"] == 0 and gens:
         segs = chain_segments(gens, steps)
@@ -926,6 +939,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--faults", type=int, default=None)
     p.add_argument("--seed", type=int, default=33)
+    p.add_argument("--rounds", type=int, default=1, help="snapshot A/B rounds (the order reversed every other round)")
     p.add_argument("--rate-mbit", type=float, default=400.0, help="tbf rate of every host's link (default 400)")
     p.add_argument("--out", type=Path, default=OUT / "elastic_cluster.json")
     p.add_argument("--keep", action="store_true", help="leave the cluster up (debugging)")
@@ -1006,7 +1020,7 @@ def main(argv=None) -> int:
                 results["faults"] = scenario_faults(b, s, schedule)
                 _save(results, ns.out)
             if "snapshot" in cluster_scenarios:
-                results["snapshot"] = scenario_snapshot(b, max(20, 2 * s // 3), max(5, s // 3), 1 if ns.quick else 2)
+                results["snapshot"] = scenario_snapshot(b, max(20, 2 * s // 3), max(5, s // 3), ns.rounds)
             results["leftovers"] = b.leftovers
     except KeyboardInterrupt:
         log("interrupted: tearing down")
