@@ -35,7 +35,8 @@ Scenarios (``--scenarios``, default all):
    2 survivors from it): every loss (relative ≤ 1e-5), the final digest, and the
    samples of every step (skipped or repeated: 0).
 2. ``join``: the job starts on hosts 0-1; ``python -m launcher join`` adds host 2 after
-   step 40; steps/s over the last steps against a fresh 3-host launch (target ≥ 95%).
+   step 40; steps/s over the last steps against a fresh elastic launch on the 3 hosts
+   (the same snapshots and pause checks; target ≥ 95%).
 3. ``faults``: a seeded schedule of 10 faults (host kill, rank kill, link down for a
    few seconds), one after another's recovery. A killed host's daemon is restarted a
    few seconds later and a host whose link came back answers again: both rejoin through
@@ -755,7 +756,8 @@ def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str
         + ", ".join(f"{f.kind}@{f.step}" for f in schedule))
     try:
         r = b.launch("faults", hostfile, [str(steps), str(b.profile)], elastic="1:3",
-                     extra=["--max-restarts", str(4 * len(schedule)), "--snapshot-every", "0"], on_line=on_line)
+                     extra=["--max-restarts", str(4 * len(schedule)), "--snapshot-every", "0"], on_line=on_line,
+                     timeout=600 + 300 * len(schedule))  # a fault and a rejoin cost two restarts, ~2.5 min here
     finally:
         for t in state["timers"]:
             t.cancel()
