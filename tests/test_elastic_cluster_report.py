@@ -1,0 +1,119 @@
+"""The elastic-cluster benchmark's pure parts: the seeded fault schedule, the quotas,
+the parsing of rank output, the loss, sample and throughput comparisons, the chain of
+checkpoint restarts that redoes an elastic run, and the tables. Nothing here builds a
+cluster (that needs root: ``bench/elastic_cluster.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import _bench
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _bench.load("elastic_cluster")
+
+
+def test_fault_schedule_is_seeded_ordered_and_covers_every_kind(bench):
+    a = bench.fault_schedule(33, 10, 60)
+    assert a == bench.fault_schedule(33, 10, 60)
+    assert a != bench.fault_schedule(34, 10, 60)
+    steps = [f.step for f in a]
+    assert steps == sorted(steps) and len(set(steps)) == 10 and 4 <= steps[0] and steps[-1] <= 58
+    assert {f.kind for f in a} == set(bench.FAULT_KINDS)
+    assert all(f.seconds > 0 for f in a if f.kind != "rank") and all(f.seconds == 0 for f in a if f.kind == "rank")
+    assert bench.fault_schedule(1, 0, 10) == []
+    with pytest.raises(ValueError, match="do not fit"):
+        bench.fault_schedule(1, 10, 12)
+
+
+def test_quotas_keep_the_host_speeds_and_fill_the_cores(bench):
+    q = bench.rank_quotas((3, 2, 1), 2, 2.0)
+    assert q == pytest.approx([0.5, 1 / 3, 1 / 6]) and 2 * sum(q) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="positive"):
+        bench.rank_quotas((3, 0, 1))
+
+
+def _line(rank: int, value: dict) -> str:
+    return f"[rank {rank}] {json.dumps(value)}"
+
+
+def test_parse_keeps_the_last_generation_of_a_step(bench):
+    out = "\n".join([
+        _line(0, {"step": 1, "loss": 2.0, "world": 6, "gen": 0, "t": 10.0}),
+        _line(0, {"samples": 1, "gen": 0, "rank": 0, "idx": [3, 4]}),
+        _line(1, {"samples": 1, "gen": 0, "rank": 1, "idx": [5]}),
+        _line(0, {"hapd": "elastic", "event": "step", "step": 1}),
+        _line(0, {"step": 1, "loss": 2.5, "world": 4, "gen": 1, "t": 20.0}),
+        _line(0, {"samples": 1, "gen": 1, "rank": 0, "idx": [5, 4, 3]}),
+        "hapd launcher: something else",
+        _line(0, {"final": "abc", "step": 1}),
+    ])
+    p = bench.parse_lines(out)
+    assert p["losses"] == {1: (2.5, 4, 1, 20.0)} and p["final"] == "abc" and len(p["events"]) == 1
+    assert bench.step_samples(p["samples"]) == {1: [3, 4, 5]}
+
+
+def test_samples_skipped_and_repeated_are_counted(bench):
+    ref = {1: [1, 2], 2: [3, 4]}
+    assert bench.compare_samples({1: [2, 1], 2: [3, 4]}, ref) == {"skipped": 0, "repeated": 0, "steps_differ": 0}
+    assert bench.compare_samples({1: [1, 2], 2: [1, 4]}, ref) == {"skipped": 1, "repeated": 1, "steps_differ": 1}
+
+
+def test_losses_within_the_tolerance(bench):
+    ref = {1: (1.0,), 2: (2.0,), 3: (3.0,)}
+    ok = bench.compare_losses({1: (1.0,), 2: (2.0 + 1e-6,), 3: (3.0,)}, ref)
+    assert ok["ok"] and ok["max_rel"] == pytest.approx(5e-7)
+    bad = bench.compare_losses({1: (1.1,), 2: (2.0,)}, ref)
+    assert not bad["ok"] and bad["over"] == [1] and bad["missing"] == [3]
+
+
+def test_throughput_over_the_last_steps(bench):
+    losses = {s: (0.0, 6, 0, 100.0 + 0.5 * s) for s in range(1, 11)}
+    assert bench.throughput(losses, 4) == pytest.approx(2.0)
+    assert bench.throughput(losses, 10) is None
+
+
+def test_chain_redoes_generations_from_their_resume_steps(bench):
+    gens = [
+        {"hosts": ["a", "b", "c"], "first_step": {"step": 1}, "resumed": None},
+        {"hosts": ["a", "b"], "first_step": {"step": 18}, "resumed": {"step": 17}},
+        {"hosts": ["a", "b"], "first_step": None, "resumed": {"step": 25}},  # failed before its first step
+        {"hosts": ["a", "b"], "first_step": {"step": 26}, "resumed": {"step": 25}},
+        {"hosts": ["a", "b", "c"], "first_step": {"step": 41}, "resumed": {"step": 40}},
+    ]
+    assert bench.chain_segments(gens, 60) == [
+        {"hosts": ["a", "b", "c"], "start": 0, "end": 17},
+        {"hosts": ["a", "b"], "start": 17, "end": 40},
+        {"hosts": ["a", "b", "c"], "start": 40, "end": 60},
+    ]
+
+
+def test_tables_print_every_scenario(bench):
+    rec = {"total_s": 9.5, "detection_s": 1.0, "replan_s": 0.2, "restart_s": 7.0, "load_s": 0.3, "resumed_step": 19,
+           "steps_lost": 1, "generation": 1, "lost": ["h2"], "source": "snapshot", "plan": "cache"}
+    chk = {"losses": {"max_rel": 0.0}, "digest_equal": True, "samples": {"skipped": 0, "repeated": 0},
+           "segments": [{}, {}]}
+    results = {
+        "kill": {"steps": 60, "kill_at": 20, "runs": [{"every": 0, "code": 0, "kill_to_first_step_s": 10.1,
+                                                       "recovery": [rec], "check": chk, "leftover": 0}]},
+        "join": {"steps": 60, "join_at": 40, "last": 10, "code": 0, "worlds_after_join": [6],
+                 "steps_per_s_after_join": 1.9, "steps_per_s_fresh": 2.0, "ratio": 0.95, "check": chk},
+        "faults": {"injected": [{"index": 0, "kind": "link", "host": "h1", "step": 5}], "recoveries": [rec],
+                   "code": 0, "faults_seen": 1, "joins": 1, "generations": 3, "all_recovered": True, "leftover": 0,
+                   "check": chk},
+        "snapshot": {"steps": 40, "last": 20, "rounds": 1, "mean": {"-1": 2.0, "1": 1.5, "0": 1.9},
+                     "ratio_to_none": {"-1": 1.0, "1": 0.75, "0": 0.95},
+                     "steps_per_s": {"-1": [2.0], "1": [1.5], "0": [1.9]}},
+        "replan": {"model": "bert tiny", "batch": 64, "profiles": {"paper-8": {"full_s": 0.5, "full_path": "miss",
+                   "subsets": [{"without": "p100-7", "devices": 7, "first_s": 0.05, "first_path": "lp-only",
+                                "hit_s": 0.002, "hit_path": "hit"}]}}},
+    }
+    text = "\n".join(bench.tables(results))
+    for needle in ("1. host kill", "2. host join", "3. random faults", "4. snapshot cost", "5. re-plan", "lp-only",
+                   "0.75", "p100-7"):
+        assert needle in text
+    assert bench.format_table("t", ["a", "b"], [[None, 1.23456]]).splitlines()[-1].split() == ["-", "1.23"]
