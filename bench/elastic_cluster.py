@@ -422,22 +422,7 @@ def setup_cgroups(quotas: Sequence[float]) -> dict[int, list[str]]:
 
 def teardown_cgroups() -> None:
     for group in sorted(CG_ROOT.glob("hapd-el-h*-l*")):
-        for _ in range(20):
-            try:
-                pids = [p for p in (group / "cgroup.procs").read_text().split() if p]
-            except OSError:
-                pids = []
-            for pid in pids:
-                try:
-                    (CG_ROOT / "cgroup.procs").write_text(f"{pid}\n")
-                except OSError:
-                    pass
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.25)
-        else:
+        if not _bench_launcher().remove_cgroup(group, CG_ROOT):
             log(f"could not remove {group}")
 
 

@@ -193,24 +193,7 @@ def setup_cgroups(quotas: list[float]) -> list[Path]:
 def teardown_cgroups() -> None:
     for name in CG_NAMES:
         group = CG_ROOT / name
-        if not group.exists():
-            continue
-        for _ in range(20):
-            try:
-                pids = [p for p in (group / "cgroup.procs").read_text().split() if p]
-            except OSError:
-                pids = []
-            for pid in pids:
-                try:
-                    (CG_ROOT / "cgroup.procs").write_text(f"{pid}\n")
-                except OSError:
-                    pass
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.25)
-        else:
+        if group.exists() and not _load_bench_launcher().remove_cgroup(group, CG_ROOT):
             log(f"could not remove {group}")
 
 

@@ -266,6 +266,28 @@ class NamespaceCluster(_Daemons):
         self.made.clear()
 
 
+def remove_cgroup(group: Path, root: Path, tries: int = 20) -> bool:
+    """Move what is left in the cgroup-v1 ``group`` to ``root`` and remove it, retrying
+    while the kernel still frees a killed process; whether it is gone (the cluster
+    benches' teardown)."""
+    for _ in range(tries):
+        try:
+            pids = [p for p in (group / "cgroup.procs").read_text().split() if p]
+        except OSError:
+            pids = []
+        for pid in pids:
+            try:
+                (root / "cgroup.procs").write_text(f"{pid}\n")
+            except OSError:
+                pass
+        try:
+            group.rmdir()
+            return True
+        except OSError:
+            time.sleep(0.25)
+    return False
+
+
 def make_cluster(workdir: Path, n: int, slots: int, *, namespaces: bool = True) -> tuple[_Daemons, str]:
     """A started cluster and what it is (falls back to loopback daemons)."""
     if namespaces:
