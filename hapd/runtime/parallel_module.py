@@ -128,15 +128,23 @@ class ParallelModule(nn.Module):
         shapes = [list(view.full_shape(n)) if n in view.tensors else [] for n, _ in inner.hapd_inputs]
         return tuple(tuple([s[0] * duplicas, *s[1:]] if s else s) for s in shapes)
 
-    def sample_lengths(self, batch: int | None = None) -> list[int] | None:
+    def sample_lengths(self, batch: int | None = None, *, shapes: Sequence[Sequence[int]] | None = None
+                       ) -> list[int] | None:
         """Samples of each global batch every rank reads, when every input is split
         along dim 0 with the same lengths (data-parallel inputs); None when some rank
         needs more of the batch (an input replicated or split along another dim).
 
         ``batch``: for a global batch of that many samples (the example batch's other
         dims), as the program of the current mode for it splits it (collective when
-        that program is not built yet); default: the training program's example batch."""
-        if batch is None:
+        that program is not built yet); ``shapes``: for a global batch of these input
+        shapes (other dims too, e.g. another sequence length; collective alike);
+        default: the training program's example batch."""
+        if shapes is not None:
+            shapes = tuple(tuple(int(n) for n in s) for s in shapes)
+            if self.world == 1:
+                return [shapes[0][0]] if shapes and shapes[0] else None
+            program = self._program(self.training, shapes)
+        elif batch is None:
             program = self.inner
             shapes = self._example_shapes
         else:
