@@ -36,10 +36,10 @@ def _lengths(n: int, seed: int = 0, longest: int = 100) -> list[int]:
 
 # -- the planner ------------------------------------------------------------------------
 
-def test_row_lengths_double_from_the_block_to_the_longest() -> None:
+def test_row_lengths_double_from_the_shortest_to_the_longest() -> None:
     assert row_lengths(64, 300) == (64, 128, 256, 512)
     assert row_lengths(16, 16) == (16,)
-    with pytest.raises(OptionsError, match="block"):
+    with pytest.raises(OptionsError, match="shortest"):
         row_lengths(0, 10)
 
 
@@ -181,7 +181,7 @@ def test_a_packed_row_computes_its_documents_one_by_one(build) -> None:
 
 STEPS = 20
 TOKENS = 400
-BLOCK = 16
+SHORTEST = 16
 
 
 def _corpus() -> list[Tensor]:
@@ -192,7 +192,7 @@ def _reference(build, steps: int) -> tuple[list[float], dict[str, Tensor], list[
     """The single device: each step's sequences run one by one; the losses of ``steps``
     Adam steps (and the one after), the first step's gradients, the steps' sequences."""
     corpus = _corpus()
-    order = MixedLengthLoader(sequences=corpus, lengths=[s.numel() for s in corpus], tokens=TOKENS, pool=(BLOCK,),
+    order = MixedLengthLoader(sequences=corpus, lengths=[s.numel() for s in corpus], tokens=TOKENS, pool=(SHORTEST,),
                               micro_tokens=1, cost=COST, split=even_split((1,)), rank=0)
     indices, at, chosen = order.order(), 0, []
     for _ in range(steps + 1):
@@ -209,7 +209,7 @@ def _reference(build, steps: int) -> tuple[list[float], dict[str, Tensor], list[
             break
         loss.backward()
         if k == 0:
-            grads = {name: p.grad.clone() for name, p in lm.named_parameters()}
+            grads = {name: p.grad.clone() for name, p in lm.named_parameters(remove_duplicate=False)}
         optimizer.step()
     return losses, grads, chosen
 
@@ -223,7 +223,7 @@ def _rank(rank: int, world: int, build, ratios, steps: int, grads: dict[str, Ten
     profile = estimated_profile(world, flops=[1e10 * r for r in ratios])
     module = hapd.parallelize(model, example, profile=profile, options={"ratios": list(ratios)}, use_daemon=False,
                               verbose=False)
-    loader = hapd.mixed_loader(corpus, module, tokens=TOKENS, block=BLOCK, seed=0)
+    loader = hapd.mixed_loader(corpus, module, tokens=TOKENS, shortest=SHORTEST, seed=0)
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
     losses, grad_error, splits, sequences = [], 0.0, [], []
     for step in loader:
@@ -244,7 +244,7 @@ def _rank(rank: int, world: int, build, ratios, steps: int, grads: dict[str, Ten
 def _grad_error(module, grads: dict[str, Tensor]) -> float:
     """The largest relative error of this rank's piece of any gradient."""
     inner = module.inner
-    named = dict(module.named_parameters(remove_duplicate=False))
+    named = dict(inner.named_parameters(remove_duplicate=False))
     floor = 1e-2 * max(float(g.abs().max()) for g in grads.values())
     worst = 0.0
     for fqn, (tensor, layout) in inner.hapd_params.items():
@@ -276,6 +276,6 @@ def test_packed_steps_on_uneven_ranks_match_one_device_sequence_by_sequence(worl
     # rows followed the plan's uneven split: the fastest rank ran the most rows
     assert sum(s[0] for s in first["splits"]) > sum(s[-1] for s in first["splits"])
     # a handful of programs, each used many times
-    assert len(first["shapes"]) <= 2 * len(row_lengths(BLOCK, 100))
+    assert len(first["shapes"]) <= 2 * len(row_lengths(SHORTEST, 100))
     print(f"\n{world} ranks: losses {first['losses'][0]:.5f} → {first['losses'][-1]:.5f}, shapes {first['shapes']}, "
           f"dispatch ≤ {max(r['dispatch_ms'] for r in results):.1f} ms/step")

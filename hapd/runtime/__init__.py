@@ -51,6 +51,8 @@ schema).
 - :mod:`~hapd.runtime.checkpoint` — :func:`hapd.save_checkpoint`,
   :func:`hapd.load_checkpoint`, safetensors export and import;
 - :mod:`~hapd.runtime.data` — :func:`hapd.loader` and the uneven samplers;
+- :mod:`~hapd.runtime.mixed_length` — :func:`hapd.mixed_loader`: sequences of any
+  length packed into rows from a pool of shapes, split over ranks by cost;
 - :mod:`~hapd.runtime.check` — :func:`~hapd.runtime.check.check` (``hapd check``): one
   step of the 1-rank distributed program against eager ``program.module()``.
 

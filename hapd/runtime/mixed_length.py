@@ -17,7 +17,7 @@ order is seeded, the same on every rank; :meth:`MixedLengthLoader.state_dict` sa
 where it is, for checkpoints). The step is then planned on every rank alike
 (:func:`plan_step`, a few milliseconds):
 
-1. **Shapes from a small pool.** Rows have a length from :func:`row_lengths` (``block``
+1. **Shapes from a small pool.** Rows have a length from :func:`row_lengths` (``shortest``
    times a power of two, up to the longest sequence); a micro-batch of row length ``R``
    has ``micro_tokens // R`` rows (``micro_tokens``: the example batch's rows times its
    row length), or that rounded up to ``rows_step`` for the last one. A run therefore
@@ -128,14 +128,14 @@ class LengthCost:
 
 # -- shapes -----------------------------------------------------------------------------
 
-def row_lengths(block: int, longest: int) -> tuple[int, ...]:
-    """The pool's row lengths: ``block`` times powers of two, the last the first that
-    holds ``longest`` tokens (``block=64, longest=300`` → 64, 128, 256, 512)."""
-    if block < 1:
-        raise OptionsError(f"block {block} must be ≥ 1", field="block")
+def row_lengths(shortest: int, longest: int) -> tuple[int, ...]:
+    """The pool's row lengths: ``shortest`` times powers of two, the last the first that
+    holds ``longest`` tokens (``shortest=64, longest=300`` → 64, 128, 256, 512)."""
+    if shortest < 1:
+        raise OptionsError(f"the shortest row length {shortest} must be ≥ 1", field="shortest")
     if longest < 1:
         raise OptionsError(f"the longest sequence has {longest} tokens", field="sequences")
-    out = [block]
+    out = [shortest]
     while out[-1] < longest:
         out.append(out[-1] * 2)
     return tuple(out)
@@ -184,7 +184,7 @@ class StepPlan:
     tokens: int
     """The step's tokens (the sum of its sequences' lengths)."""
     seconds: float = 0.0
-    """How long planning it took."""
+    """How long planning it took (building a new shape's program included)."""
 
     @property
     def slots(self) -> int:
@@ -246,6 +246,26 @@ def plan_step(lengths: Sequence[int], *, pool: Sequence[int], micro_tokens: int,
             chunk = rows[start:start + full]
             micro.append(_deal(lengths, chunk, _rounded_rows(len(chunk), full, step), length, split))
     return StepPlan(micro_batches=tuple(micro), tokens=int(sum(lengths)), seconds=time.perf_counter() - started)
+
+
+def plan_padded(lengths: Sequence[int], *, pool: Sequence[int], micro_tokens: int, split: Splitter,
+                rows_step: int | None = None) -> StepPlan:
+    """The padded baseline of :func:`plan_step`: one sequence per row, every row as long
+    as the pool's first length that holds the step's longest sequence, in micro-batches
+    of as many tokens, cut over the ranks alike."""
+    started = time.perf_counter()
+    if not lengths:
+        raise OptionsError("a step needs at least one sequence", field="sequences")
+    fits = [r for r in sorted(pool) if r >= max(lengths)]
+    if not fits:
+        raise OptionsError(f"a sequence of {max(lengths)} tokens is longer than the longest row {max(pool)}",
+                           field="sequences")
+    length = fits[0]
+    full, step = _rows_per(length, micro_tokens, rows_step)
+    rows = [[i] for i in range(len(lengths))]
+    micro = tuple(_deal(lengths, rows[s:s + full], _rounded_rows(len(rows[s:s + full]), full, step), length, split)
+                  for s in range(0, len(rows), full))
+    return StepPlan(micro_batches=micro, tokens=int(sum(lengths)), seconds=time.perf_counter() - started)
 
 
 def _rows_per(length: int, micro_tokens: int, rows_step: int | None) -> tuple[int, int]:
@@ -408,13 +428,29 @@ class MixedLengthLoader:
     rows_step: int | None = None
     pad_id: int = 0
     device: torch.device | None = None
+    packing: str = "packed"
+    """``"packed"`` (:func:`plan_step`) or ``"padded"`` (:func:`plan_padded`, the baseline)."""
     epoch: int = 0
     position: int = 0
     """Sequences of the epoch's order handed out."""
     shapes: dict[tuple[int, int], int] = field(default_factory=dict)
     """(rows, row length) → micro-batches run at that shape (the pool's programs)."""
     dispatch_seconds: list[float] = field(default_factory=list)
-    """Planning and packing time of each step (this rank)."""
+    """Planning and packing time of each step on this rank (building a new shape's
+    program not counted: :attr:`build_seconds`)."""
+    build_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(rows, row length) → seconds its program took to build (export, plan, distribute)."""
+    _splits: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict, repr=False)
+
+    def split_of(self, rows: int, length: int) -> tuple[int, ...]:
+        """Each rank's rows of a micro-batch of that shape (its program's cut; the
+        program is built on first need, collectively, and timed)."""
+        key = (rows, length)
+        if key not in self._splits:
+            started = time.perf_counter()
+            self._splits[key] = tuple(int(n) for n in self.split(rows, length))
+            self.build_seconds[key] = time.perf_counter() - started
+        return self._splits[key]
 
     def order(self) -> list[int]:
         """The epoch's order of the sequences (the same on every rank)."""
@@ -450,10 +486,15 @@ class MixedLengthLoader:
         index = 0
         while self.position < len(order):
             started = time.perf_counter()
+            built = sum(self.build_seconds.values())
             chosen = self.step_sequences(order, self.position)
             lengths = [self.lengths[i] for i in chosen]
-            plan = plan_step(lengths, pool=self.pool, micro_tokens=self.micro_tokens, cost=self.cost,
-                             split=self.split, rows_step=self.rows_step)
+            if self.packing == "padded":
+                plan = plan_padded(lengths, pool=self.pool, micro_tokens=self.micro_tokens, split=self.split_of,
+                                   rows_step=self.rows_step)
+            else:
+                plan = plan_step(lengths, pool=self.pool, micro_tokens=self.micro_tokens, cost=self.cost,
+                                 split=self.split_of, rows_step=self.rows_step)
             micro, counts = [], []
             for mb in plan.micro_batches:
                 rows = [[chosen[i] for i in row] for row in mb.ranks[self.rank]]
@@ -472,15 +513,15 @@ class MixedLengthLoader:
             total = sum(counts)
             for mb, n in zip(micro, counts):
                 mb.weight = n / total if total else 0.0
-            self.dispatch_seconds.append(time.perf_counter() - started)
+            self.dispatch_seconds.append(time.perf_counter() - started - (sum(self.build_seconds.values()) - built))
             self.position += len(chosen)
             yield Step(index=index, micro_batches=micro, plan=plan, tokens=plan.tokens, counted=total)
             index += 1
 
 
-def mixed_loader(sequences: Sequence[Tensor], module: Any, *, tokens: int, block: int = 64,
+def mixed_loader(sequences: Sequence[Tensor], module: Any, *, tokens: int, shortest: int = 64,
                  longest: int | None = None, cost: LengthCost | None = None, seed: int = 0, shuffle: bool = True,
-                 rows_step: int | None = None, pad_id: int = 0,
+                 rows_step: int | None = None, pad_id: int = 0, packing: str = "packed",
                  device: torch.device | str | None = "auto") -> MixedLengthLoader:
     """This rank's steps of ``sequences`` (1-D token tensors of any lengths) for
     ``module``, a :class:`~hapd.runtime.parallel_module.ParallelModule` of a model whose
@@ -488,12 +529,16 @@ def mixed_loader(sequences: Sequence[Tensor], module: Any, *, tokens: int, block
     :class:`hapd.models.packed.PackedLanguageModel` (see the module docstring).
 
     ``tokens``: each step's token budget (sequences are drawn until the next would pass
-    it). ``block``: the shortest row length; the others are it times powers of two up
+    it). ``shortest``: the shortest row length; the others are it times powers of two up
     to ``longest`` (default: the longest sequence). A micro-batch holds as many tokens
     as the module's example batch (its rows times its row length). ``cost``: the
     length cost model (default: counted on the module's model, :meth:`LengthCost.of_model`).
     ``device``: where batches go (``"auto"``: where the module's parameters are).
+    ``packing``: ``"packed"``, or ``"padded"`` (one sequence per row, every row of a
+    step padded to its longest: the baseline, to measure against).
     Building a shape's program is collective: every rank iterates the loader alike."""
+    if packing not in ("packed", "padded"):
+        raise OptionsError(f"packing {packing!r} is not 'packed' or 'padded'", field="packing")
     if not callable(getattr(module, "expect_batch", None)) or not callable(getattr(module, "global_shapes", None)):
         raise OptionsError(f"mixed_loader takes the ParallelModule hapd.parallelize returned, not a "
                            f"{type(module).__name__}", field="module")
@@ -517,7 +562,7 @@ def mixed_loader(sequences: Sequence[Tensor], module: Any, *, tokens: int, block
         too_long = lengths.index(max(lengths))
         raise OptionsError(f"sequence {too_long} has {lengths[too_long]} tokens, more than longest={longest}: "
                            "hapd does not cut sequences (split them before loading)", field="sequences")
-    pool = row_lengths(block, longest)
+    pool = row_lengths(shortest, longest)
     if cost is None:
         recipe = getattr(module, "_recipe", None)
         if recipe is None:
@@ -536,7 +581,7 @@ def mixed_loader(sequences: Sequence[Tensor], module: Any, *, tokens: int, block
         device = next((p.device for p in module.parameters()), None)
     return MixedLengthLoader(sequences=sequences, lengths=lengths, tokens=int(tokens), pool=pool,
                              micro_tokens=rows * row, cost=cost, split=split, rank=module.rank, module=module,
-                             seed=seed, shuffle=shuffle, rows_step=rows_step, pad_id=pad_id,
+                             seed=seed, shuffle=shuffle, rows_step=rows_step, pad_id=pad_id, packing=packing,
                              device=torch.device(device) if device is not None else None)
 
 
@@ -547,5 +592,5 @@ def one_row(length: int, pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor]:
 
 
 __all__ = ["IGNORE", "LengthCost", "MicroBatch", "MicroBatchPlan", "MixedLengthLoader", "Step", "StepPlan",
-           "counted", "even_split", "mixed_loader", "one_row", "pack_rows", "pack_tensors", "plan_step",
+           "counted", "even_split", "mixed_loader", "one_row", "pack_rows", "pack_tensors", "plan_padded", "plan_step",
            "row_lengths"]

@@ -90,6 +90,10 @@ class ParallelModule(nn.Module):
         self._programs: dict[tuple[bool, Shapes], RankModule] = {(True, self._example_shapes): inner}
         """The programs built so far, by (training mode, global batch shapes); a plain
         dict: they hold no state of their own (``inner``'s parameters and buffers)."""
+        self.program_sources: dict[tuple[bool, Shapes], PlanSource] = {}
+        """Where the plan of each program built after the training one came from (a
+        daemon cache hit, an LP-only re-plan, a compile), by (training mode, global
+        batch shapes)."""
         self._cut: tuple[Shapes, tuple] | None = None
         """(global shapes, input split) of the batch the next forward's inputs were cut
         from (:meth:`shard_inputs`, :meth:`expect_batch`); None: the example batch."""
@@ -225,6 +229,7 @@ class ParallelModule(nn.Module):
             source, module = self._distribute(program, graph, fallback)
         if recipe.verbose and self.rank == 0:
             print(source.describe(f"plan ({mode}, batch shapes {[list(s) for s in shapes]})"), flush=True)
+        self.program_sources[(training, shapes)] = source
         return module
 
     def _aligned_options(self, graph: GraphIR) -> CompileOptions:

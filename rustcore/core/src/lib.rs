@@ -24,7 +24,10 @@
 //! - **interval** — in an overlapped program, the computation between two consecutive
 //!   communication points.
 //! - **stage** — a contiguous part of the model that one group of devices runs in a
-//!   pipeline; a **micro-batch** is the share of the batch a stage processes at once.
+//!   pipeline; a **micro-batch** is the share of the batch a stage processes at once
+//!   (and, in a mixed-length training step, the rows one forward and backward runs).
+//! - **row** — in mixed-length data, one sample of a micro-batch: several documents
+//!   packed one after another, padded to a length from the run's pool of shapes.
 //! - **host** — one machine; its devices share a fast link, hosts a slow one. A **host
 //!   group** is the set of ranks on one host.
 //! - **triple** — a Hoare triple `{pre} instruction {post}` over tensor layouts: one way
