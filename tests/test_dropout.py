@@ -10,6 +10,8 @@ and a forced tensor-parallel plan, and with recomputation.
 
 from __future__ import annotations
 
+import math
+
 import functools
 
 import pytest
@@ -47,6 +49,24 @@ def _splitmix64_by_hand(state: int, count: int) -> list[int]:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
         out.append(z ^ (z >> 31))
     return out
+
+
+def test_a_large_cpu_draw_in_chunks_has_the_whole_tensor_ops_bits() -> None:
+    """Past :data:`~hapd.runtime.counter_rng.CHUNK` elements a CPU draw runs in place
+    chunk by chunk: the bits are the whole-tensor ops', on a piece at offsets, for a
+    seed past 2**63 and a last chunk cut short."""
+    from hapd.runtime import counter_rng
+
+    g, offsets, local = [9, 3, 100, 90], [3, 1, 5, 0], [5, 2, 95, 90]  # 85,500 elements: 2 whole chunks and a part
+    assert math.prod(local) > 2 * counter_rng.CHUNK
+    for seed in (0, (1 << 63) + 5):
+        index = counter_rng.global_index(g, offsets, local)
+        draw = torch.tensor((11 << (2 * counter_rng.STREAM_BITS)) | (3 << counter_rng.STREAM_BITS) | 9)
+        seeded = counter_rng.mix64(torch.tensor(counter_rng._signed(seed), dtype=torch.int64))
+        base = counter_rng.mix64(seeded + draw * counter_rng._signed(counter_rng._GAMMA))
+        words = counter_rng.mix64(base + (index + 1) * counter_rng._signed(counter_rng._GAMMA))
+        whole = (counter_rng._shr(words, 40).to(torch.float32) * (1.0 / (1 << 24)))
+        assert torch.equal(uniform(seed, 9, 11, g, offsets, local, part=3), whole)
 
 
 @pytest.mark.parametrize("shape,dim,lengths", [((7, 5, 3), 0, (3, 4)), ((7, 5, 3), 1, (1, 2, 2)),
