@@ -223,7 +223,8 @@ def _rank(rank: int, world: int, build, ratios, steps: int, grads: dict[str, Ten
     profile = estimated_profile(world, flops=[1e10 * r for r in ratios])
     module = hapd.parallelize(model, example, profile=profile, options={"ratios": list(ratios)}, use_daemon=False,
                               verbose=False)
-    loader = hapd.mixed_loader(corpus, module, tokens=TOKENS, shortest=SHORTEST, seed=0)
+    # whole micro-batches only (rows_step): one program per row length, the fewest builds
+    loader = hapd.mixed_loader(corpus, module, tokens=TOKENS, shortest=SHORTEST, seed=0, rows_step=8)
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
     losses, grad_error, splits, sequences = [], 0.0, [], []
     for step in loader:
@@ -263,7 +264,7 @@ def _grad_error(module, grads: dict[str, Tensor]) -> float:
     (2, (0.6, 0.4), _llama),
 ], ids=["gpt2-2ranks", "gpt2-4ranks", "llama-2ranks"])
 def test_packed_steps_on_uneven_ranks_match_one_device_sequence_by_sequence(world, ratios, build) -> None:
-    steps = STEPS if build is _gpt2 else 5
+    steps = STEPS if world == 2 and build is _gpt2 else 3  # the 20 Adam steps once; the other cases check step 1's grads
     want, grads, _ = _reference(build, steps)
     results = run_ranks(world, _rank, build, ratios, steps, grads, timeout=600)
     for r, got in enumerate(results):
@@ -276,6 +277,71 @@ def test_packed_steps_on_uneven_ranks_match_one_device_sequence_by_sequence(worl
     # rows followed the plan's uneven split: the fastest rank ran the most rows
     assert sum(s[0] for s in first["splits"]) > sum(s[-1] for s in first["splits"])
     # a handful of programs, each used many times
-    assert len(first["shapes"]) <= 2 * len(row_lengths(SHORTEST, 100))
+    assert set(first["shapes"]) <= {(128 // n, n) for n in row_lengths(SHORTEST, 100)}
     print(f"\n{world} ranks: losses {first['losses'][0]:.5f} → {first['losses'][-1]:.5f}, shapes {first['shapes']}, "
           f"dispatch ≤ {max(r['dispatch_ms'] for r in results):.1f} ms/step")
+
+
+# -- the loader on one process ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_process():
+    """Tiny GPT-2, packed, parallelized on one process (4 rows of 32 tokens)."""
+    model = hapd.PackedLanguageModel(_gpt2())
+    example = tuple(t.repeat(4, 1) for t in one_row(32))
+    return hapd.parallelize(model, example, use_daemon=False, verbose=False)
+
+
+def test_mixed_loader_refuses_what_it_cannot_load(one_process) -> None:
+    seqs = _sequences([5, 9, 30])
+    with pytest.raises(OptionsError, match="takes the ParallelModule"):
+        hapd.mixed_loader(seqs, torch.nn.Linear(2, 2), tokens=64)
+    with pytest.raises(OptionsError, match="sequence 1 must be a non-empty 1-D tensor"):
+        hapd.mixed_loader([seqs[0], seqs[1][None]], one_process, tokens=64)
+    with pytest.raises(OptionsError, match="sequence 2 has 30 tokens, more than longest=16"):
+        hapd.mixed_loader(seqs, one_process, tokens=64, longest=16)
+    with pytest.raises(OptionsError, match="token budget 0"):
+        hapd.mixed_loader(seqs, one_process, tokens=0)
+    with pytest.raises(OptionsError, match="packing 'tight'"):
+        hapd.mixed_loader(seqs, one_process, tokens=64, packing="tight")
+    with pytest.raises(OptionsError, match="no sequences"):
+        hapd.mixed_loader([], one_process, tokens=64)
+
+
+def test_a_loaded_state_resumes_at_the_next_sequence(one_process) -> None:
+    """Two steps, the state saved, a new loader with it: its next step is the one the
+    first loader would have run next (the same sequences, the same loss), and no
+    sequence of the epoch is skipped or run twice."""
+    corpus = _sequences(_lengths(60, seed=2, longest=60))
+    first = hapd.mixed_loader(corpus, one_process, tokens=200, shortest=16, seed=3)
+    steps = iter(first)
+    seen = [next(steps).plan.tokens for _ in range(2)]
+    state = first.state_dict()
+    third = next(steps)
+    again = hapd.mixed_loader(corpus, one_process, tokens=200, shortest=16, seed=3)
+    again.load_state_dict(state)
+    resumed = next(iter(again))
+    assert resumed.plan == dataclasses.replace(third.plan, seconds=resumed.plan.seconds)
+    assert [mb.inputs[0].tolist() for mb in resumed] == [mb.inputs[0].tolist() for mb in third]
+    rest = [s.plan.tokens for s in again]
+    assert sum(seen) + third.plan.tokens + sum(rest) == sum(s.numel() for s in corpus)
+
+
+def test_one_process_trains_the_token_mean_of_the_step(one_process) -> None:
+    """On one process a step's loss is the token mean of its sequences run one by one,
+    and the padded baseline computes the same loss."""
+    corpus = _sequences(_lengths(40, seed=4, longest=60))
+    for packing in ("packed", "padded"):
+        loader = hapd.mixed_loader(corpus, one_process, tokens=150, shortest=16, seed=1, packing=packing)
+        step = next(iter(loader))
+        chosen = loader.step_sequences(loader.order(), 0)
+        with torch.no_grad():
+            got = sum(one_process.global_loss(mb.loss(one_process)) for mb in step)
+            want = one_by_one(one_process_model(one_process), [corpus[i] for i in chosen])
+        assert got == pytest.approx(want.item(), rel=TOL), packing
+        assert step.counted == sum(corpus[i].numel() - 1 for i in chosen)
+
+
+def one_process_model(module):
+    """The transformers model behind a one-process module (its recipe's)."""
+    return module._recipe.model.model
