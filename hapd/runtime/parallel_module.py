@@ -218,7 +218,7 @@ class ParallelModule(nn.Module):
             raise PlanError(f"no {what}: this module runs only batch shapes {[list(s) for s in self._example_shapes]} "
                             "(make it with hapd.parallelize to run others)")
         recipe = self._recipe
-        program, graph = recipe.export(training, shapes)
+        program, graph = recipe.export_for(training, shapes)
         options = self._aligned_options(graph)
         try:
             source, module = self._distribute(program, graph, options)

@@ -77,36 +77,58 @@ class Recipe:
         return tuple(shape if d is None else (*shape[:d], batch, *shape[d + 1:])
                      for shape, d in zip(self.example_shapes, self.batch_dims))
 
-    def symbolic(self, training: bool = True) -> Any:
+    def symbolic(self, training: bool = True, shapes: Shapes | None = None) -> Any:
         """The model exported once in that mode with a symbolic batch
         (:mod:`hapd.compiler.shapes`): every batch's program is cut from it. A model that
         cannot be exported so comes back static (:func:`~hapd.compiler.shapes.batch_info`
-        says why)."""
-        key = ("symbolic", training)
+        says why). ``shapes``: exported at these input shapes (their other dims: one
+        symbolic program per sequence length, say); default: the example batch's."""
+        shapes = self.example_shapes if shapes is None else tuple(tuple(s) for s in shapes)
+        rest = self._rest(shapes)
+        key = ("symbolic", training) if rest == self._rest(self.example_shapes) else ("symbolic", training, rest)
         if key not in self.exported:
+            inputs = self.example_inputs if len(key) == 2 else self.inputs_of(shapes)
             was = self.model.training
             try:
                 with torch.enable_grad():
-                    self.exported[key] = export(self.model, self.example_inputs, batch_dims=self.batch_dims,
+                    self.exported[key] = export(self.model, inputs, batch_dims=self.batch_dims,
                                                 training=training, symbolic_batch=True)
             finally:
                 self.model.train(was)
         return self.exported[key]
 
-    def export_at(self, training: bool, batch: int) -> tuple[Any, GraphIR]:
-        """The program and graph of a global batch of ``batch`` samples, cut from the
-        one symbolic program (:meth:`symbolic`); the model exported again at that batch
-        when its program is static."""
-        key = ("at", training, batch)
+    def _rest(self, shapes: Shapes) -> tuple:
+        """``shapes`` with each batch dim's size left out: what one symbolic program serves."""
+        return tuple(tuple(n if k != d else None for k, n in enumerate(shape))
+                     for shape, d in zip(shapes, self.batch_dims))
+
+    def export_at(self, training: bool, batch: int, shapes: Shapes | None = None) -> tuple[Any, GraphIR]:
+        """The program and graph of a global batch of ``batch`` samples (of ``shapes``'
+        other dims; default: the example batch's), cut from one symbolic program
+        (:meth:`symbolic`); the model exported again at that batch when that program is
+        static."""
+        base = self.example_shapes if shapes is None else tuple(tuple(s) for s in shapes)
+        rest = self._rest(base)
+        key = ("at", training, batch) if rest == self._rest(self.example_shapes) else ("at", training, batch, rest)
         if key not in self.exported:
-            program = self.symbolic(training)
-            if is_symbolic(program) or batch == self.batch:
+            program = self.symbolic(training, base)
+            if is_symbolic(program) or batch == _batch_of(base, self.batch_dims):
                 names = dict(zip(user_input_names(program), self.batch_dims))
                 self.exported[key] = (program_at(program, batch),
                                       lower_at(program, batch, name=self.name, batch_dims=names))
             else:
-                self.exported[key] = self.export(training, self.shapes_at(batch))
+                self.exported[key] = self.export(training, _with_batch(base, self.batch_dims, batch))
         return self.exported[key]
+
+    def export_for(self, training: bool, shapes: Shapes) -> tuple[Any, GraphIR]:
+        """The program and graph of a global batch of ``shapes``: cut from the symbolic
+        program of their other dims (:meth:`export_at`), so batches that differ only in
+        their batch dim share one export; exported whole when no input has a batch dim."""
+        shapes = tuple(tuple(s) for s in shapes)
+        batch = _batch_of(shapes, self.batch_dims)
+        if batch is None:
+            return self.export(training, shapes)
+        return self.export_at(training, batch, shapes)
 
     def graphs(self, options: CompileOptions) -> GraphSet:
         """The graphs a compile with ``options`` prices (the global batch's, the
@@ -158,6 +180,19 @@ class Recipe:
         finally:
             self.model.train(was)
         return program, graph
+
+
+def _batch_of(shapes: Shapes, batch_dims: Sequence[int | None]) -> int | None:
+    """The batch of these shapes (the first input with a batch dim); None without one."""
+    for shape, d in zip(shapes, batch_dims):
+        if d is not None:
+            return int(shape[d])
+    return None
+
+
+def _with_batch(shapes: Shapes, batch_dims: Sequence[int | None], batch: int) -> Shapes:
+    """``shapes`` with ``batch`` samples along each batch dim."""
+    return tuple(shape if d is None else (*shape[:d], batch, *shape[d + 1:]) for shape, d in zip(shapes, batch_dims))
 
 
 def _resized(example: Tensor, shape: list[int], batch_dim: int | None) -> Tensor:
