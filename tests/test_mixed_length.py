@@ -345,3 +345,27 @@ def test_one_process_trains_the_token_mean_of_the_step(one_process) -> None:
 def one_process_model(module):
     """The transformers model behind a one-process module (its recipe's)."""
     return module._recipe.model.model
+
+
+def test_row_counts_of_one_row_length_share_one_export() -> None:
+    """Shapes that differ only in their rows are cut from one symbolic export of that
+    row length (:meth:`~hapd.runtime.programs.Recipe.export_for`), and the graph cut
+    runs the ops a static export at that shape runs (the static one keeps an alias of
+    a whole slice the cut drops)."""
+    from hapd.runtime.programs import Recipe
+
+    model = hapd.PackedLanguageModel(_gpt2())
+    example = tuple(t.repeat(4, 1) for t in one_row(32))
+    recipe = Recipe(model=model, example_inputs=example, batch_dims=(0, 0, 0), name="packed", profile=None,
+                    use_daemon=False, verbose=False, device=torch.device("cpu"))
+    cut = {rows: recipe.export_for(True, ((rows, 64),) * 3)[1] for rows in (4, 2)}
+    symbolic = [k for k in recipe.exported if k[0] == "symbolic"]
+    assert symbolic == [("symbolic", True, ((None, 64),) * 3)]
+    static = recipe.export(True, ((2, 64),) * 3)[1]
+
+    def ops(graph):
+        return [(n["op"], [o["shape"] for o in n["outputs"]]) for n in graph.doc["nodes"]
+                if n["kind"] == "op" and n["op"] != "aten.alias"]
+
+    assert ops(cut[2]) == ops(static)
+    assert cut[4].graph_id != cut[2].graph_id
