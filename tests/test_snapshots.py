@@ -187,3 +187,22 @@ def test_bad_snapshot_requests_get_error_replies(daemon):
         reply = signed_request(client, daemon.address, "snapshot_drop", {"run": "job-8", "before_step": -1})
         assert reply.type == "error" and "before_step -1 must be an integer ≥ 0" in reply.body["message"]
         assert client.ping()["protocol"] == 1  # still serving
+
+
+def test_the_automatic_interval_counts_the_send_and_follows_the_cost():
+    """Without ``--snapshot-every`` the interval is chosen at every snapshot: a snapshot
+    whose write and background send take 0.2 s of 1 s steps is taken every 4 steps
+    (5%); when snapshots get cheaper the interval follows, averaged."""
+    import torch
+
+    import hapd
+
+    elastic = hapd.Elastic(torch.nn.Linear(2, 2), environ={})
+    assert elastic._auto and elastic.every == 0
+    elastic._step_time = 1.0
+    elastic._choose_interval(0.15 + 0.05)  # the write, the previous send's CPU time
+    assert elastic.every == 4
+    elastic._choose_interval(0.02)
+    assert elastic.every == 3  # 0.7 · 0.2 + 0.3 · 0.02 = 0.146 s: every 3 steps
+    pinned = hapd.Elastic(torch.nn.Linear(2, 2), every=5, environ={})
+    assert not pinned._auto

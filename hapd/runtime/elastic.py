@@ -25,9 +25,10 @@ host, in memory where ``/dev/shm`` exists) and a background thread sends them to
 daemons: this host's and the next host's in the job (``$HAPD_ELASTIC_BUDDY``), which
 keep them in memory (:mod:`hapd.serve.snapshots`). One lost host loses no snapshot:
 its ranks' files are on the next host, the others' on their own. ``every`` is
-``$HAPD_SNAPSHOT_EVERY`` when set; else chosen after the first snapshot so that writing
-snapshots costs at most :data:`SNAPSHOT_BUDGET` of the steps' time (every step when
-that is cheap enough). Without snapshots (``every`` < 0) or when none is complete,
+``$HAPD_SNAPSHOT_EVERY`` when set; else chosen at each snapshot so that snapshots cost
+at most :data:`SNAPSHOT_BUDGET` of the steps' time (every step when that is cheap
+enough): a snapshot's cost is its write in the foreground and the CPU time its send
+takes in the background, averaged over the snapshots so far. Without snapshots (``every`` < 0) or when none is complete,
 ``checkpoint`` (a :func:`hapd.save_checkpoint` folder) is loaded; without it the job
 starts again at step 0, and says so.
 
@@ -114,6 +115,8 @@ class _Sender:
     rank: int
     thread: threading.Thread | None = None
     errors: list[str] = field(default_factory=list)
+    cpu_s: float = 0.0
+    """CPU seconds the last finished send took in its thread (what it took from the rank)."""
 
     def send(self, step: int, world: int, files: Mapping[str, bytes]) -> None:
         self.wait()
@@ -122,12 +125,14 @@ class _Sender:
         self.thread.start()
 
     def _send(self, step: int, world: int, files: dict[str, bytes]) -> None:
+        start = time.thread_time()
         for address in self.addresses:
             try:
                 with Client(address, self.key, DAEMON_TIMEOUT_S) as client:
                     client.snapshot_put(self.run, step, self.rank, world, files)
             except HapdError as exc:  # that copy is missing; the other may do
                 self.errors.append(f"{address}: {type(exc).__name__}: {exc}")
+        self.cpu_s = time.thread_time() - start
 
     def drop(self, runs: list[str], addresses: list[str]) -> None:
         """Free ``runs``' snapshots on ``addresses`` in the background (after the previous send)."""
@@ -178,6 +183,10 @@ class Elastic:
         self.host = env.get("HAPD_HOST") or env.get("GROUP_RANK") or "0"
         every_env = env.get(EVERY_ENV)
         self.every = every if every is not None else (int(every_env) if every_env else 0)
+        self._auto = self.every == 0
+        """The interval is chosen (and chosen again at each snapshot) from what snapshots cost."""
+        self._cost: float | None = None
+        """Seconds a snapshot takes from the rank: its foreground write and its send's CPU time (EMA)."""
         self.pause_check = (env.get(PAUSE_CHECK_ENV) or "0") == "1"
         self.job = env.get("HAPD_JOB") or ""
         self._sender: _Sender | None = None
@@ -338,15 +347,26 @@ class Elastic:
             # every rank waited for its first snapshot's send before this one's collective write: this
             # generation has a complete snapshot, and the older generations' are no longer needed
             self._sender.drop([self.snapshot_run(g) for g in range(self.generation)], self.daemons)
+        sent_cpu = self._sender.cpu_s if self._snapshots > 1 else 0.0  # the previous send's, waited for above
         self._sender.send(step, self.world, files)
         took = time.perf_counter() - start
-        if self.every == 0:  # choose the interval from the first snapshot's cost, the same on every rank
-            wanted = max(1, math.ceil(took / (SNAPSHOT_BUDGET * self._step_time))) if self._step_time else 0
-            self.every = max(self._gather(wanted))
+        if self._auto:
+            self._choose_interval(took + sent_cpu)
         if self.rank == 0:
             _say("snapshot", step=step, bytes=sum(len(b) for b in files.values()), seconds=took, waited_s=waited,
                  every=self.every, errors=self._sender.errors[-3:])
         return took
+
+    def _choose_interval(self, cost: float) -> None:
+        """The interval at which snapshots cost :data:`SNAPSHOT_BUDGET` of the steps' time,
+        from this snapshot's ``cost`` (its time in the foreground, a wait for the previous
+        send included, and that send's CPU time, taken from the steps it ran beside:
+        counting their overlap twice errs on the side of fewer snapshots), averaged over
+        the snapshots so far; chosen again
+        at every snapshot, the same on every rank (the largest any rank wants)."""
+        self._cost = cost if self._cost is None else 0.7 * self._cost + 0.3 * cost
+        wanted = max(1, math.ceil(self._cost / (SNAPSHOT_BUDGET * self._step_time))) if self._step_time else 0
+        self.every = max(self._gather(wanted))
 
     def _pause_requested(self) -> bool:
         wanted = False
