@@ -239,6 +239,9 @@ def loader(dataset: Dataset, module: Any, *, shuffle: bool = True, seed: int = 0
     that needs the short batch whole on every rank while the others are split is an
     :class:`~hapd.errors.OptionsError`. The batches are cut as the program of the
     module's mode at this call cuts them.
+
+    Token sequences of different lengths: :func:`hapd.mixed_loader` packs them into
+    rows from a pool of shapes instead (:mod:`hapd.runtime.mixed_length`).
     """
     if not callable(getattr(module, "global_shapes", None)) or not callable(getattr(module, "sample_lengths", None)):
         raise OptionsError(f"loader takes the ParallelModule hapd.parallelize returned, not a {type(module).__name__}",
