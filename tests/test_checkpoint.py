@@ -474,3 +474,57 @@ def test_snapshot_files_of_every_rank_are_a_checkpoint_that_reshards(tmp_path, r
     (folder / sorted(n for n in ranks[1]["files"])[0]).write_bytes(b"damaged")
     with pytest.raises(CheckpointError, match="damaged|digest"):
         _second_half(0, 1, str(folder), None)
+
+
+def _dropout_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return models.build("mlp", dropout=0.3)[0]
+
+
+def _dropout_run(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """4 steps straight; 2 steps, a checkpoint, a fresh module loading it, 2 more; and
+    those 2 again with the draw counter left at 0 (what a resume did before it was saved)."""
+    from hapd.runtime.checkpoint import draw_count, set_draw_count
+
+    data = _dataset()
+    batch = _example(data)
+
+    def losses(module, optimizer, steps: int) -> list[float]:
+        out = []
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            part = module(*module.shard_inputs(*batch))
+            part.backward()
+            out.append(module.global_loss(part))
+            optimizer.step()
+        return out
+
+    def fresh():
+        module = hapd.parallelize(_dropout_model(), batch, options={"ratios": RATIOS_2}, use_daemon=False,
+                                  verbose=False)
+        return module, torch.optim.Adam(module.parameters(), lr=LR)
+
+    straight = losses(*fresh(), 4)
+    module, optimizer = fresh()
+    first = losses(module, optimizer, 2)
+    hapd.save_checkpoint(folder, module, optimizer, step=2)
+    module, optimizer = fresh()
+    hapd.load_checkpoint(folder, module, optimizer)
+    counted = draw_count(module)
+    resumed = losses(module, optimizer, 2)
+    module, optimizer = fresh()
+    hapd.load_checkpoint(folder, module, optimizer)
+    set_draw_count(module, 0)
+    reset = losses(module, optimizer, 2)
+    return {"straight": straight, "first": first, "resumed": resumed, "reset": reset, "counted": counted}
+
+
+def test_a_resumed_run_drops_what_the_uninterrupted_run_drops(tmp_path):
+    """Dropout drawn by hapd's counter-based generator on 2 uneven ranks: the checkpoint
+    keeps the generator's step, so the steps after a resume draw the masks the
+    uninterrupted run draws and their losses are its losses; with the step left at 0
+    they differ."""
+    got = run_ranks(2, _dropout_run, str(tmp_path / "ckpt"), timeout=300)[0]
+    assert got["counted"] == 2  # two forwards before the save
+    assert _rel(got["first"] + got["resumed"], got["straight"]) <= TOL
+    assert _rel(got["reset"], got["straight"][2:]) > 1e-4

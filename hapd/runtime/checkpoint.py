@@ -65,6 +65,7 @@ from hapd.runtime.checkpoint_format import (
 )
 from hapd.runtime.checkpoint_planners import PieceLoadPlanner, PieceSavePlanner, describe_entry, quiet_dcp
 from hapd.runtime.held import Held, HoldsPieces, whole
+from hapd.runtime.random_ops import STEP
 from hapd.util import atomic_write, fsync_folder
 
 # --------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def _write_pieces(folder: Path, module: nn.Module, held: list[Held], optimizer: 
         pieces.update(optim_pieces)
     state[f"{RNG}{ranks.rank}"] = _rng_state()
     if ranks.rank == 0:
-        state[EXTRA] = {"step": int(step), "extra": dict(extra or {})}
+        state[EXTRA] = {"step": int(step), "extra": dict(extra or {}), "draws": draw_count(module)}
         if sampler is not None:
             state[SAMPLER] = sampler.state_dict()
     with quiet_dcp():
@@ -419,7 +420,31 @@ def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
     if sampler is not None:
         sampler.load_state_dict(state[SAMPLER])
     _set_rng(state.get(rng_key), int(manifest.get("seed", 0)) + ranks.rank)
+    set_draw_count(module, state[EXTRA].get("draws"))
     return {"step": int(state[EXTRA]["step"]), "extra": dict(state[EXTRA]["extra"])}
+
+
+def draw_count(module: nn.Module) -> int | None:
+    """The counter-based generator's step (:data:`~hapd.runtime.random_ops.STEP`: the
+    forwards run so far) of ``module``'s programs; None when none draws with it."""
+    counts = [int(getattr(m, STEP)) for m in _draw_holders(module)]
+    return max(counts) if counts else None
+
+
+def set_draw_count(module: nn.Module, count: int | None) -> None:
+    """Set every program's counter-based step to ``count`` (a checkpoint's), so that a
+    resumed run drops what the uninterrupted run drops; nothing for a checkpoint
+    saved without one."""
+    if count is None:
+        return
+    for holder in _draw_holders(module):
+        old = getattr(holder, STEP)
+        setattr(holder, STEP, torch.full((), int(count), dtype=old.dtype, device=old.device))
+
+
+def _draw_holders(module: nn.Module) -> list[nn.Module]:
+    """The modules that hold a counter-based step (every program of a rank)."""
+    return [m for m in module.modules() if isinstance(getattr(m, STEP, None), Tensor)]
 
 
 def model_sizes(module: nn.Module, held: Iterable[Held]) -> dict[str, tuple[int, ...]]:
