@@ -35,6 +35,7 @@ slots that are padding), dispatch and packing time per step. Also, planning alon
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -196,7 +197,7 @@ def run_dpcp(model, config, seqs, ns, rank: int, barrier) -> dict[str, Any]:
                 n = lengths[i]
                 ids[r, :n], mask[r, :n], labels[r, :n] = seqs[i], 1, seqs[i]
             inner = sum(int(lengths[i]) - 1 for i in items)
-            context = ddp.no_sync() if k < len(micro) - 1 else _Nothing()
+            context = ddp.no_sync() if k < len(micro) - 1 else contextlib.nullcontext()
             with context:
                 loss = ddp(input_ids=ids, attention_mask=mask, labels=labels).loss * (inner * len(SPEEDS) / count)
                 loss.backward()
@@ -208,14 +209,6 @@ def run_dpcp(model, config, seqs, ns, rank: int, barrier) -> dict[str, Any]:
         return {"tokens": sum(lengths[i] for i in chosen), "slots": int(slots_all), "dispatch_ms": 1e3 * dispatch}
 
     return _timed_steps(steps(), step_fn, barrier, ns.warmup, ns.steps, lambda: 0)
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def rank_main(ns: argparse.Namespace) -> None:

@@ -47,8 +47,8 @@ the split) and builds only its own rows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -393,21 +393,13 @@ class Step:
         total = None
         last = len(self.micro_batches) - 1
         for k, mb in enumerate(self.micro_batches):
-            context = module.no_sync() if k < last else _nothing()
+            context = module.no_sync() if k < last else contextlib.nullcontext()
             with context:
                 loss = mb.loss(module)
                 loss.backward()
             part = loss.detach().to(torch.float64)
             total = part if total is None else total + part
         return module.global_loss(total)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 @dataclass
