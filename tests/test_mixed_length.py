@@ -70,7 +70,6 @@ def test_plan_step_places_every_sequence_once_in_pool_shapes_and_split(ratios) -
                 seen.extend(row)
     assert sorted(seen) == list(range(len(lengths)))
     assert plan.tokens == sum(lengths) and 0 <= plan.padding < 0.5
-    assert plan.seconds < 1.0
 
 
 def test_rows_follow_the_ranks_shares_and_long_sequences_spread() -> None:
