@@ -178,6 +178,41 @@ def test_reasons_say_why_a_job_ended(tmp_path):
         jobs.shutdown()
 
 
+CRASH_ONE = """\
+import os, sys, time
+if os.environ["RANK"] == "0":
+    sys.exit(7)
+time.sleep(300)
+"""
+
+
+def test_a_failed_host_stays_failed_when_the_launcher_s_cancel_comes_first(tmp_path, monkeypatch):
+    """A launcher that reads a rank's non-zero exit cancels the job on every host, this
+    one included, at once. Here the cancel runs inside the exit's publication (the
+    earliest moment it can arrive): the host whose rank crashed still reports "failed",
+    with the crash as its reason, and its other rank is stopped."""
+    from hapd.serve.jobs import Job
+
+    jobs = _manager(tmp_path)
+    publish = Job.add_event
+
+    def launcher_cancels_on_exit(self, rank, stream, line, **kw):
+        publish(self, rank, stream, line, **kw)
+        if stream == "exit" and line != "0":
+            jobs.cancel(self.spec.job, reason="cancelled by the launcher: another rank failed")
+
+    monkeypatch.setattr(Job, "add_event", launcher_cancels_on_exit)
+    try:
+        job = jobs.launch(_launch_body("crashes", script="crash.py", script_bytes=CRASH_ONE.encode(), nproc=2,
+                                       world_size=2))
+        wait_for(lambda: job.finished, GENEROUS_S, "the job to end")
+        assert job.status()["state"] == "failed"
+        assert job.status()["reason"] == "rank 0 exited with code 7"
+        assert [r.returncode for r in job.ranks][0] == 7 and job.ranks[1].returncode != 0  # stopped
+    finally:
+        jobs.shutdown()
+
+
 # ----------------------------------------------------------------------------- end to end
 
 

@@ -282,7 +282,10 @@ def test_a_restarted_daemon_stops_what_its_predecessor_left(tmp_path):
         with first.client(timeout_s=GENEROUS_S) as client:
             [guard] = client.launch("left", "gp.py", script_bytes=GRANDPARENT.encode(), nproc=1, world_size=1,
                                     master_addr="127.0.0.1", master_port=29500)
-            wait_for(lambda: len(job_processes("left")) == 3, GENEROUS_S, "guard, rank and grandchild")
+            # the grandchild's line, not just its process: one that has not printed yet when
+            # its pipe's readers are killed dies of the broken pipe on its first print
+            wait_for(lambda: _grandchild(client.job_events("left")[0]), GENEROUS_S, "the grandchild to start")
+            assert len(job_processes("left")) == 3  # guard, rank and grandchild
         os.kill(guard, signal.SIGKILL)
         first.proc.kill()
         first.proc.wait()

@@ -233,10 +233,13 @@ class Job:
     renewed: float = field(default_factory=time.monotonic)
     """When the lease was last renewed (monotonic clock)."""
     reason: str | None = None
+    """Why the job ended, or is ending (the first cause wins)."""
+    rank_failed: bool = False
+    """A rank exited non-zero before any cancel: the job ends ``failed`` even when the
+    cancel its launcher sends on seeing that exit arrives before the other ranks end."""
     pause_requested: bool = False
     """A ``pause`` request came: the job's ranks stop at their next step boundary (they
     read it in ``job_status``)."""
-    """Why the job ended, or is ending (the first cause wins)."""
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     """This launch's mark (``HAPD_JOB_TOKEN``), inherited by every process of the job."""
 
@@ -454,10 +457,16 @@ class JobManager:
         for t in readers:
             t.join(timeout=READER_JOIN_S)
         r.returncode = code
+        # decided before the exit is published: a launcher that sees it cancels the job
+        # everywhere, and that cancel must not turn this host's failure into "cancelled"
+        failed_first = code != 0 and not job.cancelled.is_set()
+        if failed_first:
+            job.set_reason(f"rank {r.rank} exited with code {code}")
+            with job.lock:
+                job.rank_failed = True
         job.add_event(r.rank, "exit", str(code))
         log.info("job %s: rank %d exited with %d", job.spec.job, r.rank, code)
-        if code != 0 and not job.cancelled.is_set():
-            job.set_reason(f"rank {r.rank} exited with code {code}")
+        if failed_first:
             others = [o for o in job.ranks if o is not r and o.returncode is None]
             if others:
                 log.info("job %s: rank %d failed; stopping the other local ranks", job.spec.job, r.rank)
@@ -465,7 +474,7 @@ class JobManager:
         ended_now = False
         with job.lock:
             if all(x.returncode is not None for x in job.ranks) and not job.finished:
-                if job.cancelled.is_set():
+                if job.cancelled.is_set() and not job.rank_failed:
                     job.state = "cancelled"
                 else:
                     job.state = "exited" if all(x.returncode == 0 for x in job.ranks) else "failed"
