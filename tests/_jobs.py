@@ -32,6 +32,20 @@ def job_processes(job: str) -> list[int]:
     return pids
 
 
+def describe_processes(pids: list[int]) -> str:
+    """Each pid's state, parent and command line, for a test's failure message."""
+    out = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            out.append(f"{pid} (gone)")
+            continue
+        out.append(f"{pid} state {stat[0]} parent {stat[1]} group {stat[2]}: {command[:160]}")
+    return "; ".join(out)
+
+
 def kill_job(job: str) -> None:
     """SIGKILL every process of ``job`` (test clean-up)."""
     for pid in job_processes(job):
@@ -56,4 +70,7 @@ def launched(args: list[str], env: dict[str, str], job: str) -> Iterator[subproc
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+        for pipe in (proc.stdout, proc.stderr):  # a launcher that ended by itself leaves them open
+            if pipe is not None:
+                pipe.close()
         kill_job(job)

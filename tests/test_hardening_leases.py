@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _jobs import job_processes, launched
+from _jobs import describe_processes, job_processes, launched
 from _wait import GENEROUS_S, wait_for
 
 from hapd.errors import OptionsError
@@ -107,7 +107,10 @@ def wait_ranks_up(proc: subprocess.Popen, count: int) -> None:
 
 
 def wait_job_gone(job: str) -> None:
-    wait_for(lambda: not job_processes(job), GENEROUS_S, f"every process of job {job} to end")
+    try:
+        wait_for(lambda: not job_processes(job), GENEROUS_S, f"every process of job {job} to end")
+    except AssertionError as e:  # say which are left: a guard, a rank, a child
+        raise AssertionError(f"{e}; left: {describe_processes(job_processes(job))}") from None
 
 
 def finished_status(address: str, key: Path, job: str) -> dict:
