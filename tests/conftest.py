@@ -100,9 +100,12 @@ def check_program():
 
 
 LONGEST_FIRST = (
-    "test_zoo.py", "test_elastic.py", "test_launcher.py", "test_example.py", "test_checkpoint.py",
-    "test_distribute.py", "test_pipeline_api.py", "test_gpu_step_bench.py", "test_frozen.py",
-    "test_memory_cluster.py", "test_collectives.py", "test_dropout.py", "test_container.py",
+    "test_zoo.py", "test_lowering.py", "test_distribute.py", "test_launcher.py", "test_elastic.py", "test_worker.py",
+    "test_mixed_length.py", "test_hardening_leases.py", "test_example.py", "test_pipeline_api.py", "test_cli.py",
+    "test_launcher_console.py", "test_checkpoint.py", "test_overlap.py", "test_hardening_preauth.py",
+    "test_profiler.py", "test_ir.py", "test_compile.py", "test_example_models.py", "test_gpu_step_bench.py",
+    "test_shapes.py", "test_local_daemon.py", "test_frozen.py", "test_dropout.py", "test_memory_cluster.py",
+    "test_collectives.py", "test_container.py",
 )
 """The test files that take longest (``make test`` prints ``--durations``), longest first.
 

@@ -138,7 +138,11 @@ def test_graph_id_survives_save_and_load_benchmark(name, lowered) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_graph_id_survives_save_and_load_zoo(name) -> None:
-    _assert_stable_graph_id(export(*_zoo(name)), name)
+    """The zoo's larger graphs: the round trip users make (a program exported, saved,
+    loaded and lowered) keeps the id; the benchmark models above also check the normal
+    form's round trips, which lower the same graph twice more."""
+    program = export(*_zoo(name))
+    assert lower(_round_trip(program), name=name).graph_id == lower(program, name=name).graph_id
 
 
 # ------------------------------------------------------------------------------ buffer updates
