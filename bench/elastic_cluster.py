@@ -116,6 +116,11 @@ module = hapd.parallelize(net, (ids[:BATCH], ids[:BATCH].clone()), profile=profi
 optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
 loader = hapd.loader(data, module, seed=0, drop_last=True)
 elastic = hapd.Elastic(module, optimizer, sampler=loader)
+if module.rank == 0:  # which plan this generation runs: a reference must run the same to be bit-equal
+    plan = module.plan_source.plan
+    print(json.dumps({"plan": hashlib.sha256(json.dumps(plan.doc, sort_keys=True, default=str).encode()).hexdigest()[:16],
+                      "ratios": [round(r, 6) for r in plan.ratios], "origin": module.plan_source.origin, "gen": gen}),
+          flush=True)
 step = elastic.resume()
 if load_from:
     step = hapd.load_checkpoint(load_from, module, optimizer, sampler=loader)["step"]
@@ -213,6 +218,7 @@ def parse_lines(stdout: str) -> dict[str, Any]:
     losses: dict[int, tuple[float, int, int, float]] = {}
     samples: dict[int, dict[int, dict[int, list[int]]]] = {}
     events: list[dict[str, Any]] = []
+    plans: list[dict[str, Any]] = []
     final = None
     for line in stdout.splitlines():
         text = line.split("] ", 1)[1] if line.startswith("[rank ") and "] " in line else line
@@ -230,9 +236,11 @@ def parse_lines(stdout: str) -> dict[str, Any]:
             samples.setdefault(value["samples"], {}).setdefault(value.get("gen", 0), {})[value["rank"]] = value["idx"]
         elif "final" in value:
             final = value["final"]
+        elif "plan" in value and "ratios" in value and "hapd" not in value:  # the script's plan line
+            plans.append(value)
         elif value.get("hapd") == "elastic":
             events.append(value)
-    return {"losses": losses, "samples": samples, "final": final, "events": events}
+    return {"losses": losses, "samples": samples, "final": final, "events": events, "plans": plans}
 
 
 def step_samples(samples: Mapping[int, Mapping[int, Mapping[int, list[int]]]]) -> dict[int, list[int]]:
@@ -256,7 +264,7 @@ def compare_samples(got: Mapping[int, list[int]], ref: Mapping[int, list[int]]) 
 def compare_losses(got: Mapping[int, Sequence[float]], ref: Mapping[int, Sequence[float]],
                    rtol: float = LOSS_RTOL) -> dict[str, Any]:
     """Per-step relative loss differences: the worst, the steps over ``rtol``, steps missing."""
-    worst, over, missing = 0.0, [], []
+    worst, over, missing, first = 0.0, [], [], None
     for s in sorted(ref):
         if s not in got:
             missing.append(s)
@@ -264,9 +272,12 @@ def compare_losses(got: Mapping[int, Sequence[float]], ref: Mapping[int, Sequenc
         r, g = ref[s][0], got[s][0]
         rel = abs(g - r) / max(abs(r), 1e-30)
         worst = max(worst, rel)
+        if rel > 0 and first is None:
+            first = {"step": s, "rel": rel, "got": g, "ref": r}
         if rel > rtol:
             over.append(s)
-    return {"max_rel": worst, "over": over, "missing": missing, "ok": not over and not missing}
+    return {"max_rel": worst, "over": over, "missing": missing, "ok": not over and not missing,
+            "first_difference": first}
 
 
 def throughput(losses: Mapping[int, Sequence[float]], last: int) -> float | None:
@@ -577,6 +588,7 @@ class Bench:
         samples: dict[int, dict] = {}
         ckpt = None
         final = None
+        plans: list[dict[str, Any]] = []
         for i, seg in enumerate(segments):
             to = self.work / f"{name}-ckpt{i}"
             last = i == len(segments) - 1
@@ -586,8 +598,9 @@ class Bench:
             losses.update(r["losses"])
             for s, gens in r["samples"].items():
                 samples[s] = gens
+            plans.extend({**p, "segment": i} for p in r["plans"])
             ckpt, final = to, r["final"]
-        return {"losses": losses, "samples": samples, "final": final, "segments": list(segments)}
+        return {"losses": losses, "samples": samples, "final": final, "segments": list(segments), "plans": plans}
 
 
 def check_against(run: Mapping[str, Any], ref: Mapping[str, Any]) -> dict[str, Any]:
@@ -596,7 +609,10 @@ def check_against(run: Mapping[str, Any], ref: Mapping[str, Any]) -> dict[str, A
     return {"losses": compare_losses(run["losses"], ref["losses"]),
             "samples": compare_samples(step_samples(run["samples"]), step_samples(ref["samples"])),
             "digest_equal": run["final"] is not None and run["final"] == ref["final"],
-            "segments": ref["segments"]}
+            "segments": ref["segments"],
+            # each generation's and each reference segment's plan (hash, ratios, origin): a digest
+            # that differs while every plan matches is a state that did not come back exactly
+            "plans": {"run": run.get("plans", []), "reference": ref.get("plans", [])}}
 
 
 # ----------------------------------------------------------------------------- scenarios
