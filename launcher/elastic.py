@@ -363,13 +363,19 @@ class ElasticRun:
         total = float(first.get("time", 0.0)) - rec["failed_at"]
         step = int(resumed.get("step", 0))
         lost_steps = max(0, (previous.last_step or 0) - step)
+        parts = restart_parts(resumed, rec["decided_at"], restart, plan_s)
         rec.update(detection_s=detection, replan_s=plan_s, restart_s=restart, load_s=load_s, total_s=total,
                    resumed_step=step, steps_lost=lost_steps, source=resumed.get("source"), plan=resumed.get("plan"),
-                   generation=gen.index, hosts=gen.hosts)
+                   generation=gen.index, hosts=gen.hosts, restart_parts=parts)
+        inside = ""
+        if parts is not None:
+            inside = (f" (launch {parts['launch_s']:.1f} s, script to parallelize {parts['script_s']:.1f} s, "
+                      f"parallelize {parts['parallelize_s']:.1f} s of which joining the ranks {parts['join_s']:.1f} s, "
+                      f"then {parts['after_s']:.1f} s)")
         self.say(f"generation {gen.index} on {len(gen.hosts)} host(s) ({', '.join(gen.hosts)}), {gen.world} ranks: "
                  f"resumed at step {step} from {resumed.get('source')} ({lost_steps} step(s) lost); plan: "
                  f"{resumed.get('plan')}; first step {total:.1f} s after the failure: detection {detection:.1f} s, "
-                 f"re-plan {plan_s:.2f} s, restart {restart:.1f} s, state load {load_s:.2f} s")
+                 f"re-plan {plan_s:.2f} s, restart {restart:.1f} s{inside}, state load {load_s:.2f} s")
 
     # ------------------------------------------------------------------ joins
 
@@ -464,6 +470,29 @@ class ElasticRun:
                 pass
 
 
+def restart_parts(resumed: Mapping[str, Any], decided_at: float, restart_s: float,
+                  plan_s: float) -> dict[str, float] | None:
+    """A restart's time on rank 0, split at its process's start and at
+    :func:`hapd.parallelize` (what the ``resumed`` event says): ``launch_s`` (the
+    decision to the process's start: the daemons' launch), ``script_s`` (the script up to
+    :func:`hapd.parallelize`: the interpreter, imports, the model), ``parallelize_s``
+    (less the plan's own time, which is the re-plan), of which ``join_s`` is joining the
+    process group (waiting for the job's slowest rank to get there), and ``after_s`` (the
+    script from :func:`hapd.parallelize` to :meth:`hapd.Elastic.resume`). None when the
+    event lacks them (a script without :func:`hapd.parallelize`)."""
+    started, built = resumed.get("started_at"), resumed.get("build")
+    if not isinstance(started, (int, float)) or not isinstance(built, Mapping):
+        return None
+    try:
+        called, total, join = float(built["started"]), float(built["total_s"]), float(built["join_s"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    launch, script = started - decided_at, called - started
+    parallel = max(0.0, total - plan_s)
+    return {"launch_s": launch, "script_s": script, "parallelize_s": parallel, "join_s": join,
+            "after_s": restart_s - launch - script - parallel}
+
+
 def append_host(host_file: Path, line: str) -> Host:
     """Append ``line`` (``HOST slots=N [port=P] [gpu=MODEL]``) to ``host_file``; the
     host it names (checked, and refused when already listed)."""
@@ -479,4 +508,4 @@ def append_host(host_file: Path, line: str) -> Host:
     return new[0]
 
 
-__all__ = ["ElasticOptions", "ElasticRun", "Generation", "append_host", "parse_elastic"]
+__all__ = ["ElasticOptions", "ElasticRun", "Generation", "append_host", "parse_elastic", "restart_parts"]

@@ -25,7 +25,7 @@ from _jobs import job_processes, launched
 from _wait import GENEROUS_S
 
 from hapd.profile.schema import estimated_profile
-from launcher.elastic import PEER_FAILURE, ElasticOptions, append_host, parse_elastic
+from launcher.elastic import PEER_FAILURE, ElasticOptions, append_host, parse_elastic, restart_parts
 from launcher.hosts import load_hosts
 
 pytestmark = [pytest.mark.daemon, pytest.mark.distributed, pytest.mark.slow]
@@ -196,6 +196,14 @@ def test_parse_elastic_and_options():
     assert not PEER_FAILURE.search("ValueError: a bug in the training script")
 
 
+def test_a_restart_splits_at_the_process_start_and_at_parallelize():
+    resumed = {"started_at": 100.5, "build": {"started": 104.0, "join_s": 1.5, "total_s": 3.0}}
+    parts = restart_parts(resumed, decided_at=100.0, restart_s=8.0, plan_s=0.25)
+    assert parts == {"launch_s": 0.5, "script_s": 3.5, "parallelize_s": 2.75, "join_s": 1.5, "after_s": 1.25}
+    assert restart_parts({"started_at": None, "build": None}, 100.0, 8.0, 0.25) is None  # a script without them
+    assert restart_parts({"started_at": 1.0, "build": {"started": "x"}}, 100.0, 8.0, 0.25) is None
+
+
 def test_join_appends_a_checked_host_line(tmp_path):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("127.0.0.1 slots=1 port=6001\n")
@@ -240,6 +248,11 @@ def test_host_killed_job_goes_on_from_the_snapshot(hosts3, tmp_path):
     assert len(gens) == 2 and gens[0]["recovery"]["resumed_step"] >= 6 and gens[0]["recovery"]["steps_lost"] <= 2, gens
     for part in ("detection_s", "replan_s", "restart_s", "load_s"):
         assert gens[0]["recovery"][part] >= 0
+    parts = gens[0]["recovery"]["restart_parts"]  # where the restart went, on rank 0
+    assert min(parts.values()) >= 0 and parts["join_s"] <= parts["parallelize_s"], parts
+    assert sum(parts[k] for k in ("launch_s", "script_s", "parallelize_s", "after_s")) == pytest.approx(
+        gens[0]["recovery"]["restart_s"])
+    assert "script to parallelize" in err
     assert not _job_pids("el-kill")  # nothing orphaned
 
     # the reference: the same script in one process, no launcher (hapd's plans reproduce the

@@ -41,13 +41,14 @@ step is lost.
 
 What rank 0 prints for the launcher (``{"hapd": "elastic", ...}`` lines): ``resumed``
 (generation, step, where the state came from, seconds to get the plan and to load the
-state), ``first_step`` (the first step finished in this generation), ``snapshot`` (step,
+state, when its process started and what :func:`hapd.parallelize` took), ``first_step`` (the first step finished in this generation), ``snapshot`` (step,
 bytes, seconds), ``paused``. Outside an elastic launch (``$HAPD_ELASTIC_RUN`` unset)
 :class:`Elastic` does nothing and :meth:`~Elastic.resume` returns 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -67,6 +68,7 @@ from hapd.errors import CheckpointError, HapdError
 from hapd.runtime.checkpoint import load_checkpoint, snapshot_files
 from hapd.runtime.checkpoint_format import find_checkpoint
 from hapd.serve.client import Client
+from hapd.serve.jobs import STARTED_ENV
 from hapd.serve.keys import default_key_path, load_key
 
 RUN_ENV = "HAPD_ELASTIC_RUN"
@@ -188,6 +190,7 @@ class Elastic:
         self._cost: float | None = None
         """Seconds a snapshot takes from the rank: its foreground write and its send's CPU time (EMA)."""
         self.pause_check = (env.get(PAUSE_CHECK_ENV) or "0") == "1"
+        self.started_at = _float_or_none(env.get(STARTED_ENV))
         self.job = env.get("HAPD_JOB") or ""
         self._sender: _Sender | None = None
         self._step_time: float | None = None
@@ -230,8 +233,10 @@ class Elastic:
         load_s = time.perf_counter() - start
         if self.rank == 0:
             plan_source = getattr(self.module, "plan_source", None)
+            built = getattr(self.module, "build_times", None)
             _say("resumed", generation=self.generation, step=step, source=source, load_s=load_s, world=self.world,
                  plan_s=getattr(plan_source, "seconds", None), plan=getattr(plan_source, "origin", None),
+                 started_at=self.started_at, build=dataclasses.asdict(built) if built is not None else None,
                  time=time.time())
             if choice is None:
                 print(f"hapd elastic: no complete snapshot{' or checkpoint' if self.checkpoint else ''} to resume "
@@ -412,6 +417,13 @@ class Elastic:
 def _key_bytes() -> bytes:
     """The daemons' key (``$HAPD_KEY_FILE``, which the daemon sets for its ranks)."""
     return load_key(default_key_path())
+
+
+def _float_or_none(text: str | None) -> float | None:
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
 
 
 def _safe(text: str) -> str:

@@ -71,6 +71,10 @@ class ParallelModule(nn.Module):
     (without one, only ``inner`` runs).
     """
 
+    build_times: Any = None
+    """What :func:`hapd.parallelize` took on this rank
+    (:class:`hapd.runtime.parallelize.BuildTimes`); None for a module built otherwise."""
+
     def __init__(self, inner: RankModule, source: PlanSource, *, group: Any = None,
                  aliases: Mapping[str, str] | None = None, extra: Mapping[str, Tensor] | None = None,
                  recipe: Recipe | None = None):

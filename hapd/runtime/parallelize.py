@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     if not isinstance(model, nn.Module):
         raise OptionsError(f"parallelize takes a torch.nn.Module whose forward returns the loss, not a "
                            f"{type(model).__name__}", field="model")
+    started = time.time()
     _join_job_if_launched()
+    joined_s = time.time() - started
     if overlap not in ("auto", "always"):
         raise OptionsError(f"overlap {overlap!r} is not auto or always", field="overlap")
     weights = weight_source(weights, model)
@@ -113,14 +116,31 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     if verbose and rank == 0:
         print(source.summary(), flush=True)
     if pipeline_won(source.plan):
-        return build_pipeline_module(recipe, source, job_profile(profile, world), compile_options(options),
-                                     weights=weights)
-    host_groups = job_host_groups(world, group) if hosts == "auto" else hosts
-    inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
-                       check_graph=False, hosts=host_groups, weights=weights, batch_dims=recipe.batch_dims)
-    extra = _state_outside_plan(model, inner, weights)
-    recipe = dataclasses.replace(recipe, training_ops=op_nodes(graph))
-    return ParallelModule(inner, source, group=group, aliases=_aliases(model, inner), extra=extra, recipe=recipe)
+        built: ParallelModule | PipelineModule = build_pipeline_module(
+            recipe, source, job_profile(profile, world), compile_options(options), weights=weights)
+    else:
+        host_groups = job_host_groups(world, group) if hosts == "auto" else hosts
+        inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
+                           check_graph=False, hosts=host_groups, weights=weights, batch_dims=recipe.batch_dims)
+        extra = _state_outside_plan(model, inner, weights)
+        recipe = dataclasses.replace(recipe, training_ops=op_nodes(graph))
+        built = ParallelModule(inner, source, group=group, aliases=_aliases(model, inner), extra=extra, recipe=recipe)
+    built.build_times = BuildTimes(started=started, join_s=joined_s, total_s=time.time() - started)
+    return built
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildTimes:
+    """When :func:`parallelize` ran on this rank and what it took: joining the process
+    group (which waits for the job's other ranks to start), and the whole call (the
+    join, the export, the plan and this rank's program). :class:`hapd.Elastic` reports
+    them, so that a restart's time splits into the processes' start, the script before
+    :func:`parallelize` (imports, the model) and :func:`parallelize` itself."""
+
+    started: float
+    """``time.time()`` when :func:`parallelize` was called."""
+    join_s: float
+    total_s: float
 
 
 def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,

@@ -79,6 +79,10 @@ class PipelineModule(nn.Module):
     every state-dict key of the whole model (the first name of a tied tensor) and its
     shape; ``owners``: the stage that writes each key to checkpoints."""
 
+    build_times: Any = None
+    """What :func:`hapd.parallelize` took on this rank
+    (:class:`hapd.runtime.parallelize.BuildTimes`); None for a module built otherwise."""
+
     def __init__(self, pipe: PipelineRank, source: PlanSource, stage_source: PlanSource, *,
                  sizes: Mapping[str, tuple[int, ...]], owners: Mapping[str, int],
                  aliases: Mapping[str, str] | None = None, extra: Mapping[str, Tensor] | None = None,

@@ -93,6 +93,10 @@ DEFAULT_JOB_DIR_MAX_AGE_S = 7 * 86400.0
 """Job folders of finished jobs older than this are removed whatever their number."""
 
 REASON_CANCELLED = "cancelled by a cancel request"
+STARTED_ENV = "HAPD_STARTED_AT"
+"""When the daemon started the rank's process (``time.time()``), in the rank's
+environment: an elastic restart's time splits there (the launch, then the script up to
+:func:`hapd.parallelize`)."""
 REASON_STOPPING = "the daemon is stopping"
 
 
@@ -414,7 +418,8 @@ class JobManager:
     def _start(self, job: Job, cwd: Path) -> None:
         spec = job.spec
         base = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "HAPD_DAEMON": self.daemon_address,
-                "HAPD_CACHE": str(self.cache_dir), "HAPD_JOB": spec.job, MARKER_ENV: job.token}
+                "HAPD_CACHE": str(self.cache_dir), "HAPD_JOB": spec.job, MARKER_ENV: job.token,
+                STARTED_ENV: f"{time.time():.6f}"}
         if self.key_file is not None:
             base["HAPD_KEY_FILE"] = str(self.key_file)
         if spec.nproc > 1 and "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in os.environ:
