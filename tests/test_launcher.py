@@ -142,6 +142,17 @@ def loop(tmp_path_factory):
 
 @pytest.fixture
 def loop_hosts(loop, tmp_path) -> Path:
+    """The loopback daemons' host file, once both are idle: the previous test's job may
+    still be stopping its ranks (its slots taken, which a launch's checks refuse)."""
+
+    def idle() -> bool:
+        for address in loop.addresses:
+            with Client(address, loop.key_file) as client:
+                if client.ping().get("jobs", 0):
+                    return False
+        return True
+
+    wait_for(idle, GENEROUS_S, "the loopback daemons to have no running job")
     path = tmp_path / "hosts.txt"
     path.write_text(loop.host_lines(slots=[2, 2]))
     return path
