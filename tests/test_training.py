@@ -110,6 +110,28 @@ def test_inconsistent_environment(env, message, monkeypatch):
     assert message in str(exc.value)
 
 
+AT_EXIT = """\
+import atexit
+import torch.distributed as dist
+from hapd.runtime.distributed import init_distributed
+# registered first, so it runs last: what the interpreter's finalization will find
+atexit.register(lambda: print("group alive at finalization:", dist.is_initialized(), flush=True))
+init_distributed()
+print("joined:", dist.is_initialized(), dist.get_world_size(), flush=True)
+"""
+
+
+def test_the_group_hapd_created_is_destroyed_before_the_interpreter_finalizes():
+    """A process ending with its Gloo group alive can abort in finalization (status 134,
+    "terminate called without an active exception"); hapd's group is destroyed at exit."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", AT_EXIT], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [line for line in done.stdout.splitlines() if not line.startswith("[Gloo]")]
+    assert said == ["joined: True 1", "group alive at finalization: False"], done.stdout
+
+
 def test_local_batch_cuts_the_global_batch():
     spec = models.get("mlp")
     _, config = models.build("mlp")

@@ -9,7 +9,10 @@ it runs under torchrun and no process group exists yet; the benchmark harness
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -126,7 +129,34 @@ def init_distributed(*, timeout_s: float | None = None) -> DistEnv:
         # port 0: the store binds a free port itself, so there is no race for it
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, **extra)
+    _destroy_at_exit()
     return env
+
+
+_exit_lock = threading.Lock()
+_exit_registered = False
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the process group this module created when the interpreter exits, while
+    it is still whole. A process that ends with its Gloo group alive can abort during
+    finalization (SIGABRT, "terminate called without an active exception": Gloo's
+    worker threads release their last work's tensors after the interpreter is gone,
+    pytorch#190489) — a finished training run would end with status 134, which a launcher
+    reports as a failure and an elastic job as a fault. Registered once; a script that
+    destroyed the group itself makes it a no-op. atexit runs handlers in reverse order,
+    so one registered later (hapd's telemetry, a script's own) still sees the group."""
+    global _exit_registered
+    with _exit_lock:
+        if not _exit_registered:
+            atexit.register(_destroy_group)
+            _exit_registered = True
+
+
+def _destroy_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # at exit: nothing left to tell
+            dist.destroy_process_group()
 
 
 def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> DistEnv:
