@@ -41,8 +41,9 @@ step is lost.
 
 What rank 0 prints for the launcher (``{"hapd": "elastic", ...}`` lines): ``resumed``
 (generation, step, where the state came from, seconds to get the plan and to load the
-state, when its process started and what :func:`hapd.parallelize` took), ``first_step`` (the first step finished in this generation), ``snapshot`` (step,
-bytes, seconds), ``paused``. Outside an elastic launch (``$HAPD_ELASTIC_RUN`` unset)
+state, when its process started and what :func:`hapd.parallelize` took), ``first_step``
+(the first step finished in this generation), ``snapshot`` (step, bytes, seconds),
+``paused``. Outside an elastic launch (``$HAPD_ELASTIC_RUN`` unset)
 :class:`Elastic` does nothing and :meth:`~Elastic.resume` returns 0.
 """
 

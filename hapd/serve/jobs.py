@@ -93,11 +93,11 @@ DEFAULT_JOB_DIR_MAX_AGE_S = 7 * 86400.0
 """Job folders of finished jobs older than this are removed whatever their number."""
 
 REASON_CANCELLED = "cancelled by a cancel request"
+REASON_STOPPING = "the daemon is stopping"
 STARTED_ENV = "HAPD_STARTED_AT"
 """When the daemon started the rank's process (``time.time()``), in the rank's
 environment: an elastic restart's time splits there (the launch, then the script up to
 :func:`hapd.parallelize`)."""
-REASON_STOPPING = "the daemon is stopping"
 
 
 def _bad(message: str, fieldname: str) -> OptionsError:
