@@ -25,6 +25,8 @@ from _wait import GENEROUS_S, wait_for
 
 from hapd.errors import OptionsError
 from hapd.serve.client import Client
+from hapd.serve.leftovers import MARKER_ENV, marked_processes
+from hapd.serve.rank_guard import GUARD_MODULE, victims
 
 pytestmark = pytest.mark.daemon
 
@@ -250,6 +252,80 @@ def test_a_sigkilled_daemon_takes_its_ranks_with_it(tmp_path):
         daemon.kill()
         daemon.wait()
         wait_job_gone(job)
+
+
+def test_a_guard_spares_the_other_guards_of_its_job(tmp_path):
+    """What a guard kills outside its group is the job's marked processes less the other
+    ranks' guards: two guards that killed each other first left both ranks running (seen
+    as a flaky ``test_a_sigkilled_daemon_takes_its_ranks_with_it``)."""
+    token = f"spare-{os.getpid()}"
+    env = {**os.environ, MARKER_ENV: token}
+    other_guard = subprocess.Popen([sys.executable, "-m", GUARD_MODULE, str(os.getpid()), "--", "sleep", "300"],
+                                   env=env, start_new_session=True)
+    marked = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
+    try:
+        wait_for(lambda: len(marked_processes({token}).get(token, [])) == 3, GENEROUS_S,
+                 "the other guard's rank to start")
+        ranks = set(marked_processes({token})[token]) - {other_guard.pid}
+        assert set(victims(token)) == ranks and marked.pid in ranks
+    finally:
+        for proc in (other_guard, marked):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+GUARDED_DAEMON = """\
+import os, subprocess, sys, time
+guard = subprocess.Popen([sys.executable, "-m", "hapd.serve.rank_guard", str(os.getpid()), "--",
+                          "sh", "-c", "env -u HAPD_JOB_TOKEN sleep 300 & exec sleep 301"], start_new_session=True)
+print(guard.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_guard_whose_daemon_is_gone_kills_its_group_though_its_rank_already_died(tmp_path):
+    """Once the daemon is gone, a rank that died (another guard killed it: it carries the
+    job's token) does not let its guard return quietly: the rank's children in the group,
+    even one without the token, are killed too. The guard is stopped while its daemon and
+    its rank die, so it sees both at once."""
+    env = {**os.environ, MARKER_ENV: f"group-{os.getpid()}", "PYTHONPATH": str(ROOT)}
+    daemon = subprocess.Popen([sys.executable, "-c", GUARDED_DAEMON], env=env, stdout=subprocess.PIPE, text=True)
+    group = int(daemon.stdout.readline())
+    try:
+        wait_for(lambda: len(group_members(group)) == 3, GENEROUS_S, "the guard's rank and its child to start")
+        rank = max(pid for pid in group_members(group) if pid != group and _cmdline(pid).endswith("301"))
+        os.kill(group, signal.SIGSTOP)
+        daemon.kill()
+        daemon.wait()
+        os.kill(rank, signal.SIGKILL)
+        wait_for(lambda: rank not in group_members(group), GENEROUS_S, "the rank to die")
+        os.kill(group, signal.SIGCONT)
+        wait_for(lambda: not group_members(group), GENEROUS_S, "the guard's group to end")
+    finally:
+        daemon.stdout.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+
+def group_members(group: int) -> list[int]:
+    """Live (not zombie) processes of process group ``group``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == group and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
 
 
 def test_a_guard_runs_its_command_and_passes_its_status_on(tmp_path):

@@ -55,6 +55,7 @@ from typing import Any, Mapping
 from hapd.errors import OptionsError
 from hapd.serve.events import SPILL_FILE, EventLog
 from hapd.serve.leftovers import MARKER_ENV, RankRecords, marked_processes, signal_marked
+from hapd.serve.rank_guard import GUARD_MODULE
 
 log = logging.getLogger("hapd.jobs")
 
@@ -370,7 +371,7 @@ class JobManager:
         with self._dirs_lock:  # a prune never removes the folder of a job being launched
             script = self._script_path(spec, cwd)
             # every rank runs under a guard that kills its process group should the daemon die
-            command = [sys.executable, "-m", "hapd.serve.rank_guard", str(os.getpid()), "--",
+            command = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), "--",
                        sys.executable, "-u", str(script), *spec.args]
             with self._lock:  # the slots counted and taken at once: concurrent launches cannot both pass
                 busy = sum(j.spec.nproc for j in self._jobs.values() if not j.finished)

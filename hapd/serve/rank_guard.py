@@ -10,6 +10,9 @@ the daemon's pid descriptor becomes readable (``pidfd_open``), or, where the ker
 has none, the guard's parent is no longer the daemon — and kills the whole process
 group: the rank and every child it started in it, and every process that carries the
 job's ``HAPD_JOB_TOKEN`` (children the rank started in a session of their own).
+Another rank's guard carries the token too and is spared: were the guards of a job to
+kill each other, the first to be killed would leave its own group running (each
+guard's scan meets the other guards first, their pids being the lowest).
 
 Why not ``PR_SET_PDEATHSIG``: the kernel sends that signal when the *thread* that
 forked the child ends, and the daemon starts ranks from short-lived threads (a
@@ -28,7 +31,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from hapd.serve.leftovers import MARKER_ENV, signal_marked
+from hapd.serve.leftovers import MARKER_ENV, marked_processes
+
+GUARD_MODULE = "hapd.serve.rank_guard"
+"""The guard's module, as the daemon starts it (``python -m``)."""
 
 POLL_S = 0.5
 """How often the guard looks at the daemon and the rank when it cannot watch both by
@@ -69,16 +75,37 @@ def guard(daemon_pid: int, command: Sequence[str]) -> int:
         poller.register(fd, select.POLLIN)
     waiting = None if len(fds) == 2 else POLL_S * 1000  # both watched: sleep until one ends
     while True:
+        if _daemon_gone(daemon_pid):  # first: a rank another guard killed leaves its children here
+            break
         if child.poll() is not None:
             return _status(child.returncode)
-        if _daemon_gone(daemon_pid):
-            break
         poller.poll(waiting)
     token = os.environ.get(MARKER_ENV)
     if token:  # the job's processes outside this group (their own session)
-        signal_marked({token}, signal.SIGKILL, exclude={os.getpid()})
+        for pid in victims(token):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
     os.killpg(os.getpgrp(), signal.SIGKILL)  # the rank, its children and the guard
     return 137  # not reached
+
+
+def victims(token: str) -> list[int]:
+    """The job's marked processes a guard kills besides its own group: all but itself and
+    the other ranks' guards (each kills its own group; see the module's docstring)."""
+    found = marked_processes({token}, exclude={os.getpid()}).get(token, [])
+    return [pid for pid in found if not _is_guard(pid)]
+
+
+def _is_guard(pid: int) -> bool:
+    """Whether process ``pid`` runs this module (a rank's guard)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return GUARD_MODULE.encode() in argv
 
 
 def _status(returncode: int) -> int:
