@@ -262,12 +262,11 @@ def _grad_error(module, grads: dict[str, Tensor]) -> float:
     (2, (0.75, 0.25), _llama),
 ], ids=["gpt2-4ranks", "llama-2ranks"])
 def test_packed_steps_on_uneven_ranks_match_one_device_sequence_by_sequence(world, ratios, build) -> None:
-    steps = STEPS if build is _gpt2 else 3  # Llama: the first step's gradients and 3 Adam steps
-    want, grads, _ = _reference(build, steps)
-    results = run_ranks(world, _rank, build, ratios, steps, grads, timeout=600)
+    want, grads, _ = _reference(build, STEPS)
+    results = run_ranks(world, _rank, build, ratios, STEPS, grads, timeout=600)
     for r, got in enumerate(results):
         errors = [abs(g - w) / abs(w) for g, w in zip(got["losses"], want)]
-        assert len(got["losses"]) == steps + 1
+        assert len(got["losses"]) == STEPS + 1
         assert errors[0] <= TOL, f"rank {r}: first loss {got['losses'][0]} vs {want[0]}"
         assert max(errors) <= TOL, f"rank {r}: loss errors {errors}"
         assert got["grad_error"] <= TOL, f"rank {r}: gradient error {got['grad_error']}"
