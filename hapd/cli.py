@@ -387,12 +387,16 @@ def explain_cmd(plan: Path, steps: bool) -> None:
               help="Serve a graph cached for another profile by re-solving only the LP.")
 @click.option("--snapshot-mb", type=click.IntRange(min=0), default=None,
               help="MiB of training snapshots (for elastic restarts) held in memory at most  [default: 4096]")
+@click.option("--preload/--no-preload", default=True, show_default=True,
+              help="Import the compiler and torch at start (~2 s of CPU, ~500 MB), so the first compile does not "
+                   "wait for them; --no-preload: on the first compile (a host that only runs ranks or serves "
+                   "cached plans).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @_import_option
 def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | None, key_file: Path | None,
               home: Path | None, max_cache_bytes: int, max_request_bytes: int, options: tuple[str, ...],
-              slots: int | None, max_connections: int | None, relp: bool, snapshot_mb: int | None, log_level: str,
-              imports: tuple[str, ...]) -> None:
+              slots: int | None, max_connections: int | None, relp: bool, snapshot_mb: int | None, preload: bool,
+              log_level: str, imports: tuple[str, ...]) -> None:
     """Run the daemon: compile graphs dropped into the watch folder into plans
     (WATCH/out/NAME.hplan and NAME.report.txt; bad files give WATCH/failed/NAME.error),
     cache plans, and serve the authenticated ZeroMQ control API.
@@ -436,7 +440,8 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
     config = DaemonConfig.defaults(
         profile=profile, home=home, watch=watch, cache=cache, key_file=key_file,
         bind=bind or DEFAULT_ADDRESS, allow_remote=bind is not None, max_cache_bytes=max_cache_bytes,
-        max_body_bytes=max_request_bytes, options=_parse_overrides(options), relp=relp, imports=imports, **extra,
+        max_body_bytes=max_request_bytes, options=_parse_overrides(options), relp=relp, preload=preload,
+        imports=imports, **extra,
     )
     stop = threading.Event()
     first_signal: list[float] = []

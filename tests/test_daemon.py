@@ -282,6 +282,32 @@ def unchecked_request(daemon: DaemonProcess, mtype: str, body: dict) -> dict:
     return reply.body
 
 
+def _maps_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library mapped (has imported torch)."""
+    return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_daemon_without_preload_imports_the_compiler_on_the_first_compile(tmp_path, mlp_pt2):
+    """``--no-preload``: the daemon answers without torch loaded; the first compile (a
+    .pt2, lowered by the daemon) imports it and succeeds. The module's daemon preloads
+    (the default): torch is loaded before any compile asks for it."""
+    d = DaemonProcess(tmp_path / "hapd", "--no-preload").start()
+    try:
+        with d.client() as client:
+            assert client.ping()  # answering
+            time.sleep(1.0)  # a preloading daemon has torch loaded by now
+            assert not _maps_torch(d.proc.pid)
+            plan, origin = client.compile(mlp_pt2, "pt2")
+            assert plan and origin == "miss" and _maps_torch(d.proc.pid)
+    finally:
+        assert d.stop() == 0, d.log()
+    fresh = DaemonProcess(tmp_path / "preloaded").start()
+    try:
+        wait_for(lambda: _maps_torch(fresh.proc.pid), GENEROUS_S, "the preloading daemon to import torch")
+    finally:
+        assert fresh.stop() == 0, fresh.log()
+
+
 def test_no_daemon_times_out_naming_the_address(daemon):
     with socket_port() as port:
         with Client(f"tcp://127.0.0.1:{port}", daemon.home / "key", timeout_s=0.5) as client:

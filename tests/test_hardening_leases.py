@@ -57,7 +57,7 @@ def running_daemon(home: Path) -> Iterator[tuple[subprocess.Popen, str]]:
     with open(home / "stderr.txt", "ab") as stderr:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hapd.cli", "serve", "--state", str(home), "--bind", "tcp://127.0.0.1:*",
-             "--profile", "paper-8", "--slots", "4"], stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT)
+             "--profile", "paper-8", "--slots", "4", "--no-preload"], stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT)
 
     def address() -> str | None:
         if proc.poll() is not None:

@@ -177,7 +177,8 @@ def test_a_daemon_prunes_job_folders_at_start(tmp_path):
     (jobs_dir / "recent").mkdir()
     with open(tmp_path / "stderr.txt", "wb") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "hapd.cli", "serve", "--state", str(home), "--bind", "tcp://127.0.0.1:*",
-                                 "--profile", "paper-8"], stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT)
+                                 "--profile", "paper-8", "--no-preload"], stdout=subprocess.DEVNULL, stderr=stderr,
+                                cwd=ROOT)
     try:
         wait_for(lambda: (home / "daemon.json").exists() or proc.poll() is not None, GENEROUS_S, "the daemon to start")
         assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()

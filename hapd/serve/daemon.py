@@ -143,6 +143,11 @@ class DaemonConfig:
     """Rank slots this host offers (reported by ping)."""
     relp: bool = True
     """Serve a graph cached for another profile by re-solving only the LP."""
+    preload: bool = True
+    """Import the compiler (and torch) when the daemon starts, so the first compile does
+    not wait for them (~2 s of CPU and ~500 MB); off, they are imported by the first
+    compile (``hapd serve --no-preload``: a host that only runs ranks or serves cached
+    plans)."""
     imports: tuple[str, ...] = ()
     """Modules the compile worker imports first: they register custom ops that dropped
     programs use (``hapd serve --import``)."""
@@ -577,11 +582,9 @@ class Daemon:
 
     # ------------------------------------------------------------------ the compile worker
 
-    def _work(self) -> None:
-        replies = self.ctx.socket(zmq.PAIR)
-        replies.connect(self._inproc)
+    def _import_compiler(self) -> None:
+        """The compiler (and torch, for .pt2) and the ``--import`` modules."""
         try:
-            # import the compiler (and torch, for .pt2) now rather than on the first drop
             import hapd.compiler.driver  # noqa: F401
             import hapd.compiler.lower  # noqa: F401
         except Exception as exc:  # a broken install: every compile will say why
@@ -591,15 +594,22 @@ class Daemon:
                 importlib.import_module(name)
             except Exception as exc:  # noqa: BLE001 - a bad module must not stop the worker
                 log.error("cannot import %s (--import): %s: %s", name, type(exc).__name__, exc)
-        # torch's millions of module-level objects made every full collection a 100+ ms
-        # pause of the main loop too; they live as long as the process: stop scanning them
-        gc.collect()
-        gc.freeze()
+
+    def _work(self) -> None:
+        replies = self.ctx.socket(zmq.PAIR)
+        replies.connect(self._inproc)
+        frozen = False
+        if self.config.preload:
+            self._import_compiler()
+            frozen = _freeze_heap()
         try:
             while True:
                 task = self._tasks.get()
                 if task is None:
                     return
+                if not frozen:  # the first task imports the compiler (a compile would anyway)
+                    self._import_compiler()
+                    frozen = _freeze_heap()
                 if self.stop.is_set():
                     self._abandon(replies, task)
                     continue
@@ -729,6 +739,15 @@ class Daemon:
                 tmp.unlink(missing_ok=True)
                 reasons.append(f"{folder}: {exc.strerror}")
         raise HapdError(f"no room for a private copy of the .pt2 to lower ({'; '.join(reasons)})")
+
+
+def _freeze_heap() -> bool:
+    """Stop the collector scanning what is alive now (True). torch's millions of
+    module-level objects made every full collection a 100+ ms pause of the main loop
+    too; they live as long as the process."""
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 def _prices_other_batches(options: CompileOptions) -> bool:
