@@ -292,8 +292,9 @@ def test_a_guard_whose_daemon_is_gone_kills_its_group_though_its_rank_already_di
     daemon = subprocess.Popen([sys.executable, "-c", GUARDED_DAEMON], env=env, stdout=subprocess.PIPE, text=True)
     group = int(daemon.stdout.readline())
     try:
-        wait_for(lambda: len(group_members(group)) == 3, GENEROUS_S, "the guard's rank and its child to start")
-        rank = max(pid for pid in group_members(group) if pid != group and _cmdline(pid).endswith("301"))
+        wait_for(lambda: sorted(_cmdline(pid) for pid in group_members(group) if pid != group) == ["sleep 300", "sleep 301"],
+                 GENEROUS_S, "the guard's rank and its child to start")
+        (rank,) = [pid for pid in group_members(group) if _cmdline(pid) == "sleep 301"]
         os.kill(group, signal.SIGSTOP)
         daemon.kill()
         daemon.wait()
