@@ -276,3 +276,12 @@ def test_a_profile_cut_to_the_hosts_a_job_runs_on(monkeypatch):
     assert cut.hosts == hosts[:-1]
     with pytest.raises(ProfileError, match="ranks"):
         job_profile("paper-8", 3)  # the hosts named hold more devices than the job's ranks
+    # every host, in another order (one left and joined again: it comes last): the
+    # devices in the job's rank order, so a rank's share is its own device's
+    rejoined = [*hosts[:1], *hosts[2:], hosts[1]]
+    monkeypatch.setenv(JOB_HOSTS_ENV, ",".join(rejoined))
+    ordered = job_profile("paper-8", paper.world)
+    assert ordered.hosts == rejoined
+    assert [d.model for d in ordered.devices] == [paper.devices[r].model for h in rejoined for r in paper.ranks_of(h)]
+    monkeypatch.setenv(JOB_HOSTS_ENV, ",".join(hosts))
+    assert job_profile("paper-8", paper.world).hosts == hosts

@@ -184,11 +184,13 @@ def job_profile(profile: Profile | str | Path | Mapping | None, world: int, *, d
     A launcher that runs the job on some of the profile's hosts names them, in rank
     order, in ``$HAPD_HOSTS`` (an elastic job after a host left or joined): a profile
     of more devices than ``world`` is then cut to those hosts' devices
-    (:meth:`~hapd.profile.schema.Profile.on_hosts`)."""
+    (:meth:`~hapd.profile.schema.Profile.on_hosts`), and one whose hosts the job runs
+    on in another order (a host that left and joined again comes last) is put in the
+    job's rank order, so each rank's share is its own device's."""
     if profile is not None:
         loaded = load_profile(profile)
         hosts = [h for h in os.environ.get(JOB_HOSTS_ENV, "").split(",") if h]
-        if loaded.world != world and hosts:
+        if hosts and (loaded.world != world or sorted(hosts) == sorted(loaded.hosts)):
             loaded = loaded.on_hosts(hosts)
         return load_profile(loaded, world_size=world)
     if device is not None:
