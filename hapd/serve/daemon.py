@@ -582,8 +582,11 @@ class Daemon:
 
     # ------------------------------------------------------------------ the compile worker
 
-    def _import_compiler(self) -> None:
-        """The compiler (and torch, for .pt2) and the ``--import`` modules."""
+    def _load_compiler(self) -> None:
+        """Import the compiler (and torch, for .pt2) and the ``--import`` modules, then
+        stop the collector scanning them: torch's millions of module-level objects made
+        every full collection a 100+ ms pause of the main loop too, and they live as long
+        as the process."""
         try:
             import hapd.compiler.driver  # noqa: F401
             import hapd.compiler.lower  # noqa: F401
@@ -594,22 +597,23 @@ class Daemon:
                 importlib.import_module(name)
             except Exception as exc:  # noqa: BLE001 - a bad module must not stop the worker
                 log.error("cannot import %s (--import): %s: %s", name, type(exc).__name__, exc)
+        gc.collect()
+        gc.freeze()
 
     def _work(self) -> None:
         replies = self.ctx.socket(zmq.PAIR)
         replies.connect(self._inproc)
-        frozen = False
-        if self.config.preload:
-            self._import_compiler()
-            frozen = _freeze_heap()
+        loaded = self.config.preload
+        if loaded:
+            self._load_compiler()
         try:
             while True:
                 task = self._tasks.get()
                 if task is None:
                     return
-                if not frozen:  # the first task imports the compiler (a compile would anyway)
-                    self._import_compiler()
-                    frozen = _freeze_heap()
+                if not loaded:  # the first task imports the compiler (a compile would anyway)
+                    self._load_compiler()
+                    loaded = True
                 if self.stop.is_set():
                     self._abandon(replies, task)
                     continue
@@ -739,15 +743,6 @@ class Daemon:
                 tmp.unlink(missing_ok=True)
                 reasons.append(f"{folder}: {exc.strerror}")
         raise HapdError(f"no room for a private copy of the .pt2 to lower ({'; '.join(reasons)})")
-
-
-def _freeze_heap() -> bool:
-    """Stop the collector scanning what is alive now (True). torch's millions of
-    module-level objects made every full collection a 100+ ms pause of the main loop
-    too; they live as long as the process."""
-    gc.collect()
-    gc.freeze()
-    return True
 
 
 def _prices_other_batches(options: CompileOptions) -> bool:
