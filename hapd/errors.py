@@ -8,6 +8,8 @@ point at the problem without parsing the message.
 
 from __future__ import annotations
 
+import re
+
 
 class HapdError(Exception):
     """Base class of every hapd error."""
@@ -101,4 +103,11 @@ class RemoteError(HapdError):
     """A daemon answered a request with an error."""
 
 
-__all__ = [name for name, value in list(globals().items()) if isinstance(value, type) and issubclass(value, HapdError)]
+PEER_FAILURE = re.compile(
+    r"connection closed by peer|connection reset|broken pipe|timed out|timeout|DistNetworkError|DistBackendError|"
+    r"Connection refused|ECONNRESET|gloo/transport|NCCL error|ProcessGroup.*abort", re.IGNORECASE)
+"""What a rank's failure says when it failed because a peer went away (not its own
+bug): Gloo's and NCCL's errors, a collective's timeout."""
+
+
+__all__ = ["PEER_FAILURE"] + [name for name, value in list(globals().items()) if isinstance(value, type) and issubclass(value, HapdError)]

@@ -167,10 +167,14 @@ def common_options(f: Any) -> Any:
 @click.option("--snapshot-every", type=int, default=0, show_default=True,
               help="With --elastic: steps between in-memory snapshots (0: chosen so they cost ≤ 5% of the step "
                    "time; negative: none, resume from the script's checkpoint).")
+@click.option("--in-place/--restart", "in_place", default=True, show_default=True,
+              help="With --elastic, after a lost host: switch the other hosts' ranks to the hosts left in their own "
+                   "processes (they keep Python, torch and the model's library loaded), or restart them as new "
+                   "processes. A killed rank, a joining host, or ranks that do not park always restart.")
 def run_cmd(script: Path, args: tuple[str, ...], hosts: Path | None, nproc: int | None, key_file: Path | None,
             env: tuple[str, ...], timeout: float, master_port: int | None, report: Path | None, job_id: str | None,
             lease: float, ship: bool, cwd: str | None, lost_after: float, quiet: bool, verbose: bool, progress: bool,
-            log_dir: Path | None, elastic: str | None, max_restarts: int, snapshot_every: int) -> None:
+            log_dir: Path | None, elastic: str | None, max_restarts: int, snapshot_every: int, in_place: bool) -> None:
     """Run SCRIPT [ARGS] with K ranks on every host, started at one instant, with
     torchrun's environment. Put the script's own options after `--` (options the
     launcher does not know are passed on too).
@@ -197,7 +201,8 @@ def run_cmd(script: Path, args: tuple[str, ...], hosts: Path | None, nproc: int 
         low, high = parse_elastic(elastic, len(host_list) if host_list else 1)
 
         def runner(found: list[Host], opts: JobOptions) -> JobResult:
-            spec = ElasticOptions(low, high, max_restarts=max_restarts, snapshot_every=snapshot_every, host_file=hosts)
+            spec = ElasticOptions(low, high, max_restarts=max_restarts, snapshot_every=snapshot_every, host_file=hosts,
+                                  in_place=in_place)
             return ElasticRun(found, opts, spec, launcher_start=LAUNCHER_START).run()
     _exit(_run(host_list, options, runner))
 

@@ -48,19 +48,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
-from hapd.errors import HapdError, OptionsError
+from hapd.errors import PEER_FAILURE, HapdError, OptionsError
 from hapd.serve.client import Client
 from hapd.serve.keys import default_key_path, home_dir, load_key
 
 from launcher.hosts import Host, load_hosts, parse_hosts
-from launcher.job import EXIT_HOST_LOST, Job, JobOptions, JobResult, Placement, default_job_id
+from launcher.job import EXIT_HOST_LOST, Attach, Job, JobOptions, JobResult, LaunchError, Placement, default_job_id
 from launcher.report import write_report
-
-PEER_FAILURE = re.compile(
-    r"connection closed by peer|connection reset|broken pipe|timed out|timeout|DistNetworkError|DistBackendError|"
-    r"Connection refused|ECONNRESET|gloo/transport|NCCL error|ProcessGroup.*abort", re.IGNORECASE)
-"""What a rank's failure says when it failed because a peer went away (not its own
-bug): Gloo's and NCCL's errors, a collective's timeout."""
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 """``HAPD_COLLECTIVE_TIMEOUT`` of an elastic job's ranks unless ``--env`` sets it: a
@@ -89,6 +83,10 @@ class ElasticOptions:
     """``HAPD_SNAPSHOT_EVERY``: steps between snapshots; 0: chosen by cost; < 0: none."""
     host_file: Path | None = None
     """Watched for hosts joining (None: no joins)."""
+    in_place: bool = True
+    """After a lost host, switch the other hosts' ranks to the next generation in their
+    processes (they park, :mod:`hapd.runtime.in_place`) instead of restarting them; a
+    rank killed, a host joining, or ranks that do not park take the restart path."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_hosts <= self.max_hosts:
@@ -125,6 +123,8 @@ class Generation:
     last_snapshot: int | None = None
     plan: str | None = None
     recovery: dict[str, Any] | None = None
+    in_place: bool = False
+    """Its ranks are the last generation's, switched in place (not new processes)."""
 
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -199,25 +199,31 @@ class ElasticRun:
         if self.options.report is not None:
             report = self.options.report.with_name(f"{self.options.report.stem}-g{index}{self.options.report.suffix}")
         return dataclasses.replace(self.options, job_id=f"{self.run_id}-g{index}", env=env, host_env=True,
-                                   env_of_host=buddies, report=report)
+                                   env_of_host=buddies, report=report, in_place=self.elastic.in_place)
 
     def run(self) -> JobResult:
         hosts = list(self.hosts)
         index = 0
         previous: Generation | None = None
+        attach: Attach | None = None
         while True:
-            gen = Generation(index, f"{self.run_id}-g{index}", [h.label for h in hosts], time.time())
+            gen = Generation(index, f"{self.run_id}-g{index}", [h.label for h in hosts], time.time(),
+                             in_place=attach is not None)
             self.generations.append(gen)
-            job = Job(hosts, self._options_for(index, hosts), out=self.out, err=self.err,
-                      launcher_start=self.launcher_start)
-            gen.world = job.world_size
-            job.on_tick = self._watch
-            job.on_failure = lambda hosts, j=job: self._ping_after_failure(j, hosts)
-            job.on_elastic = lambda rank, value, g=gen, p=previous: self._on_event(g, p, value)
-            self._job = job
-            self._pending = _Pending()
+            job = self._job_for(gen, previous, hosts, attach)
             try:
-                job.start()
+                try:
+                    job.start()
+                except LaunchError as exc:
+                    if attach is None:
+                        raise
+                    # a host could not switch (a rank of it ended meanwhile): stop them all, launch afresh
+                    self.say(f"{exc}; restarting generation {index} instead")
+                    job.close()
+                    self._release(attach.job_id, hosts)
+                    gen.in_place, attach = False, None
+                    job = self._job_for(gen, previous, hosts, None)
+                    job.start()
                 result = job.wait()
             finally:
                 job.close()
@@ -225,11 +231,58 @@ class ElasticRun:
             result = job.finish(result)
             gen.ended = time.time()
             decided = self._decide(gen, job, result, hosts)
+            attach = self._attach_next(gen, job, result, decided)
             if decided is None:
                 return self._finish(result)
             hosts = decided
             previous = gen
             index += 1
+
+    def _job_for(self, gen: Generation, previous: Generation | None, hosts: Sequence[Host],
+                 attach: Attach | None) -> Job:
+        job = Job(hosts, self._options_for(gen.index, hosts), out=self.out, err=self.err,
+                  launcher_start=self.launcher_start, attach=attach)
+        gen.world = job.world_size
+        job.on_tick = self._watch
+        job.on_failure = lambda placements, j=job: self._ping_after_failure(j, placements)
+        job.on_elastic = lambda rank, value, g=gen, p=previous: self._on_event(g, p, value)
+        job.hold_on_host_loss = self.elastic.in_place
+        self._job = job
+        self._pending = _Pending()
+        return job
+
+    def _attach_next(self, gen: Generation, job: Job, result: JobResult,
+                     decided: list[Host] | None) -> Attach | None:
+        """The next generation switched in place when every host it runs on held its
+        parked ranks; otherwise the held ranks are stopped (the next generation, if any,
+        restarts)."""
+        if not result.held:
+            return None
+        going_on = {h.label for h in decided or ()}
+        if decided is not None and going_on == set(result.held):
+            return Attach(job.job_id, gen.index + 1, dict(result.after))
+        self._release(job.job_id, [self._every_host[label] for label in result.held if label in self._every_host])
+        return None
+
+    def _release(self, job_id: str, hosts: Sequence[Host]) -> None:
+        """Stop a job's ranks on ``hosts`` and wait until their daemons say they ended
+        (a restart on the same hosts needs their slots)."""
+
+        def one(h: Host) -> None:
+            try:
+                with Client(h.address, self._key, self.options.timeout_s) as client:
+                    client.cancel(job_id)
+                    deadline = time.monotonic() + self.options.grace_s
+                    while time.monotonic() < deadline:
+                        if client.job_status(job_id).get("state") in ("exited", "failed", "cancelled"):
+                            return
+                        time.sleep(0.1)
+            except HapdError as exc:
+                self.say(f"could not stop job {job_id} on {h.label}: {exc}")
+
+        if hosts:
+            with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
+                list(pool.map(one, hosts))
 
     def _decide(self, gen: Generation, job: Job, result: JobResult, hosts: list[Host]) -> list[Host] | None:
         """The next generation's hosts, or None when the job ends with ``result``."""
@@ -275,8 +328,9 @@ class ElasticRun:
             self.say(f"{fault}: {self.faults} faults, more than --max-restarts {self.elastic.max_restarts}: the job ends")
             return None
         what = f"lost {', '.join(sorted(lost))}" if lost else "same hosts"
+        how = "switching in place to" if {h.label for h in left} == set(result.held) else "restarting on"
         self.say(f"{fault} at {time.strftime('%H:%M:%S', time.localtime(failed_at))} (last step {gen.last_step}, "
-                 f"last snapshot {gen.last_snapshot}); {what}: restarting on {len(left)} host(s) "
+                 f"last snapshot {gen.last_snapshot}); {what}: {how} {len(left)} host(s) "
                  f"({', '.join(h.label for h in left)}), detection took {time.time() - failed_at:.1f} s")
         return left
 
@@ -365,17 +419,20 @@ class ElasticRun:
         lost_steps = max(0, (previous.last_step or 0) - step)
         parts = restart_parts(resumed, rec["decided_at"], restart, plan_s)
         rec.update(detection_s=detection, replan_s=plan_s, restart_s=restart, load_s=load_s, total_s=total,
+                   in_place=gen.in_place,
                    resumed_step=step, steps_lost=lost_steps, source=resumed.get("source"), plan=resumed.get("plan"),
                    generation=gen.index, hosts=gen.hosts, restart_parts=parts)
         inside = ""
         if parts is not None:
-            inside = (f" (launch {parts['launch_s']:.1f} s, script to parallelize {parts['script_s']:.1f} s, "
+            inside = (f" ({'switch' if gen.in_place else 'launch'} {parts['launch_s']:.1f} s, "
+                      f"script to parallelize {parts['script_s']:.1f} s, "
                       f"parallelize {parts['parallelize_s']:.1f} s of which joining the ranks {parts['join_s']:.1f} s, "
                       f"then {parts['after_s']:.1f} s)")
         self.say(f"generation {gen.index} on {len(gen.hosts)} host(s) ({', '.join(gen.hosts)}), {gen.world} ranks: "
                  f"resumed at step {step} from {resumed.get('source')} ({lost_steps} step(s) lost); plan: "
                  f"{resumed.get('plan')}; first step {total:.1f} s after the failure: detection {detection:.1f} s, "
-                 f"re-plan {plan_s:.2f} s, restart {restart:.1f} s{inside}, state load {load_s:.2f} s")
+                 f"re-plan {plan_s:.2f} s, {'switch in place' if gen.in_place else 'restart'} {restart:.1f} s{inside}, "
+                 f"state load {load_s:.2f} s")
 
     # ------------------------------------------------------------------ joins
 

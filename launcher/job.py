@@ -101,6 +101,10 @@ DeepSpeed forwards ``NCCL_*``): interface pinning and debug switches."""
 TAIL_LINES = 20
 """Output lines of the failing rank printed after a failure."""
 
+HOLD_S = 10.0
+"""After a lost host, how long an in-place job's other ranks may take to park (a rank
+computing finds its peer gone at its next collective) before they are stopped."""
+
 DEFAULT_LEASE_S = 10.0
 """The job's lease on every daemon: one that gets no ``job_events`` poll from this
 launcher for this long stops the job's ranks there (the pollers ask every ``poll_s``)."""
@@ -174,6 +178,9 @@ class JobOptions:
     env_of_host: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """More environment for the ranks of one host, by its label (an elastic job's
     snapshot partner)."""
+    in_place: bool = False
+    """Run the ranks under :mod:`hapd.runtime.in_place` (an elastic job: a rank whose peer
+    went away parks and can be switched to the next generation in its process)."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
@@ -207,6 +214,19 @@ class Placement:
                 "ranks": [self.rank_offset, self.rank_offset + self.nproc - 1]}
 
 
+@dataclass(frozen=True)
+class Attach:
+    """A generation that goes on in the ranks of a running job (switched in place)
+    instead of launching new ones."""
+
+    job_id: str
+    """The daemons' job whose ranks are parked."""
+    generation: int
+    """The elastic generation they switch to."""
+    after: Mapping[str, int]
+    """Per host label, the last event of that job already read."""
+
+
 @dataclass
 class JobResult:
     """How the job ended."""
@@ -229,6 +249,11 @@ class JobResult:
     """Hosts whose daemon stopped answering (their ranks are left to the job's lease)."""
     other: list[dict[str, Any]] = field(default_factory=list)
     """``{"hapd": ...}`` lines other than timings and summary (with ``"_rank"``)."""
+    held: list[str] = field(default_factory=list)
+    """Hosts whose every rank parked after a lost host and was left running, to be
+    switched in place (:attr:`Job.hold_on_host_loss`)."""
+    after: dict[str, int] = field(default_factory=dict)
+    """Per host label, the last event read (where a switched generation goes on reading)."""
 
 
 # ----------------------------------------------------------------------------- placement
@@ -548,25 +573,27 @@ class _Poller(threading.Thread):
     the main thread; a host that does not answer is reported ``lost`` with the monotonic
     time of the last poll it answered."""
 
-    def __init__(self, placement: Placement, client: Client, job: str, out: "queue.Queue[tuple]", poll_s: float) -> None:
+    def __init__(self, placement: Placement, client: Client, job: str, out: "queue.Queue[tuple]", poll_s: float,
+                 after: int = 0) -> None:
         super().__init__(name=f"hapd-launcher-{placement.host.label}", daemon=True)
         self.placement, self.client, self.job, self.out, self.poll_s = placement, client, job, out, poll_s
+        self.after = after
+        """The last event read."""
         self.quit = threading.Event()
         self.answered = time.monotonic()
         """When the last poll that got an answer was sent."""
 
     def run(self) -> None:
-        after = 0
         while not self.quit.is_set():
             sent = time.monotonic()
             try:
-                events, done = self.client.job_events(self.job, after)
+                events, done = self.client.job_events(self.job, self.after)
             except HapdError as exc:
                 self.out.put(("lost", self.placement, (f"{type(exc).__name__}: {exc}", self.answered)))
                 return
             self.answered = sent
             if events:
-                after = events[-1]["seq"]
+                self.after = events[-1]["seq"]
                 self.out.put(("events", self.placement, events))
             if done:
                 self.out.put(("done", self.placement, None))
@@ -585,7 +612,7 @@ class Job:
     :meth:`wait` (stream, stop on failure, report). :func:`run_job` does both."""
 
     def __init__(self, hosts: Sequence[Host], options: JobOptions, *, out: TextIO | None = None, err: TextIO | None = None,
-                 launcher_start: float | None = None) -> None:
+                 launcher_start: float | None = None, attach: Attach | None = None) -> None:
         self.hosts = list(hosts)
         self.options = options
         self.out = out or sys.stdout
@@ -593,7 +620,8 @@ class Job:
         self.start_info: dict[str, Any] = {"launcher_start": launcher_start or time.time()}
         self.placements = place(self.hosts, options.nproc_per_node)
         self.world_size = sum(p.nproc for p in self.placements)
-        self.job_id = options.job_id or default_job_id(options.script)
+        self.attach = attach
+        self.job_id = attach.job_id if attach is not None else (options.job_id or default_job_id(options.script))
         self.script_name = options.script.name
         self.rank_host = {r: {"host": p.host.label, "gpu": p.host.gpu} for p in self.placements for r in p.ranks}
         self.timings = Timings()
@@ -612,11 +640,18 @@ class Job:
         """When the job's first failure happened (a failing rank's exit on its daemon's
         clock, a lost daemon's last answer), wall clock."""
         self.on_failure: Callable[[list[Placement]], None] | None = None
-        """Called once at the job's first failure with the hosts not yet finished or lost
-        (an elastic launcher pings them at once, :meth:`declare_lost`)."""
+        """Called once, at the job's first failure or when a rank first parks, with the
+        hosts not yet finished or lost (an elastic launcher pings them at once,
+        :meth:`declare_lost`)."""
         self.on_tick: Callable[[], None] | None = None
         """Called about every half second while the job runs (an elastic launcher
         watches its host file from there)."""
+        self.hold_on_host_loss = False
+        """At a lost host, leave the other hosts' ranks running while they park (an
+        in-place elastic job), up to :data:`HOLD_S`; stop them as usual when one does not."""
+        self._pinged = False
+        self.parked: set[int] = set()
+        """Ranks that said they parked (``{"hapd": "elastic", "event": "parked"}``)."""
         self._events: queue.Queue[tuple] = queue.Queue()
         self._pollers: list[_Poller] = []
         key = options.key_file or default_key_path()
@@ -641,7 +676,11 @@ class Job:
 
     def start(self) -> None:
         """Check every daemon, then launch every host's ranks to start at one instant.
-        Raises :class:`LaunchError` (nothing left running) when any step fails."""
+        Raises :class:`LaunchError` (nothing left running) when any step fails. With
+        ``attach``, switch the parked ranks of that job in place instead (:meth:`_switch`)."""
+        if self.attach is not None:
+            self._switch(self.attach)
+            return
         opts = self.options
         script = opts.script
         if not script.is_file():
@@ -667,7 +706,7 @@ class Job:
                          **opts.env_of_host.get(p.host.label, {})}, nproc=p.nproc,
                     node_rank=p.node_rank, nnodes=len(self.placements), rank_offset=p.rank_offset,
                     world_size=self.world_size, master_addr=master.name, master_port=port, start_at=start_at, cwd=cwd,
-                    lease_s=opts.lease_s,
+                    lease_s=opts.lease_s, in_place=opts.in_place,
                 )
             except DaemonTimeout as exc:  # it may have accepted the job all the same: cancelled below
                 unanswered.add(p.node_rank)
@@ -703,6 +742,45 @@ class Job:
         self.say(f"job {self.job_id}: {self.world_size} ranks on {len(self.placements)} host(s) ({hosts}); "
                  f"MASTER_ADDR={master.name} MASTER_PORT={port}; {when}")
 
+    def _switch(self, attach: Attach) -> None:
+        """Tell every host's daemon where its parked ranks of ``attach.job_id`` go on (the
+        ``switch`` request: generation, ranks, rendezvous, environment) and read their
+        events from where the last generation stopped. Raises :class:`LaunchError` when a
+        host refuses (a rank of it is no longer running); the caller then stops them and
+        launches afresh."""
+        opts = self.options
+        master = self.placements[0].host
+        port = choose_master_port(master, opts.master_port)
+        env = job_env(opts, self.hosts)
+        self.start_info.update(master_addr=master.name, master_port=port, switched_to=attach.generation)
+
+        def one(p: Placement) -> str | None:
+            try:
+                self.control[p.node_rank].job_switch(
+                    self.job_id, generation=attach.generation, node_rank=p.node_rank, nnodes=len(self.placements),
+                    rank_offset=p.rank_offset, world_size=self.world_size, master_addr=master.name, master_port=port,
+                    env={**env, **({"HAPD_HOST": p.host.label} if opts.host_env else {}),
+                         **opts.env_of_host.get(p.host.label, {})})
+            except HapdError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return None
+
+        with ThreadPoolExecutor(max_workers=min(32, len(self.placements))) as pool:
+            refusals = list(pool.map(one, self.placements))
+        self.start_info["launched"] = time.time()
+        lines = [f"  {p.host.label}: {why}" for p, why in zip(self.placements, refusals) if why is not None]
+        if lines:
+            raise LaunchError(f"{len(lines)} host(s) refused to switch job {self.job_id} in place:\n" + "\n".join(lines))
+        self.launched = list(self.placements)
+        for p in self.placements:
+            poller = _Poller(p, Client(p.host.address, self._key, opts.lost_after_s), self.job_id, self._events,
+                             opts.poll_s, after=attach.after.get(p.host.label, 0))
+            self._pollers.append(poller)
+            poller.start()
+        hosts = ", ".join(f"{p.host.label} ranks {p.rank_offset}-{p.rank_offset + p.nproc - 1}" for p in self.placements)
+        self.say(f"job {self.job_id}: switched in place to generation {attach.generation}: {self.world_size} ranks on "
+                 f"{len(self.placements)} host(s) ({hosts}); MASTER_ADDR={master.name} MASTER_PORT={port}")
+
     def declare_lost(self, placement: Placement, message: str) -> None:
         """Take ``placement``'s daemon as lost now (any thread), as its poller would once a
         poll went unanswered for ``lost_after_s``."""
@@ -733,9 +811,20 @@ class Job:
         lost: dict[int, str] = {}
         stop_started: float | None = None
         deadline: float | None = None
+        hold_until: float | None = None
+        held = False
         try:
             while len(finished) + len(lost) < len(self.placements):
                 timeout = 0.5 if deadline is None else deadline - time.monotonic()
+                if hold_until is not None and stop_started is None:
+                    if self._all_parked(finished, lost):
+                        held = True
+                        break
+                    if time.monotonic() >= hold_until or self._survivor_exited(lost):
+                        self.say("not every rank of the hosts left parked: stopping them (restart)")
+                        stop_started, deadline = self._stop_all(finished, lost)
+                        continue
+                    timeout = min(timeout, hold_until - time.monotonic())
                 if timeout <= 0:
                     break
                 self._flush_tracebacks(self.tracebacks.due())
@@ -747,9 +836,13 @@ class Job:
                     continue
                 failed_now = self._handle(kind, p, payload, finished, lost)
                 if failed_now and stop_started is None:
-                    stop_started, deadline = self._stop_all(finished, lost)
-                    if self.on_failure is not None:
-                        self.on_failure([q for q in self.launched if q.node_rank not in finished and q.node_rank not in lost])
+                    if self.hold_on_host_loss and (self.failure or {}).get("kind") == "host":
+                        hold_until = time.monotonic() + HOLD_S
+                    else:
+                        stop_started, deadline = self._stop_all(finished, lost)
+                    self._ping_once(finished, lost)
+                elif self.parked and self.failure is None:  # a rank lost a peer: find a host that died at once
+                    self._ping_once(finished, lost)
         except KeyboardInterrupt:
             if self.failure is None:
                 self.failure = {"kind": "interrupt"}
@@ -768,7 +861,33 @@ class Job:
             for poller in self._pollers:
                 poller.quit.set()
             self._flush_tracebacks(list(self.tracebacks.held))
-        return self._result(finished, lost, stop_started)
+        result = self._result(finished, lost, stop_started)
+        if held:  # their pollers stopped: the next generation reads on from their last event
+            result.held, result.leftover = list(result.leftover), []
+            for poller in self._pollers:
+                if poller.placement.host.label in result.held:
+                    poller.join(timeout=self.options.lost_after_s + 1)
+                    result.after[poller.placement.host.label] = poller.after
+        return result
+
+    def _ping_once(self, finished: set[int], lost: Mapping[int, str]) -> None:
+        """Call :attr:`on_failure` once: at the job's first failure, or when a rank first
+        parks (its peer went away; the host that died may not have been seen yet)."""
+        if self.on_failure is not None and not self._pinged:
+            self._pinged = True
+            self.on_failure([q for q in self.launched if q.node_rank not in finished and q.node_rank not in lost])
+
+    def _survivors(self, lost: Mapping[int, str]) -> list[Placement]:
+        return [p for p in self.launched if p.node_rank not in lost]
+
+    def _all_parked(self, finished: set[int], lost: Mapping[int, str]) -> bool:
+        """Every rank of every host not lost parked and none exited (none finished)."""
+        survivors = self._survivors(lost)
+        return bool(survivors) and not finished and all(
+            r in self.parked and r not in self.exits for p in survivors for r in p.ranks)
+
+    def _survivor_exited(self, lost: Mapping[int, str]) -> bool:
+        return any(r in self.exits for p in self._survivors(lost) for r in p.ranks)
 
     def _flush_tracebacks(self, ranks: Sequence[int]) -> None:
         """Print the held tracebacks of ``ranks`` (once; a repeat of another rank's as one line)."""
@@ -793,8 +912,10 @@ class Job:
                 self.failure = {"kind": "host", "host": p.host.label, "ranks": [p.rank_offset, p.rank_offset + p.nproc - 1],
                                 "message": message}
                 others = len(self.launched) - len(lost) > 0
+                then = "; waiting for the other hosts' ranks to park" if self.hold_on_host_loss else \
+                    "; stopping the other hosts' ranks"
                 self.say(f"lost the daemon of {p.host.label} (ranks {p.rank_offset}-{p.rank_offset + p.nproc - 1}): {message}"
-                         + ("; stopping the other hosts' ranks" if others else ""))
+                         + (then if others else ""))
             self.say(self._lease_note(p, answered))
             return first
         first_failure = False
@@ -827,7 +948,9 @@ class Job:
                 continue
             value = self.timings.feed(rank, line) if stream == "stdout" else None
             consumed = value is not None
-            if value is not None and value["hapd"] == "elastic" and rank == 0 and self.on_elastic is not None:
+            if value is not None and value["hapd"] == "elastic" and value.get("event") == "parked":
+                self.parked.add(rank)
+            elif value is not None and value["hapd"] == "elastic" and rank == 0 and self.on_elastic is not None:
                 self.on_elastic(rank, value)
             if self.options.stream and (self.options.verbose or not consumed):
                 self._print(f"[rank {rank}] {line}", self.out)

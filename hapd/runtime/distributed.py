@@ -159,6 +159,14 @@ def _destroy_group() -> None:
             dist.destroy_process_group()
 
 
+def leave_group() -> None:
+    """Destroy the process group (every group of this process) after a peer went away:
+    its connections close, so the peers still waiting in a collective with this rank
+    fail at once instead of at the group's timeout. Errors of the broken group are
+    swallowed; nothing is left to tell it."""
+    _destroy_group()
+
+
 def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> DistEnv:
     if cuda:
         count = torch.cuda.device_count()
@@ -171,4 +179,4 @@ def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> Di
     return DistEnv(rank=rank, world=world, local_rank=local, backend=backend, device=device)
 
 
-__all__ = ["DistEnv", "env_int", "init_distributed"]
+__all__ = ["DistEnv", "env_int", "init_distributed", "leave_group"]

@@ -207,6 +207,7 @@ class Client:
         start_at: float | None = None,
         cwd: str | None = None,
         lease_s: float | None = None,
+        in_place: bool = False,
     ) -> list[int]:
         """Start this daemon's ranks of a job; the pids of the local ranks (empty when
         ``start_at`` is in the future). The daemon cancels the job when no
@@ -228,6 +229,8 @@ class Client:
         for name, value in (("script_bytes", script_bytes), ("start_at", start_at), ("cwd", cwd), ("lease_s", lease_s)):
             if value is not None:
                 body[name] = value
+        if in_place:
+            body["in_place"] = True
         return list(self.request("launch", body).body["pids"])
 
     def job_status(self, job: str) -> dict[str, Any]:
@@ -245,6 +248,14 @@ class Client:
         """Ask ``job``'s ranks to stop at their next step boundary (an elastic job's
         launcher, for a host joining)."""
         self.request("pause", {"job": job})
+
+    def job_switch(self, job: str, *, generation: int, node_rank: int, nnodes: int, rank_offset: int,
+                   world_size: int, master_addr: str, master_port: int, env: Mapping[str, str]) -> None:
+        """Tell an in-place ``job``'s ranks on this host where they go on (an elastic
+        job's next generation)."""
+        self.request("switch", {"job": job, "generation": generation, "node_rank": node_rank, "nnodes": nnodes,
+                                "rank_offset": rank_offset, "world_size": world_size, "master_addr": master_addr,
+                                "master_port": master_port, "env": dict(env)})
 
     def job_paused(self, job: str) -> bool:
         """Whether a pause was asked for ``job`` (what an elastic job's rank 0 asks after each step)."""

@@ -561,6 +561,10 @@ class Daemon:
         self.jobs.get(msg.body["job"]).pause_requested = True
         return "ok", {}
 
+    def _on_switch(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        self.jobs.switch(msg.body["job"], msg.body)
+        return "ok", {}
+
     # -- training snapshots (in memory, answered at once: never behind a compile)
 
     def _on_snapshot_put(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:

@@ -57,6 +57,9 @@ from hapd.serve.events import SPILL_FILE, EventLog
 from hapd.serve.leftovers import MARKER_ENV, RankRecords, marked_processes, signal_marked
 from hapd.serve.rank_guard import GUARD_MODULE
 
+IN_PLACE_MODULE = "hapd.runtime.in_place"
+"""What an in-place launch's ranks run the script under (``python -m`` it)."""
+
 log = logging.getLogger("hapd.jobs")
 
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -124,6 +127,9 @@ class LaunchSpec:
     start_at: float | None
     cwd: str | None
     lease_s: float = DEFAULT_LEASE_S
+    in_place: bool = False
+    """The ranks run under :mod:`hapd.runtime.in_place`: a rank whose peer went away waits
+    for a ``switch`` and runs the script again in its own process."""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], *, now: float | None = None) -> "LaunchSpec":
@@ -183,7 +189,51 @@ class LaunchSpec:
             start_at=start_at,
             cwd=cwd,
             lease_s=float(lease_s),
+            in_place=bool(body.get("in_place", False)),
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwitchOrder:
+    """A validated ``switch`` request: where this host's ranks of an in-place job go on
+    (the next generation of an elastic job, on the hosts left)."""
+
+    generation: int
+    node_rank: int
+    nnodes: int
+    rank_offset: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    env: Mapping[str, str]
+    time: float
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], nproc: int) -> "SwitchOrder":
+        gen, nnodes, node_rank = body["generation"], body["nnodes"], body["node_rank"]
+        world, offset, port = body["world_size"], body["rank_offset"], body["master_port"]
+        if gen < 1:
+            raise OptionsError(f"switch: generation {gen} must be ≥ 1", field="generation")
+        if nnodes < 1 or not 0 <= node_rank < nnodes:
+            raise OptionsError(f"switch: node_rank {node_rank} must be in 0..{nnodes - 1} (nnodes {nnodes})",
+                               field="node_rank")
+        if offset < 0 or offset + nproc > world:
+            raise OptionsError(f"switch: this host's {nproc} rank(s) from {offset} do not fit world_size {world}",
+                               field="rank_offset")
+        if not 1 <= port <= 65535:
+            raise OptionsError(f"switch: master_port {port} is not a port", field="master_port")
+        if not body["master_addr"]:
+            raise OptionsError("switch: master_addr is empty", field="master_addr")
+        for k, v in body["env"].items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise OptionsError(f"switch: environment variable {k!r} is not a valid name/value", field="env")
+        return cls(generation=gen, node_rank=node_rank, nnodes=nnodes, rank_offset=offset, world_size=world,
+                   master_addr=body["master_addr"], master_port=port, env=dict(body["env"]), time=time.time())
+
+    def describe(self) -> dict[str, Any]:
+        return {"generation": self.generation, "node_rank": self.node_rank, "nnodes": self.nnodes,
+                "rank_offset": self.rank_offset, "world_size": self.world_size, "master_addr": self.master_addr,
+                "master_port": self.master_port, "env": dict(self.env), "time": self.time}
 
 
 def torchrun_env(spec: LaunchSpec, local_rank: int) -> dict[str, str]:
@@ -245,6 +295,9 @@ class Job:
     pause_requested: bool = False
     """A ``pause`` request came: the job's ranks stop at their next step boundary (they
     read it in ``job_status``)."""
+    switch: SwitchOrder | None = None
+    """The last ``switch`` request: where the ranks go on in place (they read it in
+    ``job_status``); their global ranks are renumbered from its ``rank_offset``."""
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     """This launch's mark (``HAPD_JOB_TOKEN``), inherited by every process of the job."""
 
@@ -304,6 +357,8 @@ class Job:
             out["reason"] = self.reason
         if self.pause_requested:
             out["pause"] = True
+        if self.switch is not None:
+            out["switch"] = self.switch.describe()
         return out
 
 
@@ -371,8 +426,9 @@ class JobManager:
         with self._dirs_lock:  # a prune never removes the folder of a job being launched
             script = self._script_path(spec, cwd)
             # every rank runs under a guard that kills its process group should the daemon die
+            runner = ["-m", IN_PLACE_MODULE] if spec.in_place else []
             command = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), "--",
-                       sys.executable, "-u", str(script), *spec.args]
+                       sys.executable, "-u", *runner, str(script), *spec.args]
             with self._lock:  # the slots counted and taken at once: concurrent launches cannot both pass
                 busy = sum(j.spec.nproc for j in self._jobs.values() if not j.finished)
                 if self.slots is not None and busy + spec.nproc > self.slots:
@@ -454,8 +510,8 @@ class JobManager:
     def _watch_rank(self, job: Job, r: Rank) -> None:
         proc = r.proc
         readers = [
-            threading.Thread(target=self._read, args=(job, r.rank, proc.stdout, "stdout"), daemon=True),
-            threading.Thread(target=self._read, args=(job, r.rank, proc.stderr, "stderr"), daemon=True),
+            threading.Thread(target=self._read, args=(job, r, proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._read, args=(job, r, proc.stderr, "stderr"), daemon=True),
         ]
         for t in readers:
             t.start()
@@ -490,20 +546,21 @@ class JobManager:
             self._ended(job)
 
     @staticmethod
-    def _read(job: Job, rank: int, stream: Any, name: str) -> None:
+    def _read(job: Job, rank: Rank, stream: Any, name: str) -> None:
         """A rank's output as events of at most :data:`MAX_LINE` bytes: a longer line in
         pieces marked ``more`` (the launcher joins them), decoded across the cuts, so a
-        multi-byte character split by one arrives whole."""
+        multi-byte character split by one arrives whole. Each event carries the rank's
+        global rank when it was read (a ``switch`` renumbers it)."""
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         pending = False
         with stream:
             for raw in iter(lambda: stream.readline(MAX_LINE), b""):
                 whole = raw.endswith(b"\n")
                 text = decoder.decode(raw, final=whole)
-                job.add_event(rank, name, text.rstrip("\r\n") if whole else text, more=not whole)
+                job.add_event(rank.rank, name, text.rstrip("\r\n") if whole else text, more=not whole)
                 pending = not whole
         if pending:  # the output ended inside a line
-            job.add_event(rank, name, decoder.decode(b"", final=True))
+            job.add_event(rank.rank, name, decoder.decode(b"", final=True))
 
     # -- stopping
 
@@ -522,6 +579,30 @@ class JobManager:
             self._ended(job)
         else:
             self._stop(job)
+        return job
+
+    def switch(self, job_id: str, body: Mapping[str, Any]) -> Job:
+        """Record where an in-place job's ranks go on (``switch``): every local rank must
+        still run; from now on its events carry its new global rank."""
+        job = self.get(job_id)
+        order = SwitchOrder.from_body(body, job.spec.nproc)
+        with job.lock:
+            if not job.spec.in_place:
+                raise OptionsError(f"switch: job {job_id!r} was not launched in place", field="job")
+            if job.finished or job.cancelled.is_set():
+                raise OptionsError(f"switch: job {job_id!r} is {job.state}{' (cancelled)' if job.cancelled.is_set() else ''}",
+                                   field="job")
+            ended = [r.rank for r in job.ranks if r.returncode is not None or r.proc is None]
+            if ended:
+                raise OptionsError(f"switch: rank(s) {ended} of job {job_id!r} are not running", field="job")
+            if job.switch is not None and order.generation <= job.switch.generation:
+                raise OptionsError(f"switch: job {job_id!r} already went to generation {job.switch.generation}",
+                                   field="generation")
+            job.switch = order
+            for r in job.ranks:
+                r.rank = order.rank_offset + r.local_rank
+        log.info("job %s: switching in place to generation %d, ranks %d..%d of %d", job_id, order.generation,
+                 order.rank_offset, order.rank_offset + job.spec.nproc - 1, order.world_size)
         return job
 
     def expire_leases(self, now: float | None = None) -> list[str]:

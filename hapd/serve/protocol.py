@@ -201,6 +201,8 @@ REQUESTS: dict[str, MessageType] = {
                 _opt("cwd", "str", "working directory of the ranks; default the daemon's"),
                 _opt("lease_s", "number", "the job's lease: with no job_events poll about it for this long, the daemon "
                                           "cancels it (1 s to 7 days; default 60 s)"),
+                _opt("in_place", "bool", "run the ranks under hapd's in-place runner: a rank whose peer went away waits "
+                                         "for a switch and runs the script again in its process (an elastic job)"),
             ),
             ("launched",),
         ),
@@ -215,6 +217,23 @@ REQUESTS: dict[str, MessageType] = {
         MessageType("cancel", "Stop every rank of a job (its whole process group).", (_job(),), ("ok",)),
         MessageType("pause", "Ask a job's ranks to stop at their next step boundary (an elastic job, for a host "
                              "joining); job_status then says pause: true.", (_job(),), ("ok",)),
+        MessageType(
+            "switch",
+            "Tell an in-place job's ranks where they go on (an elastic job's next generation on the hosts left); "
+            "job_status then carries it, and the ranks' events their new global ranks.",
+            (
+                _job(),
+                Field("generation", "int", "the elastic job's generation they go on in (≥ 1, growing)"),
+                Field("node_rank", "int", "this host's index among the generation's hosts (GROUP_RANK)"),
+                Field("nnodes", "int", "number of hosts in the generation"),
+                Field("rank_offset", "int", "global rank of this host's local rank 0 in the generation"),
+                Field("world_size", "int", "ranks in the generation (WORLD_SIZE)"),
+                Field("master_addr", "str", "address of the generation's rank 0's host (MASTER_ADDR)"),
+                Field("master_port", "int", "rendezvous port on master_addr (MASTER_PORT)"),
+                Field("env", "str_map", "environment the ranks set before running the script again"),
+            ),
+            ("ok",),
+        ),
         MessageType(
             "snapshot_put",
             "Store a chunk of one file of a rank's training snapshot in the daemon's memory.",
@@ -335,6 +354,7 @@ REPLIES: dict[str, MessageType] = {
                 Field("ranks", "list", "per local rank: {rank (global), local_rank, pid, returncode (nil while running)}"),
                 _opt("reason", "str", "why the job ended or is ending (a failing rank, a cancel, an expired lease)"),
                 _opt("pause", "bool", "a pause was asked for the job (its ranks stop at their next step boundary)"),
+                _opt("switch", "map", "the last switch request, with the time the daemon took it"),
             ),
         ),
         MessageType(
