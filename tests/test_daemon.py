@@ -441,6 +441,58 @@ def test_launch_gives_ranks_torchrun_env_and_streams_output(daemon):
         assert lines[(rank, "exit")] == ["0"]
 
 
+SWITCH_SCRIPT = textwrap.dedent(
+    """
+    import os, json
+    gen = int(os.environ.get("HAPD_GENERATION") or 0)
+    print("gen", gen, "pid", os.getpid(), "rank", os.environ["RANK"], "world", os.environ["WORLD_SIZE"],
+          "port", os.environ["MASTER_PORT"], "extra", os.environ.get("EXTRA"), flush=True)
+    if gen == 0:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+    """
+)
+
+
+def test_an_in_place_rank_parks_and_goes_on_where_a_switch_says(daemon):
+    """Under the in-place runner a rank whose peer went away (Gloo's error) parks; the
+    ``switch`` request sends it to the next generation in its own process: torchrun's
+    variables and the order's env set, its events renumbered. A switch is refused for a
+    job not launched in place, and to a generation not after the last."""
+    with daemon.client() as client:
+        client.launch("inplace", "sw.py", script_bytes=SWITCH_SCRIPT.encode(), nproc=2, world_size=4, rank_offset=2,
+                      node_rank=1, nnodes=2, master_addr="127.0.0.1", master_port=29990, in_place=True,
+                      env={"HAPD_ELASTIC_RUN": "inplace-run"})
+        order = dict(generation=1, node_rank=0, nnodes=1, rank_offset=0, world_size=2, master_addr="127.0.0.1",
+                     master_port=29991, env={"EXTRA": "g1", "HAPD_GENERATION": "1"})
+        with pytest.raises(RemoteError, match="do not fit world_size"):
+            client.job_switch("inplace", **{**order, "world_size": 1})
+        wait_for(lambda: sum('"event": "parked"' in e["line"] for e in client.job_events("inplace", 0)[0]) == 2,
+                 GENEROUS_S, "both ranks to park")
+        pids = [r["pid"] for r in client.job_status("inplace")["ranks"]]
+        client.job_switch("inplace", **order)
+        with pytest.raises(RemoteError, match="already went to generation 1"):
+            client.job_switch("inplace", **order)
+        events = collect(client, "inplace", timeout=GENEROUS_S)
+        status = client.job_status("inplace")
+        with pytest.raises(RemoteError, match="not launched in place"):
+            client.launch("plain", "x.py", script_bytes=b"import time; time.sleep(30)\n", nproc=1, world_size=1,
+                          master_addr="h", master_port=1)
+            client.job_switch("plain", **order)
+        client.cancel("plain")
+    assert status["state"] == "exited" and status["switch"]["generation"] == 1, status
+    assert [r["pid"] for r in status["ranks"]] == pids and [r["rank"] for r in status["ranks"]] == [0, 1]
+    said = [e for e in events if e["stream"] == "stdout" and e["line"].startswith("gen ")]
+    before = {e["rank"]: e["line"].split() for e in said if e["line"].startswith("gen 0")}
+    after = {e["rank"]: e["line"].split() for e in said if e["line"].startswith("gen 1")}
+    assert [before[r][4:] for r in (2, 3)] == [["rank", "2", "world", "4", "port", "29990", "extra", "None"],
+                                               ["rank", "3", "world", "4", "port", "29990", "extra", "None"]]
+    assert [after[r][4:] for r in (0, 1)] == [["rank", "0", "world", "2", "port", "29991", "extra", "g1"],
+                                              ["rank", "1", "world", "2", "port", "29991", "extra", "g1"]]
+    assert [after[r][3] for r in (0, 1)] == [before[r][3] for r in (2, 3)]  # the same processes
+    parked = [json.loads(e["line"]) for e in events if '"event": "parked"' in e["line"]]
+    assert sorted(p["rank"] for p in parked) == [2, 3] and all("Connection closed by peer" in p["cause"] for p in parked)
+
+
 def test_launch_errors_failure_propagation_and_cancel(daemon, tmp_path):
     with daemon.client() as client:
         with pytest.raises(RemoteError, match="OptionsError.*do not fit world_size"):
