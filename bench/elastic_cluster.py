@@ -29,7 +29,8 @@ checks they are the rows it got); the end prints a digest of the full parameters
 Scenarios (``--scenarios``, default all):
 
 1. ``kill``: host 2 SIGKILLed (every process in its namespace) after step 20 of 60,
-   with ``--snapshot-every 0`` (auto) and ``1``. From the launcher's report: kill → first
+   with ``--snapshot-every 1``, the survivors switched in place and restarted
+   (``--restart``), then ``--snapshot-every 0`` (auto) in place. From the launcher's report: kill → first
    step on the survivors and its parts, steps lost. Reference: the chain of checkpoint
    restarts with the same hosts and resume steps (3 hosts to step k, a checkpoint, the
    2 survivors from it): every loss (relative ≤ 1e-5), the final digest, and the
@@ -619,10 +620,14 @@ def check_against(run: Mapping[str, Any], ref: Mapping[str, Any]) -> dict[str, A
 # ----------------------------------------------------------------------------- scenarios
 
 
-def scenario_kill(b: Bench, steps: int, kill_at: int, everies: Sequence[int]) -> dict[str, Any]:
+def scenario_kill(b: Bench, steps: int, kill_at: int, variants: Sequence[tuple[int, bool]]) -> dict[str, Any]:
+    """``variants``: (``--snapshot-every``, in place) per run; the survivors switched in
+    place (the default) or restarted as new processes (``--restart``), back to back."""
     out: dict[str, Any] = {"steps": steps, "kill_at": kill_at, "runs": []}
-    for every in everies:
-        hostfile = b.hostfile([0, 1, 2], f"kill{every}")
+    for every, in_place in variants:
+        how = "in-place" if in_place else "restart"
+        name = f"kill{every}{'' if in_place else 'r'}"
+        hostfile = b.hostfile([0, 1, 2], name)
         killed: dict[str, float] = {}
 
         def on_line(line: str, killed=killed) -> None:
@@ -630,14 +635,15 @@ def scenario_kill(b: Bench, steps: int, kill_at: int, everies: Sequence[int]) ->
                 killed["at"] = time.time()
                 killed["pids"] = b.cluster.kill_host(2)
 
-        log(f"kill: --snapshot-every {every}, host 2 killed after step {kill_at} of {steps}")
+        log(f"kill: --snapshot-every {every}, {how}, host 2 killed after step {kill_at} of {steps}")
         try:
-            r = b.launch(f"kill{every}", hostfile, [str(steps), str(b.profile)], elastic="2:3",
-                         extra=["--snapshot-every", str(every)], on_line=on_line)
+            r = b.launch(name, hostfile, [str(steps), str(b.profile)], elastic="2:3",
+                         extra=["--snapshot-every", str(every), "--in-place" if in_place else "--restart"],
+                         on_line=on_line)
         finally:
             b.cluster.restart_daemon(2)
         rows = recovery_rows(r["report"])
-        entry = {"every": every, "code": r["code"], "killed_at": killed.get("at"), "recovery": rows,
+        entry = {"every": every, "in_place": in_place, "code": r["code"], "killed_at": killed.get("at"), "recovery": rows,
                  "leftover": r["leftover"], "steps_done": max(r["losses"], default=0),
                  "launcher_lines": r["launcher_lines"]}
         snaps = [e for e in r["events"] if e.get("event") == "snapshot"]
@@ -650,7 +656,7 @@ def scenario_kill(b: Bench, steps: int, kill_at: int, everies: Sequence[int]) ->
         if r["code"] == 0 and gens:
             segs = chain_segments(gens, steps)
             log(f"kill: reference chain {segs}")
-            entry["check"] = check_against(r, b.chain(f"killref{every}", segs))
+            entry["check"] = check_against(r, b.chain(f"killref{every}{'' if in_place else 'r'}", segs))
         out["runs"].append(entry)
     return out
 
@@ -876,14 +882,14 @@ def tables(results: Mapping[str, Any]) -> list[str]:
         for r in kill["runs"]:
             rec = (r.get("recovery") or [{}])[0]
             chk = r.get("check") or {}
-            rows.append([r["every"], r["code"], r.get("kill_to_first_step_s"), rec.get("total_s"), rec.get("detection_s"),
+            rows.append([r["every"], "in place" if r.get("in_place") else "restart", r["code"], r.get("kill_to_first_step_s"), rec.get("total_s"), rec.get("detection_s"),
                          rec.get("replan_s"), rec.get("restart_s"), rec.get("load_s"), rec.get("resumed_step"),
                          rec.get("steps_lost"), (chk.get("losses") or {}).get("max_rel"),
                          chk.get("digest_equal"), (chk.get("samples") or {}).get("skipped"),
                          (chk.get("samples") or {}).get("repeated"), r.get("leftover")])
         out.append(format_table(
             f"1. host kill after step {kill['kill_at']} of {kill['steps']} (3 → 2 hosts); seconds",
-            ["every", "exit", "kill→step", "total", "detect", "replan", "restart", "load", "resumed", "lost",
+            ["every", "survivors", "exit", "kill→step", "total", "detect", "replan", "restart", "load", "resumed", "lost",
              "max rel Δloss", "digest =", "skipped", "repeated", "orphans"], rows))
     join = results.get("join")
     if join:
@@ -1014,7 +1020,7 @@ def main(argv=None) -> int:
                 f"link {ns.rate_mbit} Mbit/s")
             s = ns.steps
             if "kill" in cluster_scenarios:
-                results["kill"] = scenario_kill(b, s, max(2, s // 3), [0, 1])
+                results["kill"] = scenario_kill(b, s, max(2, s // 3), [(1, True), (1, False), (0, True)])
                 _save(results, ns.out)
             if "join" in cluster_scenarios:
                 results["join"] = scenario_join(b, s, max(2, 2 * s // 3), max(3, s // 6))

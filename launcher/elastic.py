@@ -13,12 +13,17 @@ When a generation fails the launcher decides what the failure was:
 - any other failure (an exception in the script) ends the job as without ``--elastic``:
   running the script again would fail again.
 
-Every rank of the failed generation is stopped at once by its daemon (SIGTERM, SIGKILL
-after 5 s; none waits in a collective: :class:`~launcher.job.Job` cancels them, and the
-process group's timeout, ``HAPD_COLLECTIVE_TIMEOUT``, bounds what the cancel cannot
-reach); a lost daemon stops its own when the job's lease expires. The next generation
-starts on the hosts left when at least ``min_hosts`` are (else the job ends, exit 1) and
-at most ``max_restarts`` faults happened. Its ranks run the script from its top with
+Every rank runs under :mod:`hapd.runtime.in_place`: one whose peer went away parks. After
+a lost host, once every rank of the hosts left parked (:attr:`~launcher.job.Job.hold_on_host_loss`),
+the next generation goes on in those processes: each daemon gets a ``switch`` (the
+ranks, the rendezvous, the environment) and its ranks run the script again
+(``ElasticOptions.in_place``; ``--restart`` turns it off). Otherwise every rank of the
+failed generation is stopped at once by its daemon (SIGTERM, SIGKILL after 5 s; none
+waits in a collective: :class:`~launcher.job.Job` cancels them, and the process group's
+timeout, ``HAPD_COLLECTIVE_TIMEOUT``, bounds what the cancel cannot reach) and the next
+generation starts new ones; a lost daemon stops its own when the job's lease expires.
+The next generation runs on the hosts left when at least ``min_hosts`` are (else the
+job ends, exit 1) and at most ``max_restarts`` faults happened. Its ranks run the script from its top with
 ``HAPD_ELASTIC_RUN`` (the run's id), ``HAPD_GENERATION``, ``HAPD_HOSTS`` (the hosts'
 labels in rank order: :func:`hapd.runtime.plan_source.job_profile` cuts the cluster's
 profile to them, so the plan comes from the daemon's cache or an LP-only re-plan),

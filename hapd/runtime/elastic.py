@@ -9,9 +9,10 @@ snapshots on another host, stop at a step boundary when the launcher asks.
         elastic.step_done(step)             # snapshots; stops here when the launcher asks
 
 Under ``./run_all --elastic`` (``python -m launcher run --elastic MIN:MAX``) a lost host
-or a killed rank does not end the job: the launcher stops every rank, drops the hosts
-that no longer answer and starts the script again on the hosts left (a *generation*).
-The script runs from its top again: :func:`hapd.parallelize` gets the plan for the new
+or a killed rank does not end the job: the launcher drops the hosts that no longer
+answer and runs the script again on the hosts left (a *generation*) — in the same
+processes after a lost host (the ranks park and are switched in place,
+:mod:`hapd.runtime.in_place`), else in new ones. The script runs from its top again: :func:`hapd.parallelize` gets the plan for the new
 device set from the daemon's cache (``$HAPD_HOSTS`` cuts the cluster profile to those
 hosts, :func:`hapd.runtime.plan_source.job_profile`), and :meth:`Elastic.resume` loads
 the newest complete snapshot, resharded to the new plan and world size by
