@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from hapd.errors import HapdError
 from hapd.harness.ddp import DDPStep, loss_weight, main, split_lengths, wrap
 from hapd.harness.training import TrainArgs, local_batch, summarize, trace_path, train
 from hapd.profile.schema import Device, Link, Profile, load_profile
-from hapd.runtime.distributed import DistEnv, init_distributed
+from hapd.runtime.distributed import DistEnv, _join, init_distributed, join_timeout_s
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,6 +109,48 @@ def test_inconsistent_environment(env, message, monkeypatch):
     with pytest.raises(HapdError) as exc:
         init_distributed()
     assert message in str(exc.value)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_rank_late_past_the_collective_timeout_still_joins(monkeypatch):
+    """Rank 1 reaches the rendezvous 1.5 s after rank 0, three times the collective
+    timeout: both join (the join timeout is apart); alone, rank 0 fails after the join
+    timeout with an error saying how many ranks came."""
+    from datetime import timedelta
+    import threading
+
+    from hapd.errors import CollectiveError
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("HAPD_JOIN_TIMEOUT", "20")
+    stores: dict[int, object] = {}
+
+    def late() -> None:
+        time.sleep(1.5)
+        stores[1] = _join(1, 2, timedelta(seconds=0.5))
+
+    thread = threading.Thread(target=late)
+    thread.start()
+    stores[0] = _join(0, 2, timedelta(seconds=0.5))
+    thread.join(30)
+    assert set(stores) == {0, 1}
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("HAPD_JOIN_TIMEOUT", "1")
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match="joining the job|ranks joined"):
+        _join(0, 2, timedelta(seconds=0.5))
+    assert time.monotonic() - start < 20
+    assert join_timeout_s({}) == 180.0 and join_timeout_s({"HAPD_JOIN_TIMEOUT": "7"}) == 7.0
+    with pytest.raises(HapdError, match="HAPD_JOIN_TIMEOUT"):
+        join_timeout_s({"HAPD_JOIN_TIMEOUT": "0"})
 
 
 AT_EXIT = """\

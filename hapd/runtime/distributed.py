@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import os
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,9 +21,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hapd.errors import HapdError
+from hapd.errors import CollectiveError, HapdError
 from hapd.runtime import collectives
 from hapd.runtime.stepwatch import collective_timeout_s
+
+
+JOIN_TIMEOUT_ENV = "HAPD_JOIN_TIMEOUT"
+"""Seconds every rank of a job has to reach :func:`init_distributed` (the rendezvous),
+apart from the collective timeout: ranks started on slow or busy hosts (an elastic
+restart on a host at a sixth of a core) may take far longer to import and build their
+model than a collective may wait."""
+DEFAULT_JOIN_TIMEOUT_S = 180.0
+"""The join timeout when ``HAPD_JOIN_TIMEOUT`` is unset (or the collective timeout, when longer)."""
+JOINED_KEY = "hapd/joined"
+"""Rendezvous store key counting the ranks that arrived."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,9 @@ def init_distributed(*, timeout_s: float | None = None) -> DistEnv:
     Gloo on the CPU. When a default process group already exists it is joined as is.
     Every collective of the group fails after ``timeout_s`` of waiting (default
     ``HAPD_COLLECTIVE_TIMEOUT`` seconds, else 300 s) instead of hanging: a rank missing
-    from one makes the job fail (:mod:`hapd.runtime.stepwatch` names it).
+    from one makes the job fail (:mod:`hapd.runtime.stepwatch` names it). Joining waits
+    longer for the job's last rank to arrive (``HAPD_JOIN_TIMEOUT``, 180 s, or the
+    collective timeout when longer): a rank starting on a slow host is late, not lost.
     Raises :class:`~hapd.errors.HapdError` when the environment is inconsistent.
     """
     cuda = torch.cuda.is_available()
@@ -123,14 +137,54 @@ def init_distributed(*, timeout_s: float | None = None) -> DistEnv:
     timeout = timedelta(seconds=collective_timeout_s() if timeout_s is None else timeout_s)
     extra: dict[str, Any] = {"device_id": env.device} if env.is_cuda else {}
     if env_int(os.environ, "RANK") is not None:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timeout, **extra)
+        store = dist.PrefixStore("default_pg", _join(rank, world, timeout))  # as init_method="env://" does
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
     else:
         # port 0: the store binds a free port itself, so there is no race for it
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, **extra)
     _destroy_at_exit()
     return env
+
+
+def join_timeout_s(environ: dict[str, str] | os._Environ | None = None) -> float:
+    """``HAPD_JOIN_TIMEOUT`` (seconds, > 0), else :data:`DEFAULT_JOIN_TIMEOUT_S`."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(JOIN_TIMEOUT_ENV, "")
+    if not raw:
+        return DEFAULT_JOIN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise HapdError(f"{JOIN_TIMEOUT_ENV}={raw!r} must be a positive number of seconds", field=JOIN_TIMEOUT_ENV)
+    return value
+
+
+def _join(rank: int, world: int, timeout: timedelta) -> dist.TCPStore:
+    """The job's rendezvous store on ``MASTER_ADDR:MASTER_PORT`` once every rank has
+    reached it, waiting up to the join timeout (the longer of ``HAPD_JOIN_TIMEOUT`` and
+    the collective timeout) for the last; then its operations time out as collectives
+    do. Gloo's connection of every pair waits only the collective timeout, so the ranks
+    meet here first. Raises :class:`~hapd.errors.CollectiveError` naming how many came."""
+    wait = max(timeout.total_seconds(), join_timeout_s())
+    start = time.monotonic()
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                              timeout=timedelta(seconds=wait))
+        store.add(JOINED_KEY, 1)
+        while (arrived := int(store.add(JOINED_KEY, 0))) < world:
+            if time.monotonic() - start > wait:
+                raise CollectiveError(f"rank {rank}: only {arrived} of {world} ranks joined the job within {wait:g} s "
+                                      f"({JOIN_TIMEOUT_ENV})")
+            time.sleep(0.02)
+    except RuntimeError as exc:  # the store's own timeout or a refused connection (DistError)
+        raise CollectiveError(f"rank {rank}: joining the job at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
+                              f"failed after {time.monotonic() - start:.1f} s (join timeout {wait:g} s, "
+                              f"{JOIN_TIMEOUT_ENV}): {exc}") from exc
+    store.set_timeout(timeout)
+    return store
 
 
 _exit_lock = threading.Lock()
@@ -179,4 +233,4 @@ def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> Di
     return DistEnv(rank=rank, world=world, local_rank=local, backend=backend, device=device)
 
 
-__all__ = ["DistEnv", "env_int", "init_distributed", "leave_group"]
+__all__ = ["DistEnv", "env_int", "init_distributed", "join_timeout_s", "leave_group"]
