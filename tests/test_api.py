@@ -371,3 +371,41 @@ def test_inputs_that_are_not_tensors_and_models_that_are_not_modules_are_named()
         module.shard_inputs({"x": batch[0]}, batch[1])
     with pytest.raises(OptionsError, match="takes a torch.nn.Module"):
         hapd.parallelize(lambda x: x.sum(), batch, use_daemon=False, verbose=False)
+
+
+def test_a_second_run_in_the_process_rebinds_the_kept_exports_to_its_model(monkeypatch):
+    """With the carry on (an in-place switch runs the script again in its process), the
+    same model built again with other values takes the kept programs — nothing is
+    exported — and trains exactly like a fresh parallelize of it, on its own values; a
+    model of another structure exports as before."""
+    from hapd.runtime import programs
+
+    carry = programs.ExportCarry()
+    carry.enable()
+    monkeypatch.setattr("hapd.runtime.parallelize.CARRY", carry)
+    first, config = models.build("gpt2_block")
+    inputs = models.get("gpt2_block").example_inputs(config, 4)
+    hapd.parallelize(first, inputs, use_daemon=False, verbose=False)
+    again, _ = models.build("gpt2_block")
+    with torch.no_grad():  # other values than the first model's (models.build seeds itself)
+        for p in again.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    ref = copy.deepcopy(again)
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(programs, "export", no_export)
+    module = hapd.parallelize(again, inputs, use_daemon=False, verbose=False)
+    loss = module(*module.shard_inputs(*inputs))
+    expected = ref(*inputs)
+    loss.backward()
+    expected.backward()
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=TOL)
+    assert _grad_error(module, ref) <= TOL
+    full = module.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items())  # the second model's values
+    other, other_config = models.build("gpt2_block", layers=1)
+    with pytest.raises(AssertionError, match="exported again"):  # another structure: no kept export fits
+        hapd.parallelize(other, models.get("gpt2_block").example_inputs(other_config, 4), use_daemon=False,
+                         verbose=False)

@@ -17,9 +17,11 @@ script's folder first on ``sys.path``). When the script raises because a peer we
 4. it sets the new generation's environment (torchrun's variables from the order, its
    ``env``: ``HAPD_GENERATION``, ``HAPD_HOSTS``, the snapshot daemons) and runs the
    script again from its top, in the same process: Python, torch and the model's
-   library are imported already, so :func:`hapd.parallelize` and
-   :meth:`hapd.Elastic.resume` (the plan from the daemon's cache, the state from the
-   newest complete snapshot, resharded) are what the switch costs.
+   library are imported already, and :func:`hapd.parallelize` takes the programs it
+   exported and lowered last time, rebound to the new model's tensors
+   (:class:`hapd.runtime.programs.ExportCarry`), so joining the new group, the plan
+   from the daemon's cache and :meth:`hapd.Elastic.resume` (the state from the newest
+   complete snapshot, resharded) are most of what the switch costs.
 
 The state comes back from the snapshot, not from the survivors' memory: a step cut by a
 failure leaves the ranks' parameters and optimizer states at different steps (some
@@ -44,6 +46,7 @@ from typing import Any, Mapping
 from hapd.errors import PEER_FAILURE, CollectiveError, HapdError
 from hapd.runtime.distributed import leave_group
 from hapd.runtime.elastic import GENERATION_ENV, RUN_ENV
+from hapd.runtime.programs import CARRY
 from hapd.serve.client import Client
 from hapd.serve.jobs import STARTED_ENV
 from hapd.serve.keys import default_key_path, load_key
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hapd.runtime.in_place SCRIPT [ARGS…]", file=sys.stderr)
         return 2
     script, args = argv[0], argv[1:]
+    CARRY.enable()  # the script's next run in this process rebinds its model's exports instead of exporting again
     while True:
         generation = int(os.environ.get(GENERATION_ENV) or 0)
         try:

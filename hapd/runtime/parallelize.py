@@ -43,7 +43,7 @@ from hapd.runtime.distributed import init_distributed, job_host_groups
 from hapd.runtime.parallel_module import ParallelModule
 from hapd.runtime.pipeline_module import PipelineModule, build_pipeline_module
 from hapd.runtime.plan_source import PlanSource, compile_options, given_plan, job_profile, obtain_plan
-from hapd.runtime.programs import Recipe, op_nodes
+from hapd.runtime.programs import CARRY, Recipe, export_key, op_nodes
 from hapd.runtime.rank import RankModule
 from hapd.runtime.rewrite import distribute
 from hapd.runtime.weights import Weights, WeightSource, rank_piece, weight_source
@@ -110,6 +110,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     recipe = Recipe(model=model, example_inputs=example_inputs, batch_dims=tuple(batch_dims),
                     name=name or type(model).__name__, profile=profile, use_daemon=use_daemon, verbose=verbose,
                     device=device, weights=weights, compile=_compile_options(compile))
+    carried = export_key(model, example_inputs, recipe.batch_dims, recipe.name, device) if CARRY.enabled else None
+    if carried is not None:  # a run of the script again in this process (an in-place switch): no export
+        recipe.exported.update(CARRY.take(carried, model))
     options = _default_options(options, profile, world)
     program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
                                             always=overlap == "always")
@@ -126,6 +129,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
         recipe = dataclasses.replace(recipe, training_ops=op_nodes(graph))
         built = ParallelModule(inner, source, group=group, aliases=_aliases(model, inner), extra=extra, recipe=recipe)
     built.build_times = BuildTimes(started=started, join_s=joined_s, total_s=time.time() - started)
+    if carried is not None:
+        CARRY.keep(carried, recipe.exported)
     return built
 
 

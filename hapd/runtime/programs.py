@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import difflib
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.export import ExportedProgram
 
 from hapd.compiler.export import export, user_input_names
 from hapd.compiler.lower import GraphIR, lower
@@ -170,7 +173,13 @@ class Recipe:
 
     def export(self, training: bool, shapes: Shapes) -> tuple[Any, GraphIR]:
         """The model exported in that mode for a global batch of ``shapes``, and its
-        lowered graph (the model's own mode is left as it was)."""
+        lowered graph (the model's own mode is left as it was); kept."""
+        key = ("export", training, tuple(tuple(s) for s in shapes))
+        if key not in self.exported:
+            self.exported[key] = self._export(training, shapes)
+        return self.exported[key]
+
+    def _export(self, training: bool, shapes: Shapes) -> tuple[Any, GraphIR]:
         was = self.model.training
         try:
             with torch.enable_grad():  # as for training, also when asked inside torch.no_grad()
@@ -180,6 +189,104 @@ class Recipe:
         finally:
             self.model.train(was)
         return program, graph
+
+
+# --------------------------------------------------------------------------------------
+# Exports carried across a run of the script again in the same process
+# --------------------------------------------------------------------------------------
+
+
+def export_key(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims: Sequence[int | None],
+               name: str, device: torch.device) -> tuple:
+    """What a model's export depends on, but its tensors' values: its class, its
+    structure as printed (sizes, options), every state entry's name, shape, dtype and
+    whether it trains, the example inputs' shapes and dtypes, the batch dims, its mode,
+    the name and the device. Two models with one key export to one program."""
+    state = tuple((k, tuple(v.shape), str(v.dtype), bool(v.requires_grad))
+                  for k, v in model.state_dict(keep_vars=True).items())
+    inputs = tuple((tuple(t.shape), str(t.dtype)) for t in example_inputs)
+    return (type(model).__module__, type(model).__qualname__, repr(model), state, inputs, tuple(batch_dims),
+            model.training, name, str(device))
+
+
+def rebind(program: ExportedProgram, model: nn.Module) -> ExportedProgram:
+    """``program`` (exported from another model of the same :func:`export_key`) over
+    ``model``'s parameters and buffers: the program a fresh export of ``model`` gives,
+    without exporting. Raises :class:`~hapd.errors.PlanError` when ``model`` lacks one of
+    the program's state entries."""
+    state = model.state_dict(keep_vars=True)
+    buffers = dict(model.named_buffers())  # the non-persistent ones too (a program's constants)
+    missing = [k for k in program.state_dict if k not in state]
+    if missing:
+        raise PlanError(f"cannot rebind an exported program: the model has no {missing[:3]}")
+    constants = {k: buffers.get(k, v) for k, v in program.constants.items()}
+    out = ExportedProgram(
+        root=program.graph_module, graph=program.graph, graph_signature=program.graph_signature,
+        state_dict={k: state[k] for k in program.state_dict}, range_constraints=program.range_constraints,
+        module_call_graph=program.module_call_graph, example_inputs=program.example_inputs, constants=constants,
+        verifiers=program.verifiers,
+    )
+    out.graph_module.meta.update(program.graph_module.meta)
+    return out
+
+
+class ExportCarry:
+    """What :func:`~hapd.runtime.parallelize.parallelize` exported in this process,
+    kept for the script's next run in it: an elastic job's ranks switched in place
+    (:mod:`hapd.runtime.in_place`) run the script again, build the same model again
+    and would export and lower it again — most of what a switch costs on a slow host.
+    A model of the same :func:`export_key` takes the kept programs and graphs instead,
+    each program rebound to its own tensors (:func:`rebind`): what it then trains on is
+    exactly what a fresh export would give. Off until :meth:`enable` (the in-place
+    runner turns it on); at most ``limit`` models kept, the least recently used
+    forgotten."""
+
+    def __init__(self, limit: int = 2) -> None:
+        self.enabled = False
+        self.limit = limit
+        self._kept: OrderedDict[tuple, dict[Any, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    def take(self, key: tuple, model: nn.Module) -> dict[Any, Any]:
+        """The exports kept for ``key``, rebound to ``model``; empty when none are (or
+        carrying is off, or one cannot be rebound)."""
+        if not self.enabled:
+            return {}
+        with self._lock:
+            kept = self._kept.pop(key, None)
+        if not kept:
+            return {}
+        try:
+            return {k: _rebound(v, model) for k, v in kept.items()}
+        except PlanError as exc:
+            _log.warning("the exports kept from the script's last run do not fit this model (%s): exporting again", exc)
+            return {}
+
+    def keep(self, key: tuple, exported: dict[Any, Any]) -> None:
+        """Keep a recipe's exports (the dict itself: what it exports later is kept too)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._kept[key] = exported
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.limit:
+                self._kept.popitem(last=False)
+
+
+def _rebound(value: Any, model: nn.Module) -> Any:
+    """A kept export (a program, or a program and its graph) over ``model``'s tensors."""
+    if isinstance(value, ExportedProgram):
+        return rebind(value, model)
+    if isinstance(value, tuple) and value and isinstance(value[0], ExportedProgram):
+        return (rebind(value[0], model), *value[1:])
+    return value
+
+
+CARRY = ExportCarry()
+"""This process's carried exports (see :class:`ExportCarry`)."""
 
 
 def _batch_of(shapes: Shapes, batch_dims: Sequence[int | None]) -> int | None:
@@ -237,4 +344,4 @@ def aligned_force(training: Sequence[tuple[str, str]], rules: Mapping[str, str],
     return force
 
 
-__all__ = ["Recipe", "Shapes", "aligned_force", "op_nodes"]
+__all__ = ["CARRY", "ExportCarry", "Recipe", "Shapes", "aligned_force", "export_key", "op_nodes", "rebind"]
