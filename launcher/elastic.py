@@ -200,9 +200,10 @@ class ElasticRun:
         }
         buddies = {h.label: {"HAPD_ELASTIC_BUDDY": hosts[(i + 1) % len(hosts)].address if len(hosts) > 1 else ""}
                    for i, h in enumerate(hosts)}
-        report = None
         if self.options.report is not None:
             report = self.options.report.with_name(f"{self.options.report.stem}-g{index}{self.options.report.suffix}")
+        else:  # one per generation: one switched in place keeps the job id of the generation it came from
+            report = home_dir() / "runs" / f"{self.run_id}-g{index}.json"
         return dataclasses.replace(self.options, job_id=f"{self.run_id}-g{index}", env=env, host_env=True,
                                    env_of_host=buddies, report=report, in_place=self.elastic.in_place)
 

@@ -104,6 +104,10 @@ TAIL_LINES = 20
 HOLD_S = 10.0
 """After a lost host, how long an in-place job's other ranks may take to park (a rank
 computing finds its peer gone at its next collective) before they are stopped."""
+FIRST_PARK_S = 6.0
+"""After a lost host, how long the first of the other ranks may take to park: none by
+then means their connections to the lost host did not close (its link is down, not its
+processes killed), and they would wait for the collective timeout: they are stopped."""
 
 DEFAULT_LEASE_S = 10.0
 """The job's lease on every daemon: one that gets no ``job_events`` poll from this
@@ -820,8 +824,12 @@ class Job:
                     if self._all_parked(finished, lost):
                         held = True
                         break
-                    if time.monotonic() >= hold_until or self._survivor_exited(lost):
-                        self.say("not every rank of the hosts left parked: stopping them (restart)")
+                    now = time.monotonic()
+                    if now >= hold_until or self._survivor_exited(lost) or (
+                            not self.parked and now >= hold_until - HOLD_S + FIRST_PARK_S):
+                        why = "none of them parked" if not self.parked else "not all of them parked"
+                        self.say(f"the other hosts' ranks are stopped ({why} in {now - hold_until + HOLD_S:.1f} s): "
+                                 "the next generation restarts them")
                         stop_started, deadline = self._stop_all(finished, lost)
                         continue
                     timeout = min(timeout, hold_until - time.monotonic())
