@@ -949,6 +949,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--faults", type=int, default=None)
     p.add_argument("--seed", type=int, default=33)
+    p.add_argument("--kill-runs", default="1:in-place,1:restart,0:in-place",
+                   help="the kill scenario's runs: EVERY:in-place|restart, comma-separated")
     p.add_argument("--rounds", type=int, default=1, help="snapshot A/B rounds (the order reversed every other round)")
     p.add_argument("--rate-mbit", type=float, default=400.0, help="tbf rate of every host's link (default 400)")
     p.add_argument("--out", type=Path, default=OUT / "elastic_cluster.json")
@@ -958,6 +960,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ns.steps = ns.steps or (30 if ns.quick else 60)
     ns.faults = ns.faults if ns.faults is not None else (4 if ns.quick else 10)
     ns.scenarios = [s.strip() for s in ns.scenarios.split(",") if s.strip()]
+    try:
+        ns.kill_runs = [(int(every), {"in-place": True, "restart": False}[mode])
+                        for every, mode in (run.strip().split(":") for run in ns.kill_runs.split(",") if run.strip())]
+    except (ValueError, KeyError):
+        p.error(f"--kill-runs {ns.kill_runs!r}: expected EVERY:in-place or EVERY:restart, comma-separated")
     unknown = set(ns.scenarios) - {"kill", "join", "faults", "snapshot", "replan"}
     if unknown:
         p.error(f"unknown scenario(s) {sorted(unknown)}")
@@ -1020,7 +1027,7 @@ def main(argv=None) -> int:
                 f"link {ns.rate_mbit} Mbit/s")
             s = ns.steps
             if "kill" in cluster_scenarios:
-                results["kill"] = scenario_kill(b, s, max(2, s // 3), [(1, True), (1, False), (0, True)])
+                results["kill"] = scenario_kill(b, s, max(2, s // 3), ns.kill_runs)
                 _save(results, ns.out)
             if "join" in cluster_scenarios:
                 results["join"] = scenario_join(b, s, max(2, 2 * s // 3), max(3, s // 6))
