@@ -193,6 +193,8 @@ class ElasticRun:
             "HAPD_GENERATION": str(index),
             "HAPD_HOSTS": ",".join(labels),
             "HAPD_ELASTIC_DAEMONS": ",".join(addresses),
+            "HAPD_ELASTIC_FORMER_DAEMONS": ",".join(h.address for label, h in self._every_host.items()
+                                                     if label not in labels),
             "HAPD_SNAPSHOT_EVERY": str(self.elastic.snapshot_every),
             "HAPD_PAUSE_CHECK": "1" if self.elastic.host_file is not None else "0",
             "HAPD_COLLECTIVE_TIMEOUT": f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g}",

@@ -104,10 +104,12 @@ TAIL_LINES = 20
 HOLD_S = 10.0
 """After a lost host, how long an in-place job's other ranks may take to park (a rank
 computing finds its peer gone at its next collective) before they are stopped."""
-FIRST_PARK_S = 6.0
+FIRST_PARK_S = 2.0
 """After a lost host, how long the first of the other ranks may take to park: none by
 then means their connections to the lost host did not close (its link is down, not its
-processes killed), and they would wait for the collective timeout: they are stopped."""
+processes killed), and they would wait for the collective timeout: they are stopped.
+(When a host's processes are killed, its peers park within a second or two, mostly
+before the launcher has found the host lost.)"""
 
 DEFAULT_LEASE_S = 10.0
 """The job's lease on every daemon: one that gets no ``job_events`` poll from this

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from pathlib import Path
 import _bench
 import numpy as np
 import pytest
+import torch
 from _jobs import job_processes, launched
 from _wait import GENEROUS_S
 
@@ -319,3 +321,35 @@ def test_a_killed_rank_restarts_and_a_host_joins_at_a_step_boundary(hosts3, tmp_
 def _launcher(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=GENEROUS_S)
+
+
+def test_a_snapshot_is_found_across_this_generations_and_former_hosts_daemons(hosts3, monkeypatch):
+    """Rank 0's files of step 5 are on a daemon of this generation, rank 1's only on a
+    dropped host's daemon (its link came back); a third former daemon does not answer.
+    Resuming finds step 5 complete, each rank's files where they are, and does not wait
+    on the dead daemon longer than the listing's timeout."""
+    from hapd.runtime import elastic as el
+    from hapd.serve.client import Client
+    from hapd.serve.keys import load_key
+
+    key = load_key(hosts3.key_file)
+    run = f"found-{os.getpid()}"
+    with Client(hosts3.addresses[0], key, 5.0) as client:
+        client.snapshot_put(f"{run}-g0", 5, 0, 2, {"a.distcp": b"zero"})
+        client.snapshot_put(f"{run}-g0", 4, 0, 2, {"a.distcp": b"zero"})
+    with Client(hosts3.addresses[1], key, 5.0) as client:
+        client.snapshot_put(f"{run}-g0", 5, 1, 2, {"b.distcp": b"one"})
+    with socket.socket() as sock:  # a port nothing answers on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("HAPD_KEY_FILE", str(hosts3.key_file))
+    environ = {el.RUN_ENV: run, el.GENERATION_ENV: "1", el.DAEMONS_ENV: hosts3.addresses[0],
+               el.FORMER_DAEMONS_ENV: f"{dead},{hosts3.addresses[1]}"}
+    elastic = el.Elastic(torch.nn.Linear(2, 2), environ=environ)
+    start = time.monotonic()
+    found = elastic._newest_snapshot()
+    assert time.monotonic() - start < el.LIST_TIMEOUT_S + 3
+    assert found == {"run": f"{run}-g0", "step": 5, "world": 2,
+                     "holders": {"0": hosts3.addresses[0], "1": hosts3.addresses[1]}}
+    alone = el.Elastic(torch.nn.Linear(2, 2), environ={**environ, el.FORMER_DAEMONS_ENV: ""})
+    assert alone._newest_snapshot() is None  # rank 1's files are only on the former host

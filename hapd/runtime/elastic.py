@@ -58,6 +58,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -79,6 +80,10 @@ GENERATION_ENV = "HAPD_GENERATION"
 """0 for the first launch, then 1, 2, … after each re-launch."""
 DAEMONS_ENV = "HAPD_ELASTIC_DAEMONS"
 """Comma-separated addresses of the daemons of the job's hosts (this generation)."""
+FORMER_DAEMONS_ENV = "HAPD_ELASTIC_FORMER_DAEMONS"
+"""Comma-separated addresses of the daemons of hosts the job ran on before and no
+longer does (dropped): their copies are looked for too when resuming (a host whose
+link came back holds its buddy's files), each asked at most :data:`LIST_TIMEOUT_S`."""
 BUDDY_ENV = "HAPD_ELASTIC_BUDDY"
 """The daemon that keeps this host's second copy of its snapshots (the next host's);
 empty on a one-host job."""
@@ -93,6 +98,9 @@ SNAPSHOT_BUDGET = 0.05
 is chosen automatically."""
 DAEMON_TIMEOUT_S = 30.0
 """How long a snapshot transfer to or from a daemon may take."""
+LIST_TIMEOUT_S = 3.0
+"""How long a daemon may take to list the snapshots it holds when resuming (one that
+does not answer, its host gone, is passed over)."""
 
 
 def _say(event: str, **fields: Any) -> None:
@@ -179,6 +187,8 @@ class Elastic:
         self.run = env.get(RUN_ENV) or None
         self.generation = int(env.get(GENERATION_ENV) or 0)
         self.daemons = [a for a in (env.get(DAEMONS_ENV) or "").split(",") if a]
+        self.former_daemons = [a for a in (env.get(FORMER_DAEMONS_ENV) or "").split(",")
+                               if a and a not in self.daemons]
         own = env.get("HAPD_DAEMON") or ""
         buddy = env.get(BUDDY_ENV) or ""
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -248,27 +258,36 @@ class Elastic:
 
     def _newest_snapshot(self) -> dict[str, Any] | None:
         """Rank 0: the newest step every one of whose ranks' files some daemon holds, of
-        the latest earlier generation that has one complete."""
-        clients = {address: Client(address, _key_bytes(), DAEMON_TIMEOUT_S) for address in self.daemons}
-        try:
-            for generation in range(self.generation - 1, -1, -1):
-                run = self.snapshot_run(generation)
-                holders: dict[tuple[int, int], dict[int, str]] = {}
-                for address, client in clients.items():
-                    try:
-                        entries = client.snapshot_list(run)
-                    except HapdError:
-                        continue
-                    for entry in entries:
-                        holders.setdefault((int(entry["step"]), int(entry["world"])), {}).setdefault(
-                            int(entry["rank"]), address)
-                for (step, world), ranks in sorted(holders.items(), reverse=True):
-                    if set(ranks) == set(range(world)):
-                        return {"run": run, "step": step, "world": world,
-                                "holders": {str(r): a for r, a in ranks.items()}}
-        finally:
-            for client in clients.values():
-                client.close()
+        the latest earlier generation that has one complete. Every daemon, this
+        generation's and the former hosts', is asked at once, each for at most
+        :data:`LIST_TIMEOUT_S`; one that does not answer is passed over."""
+        runs = [self.snapshot_run(g) for g in range(self.generation - 1, -1, -1)]
+
+        def listed(address: str) -> dict[str, list[dict[str, Any]]]:
+            found: dict[str, list[dict[str, Any]]] = {}
+            try:
+                with Client(address, _key_bytes(), LIST_TIMEOUT_S) as client:
+                    for run in runs:
+                        found[run] = client.snapshot_list(run)
+            except HapdError:
+                pass  # gone, or its link is down: the others may hold the files
+            return found
+
+        addresses = list(dict.fromkeys(self.daemons + self.former_daemons))
+        if not addresses:
+            return None
+        with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
+            answers = dict(zip(addresses, pool.map(listed, addresses)))
+        for run in runs:
+            holders: dict[tuple[int, int], dict[int, str]] = {}
+            for address in addresses:  # this generation's daemons first: their copies are fetched
+                for entry in answers[address].get(run, []):
+                    holders.setdefault((int(entry["step"]), int(entry["world"])), {}).setdefault(
+                        int(entry["rank"]), address)
+            for (step, world), ranks in sorted(holders.items(), reverse=True):
+                if set(ranks) == set(range(world)):
+                    return {"run": run, "step": step, "world": world,
+                            "holders": {str(r): a for r, a in ranks.items()}}
         return None
 
     def _load_snapshot(self, choice: Mapping[str, Any]) -> int:
