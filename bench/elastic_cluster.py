@@ -591,10 +591,17 @@ class Bench:
         ckpt = None
         final = None
         plans: list[dict[str, Any]] = []
+        ended = 0
         for i, seg in enumerate(segments):
             to = self.work / f"{name}-ckpt{i}"
             last = i == len(segments) - 1
+            if seg["start"] == 0:  # the run began again from its start (no snapshot held every rank's files)
+                ckpt = None
+            elif seg["start"] != ended:
+                return {"error": f"segment {i} ({seg}) resumes at step {seg['start']}, where no segment ended "
+                                 f"(the last ended at {ended}): the chain has no checkpoint of it"}
             r = self.plain(f"{name}-s{i}", seg["hosts"], seg["end"], save=None if last else to, load=ckpt)
+            ended = seg["end"]
             if r["code"] != 0:
                 return {"error": f"segment {i} ({seg}) exited {r['code']}: {r['stderr_tail'][-500:]}"}
             losses.update(r["losses"])
