@@ -44,7 +44,8 @@ schema).
   (:func:`~hapd.runtime.plan_source.obtain_plan`: given, the daemon, or rank 0);
 - :mod:`~hapd.runtime.programs` — a model's other programs (eval forward, other batch
   sizes): :class:`~hapd.runtime.programs.Recipe`,
-  :func:`~hapd.runtime.programs.aligned_force`;
+  :func:`~hapd.runtime.programs.aligned_force`; the exports kept for a run of the
+  script again in the same process (:class:`~hapd.runtime.programs.ExportCarry`);
 - :mod:`~hapd.runtime.parallel_module` — :class:`~hapd.runtime.parallel_module.ParallelModule`,
   the module users train;
 - :mod:`~hapd.runtime.parallelize` — :func:`hapd.parallelize`;
@@ -53,6 +54,11 @@ schema).
 - :mod:`~hapd.runtime.data` — :func:`hapd.loader` and the uneven samplers;
 - :mod:`~hapd.runtime.mixed_length` — :func:`hapd.mixed_loader`: sequences of any
   length packed into rows from a pool of shapes, split over ranks by cost;
+- :mod:`~hapd.runtime.elastic` — :class:`hapd.Elastic`: resuming an elastic job's next
+  generation from in-memory snapshots kept on another host;
+- :mod:`~hapd.runtime.in_place` — the runner of an elastic job's ranks: a rank whose
+  peer went away parks and runs the script again in its process, in the next
+  generation;
 - :mod:`~hapd.runtime.check` — :func:`~hapd.runtime.check.check` (``hapd check``): one
   step of the 1-rank distributed program against eager ``program.module()``.
 
