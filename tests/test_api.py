@@ -381,7 +381,7 @@ def test_a_second_run_in_the_process_rebinds_the_kept_exports_to_its_model(monke
     from hapd.runtime import programs
 
     carry = programs.ExportCarry()
-    carry.enable()
+    monkeypatch.setenv("HAPD_KEEP_EXPORTS", "1")
     monkeypatch.setattr("hapd.runtime.parallelize.CARRY", carry)
     first, config = models.build("gpt2_block")
     inputs = models.get("gpt2_block").example_inputs(config, 4)

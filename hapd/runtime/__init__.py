@@ -10,6 +10,9 @@ schema).
   functions;
 - :mod:`~hapd.runtime.distributed` — :func:`~hapd.runtime.distributed.init_distributed`:
   joining the job (the process group and this rank's device);
+- :mod:`~hapd.runtime.in_place` — the runner of an elastic job's ranks: a rank whose
+  peer went away parks and runs the script again in its process, in the next
+  generation;
 - :mod:`~hapd.runtime.gradsync` — :class:`~hapd.runtime.gradsync.GradSync`: summing
   replicated parameters' gradients over ranks during backward;
 - :mod:`~hapd.runtime.recompute` — a plan's recompute spans run under activation
@@ -56,9 +59,6 @@ schema).
   length packed into rows from a pool of shapes, split over ranks by cost;
 - :mod:`~hapd.runtime.elastic` — :class:`hapd.Elastic`: resuming an elastic job's next
   generation from in-memory snapshots kept on another host;
-- :mod:`~hapd.runtime.in_place` — the runner of an elastic job's ranks: a rank whose
-  peer went away parks and runs the script again in its process, in the next
-  generation;
 - :mod:`~hapd.runtime.check` — :func:`~hapd.runtime.check.check` (``hapd check``): one
   step of the 1-rank distributed program against eager ``program.module()``.
 

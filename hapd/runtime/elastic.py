@@ -70,14 +70,11 @@ from torch import nn
 from hapd.errors import CheckpointError, HapdError
 from hapd.runtime.checkpoint import load_checkpoint, snapshot_files
 from hapd.runtime.checkpoint_format import find_checkpoint
+from hapd.runtime.in_place import GENERATION_ENV, RUN_ENV
 from hapd.serve.client import Client
 from hapd.serve.jobs import STARTED_ENV
 from hapd.serve.keys import default_key_path, load_key
 
-RUN_ENV = "HAPD_ELASTIC_RUN"
-"""The elastic run's id (the same in every generation); unset: not an elastic launch."""
-GENERATION_ENV = "HAPD_GENERATION"
-"""0 for the first launch, then 1, 2, … after each re-launch."""
 DAEMONS_ENV = "HAPD_ELASTIC_DAEMONS"
 """Comma-separated addresses of the daemons of the job's hosts (this generation)."""
 FORMER_DAEMONS_ENV = "HAPD_ELASTIC_FORMER_DAEMONS"

@@ -44,13 +44,17 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hapd.errors import PEER_FAILURE, CollectiveError, HapdError
-from hapd.runtime.distributed import leave_group
-from hapd.runtime.elastic import GENERATION_ENV, RUN_ENV
-from hapd.runtime.programs import CARRY
 from hapd.serve.client import Client
 from hapd.serve.jobs import STARTED_ENV
 from hapd.serve.keys import default_key_path, load_key
 
+RUN_ENV = "HAPD_ELASTIC_RUN"
+"""The elastic run's id (the same in every generation); unset: not an elastic launch."""
+GENERATION_ENV = "HAPD_GENERATION"
+"""0 for the first launch, then 1, 2, … after each re-launch or switch."""
+KEEP_EXPORTS_ENV = "HAPD_KEEP_EXPORTS"
+"""Set ("1") by this runner: :func:`hapd.parallelize` keeps what it exported for the
+script's next run in this process (:class:`hapd.runtime.programs.ExportCarry`)."""
 DEFAULT_PARK_S = 60.0
 """How long a parked rank waits for its ``switch`` when ``$HAPD_COLLECTIVE_TIMEOUT`` is unset."""
 POLL_S = 0.1
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hapd.runtime.in_place SCRIPT [ARGS…]", file=sys.stderr)
         return 2
     script, args = argv[0], argv[1:]
-    CARRY.enable()  # the script's next run in this process rebinds its model's exports instead of exporting again
+    os.environ[KEEP_EXPORTS_ENV] = "1"  # the script's next run here rebinds its model's exports, no export
     while True:
         generation = int(os.environ.get(GENERATION_ENV) or 0)
         try:
@@ -166,6 +170,10 @@ def _park(generation: int, cause: str) -> Mapping[str, Any] | None:
     """Say this rank is parked, leave the broken process group and wait for the switch."""
     rank = int(os.environ.get("RANK") or 0)
     _say("parked", rank=rank, generation=generation, cause=cause, time=time.time())
+    # imported only now (torch is, by the script): the runner imports nothing of torch before the
+    # script, whose own settings (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES, …) come first
+    from hapd.runtime.distributed import leave_group
+
     leave_group()
     gc.collect()
     return wait_for_switch(generation, time.monotonic() + _park_s())

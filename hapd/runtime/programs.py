@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -32,6 +33,7 @@ from hapd.compiler.shapes import batch_info, is_symbolic, program_at
 from hapd.compiler.techniques import GraphSet, graph_set
 from hapd.errors import PlanError
 from hapd.profile.schema import Profile
+from hapd.runtime.in_place import KEEP_EXPORTS_ENV
 from hapd.runtime.weights import WeightSource
 
 _log = logging.getLogger(__name__)
@@ -237,18 +239,19 @@ class ExportCarry:
     and would export and lower it again — most of what a switch costs on a slow host.
     A model of the same :func:`export_key` takes the kept programs and graphs instead,
     each program rebound to its own tensors (:func:`rebind`): what it then trains on is
-    exactly what a fresh export would give. Off until :meth:`enable` (the in-place
-    runner turns it on); at most ``limit`` models kept, the least recently used
+    exactly what a fresh export would give. Off but under the in-place runner
+    (``$HAPD_KEEP_EXPORTS``); at most ``limit`` models kept, the least recently used
     forgotten."""
 
     def __init__(self, limit: int = 2) -> None:
-        self.enabled = False
         self.limit = limit
         self._kept: OrderedDict[tuple, dict[Any, Any]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def enable(self) -> None:
-        self.enabled = True
+    @property
+    def enabled(self) -> bool:
+        """Whether exports are kept: under the in-place runner (``$HAPD_KEEP_EXPORTS``)."""
+        return os.environ.get(KEEP_EXPORTS_ENV) == "1"
 
     def take(self, key: tuple, model: nn.Module) -> dict[Any, Any]:
         """The exports kept for ``key``, rebound to ``model``; empty when none are (or
