@@ -491,6 +491,8 @@ def test_an_in_place_rank_parks_and_goes_on_where_a_switch_says(daemon):
     assert [after[r][3] for r in (0, 1)] == [before[r][3] for r in (2, 3)]  # the same processes
     parked = [json.loads(e["line"]) for e in events if '"event": "parked"' in e["line"]]
     assert sorted(p["rank"] for p in parked) == [2, 3] and all("Connection closed by peer" in p["cause"] for p in parked)
+    left = [json.loads(e["line"]) for e in events if '"event": "left_group"' in e["line"]]
+    assert sorted(p["rank"] for p in left) == [2, 3] and all(p["seconds"] >= 0 for p in left)
 
 
 def test_launch_errors_failure_propagation_and_cancel(daemon, tmp_path):

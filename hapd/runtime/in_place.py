@@ -11,7 +11,8 @@ script's folder first on ``sys.path``). When the script raises because a peer we
 1. it prints ``{"hapd": "elastic", "event": "parked", ...}`` (the launcher waits for every
    rank of the hosts left to say it before it switches them in place);
 2. it destroys its process groups (:func:`hapd.runtime.distributed.leave_group`): their
-   connections close, so a peer still waiting on this rank fails at once and parks too;
+   connections close, so a peer still waiting on this rank fails at once and parks too
+   (a ``left_group`` line says how long that took);
 3. it asks its daemon (``job_status``) for the job's ``switch`` until one names a later
    generation, at most ``$HAPD_COLLECTIVE_TIMEOUT`` seconds (60 by default);
 4. it sets the new generation's environment (torchrun's variables from the order, its
@@ -174,8 +175,10 @@ def _park(generation: int, cause: str) -> Mapping[str, Any] | None:
     # script, whose own settings (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES, …) come first
     from hapd.runtime.distributed import leave_group
 
+    start = time.perf_counter()
     leave_group()
     gc.collect()
+    _say("left_group", rank=rank, generation=generation, seconds=time.perf_counter() - start, time=time.time())
     return wait_for_switch(generation, time.monotonic() + _park_s())
 
 
