@@ -255,9 +255,10 @@ class Elastic:
 
     def _newest_snapshot(self) -> dict[str, Any] | None:
         """Rank 0: the newest step every one of whose ranks' files some daemon holds, of
-        the latest earlier generation that has one complete. Every daemon, this
-        generation's and the former hosts', is asked at once, each for at most
-        :data:`LIST_TIMEOUT_S`; one that does not answer is passed over."""
+        the latest earlier generation that has one complete. This generation's daemons
+        are asked at once, then, when they hold none complete, the former hosts' too;
+        each for at most :data:`LIST_TIMEOUT_S` (one that does not answer, a host that
+        was killed, is passed over)."""
         runs = [self.snapshot_run(g) for g in range(self.generation - 1, -1, -1)]
 
         def listed(address: str) -> dict[str, list[dict[str, Any]]]:
@@ -270,21 +271,15 @@ class Elastic:
                 pass  # gone, or its link is down: the others may hold the files
             return found
 
-        addresses = list(dict.fromkeys(self.daemons + self.former_daemons))
-        if not addresses:
-            return None
-        with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
-            answers = dict(zip(addresses, pool.map(listed, addresses)))
-        for run in runs:
-            holders: dict[tuple[int, int], dict[int, str]] = {}
-            for address in addresses:  # this generation's daemons first: their copies are fetched
-                for entry in answers[address].get(run, []):
-                    holders.setdefault((int(entry["step"]), int(entry["world"])), {}).setdefault(
-                        int(entry["rank"]), address)
-            for (step, world), ranks in sorted(holders.items(), reverse=True):
-                if set(ranks) == set(range(world)):
-                    return {"run": run, "step": step, "world": world,
-                            "holders": {str(r): a for r, a in ranks.items()}}
+        answers: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        for group in (self.daemons, self.former_daemons):  # the former hosts' only when this generation's lack one
+            if not group:
+                continue
+            with ThreadPoolExecutor(max_workers=min(16, len(group))) as pool:
+                answers.update(zip(group, pool.map(listed, group)))
+            found = _complete(runs, answers)
+            if found is not None:
+                return found
         return None
 
     def _load_snapshot(self, choice: Mapping[str, Any]) -> int:
@@ -430,6 +425,20 @@ class Elastic:
     def _barrier(self) -> None:
         if self._distributed():
             dist.barrier()
+
+
+def _complete(runs: list[str], answers: Mapping[str, Mapping[str, list[dict[str, Any]]]]) -> dict[str, Any] | None:
+    """The newest step of the first of ``runs`` that the daemons' ``answers`` (address →
+    run → entries, in the order asked) hold every rank of; None when none is whole."""
+    for run in runs:
+        holders: dict[tuple[int, int], dict[int, str]] = {}
+        for address, listed in answers.items():  # the first daemon asked that holds a rank's files gives them
+            for entry in listed.get(run, []):
+                holders.setdefault((int(entry["step"]), int(entry["world"])), {}).setdefault(int(entry["rank"]), address)
+        for (step, world), ranks in sorted(holders.items(), reverse=True):
+            if set(ranks) == set(range(world)):
+                return {"run": run, "step": step, "world": world, "holders": {str(r): a for r, a in ranks.items()}}
+    return None
 
 
 def _key_bytes() -> bytes:
