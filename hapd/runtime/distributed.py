@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hapd.errors import CollectiveError, HapdError
 from hapd.runtime import collectives
-from hapd.runtime.stepwatch import collective_timeout_s
+from hapd.runtime.stepwatch import collective_timeout_s, seconds_from_env
 
 
 JOIN_TIMEOUT_ENV = "HAPD_JOIN_TIMEOUT"
@@ -149,17 +149,7 @@ def init_distributed(*, timeout_s: float | None = None) -> DistEnv:
 
 def join_timeout_s(environ: dict[str, str] | os._Environ | None = None) -> float:
     """``HAPD_JOIN_TIMEOUT`` (seconds, > 0), else :data:`DEFAULT_JOIN_TIMEOUT_S`."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get(JOIN_TIMEOUT_ENV, "")
-    if not raw:
-        return DEFAULT_JOIN_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise HapdError(f"{JOIN_TIMEOUT_ENV}={raw!r} must be a positive number of seconds", field=JOIN_TIMEOUT_ENV)
-    return value
+    return seconds_from_env(JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT_S, environ)
 
 
 def _join(rank: int, world: int, timeout: timedelta) -> dist.TCPStore:

@@ -40,18 +40,24 @@ MAX_ERROR_CHARS = 300
 """Characters of the backend's own error kept in the message."""
 
 
-def collective_timeout_s(environ: Mapping[str, str] | None = None) -> float:
-    """``HAPD_COLLECTIVE_TIMEOUT`` (seconds, > 0), or :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`."""
-    raw = (os.environ if environ is None else environ).get(TIMEOUT_ENV, "")
+def seconds_from_env(name: str, default: float, environ: Mapping[str, str] | None = None) -> float:
+    """Environment variable ``name`` as seconds (> 0, finite), or ``default`` when unset
+    or empty; :class:`~hapd.errors.HapdError` naming it otherwise."""
+    raw = (os.environ if environ is None else environ).get(name, "")
     if not raw:
-        return DEFAULT_COLLECTIVE_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
     if not value > 0 or value == float("inf"):
-        raise HapdError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds", field=TIMEOUT_ENV)
+        raise HapdError(f"{name}={raw!r} must be a positive number of seconds", field=name)
     return value
+
+
+def collective_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    """``HAPD_COLLECTIVE_TIMEOUT`` (seconds, > 0), or :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`."""
+    return seconds_from_env(TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, environ)
 
 
 @dataclass(frozen=True)
@@ -174,4 +180,4 @@ def _recut(shapes: list | None, previous: list | None) -> bool:
     return shapes is not None and previous is not None and shapes != previous
 
 
-__all__ = ["CheckIn", "DEFAULT_COLLECTIVE_TIMEOUT_S", "StepWatch", "TIMEOUT_ENV", "collective_timeout_s"]
+__all__ = ["CheckIn", "DEFAULT_COLLECTIVE_TIMEOUT_S", "StepWatch", "TIMEOUT_ENV", "collective_timeout_s", "seconds_from_env"]

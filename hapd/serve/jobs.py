@@ -108,6 +108,26 @@ def _bad(message: str, fieldname: str) -> OptionsError:
     return OptionsError(f"launch: {message}", field=fieldname)
 
 
+def _check_place(body: Mapping[str, Any], nproc: int, request: str) -> None:
+    """The fields that place a host's ``nproc`` ranks in a job (a launch's or a
+    switch's): hosts, ranks, rendezvous, environment; OptionsError naming the field."""
+    nnodes, node_rank = body["nnodes"], body["node_rank"]
+    world, offset, port = body["world_size"], body["rank_offset"], body["master_port"]
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise OptionsError(f"{request}: node_rank {node_rank} must be in 0..{nnodes - 1} (nnodes {nnodes})",
+                           field="node_rank")
+    if offset < 0 or offset + nproc > world:
+        raise OptionsError(f"{request}: ranks {offset}..{offset + nproc - 1} do not fit world_size {world}",
+                           field="rank_offset")
+    if not 1 <= port <= 65535:
+        raise OptionsError(f"{request}: master_port {port} is not a port", field="master_port")
+    if not body["master_addr"]:
+        raise OptionsError(f"{request}: master_addr is empty", field="master_addr")
+    for k, v in body["env"].items():
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            raise OptionsError(f"{request}: environment variable {k!r} is not a valid name/value", field="env")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
     """A validated ``launch`` request (fields as in ``docs/protocol.md``)."""
@@ -142,17 +162,7 @@ class LaunchSpec:
         world, offset, port = body["world_size"], body["rank_offset"], body["master_port"]
         if not 1 <= nproc <= MAX_NPROC:
             raise _bad(f"nproc {nproc} must be in 1..{MAX_NPROC}", "nproc")
-        if nnodes < 1 or not 0 <= node_rank < nnodes:
-            raise _bad(f"node_rank {node_rank} must be in 0..{nnodes - 1} (nnodes {nnodes})", "node_rank")
-        if offset < 0 or offset + nproc > world:
-            raise _bad(f"ranks {offset}..{offset + nproc - 1} do not fit world_size {world}", "rank_offset")
-        if not 1 <= port <= 65535:
-            raise _bad(f"master_port {port} is not a port", "master_port")
-        if not body["master_addr"]:
-            raise _bad("master_addr is empty", "master_addr")
-        for k, v in body["env"].items():
-            if not k or "=" in k or "\0" in k or "\0" in v:
-                raise _bad(f"environment variable {k!r} is not a valid name/value", "env")
+        _check_place(body, nproc, "launch")
         if any("\0" in a for a in body["args"]):
             raise _bad("an argument contains a NUL byte", "args")
         script = body["script"]
@@ -214,19 +224,7 @@ class SwitchOrder:
         world, offset, port = body["world_size"], body["rank_offset"], body["master_port"]
         if gen < 1:
             raise OptionsError(f"switch: generation {gen} must be ≥ 1", field="generation")
-        if nnodes < 1 or not 0 <= node_rank < nnodes:
-            raise OptionsError(f"switch: node_rank {node_rank} must be in 0..{nnodes - 1} (nnodes {nnodes})",
-                               field="node_rank")
-        if offset < 0 or offset + nproc > world:
-            raise OptionsError(f"switch: this host's {nproc} rank(s) from {offset} do not fit world_size {world}",
-                               field="rank_offset")
-        if not 1 <= port <= 65535:
-            raise OptionsError(f"switch: master_port {port} is not a port", field="master_port")
-        if not body["master_addr"]:
-            raise OptionsError("switch: master_addr is empty", field="master_addr")
-        for k, v in body["env"].items():
-            if not k or "=" in k or "\0" in k or "\0" in v:
-                raise OptionsError(f"switch: environment variable {k!r} is not a valid name/value", field="env")
+        _check_place(body, nproc, "switch")
         return cls(generation=gen, node_rank=node_rank, nnodes=nnodes, rank_offset=offset, world_size=world,
                    master_addr=body["master_addr"], master_port=port, env=dict(body["env"]), time=time.time())
 
