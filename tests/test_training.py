@@ -144,10 +144,8 @@ def test_a_rank_late_past_the_collective_timeout_still_joins(monkeypatch):
     assert set(stores) == {0, 1}
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     monkeypatch.setenv("HAPD_JOIN_TIMEOUT", "1")
-    start = time.monotonic()
     with pytest.raises(CollectiveError, match="joining the job|ranks joined"):
         _join(0, 2, timedelta(seconds=0.5))
-    assert time.monotonic() - start < 20
     assert join_timeout_s({}) == 180.0 and join_timeout_s({"HAPD_JOIN_TIMEOUT": "7"}) == 7.0
     with pytest.raises(HapdError, match="HAPD_JOIN_TIMEOUT"):
         join_timeout_s({"HAPD_JOIN_TIMEOUT": "0"})
