@@ -11,7 +11,7 @@ NEWEST ?= .venv-newest
 # its module fixtures are built once): two keep both cores of a small machine busy while
 # one worker waits on ranks, daemons or subprocesses
 TEST_WORKERS ?= 2
-PYTEST = $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
+PYTEST = $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 # the exactness and zoo tests, run again under the newest torch
 NEWEST_TESTS ?= tests/test_zoo.py tests/test_dropout.py tests/test_frozen.py tests/test_lowering.py
 # `make image`: the image's tag, its base (empty: the Dockerfile's default, the official

@@ -108,7 +108,7 @@ class Reference(NamedTuple):
     """A model exported once and run on one device."""
 
     program: Any  # torch.export.ExportedProgram
-    saved: bytes  # torch.export.save bytes
+    saved: bytes  # its normal form, saved (save_normal_form)
     ir: Any  # hapd.compiler.lower.GraphIR
     inputs: tuple[Tensor, ...]
     losses: tuple[float, ...]  # the first loss, then the loss after each Adam step
@@ -117,7 +117,7 @@ class Reference(NamedTuple):
 
 class Case(NamedTuple):
     name: str
-    program: bytes  # torch.export.save bytes
+    program: bytes  # the normal form, saved (save_normal_form)
     plan: bytes
     inputs: tuple[Tensor, ...]
     losses: tuple[float, ...]
@@ -151,9 +151,7 @@ def reference(build: Build, name: str, steps: int = 0) -> Reference:
                      if p.grad is not None}
         if step < steps:
             optimizer.step()
-    buf = io.BytesIO()
-    torch.export.save(program, buf)
-    return Reference(program, buf.getvalue(), ir, inputs, tuple(losses), grads)
+    return Reference(program, save_normal_form(program), ir, inputs, tuple(losses), grads)
 
 
 def profile_flops(world: int) -> list[float]:
@@ -180,9 +178,8 @@ def _half_batch(spec: Spec, ref: Reference) -> tuple[bytes, Any]:
     module, _ = spec.build()
     half = tuple(t.narrow(0, 0, t.shape[0] // 2) for t in ref.inputs)
     program = hapd.export(module, half)
-    buf = io.BytesIO()
-    torch.export.save(program, buf)
-    return buf.getvalue(), hapd.lower(program, name=spec.name.split("/")[0])
+    ir = hapd.lower(program, name=spec.name.split("/")[0])
+    return save_normal_form(program), ir
 
 
 def make_cases(specs: Sequence[Spec], ratios: Sequence[float], steps: int = 0,
@@ -229,15 +226,49 @@ def _grad_errors(module: Any, case: Case) -> dict[str, float]:
     return errors
 
 
+def save_normal_form(program: Any) -> bytes:
+    """``program``'s normal form (:func:`hapd.compiler.normalize.normalize`: what
+    lowering made of it), saved with ``torch.export.save``: what the ranks load
+    (:func:`load_normal_form`).
+
+    Why the normal form and not the program as exported: each rank would otherwise make
+    every model functional again (``run_decompositions``), 0.5–3 s of CPU per model and
+    rank, most of these tests' time on the ranks and none of what they check. Ranks
+    that load a user's ``.pt2`` and normalize it themselves are tested where that is
+    the subject (``test_worker.py``, ``test_api.py``, the save/load tests of
+    ``test_lowering.py``)."""
+    from hapd.compiler.normalize import normalize
+
+    buf = io.BytesIO()
+    torch.export.save(normalize(program), buf)
+    return buf.getvalue()
+
+
+def load_normal_form(saved: bytes) -> Any:
+    """The program :func:`save_normal_form` saved, known as normalized again: the
+    passes after functionalization run once more (on the normal form they change
+    nothing, and ``distribute`` checks it: its graph id must be the plan's)."""
+    import logging
+
+    from hapd.compiler.normalize import normalize
+
+    quiet = logging.getLogger("torch.export.pt2_archive._package")  # an empty tensor's load is logged
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():  # torch reads weights from a read-only buffer and says so
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            program = torch.export.load(io.BytesIO(saved))
+    finally:
+        quiet.setLevel(level)
+    return normalize(program, functional=True)
+
+
 def _load(saved: bytes, loaded: dict[bytes, Any]) -> Any:
     """The normalized program ``saved`` holds, loaded once per rank (the cases of one
     model share it: ``distribute`` builds a new graph and copies every piece it keeps)."""
-    from hapd.compiler.normalize import normalize
-
     if saved not in loaded:
-        with warnings.catch_warnings():  # torch reads weights from a read-only buffer and says so
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            loaded[saved] = normalize(torch.export.load(io.BytesIO(saved)))
+        loaded[saved] = load_normal_form(saved)
     return loaded[saved]
 
 

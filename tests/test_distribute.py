@@ -11,8 +11,6 @@ together run every collective and every rule the runtime adapts.
 
 from __future__ import annotations
 
-import io
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -20,6 +18,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 from _dist import run_ranks
+from _exact import load_normal_form, save_normal_form
 from conftest import MODEL_NAMES
 
 import hapd
@@ -77,7 +76,7 @@ class Exported(NamedTuple):
 
     program: Any  # torch.export.ExportedProgram
     inputs: tuple[torch.Tensor, ...]
-    saved: bytes  # torch.export.save bytes
+    saved: bytes  # its normal form, saved (save_normal_form)
     ir: Any  # hapd.compiler.lower.GraphIR
     reference: dict[str, Any]
 
@@ -85,7 +84,7 @@ class Exported(NamedTuple):
 class Case(NamedTuple):
     name: str
     model: str
-    program: bytes  # torch.export.save bytes
+    program: bytes  # the normal form, saved (save_normal_form)
     plan: bytes
     inputs: tuple[torch.Tensor, ...]
     reference: dict[str, Any]
@@ -118,9 +117,7 @@ def _export(name: str):
     module, config = models.build(name)
     inputs = spec.example_inputs(config, BATCH)
     program = hapd.export(module, inputs, batch_dims=spec.batch_dims)
-    buf = io.BytesIO()
-    torch.export.save(program, buf)
-    return program, inputs, buf.getvalue()
+    return program, inputs, save_normal_form(program)
 
 
 def _exported(name: str) -> Exported:
@@ -155,13 +152,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
 
 
 def _load(saved: bytes, loaded: dict[bytes, Any]) -> Any:
-    """The program ``saved`` holds, loaded once per rank: the cases of one model share
-    it, so that ``distribute`` normalizes it once (it keeps the normal form on the
-    program, and builds each rank module from its own copy of every piece it keeps)."""
+    """The normalized program ``saved`` holds, loaded once per rank: the cases of one
+    model share it (``distribute`` builds each rank module from its own copy of every
+    piece it keeps)."""
     if saved not in loaded:
-        with warnings.catch_warnings():  # torch reads weights from a read-only buffer and says so
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            loaded[saved] = torch.export.load(io.BytesIO(saved))
+        loaded[saved] = load_normal_form(saved)
     return loaded[saved]
 
 

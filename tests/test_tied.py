@@ -11,13 +11,12 @@ count it once), and the rank module holds one parameter under both names.
 
 from __future__ import annotations
 
-import io
-import warnings
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 from _dist import run_ranks
+from _exact import load_normal_form, save_normal_form
 from torch import Tensor, nn
 
 import hapd
@@ -65,7 +64,7 @@ FORCES: dict[str, tuple[str, str] | None] = {
 
 class Case(NamedTuple):
     name: str
-    program: bytes  # torch.export.save bytes
+    program: bytes  # the normal form, saved (save_normal_form)
     plan: bytes
     inputs: tuple[Tensor, ...]
     losses: list[float]  # single device: the first loss, then after each Adam step
@@ -104,7 +103,7 @@ class Exported(NamedTuple):
     module: nn.Module
     inputs: tuple[Tensor, ...]
     ir: Any  # hapd.compiler.lower.GraphIR
-    saved: bytes  # torch.export.save bytes
+    saved: bytes  # its normal form, saved (save_normal_form)
     reference: tuple[list[float], dict[str, Tensor], dict[str, Tensor]]  # _reference's
 
 
@@ -112,9 +111,7 @@ class Exported(NamedTuple):
 def exported() -> Exported:
     module, inputs = _gpt2()
     program = hapd.export(module, inputs)
-    buf = io.BytesIO()
-    torch.export.save(program, buf)
-    return Exported(module, inputs, hapd.lower(program, name="gpt2"), buf.getvalue(), _reference(program, inputs))
+    return Exported(module, inputs, hapd.lower(program, name="gpt2"), save_normal_form(program), _reference(program, inputs))
 
 
 def _case(name: str, world: int, exported: Exported) -> Case:
@@ -149,12 +146,8 @@ def _errors(module: Any, expected: dict[str, Tensor], got: dict[str, Tensor | No
 def _load(saved: bytes, loaded: dict[bytes, Any]) -> Any:
     """The normalized program ``saved`` holds, loaded once per rank (the cases share it:
     ``distribute`` builds a new graph and copies every piece it keeps)."""
-    from hapd.compiler.normalize import normalize
-
     if saved not in loaded:
-        with warnings.catch_warnings():  # torch reads weights from a read-only buffer and says so
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            loaded[saved] = normalize(torch.export.load(io.BytesIO(saved)))
+        loaded[saved] = load_normal_form(saved)
     return loaded[saved]
 
 
