@@ -75,6 +75,21 @@ def test_torch_free_rooms_import_without_torch() -> None:
     assert result.returncode == 0, f"torch was imported: {result.stdout}{result.stderr}"
 
 
+def test_the_runtime_loads_checkpointing_only_when_a_checkpoint_is_used() -> None:
+    """Every rank imports the runtime; ``torch.distributed.checkpoint`` (~0.2 s, FSDP
+    with it) loads when a checkpoint is saved or read, not on ``hapd.parallelize``."""
+    code = (
+        "import sys, hapd, hapd.runtime.parallelize, hapd.runtime.rewrite, hapd.runtime.weights\n"
+        "hapd.parallelize\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint'))[:3])\n"
+        "import hapd.runtime.checkpoint\n"
+        "print('torch.distributed.checkpoint' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["[]", "True"], result.stdout
+
+
 def test_runtime_adapters_key_on_the_cores_rule_names() -> None:
     from hapd import _core
     from hapd.runtime.adapters import ADAPTERS

@@ -59,7 +59,6 @@ from torch import Tensor, nn
 
 from hapd.compiler.export import on_meta
 from hapd.errors import CheckpointError, WeightsError
-from hapd.runtime.checkpoint_planners import PieceLoadPlanner, quiet_dcp
 from hapd.runtime.checkpoint_format import (
     MANIFEST,
     MODEL,
@@ -313,6 +312,7 @@ class CheckpointWeights(WeightSource):
         import torch.distributed.checkpoint as dcp  # loaded in __init__ already: a lookup
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        from hapd.runtime.checkpoint_planners import PieceLoadPlanner, quiet_dcp
 
         key = next((MODEL + n for n in names if MODEL + n in self.metadata), None)
         if key is None:
