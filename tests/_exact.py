@@ -272,14 +272,33 @@ def _load(saved: bytes, loaded: dict[bytes, Any]) -> Any:
     return loaded[saved]
 
 
+def distribute_saved(saved: bytes, plan: Any, rank: int, loaded: dict[bytes, Any], **kwargs: Any) -> Any:
+    """``distribute`` of the normal form ``saved`` holds (:func:`_load`) for ``plan``.
+
+    ``distribute`` checks that a plan is for its program by lowering the program again
+    and comparing graph ids; here that runs once per program and rank (kept in
+    ``loaded``), and each further plan of the program is compared with that id, since
+    lowering the same program again per plan would only repeat it."""
+    from hapd.compiler.lower import lower
+    from hapd.runtime.rewrite import distribute
+
+    program = _load(saved, loaded)
+    key = ("graph_id", saved)
+    if key not in loaded:
+        loaded[key] = lower(program, name=plan.program.get("graph")).graph_id
+    if loaded[key] != plan.key["graph_id"]:
+        raise AssertionError(f"the plan is for graph {plan.key['graph_id'][:12]}…, the loaded program is {loaded[key][:12]}…")
+    return distribute(program, plan, rank, check_graph=False, **kwargs)
+
+
 def _run_case(rank: int, case: Case, loaded: dict[bytes, Any] | None = None) -> dict[str, Any]:
     """One case on this rank: the loss and gradients, then the Adam steps the reference
     took (``LR``, on this rank's parameters) and the global loss after each."""
     from hapd.compiler.plan import Plan
-    from hapd.runtime.rewrite import distribute, global_loss
+    from hapd.runtime.rewrite import global_loss
 
     plan = Plan.from_bytes(case.plan)
-    module = distribute(_load(case.program, {} if loaded is None else loaded), plan, rank)
+    module = distribute_saved(case.program, plan, rank, {} if loaded is None else loaded)
     if case.overlap != plan.overlap:
         raise AssertionError(f"{case.name}: the plan's overlap is {plan.overlap}")
     local_inputs = module.shard_inputs(*case.inputs)

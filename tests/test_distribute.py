@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 from _dist import run_ranks
-from _exact import load_normal_form, save_normal_form
+from _exact import distribute_saved, save_normal_form
 from conftest import MODEL_NAMES
 
 import hapd
@@ -151,22 +151,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
     return float((a - b).abs().max()) / max(float(b.abs().max()), floor)
 
 
-def _load(saved: bytes, loaded: dict[bytes, Any]) -> Any:
-    """The normalized program ``saved`` holds, loaded once per rank: the cases of one
-    model share it (``distribute`` builds each rank module from its own copy of every
-    piece it keeps)."""
-    if saved not in loaded:
-        loaded[saved] = load_normal_form(saved)
-    return loaded[saved]
-
-
 def _run_case(rank: int, world: int, case: Case, loaded: dict[bytes, Any]) -> dict[str, Any]:
     from hapd.compiler.plan import Plan
-    from hapd.runtime.rewrite import distribute, global_loss
+    from hapd.runtime.rewrite import global_loss
 
-    program = _load(case.program, loaded)
     plan = Plan.from_bytes(case.plan)
-    module = distribute(program, plan, rank)
+    module = distribute_saved(case.program, plan, rank, loaded)
     inputs = module.shard_inputs(*case.inputs)
     local = module(*inputs)
     local.backward()
@@ -290,14 +280,14 @@ def _run_two_level_once(rank: int, world: int, case: Case, bucket_bytes: int,
     of 2 ranks each; also the bare sum and when two levels do not apply."""
     from hapd.runtime import collectives
     from hapd.compiler.plan import Plan
-    from hapd.runtime.rewrite import distribute, global_loss
+    from hapd.runtime.rewrite import global_loss
 
     flat_cases = [collectives.host_groups([0] * world), collectives.host_groups(list(range(world)))]
     hosts = collectives.host_groups([0, 0, 1, 1])
     buf = torch.arange(6, dtype=torch.float32) * (rank + 1)
     collectives.two_level_sum_(buf, hosts)
-    module = distribute(_load(case.program, loaded), Plan.from_bytes(case.plan), rank, hosts=hosts,
-                        bucket_bytes=bucket_bytes)
+    module = distribute_saved(case.program, Plan.from_bytes(case.plan), rank, loaded, hosts=hosts,
+                              bucket_bytes=bucket_bytes)
     local = module(*module.shard_inputs(*case.inputs))
     local.backward()
     ref = case.reference

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _exact import TOL, Spec, _run_cases, assert_exact, assert_rules_ran, load_normal_form, run_specs
+from _exact import TOL, Spec, _run_cases, assert_exact, assert_rules_ran, distribute_saved, run_specs
 
 import hapd
 
@@ -53,11 +53,11 @@ SPECS = [
 def _run_moe_cases(rank: int, world: int, cases: list[Any]) -> list[dict[str, Any]]:
     """The harness's results, plus the local shapes of the expert weights."""
     from hapd.compiler.plan import Plan
-    from hapd.runtime.rewrite import distribute
 
     results = _run_cases(rank, world, cases)
+    loaded: dict[Any, Any] = {}
     for case, result in zip(cases, results):
-        module = distribute(load_normal_form(case.program), Plan.from_bytes(case.plan), rank)
+        module = distribute_saved(case.program, Plan.from_bytes(case.plan), rank, loaded)
         result["expert_shapes"] = {n: (list(p.shape), module.hapd_params[n][1]) for n, p in module.named_parameters()
                                    if n.endswith(EXPERT_WEIGHTS)}
     return results

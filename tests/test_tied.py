@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 from _dist import run_ranks
-from _exact import load_normal_form, save_normal_form
+from _exact import distribute_saved, save_normal_form
 from torch import Tensor, nn
 
 import hapd
@@ -143,20 +143,12 @@ def _errors(module: Any, expected: dict[str, Tensor], got: dict[str, Tensor | No
     return out
 
 
-def _load(saved: bytes, loaded: dict[bytes, Any]) -> Any:
-    """The normalized program ``saved`` holds, loaded once per rank (the cases share it:
-    ``distribute`` builds a new graph and copies every piece it keeps)."""
-    if saved not in loaded:
-        loaded[saved] = load_normal_form(saved)
-    return loaded[saved]
-
-
 def _run_case(rank: int, case: Case, loaded: dict[bytes, Any]) -> dict[str, Any]:
     from hapd.compiler.plan import Plan
-    from hapd.runtime.rewrite import distribute, global_loss
+    from hapd.runtime.rewrite import global_loss
 
     plan = Plan.from_bytes(case.plan)
-    module = distribute(_load(case.program, loaded), plan, rank)
+    module = distribute_saved(case.program, plan, rank, loaded)
     named = dict(module.named_parameters(remove_duplicate=False))
     local_inputs = module.shard_inputs(*case.inputs)
     optimizer = torch.optim.Adam(module.parameters(), lr=LR, eps=EPS)
