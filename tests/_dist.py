@@ -33,10 +33,22 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-PRELOAD = ["torch", "torch.distributed", "hapd.runtime.rewrite", "hapd.models", "pytest"]
-"""What the fork server imports once for every rank: torch, the runtime the ranks run
-and what the test modules that hold rank functions import (only imports: none of them
-runs an op)."""
+PRELOAD = [
+    "torch", "torch.distributed", "pytest",
+    # what a rank of hapd imports: the runtime, and torch.export (a rank exports its
+    # model or loads a saved program: ~1 s of imports, torch._dynamo's among them)
+    "hapd.runtime.rewrite", "hapd.runtime.parallelize", "hapd.models", "torch.export",
+    "torch.export.pt2_archive._package",
+    # the zoo's libraries (~1.5 s): a test without them skips, and the server passes over
+    # a module it cannot import
+    "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+    "transformers.models.bert.modeling_bert", "transformers.models.mixtral.modeling_mixtral",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe", "transformers.models.t5.modeling_t5", "torchvision.models",
+]
+"""What the fork server imports once for every rank: torch, the runtime the ranks run,
+the model libraries and what the test modules that hold rank functions import. Only
+imports: none of them runs an op or starts a thread, so each forked rank starts as a
+fresh interpreter that imported them would."""
 
 
 def _context() -> Any:
