@@ -9,7 +9,9 @@ CARGO  ?= cargo
 NEWEST ?= .venv-newest
 # pytest workers of `make test` (pytest-xdist; a test file runs whole on one worker, so
 # its module fixtures are built once): two keep both cores of a small machine busy while
-# one worker waits on ranks, daemons or subprocesses
+# one worker waits on ranks, daemons or subprocesses; --no-loadscope-reorder keeps the
+# files in the longest-first order tests/conftest.py gives them (xdist would sort them by
+# test count)
 TEST_WORKERS ?= 2
 PYTEST = $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 # the exactness and zoo tests, run again under the newest torch
