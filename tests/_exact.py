@@ -247,7 +247,7 @@ def save_normal_form(program: Any) -> bytes:
 def load_normal_form(saved: bytes) -> Any:
     """The program :func:`save_normal_form` saved, known as normalized again: the
     passes after functionalization run once more (on the normal form they change
-    nothing, and ``distribute`` checks it: its graph id must be the plan's)."""
+    nothing, and :func:`distribute_saved` checks it: its graph id must be the plan's)."""
     import logging
 
     from hapd.compiler.normalize import normalize
@@ -264,31 +264,43 @@ def load_normal_form(saved: bytes) -> Any:
     return normalize(program, functional=True)
 
 
-def _load(saved: bytes, loaded: dict[bytes, Any]) -> Any:
+class _Loaded:
+    """A program loaded on a rank, and its graph id once a plan was checked against it."""
+
+    def __init__(self, program: Any):
+        self.program = program
+        self.graph_id: str | None = None
+
+
+def _loaded(saved: bytes, loaded: dict[bytes, _Loaded]) -> _Loaded:
     """The normalized program ``saved`` holds, loaded once per rank (the cases of one
     model share it: ``distribute`` builds a new graph and copies every piece it keeps)."""
     if saved not in loaded:
-        loaded[saved] = load_normal_form(saved)
+        loaded[saved] = _Loaded(load_normal_form(saved))
     return loaded[saved]
 
 
-def distribute_saved(saved: bytes, plan: Any, rank: int, loaded: dict[bytes, Any], **kwargs: Any) -> Any:
-    """``distribute`` of the normal form ``saved`` holds (:func:`_load`) for ``plan``.
+def _load(saved: bytes, loaded: dict[bytes, _Loaded]) -> Any:
+    """The program of :func:`_loaded`."""
+    return _loaded(saved, loaded).program
+
+
+def distribute_saved(saved: bytes, plan: Any, rank: int, loaded: dict[bytes, _Loaded], **kwargs: Any) -> Any:
+    """``distribute`` of the normal form ``saved`` holds (:func:`_loaded`) for ``plan``.
 
     ``distribute`` checks that a plan is for its program by lowering the program again
-    and comparing graph ids; here that runs once per program and rank (kept in
-    ``loaded``), and each further plan of the program is compared with that id, since
-    lowering the same program again per plan would only repeat it."""
+    and comparing graph ids; here that runs once per program and rank, and each further
+    plan of the program is compared with that id, since lowering the same program again
+    per plan would only repeat it."""
     from hapd.compiler.lower import lower
     from hapd.runtime.rewrite import distribute
 
-    program = _load(saved, loaded)
-    key = ("graph_id", saved)
-    if key not in loaded:
-        loaded[key] = lower(program, name=plan.program.get("graph")).graph_id
-    if loaded[key] != plan.key["graph_id"]:
-        raise AssertionError(f"the plan is for graph {plan.key['graph_id'][:12]}…, the loaded program is {loaded[key][:12]}…")
-    return distribute(program, plan, rank, check_graph=False, **kwargs)
+    entry = _loaded(saved, loaded)
+    if entry.graph_id is None:
+        entry.graph_id = lower(entry.program, name=plan.program.get("graph")).graph_id
+    if entry.graph_id != plan.key["graph_id"]:
+        raise AssertionError(f"the plan is for graph {plan.key['graph_id'][:12]}…, the loaded program is {entry.graph_id[:12]}…")
+    return distribute(entry.program, plan, rank, check_graph=False, **kwargs)
 
 
 def _run_case(rank: int, case: Case, loaded: dict[bytes, Any] | None = None) -> dict[str, Any]:
