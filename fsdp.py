@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
 """Fully sharded data-parallel baseline (PyTorch FSDP): ``torchrun --nproc-per-node N fsdp.py ...``; see hapd/harness/fsdp.py."""
-import sys
+from hapd.runtime.distributed import exit_rank
 from hapd.harness.fsdp import main
-sys.exit(main())
+exit_rank(main())

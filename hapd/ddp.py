@@ -1,8 +1,7 @@
 """``python -m hapd.ddp``: the DP-EV / DP-CP baselines (:mod:`hapd.harness.ddp`)."""
 
-import sys
-
 from hapd.harness.ddp import main
+from hapd.runtime.distributed import exit_rank
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -1,8 +1,7 @@
 """``python -m hapd.fsdp``: the fully sharded data-parallel baseline (:mod:`hapd.harness.fsdp`)."""
 
-import sys
-
 from hapd.harness.fsdp import main
+from hapd.runtime.distributed import exit_rank
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

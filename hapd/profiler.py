@@ -1,8 +1,7 @@
 """``python -m hapd.profiler``: the cluster profiler (:mod:`hapd.profile.profiler`)."""
 
-import sys
-
 from hapd.profile.profiler import main
+from hapd.runtime.distributed import exit_rank
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -1,8 +1,7 @@
 """``python -m hapd.worker``: hapd's training worker (:mod:`hapd.harness.worker`)."""
 
-import sys
-
 from hapd.harness.worker import main
+from hapd.runtime.distributed import exit_rank
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -173,6 +173,40 @@ def test_the_group_hapd_created_is_destroyed_before_the_interpreter_finalizes():
     assert said == ["joined: True 1", "group alive at finalization: False"], done.stdout
 
 
+EXIT_RANK = """\
+import atexit, sys, threading, time
+import torch.distributed as dist
+from hapd.runtime.distributed import exit_rank, init_distributed
+
+class Finalized:
+    def __del__(self):
+        print("finalization ran", flush=True)
+
+held = Finalized()  # a module global: collected only when the interpreter finalizes
+atexit.register(lambda: print("atexit ran; group alive:", dist.is_initialized(), flush=True))
+init_distributed()
+late = threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished", flush=True)))
+late.start()
+sys.stderr.write("unflushed")  # no newline, no flush: left in the line buffer
+exit_rank(3)
+print("never")
+"""
+
+
+def test_a_rank_exits_with_its_status_after_its_threads_and_exit_handlers_without_finalizing():
+    """``exit_rank`` (the entry points' exit): non-daemon threads finish, ``atexit``
+    handlers run with the group destroyed by hapd's own handler, buffered output is
+    flushed, the status is kept, and the interpreter's finalization (where C++ threads
+    that outlive the Python code can abort the process) never runs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", EXIT_RANK], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    said = [line for line in done.stdout.splitlines() if not line.startswith("[Gloo]")]
+    assert said == ["thread finished", "atexit ran; group alive: False"], done.stdout
+    assert done.stderr.endswith("unflushed") and "finalization ran" not in done.stdout, done.stderr[-2000:]
+
+
 def test_local_batch_cuts_the_global_batch():
     spec = models.get("mlp")
     _, config = models.build("mlp")

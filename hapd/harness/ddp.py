@@ -32,7 +32,6 @@ all-reduced after the timing, the same on every rank.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 import torch
@@ -45,7 +44,7 @@ from hapd.errors import HapdError
 from hapd.profile.schema import Profile, load_profile
 from hapd.compiler.ratios import sharding_lengths
 from hapd.harness.training import TrainArgs, add_train_flags, local_batch, parse_train_args, report, run_rank, train
-from hapd.runtime.distributed import DistEnv
+from hapd.runtime.distributed import DistEnv, exit_rank
 
 SPLITS = {"even": "ddp-ev", "flops": "ddp-cp"}
 """``--split`` value -> the system name it reports."""
@@ -149,4 +148,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -31,7 +31,6 @@ its shard of every parameter from :func:`hapd.module_init` (the values the hapd 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -43,7 +42,7 @@ from hapd.errors import HapdError
 from hapd.profile.schema import load_profile
 from hapd.harness.ddp import DDPStep, loss_weight, split_lengths
 from hapd.harness.training import TrainArgs, add_train_flags, local_batch, parse_train_args, report, run_rank, train
-from hapd.runtime.distributed import DistEnv
+from hapd.runtime.distributed import DistEnv, exit_rank
 from hapd.runtime.weights import WeightSource, init_on_meta, module_init
 
 SPLITS = {"even": "fsdp", "flops": "fsdp-cp"}
@@ -172,4 +171,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

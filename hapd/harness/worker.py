@@ -22,7 +22,6 @@ its predicted peak bytes on each rank).
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from hapd.profile.schema import Profile
 from hapd.compiler.plan import Plan
 from hapd.errors import HapdError, OptionsError, PlanError
 from hapd.harness.training import TrainArgs, add_train_flags, parse_train_args, report, run_rank, train
-from hapd.runtime.distributed import DistEnv, job_host_groups
+from hapd.runtime.distributed import DistEnv, exit_rank, job_host_groups
 from hapd.runtime.parallel_module import ParallelModule
 from hapd.runtime.parallelize import parallelize
 from hapd.runtime.plan_source import job_profile as _job_profile
@@ -195,4 +194,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -144,4 +144,6 @@ def launch_local(nproc: int, args: Sequence[str], *, rendezvous: Rendezvous = Re
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hapd.runtime.distributed import exit_rank
+
+    exit_rank(main())

@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Sequence
 
 from hapd.profile.profiler import main as profiler_main
+from hapd.runtime.distributed import exit_rank
 
 PART_CHARS = 8000
 """Characters of the profile's JSON text per ``profile-part`` line."""
@@ -43,4 +44,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())
