@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
 """Fully sharded data-parallel baseline (PyTorch FSDP): ``torchrun --nproc-per-node N fsdp.py ...``; see hapd/harness/fsdp.py."""
-from hapd.runtime.distributed import exit_rank
+from hapd.util import exit_process
 from hapd.harness.fsdp import main
-exit_rank(main())
+exit_process(main())

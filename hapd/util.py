@@ -1,21 +1,25 @@
-"""Small helpers every room shares: atomic file writes, byte sizes, timing summaries.
+"""Small helpers every room shares: atomic file writes, byte sizes, timing summaries,
+the end of a rank's process.
 
 No torch here: the launcher and the daemon import this module.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import math
 import os
 import secrets
 import statistics
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NoReturn
 
 # --------------------------------------------------------------------------
 # The cyclic garbage collector, paused over a compile
@@ -179,4 +183,40 @@ def summarize(times: Iterable[float]) -> TimingSummary:
     )
 
 
-__all__ = ["TimingSummary", "atomic_file", "atomic_write", "format_bytes", "gc_paused", "home_dir", "summarize"]
+
+# --------------------------------------------------------------------------
+# The end of a rank's process
+# --------------------------------------------------------------------------
+
+
+def exit_process(status: int) -> NoReturn:
+    """End this process with ``status`` the way a ``multiprocessing`` child ends: wait
+    for its non-daemon threads, run the ``atexit`` handlers (hapd's process-group
+    teardown and telemetry, a script's own), flush stdout and stderr, then leave with
+    :func:`os._exit`, skipping the interpreter's finalization. Every entry point that runs
+    as a rank (the worker, the baselines, the profiler, the elastic runner) ends so.
+
+    Why not return from ``main``: C++ threads outlive the Python code that used them —
+    Gloo's workers finishing their last work, the TCP store's loop, libzmq's and the
+    profiler's threads — and one that touches a Python object after finalization began
+    (dropping a tensor a collective held) is ended by CPython mid-stack, which C++
+    answers with ``std::terminate``: a rank that trained, reported and left its group
+    still exits with SIGABRT (status 134, "terminate called without an active
+    exception"), rarely and only on a busy host. The launcher reports that as a failed
+    job and an elastic job as a fault. Nothing is left for finalization to do that a
+    rank needs: its files are closed, its output flushed, its group destroyed."""
+    try:
+        current = threading.current_thread()
+        for thread in threading.enumerate():
+            if thread is not current and not thread.daemon and thread is not threading.main_thread():
+                thread.join()
+        atexit._run_exitfuncs()  # noqa: SLF001 - the handlers finalization would run, run while all is whole
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed or broken pipe: nothing left to tell
+                stream.flush()
+        os._exit(status)
+
+
+__all__ = ["TimingSummary", "atomic_file", "atomic_write", "exit_process", "format_bytes", "gc_paused", "home_dir",
+           "summarize"]

@@ -176,7 +176,8 @@ def test_the_group_hapd_created_is_destroyed_before_the_interpreter_finalizes():
 EXIT_RANK = """\
 import atexit, sys, threading, time
 import torch.distributed as dist
-from hapd.runtime.distributed import exit_rank, init_distributed
+from hapd.runtime.distributed import init_distributed
+from hapd.util import exit_process
 
 class Finalized:
     def __del__(self):
@@ -188,13 +189,13 @@ init_distributed()
 late = threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished", flush=True)))
 late.start()
 sys.stderr.write("unflushed")  # no newline, no flush: left in the line buffer
-exit_rank(3)
+exit_process(3)
 print("never")
 """
 
 
 def test_a_rank_exits_with_its_status_after_its_threads_and_exit_handlers_without_finalizing():
-    """``exit_rank`` (the entry points' exit): non-daemon threads finish, ``atexit``
+    """``exit_process`` (the entry points' exit): non-daemon threads finish, ``atexit``
     handlers run with the group destroyed by hapd's own handler, buffered output is
     flushed, the status is kept, and the interpreter's finalization (where C++ threads
     that outlive the Python code can abort the process) never runs."""

@@ -44,7 +44,8 @@ from hapd.errors import HapdError
 from hapd.profile.schema import Profile, load_profile
 from hapd.compiler.ratios import sharding_lengths
 from hapd.harness.training import TrainArgs, add_train_flags, local_batch, parse_train_args, report, run_rank, train
-from hapd.runtime.distributed import DistEnv, exit_rank
+from hapd.runtime.distributed import DistEnv
+from hapd.util import exit_process
 
 SPLITS = {"even": "ddp-ev", "flops": "ddp-cp"}
 """``--split`` value -> the system name it reports."""
@@ -148,4 +149,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    exit_process(main())

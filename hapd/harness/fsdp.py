@@ -42,8 +42,9 @@ from hapd.errors import HapdError
 from hapd.profile.schema import load_profile
 from hapd.harness.ddp import DDPStep, loss_weight, split_lengths
 from hapd.harness.training import TrainArgs, add_train_flags, local_batch, parse_train_args, report, run_rank, train
-from hapd.runtime.distributed import DistEnv, exit_rank
+from hapd.runtime.distributed import DistEnv
 from hapd.runtime.weights import WeightSource, init_on_meta, module_init
+from hapd.util import exit_process
 
 SPLITS = {"even": "fsdp", "flops": "fsdp-cp"}
 """``--split`` value -> the system name it reports."""
@@ -171,4 +172,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    exit_process(main())

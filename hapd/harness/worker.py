@@ -36,12 +36,13 @@ from hapd.profile.schema import Profile
 from hapd.compiler.plan import Plan
 from hapd.errors import HapdError, OptionsError, PlanError
 from hapd.harness.training import TrainArgs, add_train_flags, parse_train_args, report, run_rank, train
-from hapd.runtime.distributed import DistEnv, exit_rank, job_host_groups
+from hapd.runtime.distributed import DistEnv, job_host_groups
 from hapd.runtime.parallel_module import ParallelModule
 from hapd.runtime.parallelize import parallelize
 from hapd.runtime.plan_source import job_profile as _job_profile
 from hapd.runtime.pipeline import build_pipeline, compile_pipeline
 from hapd.runtime.weights import WeightSource, init_on_meta, module_init
+from hapd.util import exit_process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,4 +195,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    exit_process(main())

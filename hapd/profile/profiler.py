@@ -28,6 +28,7 @@ from pathlib import Path
 from hapd.errors import HapdError, OptionsError
 from hapd.profile.assemble import summary
 from hapd.profile.options import HOST_ENV, ProfilerOptions, parse_sizes
+from hapd.util import exit_process
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -144,6 +145,4 @@ def launch_local(nproc: int, args: Sequence[str], *, rendezvous: Rendezvous = Re
 
 
 if __name__ == "__main__":
-    from hapd.runtime.distributed import exit_rank
-
-    exit_rank(main())
+    exit_process(main())

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Sequence
 
 from hapd.profile.profiler import main as profiler_main
-from hapd.runtime.distributed import exit_rank
+from hapd.util import exit_process
 
 PART_CHARS = 8000
 """Characters of the profile's JSON text per ``profile-part`` line."""
@@ -44,4 +44,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    exit_process(main())

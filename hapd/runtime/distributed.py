@@ -12,12 +12,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -204,34 +203,6 @@ def _destroy_group() -> None:
             dist.destroy_process_group()
 
 
-def exit_rank(status: int) -> NoReturn:
-    """End a rank's process with ``status`` the way a ``multiprocessing`` child ends:
-    wait for its non-daemon threads, run the ``atexit`` handlers (this module's group
-    teardown, hapd's telemetry, a script's own), flush stdout and stderr, then leave with
-    :func:`os._exit`, skipping the interpreter's finalization.
-
-    Why not return from ``main``: C++ threads outlive the Python code that used them —
-    Gloo's workers finishing their last work, the TCP store's loop, libzmq's and the
-    profiler's threads — and one that touches a Python object after finalization began
-    (dropping a tensor a collective held) is ended by CPython mid-stack, which C++
-    answers with ``std::terminate``: a rank that trained, reported and left its group
-    still exits with SIGABRT (status 134, "terminate called without an active
-    exception"), rarely and only on a busy host. The launcher reports that as a failed
-    job and an elastic job as a fault. Nothing is left for finalization to do that a
-    rank needs: its files are closed, its output flushed, its group destroyed."""
-    try:
-        current = threading.current_thread()
-        for thread in threading.enumerate():
-            if thread is not current and not thread.daemon and thread is not threading.main_thread():
-                thread.join()
-        atexit._run_exitfuncs()  # noqa: SLF001 - the handlers finalization would run, run while all is whole
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):  # a closed or broken pipe: nothing left to tell
-                stream.flush()
-        os._exit(status)
-
-
 def leave_group() -> None:
     """Destroy the process group (every group of this process) after a peer went away:
     its connections close, so the peers still waiting in a collective with this rank
@@ -252,4 +223,4 @@ def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> Di
     return DistEnv(rank=rank, world=world, local_rank=local, backend=backend, device=device)
 
 
-__all__ = ["DistEnv", "env_int", "exit_rank", "init_distributed", "join_timeout_s", "leave_group"]
+__all__ = ["DistEnv", "env_int", "init_distributed", "join_timeout_s", "leave_group"]

@@ -48,6 +48,7 @@ from hapd.errors import PEER_FAILURE, CollectiveError, HapdError
 from hapd.serve.client import Client
 from hapd.serve.jobs import STARTED_ENV
 from hapd.serve.keys import default_key_path, load_key
+from hapd.util import exit_process
 
 RUN_ENV = "HAPD_ELASTIC_RUN"
 """The elastic run's id (the same in every generation); unset: not an elastic launch."""
@@ -183,4 +184,4 @@ def _park(generation: int, cause: str) -> Mapping[str, Any] | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
