@@ -162,14 +162,20 @@ print("joined:", dist.is_initialized(), dist.get_world_size(), flush=True)
 """
 
 
+def _run_alone(code: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run ``code`` in a fresh interpreter outside any job (a 1-rank group); its stdout
+    lines without Gloo's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    return done, [line for line in done.stdout.splitlines() if not line.startswith("[Gloo]")]
+
+
 def test_the_group_hapd_created_is_destroyed_before_the_interpreter_finalizes():
     """A process ending with its Gloo group alive can abort in finalization (status 134,
     "terminate called without an active exception"); hapd's group is destroyed at exit."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-c", AT_EXIT], capture_output=True, text=True, env=env, timeout=120)
+    done, said = _run_alone(AT_EXIT)
     assert done.returncode == 0, done.stderr[-2000:]
-    said = [line for line in done.stdout.splitlines() if not line.startswith("[Gloo]")]
     assert said == ["joined: True 1", "group alive at finalization: False"], done.stdout
 
 
@@ -199,11 +205,8 @@ def test_a_rank_exits_with_its_status_after_its_threads_and_exit_handlers_withou
     handlers run with the group destroyed by hapd's own handler, buffered output is
     flushed, the status is kept, and the interpreter's finalization (where C++ threads
     that outlive the Python code can abort the process) never runs."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-c", EXIT_RANK], capture_output=True, text=True, env=env, timeout=120)
+    done, said = _run_alone(EXIT_RANK)
     assert done.returncode == 3, done.stderr[-2000:]
-    said = [line for line in done.stdout.splitlines() if not line.startswith("[Gloo]")]
     assert said == ["thread finished", "atexit ran; group alive: False"], done.stdout
     assert done.stderr.endswith("unflushed") and "finalization ran" not in done.stdout, done.stderr[-2000:]
 
