@@ -113,8 +113,8 @@ def add_run_flags(p: argparse.ArgumentParser, what: str, out: Path) -> None:
 class RankClock:
     """Per training step of this rank, seconds spent in each part: ``step``, ``forward``
     and ``backward``; ``wait_forward`` and ``wait_backward``, blocked in the plan's
-    collectives (:meth:`hapd.runtime.collectives.Pending.wait`) in either pass; and
-    ``grad_sync``, the gradient sum's final wait (:class:`hapd.runtime.gradsync.GradSync`).
+    collectives (:meth:`hapd.spmd.collectives.Pending.wait`) in either pass; and
+    ``grad_sync``, the gradient sum's final wait (:class:`hapd.spmd.gradsync.GradSync`).
     A bench times more parts with :meth:`timed` in its own :meth:`install`."""
 
     def __init__(self) -> None:
@@ -151,7 +151,8 @@ class RankClock:
         """Wrap the collectives' wait, the gradient sum's finish and the SPMD worker's
         step (its forward and backward timed apart)."""
         from hapd.harness import worker
-        from hapd.runtime import collectives, gradsync
+        from hapd.spmd import collectives
+        from hapd.spmd import gradsync
 
         clock = self
         gradsync.GradSync._finish = self.timed(gradsync.GradSync._finish, "grad_sync")

@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
-from hapd.serve.client import Client  # noqa: E402
+from hapd.wire.client import Client  # noqa: E402
 from hapd.compiler.driver import compile as compile_plan  # noqa: E402
-from hapd.compiler.export import export  # noqa: E402
-from hapd.compiler.lower import lower  # noqa: E402
+from hapd.ir.export import export  # noqa: E402
+from hapd.ir.lower import lower  # noqa: E402
 from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.profile.schema import load_profile  # noqa: E402
 from hapd.compiler.replan import relp_plan  # noqa: E402

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hapd.errors import HapdError  # noqa: E402
-from hapd.serve.client import Client  # noqa: E402
+from hapd.wire.client import Client  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "container_cluster.json"
 DEFAULT_IMAGE = "localhost/hapd:bench"

@@ -8,14 +8,14 @@ Per shape and dtype (default: a GPT-2 hidden state, 8×1024×768, and its attent
 probabilities, 8×12×1024×1024), the median time of:
 
 - ``native``: ``torch.ops.aten.native_dropout`` (torch's fused kernel, its generator);
-- ``counter-ops``: :class:`hapd.runtime.random_ops.CounterDropout` drawing with torch ops
+- ``counter-ops``: :class:`hapd.spmd.random.random_ops.CounterDropout` drawing with torch ops
   (about 15 element-wise kernels: what ran before the fused kernel, and on CPU);
-- ``counter-fused``: the same module with :mod:`hapd.runtime.counter_kernels`' one
+- ``counter-fused``: the same module with :mod:`hapd.spmd.random.counter_kernels`' one
   Triton kernel (CUDA only);
 
 each as a ratio to ``native``; and the attention of the 8×12×1024×64 heads with dropout
 0.1: torch's ``scaled_dot_product_attention`` against
-:class:`hapd.runtime.random_ops.CounterAttention` (the math attention), forward and
+:class:`hapd.spmd.random.random_ops.CounterAttention` (the math attention), forward and
 backward. On CUDA the fused masks and results are compared bit for bit with the torch
 ops run on the CPU.
 """
@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from hapd.runtime import counter_kernels  # noqa: E402
-from hapd.runtime.random_ops import CounterAttention, CounterDropout  # noqa: E402
+from hapd.spmd.random import counter_kernels  # noqa: E402
+from hapd.spmd.random.random_ops import CounterAttention, CounterDropout  # noqa: E402
 
 SHAPES = {"hidden": (8, 1024, 768), "probabilities": (8, 12, 1024, 1024)}
 """Default shapes: a GPT-2 paper-size hidden state and its attention probabilities."""

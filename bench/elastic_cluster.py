@@ -821,10 +821,10 @@ def scenario_replan(work: Path, runs: int) -> dict[str, Any]:
     """Daemon answer times for a profile cut to one host fewer, paper-8 and paper-64."""
     sys.path.insert(0, str(ROOT))
     from hapd import models
-    from hapd.compiler.export import export
-    from hapd.compiler.lower import lower
+    from hapd.ir.export import export
+    from hapd.ir.lower import lower
     from hapd.profile.schema import load_profile
-    from hapd.serve.client import Client
+    from hapd.wire.client import Client
 
     cache = _load_cache_bench()
     spec = models.get("bert")

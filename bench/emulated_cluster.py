@@ -37,7 +37,7 @@ torchvision, ``pip install -e '.[test]'``) runs by its registry names, ``zoo.gpt
 ``zoo.resnet18``, … (``--models zoo`` for all of them): their ``small`` sizes are as wide
 (GPT-2 3.4M parameters, sequence 64; resnet18 on 64×64 images, global batch 128).
 
-Per variant: profile the cluster (``hapd.profile.profiler`` on the 4 ranks through the daemons,
+Per variant: profile the cluster (``hapd.profiler.driver`` on the 4 ranks through the daemons,
 each rank in its cgroup), then per model, through the launcher (``./run_all``'s
 ``python -m launcher run``): hapd's plan (``worker.py --profile``), DP-EV (``ddp.py --split
 even``) and DP-CP (``ddp.py --split flops --profile``). Prints one table, writes
@@ -220,7 +220,7 @@ def measure_rank_flops(group: Path, seconds: float = 1.5) -> float:
 PROFILE_SHIM = '''\
 import os, sys
 os.environ["HAPD_HOST"] = "emu" + os.environ.get("GROUP_RANK", "0")
-from hapd.profile.profiler import main
+from hapd.profiler.driver import main
 sys.exit(main(sys.argv[1:]))
 '''
 

@@ -201,7 +201,7 @@ def free(device: torch.device) -> None:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from hapd.profile.measure import cpu_model
+    from hapd.profiler.measure import cpu_model
 
     return f"{cpu_model()} ({torch.get_num_threads()} threads)"
 
@@ -240,7 +240,7 @@ def hapd_profile(arg: str | None, device: torch.device) -> Any:
         return None
     if arg != "measured":
         return arg
-    from hapd.profile.measure import measure_device
+    from hapd.profiler.measure import measure_device
     from hapd.profile.options import ProfilerOptions
     from hapd.profile.schema import Device, Profile, estimated_profile
 
@@ -256,7 +256,7 @@ def describe_profile(profile: Any, device: Any) -> str:
     """The profile ``parallelize`` plans for with ``profile`` on one rank of ``device``
     (its own ``job_profile``: without a profile, the device as it is), in one line."""
     try:
-        from hapd.runtime.plan_source import job_profile
+        from hapd.train.plan_source import job_profile
 
         p = job_profile(profile, 1, device=device)
         d = p.devices[0]

@@ -51,7 +51,7 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hapd.serve.keys import load_or_create_key  # noqa: E402
+from hapd.wire.keys import load_or_create_key  # noqa: E402
 from hapd.util import summarize  # noqa: E402
 
 PROBE = '''\

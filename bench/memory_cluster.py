@@ -91,7 +91,7 @@ TIMED = ("hapd", "fsdp", "fsdp-cp")
 
 PROFILE_SHIM = '''\
 import sys
-from hapd.profile.profiler import main
+from hapd.profiler.driver import main
 sys.exit(main(sys.argv[1:]))
 '''
 

@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
 from hapd.compiler.driver import compile as compile_plan  # noqa: E402
-from hapd.compiler.export import export  # noqa: E402
-from hapd.compiler.lower import lower  # noqa: E402
+from hapd.ir.export import export  # noqa: E402
+from hapd.ir.lower import lower  # noqa: E402
 from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.compiler.ratios import part_memory  # noqa: E402
 from hapd.errors import SynthesisError  # noqa: E402

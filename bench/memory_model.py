@@ -38,8 +38,8 @@ import torch  # noqa: E402
 
 import hapd  # noqa: E402
 from hapd import models  # noqa: E402
-from hapd.compiler.export import export  # noqa: E402
-from hapd.compiler.lower import lower  # noqa: E402
+from hapd.ir.export import export  # noqa: E402
+from hapd.ir.lower import lower  # noqa: E402
 from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.compiler.ratios import part_memory  # noqa: E402
 from hapd.profile.schema import estimated_profile  # noqa: E402
@@ -68,10 +68,10 @@ def _rank_main(rank: int, world: int, store: str, program: bytes, plan: bytes, i
     """One Gloo rank: two training steps; sends the peak bytes of the second."""
     import torch.distributed as dist
 
-    from hapd.compiler.normalize import normalize
+    from hapd.ir.normalize import normalize
     from hapd.compiler.plan import Plan
     from hapd.harness.memtrack import LiveTensorBytes
-    from hapd.runtime.rewrite import distribute
+    from hapd.spmd.rewrite import distribute
 
     import warnings
 

@@ -18,7 +18,7 @@ of the bench (or the bench's own second launch) hits its cache.
 
 **Systems** (the same model, seed and steps):
 - ``packed``: :func:`hapd.mixed_loader` — rows from a pool of lengths 64·2^k, several
-  documents per row, rows over ranks by the plan's split (:mod:`hapd.runtime.mixed_length`).
+  documents per row, rows over ranks by the plan's split (:mod:`hapd.train.mixed_length`).
 - ``padded``: hapd with ``packing="padded"`` — one sequence per row, every row of a step
   padded to the pool length that holds the step's longest sequence.
 - ``dpcp``: torch DDP on the plain model, each step's sequences sorted by length and
@@ -118,7 +118,7 @@ def run_hapd(model, config, seqs, ns, packing: str, barrier) -> dict[str, Any]:
 
     import hapd
     from hapd.profile.schema import estimated_profile
-    from hapd.runtime.mixed_length import one_row
+    from hapd.train.mixed_length import one_row
 
     packed = hapd.PackedLanguageModel(model)
     example = tuple(t.repeat(ns.micro_tokens // ns.longest, 1) for t in one_row(ns.longest))
@@ -151,7 +151,7 @@ def run_dpcp(model, config, seqs, ns, rank: int, barrier) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hapd.runtime.mixed_length import IGNORE, MixedLengthLoader, even_split, row_lengths
+    from hapd.train.mixed_length import IGNORE, MixedLengthLoader, even_split, row_lengths
 
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
@@ -290,7 +290,7 @@ def launch(ns: argparse.Namespace, systems: str, steps: int, env: dict[str, str]
 
 def dry_planning(ns: argparse.Namespace) -> dict[str, Any]:
     """Planning alone over 1,000 steps (no model): the pool's programs, padding, time."""
-    from hapd.runtime.mixed_length import LengthCost, MixedLengthLoader, even_split, plan_padded, plan_step, row_lengths
+    from hapd.train.mixed_length import LengthCost, MixedLengthLoader, even_split, plan_padded, plan_step, row_lengths
 
     lengths = draw_lengths(200_000, ns.longest, ns.seed)
     pool = row_lengths(ns.shortest, ns.longest)

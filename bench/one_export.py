@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
 from hapd.compiler.driver import compile as compile_plan  # noqa: E402
-from hapd.compiler.export import export  # noqa: E402
-from hapd.compiler.lower import lower  # noqa: E402
+from hapd.ir.export import export  # noqa: E402
+from hapd.ir.lower import lower  # noqa: E402
 from hapd.compiler.options import CompileOptions  # noqa: E402
-from hapd.compiler.pipeline_search import micro_batch_counts  # noqa: E402
+from hapd.compiler.pipeline.stage_search import micro_batch_counts  # noqa: E402
 from hapd.compiler.techniques import graphs_of_program  # noqa: E402
 from hapd.profile.schema import load_profile  # noqa: E402
 
@@ -54,7 +54,7 @@ def vit(layers: int):
 
 def zoo(name: str):
     from hapd.models.zoo import ZOO
-    from hapd.runtime.weights import init_on_meta
+    from hapd.state.weights import init_on_meta
 
     def build(batch: int):
         with init_on_meta():

@@ -20,7 +20,7 @@ forced into), two plans are compiled here for that profile with the same forced 
   collective inside forward and backward stalls its rank;
 - **overlap**: half the batch's graph (one duplica), ``CompileOptions(overlap=True,
   force=...)``: the plan runs as two interleaved duplicas, each collective in flight
-  while the other duplica computes (``hapd/runtime/overlap.py``).
+  while the other duplica computes (``hapd/spmd/duplicas.py``).
 
 Both run through the launcher as ``worker.py --plan FILE`` on the same global batch,
 interleaved ABBA over ``--rounds`` (plain, overlap, overlap, plain, ...), so drift of the
@@ -36,8 +36,8 @@ at the plain plan's ratios: how much the overlap LP's ratios matter).
 Where the time goes: each rank runs ``worker.py`` through this script's ``rank``
 subcommand, which times, per training step, the forward and backward passes and the
 time the main thread spends blocked in the plan's collectives
-(:meth:`hapd.runtime.collectives.Pending.wait`: exposed communication, forward and
-backward) and in the gradient sum's final wait (:class:`hapd.runtime.gradsync.GradSync`);
+(:meth:`hapd.spmd.collectives.Pending.wait`: exposed communication, forward and
+backward) and in the gradient sum's final wait (:class:`hapd.spmd.gradsync.GradSync`);
 the rest is computation (with the collectives' own send/receive copies). Before the
 cases, a probe (this script's ``probe`` subcommand on the 4 ranks) answers whether Gloo
 moves a collective while the rank's main thread computes inside its cpu quota (Gloo's
@@ -168,7 +168,7 @@ def compile_plans(model: str, how: str, size: str, batch: int, profile: Path, wo
     from hapd import models
     from hapd.compiler.options import CompileOptions
     from hapd.profile.schema import load_profile
-    from hapd.runtime.programs import Recipe
+    from hapd.train.programs import Recipe
 
     prof = load_profile(profile)
     torch.manual_seed(0)
@@ -237,7 +237,7 @@ def probe_main(argv: Sequence[str]) -> int:
     import torch.distributed as dist
 
     from hapd.harness.training import shutdown
-    from hapd.runtime.distributed import init_distributed
+    from hapd.spmd.distributed import init_distributed
 
     out, mib = Path(argv[0]), float(argv[1]) if len(argv) > 1 else PROBE_MIB
     env = init_distributed()

@@ -47,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
 from hapd.compiler.driver import compile as compile_plan  # noqa: E402
-from hapd.compiler.export import export  # noqa: E402
-from hapd.compiler.lower import GraphIR, lower  # noqa: E402
+from hapd.ir.export import export  # noqa: E402
+from hapd.ir.lower import GraphIR, lower  # noqa: E402
 from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.compiler.ratios import program_cost, solve_ratios  # noqa: E402
 from hapd.compiler.search import synthesize  # noqa: E402

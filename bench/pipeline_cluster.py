@@ -93,7 +93,7 @@ class RankClock(ab.RankClock):
     def install(self) -> None:
         """Wrap the pipeline rank's step, forward, backward, receives and tied sum, and
         what :meth:`_abrun.RankClock.install` wraps."""
-        from hapd.runtime.pipeline import PipelineRank
+        from hapd.spmd.pipeline import PipelineRank
 
         PipelineRank.step = self.timed(PipelineRank.step, "step", new_step=True)
         PipelineRank._forward = self.timed(PipelineRank._forward, "forward", phase="forward")

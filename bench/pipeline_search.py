@@ -12,13 +12,13 @@ plan, on the paper cluster profiles and on the emulated cluster's.
 global batch over each micro-batch count ``m`` (1, 2, 4, 8, 16 by default), then
 compiled once with ``CompileOptions(pipeline="auto")``: the SPMD plan of the global batch
 as always, and the pipeline search over the micro-batch graphs
-(:mod:`hapd.compiler.pipeline_search`). Printed per profile: the SPMD compile's and the
+(:mod:`hapd.compiler.pipeline.stage_search`). Printed per profile: the SPMD compile's and the
 pipeline search's seconds (exports apart), the best pipeline (stages: hosts and blocks,
 ``m``, bubble), its predicted seconds per iteration, and how many times faster than the
 SPMD-only plan it is predicted to be (SPMD-only / pipeline: above 1 the pipeline wins).
 
 **Repeated blocks.** The pipeline search prices its groups on the graph with its
-repeated blocks dropped (:mod:`hapd.compiler.repeats`); each row also runs the search
+repeated blocks dropped (:mod:`hapd.compiler.pipeline.repeats`); each row also runs the search
 with every group priced on the whole graph (``repeats=False``, what the search did
 before; ``--no-whole`` skips it) and prints both searches' seconds, how many times
 faster the reduced one is, and both best pipelines' predicted seconds per iteration
@@ -55,10 +55,10 @@ sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
 from hapd.compiler.driver import compile as compile_plan  # noqa: E402
-from hapd.compiler.export import export  # noqa: E402
-from hapd.compiler.lower import GraphIR, lower  # noqa: E402
+from hapd.ir.export import export  # noqa: E402
+from hapd.ir.lower import GraphIR, lower  # noqa: E402
 from hapd.compiler.options import CompileOptions  # noqa: E402
-from hapd.compiler.pipeline_search import micro_batch_counts, micro_batch_graphs, search as pipeline_search  # noqa: E402
+from hapd.compiler.pipeline.stage_search import micro_batch_counts, micro_batch_graphs, search as pipeline_search  # noqa: E402
 from hapd.profile.schema import Link, Profile, estimated_profile, load_profile, profile_from_dict  # noqa: E402
 
 NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0}

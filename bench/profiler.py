@@ -142,7 +142,7 @@ def _remove_cgroup(path: Path, mount: Path) -> None:
 
 _FLOPS_LOOP = """
 import os, sys, torch
-from hapd.profile.measure import linear_flops
+from hapd.profiler.measure import linear_flops
 torch.set_num_threads(1)
 os.setpriority(os.PRIO_PROCESS, 0, -20)  # root: other work on the machine barely slows it
 if len(sys.argv) > 1:

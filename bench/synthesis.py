@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from hapd import models  # noqa: E402
 from hapd.compiler.driver import compile as compile_plan  # noqa: E402
-from hapd.compiler.export import export  # noqa: E402
-from hapd.compiler.lower import lower  # noqa: E402
+from hapd.ir.export import export  # noqa: E402
+from hapd.ir.lower import lower  # noqa: E402
 
 
 def paper_graph(name: str, layers: int, world: int):

@@ -36,11 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import hapd  # noqa: E402
-from hapd.compiler.lower import GraphIR, lower  # noqa: E402
+from hapd.ir.lower import GraphIR, lower  # noqa: E402
 from hapd.compiler.options import CompileOptions  # noqa: E402
 from hapd.compiler.ratios import program_cost  # noqa: E402
 from hapd.compiler.search import synthesize  # noqa: E402
-from hapd.compiler.summary import inspect_graph  # noqa: E402
+from hapd.ir.summary import inspect_graph  # noqa: E402
 from hapd.models.zoo import ZOO  # noqa: E402
 from hapd.profile.schema import load_profile  # noqa: E402
 

@@ -1,7 +1,7 @@
 """hapd: automatic SPMD training for PyTorch on heterogeneous GPU clusters.
 
 Heavy entry points (they import torch) load on first use, so light modules such as
-``hapd.errors`` and ``hapd.serve.client`` stay cheap to import.
+``hapd.errors`` and ``hapd.wire.client`` stay cheap to import.
 """
 
 from __future__ import annotations
@@ -15,33 +15,33 @@ __version__ = "0.3.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "export": "hapd.compiler.export",
-    "lower": "hapd.compiler.lower",
-    "GraphIR": "hapd.compiler.lower",
-    "inspect_graph": "hapd.compiler.summary",
+    "export": "hapd.ir.export",
+    "lower": "hapd.ir.lower",
+    "GraphIR": "hapd.ir.lower",
+    "inspect_graph": "hapd.ir.summary",
     "compile": "hapd.compiler.driver",
     "CompileOptions": "hapd.compiler.options",
     "Plan": "hapd.compiler.plan",
     "load_profile": "hapd.profile.schema",
-    "distribute": "hapd.runtime.rewrite",
-    "parallelize": "hapd.runtime.parallelize",
-    "ParallelModule": "hapd.runtime.parallel_module",
-    "UnevenSampler": "hapd.runtime.data",
-    "UnevenBatchSampler": "hapd.runtime.data",
-    "loader": "hapd.runtime.data",
-    "mixed_loader": "hapd.runtime.mixed_length",
-    "LengthCost": "hapd.runtime.mixed_length",
+    "distribute": "hapd.spmd.rewrite",
+    "parallelize": "hapd.train.parallelize",
+    "ParallelModule": "hapd.train.parallel_module",
+    "UnevenSampler": "hapd.train.data",
+    "UnevenBatchSampler": "hapd.train.data",
+    "loader": "hapd.train.data",
+    "mixed_loader": "hapd.train.mixed_length",
+    "LengthCost": "hapd.train.mixed_length",
     "PackedLanguageModel": "hapd.models.packed",
-    "Elastic": "hapd.runtime.elastic",
-    "save_checkpoint": "hapd.runtime.checkpoint",
-    "load_checkpoint": "hapd.runtime.checkpoint",
-    "export_safetensors": "hapd.runtime.checkpoint",
-    "import_safetensors": "hapd.runtime.checkpoint",
-    "check": "hapd.runtime.check",
-    "module_init": "hapd.runtime.weights",
-    "init_on_meta": "hapd.runtime.weights",
-    "materialize": "hapd.runtime.weights",
-    "normalize": "hapd.compiler.normalize",
+    "Elastic": "hapd.elastic.resume",
+    "save_checkpoint": "hapd.state.checkpoint",
+    "load_checkpoint": "hapd.state.checkpoint",
+    "export_safetensors": "hapd.state.checkpoint",
+    "import_safetensors": "hapd.state.checkpoint",
+    "check": "hapd.train.check",
+    "module_init": "hapd.state.weights",
+    "init_on_meta": "hapd.state.weights",
+    "materialize": "hapd.state.weights",
+    "normalize": "hapd.ir.normalize",
 }
 
 

@@ -56,7 +56,7 @@ def _import(imports: tuple[str, ...]) -> None:
     """Import the modules ``--import`` names (before any program is loaded), from the
     current folder too."""
     if imports:
-        from hapd.compiler.export import import_modules
+        from hapd.ir.export import import_modules
 
         _cwd_importable()
         import_modules(imports)
@@ -86,7 +86,7 @@ def _building(*, with_weights: bool) -> Iterator[None]:
     if with_weights:
         yield
         return
-    from hapd.runtime.weights import init_on_meta
+    from hapd.state.weights import init_on_meta
 
     with init_on_meta():
         yield
@@ -117,9 +117,9 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
     may take a ``batch`` keyword. A paper-size benchmark model is built on the meta
     device (its tens of GiB of weights are never allocated) unless --weights is given.
     """
-    from hapd.compiler.export import call_factory, export, load_factory
-    from hapd.compiler.summary import format_summary, inspect_graph
-    from hapd.compiler.lower import lower
+    from hapd.ir.export import call_factory, export, load_factory
+    from hapd.ir.summary import format_summary, inspect_graph
+    from hapd.ir.lower import lower
 
     if ":" in model:
         _cwd_importable()
@@ -141,7 +141,7 @@ def export_cmd(model: str, batch: int, size: str, overrides: tuple[str, ...], ou
         name = model
     out = out or Path(f"{name}.pt2")
     out.parent.mkdir(parents=True, exist_ok=True)
-    from hapd.compiler.shapes import batch_info
+    from hapd.ir.shapes import batch_info
 
     program = export(module, inputs, path=out, batch_dims=batch_dims, name=name, symbolic_batch=symbolic)
     info = batch_info(program)
@@ -188,7 +188,7 @@ def run_cmd(argv: tuple[str, ...]) -> None:
 @_import_option
 def lower_cmd(program: Path, out: Path | None, imports: tuple[str, ...]) -> None:
     """Lower an exported .pt2 PROGRAM to the graph IR (.hapg)."""
-    from hapd.compiler.lower import lower
+    from hapd.ir.lower import lower
 
     _import(imports)
 
@@ -205,7 +205,7 @@ def lower_cmd(program: Path, out: Path | None, imports: tuple[str, ...]) -> None
 def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
     """Print a graph's IR summary: ops by count, parameters, opaque ops. FILE is a
     .pt2 program or a .hapg graph."""
-    from hapd.compiler.summary import format_summary, inspect_graph
+    from hapd.ir.summary import format_summary, inspect_graph
 
     _import(imports)
 
@@ -301,7 +301,7 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
 def _graph_batch(graph: Path) -> int | None:
     """The batch of GRAPH's inputs (their batch dims' length; None when no input has
     one, or they disagree)."""
-    from hapd.compiler.summary import inspect_graph
+    from hapd.ir.summary import inspect_graph
 
     sizes = {shape[dim] for _name, shape, dim in inspect_graph(graph)["inputs"] if dim is not None}
     return sizes.pop() if len(sizes) == 1 else None
@@ -326,7 +326,7 @@ def check_cmd(program: Path, rtol: float | None, atol: float | None, plan_path: 
     1-rank distributed program against eager program.module() on the program's example
     inputs; the loss, every parameter gradient and the updated buffers must agree.
     Exit status 0 when they do, 1 when a tensor differs or the plan does not fit."""
-    from hapd.runtime.check import DEFAULT_ATOL, DEFAULT_RTOL, check
+    from hapd.train.check import DEFAULT_ATOL, DEFAULT_RTOL, check
     from hapd.compiler.plan import Plan
     from hapd.errors import PlanError
 
@@ -413,8 +413,8 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
     import time
 
     from hapd.serve.daemon import Daemon, DaemonConfig
-    from hapd.serve.keys import default_key_path, home_dir
-    from hapd.serve.protocol import DEFAULT_ADDRESS
+    from hapd.wire.keys import default_key_path, home_dir
+    from hapd.wire.protocol import DEFAULT_ADDRESS
 
     if key_file is None:
         key_file = default_key_path() if home is None else home / "key"
@@ -471,7 +471,7 @@ def ping_cmd(address: str | None, key_file: Path | None, timeout: float) -> None
     """Ask the daemon at ADDRESS (default $HAPD_DAEMON or tcp://127.0.0.1:5557) who it is."""
     import time
 
-    from hapd.serve.client import Client
+    from hapd.wire.client import Client
 
     with Client(address, key_file, timeout) as client:
         start = time.perf_counter()
@@ -514,7 +514,7 @@ def profile_cmd(nproc: int | None, out: Path, quick: bool, sizes: str | None, re
     with --nnodes/--node-rank/--master-addr (and GLOO_SOCKET_IFNAME set to the interface
     between them), or ``./run_all --profile`` through the daemons; see profiles/README.md.
     """
-    from hapd.profile.profiler import ProfilerOptions, Rendezvous, default_nproc, launch_local, parse_sizes
+    from hapd.profiler.driver import ProfilerOptions, Rendezvous, default_nproc, launch_local, parse_sizes
 
     given: dict[str, object] = {"dtype": dtype, "name": name}
     if sizes is not None:

@@ -243,8 +243,8 @@ def join_cmd(host_line: tuple[str, ...], hosts: Path) -> None:
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True)
 def check_cmd(hosts: Path, nproc: int | None, key_file: Path | None, timeout: float) -> None:
     """Ping every daemon of a host file (key, protocol version, free slots); start nothing."""
-    from hapd.serve.client import Client
-    from hapd.serve.keys import default_key_path, load_key
+    from hapd.wire.client import Client
+    from hapd.wire.keys import default_key_path, load_key
 
     placements = place(load_hosts(hosts), nproc)
     key = load_key(key_file or default_key_path())
@@ -262,7 +262,7 @@ def check_cmd(hosts: Path, nproc: int | None, key_file: Path | None, timeout: fl
 
 # ----------------------------------------------------------------------------- profile
 
-PROFILE_RANK_MODULE = "hapd.profile.rank"
+PROFILE_RANK_MODULE = "hapd.profiler.rank_script"
 """The rank program of ``profile``: its file is shipped to every daemon and run there."""
 
 

@@ -13,7 +13,7 @@ When a generation fails the launcher decides what the failure was:
 - any other failure (an exception in the script) ends the job as without ``--elastic``:
   running the script again would fail again.
 
-Every rank runs under :mod:`hapd.runtime.in_place`: one whose peer went away parks. After
+Every rank runs under :mod:`hapd.elastic.in_place`: one whose peer went away parks. After
 a lost host, once every rank of the hosts left parked (:attr:`~launcher.job.Job.hold_on_host_loss`),
 the next generation goes on in those processes: each daemon gets a ``switch`` (the
 ranks, the rendezvous, the environment) and its ranks run the script again
@@ -25,10 +25,10 @@ generation starts new ones; a lost daemon stops its own when the job's lease exp
 The next generation runs on the hosts left when at least ``min_hosts`` are (else the
 job ends, exit 1) and at most ``max_restarts`` faults happened. Its ranks run the script from its top with
 ``HAPD_ELASTIC_RUN`` (the run's id), ``HAPD_GENERATION``, ``HAPD_HOSTS`` (the hosts'
-labels in rank order: :func:`hapd.runtime.plan_source.job_profile` cuts the cluster's
+labels in rank order: :func:`hapd.train.plan_source.job_profile` cuts the cluster's
 profile to them, so the plan comes from the daemon's cache or an LP-only re-plan),
 ``HAPD_ELASTIC_DAEMONS`` and ``HAPD_ELASTIC_BUDDY`` (where the snapshots are):
-:class:`hapd.runtime.elastic.Elastic` resumes from the newest complete snapshot.
+:class:`hapd.elastic.resume.Elastic` resumes from the newest complete snapshot.
 
 A host that appears in the host file (``python -m launcher join`` appends it), answers
 a ping and has the slots joins at the next step boundary: the launcher asks the job to
@@ -54,8 +54,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
 from hapd.errors import PEER_FAILURE, HapdError, OptionsError
-from hapd.serve.client import Client
-from hapd.serve.keys import default_key_path, home_dir, load_key
+from hapd.wire.client import Client
+from hapd.wire.keys import default_key_path, home_dir, load_key
 
 from launcher.hosts import Host, load_hosts, parse_hosts
 from launcher.job import EXIT_HOST_LOST, Attach, Job, JobOptions, JobResult, LaunchError, Placement, default_job_id
@@ -90,7 +90,7 @@ class ElasticOptions:
     """Watched for hosts joining (None: no joins)."""
     in_place: bool = True
     """After a lost host, switch the other hosts' ranks to the next generation in their
-    processes (they park, :mod:`hapd.runtime.in_place`) instead of restarting them; a
+    processes (they park, :mod:`hapd.elastic.in_place`) instead of restarting them; a
     rank killed, a host joining, or ranks that do not park take the restart path."""
 
     def __post_init__(self) -> None:

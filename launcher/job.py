@@ -76,11 +76,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
 
-from hapd.serve.client import Client, default_address
+from hapd.wire.client import Client, default_address
 from hapd.errors import DaemonTimeout, HapdError, OptionsError
-from hapd.serve.jobs import MAX_LEASE_S, MIN_LEASE_S
-from hapd.serve.keys import default_key_path, home_dir, load_key
-from hapd.serve.protocol import PROTOCOL_VERSION
+from hapd.wire.contract import MAX_LEASE_S, MIN_LEASE_S
+from hapd.wire.keys import default_key_path, home_dir, load_key
+from hapd.wire.protocol import PROTOCOL_VERSION
 
 from launcher.hosts import Host
 from launcher.report import Timings, build_report, format_table, write_report
@@ -185,7 +185,7 @@ class JobOptions:
     """More environment for the ranks of one host, by its label (an elastic job's
     snapshot partner)."""
     in_place: bool = False
-    """Run the ranks under :mod:`hapd.runtime.in_place` (an elastic job: a rank whose peer
+    """Run the ranks under :mod:`hapd.elastic.in_place` (an elastic job: a rank whose peer
     went away parks and can be switched to the next generation in its process)."""
 
     def __post_init__(self) -> None:

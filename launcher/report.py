@@ -14,8 +14,8 @@ table people read:
   iteration_s[r][i]``), mean ± std over the post-warm-up iterations every rank ran;
 - the slowest rank (largest mean) and how much slower it is than the fastest;
 - the job's loss (rank 0's summary line, or the sum of every rank's ``loss_part``);
-- with the rates a parallelized module reports (:mod:`hapd.runtime.telemetry`: any
-  script that trains a :class:`~hapd.runtime.parallel_module.ParallelModule` under the
+- with the rates a parallelized module reports (:mod:`hapd.train.telemetry`: any
+  script that trains a :class:`~hapd.train.parallel_module.ParallelModule` under the
   launcher prints its ``timings`` line at exit), samples/s and tokens/s per rank and for
   the job (the samples of a step over the job's mean step time).
 
@@ -107,7 +107,7 @@ def rank_row(line: Mapping[str, Any]) -> dict[str, Any]:
 
 RATE_KEYS = ("samples_per_step", "samples_per_s", "tokens_per_s", "loss_part", "step_boundary", "technique",
              "estimate_s")
-"""Keys of a ``timings`` line a parallelized module prints (:mod:`hapd.runtime.telemetry`)
+"""Keys of a ``timings`` line a parallelized module prints (:mod:`hapd.train.telemetry`)
 that a rank's row keeps."""
 
 

@@ -37,7 +37,7 @@ PRELOAD = [
     "torch", "torch.distributed", "pytest",
     # what a rank of hapd imports: the runtime, and torch.export (a rank exports its
     # model or loads a saved program: ~1 s of imports, torch._dynamo's among them)
-    "hapd.runtime.rewrite", "hapd.runtime.parallelize", "hapd.models", "torch.export",
+    "hapd.spmd.rewrite", "hapd.train.parallelize", "hapd.models", "torch.export",
     "torch.export.pt2_archive._package",
     # the zoo's libraries (~1.5 s): a test without them skips, and the server passes over
     # a module it cannot import

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 import hapd
 from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import estimated_profile
-from hapd.runtime.random_ops import counter_reference
+from hapd.spmd.random.random_ops import counter_reference
 
 TOL = 1e-5
 """Relative tolerance of every comparison (fp32 sums in another grouping)."""
@@ -109,7 +109,7 @@ class Reference(NamedTuple):
 
     program: Any  # torch.export.ExportedProgram
     saved: bytes  # its normal form, saved (save_normal_form)
-    ir: Any  # hapd.compiler.lower.GraphIR
+    ir: Any  # hapd.ir.lower.GraphIR
     inputs: tuple[Tensor, ...]
     losses: tuple[float, ...]  # the first loss, then the loss after each Adam step
     grads: dict[str, Tensor]  # the first gradients, by every name (tied ones included)
@@ -227,7 +227,7 @@ def _grad_errors(module: Any, case: Case) -> dict[str, float]:
 
 
 def save_normal_form(program: Any) -> bytes:
-    """``program``'s normal form (:func:`hapd.compiler.normalize.normalize`: what
+    """``program``'s normal form (:func:`hapd.ir.normalize.normalize`: what
     lowering made of it), saved with ``torch.export.save``: what the ranks load
     (:func:`load_normal_form`).
 
@@ -237,7 +237,7 @@ def save_normal_form(program: Any) -> bytes:
     that load a user's ``.pt2`` and normalize it themselves are tested where that is
     the subject (``test_worker.py``, ``test_api.py``, the save/load tests of
     ``test_lowering.py``)."""
-    from hapd.compiler.normalize import normalize
+    from hapd.ir.normalize import normalize
 
     buf = io.BytesIO()
     torch.export.save(normalize(program), buf)
@@ -250,7 +250,7 @@ def load_normal_form(saved: bytes) -> Any:
     nothing, and :func:`distribute_saved` checks it: its graph id must be the plan's)."""
     import logging
 
-    from hapd.compiler.normalize import normalize
+    from hapd.ir.normalize import normalize
 
     quiet = logging.getLogger("torch.export.pt2_archive._package")  # an empty tensor's load is logged
     level = quiet.level
@@ -292,8 +292,8 @@ def distribute_saved(saved: bytes, plan: Any, rank: int, loaded: dict[bytes, _Lo
     and comparing graph ids; here that runs once per program and rank, and each further
     plan of the program is compared with that id, since lowering the same program again
     per plan would only repeat it."""
-    from hapd.compiler.lower import lower
-    from hapd.runtime.rewrite import distribute
+    from hapd.ir.lower import lower
+    from hapd.spmd.rewrite import distribute
 
     entry = _loaded(saved, loaded)
     if entry.graph_id is None:
@@ -307,7 +307,7 @@ def _run_case(rank: int, case: Case, loaded: dict[bytes, Any] | None = None) -> 
     """One case on this rank: the loss and gradients, then the Adam steps the reference
     took (``LR``, on this rank's parameters) and the global loss after each."""
     from hapd.compiler.plan import Plan
-    from hapd.runtime.rewrite import global_loss
+    from hapd.spmd.rewrite import global_loss
 
     plan = Plan.from_bytes(case.plan)
     module = distribute_saved(case.program, plan, rank, {} if loaded is None else loaded)

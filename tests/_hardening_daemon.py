@@ -20,7 +20,7 @@ import msgpack
 import zmq
 from _wait import GENEROUS_S, wait_for
 
-from hapd.serve.client import Client
+from hapd.wire.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -39,7 +39,7 @@ class Lowered(NamedTuple):
 
     name: str
     program: Any  # torch.export.ExportedProgram
-    ir: Any  # hapd.compiler.lower.GraphIR
+    ir: Any  # hapd.ir.lower.GraphIR
     doc: dict[str, Any]
 
 
@@ -84,13 +84,13 @@ def lowered() -> Mapping[str, Lowered]:
 
 @pytest.fixture(scope="session")
 def check_program():
-    """``check_program(program, **kw)``: :func:`hapd.runtime.check.check` as an
+    """``check_program(program, **kw)``: :func:`hapd.train.check.check` as an
     assertion — one step of the 1-rank distributed program equals eager
     ``program.module()`` (loss, every gradient, updated buffers); on failure the
     message lists the worst tensors. Returns the report."""
 
     def run(program: Any, **kwargs: Any) -> Any:
-        from hapd.runtime.check import check
+        from hapd.train.check import check
 
         report = check(program, **kwargs)
         assert report.ok, report.format(10)

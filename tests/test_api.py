@@ -378,11 +378,11 @@ def test_a_second_run_in_the_process_rebinds_the_kept_exports_to_its_model(monke
     same model built again with other values takes the kept programs — nothing is
     exported — and trains exactly like a fresh parallelize of it, on its own values; a
     model of another structure exports as before."""
-    from hapd.runtime import programs
+    from hapd.train import programs
 
     carry = programs.ExportCarry()
     monkeypatch.setenv("HAPD_KEEP_EXPORTS", "1")
-    monkeypatch.setattr("hapd.runtime.parallelize.CARRY", carry)
+    monkeypatch.setattr("hapd.train.parallelize.CARRY", carry)
     first, config = models.build("gpt2_block")
     inputs = models.get("gpt2_block").example_inputs(config, 4)
     hapd.parallelize(first, inputs, use_daemon=False, verbose=False)

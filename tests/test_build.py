@@ -9,7 +9,7 @@ from pathlib import Path
 
 import hapd
 from hapd import _core
-from hapd.compiler import lower as ir
+from hapd.ir import lower as ir
 
 
 def test_extension_is_an_abi3_build() -> None:

@@ -220,7 +220,7 @@ def test_a_technique_search_is_re_planned_by_its_lp_for_a_host_subset(tmp_path, 
     """What an elastic job asks after losing a host: the technique search of the same
     graphs for the profile cut to the hosts left. The cached SPMD plan's program is
     re-costed and its LP re-solved (no search); a cached pipeline plan is not reused."""
-    from hapd.compiler.lower import GraphIR
+    from hapd.ir.lower import GraphIR
     from hapd.compiler.techniques import GraphSet
 
     p8 = profiles[0]

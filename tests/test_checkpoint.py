@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import hapd
 from hapd import models
 from hapd.errors import CheckpointError
-from hapd.runtime.checkpoint_format import MANIFEST, read_manifest
-from hapd.runtime.data import UnevenBatchSampler
+from hapd.state.checkpoint_format import MANIFEST, read_manifest
+from hapd.train.data import UnevenBatchSampler
 
 B = 8
 SAMPLES = 48
@@ -441,7 +441,7 @@ def test_a_transformers_gpt2_loads_with_from_pretrained(tmp_path):
 def _snapshot_half(rank: int, world: int, base: str) -> dict[str, Any]:
     """HALF steps on 2 ranks, then each rank's snapshot files written in a folder of its
     own (as on hosts without a shared file system)."""
-    from hapd.runtime.checkpoint import snapshot_files
+    from hapd.state.checkpoint import snapshot_files
 
     data = _dataset()
     module = hapd.parallelize(_model(), _example(data), options={"ratios": RATIOS_2, "force": FORCE_2},
@@ -484,7 +484,7 @@ def _dropout_model() -> torch.nn.Module:
 def _dropout_run(rank: int, world: int, folder: str) -> dict[str, Any]:
     """4 steps straight; 2 steps, a checkpoint, a fresh module loading it, 2 more; and
     those 2 again with the draw counter left at 0 (what a resume did before it was saved)."""
-    from hapd.runtime.checkpoint import draw_count, set_draw_count
+    from hapd.state.checkpoint import draw_count, set_draw_count
 
     data = _dataset()
     batch = _example(data)

@@ -15,7 +15,7 @@ from conftest import make_fixtures
 
 from hapd import _core, __version__
 from hapd.cli import main
-from hapd.compiler.lower import GraphIR, lower
+from hapd.ir.lower import GraphIR, lower
 
 HAPD = Path(sys.executable).with_name("hapd")
 """The console script installed beside the interpreter."""
@@ -109,7 +109,7 @@ def test_export_without_weights_builds_on_meta_and_gives_the_same_graph(tmp_path
     """``--no-weights``: the model is built on the meta device; the program holds no
     weights (its parameters load as meta tensors), yet lowers to the graph, and graph
     id, of the export with weights, so it plans the same."""
-    from hapd.compiler.lower import load_exported
+    from hapd.ir.lower import load_exported
 
     for flag in ("--weights", "--no-weights"):
         result = run("export", "bert", "-b", "2", "--set", "layers=1", flag, "-o", f"{flag}.pt2", cwd=tmp_path)
@@ -125,8 +125,8 @@ def test_a_paper_size_model_is_exported_from_shapes(tmp_path, monkeypatch) -> No
     """``hapd export llama_block --size paper`` never allocates the model's weights (25
     GiB): it is built on the meta device (the export itself is stopped here: it takes a
     while at this size; ``--no-weights`` exports are checked above)."""
-    import hapd.compiler.export as export_module
-    from hapd.compiler.export import on_meta
+    import hapd.ir.export as export_module
+    from hapd.ir.export import on_meta
     from hapd.errors import ExportError
 
     built = []

@@ -1,4 +1,4 @@
-"""hapd.runtime.collectives on 1, 2 and 4 Gloo ranks, against single-process references.
+"""hapd.spmd.collectives on 1, 2 and 4 Gloo ranks, against single-process references.
 
 Every rank builds the same deterministic full tensors from seeds, so it can compute its
 expected output and input gradient locally. The backward check uses the loss
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from hapd.runtime import collectives as C
+from hapd.spmd import collectives as C
 from hapd.errors import PlanError
 
 WORLDS = (1, 2, 4)

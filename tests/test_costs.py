@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import hapd
-from hapd.compiler.lower import GraphIR, lower
+from hapd.ir.lower import GraphIR, lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.ratios import program_cost
 from hapd.compiler.search import ddp_cost, synthesize
-from hapd.compiler.summary import format_summary, inspect_graph
+from hapd.ir.summary import format_summary, inspect_graph
 from hapd.profile.schema import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,9 +1,9 @@
 """The fused Triton draw gives the bits of the torch-op draw.
 
-:mod:`hapd.runtime.counter_kernels` runs on CUDA; here it runs under Triton's
+:mod:`hapd.spmd.random.counter_kernels` runs on CUDA; here it runs under Triton's
 interpreter (``TRITON_INTERPRET=1``, in a subprocess: the variable must be set before the
-kernels are defined), on CPU tensors, against :func:`hapd.runtime.counter_rng.uniform`
-and :class:`hapd.runtime.random_ops.CounterDropout`'s torch ops.
+kernels are defined), on CPU tensors, against :func:`hapd.spmd.random.counter_rng.uniform`
+and :class:`hapd.spmd.random.random_ops.CounterDropout`'s torch ops.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hapd.runtime.counter_kernels import MAX_DIMS, merged_dims
+from hapd.spmd.random.counter_kernels import MAX_DIMS, merged_dims
 
 pytest.importorskip("triton")
 
@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _SCRIPT = textwrap.dedent("""
     import torch
-    from hapd.runtime import counter_kernels as ck
-    from hapd.runtime.counter_rng import uniform
-    from hapd.runtime.random_ops import CounterDropout
+    from hapd.spmd.random import counter_kernels as ck
+    from hapd.spmd.random.counter_rng import uniform
+    from hapd.spmd.random.random_ops import CounterDropout
 
     cpu = torch.device("cpu")
     assert ck.available(torch.zeros(1))
@@ -81,7 +81,7 @@ def test_pieces_merge_their_whole_dims() -> None:
 def test_cpu_tensors_take_the_torch_ops() -> None:
     import torch
 
-    from hapd.runtime.counter_kernels import available
+    from hapd.spmd.random.counter_kernels import available
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert not available(torch.zeros(3))

@@ -20,11 +20,11 @@ import zmq
 from _wait import GENEROUS_S, wait_for
 
 from hapd.serve.cache import CacheKey, PlanCache, _parse_header
-from hapd.serve.client import Client, DaemonTimeout
+from hapd.wire.client import Client, DaemonTimeout
 from hapd.errors import RemoteError
 from hapd.compiler.plan import Plan
 from hapd.serve.daemon import message_body_bytes
-from hapd.serve.protocol import MAGIC, Session
+from hapd.wire.protocol import MAGIC, Session
 
 pytestmark = pytest.mark.daemon
 
@@ -111,7 +111,7 @@ def daemon(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mlp_pt2(tmp_path_factory) -> bytes:
     import hapd.models as models
-    from hapd.compiler.export import export
+    from hapd.ir.export import export
 
     spec = models.get("mlp")
     model, config = models.build("mlp", "tiny")

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import hapd
 from hapd import models
 from hapd.errors import OptionsError
-from hapd.runtime.data import UnevenBatchSampler, UnevenSampler, tail_lengths
+from hapd.train.data import UnevenBatchSampler, UnevenSampler, tail_lengths
 
 
 @st.composite

@@ -77,7 +77,7 @@ class Exported(NamedTuple):
     program: Any  # torch.export.ExportedProgram
     inputs: tuple[torch.Tensor, ...]
     saved: bytes  # its normal form, saved (save_normal_form)
-    ir: Any  # hapd.compiler.lower.GraphIR
+    ir: Any  # hapd.ir.lower.GraphIR
     reference: dict[str, Any]
 
 
@@ -153,7 +153,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
 
 def _run_case(rank: int, world: int, case: Case, loaded: dict[bytes, Any]) -> dict[str, Any]:
     from hapd.compiler.plan import Plan
-    from hapd.runtime.rewrite import global_loss
+    from hapd.spmd.rewrite import global_loss
 
     plan = Plan.from_bytes(case.plan)
     module = distribute_saved(case.program, plan, rank, loaded)
@@ -237,7 +237,7 @@ ADAPTED_RULES = {
     ("aten.linear", "row-parallel"),
     ("aten.conv2d", "row-parallel"),
     ("aten.embedding", "vocab-parallel"),
-    ("aten.reshape", "sharded"),  # views run as reshapes in the functional form (hapd/compiler/normalize.py)
+    ("aten.reshape", "sharded"),  # views run as reshapes in the functional form (hapd/ir/normalize.py)
     ("aten.expand", "sharded"),
     ("aten.mean.dim", "sharded-mean"),
 }
@@ -278,9 +278,9 @@ def _run_two_level_once(rank: int, world: int, case: Case, bucket_bytes: int,
                         loaded: dict[bytes, Any]) -> dict[str, Any]:
     """Gradients with replicated parameters summed in two levels over 2 emulated hosts
     of 2 ranks each; also the bare sum and when two levels do not apply."""
-    from hapd.runtime import collectives
+    from hapd.spmd import collectives
     from hapd.compiler.plan import Plan
-    from hapd.runtime.rewrite import global_loss
+    from hapd.spmd.rewrite import global_loss
 
     flat_cases = [collectives.host_groups([0] * world), collectives.host_groups(list(range(world)))]
     hosts = collectives.host_groups([0, 0, 1, 1])

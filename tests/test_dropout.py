@@ -1,10 +1,10 @@
 """Dropout on split tensors: each rank draws exactly its slice of the single-device mask.
 
-The counter-based generator (:mod:`hapd.runtime.counter_rng`) gives any piece of a
+The counter-based generator (:mod:`hapd.spmd.random.counter_rng`) gives any piece of a
 random tensor without the rest; the core splits ``native_dropout`` like an element-wise
 op (``rustcore/core/src/rules/random.rs``), and the ranks' loss, gradients and
 parameters after Adam steps equal the single-device program run with the same generator
-(:func:`hapd.runtime.random_ops.counter_reference`), on uneven ratios, with a searched
+(:func:`hapd.spmd.random.random_ops.counter_reference`), on uneven ratios, with a searched
 and a forced tensor-parallel plan, and with recomputation.
 """
 
@@ -24,8 +24,8 @@ import hapd
 from hapd import models
 from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import estimated_profile
-from hapd.runtime.counter_rng import splitmix64, uniform
-from hapd.runtime.random_ops import STEP, CounterAttention, CounterRandom, counter_reference
+from hapd.spmd.random.counter_rng import splitmix64, uniform
+from hapd.spmd.random.random_ops import STEP, CounterAttention, CounterRandom, counter_reference
 
 STEPS = 5
 """Adam steps after the first gradients."""
@@ -52,10 +52,10 @@ def _splitmix64_by_hand(state: int, count: int) -> list[int]:
 
 
 def test_a_large_cpu_draw_in_chunks_has_the_whole_tensor_ops_bits() -> None:
-    """Past :data:`~hapd.runtime.counter_rng.CHUNK` elements a CPU draw runs in place
+    """Past :data:`~hapd.spmd.random.counter_rng.CHUNK` elements a CPU draw runs in place
     chunk by chunk: the bits are the whole-tensor ops', on a piece at offsets, for a
     seed past 2**63 and a last chunk cut short."""
-    from hapd.runtime import counter_rng
+    from hapd.spmd.random import counter_rng
 
     g, offsets, local = [9, 3, 100, 90], [3, 1, 5, 0], [5, 2, 95, 90]  # 85,500 elements: 2 whole chunks and a part
     assert math.prod(local) > 2 * counter_rng.CHUNK
@@ -388,7 +388,7 @@ def test_transformers_bert_with_default_dropout_splits_its_dropouts() -> None:
 
 def _seeds_on_rank(rank: int, world: int) -> tuple[int, list[int]]:
     """Each rank seeds torch differently, then parallelizes a model with dropout."""
-    from hapd.runtime.random_ops import CounterDropout
+    from hapd.spmd.random.random_ops import CounterDropout
 
     torch.manual_seed(100 + 7 * rank)
     model, config = models.build("bert", "tiny", dropout=0.1)
@@ -419,7 +419,7 @@ def test_one_device_draws_as_the_eager_model_does() -> None:
     """A program that runs whole on one device keeps the model's own random ops and
     torch's generator: seeded alike, hapd and the eager model drop the same elements
     (hidden, embedding and attention dropout of GPT-2), so loss and gradients agree."""
-    from hapd.runtime.random_ops import CounterDraw
+    from hapd.spmd.random.random_ops import CounterDraw
 
     model, inputs = models.zoo.make("gpt2", 4, "tiny", dropout=0.2)
     module = hapd.parallelize(model, inputs, profile=estimated_profile(1), use_daemon=False, verbose=False)
@@ -440,7 +440,7 @@ def test_one_device_draws_as_the_eager_model_does() -> None:
 
 def test_rng_choice_is_checked() -> None:
     from hapd.errors import PlanError
-    from hapd.runtime.random_ops import CounterDropout, choose_rng
+    from hapd.spmd.random.random_ops import CounterDropout, choose_rng
 
     assert choose_rng(None, world=1, overlap=False) == "torch"
     assert choose_rng(None, world=2, overlap=False) == "counter"

@@ -332,9 +332,9 @@ def test_a_snapshot_is_found_across_this_generations_and_former_hosts_daemons(ho
     dropped host's daemon (its link came back); a third former daemon does not answer.
     Resuming finds step 5 complete, each rank's files where they are, passing over the
     dead daemon."""
-    from hapd.runtime import elastic as el
-    from hapd.serve.client import Client
-    from hapd.serve.keys import load_key
+    from hapd.elastic import resume as el
+    from hapd.wire.client import Client
+    from hapd.wire.keys import load_key
 
     key = load_key(hosts3.key_file)
     run = f"found-{os.getpid()}"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import hapd
-from hapd.compiler.lower import GraphIR
+from hapd.ir.lower import GraphIR
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

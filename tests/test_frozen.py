@@ -36,7 +36,7 @@ from torch import Tensor, nn
 import hapd
 from hapd import models
 from hapd.cli import main as cli_main
-from hapd.compiler.lower import EXTRA_FILE, FROZEN_KEY, load_exported
+from hapd.ir.lower import EXTRA_FILE, FROZEN_KEY, load_exported
 from hapd.compiler.options import CompileOptions
 from hapd.errors import GraphFormatError
 from hapd.profile.schema import estimated_profile
@@ -208,7 +208,7 @@ def train(module: Any, inputs: tuple[Tensor, ...], norms: list[float] | None = N
     """:data:`STEPS` Adam steps of a rank module or ParallelModule; the global loss
     before each step and after the last. With ``norms`` (a ParallelModule) each step
     clips the gradients by :data:`CLIP` and appends the total norm to ``norms``."""
-    from hapd.runtime.rewrite import global_loss
+    from hapd.spmd.rewrite import global_loss
 
     optimizer = torch.optim.Adam(module.parameters(), lr=LR)
     local_inputs = module.shard_inputs(*inputs)
@@ -305,8 +305,8 @@ def pipeline_run(rank: int, ref: dict[str, Any]) -> dict[str, Any]:
     stage trains nothing: it runs no backward)."""
     import torch.distributed as dist
 
-    from hapd.compiler.stages import split_program
-    from hapd.runtime.pipeline import PipelineRank
+    from hapd.compiler.pipeline.stages import split_program
+    from hapd.spmd.pipeline import PipelineRank
 
     model, _ = frozen_bert()
     micro = tuple(t.narrow(0, 0, BATCH // 2) for t in ref["inputs"])
@@ -436,7 +436,7 @@ run_all_rank(sys.argv[1])
 def run_all_rank(folder: str) -> None:
     """A rank of ``./run_all``: join the job, distribute the ``.pt2`` under each plan in
     ``folder``, train, and write :func:`rank_report` for each to ``rank{R}.json``."""
-    from hapd.runtime.distributed import init_distributed
+    from hapd.spmd.distributed import init_distributed
 
     env = init_distributed()
     torch.set_num_threads(1)

@@ -12,8 +12,8 @@ from _dist import run_ranks
 from hapd import models
 from hapd.harness import fsdp
 from hapd.harness.training import TrainArgs, local_batch, parse_train_args, train
-from hapd.runtime.distributed import init_distributed
-from hapd.runtime.weights import init_on_meta, materialize, module_init
+from hapd.spmd.distributed import init_distributed
+from hapd.state.weights import init_on_meta, materialize, module_init
 
 MODEL, BATCH, LR = "llama_block", 8, 1e-3
 LENGTHS = [5, 3]

@@ -13,7 +13,7 @@ import pytest
 from _jobs import launched
 
 from hapd.errors import HapdError
-from hapd.runtime.stepwatch import DEFAULT_COLLECTIVE_TIMEOUT_S, CheckIn, _where, collective_timeout_s
+from hapd.spmd.stepwatch import DEFAULT_COLLECTIVE_TIMEOUT_S, CheckIn, _where, collective_timeout_s
 
 pytestmark = pytest.mark.daemon
 

@@ -20,7 +20,7 @@ from hapd.compiler.options import MAX_SEARCH_SECONDS, CompileOptions
 from hapd.errors import OptionsError, ProfileError, ProtocolError, RemoteError
 from hapd.profile.schema import RANGES, estimated_profile, profile_from_dict
 from hapd.serve.guard import MAX_LOGGED_CHARS
-from hapd.serve.protocol import MAX_JOB_ID_CHARS, Session
+from hapd.wire.protocol import MAX_JOB_ID_CHARS, Session
 
 PAPER8 = json.loads((ROOT / "profiles" / "paper-8.json").read_text())
 HUGE_JOB_ID = "j" * 100_000

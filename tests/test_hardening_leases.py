@@ -24,7 +24,7 @@ from _jobs import describe_processes, job_processes, launched
 from _wait import GENEROUS_S, wait_for
 
 from hapd.errors import OptionsError
-from hapd.serve.client import Client
+from hapd.wire.client import Client
 from hapd.serve.leftovers import MARKER_ENV, marked_processes
 from hapd.serve.rank_guard import GUARD_MODULE, victims
 

@@ -24,7 +24,7 @@ from hapd.errors import DaemonTimeout, ProtocolError, RemoteError
 from hapd.serve.daemon import DEFAULT_MAX_CONNECTIONS, FRAME_SLACK_BYTES, preauth_bytes
 from hapd.serve import guard
 from hapd.serve.guard import REJECT_LOG_BURST, RateLimitedLog, shorten
-from hapd.serve.protocol import MAGIC, PART_BYTES, Limits, PartedMessages, Session
+from hapd.wire.protocol import MAGIC, PART_BYTES, Limits, PartedMessages, Session
 
 pytestmark = pytest.mark.daemon
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hapd.errors import AuthError
-from hapd.serve.protocol import Limits, ReplayMemory, Session
+from hapd.wire.protocol import Limits, ReplayMemory, Session
 
 KEY = b"k" * 32
 SEEN = 512

@@ -22,8 +22,8 @@ import hapd
 from hapd import _core
 from hapd.errors import (ExportError, GraphFormatError, GraphValidationError, GraphVersionError, HapdError,
                          ShapeError)
-from hapd.compiler.lower import GRAPH_FORMAT, GRAPH_VERSION, GraphIR, canonical_bytes, canonical_op_name, load_exported, lower
-from hapd.compiler.normalize import normalize
+from hapd.ir.lower import GRAPH_FORMAT, GRAPH_VERSION, GraphIR, canonical_bytes, canonical_op_name, load_exported, lower
+from hapd.ir.normalize import normalize
 
 FUZZ = settings(max_examples=200, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

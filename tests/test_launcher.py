@@ -35,7 +35,7 @@ import pytest
 from _jobs import job_processes, launched
 from _wait import GENEROUS_S, wait_for
 
-from hapd.serve.client import Client
+from hapd.wire.client import Client
 from hapd.errors import OptionsError
 from launcher.hosts import DEFAULT_PORT, Host, parse_hosts
 from launcher.job import JobOptions, choose_master_port, exit_status, job_env, place
@@ -495,7 +495,7 @@ def test_an_unreachable_host_fails_the_checks_and_nothing_starts(loop, launcher_
 
 
 def test_a_wrong_key_is_refused(loop, loop_hosts, launcher_env, tmp_path):
-    from hapd.serve.keys import load_or_create_key
+    from hapd.wire.keys import load_or_create_key
 
     wrong = tmp_path / "wrong.key"
     load_or_create_key(wrong)
@@ -547,7 +547,7 @@ def test_script_on_hosts_without_shipping(loop, loop_hosts, launcher_env, tmp_pa
     assert done.returncode == 2 and f"script {tmp_path / 'nowhere.py'} not found" in done.stderr
 
 
-@pytest.mark.skipif(importlib.util.find_spec("hapd.profile.profiler") is None, reason="hapd.profile.profiler is not in this tree")
+@pytest.mark.skipif(importlib.util.find_spec("hapd.profiler.driver") is None, reason="hapd.profiler.driver is not in this tree")
 @pytest.mark.distributed
 def test_profile_through_the_daemons(loop, loop_hosts, launcher_env, tmp_path):
     out = tmp_path / "cluster.json"

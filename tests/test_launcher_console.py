@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hapd.harness.training import report
-from hapd.runtime.distributed import DistEnv
+from hapd.spmd.distributed import DistEnv
 from launcher.report import Timings, build_report, format_table
 from launcher.tracebacks import TRACEBACK_START, Tracebacks, strip_rank_prefix
 

@@ -37,14 +37,14 @@ def test_import_contracts_hold(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("module", "line", "contract"), [
-    ("hapd/serve/keys.py", "import torch", "never import torch"),
-    ("launcher/hosts.py", "import hapd.runtime.collectives", "never import torch"),
-    ("hapd/compiler/plan.py", "import hapd.runtime.rewrite", "imports only the rooms below it"),
-    ("hapd/runtime/distributed.py", "import hapd.harness.training", "imports only the rooms below it"),
-    ("hapd/errors.py", "import hapd.serve.protocol", "imports only the rooms below it"),
+    ("hapd/wire/keys.py", "import torch", "never import torch"),
+    ("launcher/hosts.py", "import hapd.spmd.collectives", "never import torch"),
+    ("hapd/compiler/plan.py", "import hapd.spmd.rewrite", "imports only the rooms below it"),
+    ("hapd/spmd/distributed.py", "import hapd.harness.training", "imports only the rooms below it"),
+    ("hapd/errors.py", "import hapd.wire.protocol", "imports only the rooms below it"),
     # a cycle inside a room: the layout vocabulary is the runtime's ground floor
-    ("hapd/runtime/layout.py", "import hapd.runtime.rewrite", "import each other one way"),
-    ("hapd/runtime/checkpoint_format.py", "import hapd.runtime.checkpoint", "import each other one way"),
+    ("hapd/spmd/layout.py", "import hapd.spmd.rewrite", "import each other one way"),
+    ("hapd/state/checkpoint_format.py", "import hapd.state.checkpoint", "import each other one way"),
     ("hapd/compiler/lp.py", "import hapd.compiler.ratios", "import each other one way"),
     ("hapd/compiler/search.py", "import hapd.compiler.driver", "import each other one way"),
 ])
@@ -79,10 +79,10 @@ def test_the_runtime_loads_checkpointing_only_when_a_checkpoint_is_used() -> Non
     """Every rank imports the runtime; ``torch.distributed.checkpoint`` (~0.2 s, FSDP
     with it) loads when a checkpoint is saved or read, not on ``hapd.parallelize``."""
     code = (
-        "import sys, hapd, hapd.runtime.parallelize, hapd.runtime.rewrite, hapd.runtime.weights\n"
+        "import sys, hapd, hapd.train.parallelize, hapd.spmd.rewrite, hapd.state.weights\n"
         "hapd.parallelize\n"
         "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint'))[:3])\n"
-        "import hapd.runtime.checkpoint\n"
+        "import hapd.state.checkpoint\n"
         "print('torch.distributed.checkpoint' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -92,7 +92,7 @@ def test_the_runtime_loads_checkpointing_only_when_a_checkpoint_is_used() -> Non
 
 def test_runtime_adapters_key_on_the_cores_rule_names() -> None:
     from hapd import _core
-    from hapd.runtime.adapters import ADAPTERS
+    from hapd.spmd.adapters import ADAPTERS
 
     names = set(_core.rule_names().values())
     assert {"replicated", "row-parallel", "vocab-parallel"} <= names

@@ -1,4 +1,4 @@
-"""A job given no profile plans for its devices as they are (:mod:`hapd.profile.local`):
+"""A job given no profile plans for its devices as they are (:mod:`hapd.profiler.local`):
 memory from the device (shared by the ranks on it), speed probed on CUDA and remembered
 in ``$HAPD_HOME``, and never the estimated profile's invented 8 GiB."""
 
@@ -11,9 +11,9 @@ from torch import nn
 
 import hapd
 from hapd.compiler.options import CompileOptions
-from hapd.profile import local
-from hapd.profile.local import CPU_FLOPS, LocalDevice, profile_of
-from hapd.profile.machine import host_memory, host_memory_size
+from hapd.profiler import local
+from hapd.profiler.local import CPU_FLOPS, LocalDevice, profile_of
+from hapd.profiler.machine import host_memory, host_memory_size
 
 
 def _cpu(host: str, memory: float = 16e9) -> LocalDevice:

@@ -33,11 +33,11 @@ from torch import fx, nn
 
 import hapd
 from hapd.cli import main
-from hapd.runtime.check import check
+from hapd.train.check import check
 from hapd.compiler.driver import compile as compile_plan
-from hapd.compiler.export import export
-from hapd.compiler.lower import load_exported, lower
-from hapd.compiler.normalize import _check_node, buffer_mutations, is_normalized, normalize
+from hapd.ir.export import export
+from hapd.ir.lower import load_exported, lower
+from hapd.ir.normalize import _check_node, buffer_mutations, is_normalized, normalize
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.plan import Plan
 from hapd.errors import ExportError, UnsupportedOpError
@@ -390,7 +390,7 @@ def test_check_cli_exit_codes(tiny_pt2, tmp_path, monkeypatch) -> None:
     assert "equal within rtol 1e-05" in ok.output and "FAIL" not in ok.output
 
     # a runtime that forgets the buffer write-back: the check names the buffer
-    import hapd.runtime.rewrite as rewrite
+    import hapd.spmd.rewrite as rewrite
 
     with monkeypatch.context() as m:
         m.setattr(rewrite, "_write_back_buffers", lambda em: None)

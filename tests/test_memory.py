@@ -12,9 +12,10 @@ from torch import nn
 
 import hapd
 from hapd import _core, models
-from hapd.compiler.lower import lower
+from hapd.ir.lower import lower
 from hapd.compiler.options import CompileOptions
-from hapd.compiler.ratios import linear_peak_memory, part_memory, peak_memory, sharding_lengths, solve_ratios
+from hapd.compiler.lengths import sharding_lengths
+from hapd.compiler.ratios import linear_peak_memory, part_memory, peak_memory, solve_ratios
 from hapd.errors import SynthesisError
 from hapd.profile.schema import estimated_profile
 from hapd.harness.memtrack import LiveTensorBytes

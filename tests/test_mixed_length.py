@@ -1,4 +1,4 @@
-"""Mixed-length data (:mod:`hapd.runtime.mixed_length`, :mod:`hapd.models.packed`).
+"""Mixed-length data (:mod:`hapd.train.mixed_length`, :mod:`hapd.models.packed`).
 
 The planner: every sequence of a step lands in exactly one row of one micro-batch, rows
 never overflow, shapes come from the pool, rows follow the program's split, the cost
@@ -20,7 +20,7 @@ from torch import Tensor
 
 import hapd
 from hapd.errors import OptionsError
-from hapd.runtime.mixed_length import (IGNORE, LengthCost, MixedLengthLoader, counted, even_split, one_row,
+from hapd.train.mixed_length import (IGNORE, LengthCost, MixedLengthLoader, counted, even_split, one_row,
                                        pack_rows, pack_tensors, plan_step, row_lengths)
 
 TOL = 1e-5
@@ -346,10 +346,10 @@ def one_process_model(module):
 
 def test_row_counts_of_one_row_length_share_one_export() -> None:
     """Shapes that differ only in their rows are cut from one symbolic export of that
-    row length (:meth:`~hapd.runtime.programs.Recipe.export_for`), and the graph cut
+    row length (:meth:`~hapd.train.programs.Recipe.export_for`), and the graph cut
     runs the ops a static export at that shape runs (the static one keeps an alias of
     a whole slice the cut drops)."""
-    from hapd.runtime.programs import Recipe
+    from hapd.train.programs import Recipe
 
     model = hapd.PackedLanguageModel(_gpt2())
     example = tuple(t.repeat(4, 1) for t in one_row(32))

@@ -1,4 +1,4 @@
-"""The op facts (:mod:`hapd.compiler.op_facts`) name real torch ops: every name resolves
+"""The op facts (:mod:`hapd.ir.op_facts`) name real torch ops: every name resolves
 to an ``OpOverload`` of this torch and is the name the graph IR gives that op, and each
 loss op's reduction argument is where its schema has ``reduction``."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hapd.compiler import op_facts
-from hapd.compiler.lower import canonical_op_name
+from hapd.ir import op_facts
+from hapd.ir.lower import canonical_op_name
 
 NAMES = sorted({
     *op_facts.LOSS_OPS, *op_facts.PASS_THROUGH_OPS, *op_facts.SUM_OPS, *op_facts.MODE_DEPENDENT_OPS,

@@ -1,4 +1,4 @@
-"""Overlapped execution (:mod:`hapd.runtime.overlap`): a plan compiled for half the
+"""Overlapped execution (:mod:`hapd.spmd.duplicas`): a plan compiled for half the
 global batch, run as two interleaved duplicas, trains exactly as the single-device
 model on the whole batch — loss, every gradient, and the loss after each of 3 Adam
 steps — on 2 and 4 Gloo ranks with uneven ratios, under plans forced into tensor
@@ -27,8 +27,8 @@ import hapd
 from hapd.compiler.options import CompileOptions
 from hapd.errors import PlanError
 from hapd.profile.schema import estimated_profile
-from hapd.runtime import collectives
-from hapd.runtime.overlap import StartExchange, overlapped, split_batch
+from hapd.spmd import collectives
+from hapd.spmd.duplicas import StartExchange, overlapped, split_batch
 
 RATIOS = {2: (0.75, 0.25), 4: (0.4, 0.3, 0.2, 0.1)}
 ADAM_STEPS = 3
@@ -104,7 +104,7 @@ CASES = {
 
 
 def _build_on_rank(rank: int, world: int) -> dict[str, Any]:
-    from hapd.runtime.rewrite import distribute
+    from hapd.spmd.rewrite import distribute
 
     out: dict[str, Any] = {}
     for name, (kw, force, _error) in CASES.items():

@@ -14,7 +14,7 @@ from torch import nn
 
 import hapd
 from hapd.compiler import overlap
-from hapd.compiler.lower import GraphIR, lower
+from hapd.ir.lower import GraphIR, lower
 from hapd.compiler.lp import row_values
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.plan import Plan

@@ -1,4 +1,4 @@
-"""Pipeline stages (:mod:`hapd.compiler.stages`, :mod:`hapd.runtime.pipeline`): a program
+"""Pipeline stages (:mod:`hapd.compiler.pipeline.stages`, :mod:`hapd.spmd.pipeline`): a program
 cut into 2 stages, each on its own group of Gloo ranks with its own SPMD plan at uneven
 ratios, run 1F1B over micro-batches, trains exactly as the single-device model on the
 whole batch — the loss, every gradient of every stage's parameters, and the loss after
@@ -22,10 +22,10 @@ from torch import nn
 import hapd
 import hapd.models as M
 from hapd.compiler.options import CompileOptions
-from hapd.compiler.stages import split_program
+from hapd.compiler.pipeline.stages import split_program
 from hapd.errors import PlanError
 from hapd.profile.schema import estimated_profile
-from hapd.runtime.pipeline import Holding, transfers
+from hapd.spmd.pipeline import Holding, transfers
 
 TOL = 1e-5
 STEPS = 5
@@ -71,7 +71,7 @@ def _cuts(ir_doc: dict[str, Any], stages: int) -> list[str]:
 def _run_case(rank: int, world: int, case: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from hapd.runtime.pipeline import PipelineRank
+    from hapd.spmd.pipeline import PipelineRank
 
     name, groups, ratios, m = CASES[case]
     model, inputs, batch_dims = _model(name)

@@ -88,7 +88,7 @@ def _single_device(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _rank(rank: int, world: int, technique: str, steps: int, load: str | None, save: str | None):
-    from hapd.runtime.pipeline_module import PipelineModule
+    from hapd.train.pipeline_module import PipelineModule
 
     model, config = _model()
     data = _dataset(config)

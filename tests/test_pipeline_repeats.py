@@ -1,4 +1,4 @@
-"""Repeated blocks in the pipeline search (:mod:`hapd.compiler.repeats`): which units
+"""Repeated blocks in the pipeline search (:mod:`hapd.compiler.pipeline.repeats`): which units
 repeat, the reduced graph, and stage costs priced on it against the whole graph's."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import functools
 import pytest
 
 from hapd import models
-from hapd.compiler.export import export
-from hapd.compiler.lower import GraphIR, lower
+from hapd.ir.export import export
+from hapd.ir.lower import GraphIR, lower
 from hapd.compiler.options import CompileOptions
-from hapd.compiler.pipeline_cost import graph_units
-from hapd.compiler.pipeline_search import search, stage_table
-from hapd.compiler.repeats import KEPT, Run, reduce_graph
+from hapd.compiler.pipeline.stage_cost import graph_units
+from hapd.compiler.pipeline.stage_search import search, stage_table
+from hapd.compiler.pipeline.repeats import KEPT, Run, reduce_graph
 from hapd.profile.schema import Link, estimated_profile
 
 BATCH = 8

@@ -16,11 +16,11 @@ from click.testing import CliRunner
 from hapd import models
 from hapd.cli import main
 from hapd.compiler.driver import compile as compile_plan
-from hapd.compiler.export import export
-from hapd.compiler.lower import GraphIR, lower
+from hapd.ir.export import export
+from hapd.ir.lower import GraphIR, lower
 from hapd.compiler.options import CompileOptions
-from hapd.compiler.pipeline_cost import graph_units, one_f_one_b, simulate_one_f_one_b, steady_period
-from hapd.compiler.pipeline_search import best_split, micro_batch_graphs, search as pipeline_search, split_cost, stage_table
+from hapd.compiler.pipeline.stage_cost import graph_units, one_f_one_b, simulate_one_f_one_b, steady_period
+from hapd.compiler.pipeline.stage_search import best_split, micro_batch_graphs, search as pipeline_search, split_cost, stage_table
 from hapd.errors import OptionsError, ProfileError
 from hapd.profile.schema import Link, estimated_profile
 
@@ -259,9 +259,9 @@ def test_a_tied_embedding_is_summed_between_the_stages_it_spans() -> None:
 
 
 def test_a_program_that_updates_buffers_gets_no_pipeline() -> None:
-    from hapd.compiler.pipeline_search import search
+    from hapd.compiler.pipeline.stage_search import search
 
-    from hapd.compiler.lower import canonical_bytes
+    from hapd.ir.lower import canonical_bytes
 
     doc = GraphIR.load(FIXTURES / "vit.hapg").doc
     layer_norm = next(i for i, n in enumerate(doc["nodes"]) if n["op"] == "aten.layer_norm")
@@ -290,10 +290,10 @@ def test_a_stages_memory_estimate_follows_the_stage_compiled_alone() -> None:
     """The search's estimate of a stage's peak (the group's whole-graph plan scaled to the
     stage's units) against the stage's own program compiled alone: the whole graph
     exactly, every stage of every cut on the safe side and within half again."""
-    from hapd.compiler.pipeline_cost import unit_memory
+    from hapd.compiler.pipeline.stage_cost import unit_memory
     from hapd.compiler.ratios import peak_memory
     from hapd.compiler.search import search_program
-    from hapd.compiler.stages import split_program
+    from hapd.compiler.pipeline.stages import split_program
 
     spec = models.get("bert")
     model, config = models.build("bert", "tiny", layers=3)
@@ -375,7 +375,7 @@ def test_every_op_pays_the_profiles_small_op_seconds_once_per_micro_batch() -> N
     """With ``op_seconds`` in the profile a stage's micro-batch costs its ops' dispatch
     more (once forward, twice backward), so more micro-batches pay it more often; the
     SPMD plan it competes with pays it once."""
-    from hapd.compiler.pipeline_cost import op_counts
+    from hapd.compiler.pipeline.stage_cost import op_counts
 
     base = _two_hosts(1e8)
     slow_ops = dataclasses.replace(base, devices=tuple(dataclasses.replace(d, op_seconds=1e-4) for d in base.devices))

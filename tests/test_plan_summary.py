@@ -16,13 +16,13 @@ from click.testing import CliRunner
 from hapd import models
 from hapd.cli import main
 from hapd.compiler.driver import compile as compile_plan
-from hapd.compiler.export import export
-from hapd.compiler.lower import GraphIR, lower
+from hapd.ir.export import export
+from hapd.ir.lower import GraphIR, lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.plan import Plan
 from hapd.compiler.plan_summary import plan_line, predicted_seconds, summary_lines, technique, technique_times
 from hapd.profile.schema import Link, estimated_profile
-from hapd.runtime.plan_source import PlanSource
+from hapd.train.plan_source import PlanSource
 
 
 @functools.cache

@@ -259,7 +259,7 @@ def test_a_profile_cut_to_the_hosts_a_job_runs_on(monkeypatch):
     """An elastic job that lost a host runs on the others: the cluster's profile is cut
     to their devices, in the order the launcher names them (HAPD_HOSTS)."""
     from hapd.errors import ProfileError
-    from hapd.runtime.plan_source import JOB_HOSTS_ENV, job_profile
+    from hapd.train.plan_source import JOB_HOSTS_ENV, job_profile
 
     paper = load_profile("paper-8")
     hosts = paper.hosts

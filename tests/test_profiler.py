@@ -26,11 +26,11 @@ from _dist import run_ranks
 from hapd.errors import OptionsError, ProfileError
 from hapd.profile.schema import COLLECTIVES, UNITS, Profile, load_profile
 from hapd.profile.fit import fit_alpha_beta
-from hapd.profile.machine import LINEAR_PROBE_LAYERS, host_memory, host_memory_size, host_name, linear_probe
-from hapd.profile.measure import (OP_PROBE_BLOCKS, SYNC_PROBE_MAX_ROWS, SyncProbe, _intra_groups, _rows_lasting, op_probe,
+from hapd.profiler.machine import LINEAR_PROBE_LAYERS, host_memory, host_memory_size, host_name, linear_probe
+from hapd.profiler.measure import (OP_PROBE_BLOCKS, SYNC_PROBE_MAX_ROWS, SyncProbe, _intra_groups, _rows_lasting, op_probe,
                                   overlap_share, pairs_per_host_pair, probe_ops)
 from hapd.profile.options import ProfilerOptions, parse_size, parse_sizes
-from hapd.profile.profiler import Rendezvous
+from hapd.profiler.driver import Rendezvous
 
 bench = _bench.load("profiler")
 
@@ -204,7 +204,7 @@ def test_the_linear_probe_keeps_its_weights_within_its_memory_bound(monkeypatch)
     (at least one layer)."""
     import torch
 
-    from hapd.profile import machine
+    from hapd.profiler import machine
 
     monkeypatch.setattr(machine, "LINEAR_PROBE_BYTES", 3 * 2 * 4 * 64 * 64)  # three layers' weights and grads
     assert linear_probe(torch.device("cpu"), torch.float32, 64, 4)[1] == 2 * 4 * 64 * 64 * (3 * 3 - 1)
@@ -261,8 +261,8 @@ def _probe_sums(rank: int, world: int) -> dict[str, object]:
     thread); then η measured on the two-level sync."""
     import torch
 
-    from hapd.profile.measure import sync_overlap
-    from hapd.runtime.collectives import host_groups
+    from hapd.profiler.measure import sync_overlap
+    from hapd.spmd.collectives import host_groups
 
     two_level = host_groups([0, 0, 1, 1])
     assert two_level is not None
@@ -406,7 +406,7 @@ def test_profile_across_two_namespace_hosts(shaped_veth, tmp_path):
 
 
 def test_measure_link_retries_then_bounds(monkeypatch, capsys):
-    import hapd.profile.measure as prof
+    import hapd.profiler.measure as prof
 
     bad = [(16384, 7.59e-3), (262144, 2.87e-3), (4194304, 3.54e-3)]
     good = [(16384, 1e-4), (262144, 3e-4), (4194304, 4e-3)]

@@ -31,8 +31,8 @@ from hapd.compiler.driver import compile as compile_plan
 from hapd.compiler.options import CompileOptions
 from hapd.errors import PlanError
 from hapd.profile.schema import estimated_profile
-from hapd.runtime.counter_rng import uniform
-from hapd.runtime.programs import Recipe, aligned_force, op_nodes
+from hapd.spmd.random.counter_rng import uniform
+from hapd.train.programs import Recipe, aligned_force, op_nodes
 
 B = 8
 SAMPLES = 22

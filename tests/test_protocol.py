@@ -16,8 +16,8 @@ from hypothesis.errors import NoSuchExample
 from hypothesis import strategies as st
 
 from hapd.errors import AuthError, GraphError, HapdError, ProtocolError
-from hapd.serve.keys import load_key, load_or_create_key
-from hapd.serve.protocol import (MAGIC, PROTOCOL_VERSION, REPLIES, REQUESTS, Limits, Message, Session, split_envelope,
+from hapd.wire.keys import load_key, load_or_create_key
+from hapd.wire.protocol import (MAGIC, PROTOCOL_VERSION, REPLIES, REQUESTS, Limits, Message, Session, split_envelope,
                                  validate_body)
 
 KEY = bytes(range(32))
@@ -390,6 +390,6 @@ def test_client_and_protocol_import_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, hapd.serve.client, hapd.serve.protocol, hapd.serve.jobs; print(sorted(m for m in ('torch', 'pulp') if m in sys.modules))"
+    code = "import sys, hapd.wire.client, hapd.wire.protocol, hapd.serve.jobs; print(sorted(m for m in ('torch', 'pulp') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

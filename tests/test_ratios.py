@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hapd.errors import SynthesisError
-from hapd.compiler.ratios import per_device, program_cost, sharding_lengths, solve_ratios
+from hapd.compiler.lengths import sharding_lengths
+from hapd.compiler.ratios import per_device, program_cost, solve_ratios
 
 
 @pytest.mark.parametrize(

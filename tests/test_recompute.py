@@ -117,8 +117,8 @@ def _run_and_measure(rank: int, world: int, cases: list[Case]) -> list[dict]:
     import _exact
     from hapd.compiler.plan import Plan
     from hapd.harness.memtrack import LiveTensorBytes
-    from hapd.runtime.recompute import Checkpointed
-    from hapd.runtime.rewrite import distribute, global_loss
+    from hapd.spmd.checkpointed import Checkpointed
+    from hapd.spmd.rewrite import distribute, global_loss
 
     torch.manual_seed(0)
     loaded: dict = {}

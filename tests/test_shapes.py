@@ -1,4 +1,4 @@
-"""One export serves every batch (:mod:`hapd.compiler.shapes`) and one compile searches
+"""One export serves every batch (:mod:`hapd.ir.shapes`) and one compile searches
 every technique from it (:mod:`hapd.compiler.techniques`): the CLI, the daemon's drop
 folder and its cache."""
 
@@ -17,12 +17,12 @@ from _wait import wait_for
 import hapd.models as models
 from hapd.cli import main
 from hapd.compiler.driver import compile as compile_plan
-from hapd.compiler.export import export
-from hapd.compiler.lower import lower
+from hapd.ir.export import export
+from hapd.ir.lower import lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.plan import Plan
-from hapd.compiler.lower import lower_at
-from hapd.compiler.shapes import batch_info, program_at
+from hapd.ir.lower import lower_at
+from hapd.ir.shapes import batch_info, program_at
 from hapd.compiler.plan_summary import technique as technique_of
 from hapd.compiler.techniques import GraphSet, graphs_of_program
 from hapd.errors import OptionsError, ShapeError

@@ -18,7 +18,7 @@ from conftest import FIXTURES, MODEL_NAMES
 
 import hapd
 from hapd.compiler.options import CompileOptions
-from hapd.compiler.summary import format_summary
+from hapd.ir.summary import format_summary
 from hapd.errors import OptionsError, SynthesisError
 from hapd.compiler.plan import Plan
 from hapd.profile.schema import profile_from_dict

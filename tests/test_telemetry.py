@@ -1,4 +1,4 @@
-"""Telemetry of a user's script, from the module itself (:mod:`hapd.runtime.telemetry`):
+"""Telemetry of a user's script, from the module itself (:mod:`hapd.train.telemetry`):
 a ParallelModule times each step (optimizer step to optimizer step, every micro-batch
 of an accumulation in one) and counts its samples and tokens; logs scalars where
 ``HAPD_LOG_DIR`` says; a script that reports its own timings keeps them; and a user's
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import hapd
-from hapd.runtime import telemetry
+from hapd.train import telemetry
 from launcher.report import Timings, build_report, format_table
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ from _exact import distribute_saved, save_normal_form
 from torch import Tensor, nn
 
 import hapd
-from hapd.runtime.random_ops import counter_reference
+from hapd.spmd.random.random_ops import counter_reference
 from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import estimated_profile
 
@@ -102,7 +102,7 @@ class Exported(NamedTuple):
 
     module: nn.Module
     inputs: tuple[Tensor, ...]
-    ir: Any  # hapd.compiler.lower.GraphIR
+    ir: Any  # hapd.ir.lower.GraphIR
     saved: bytes  # its normal form, saved (save_normal_form)
     reference: tuple[list[float], dict[str, Tensor], dict[str, Tensor]]  # _reference's
 
@@ -145,7 +145,7 @@ def _errors(module: Any, expected: dict[str, Tensor], got: dict[str, Tensor | No
 
 def _run_case(rank: int, case: Case, loaded: dict[bytes, Any]) -> dict[str, Any]:
     from hapd.compiler.plan import Plan
-    from hapd.runtime.rewrite import global_loss
+    from hapd.spmd.rewrite import global_loss
 
     plan = Plan.from_bytes(case.plan)
     module = distribute_saved(case.program, plan, rank, loaded)
@@ -240,7 +240,7 @@ def test_parameters_sharing_memory_but_both_read_stay_two() -> None:
     """Two parameter objects the graph reads separately get their own gradients, even
     when one was made from the other's memory (only names the graph does not read are
     aliases)."""
-    from hapd.compiler.tied import aliases_of_read
+    from hapd.ir.tied import aliases_of_read
 
     class TwoViews(nn.Module):
         def __init__(self) -> None:
@@ -277,7 +277,7 @@ def test_one_device_program_keeps_the_tie(strict) -> None:
     """Strict export has one placeholder for the tied weight, non-strict one per name
     with only the last read; either way the rank module holds one parameter under both
     names with the single-device gradient."""
-    from hapd.runtime.rewrite import distribute
+    from hapd.spmd.rewrite import distribute
 
     model, x = TiedToy(), torch.randint(0, 10, (3, 5))
     program = torch.export.export(model, (x,), strict=strict)

@@ -20,7 +20,7 @@ from hapd.errors import HapdError
 from hapd.harness.ddp import DDPStep, loss_weight, main, split_lengths, wrap
 from hapd.harness.training import TrainArgs, local_batch, summarize, trace_path, train
 from hapd.profile.schema import Device, Link, Profile, load_profile
-from hapd.runtime.distributed import DistEnv, _join, init_distributed, join_timeout_s
+from hapd.spmd.distributed import DistEnv, _join, init_distributed, join_timeout_s
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -154,7 +154,7 @@ def test_a_rank_late_past_the_collective_timeout_still_joins(monkeypatch):
 AT_EXIT = """\
 import atexit
 import torch.distributed as dist
-from hapd.runtime.distributed import init_distributed
+from hapd.spmd.distributed import init_distributed
 # registered first, so it runs last: what the interpreter's finalization will find
 atexit.register(lambda: print("group alive at finalization:", dist.is_initialized(), flush=True))
 init_distributed()
@@ -182,7 +182,7 @@ def test_the_group_hapd_created_is_destroyed_before_the_interpreter_finalizes():
 EXIT_RANK = """\
 import atexit, sys, threading, time
 import torch.distributed as dist
-from hapd.runtime.distributed import init_distributed
+from hapd.spmd.distributed import init_distributed
 from hapd.util import exit_process
 
 class Finalized:

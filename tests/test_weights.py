@@ -27,11 +27,11 @@ from torch.utils._pytree import tree_leaves
 
 import hapd
 from hapd import models
-from hapd.compiler.export import user_input_names
+from hapd.ir.export import user_input_names
 from hapd.compiler.options import CompileOptions
 from hapd.errors import WeightsError
 from hapd.profile.schema import estimated_profile
-from hapd.runtime.weights import materialize, module_init
+from hapd.state.weights import materialize, module_init
 
 WIDTH, LAYERS, B = 128, 8, 4
 RATIOS = (0.75, 0.25)
@@ -171,7 +171,7 @@ def _materialize(rank: int, world: int, plan: bytes, sources: dict[str, Any],
     """Each source on this rank: the peak live bytes while distributing, the bound, and
     whether every piece is the slice of the single-device value."""
     from hapd.compiler.plan import Plan
-    from hapd.runtime.rewrite import distribute, global_loss
+    from hapd.spmd.rewrite import distribute, global_loss
 
     program = hapd.export(_meta_stack(), _inputs())
     out = {}

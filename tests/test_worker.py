@@ -17,7 +17,7 @@ from hapd.compiler.options import CompileOptions
 from hapd.errors import PlanError
 from hapd.harness.training import TRACE_ITERATIONS
 from hapd.profile.schema import estimated_profile
-from hapd.runtime.rewrite import distribute
+from hapd.spmd.rewrite import distribute
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ embeddings and output projection are one tensor): the harness compares the gradi
 every name. ViT's zero-initialized head is given random weights (with a zero head every
 other gradient is zero). Every zoo model has its library's default dropout (GPT-2,
 BERT and T5: 0.1, attention probabilities included), drawn on the ranks and in the
-single-device run by hapd's counter-based generator (:mod:`hapd.runtime.random_ops`).
+single-device run by hapd's counter-based generator (:mod:`hapd.spmd.random.random_ops`).
 
 ``-s`` prints the table: per model, the opaque ops and the worst relative error (loss /
 gradient / loss after the Adam steps) of each plan on each world.
@@ -146,7 +146,7 @@ def test_default_dropout_is_on_and_drawn_by_hapd(name, references) -> None:
     """A model whose library defaults to dropout has random ops in its graph, and every
     random op is one hapd draws with its own generator (a dropout, an attention with
     ``dropout_p > 0``): no ``bernoulli`` or ``rand`` the ranks would draw apart."""
-    from hapd.runtime.random_ops import ATTENTION, dropout_args, is_random
+    from hapd.spmd.random.random_ops import ATTENTION, dropout_args, is_random
 
     graph = references[BUILDS[name]].program.graph
     random = [n for n in graph.nodes if is_random(n) and (n.target is ATTENTION or dropout_args(n)[0] > 0)]

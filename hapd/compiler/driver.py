@@ -4,7 +4,7 @@ A compile reads the graph (lowering a ``.pt2`` program), runs the SPMD search â€
 core's search alternating with the sharding-ratio LP, against the data-parallel
 baselines (:mod:`hapd.compiler.search`) â€” writes the plan document of the program it
 keeps, and with ``CompileOptions.pipeline`` auto adds the best pipeline
-(:mod:`hapd.compiler.pipeline_search`).
+(:mod:`hapd.compiler.pipeline.stage_search`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import Any, Sequence
 from torch.export import ExportedProgram
 
 from hapd import __version__, _core
-from hapd.compiler import pipeline_search
+from hapd.compiler.pipeline import stage_search as pipeline_search
 from hapd.compiler.dp_gap import dp_gap
-from hapd.compiler.lower import GraphIR, load_exported, lower
+from hapd.ir.lower import GraphIR, load_exported, lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.overlap import is_overlapped
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
 from hapd.compiler.plan_summary import technique
 from hapd.compiler.ratios import peak_memory, program_cost
 from hapd.compiler.search import SpmdSearch, dp_fits, search_spmd
-from hapd.compiler.shapes import is_symbolic
+from hapd.ir.shapes import is_symbolic
 from hapd.compiler.techniques import GraphSet, graphs_of_program, needs_other_batches
 from hapd.errors import HapdError, OptionsError
 from hapd.profile.schema import Profile, load_profile
@@ -40,7 +40,7 @@ def compile(  # noqa: A001 - hapd.compile is the public name
     :class:`~hapd.compiler.techniques.GraphSet`) for ``profile`` (Profile or path) into a
     :class:`Plan`.
 
-    A program exported with a symbolic batch (``hapd export``; :mod:`hapd.compiler.shapes`)
+    A program exported with a symbolic batch (``hapd export``; :mod:`hapd.ir.shapes`)
     with ``options.pipeline`` auto or ``options.overlap`` is compiled with every technique
     in the space from that one program (:func:`compile_techniques`:
     SPMD at the global batch, pipelines over the micro-batch graphs derived from it,
@@ -243,7 +243,7 @@ def _plan_document(data: bytes, profile: Profile, options: CompileOptions, found
 
 def _add_pipeline(doc: dict, data: bytes, micro_graphs: Sequence[Any], profile: Profile, options: CompileOptions,
                   spmd_only: float) -> None:
-    """The pipeline search (:mod:`hapd.compiler.pipeline_search`) against the SPMD plan's
+    """The pipeline search (:mod:`hapd.compiler.pipeline.stage_search`) against the SPMD plan's
     ``spmd_only`` seconds: the best pipeline as the plan's ``pipeline`` (``chosen`` when
     it is cheaper) and the search's statistics."""
     graphs = pipeline_search.micro_batch_graphs(GraphIR(data), [GraphIR(_graph_bytes(g)) for g in micro_graphs])

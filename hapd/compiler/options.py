@@ -119,7 +119,7 @@ class CompileOptions:
     whole hosts with its own SPMD plan, over micro-batches in the 1F1B order, and keeps
     one when its predicted time beats the SPMD plan's (the plan's ``pipeline``). From a
     program exported with a symbolic batch it prices every micro-batch count of
-    :func:`~hapd.compiler.pipeline_search.micro_batch_counts`, deriving their graphs;
+    :func:`~hapd.compiler.pipeline.stage_search.micro_batch_counts`, deriving their graphs;
     from one graph, each count it is given a graph for (``compile``'s
     ``micro_graphs``); ``"off"``: the SPMD plan only. With ``overlap`` too, only from a
     program (:mod:`hapd.compiler.techniques`). Not with fixed ``ratios`` (the ratios of

@@ -2,7 +2,7 @@
 program, its sharding-ratio LP, its memory, and where it hides communication.
 
 A program searched with overlap is one duplica's (half the global batch); the runtime
-(:mod:`hapd.runtime.overlap`) runs it twice, duplicas A and B, interleaved at every
+(:mod:`hapd.spmd.duplicas`) runs it twice, duplicas A and B, interleaved at every
 **communication point** (a collective on a batch-dependent tensor): A's collective runs
 while B computes the interval before the point, then B's while A computes the interval
 after it. Each step of such a program carries its ``overlap`` rows

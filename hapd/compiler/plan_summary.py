@@ -3,7 +3,7 @@ lost, how the batch is split, the predicted step time against data parallelism, 
 and where the time goes.
 
 :func:`plan_line` is the one line :func:`hapd.parallelize` prints on rank 0 (through
-:meth:`hapd.runtime.plan_source.PlanSource.summary`); :func:`summary_lines` is the first
+:meth:`hapd.train.plan_source.PlanSource.summary`); :func:`summary_lines` is the first
 screen of ``hapd explain`` (:func:`hapd.compiler.plan.explain`), ending with
 :data:`GLOSSARY`, the terms it uses (``docs/explain.md`` says more).
 

@@ -15,7 +15,7 @@ priced at those lengths (the program's ``memory_split``), and the LP with memory
 solves again with a device's cap lowered where rounding puts it over its capacity.
 
 **The gradient sync overlaps the backward pass.** The runtime all-reduces replicated
-gradients in buckets launched while backward still runs (:class:`hapd.runtime.gradsync.GradSync`),
+gradients in buckets launched while backward still runs (:class:`hapd.spmd.gradsync.GradSync`),
 so a program's time is its steps' serial sum less what of that sync hides behind the
 backward's compute: ``serial − η · min(S, B)``, with ``S`` the steps' gradient sync,
 ``B`` the backward's share of compute (two thirds of a training op's, the core's
@@ -35,6 +35,7 @@ import msgpack
 import pulp
 
 from hapd.compiler.lp import LPResult, SolvedLPs, cap_memory, lp_failure, memory_rows, row_values, solver, variable
+from hapd.compiler.lengths import sharding_lengths
 from hapd.compiler.overlap import is_overlapped, overlap_cost, solve_overlapped
 from hapd.errors import SynthesisError
 from hapd.util import format_bytes
@@ -333,20 +334,3 @@ def least_overshoot(program: dict[str, Any], memory_caps: Sequence[float]) -> tu
     ratios = [max(0.0, float(v.value() or 0.0)) for v in r]
     total = sum(ratios) or 1.0
     return tuple(v / total for v in ratios)
-
-
-def sharding_lengths(ratios: Sequence[float], units: int) -> list[int]:
-    """Split ``units`` into integers proportional to ``ratios`` by largest remainder
-    (ties go to the lower rank). Lengths sum to ``units``; zeros are allowed."""
-    if units < 0:
-        raise ValueError(f"cannot split {units} units")
-    total = sum(ratios)
-    if total <= 0:
-        raise ValueError(f"ratios {list(ratios)} do not sum to a positive number")
-    exact = [units * r / total for r in ratios]
-    lengths = [int(e) for e in exact]
-    rest = units - sum(lengths)
-    order = sorted(range(len(ratios)), key=lambda d: (-(exact[d] - lengths[d]), d))
-    for d in order[:rest]:
-        lengths[d] += 1
-    return lengths

@@ -2,11 +2,11 @@
 
 Lowering labels every op with the repeated block of the model it runs in (the IR's
 ``block``: ``layers.3``, from the exported program's module stack, see
-:func:`hapd.compiler.lower.module_block`). A compile may have the backward pass
+:func:`hapd.ir.lower.module_block`). A compile may have the backward pass
 recompute some of them (``CompileOptions.recompute``): their activations are not kept
 but rebuilt from the block's input, one block at a time (the core prices it:
 ``rustcore/core/src/recompute.rs``; the runtime runs each under
-``torch.utils.checkpoint``: :mod:`hapd.runtime.recompute`). This module lists the
+``torch.utils.checkpoint``: :mod:`hapd.spmd.checkpointed`). This module lists the
 blocks a graph has, the ones that would save the most memory first.
 """
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import msgpack
 
 from hapd import _core
-from hapd.compiler.lower import GraphIR
+from hapd.ir.lower import GraphIR
 from hapd.compiler.lp import row_values
 from hapd.compiler.options import MAX_FRONT_WIDTH, CompileOptions
 from hapd.compiler.overlap import DUPLICAS, is_overlapped, with_duplica_memory
@@ -462,11 +462,11 @@ def search_program(
 ) -> tuple[dict, list[float]]:
     """The cheapest program for ``profile`` and the ratios it was optimized for, from the
     search ⇄ LP rounds and the data-parallel candidate, without memory caps or wider
-    fronts: how a pipeline stage's group is priced (:mod:`hapd.compiler.pipeline_search`).
+    fronts: how a pipeline stage's group is priced (:mod:`hapd.compiler.pipeline.stage_search`).
     ``weigh`` maps each program the core returns for ``data`` to the program the LP and
     the comparison with data parallelism price, and which is returned: for a graph
     with its repeated blocks dropped, its steps weighed as the whole graph's
-    (:mod:`hapd.compiler.repeats`)."""
+    (:mod:`hapd.compiler.pipeline.repeats`)."""
     searched = _rounds(data, profile, options, None, None, weigh=weigh)
     baselines = _baselines(data, profile, options)
     if weigh is not None:

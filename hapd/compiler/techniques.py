@@ -3,16 +3,16 @@ other, and the cheapest kept.
 
 A compile with ``CompileOptions.pipeline`` auto or ``CompileOptions.overlap`` needs the
 model's graph at more than one batch: the global batch (the SPMD plan), the global
-batch over each micro-batch count (:func:`hapd.compiler.pipeline_search.micro_batch_counts`:
+batch over each micro-batch count (:func:`hapd.compiler.pipeline.stage_search.micro_batch_counts`:
 the pipeline search) and half the global batch (one duplica of overlap). A
 :class:`GraphSet` holds them; :func:`graphs_of_program` derives them from one program
-exported with a symbolic batch (:mod:`hapd.compiler.shapes`), and a static program gives
+exported with a symbolic batch (:mod:`hapd.ir.shapes`), and a static program gives
 only its own batch, each missing graph with the reason. :func:`hapd.compiler.driver.compile_techniques`
 searches each technique whose graphs are there and returns the cheapest's plan:
 
 - ``spmd``: the SPMD plan of the global batch;
 - ``pipeline``: that plan with its ``pipeline`` chosen (the pipeline search over the
-  micro-batch graphs, :mod:`hapd.compiler.pipeline_search`), compared as that search
+  micro-batch graphs, :mod:`hapd.compiler.pipeline.stage_search`), compared as that search
   compares (both with their ops' dispatch);
 - ``overlap``: the plan of one duplica's graph searched with overlap (its ``overlap``
   set, its graph id the half batch's), as ``hapd.parallelize`` runs it.
@@ -29,11 +29,11 @@ from typing import Any, Callable, Mapping
 
 import msgpack
 
-from hapd.compiler.lower import GraphIR, lower, lower_at
+from hapd.ir.lower import GraphIR, lower, lower_at
 from hapd.compiler.options import CompileOptions
-from hapd.compiler.pipeline_search import micro_batch_counts
-from hapd.compiler.pipeline_cost import graph_batch
-from hapd.compiler.shapes import batch_info, is_symbolic
+from hapd.compiler.pipeline.stage_search import micro_batch_counts
+from hapd.compiler.pipeline.stage_cost import graph_batch
+from hapd.ir.shapes import batch_info, is_symbolic
 from hapd.errors import GraphError
 from hapd.util import gc_paused
 
@@ -114,7 +114,7 @@ def graph_set(at: Callable[[int], GraphIR], full: GraphIR, options: CompileOptio
 def graphs_of_program(program: Any, options: CompileOptions, *, name: str | None = None,
                       batch_dims: Mapping[str, int | None] | None = None) -> GraphSet:
     """The :class:`GraphSet` of an exported program (an ``ExportedProgram``; see
-    :func:`hapd.compiler.lower.load_exported` for a ``.pt2``): every graph from the one
+    :func:`hapd.ir.lower.load_exported` for a ``.pt2``): every graph from the one
     program when its batch is symbolic, else the global batch's alone, the others
     missing with the reason the program is static."""
     info = batch_info(program)

@@ -1,6 +1,6 @@
 """The benchmark and training harness: the scripts that train hapd's benchmark models
 with a plan or with a PyTorch baseline and time them. It is built on the library
-(:mod:`hapd.runtime`, :mod:`hapd.compiler`, :mod:`hapd.models`) and never imported by
+(:mod:`hapd.train`, :mod:`hapd.spmd`, :mod:`hapd.compiler`, :mod:`hapd.models`) and never imported by
 it; ``worker.py``, ``ddp.py``, ``fsdp.py`` and ``python -m hapd.worker|ddp|fsdp`` are
 its entry points.
 

@@ -42,9 +42,9 @@ from torch.nn.parallel import DistributedDataParallel
 from hapd import models
 from hapd.errors import HapdError
 from hapd.profile.schema import Profile, load_profile
-from hapd.compiler.ratios import sharding_lengths
+from hapd.compiler.lengths import sharding_lengths
 from hapd.harness.training import TrainArgs, add_train_flags, local_batch, parse_train_args, report, run_rank, train
-from hapd.runtime.distributed import DistEnv
+from hapd.spmd.distributed import DistEnv
 from hapd.util import exit_process
 
 SPLITS = {"even": "ddp-ev", "flops": "ddp-cp"}

@@ -42,8 +42,8 @@ from hapd.errors import HapdError
 from hapd.profile.schema import load_profile
 from hapd.harness.ddp import DDPStep, loss_weight, split_lengths
 from hapd.harness.training import TrainArgs, add_train_flags, local_batch, parse_train_args, report, run_rank, train
-from hapd.runtime.distributed import DistEnv
-from hapd.runtime.weights import WeightSource, init_on_meta, module_init
+from hapd.spmd.distributed import DistEnv
+from hapd.state.weights import WeightSource, init_on_meta, module_init
 from hapd.util import exit_process
 
 SPLITS = {"even": "fsdp", "flops": "fsdp-cp"}

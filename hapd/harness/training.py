@@ -2,7 +2,7 @@
 
 One process per rank, started by ``torchrun`` (or alone: a 1-rank group). The pieces:
 :func:`run_rank` / :func:`shutdown` (join the process group with
-:func:`hapd.runtime.distributed.init_distributed`, run the rank, leave the group),
+:func:`hapd.spmd.distributed.init_distributed`, run the rank, leave the group),
 :func:`add_train_flags` / :func:`parse_train_args` (the flags every training script
 takes, as a :class:`TrainArgs`), :func:`local_batch` (this rank's slice of the
 synthetic global batch), :func:`train` (the timed loop, optionally traced) and
@@ -61,9 +61,9 @@ from torch import Tensor
 
 from hapd import models
 from hapd.errors import HapdError, OptionsError
-from hapd.runtime.distributed import DistEnv, init_distributed
-from hapd.runtime.stepwatch import StepWatch
-from hapd.runtime.telemetry import script_reported
+from hapd.spmd.distributed import DistEnv, init_distributed
+from hapd.spmd.stepwatch import StepWatch
+from hapd.train.telemetry import script_reported
 from hapd.util import atomic_write, summarize as summarize_times
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -338,7 +338,7 @@ def train(step: Callable[[], Tensor], optimizer: torch.optim.Optimizer, env: Dis
     An iteration is ``optimizer.zero_grad(set_to_none=True)``, ``step()`` (forward and
     backward; returns the loss) and ``optimizer.step()``; on a GPU the clock is read
     after ``torch.cuda.synchronize()``. Ranks start together (a barrier). Each rank
-    checks in at every iteration (:class:`~hapd.runtime.stepwatch.StepWatch`), so a
+    checks in at every iteration (:class:`~hapd.spmd.stepwatch.StepWatch`), so a
     collective that fails or waits past the timeout raises a
     :class:`~hapd.errors.CollectiveError` naming the iteration and the ranks not there.
 
@@ -434,7 +434,7 @@ def report(env: DistEnv, *, system: str, model: str, times: Sequence[float], war
     given. Collective: every rank must call it. Returns the summary (on every rank).
     See the module docstring for the format.
     """
-    script_reported()  # this line, not the parallelized module's (hapd.runtime.telemetry)
+    script_reported()  # this line, not the parallelized module's (hapd.train.telemetry)
     times = [float(t) for t in times]
     timed = summarize_times(times[warmup:])
     line = {"hapd": "timings", "rank": env.rank, "world": env.world, "system": system, "model": model,

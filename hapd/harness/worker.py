@@ -10,7 +10,7 @@ starts). The plan comes from ``--plan FILE``, or else rank 0 asks
 the daemon at ``$HAPD_DAEMON`` (a cache hit, an LP-only re-plan or a compile there) and
 compiles it itself when none answers, for ``--profile`` (an estimated homogeneous
 profile of this job's ranks when none is given), and sends it to the others: ranks never
-synthesize on their own (:func:`hapd.runtime.plan_source.obtain_plan`; rank 0 prints where the
+synthesize on their own (:func:`hapd.train.plan_source.obtain_plan`; rank 0 prints where the
 plan came from and how long it took). Each rank then runs its module on its piece of a
 synthetic global batch with
 Adam and reports its per-iteration times (see :mod:`hapd.harness.training` for the output
@@ -36,12 +36,12 @@ from hapd.profile.schema import Profile
 from hapd.compiler.plan import Plan
 from hapd.errors import HapdError, OptionsError, PlanError
 from hapd.harness.training import TrainArgs, add_train_flags, parse_train_args, report, run_rank, train
-from hapd.runtime.distributed import DistEnv, job_host_groups
-from hapd.runtime.parallel_module import ParallelModule
-from hapd.runtime.parallelize import parallelize
-from hapd.runtime.plan_source import job_profile as _job_profile
-from hapd.runtime.pipeline import build_pipeline, compile_pipeline
-from hapd.runtime.weights import WeightSource, init_on_meta, module_init
+from hapd.spmd.distributed import DistEnv, job_host_groups
+from hapd.train.parallel_module import ParallelModule
+from hapd.train.parallelize import parallelize
+from hapd.train.plan_source import job_profile as _job_profile
+from hapd.spmd.pipeline import build_pipeline, compile_pipeline
+from hapd.state.weights import WeightSource, init_on_meta, module_init
 from hapd.util import exit_process
 
 

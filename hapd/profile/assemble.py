@@ -18,7 +18,7 @@ def assemble(devices: Sequence[Mapping[str, Any]], fits: Mapping[str, Mapping[st
              *, started: datetime.datetime, backend: str, world: int, no_intra: str | None,
              torch_version: str) -> Profile:
     """The profile of what the ranks measured: one device per rank (``devices``, each a
-    :class:`~hapd.profile.measure.DeviceMeasurement` as a dict), each collective's links
+    :class:`~hapd.profiler.measure.DeviceMeasurement` as a dict), each collective's links
     from its fits (``inter`` repeats ``intra`` when nothing crossed a host), and the
     measurement's details in ``extra``."""
     hosts = list(dict.fromkeys(d["host"] for d in devices))

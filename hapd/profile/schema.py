@@ -21,7 +21,7 @@ node: what a pipeline's many small micro-batches pay once per op each);
 behind the backward pass's compute on the device. ``intra`` (optional) is
 the cost within one host; ``inter`` across hosts. The **profile id** is the sha256 of
 the canonical form of the devices and collectives: names, descriptions, extra fields,
-key order and formatting do not change it. ``hapd profile`` (:mod:`hapd.profile.profiler`)
+key order and formatting do not change it. ``hapd profile`` (:mod:`hapd.profiler.driver`)
 measures one.
 """
 
@@ -56,7 +56,7 @@ COLLECTIVES = (
 OPTIONAL_COLLECTIVES = ("grad_sync", "p2p")
 """Collectives a profile may give: ``grad_sync`` is the all-reduce of replicated
 parameters' gradient buckets as the runtime runs it on several hosts with several
-ranks each (within each host, then between hosts; ``hapd.runtime.collectives.HostGroups``).
+ranks each (within each host, then between hosts; ``hapd.spmd.collectives.HostGroups``).
 The cost model uses ``all_reduce`` where it is absent. ``p2p`` is messages from one
 rank to another (``send``/``recv``), between hosts (``inter``) and within one
 (``intra``): what moves activations between pipeline stages. Its bytes are what crosses
@@ -94,7 +94,7 @@ class Device:
     op_seconds: float | None = None
     """Seconds a training op costs beyond its FLOPs, a third of its forward and backward
     (default: none): a pipeline stage runs every op node by node once per micro-batch
-    (:mod:`hapd.compiler.pipeline_cost` charges it once forward and twice backward)."""
+    (:mod:`hapd.compiler.pipeline.stage_cost` charges it once forward and twice backward)."""
     sync_overlap: float | None = None
     """Share (0 to 1) of a gradient all-reduce's time that hides behind the backward
     pass's compute on this device (default: none, not measured). The runtime launches

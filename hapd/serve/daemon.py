@@ -51,9 +51,9 @@ from hapd.compiler.options import CompileOptions
 from hapd.serve.cache import DEFAULT_MAX_CACHE_BYTES, PlanCache
 from hapd.errors import GraphFormatError, HapdError, OptionsError, ProtocolError
 from hapd.serve.jobs import JobManager
-from hapd.serve.keys import home_dir, load_or_create_key
+from hapd.wire.keys import home_dir, load_or_create_key
 from hapd.profile.schema import Profile, load_profile
-from hapd.serve.protocol import (DEFAULT_ADDRESS, PART_BYTES, PART_SLACK_BYTES, PROTOCOL_VERSION, Limits, Message,
+from hapd.wire.protocol import (DEFAULT_ADDRESS, PART_BYTES, PART_SLACK_BYTES, PROTOCOL_VERSION, Limits, Message,
                                  PartedMessages, Session, split_envelope)
 from hapd.serve.drops import SUBFOLDERS, DropProcessor
 from hapd.serve.snapshots import (DEFAULT_SNAPSHOT_KEEP, DEFAULT_SNAPSHOT_MAX_BYTES, DEFAULT_SNAPSHOT_TTL_S,
@@ -68,7 +68,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 DEFAULT_MAX_BODY_BYTES = 256 * 2**20
 """Largest request body by default (a compile request carries the whole graph; one
-longer than :data:`~hapd.serve.protocol.PART_BYTES` arrives in parts)."""
+longer than :data:`~hapd.wire.protocol.PART_BYTES` arrives in parts)."""
 DEFAULT_STOP_TIMEOUT_S = 30.0
 """How long a stop waits for the compile in progress by default."""
 ROUTER_LINGER_MS = 2000
@@ -593,7 +593,7 @@ class Daemon:
         as the process."""
         try:
             import hapd.compiler.driver  # noqa: F401
-            import hapd.compiler.lower  # noqa: F401
+            import hapd.ir.lower  # noqa: F401
         except Exception as exc:  # a broken install: every compile will say why
             log.error("cannot import the compiler: %s", exc)
         for name in self.config.imports:  # custom ops: a program using them fails to load and says which
@@ -691,7 +691,7 @@ class Daemon:
         (:func:`hapd.compiler.techniques.graphs_of_program`; cached)."""
         if not _prices_other_batches(options):
             return self._lower(pt2)
-        from hapd.compiler.lower import load_exported
+        from hapd.ir.lower import load_exported
         from hapd.compiler.techniques import GraphSet, graphs_of_program
 
         key = self._lowered_key(pt2, options)
@@ -725,7 +725,7 @@ class Daemon:
         cached = self.cache.get_lowered(key)
         if cached is not None:
             return cached
-        from hapd.compiler.lower import lower
+        from hapd.ir.lower import lower
 
         graph = self._read_pt2(pt2, lambda path: lower(path).data)
         self.cache.put_lowered(key, graph)

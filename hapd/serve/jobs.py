@@ -40,7 +40,6 @@ from __future__ import annotations
 import codecs
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -53,16 +52,16 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hapd.errors import OptionsError
+from hapd.wire.contract import JOB_ID, MAX_LEASE_S, MIN_LEASE_S, STARTED_ENV
 from hapd.serve.events import SPILL_FILE, EventLog
 from hapd.serve.leftovers import MARKER_ENV, RankRecords, marked_processes, signal_marked
 from hapd.serve.rank_guard import GUARD_MODULE
 
-IN_PLACE_MODULE = "hapd.runtime.in_place"
+IN_PLACE_MODULE = "hapd.elastic.in_place"
 """What an in-place launch's ranks run the script under (``python -m`` it)."""
 
 log = logging.getLogger("hapd.jobs")
 
-JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_LINE = 64 * 1024
 """Longer output lines are split into several events."""
 MAX_NPROC = 1024
@@ -87,10 +86,6 @@ SHUTDOWN_TIMEOUT_S = 10.0
 DEFAULT_LEASE_S = 60.0
 """Lease of a job whose launch names none: how long it runs without a ``job_events``
 poll about it (the launcher sends its own, shorter, ``--lease``)."""
-MIN_LEASE_S = 1.0
-"""Shortest lease a launch may ask for (several of the launcher's polls fit in it)."""
-MAX_LEASE_S = 7 * 86400.0
-"""Longest lease a launch may ask for."""
 DEFAULT_KEEP_JOB_DIRS = DEFAULT_KEEP_FINISHED
 """Job folders (shipped scripts) kept besides those of unfinished jobs, newest first."""
 DEFAULT_JOB_DIR_MAX_AGE_S = 7 * 86400.0
@@ -98,10 +93,6 @@ DEFAULT_JOB_DIR_MAX_AGE_S = 7 * 86400.0
 
 REASON_CANCELLED = "cancelled by a cancel request"
 REASON_STOPPING = "the daemon is stopping"
-STARTED_ENV = "HAPD_STARTED_AT"
-"""When the daemon started the rank's process (``time.time()``), in the rank's
-environment: an elastic restart's time splits there (the launch, then the script up to
-:func:`hapd.parallelize`)."""
 
 
 def _bad(message: str, fieldname: str) -> OptionsError:
@@ -148,7 +139,7 @@ class LaunchSpec:
     cwd: str | None
     lease_s: float = DEFAULT_LEASE_S
     in_place: bool = False
-    """The ranks run under :mod:`hapd.runtime.in_place`: a rank whose peer went away waits
+    """The ranks run under :mod:`hapd.elastic.in_place`: a rank whose peer went away waits
     for a ``switch`` and runs the script again in its own process."""
 
     @classmethod

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hapd.errors import SnapshotError
-from hapd.serve.jobs import JOB_ID
-from hapd.serve.protocol import MAX_SNAPSHOT_NAME_CHARS
+from hapd.wire.contract import JOB_ID
+from hapd.wire.protocol import MAX_SNAPSHOT_NAME_CHARS
 
 log = logging.getLogger("hapd.snapshots")
 

@@ -1,0 +1,11 @@
+"""Elastic jobs, rank side: what a rank does when hosts leave or join.
+
+- :mod:`~hapd.elastic.in_place` — the runner of an elastic job's ranks: a rank whose
+  peer went away parks and runs the script again in its process, in the next
+  generation (the exports it keeps for that run are
+  :class:`hapd.train.programs.ExportCarry`);
+- :mod:`~hapd.elastic.resume` — :class:`hapd.Elastic`: resuming an elastic job's next
+  generation from in-memory snapshots kept on another host.
+
+The launcher's side is :mod:`launcher.elastic`.
+"""

@@ -1,0 +1,187 @@
+"""An elastic job's ranks run their script under this runner, so that a rank whose peer
+went away keeps its process (HSPMD's switch in place, instead of a restart).
+
+    python -m hapd.elastic.in_place SCRIPT ARGS…      # what the daemon runs (launch ``in_place``)
+
+The runner runs ``SCRIPT`` as ``__main__`` (as ``python SCRIPT`` would: ``sys.argv``, the
+script's folder first on ``sys.path``). When the script raises because a peer went away
+(a collective's closed connection or timeout: :data:`hapd.errors.PEER_FAILURE`, or a
+:class:`~hapd.errors.CollectiveError`) in an elastic launch, the rank **parks**:
+
+1. it prints ``{"hapd": "elastic", "event": "parked", ...}`` (the launcher waits for every
+   rank of the hosts left to say it before it switches them in place);
+2. it destroys its process groups (:func:`hapd.spmd.distributed.leave_group`): their
+   connections close, so a peer still waiting on this rank fails at once and parks too
+   (a ``left_group`` line says how long that took);
+3. it asks its daemon (``job_status``) for the job's ``switch`` until one names a later
+   generation, at most ``$HAPD_COLLECTIVE_TIMEOUT`` seconds (60 by default);
+4. it sets the new generation's environment (torchrun's variables from the order, its
+   ``env``: ``HAPD_GENERATION``, ``HAPD_HOSTS``, the snapshot daemons) and runs the
+   script again from its top, in the same process: Python, torch and the model's
+   library are imported already, and :func:`hapd.parallelize` takes the programs it
+   exported and lowered last time, rebound to the new model's tensors
+   (:class:`hapd.train.programs.ExportCarry`), so joining the new group, the plan
+   from the daemon's cache and :meth:`hapd.Elastic.resume` (the state from the newest
+   complete snapshot, resharded) are most of what the switch costs.
+
+The state comes back from the snapshot, not from the survivors' memory: a step cut by a
+failure leaves the ranks' parameters and optimizer states at different steps (some
+applied the update, some never reached it), while a snapshot is the same step on every
+rank. Any other exception, a failure outside an elastic launch, or no switch in time
+ends the process as the script alone would (its traceback, status 1): the launcher then
+takes the restart path.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Mapping
+
+from hapd.errors import PEER_FAILURE, CollectiveError, HapdError
+from hapd.wire.client import Client
+from hapd.wire.contract import STARTED_ENV
+from hapd.wire.keys import default_key_path, load_key
+from hapd.util import exit_process
+
+RUN_ENV = "HAPD_ELASTIC_RUN"
+"""The elastic run's id (the same in every generation); unset: not an elastic launch."""
+GENERATION_ENV = "HAPD_GENERATION"
+"""0 for the first launch, then 1, 2, … after each re-launch or switch."""
+KEEP_EXPORTS_ENV = "HAPD_KEEP_EXPORTS"
+"""Set ("1") by this runner: :func:`hapd.parallelize` keeps what it exported for the
+script's next run in this process (:class:`hapd.train.programs.ExportCarry`)."""
+DEFAULT_PARK_S = 60.0
+"""How long a parked rank waits for its ``switch`` when ``$HAPD_COLLECTIVE_TIMEOUT`` is unset."""
+POLL_S = 0.1
+"""How often a parked rank asks its daemon for the switch."""
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says a peer went away (not a bug of the script)."""
+    if isinstance(exc, CollectiveError):
+        return True
+    return bool(PEER_FAILURE.search(f"{type(exc).__name__}: {exc}"))
+
+
+def switch_env(order: Mapping[str, Any], local_rank: int, nproc: int) -> dict[str, str]:
+    """The environment of one local rank in the generation a ``switch`` order names:
+    torchrun's variables and the order's ``env``."""
+    rank = int(order["rank_offset"]) + local_rank
+    world = str(order["world_size"])
+    return {
+        **{str(k): str(v) for k, v in dict(order.get("env") or {}).items()},
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": str(order["node_rank"]), "GROUP_WORLD_SIZE": str(order["nnodes"]),
+        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": world,
+        "MASTER_ADDR": str(order["master_addr"]), "MASTER_PORT": str(order["master_port"]),
+        GENERATION_ENV: str(order["generation"]),
+    }
+
+
+def _say(event: str, **fields: Any) -> None:
+    print(json.dumps({"hapd": "elastic", "event": event, **fields}), flush=True)
+
+
+def _park_s() -> float:
+    try:
+        return float(os.environ.get("HAPD_COLLECTIVE_TIMEOUT") or DEFAULT_PARK_S)
+    except ValueError:
+        return DEFAULT_PARK_S
+
+
+def wait_for_switch(generation: int, deadline: float) -> Mapping[str, Any] | None:
+    """Ask this rank's daemon for its job's switch to a generation after ``generation``
+    until ``deadline`` (monotonic); None when none came, the job ended, or the daemon
+    cannot be asked."""
+    address, job = os.environ.get("HAPD_DAEMON"), os.environ.get("HAPD_JOB")
+    if not address or not job:
+        return None
+    try:
+        key = load_key(default_key_path())
+    except HapdError:
+        return None
+    with Client(address, key, 2.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                status = client.job_status(job)
+            except HapdError:
+                return None
+            order = status.get("switch")
+            if isinstance(order, Mapping) and int(order.get("generation", -1)) > generation:
+                return order
+            if status.get("state") in ("exited", "failed", "cancelled"):
+                return None
+            time.sleep(POLL_S)
+    return None
+
+
+def _run_script(script: str, args: list[str]) -> None:
+    sys.argv = [script, *args]
+    folder = str(Path(script).resolve().parent)
+    if not sys.path or sys.path[0] != folder:
+        sys.path.insert(0, folder)
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print("usage: python -m hapd.elastic.in_place SCRIPT [ARGS…]", file=sys.stderr)
+        return 2
+    script, args = argv[0], argv[1:]
+    os.environ[KEEP_EXPORTS_ENV] = "1"  # the script's next run here rebinds its model's exports, no export
+    while True:
+        generation = int(os.environ.get(GENERATION_ENV) or 0)
+        try:
+            _run_script(script, args)
+            return 0
+        except SystemExit as exc:
+            code = exc.code
+            if code is None or isinstance(code, int):
+                return code or 0
+            print(code, file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a peer's failure is parked, anything else re-raised
+            if not os.environ.get(RUN_ENV) or not peer_failure(exc):
+                raise
+            cause = f"{type(exc).__name__}: {str(exc)[:300]}"
+            told = traceback.format_exc()
+        # out of the except block: the failed step's frames (the old model, its optimizer) are freed
+        order = _park(generation, cause)
+        if order is None:
+            print(told, file=sys.stderr, end="")
+            print(f"hapd in place: no switch to a later generation came within {_park_s():g} s: this rank ends",
+                  file=sys.stderr, flush=True)
+            return 1
+        local = int(os.environ.get("LOCAL_RANK") or 0)
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        os.environ.update(switch_env(order, local, nproc))
+        os.environ[STARTED_ENV] = f"{time.time():.6f}"
+
+
+def _park(generation: int, cause: str) -> Mapping[str, Any] | None:
+    """Say this rank is parked, leave the broken process group and wait for the switch."""
+    rank = int(os.environ.get("RANK") or 0)
+    _say("parked", rank=rank, generation=generation, cause=cause, time=time.time())
+    # imported only now (torch is, by the script): the runner imports nothing of torch before the
+    # script, whose own settings (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES, …) come first
+    from hapd.spmd.distributed import leave_group
+
+    start = time.perf_counter()
+    leave_group()
+    gc.collect()
+    _say("left_group", rank=rank, generation=generation, seconds=time.perf_counter() - start, time=time.time())
+    return wait_for_switch(generation, time.monotonic() + _park_s())
+
+
+if __name__ == "__main__":
+    exit_process(main())

@@ -1,0 +1,468 @@
+"""Elastic training, the rank's side: resume where the job left off, keep in-memory
+snapshots on another host, stop at a step boundary when the launcher asks.
+
+    elastic = hapd.Elastic(module, optimizer, sampler=data, state={"scheduler": scheduler})
+    step = elastic.resume()                 # 0 on a fresh start, else the step to go on from
+    while step < total:
+        ... one training step ...
+        step += 1
+        elastic.step_done(step)             # snapshots; stops here when the launcher asks
+
+Under ``./run_all --elastic`` (``python -m launcher run --elastic MIN:MAX``) a lost host
+or a killed rank does not end the job: the launcher drops the hosts that no longer
+answer and runs the script again on the hosts left (a *generation*) — in the same
+processes after a lost host (the ranks park and are switched in place,
+:mod:`hapd.elastic.in_place`), else in new ones. The script runs from its top again: :func:`hapd.parallelize` gets the plan for the new
+device set from the daemon's cache (``$HAPD_HOSTS`` cuts the cluster profile to those
+hosts, :func:`hapd.train.plan_source.job_profile`), and :meth:`Elastic.resume` loads
+the newest complete snapshot, resharded to the new plan and world size by
+:func:`hapd.load_checkpoint`: parameters, optimizer state, the sampler's position (the
+same global batches in the same order, whatever the world size: no sample skipped or
+seen twice), every rank's RNG, the step and ``state``.
+
+**Snapshots.** Every ``every`` steps :meth:`Elastic.step_done` writes this rank's pieces
+(:func:`hapd.state.checkpoint.snapshot_files`: a checkpoint written on each rank's own
+host, in memory where ``/dev/shm`` exists) and a background thread sends them to two
+daemons: this host's and the next host's in the job (``$HAPD_ELASTIC_BUDDY``), which
+keep them in memory (:mod:`hapd.serve.snapshots`). One lost host loses no snapshot:
+its ranks' files are on the next host, the others' on their own. ``every`` is
+``$HAPD_SNAPSHOT_EVERY`` when set; else chosen at each snapshot so that snapshots cost
+at most :data:`SNAPSHOT_BUDGET` of the steps' time (every step when that is cheap
+enough): a snapshot's cost is its write in the foreground and the CPU time its send
+takes in the background, averaged over the snapshots so far. Without snapshots (``every`` < 0) or when none is complete,
+``checkpoint`` (a :func:`hapd.save_checkpoint` folder) is loaded; without it the job
+starts again at step 0, and says so.
+
+**Pauses.** A host joining is taken at a step boundary: the launcher asks rank 0's
+daemon to pause the job (:meth:`hapd.wire.client.Client.job_pause`); rank 0 reads it in
+:meth:`Elastic.step_done`, every rank learns it in the same step (one broadcast), takes
+a snapshot of that step, waits for it to reach the daemons and exits with status 0
+after printing the ``paused`` event; the next generation resumes from that step: no
+step is lost.
+
+What rank 0 prints for the launcher (``{"hapd": "elastic", ...}`` lines): ``resumed``
+(generation, step, where the state came from, seconds to get the plan and to load the
+state, when its process started and what :func:`hapd.parallelize` took), ``first_step``
+(the first step finished in this generation), ``snapshot`` (step, bytes, seconds),
+``paused``. Outside an elastic launch (``$HAPD_ELASTIC_RUN`` unset)
+:class:`Elastic` does nothing and :meth:`~Elastic.resume` returns 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hapd.errors import CheckpointError, HapdError
+from hapd.state.checkpoint import load_checkpoint, snapshot_files
+from hapd.state.checkpoint_format import find_checkpoint
+from hapd.elastic.in_place import GENERATION_ENV, RUN_ENV
+from hapd.wire.client import Client
+from hapd.wire.contract import STARTED_ENV
+from hapd.wire.keys import default_key_path, load_key
+
+DAEMONS_ENV = "HAPD_ELASTIC_DAEMONS"
+"""Comma-separated addresses of the daemons of the job's hosts (this generation)."""
+FORMER_DAEMONS_ENV = "HAPD_ELASTIC_FORMER_DAEMONS"
+"""Comma-separated addresses of the daemons of hosts the job ran on before and no
+longer does (dropped): their copies are looked for too when resuming (a host whose
+link came back holds its buddy's files), each asked at most :data:`LIST_TIMEOUT_S`."""
+BUDDY_ENV = "HAPD_ELASTIC_BUDDY"
+"""The daemon that keeps this host's second copy of its snapshots (the next host's);
+empty on a one-host job."""
+EVERY_ENV = "HAPD_SNAPSHOT_EVERY"
+"""Snapshot every N steps; 0 or unset: chosen from the measured cost; negative: never."""
+PAUSE_CHECK_ENV = "HAPD_PAUSE_CHECK"
+"""Whether rank 0 asks its daemon for a pause request after every step ("1", the
+launcher's default with a host file it watches; "0": never)."""
+
+SNAPSHOT_BUDGET = 0.05
+"""The share of the training steps' time that writing snapshots may take when ``every``
+is chosen automatically."""
+DAEMON_TIMEOUT_S = 30.0
+"""How long a snapshot transfer to or from a daemon may take."""
+LIST_TIMEOUT_S = 3.0
+"""How long a daemon may take to list the snapshots it holds when resuming (one that
+does not answer, its host gone, is passed over)."""
+
+
+def _say(event: str, **fields: Any) -> None:
+    print(json.dumps({"hapd": "elastic", "event": event, **fields}), flush=True)
+
+
+def local_folder() -> Path:
+    """Where snapshots are written and fetched on this host: ``/dev/shm`` (memory)
+    when it is there and writable, else the temporary folder."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+@dataclass
+class _Sender:
+    """Sends each snapshot's files to the daemons in a background thread; the next
+    snapshot waits for the previous one to be sent."""
+
+    run: str
+    addresses: list[str]
+    key: bytes
+    rank: int
+    thread: threading.Thread | None = None
+    errors: list[str] = field(default_factory=list)
+    cpu_s: float = 0.0
+    """CPU seconds the last finished send took in its thread (what it took from the rank)."""
+
+    def send(self, step: int, world: int, files: Mapping[str, bytes]) -> None:
+        self.wait()
+        self.thread = threading.Thread(target=self._send, args=(step, world, dict(files)), daemon=True,
+                                       name="hapd-snapshot-sender")
+        self.thread.start()
+
+    def _send(self, step: int, world: int, files: dict[str, bytes]) -> None:
+        start = time.thread_time()
+        for address in self.addresses:
+            try:
+                with Client(address, self.key, DAEMON_TIMEOUT_S) as client:
+                    client.snapshot_put(self.run, step, self.rank, world, files)
+            except HapdError as exc:  # that copy is missing; the other may do
+                self.errors.append(f"{address}: {type(exc).__name__}: {exc}")
+        self.cpu_s = time.thread_time() - start
+
+    def drop(self, runs: list[str], addresses: list[str]) -> None:
+        """Free ``runs``' snapshots on ``addresses`` in the background (after the previous send)."""
+        self.wait()
+
+        def drop() -> None:
+            for address in addresses:
+                try:
+                    with Client(address, self.key, DAEMON_TIMEOUT_S) as client:
+                        for run in runs:
+                            client.snapshot_drop(run)
+                except HapdError as exc:
+                    self.errors.append(f"{address}: {type(exc).__name__}: {exc}")
+
+        self.thread = threading.Thread(target=drop, daemon=True, name="hapd-snapshot-drop")
+        self.thread.start()
+
+    def wait(self) -> float:
+        """Seconds spent waiting for the previous send."""
+        start = time.perf_counter()
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        return time.perf_counter() - start
+
+
+class Elastic:
+    """One training job's elastic state on this rank (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, sampler: Any = None,
+                 state: Mapping[str, Any] | None = None, checkpoint: str | Path | None = None,
+                 every: int | None = None, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self.module, self.optimizer, self.sampler = module, optimizer, sampler
+        self.state = dict(state or {})
+        for name, obj in self.state.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise HapdError(f"state[{name!r}] has no state_dict()/load_state_dict(): Elastic cannot keep it")
+        self.checkpoint = Path(checkpoint) if checkpoint is not None else None
+        self.run = env.get(RUN_ENV) or None
+        self.generation = int(env.get(GENERATION_ENV) or 0)
+        self.daemons = [a for a in (env.get(DAEMONS_ENV) or "").split(",") if a]
+        self.former_daemons = [a for a in (env.get(FORMER_DAEMONS_ENV) or "").split(",")
+                               if a and a not in self.daemons]
+        own = env.get("HAPD_DAEMON") or ""
+        buddy = env.get(BUDDY_ENV) or ""
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.local_rank = int(env.get("LOCAL_RANK") or 0)
+        self.host = env.get("HAPD_HOST") or env.get("GROUP_RANK") or "0"
+        every_env = env.get(EVERY_ENV)
+        self.every = every if every is not None else (int(every_env) if every_env else 0)
+        self._auto = self.every == 0
+        """The interval is chosen (and chosen again at each snapshot) from what snapshots cost."""
+        self._cost: float | None = None
+        """Seconds a snapshot takes from the rank: its foreground write and its send's CPU time (EMA)."""
+        self.pause_check = (env.get(PAUSE_CHECK_ENV) or "0") == "1"
+        self.started_at = _float_or_none(env.get(STARTED_ENV))
+        self.job = env.get("HAPD_JOB") or ""
+        self._sender: _Sender | None = None
+        self._step_time: float | None = None
+        self._last_step_end: float | None = None
+        self._first_step_said = False
+        self._snapshots = 0
+        self._own = own
+        if self.active:
+            targets = [a for a in dict.fromkeys([own, buddy]) if a]
+            self._sender = _Sender(self.snapshot_run(self.generation), targets, _key_bytes(), self.rank)
+
+    def snapshot_run(self, generation: int) -> str:
+        """The daemons' key of one generation's snapshots (its job id): a generation's
+        files never mix with another's of the same step."""
+        return f"{self.run}-g{generation}"
+
+    @property
+    def active(self) -> bool:
+        """Whether this is an elastic launch (``$HAPD_ELASTIC_RUN`` set)."""
+        return self.run is not None
+
+    # ------------------------------------------------------------------ resume
+
+    def resume(self) -> int:
+        """The step to train from: 0 on a first launch (or outside an elastic launch);
+        after a re-launch the newest complete snapshot's (every rank loads it, resharded),
+        else ``checkpoint``'s, else 0. Collective."""
+        if not self.active or self.generation == 0:
+            self._last_step_end = time.perf_counter()
+            return 0
+        start = time.perf_counter()
+        choice = self._broadcast(self._newest_snapshot() if self.rank == 0 else None)
+        source, step = "none", 0
+        if choice is not None:
+            step = self._load_snapshot(choice)
+            source = f"snapshot of step {step} (world {choice['world']})"
+        elif self.checkpoint is not None and _has_checkpoint(self.checkpoint):
+            step = self._load(self.checkpoint)
+            source = f"checkpoint {self.checkpoint} (step {step})"
+        load_s = time.perf_counter() - start
+        if self.rank == 0:
+            plan_source = getattr(self.module, "plan_source", None)
+            built = getattr(self.module, "build_times", None)
+            _say("resumed", generation=self.generation, step=step, source=source, load_s=load_s, world=self.world,
+                 plan_s=getattr(plan_source, "seconds", None), plan=getattr(plan_source, "origin", None),
+                 started_at=self.started_at, build=dataclasses.asdict(built) if built is not None else None,
+                 time=time.time())
+            if choice is None:
+                print(f"hapd elastic: no complete snapshot{' or checkpoint' if self.checkpoint else ''} to resume "
+                      "from: training starts again at step 0", flush=True)
+        self._last_step_end = time.perf_counter()
+        return step
+
+    def _newest_snapshot(self) -> dict[str, Any] | None:
+        """Rank 0: the newest step every one of whose ranks' files some daemon holds, of
+        the latest earlier generation that has one complete. This generation's daemons
+        are asked at once, then, when they hold none complete, the former hosts' too;
+        each for at most :data:`LIST_TIMEOUT_S` (one that does not answer, a host that
+        was killed, is passed over)."""
+        runs = [self.snapshot_run(g) for g in range(self.generation - 1, -1, -1)]
+
+        def listed(address: str) -> dict[str, list[dict[str, Any]]]:
+            found: dict[str, list[dict[str, Any]]] = {}
+            try:
+                with Client(address, _key_bytes(), LIST_TIMEOUT_S) as client:
+                    for run in runs:
+                        found[run] = client.snapshot_list(run)
+            except HapdError:
+                pass  # gone, or its link is down: the others may hold the files
+            return found
+
+        answers: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        for group in (self.daemons, self.former_daemons):  # the former hosts' only when this generation's lack one
+            if not group:
+                continue
+            with ThreadPoolExecutor(max_workers=min(16, len(group))) as pool:
+                answers.update(zip(group, pool.map(listed, group)))
+            found = _complete(runs, answers)
+            if found is not None:
+                return found
+        return None
+
+    def _load_snapshot(self, choice: Mapping[str, Any]) -> int:
+        folder = local_folder() / f"hapd-restore-{self.run}-g{self.generation}-{_safe(self.host)}"
+        error = None
+        if self.local_rank == 0:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                clients: dict[str, Client] = {}
+                try:
+                    for rank, address in sorted(choice["holders"].items(), key=lambda kv: int(kv[0])):
+                        client = clients.get(address) or clients.setdefault(address, Client(address, _key_bytes(),
+                                                                                            DAEMON_TIMEOUT_S))
+                        for name, data in client.snapshot_get(choice["run"], int(choice["step"]), int(rank)).items():
+                            (folder / name).write_bytes(data)
+                finally:
+                    for client in clients.values():
+                        client.close()
+            except (HapdError, OSError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        errors = self._gather(error)
+        if any(errors):
+            raise CheckpointError(f"fetching the snapshot of step {choice['step']} failed: "
+                                  + "; ".join(e for e in errors if e))
+        try:
+            return self._load(folder)
+        finally:
+            self._barrier()
+            if self.local_rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def _load(self, folder: Path) -> int:
+        got = load_checkpoint(folder, self.module, self.optimizer, sampler=self.sampler)
+        saved = got["extra"].get("elastic_state", {})
+        for name, obj in self.state.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+        return int(got["step"])
+
+    # ------------------------------------------------------------------ steps
+
+    def step_done(self, step: int) -> None:
+        """After each optimizer step (``step`` counts the steps done): a snapshot when it
+        is due; stops the process (status 0, after a snapshot of this step) when the
+        launcher asked the job to pause. Collective."""
+        if not self.active:
+            return
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            took = now - self._last_step_end
+            self._step_time = took if self._step_time is None else 0.9 * self._step_time + 0.1 * took
+        if self.rank == 0:
+            if not self._first_step_said:
+                _say("first_step", generation=self.generation, step=step, time=time.time())
+            else:
+                _say("step", step=step)
+        self._first_step_said = True
+        pause = self._pause_requested()
+        if pause or (self.every >= 0 and (self.every == 0 or step % self.every == 0)):
+            self.snapshot(step)
+        if pause:
+            assert self._sender is not None
+            self._sender.wait()
+            if self.rank == 0:
+                _say("paused", generation=self.generation, step=step, time=time.time())
+            raise SystemExit(0)
+        self._last_step_end = time.perf_counter()
+
+    def snapshot(self, step: int) -> float:
+        """Write this rank's snapshot of ``step`` and send it to the daemons in the
+        background; the seconds it took in the foreground. Collective."""
+        assert self._sender is not None
+        start = time.perf_counter()
+        waited = self._sender.wait()
+        folder = local_folder() / f"hapd-snapshot-{self.run}-g{self.generation}-r{self.rank}"
+        extra = {"elastic_state": {name: obj.state_dict() for name, obj in self.state.items()}}
+        try:
+            files = snapshot_files(folder, self.module, self.optimizer, sampler=self.sampler, step=step, extra=extra)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._snapshots += 1
+        if self._snapshots == 2 and self.rank == 0 and self.generation > 0:
+            # every rank waited for its first snapshot's send before this one's collective write: this
+            # generation has a complete snapshot, and the older generations' are no longer needed
+            self._sender.drop([self.snapshot_run(g) for g in range(self.generation)], self.daemons)
+        sent_cpu = self._sender.cpu_s if self._snapshots > 1 else 0.0  # the previous send's, waited for above
+        self._sender.send(step, self.world, files)
+        took = time.perf_counter() - start
+        if self._auto:
+            self._choose_interval(took + sent_cpu)
+        if self.rank == 0:
+            _say("snapshot", step=step, bytes=sum(len(b) for b in files.values()), seconds=took, waited_s=waited,
+                 every=self.every, errors=self._sender.errors[-3:])
+        return took
+
+    def _choose_interval(self, cost: float) -> None:
+        """The interval at which snapshots cost :data:`SNAPSHOT_BUDGET` of the steps' time,
+        from this snapshot's ``cost`` (its time in the foreground, a wait for the previous
+        send included, and that send's CPU time, taken from the steps it ran beside:
+        counting their overlap twice errs on the side of fewer snapshots), averaged over
+        the snapshots so far; chosen again
+        at every snapshot, the same on every rank (the largest any rank wants)."""
+        self._cost = cost if self._cost is None else 0.7 * self._cost + 0.3 * cost
+        wanted = max(1, math.ceil(self._cost / (SNAPSHOT_BUDGET * self._step_time))) if self._step_time else 0
+        self.every = max(self._gather(wanted))
+
+    def _pause_requested(self) -> bool:
+        wanted = False
+        if self.pause_check and self.rank == 0 and self._own and self.job:
+            try:
+                with Client(self._own, _key_bytes(), 2.0) as client:
+                    wanted = client.job_paused(self.job)
+            except HapdError:
+                wanted = False
+        if self.pause_check:
+            return bool(self._broadcast(wanted))
+        return False
+
+    def close(self) -> None:
+        """Wait for the last snapshot to reach the daemons."""
+        if self._sender is not None:
+            self._sender.wait()
+
+    # ------------------------------------------------------------------ collectives
+
+    def _distributed(self) -> bool:
+        return self.world > 1 and dist.is_available() and dist.is_initialized()
+
+    def _broadcast(self, value: Any) -> Any:
+        if not self._distributed():
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _gather(self, value: Any) -> list[Any]:
+        if not self._distributed():
+            return [value]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
+    def _barrier(self) -> None:
+        if self._distributed():
+            dist.barrier()
+
+
+def _complete(runs: list[str], answers: Mapping[str, Mapping[str, list[dict[str, Any]]]]) -> dict[str, Any] | None:
+    """The newest step of the first of ``runs`` that the daemons' ``answers`` (address →
+    run → entries, in the order asked) hold every rank of; None when none is whole."""
+    for run in runs:
+        holders: dict[tuple[int, int], dict[int, str]] = {}
+        for address, listed in answers.items():  # the first daemon asked that holds a rank's files gives them
+            for entry in listed.get(run, []):
+                holders.setdefault((int(entry["step"]), int(entry["world"])), {}).setdefault(int(entry["rank"]), address)
+        for (step, world), ranks in sorted(holders.items(), reverse=True):
+            if set(ranks) == set(range(world)):
+                return {"run": run, "step": step, "world": world, "holders": {str(r): a for r, a in ranks.items()}}
+    return None
+
+
+def _key_bytes() -> bytes:
+    """The daemons' key (``$HAPD_KEY_FILE``, which the daemon sets for its ranks)."""
+    return load_key(default_key_path())
+
+
+def _float_or_none(text: str | None) -> float | None:
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:64]
+
+
+def _has_checkpoint(path: Path) -> bool:
+    try:
+        find_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+__all__ = ["Elastic", "local_folder"]

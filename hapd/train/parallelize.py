@@ -1,0 +1,268 @@
+"""The public training API: :func:`parallelize` a model, train it with any optimizer.
+
+    import hapd, torch
+    module = hapd.parallelize(model, example_batch)        # collective: every rank calls it
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    for batch in hapd.loader(dataset, module):             # this rank's samples only
+        optimizer.zero_grad(set_to_none=True)
+        module(*batch).backward()                          # this rank's part of the loss
+        module.clip_grad_norm_(1.0)
+        optimizer.step()
+    torch.save(module.full_state_dict(), "model.pt")       # the single-device names and shapes
+
+The model's ``forward`` returns the scalar loss of a batch (the labels among its inputs),
+as for :func:`hapd.export`. :func:`parallelize` exports it for ``example_inputs`` (the
+global batch of a training step), gets a plan
+(:func:`~hapd.train.plan_source.obtain_plan`: a given plan, the daemon at
+``$HAPD_DAEMON``, or a compile on rank 0; every other rank receives its bytes), reads
+this rank's pieces from where :func:`~hapd.state.weights.weight_source` says, and
+returns this rank's :class:`~hapd.train.parallel_module.ParallelModule`. With one
+process and no process group it runs the plan for one device. ``eval()`` and batches
+of other sizes: see :mod:`hapd.train.parallel_module`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hapd.compiler.options import CompileOptions
+from hapd.ir.lower import GraphIR
+from hapd.compiler.plan import Plan
+from hapd.errors import OptionsError
+from hapd.profile.schema import Profile
+from hapd.spmd.distributed import init_distributed, job_host_groups
+from hapd.train.parallel_module import ParallelModule
+from hapd.train.pipeline_module import PipelineModule, build_pipeline_module
+from hapd.train.plan_source import PlanSource, compile_options, given_plan, job_profile, obtain_plan
+from hapd.train.programs import CARRY, Recipe, export_key, op_nodes
+from hapd.spmd.rank import RankModule
+from hapd.spmd.rewrite import distribute
+from hapd.state.weights import Weights, WeightSource, rank_piece, weight_source
+
+
+def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
+                profile: Profile | str | Path | Mapping | None = None, plan: Plan | str | Path | bytes | None = None,
+                options: CompileOptions | Mapping[str, Any] | None = None, batch_dims: Sequence[int | None] | None = None,
+                name: str | None = None, device: torch.device | str | None = None, group: Any = None,
+                hosts: Any = "auto", use_daemon: bool = True, verbose: bool = True,
+                weights: Weights | None = None, overlap: str = "auto",
+                compile: bool | Mapping[str, Any] = False) -> ParallelModule | PipelineModule:  # noqa: A002 - torch's word
+    """This rank's :class:`ParallelModule` of ``model``, trained on batches shaped like
+    ``example_inputs`` (the *global* batch, the same on every rank). Collective.
+
+    Exports ``model`` (``batch_dims``: each input's batch dim, default 0), gets the plan
+    (:func:`obtain_plan`: ``plan``, or the daemon's or rank 0's for ``profile`` and
+    ``options``; without a profile, the job's devices as each rank describes its own,
+    :mod:`hapd.profiler.local`) and distributes it (:func:`hapd.distribute`). Every rank must build
+    ``model`` with the same parameters (the same seed, or a loaded state dict): each
+    keeps only its pieces. ``device``: where this rank's pieces live (default: the
+    current CUDA device with NCCL, else where the model's parameters are). ``hosts``:
+    ``"auto"`` sums replicated gradients in two levels across hosts when the ranks of
+    several hosts share it (torchrun's ``GROUP_RANK``); None: one flat all-reduce.
+    With ``verbose``, rank 0 prints one line: the technique, the per-rank batch or
+    ratios, the predicted time per step against DP-CP, where the plan came from and how
+    long it took (:meth:`~hapd.train.plan_source.PlanSource.summary`).
+
+    Joins the job torchrun started when ``WORLD_SIZE`` is set and no process group
+    exists; one process without either runs the plan for one device.
+
+    ``weights``: where this rank reads its pieces of the parameters and buffers
+    instead of ``model`` (:mod:`hapd.state.weights`: :func:`hapd.module_init`, a
+    safetensors file, a checkpoint), one tensor at a time; needed when ``model`` is on
+    the meta device (too large for one host: only its shapes are exported), whose real
+    tensors (buffers built under :func:`hapd.init_on_meta`) fill in what the source lacks.
+
+    ``compile``: run each of this rank's programs under ``torch.compile`` (True: its
+    defaults; a mapping: its keyword arguments, e.g. ``{"backend": "aot_eager"}``). The
+    collectives run between the compiled graphs (graph breaks); the values are the
+    uncompiled program's up to the compiler's rounding.
+
+    ``overlap`` (with ``options.overlap``, the overlap-aware search): ``"auto"`` compiles
+    the program for the whole batch and one duplica's program (half the batch) priced as
+    two interleaved duplicas (:mod:`hapd.spmd.duplicas`), and runs the cheaper;
+    ``"always"`` runs the duplicas whatever the estimates say (to measure them).
+    """
+    if not isinstance(model, nn.Module):
+        raise OptionsError(f"parallelize takes a torch.nn.Module whose forward returns the loss, not a "
+                           f"{type(model).__name__}", field="model")
+    started = time.time()
+    _join_job_if_launched()
+    joined_s = time.time() - started
+    if overlap not in ("auto", "always"):
+        raise OptionsError(f"overlap {overlap!r} is not auto or always", field="overlap")
+    weights = weight_source(weights, model)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    example_inputs = tuple(example_inputs)
+    if batch_dims is None:
+        batch_dims = [0 if t.dim() > 0 else None for t in example_inputs]
+    device = _default_device(model, device)
+    if profile is None and plan is None:
+        profile = job_profile(None, world, device=device, group=group)  # the devices as they are
+    recipe = Recipe(model=model, example_inputs=example_inputs, batch_dims=tuple(batch_dims),
+                    name=name or type(model).__name__, profile=profile, use_daemon=use_daemon, verbose=verbose,
+                    device=device, weights=weights, compile=_compile_options(compile))
+    carried = export_key(model, example_inputs, recipe.batch_dims, recipe.name, device) if CARRY.enabled else None
+    if carried is not None:  # a run of the script again in this process (an in-place switch): no export
+        recipe.exported.update(CARRY.take(carried, model))
+    options = _default_options(options, profile, world)
+    program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
+                                            always=overlap == "always")
+    if verbose and rank == 0:
+        print(source.summary(), flush=True)
+    if pipeline_won(source.plan):
+        built: ParallelModule | PipelineModule = build_pipeline_module(
+            recipe, source, job_profile(profile, world), compile_options(options), weights=weights)
+    else:
+        host_groups = job_host_groups(world, group) if hosts == "auto" else hosts
+        inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
+                           check_graph=False, hosts=host_groups, weights=weights, batch_dims=recipe.batch_dims)
+        extra = _state_outside_plan(model, inner, weights)
+        recipe = dataclasses.replace(recipe, training_ops=op_nodes(graph))
+        built = ParallelModule(inner, source, group=group, aliases=_aliases(model, inner), extra=extra, recipe=recipe)
+    built.build_times = BuildTimes(started=started, join_s=joined_s, total_s=time.time() - started)
+    if carried is not None:
+        CARRY.keep(carried, recipe.exported)
+    return built
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildTimes:
+    """When :func:`parallelize` ran on this rank and what it took: joining the process
+    group (which waits for the job's other ranks to start), and the whole call (the
+    join, the export, the plan and this rank's program). :class:`hapd.Elastic` reports
+    them, so that a restart's time splits into the processes' start, the script before
+    :func:`parallelize` (imports, the model) and :func:`parallelize` itself."""
+
+    started: float
+    """``time.time()`` when :func:`parallelize` was called."""
+    join_s: float
+    total_s: float
+
+
+def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
+                   options: CompileOptions | Mapping[str, Any] | None, *, world: int, rank: int,
+                   group: Any, always: bool = False) -> tuple[Any, GraphIR, PlanSource]:
+    """The training program, its graph and plan. With ``options.overlap`` or
+    ``options.pipeline`` auto (and no given plan) the model is exported once with a
+    symbolic batch and one compile searches every technique in the options
+    (:meth:`Recipe.graphs`, :func:`hapd.compiler.driver.compile_techniques`): the
+    program returned is the global batch's, or the half batch's when overlap won
+    (``Plan.technique``), and the plan source's origin says what each technique was
+    estimated at (``always``: the duplicas' whatever the estimates). A given plan for one duplica's
+    graph (``overlap`` in it) runs on the program exported for half the batch."""
+    opts = compile_options(options)
+    if plan is not None:
+        given = given_plan(plan)[0]
+        shapes = recipe.half_shapes() if given.overlap else recipe.example_shapes
+        program, graph = recipe.export(True, shapes)
+        return program, graph, obtain_plan(graph, world=world, rank=rank, profile=recipe.profile, options=options,
+                                           plan=plan, group=group, use_daemon=recipe.use_daemon)
+    if not opts.overlap and opts.pipeline != "auto":
+        program, graph = recipe.export(True, recipe.example_shapes)
+        return program, graph, obtain_plan(graph, world=world, rank=rank, profile=recipe.profile, options=options,
+                                           group=group, use_daemon=recipe.use_daemon)
+    if not always:  # every technique in options from one export (hapd.compiler.techniques)
+        graphs = recipe.graphs(opts)
+        source = obtain_plan(graphs, world=world, rank=rank, profile=recipe.profile, options=opts, group=group,
+                             use_daemon=recipe.use_daemon)
+        overlap = source.plan.technique == "overlap"
+        program, graph = recipe.export_at(True, recipe.batch // 2 if overlap else recipe.batch)
+        return program, graph, source  # its summary line says what each technique was predicted at
+    half_program, half_graph = recipe.export(True, recipe.half_shapes())
+    both = obtain_plan(half_graph, world=world, rank=rank, profile=recipe.profile, options=opts, group=group,
+                       use_daemon=recipe.use_daemon)
+    if always:
+        return half_program, half_graph, both
+    program, graph = recipe.export(True, recipe.example_shapes)
+    plain = obtain_plan(graph, world=world, rank=rank, profile=recipe.profile,
+                        options=dataclasses.replace(opts, overlap=False), group=group, use_daemon=recipe.use_daemon)
+    plain_s, both_s = plain.plan.estimate["per_iteration"], both.plan.estimate["per_iteration"]
+    if both_s < plain_s:
+        chosen = dataclasses.replace(both, seconds=both.seconds + plain.seconds,
+                                     origin=f"{both.origin}; overlapped {both_s * 1e3:.2f} ms beats "
+                                            f"{plain_s * 1e3:.2f} ms without overlap")
+        return half_program, half_graph, chosen
+    chosen = dataclasses.replace(plain, seconds=both.seconds + plain.seconds,
+                                 origin=f"{plain.origin}; without overlap {plain_s * 1e3:.2f} ms, "
+                                        f"overlapped {both_s * 1e3:.2f} ms")
+    return program, graph, chosen
+
+
+def _default_options(options: CompileOptions | Mapping[str, Any] | None, profile: Any,
+                     world: int) -> CompileOptions | Mapping[str, Any] | None:
+    """The options to search with: the user's, else every technique — SPMD, pipelines
+    and overlap — when the profile spans several hosts (a pipeline puts its stages on
+    hosts, overlap hides collectives behind compute: over a slow link between hosts
+    either can beat every SPMD plan)."""
+    if options is not None or profile is None or world < 2:
+        return options
+    hosts = job_profile(profile, world).hosts
+    return {"pipeline": "auto", "overlap": True} if len(set(hosts)) > 1 else None
+
+
+def pipeline_won(plan: Plan) -> bool:
+    """Whether ``plan`` runs its pipeline instead of its SPMD program."""
+    found = plan.pipeline
+    return bool(found and found.get("chosen"))
+
+
+def _compile_options(compile: bool | Mapping[str, Any]) -> Mapping[str, Any] | None:  # noqa: A002
+    """``parallelize``'s ``compile`` as ``torch.compile`` keyword arguments (None: off)."""
+    if isinstance(compile, bool):
+        return {} if compile else None
+    if isinstance(compile, Mapping):
+        return dict(compile)
+    raise OptionsError(f"compile {compile!r} is not a bool or a mapping of torch.compile arguments", field="compile")
+
+
+def _join_job_if_launched() -> None:
+    """Join torchrun's job (``WORLD_SIZE`` > 1) when no process group exists yet."""
+    if dist.is_initialized():
+        return
+    world = os.environ.get("WORLD_SIZE")
+    if world and world.isdigit() and int(world) > 1:
+        init_distributed()
+
+
+def _default_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    for tensor in model.parameters():
+        return tensor.device if not tensor.is_meta else torch.device("cpu")
+    return torch.device("cpu")
+
+
+def _aliases(model: nn.Module, inner: RankModule) -> dict[str, str]:
+    """state-dict key -> the key the rank module holds it under, for keys naming the
+    same tensor as another (tied weights: GPT-2's ``lm_head.weight``)."""
+    held = set(inner.hapd_params) | set(inner.hapd_buffers) | set(inner.hapd_updated)
+    by_tensor: dict[int, str] = {}
+    state = model.state_dict(keep_vars=True)
+    for key, tensor in state.items():
+        if key in held:
+            by_tensor.setdefault(id(tensor), key)
+    return {key: by_tensor[id(t)] for key, t in state.items() if key not in held and id(t) in by_tensor}
+
+
+def _state_outside_plan(model: nn.Module, inner: RankModule, weights: WeightSource | None = None) -> dict[str, Tensor]:
+    """Copies of the state-dict entries no step of the plan reads (parameters the loss
+    does not use): training cannot change them, and the full state dict keeps them
+    (read whole from ``weights`` when there is one)."""
+    held = set(inner.hapd_params) | set(inner.hapd_buffers) | set(inner.hapd_updated)
+    aliases = _aliases(model, inner)
+    return {k: t.detach().clone() if weights is None else rank_piece(weights, [k], t.detach(), None)
+            for k, t in model.state_dict(keep_vars=True).items() if k not in held and k not in aliases}
+
+
+__all__ = ["parallelize"]

@@ -1,0 +1,350 @@
+"""A model's other programs: its eval forward and batches of other sizes.
+
+A :class:`~hapd.train.parallel_module.ParallelModule` runs another program than its
+training one in ``eval()`` mode or for a global batch of other shapes. :class:`Recipe`
+keeps what :func:`~hapd.train.parallelize.parallelize` was given, to export the model
+again for that mode and batch (:meth:`Recipe.export`); :func:`aligned_force` keeps the
+training plan's choices for every op the two graphs share (:func:`op_nodes`), so the
+other program's plan holds every parameter as the training plan does.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.export import ExportedProgram
+
+from hapd.ir.export import export, user_input_names
+from hapd.ir.lower import GraphIR, lower
+from hapd.ir.op_facts import EVAL_RULE, SAME_OP_IN_EVAL
+from hapd.compiler.options import CompileOptions
+from hapd.ir.lower import lower_at
+from hapd.ir.shapes import batch_info, is_symbolic, program_at
+from hapd.compiler.techniques import GraphSet, graph_set
+from hapd.errors import PlanError
+from hapd.profile.schema import Profile
+from hapd.elastic.in_place import KEEP_EXPORTS_ENV
+from hapd.state.weights import WeightSource
+
+_log = logging.getLogger(__name__)
+
+Shapes = tuple[tuple[int, ...], ...]
+"""The shapes of a global batch's inputs, in forward order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """What :func:`~hapd.train.parallelize.parallelize` was given, kept to export and
+    distribute the model again for another program (its eval forward, another batch
+    size). The model is kept by reference: its parameters' values are never read again
+    (a program runs on the training program's pieces), only its structure and
+    forward."""
+
+    model: nn.Module
+    example_inputs: tuple[Tensor, ...]
+    batch_dims: tuple[int | None, ...]
+    name: str
+    profile: Profile | str | Path | Mapping | None
+    use_daemon: bool
+    verbose: bool
+    device: torch.device
+    training_ops: tuple[tuple[str, str], ...] = ()
+    """(node name, op) of the training graph's op nodes, in graph order."""
+    weights: WeightSource | None = None
+    """Where the buffers another program reads come from (a model on the meta device)."""
+    compile: Mapping[str, Any] | None = None
+    """``torch.compile`` keyword arguments every program of the module runs under; None:
+    the programs run as fx modules."""
+    exported: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What was exported, kept: training mode → the program exported with a symbolic
+    batch (:meth:`symbolic`), and (mode, shapes) → a program and its graph."""
+
+    @property
+    def batch(self) -> int:
+        """The example batch (the global batch of a training step; 0 without a batch dim)."""
+        for shape, d in zip(self.example_shapes, self.batch_dims):
+            if d is not None:
+                return int(shape[d])
+        return 0
+
+    def shapes_at(self, batch: int) -> Shapes:
+        """The example batch's shapes with ``batch`` samples."""
+        return tuple(shape if d is None else (*shape[:d], batch, *shape[d + 1:])
+                     for shape, d in zip(self.example_shapes, self.batch_dims))
+
+    def symbolic(self, training: bool = True, shapes: Shapes | None = None) -> Any:
+        """The model exported once in that mode with a symbolic batch
+        (:mod:`hapd.ir.shapes`): every batch's program is cut from it. A model that
+        cannot be exported so comes back static (:func:`~hapd.ir.shapes.batch_info`
+        says why). ``shapes``: exported at these input shapes (their other dims: one
+        symbolic program per sequence length, say); default: the example batch's."""
+        shapes = self.example_shapes if shapes is None else tuple(tuple(s) for s in shapes)
+        rest = self._rest(shapes)
+        key = ("symbolic", training) if rest == self._rest(self.example_shapes) else ("symbolic", training, rest)
+        if key not in self.exported:
+            inputs = self.example_inputs if len(key) == 2 else self.inputs_of(shapes)
+            was = self.model.training
+            try:
+                with torch.enable_grad():
+                    self.exported[key] = export(self.model, inputs, batch_dims=self.batch_dims,
+                                                training=training, symbolic_batch=True)
+            finally:
+                self.model.train(was)
+        return self.exported[key]
+
+    def _rest(self, shapes: Shapes) -> tuple:
+        """``shapes`` with each batch dim's size left out: what one symbolic program serves."""
+        return tuple(tuple(n if k != d else None for k, n in enumerate(shape))
+                     for shape, d in zip(shapes, self.batch_dims))
+
+    def export_at(self, training: bool, batch: int, shapes: Shapes | None = None) -> tuple[Any, GraphIR]:
+        """The program and graph of a global batch of ``batch`` samples (of ``shapes``'
+        other dims; default: the example batch's), cut from one symbolic program
+        (:meth:`symbolic`); the model exported again at that batch when that program is
+        static."""
+        base = self.example_shapes if shapes is None else tuple(tuple(s) for s in shapes)
+        rest = self._rest(base)
+        key = ("at", training, batch) if rest == self._rest(self.example_shapes) else ("at", training, batch, rest)
+        if key not in self.exported:
+            program = self.symbolic(training, base)
+            if is_symbolic(program) or batch == _batch_of(base, self.batch_dims):
+                names = dict(zip(user_input_names(program), self.batch_dims))
+                self.exported[key] = (program_at(program, batch),
+                                      lower_at(program, batch, name=self.name, batch_dims=names))
+            else:
+                self.exported[key] = self.export(training, _with_batch(base, self.batch_dims, batch))
+        return self.exported[key]
+
+    def export_for(self, training: bool, shapes: Shapes) -> tuple[Any, GraphIR]:
+        """The program and graph of a global batch of ``shapes``: cut from the symbolic
+        program of their other dims (:meth:`export_at`), so batches that differ only in
+        their batch dim share one export; exported whole when no input has a batch dim."""
+        shapes = tuple(tuple(s) for s in shapes)
+        batch = _batch_of(shapes, self.batch_dims)
+        if batch is None:
+            return self.export(training, shapes)
+        return self.export_at(training, batch, shapes)
+
+    def graphs(self, options: CompileOptions) -> GraphSet:
+        """The graphs a compile with ``options`` prices (the global batch's, the
+        micro-batches' of pipelines, the half batch's of overlap), from the one symbolic
+        program; with a static one, from the model exported again at each batch (said
+        in the log)."""
+        program = self.symbolic(True)
+        if not is_symbolic(program):
+            info = batch_info(program)
+            _log.info("%s: the model exports only at a static batch (%s): exporting it again at each batch priced",
+                      self.name, info.reason if info is not None else "?")
+        full = self.export_at(True, self.batch)[1]
+        return graph_set(lambda b: self.export_at(True, b)[1], full, options)
+
+    @property
+    def example_shapes(self) -> Shapes:
+        return tuple(tuple(t.shape) for t in self.example_inputs)
+
+    def half_shapes(self) -> Shapes:
+        """The example batch's shapes with half its samples (one duplica of an
+        overlapped run); :class:`PlanError` for an odd batch."""
+        out = []
+        for shape, d in zip(self.example_shapes, self.batch_dims):
+            if d is None:
+                out.append(shape)
+                continue
+            if shape[d] % 2:
+                raise PlanError(f"overlapped execution cuts the batch in two halves; batch {shape[d]} is odd")
+            out.append((*shape[:d], shape[d] // 2, *shape[d + 1:]))
+        return tuple(out)
+
+    def inputs_of(self, shapes: Shapes) -> tuple[Tensor, ...]:
+        """Example inputs of these shapes: the example batch's cut or repeated along the
+        batch dim where only that dim differs (real values: token ids stay ids), else
+        zeros."""
+        if len(shapes) != len(self.example_inputs):
+            raise PlanError(f"{len(shapes)} inputs, the model takes {len(self.example_inputs)}")
+        return tuple(_resized(t, list(shape), d) for t, shape, d in zip(self.example_inputs, shapes, self.batch_dims))
+
+    def export(self, training: bool, shapes: Shapes) -> tuple[Any, GraphIR]:
+        """The model exported in that mode for a global batch of ``shapes``, and its
+        lowered graph (the model's own mode is left as it was); kept."""
+        key = ("export", training, tuple(tuple(s) for s in shapes))
+        if key not in self.exported:
+            self.exported[key] = self._export(training, shapes)
+        return self.exported[key]
+
+    def _export(self, training: bool, shapes: Shapes) -> tuple[Any, GraphIR]:
+        was = self.model.training
+        try:
+            with torch.enable_grad():  # as for training, also when asked inside torch.no_grad()
+                program = export(self.model, self.inputs_of(shapes), batch_dims=self.batch_dims, training=training)
+                graph = lower(program, name=self.name,
+                              batch_dims=dict(zip(user_input_names(program), self.batch_dims)))
+        finally:
+            self.model.train(was)
+        return program, graph
+
+
+# --------------------------------------------------------------------------------------
+# Exports carried across a run of the script again in the same process
+# --------------------------------------------------------------------------------------
+
+
+def export_key(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims: Sequence[int | None],
+               name: str, device: torch.device) -> tuple:
+    """What a model's export depends on, but its tensors' values: its class, its
+    structure as printed (sizes, options), every state entry's name, shape, dtype and
+    whether it trains, the example inputs' shapes and dtypes, the batch dims, its mode,
+    the name and the device. Two models with one key export to one program."""
+    state = tuple((k, tuple(v.shape), str(v.dtype), bool(v.requires_grad))
+                  for k, v in model.state_dict(keep_vars=True).items())
+    inputs = tuple((tuple(t.shape), str(t.dtype)) for t in example_inputs)
+    return (type(model).__module__, type(model).__qualname__, repr(model), state, inputs, tuple(batch_dims),
+            model.training, name, str(device))
+
+
+def rebind(program: ExportedProgram, model: nn.Module) -> ExportedProgram:
+    """``program`` (exported from another model of the same :func:`export_key`) over
+    ``model``'s parameters and buffers: the program a fresh export of ``model`` gives,
+    without exporting. Raises :class:`~hapd.errors.PlanError` when ``model`` lacks one of
+    the program's state entries."""
+    state = model.state_dict(keep_vars=True)
+    buffers = dict(model.named_buffers())  # the non-persistent ones too (a program's constants)
+    missing = [k for k in program.state_dict if k not in state]
+    if missing:
+        raise PlanError(f"cannot rebind an exported program: the model has no {missing[:3]}")
+    constants = {k: buffers.get(k, v) for k, v in program.constants.items()}
+    out = ExportedProgram(
+        root=program.graph_module, graph=program.graph, graph_signature=program.graph_signature,
+        state_dict={k: state[k] for k in program.state_dict}, range_constraints=program.range_constraints,
+        module_call_graph=program.module_call_graph, example_inputs=program.example_inputs, constants=constants,
+        verifiers=program.verifiers,
+    )
+    out.graph_module.meta.update(program.graph_module.meta)
+    return out
+
+
+class ExportCarry:
+    """What :func:`~hapd.train.parallelize.parallelize` exported in this process,
+    kept for the script's next run in it: an elastic job's ranks switched in place
+    (:mod:`hapd.elastic.in_place`) run the script again, build the same model again
+    and would export and lower it again — most of what a switch costs on a slow host.
+    A model of the same :func:`export_key` takes the kept programs and graphs instead,
+    each program rebound to its own tensors (:func:`rebind`): what it then trains on is
+    exactly what a fresh export would give. Off but under the in-place runner
+    (``$HAPD_KEEP_EXPORTS``); at most ``limit`` models kept, the least recently used
+    forgotten."""
+
+    def __init__(self, limit: int = 2) -> None:
+        self.limit = limit
+        self._kept: OrderedDict[tuple, dict[Any, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether exports are kept: under the in-place runner (``$HAPD_KEEP_EXPORTS``)."""
+        return os.environ.get(KEEP_EXPORTS_ENV) == "1"
+
+    def take(self, key: tuple, model: nn.Module) -> dict[Any, Any]:
+        """The exports kept for ``key``, rebound to ``model``; empty when none are (or
+        carrying is off, or one cannot be rebound)."""
+        if not self.enabled:
+            return {}
+        with self._lock:
+            kept = self._kept.pop(key, None)
+        if not kept:
+            return {}
+        try:
+            return {k: _rebound(v, model) for k, v in kept.items()}
+        except PlanError as exc:
+            _log.warning("the exports kept from the script's last run do not fit this model (%s): exporting again", exc)
+            return {}
+
+    def keep(self, key: tuple, exported: dict[Any, Any]) -> None:
+        """Keep a recipe's exports (the dict itself: what it exports later is kept too)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._kept[key] = exported
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.limit:
+                self._kept.popitem(last=False)
+
+
+def _rebound(value: Any, model: nn.Module) -> Any:
+    """A kept export (a program, or a program and its graph) over ``model``'s tensors."""
+    if isinstance(value, ExportedProgram):
+        return rebind(value, model)
+    if isinstance(value, tuple) and value and isinstance(value[0], ExportedProgram):
+        return (rebind(value[0], model), *value[1:])
+    return value
+
+
+CARRY = ExportCarry()
+"""This process's carried exports (see :class:`ExportCarry`)."""
+
+
+def _batch_of(shapes: Shapes, batch_dims: Sequence[int | None]) -> int | None:
+    """The batch of these shapes (the first input with a batch dim); None without one."""
+    for shape, d in zip(shapes, batch_dims):
+        if d is not None:
+            return int(shape[d])
+    return None
+
+
+def _with_batch(shapes: Shapes, batch_dims: Sequence[int | None], batch: int) -> Shapes:
+    """``shapes`` with ``batch`` samples along each batch dim."""
+    return tuple(shape if d is None else (*shape[:d], batch, *shape[d + 1:]) for shape, d in zip(shapes, batch_dims))
+
+
+def _resized(example: Tensor, shape: list[int], batch_dim: int | None) -> Tensor:
+    """A tensor of ``shape`` like ``example`` (see :meth:`Recipe.inputs_of`)."""
+    have = list(example.shape)
+    if have == shape:
+        return example
+    d = batch_dim
+    only_batch = d is not None and len(have) == len(shape) and have[:d] + have[d + 1:] == shape[:d] + shape[d + 1:]
+    if not only_batch or have[d] == 0:
+        return torch.zeros(shape, dtype=example.dtype, device=example.device)
+    repeats = -(-shape[d] // have[d])
+    whole = torch.cat([example] * repeats, dim=d) if repeats > 1 else example
+    return whole.narrow(d, 0, shape[d])
+
+
+def op_nodes(graph: GraphIR) -> tuple[tuple[str, str], ...]:
+    """(node name, op) of a lowered graph's op nodes, in graph order."""
+    return tuple((n["name"], n["op"]) for n in graph.doc["nodes"] if n["kind"] == "op")
+
+
+def aligned_force(training: Sequence[tuple[str, str]], rules: Mapping[str, str],
+                  other: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """``CompileOptions.force`` for another graph of the model (``other``'s op nodes)
+    that keeps the training plan's choices: the op nodes of the two graphs are aligned
+    in graph order (the longest matching runs of ops, :class:`difflib.SequenceMatcher`;
+    an eval graph lacks dropout and has batch norm on running statistics, so names
+    alone shift), and each node of ``other`` aligned with a training node gets the rule
+    the training plan chose for it (``rules``: node -> rule), in its eval form
+    (:data:`~hapd.ir.op_facts.EVAL_RULE`) where the ops differ."""
+    def key(op: str) -> str:
+        return SAME_OP_IN_EVAL.get(op, op)
+
+    matcher = difflib.SequenceMatcher(None, [key(op) for _, op in training], [key(op) for _, op in other], autojunk=False)
+    force: dict[str, str] = {}
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            (name, op), (other_name, other_op) = training[block.a + k], other[block.b + k]
+            rule = rules.get(name)
+            if rule is not None:
+                force[other_name] = rule if op == other_op else EVAL_RULE.get(rule, rule)
+    return force
+
+
+__all__ = ["CARRY", "ExportCarry", "Recipe", "Shapes", "aligned_force", "export_key", "op_nodes", "rebind"]

@@ -1,0 +1,11 @@
+"""The torch-free contract the daemon, the launcher and the ranks share.
+
+- :mod:`~hapd.wire.protocol` — the authenticated ZeroMQ messages: each type declared
+  once with its fields, signed, checked against replays;
+- :mod:`~hapd.wire.keys` — the cluster key and where it lives;
+- :mod:`~hapd.wire.client` — a DEALER client of a daemon;
+- :mod:`~hapd.wire.contract` — what they agree on besides messages: job ids, lease
+  bounds, the variables a daemon sets for its ranks.
+
+Never imports torch.
+"""
