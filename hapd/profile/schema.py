@@ -339,6 +339,26 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
     """Validate a decoded profile document; errors name the offending field. Unknown
     keys are refused, naming the known ones (a misspelled key would silently be the
     default otherwise)."""
+    _check_document(doc)
+    raw_devices = doc.get("devices")
+    if not isinstance(raw_devices, list) or not raw_devices:
+        raise ProfileError("devices: expected a non-empty list", field="devices")
+    devices = [_device_from_dict(d, i) for i, d in enumerate(raw_devices)]
+    if world_size is not None and world_size != len(devices):
+        raise ProfileError(f"devices: the profile has {len(devices)} devices but the job has {world_size} ranks", field="devices")
+    collectives = _collectives_from_dict(doc.get("collectives"))
+    known = {"format", "version", "name", "description", "devices", "collectives"}
+    return Profile(
+        name=str(doc.get("name", "")),
+        description=str(doc.get("description", "")),
+        devices=tuple(devices),
+        collectives=collectives,
+        extra={k: v for k, v in doc.items() if k not in known},
+    )
+
+
+def _check_document(doc: Any) -> None:
+    """A profile document's format, version, top-level keys and units, or :class:`ProfileError`."""
     if not isinstance(doc, Mapping):
         raise ProfileError("a profile is a JSON object", field="<document>")
     if doc.get("format") != PROFILE_FORMAT:
@@ -348,38 +368,37 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
     _known_keys(doc, (*DOCUMENT_KEYS, *MEASURED_KEYS), "")
     if "units" in doc:
         _check_units(doc["units"])
-    raw_devices = doc.get("devices")
-    if not isinstance(raw_devices, list) or not raw_devices:
-        raise ProfileError("devices: expected a non-empty list", field="devices")
-    devices = []
-    for i, d in enumerate(raw_devices):
-        where = f"devices[{i}]"
-        if not isinstance(d, Mapping):
-            raise ProfileError(f"{where}: expected an object", field=where)
-        _known_keys(d, DEVICE_KEYS, where)
-        if d.get("rank") != i:
-            raise ProfileError(f"{where}.rank: {d.get('rank')!r} but devices are listed in rank order", field=f"{where}.rank")
-        host = d.get("host")
-        if not isinstance(host, str) or not host:
-            raise ProfileError(f"{where}.host: expected a host name", field=f"{where}.host")
-        ew = d.get("elementwise_flops")
-        op = d.get("op_seconds")
-        overlap = d.get("sync_overlap")
-        devices.append(
-            Device(
-                rank=i,
-                host=host,
-                model=str(d.get("model", "")),
-                flops=_number(d, "flops", where),
-                memory=_number(d, "memory", where),
-                elementwise_flops=None if ew is None else _number(d, "elementwise_flops", where),
-                op_seconds=None if op is None else _number(d, "op_seconds", where),
-                sync_overlap=None if overlap is None else _number(d, "sync_overlap", where),
-            )
-        )
-    if world_size is not None and world_size != len(devices):
-        raise ProfileError(f"devices: the profile has {len(devices)} devices but the job has {world_size} ranks", field="devices")
-    raw = doc.get("collectives")
+
+
+def _device_from_dict(d: Any, i: int) -> Device:
+    """The device of rank ``i`` from its entry ``devices[i]``."""
+    where = f"devices[{i}]"
+    if not isinstance(d, Mapping):
+        raise ProfileError(f"{where}: expected an object", field=where)
+    _known_keys(d, DEVICE_KEYS, where)
+    if d.get("rank") != i:
+        raise ProfileError(f"{where}.rank: {d.get('rank')!r} but devices are listed in rank order", field=f"{where}.rank")
+    host = d.get("host")
+    if not isinstance(host, str) or not host:
+        raise ProfileError(f"{where}.host: expected a host name", field=f"{where}.host")
+    ew = d.get("elementwise_flops")
+    op = d.get("op_seconds")
+    overlap = d.get("sync_overlap")
+    return Device(
+        rank=i,
+        host=host,
+        model=str(d.get("model", "")),
+        flops=_number(d, "flops", where),
+        memory=_number(d, "memory", where),
+        elementwise_flops=None if ew is None else _number(d, "elementwise_flops", where),
+        op_seconds=None if op is None else _number(d, "op_seconds", where),
+        sync_overlap=None if overlap is None else _number(d, "sync_overlap", where),
+    )
+
+
+def _collectives_from_dict(raw: Any) -> dict[str, dict[str, Link]]:
+    """The ``collectives`` object: each required collective (and each optional one given)
+    → its links by kind."""
     if not isinstance(raw, Mapping):
         raise ProfileError("collectives: expected an object", field="collectives")
     unknown = sorted(set(raw) - set(COLLECTIVES) - set(OPTIONAL_COLLECTIVES))
@@ -391,26 +410,19 @@ def profile_from_dict(doc: Any, *, world_size: int | None = None) -> Profile:
         if not isinstance(entry, Mapping) or "inter" not in entry:
             raise ProfileError(f"collectives.{name}: missing (needs at least an 'inter' link)", field=f"collectives.{name}")
         _known_keys(entry, COLLECTIVE_KEYS, f"collectives.{name}")
-        links = {}
-        for kind in ("inter", "intra"):
-            if kind not in entry:
-                continue
-            where = f"collectives.{name}.{kind}"
-            if not isinstance(entry[kind], Mapping):
-                raise ProfileError(f"{where}: expected {{alpha, beta}}", field=where)
-            _known_keys(entry[kind], LINK_KEYS, where)
-            links[kind] = Link(
-                alpha=_number(entry[kind], "alpha", where),
-                beta=_number(entry[kind], "beta", where),
-            )
-        collectives[name] = links
-    known = {"format", "version", "name", "description", "devices", "collectives"}
-    return Profile(
-        name=str(doc.get("name", "")),
-        description=str(doc.get("description", "")),
-        devices=tuple(devices),
-        collectives=collectives,
-        extra={k: v for k, v in doc.items() if k not in known},
+        collectives[name] = {kind: _link_from_dict(entry[kind], f"collectives.{name}.{kind}")
+                             for kind in ("inter", "intra") if kind in entry}
+    return collectives
+
+
+def _link_from_dict(raw: Any, where: str) -> Link:
+    """One link's ``{alpha, beta}`` at ``where``."""
+    if not isinstance(raw, Mapping):
+        raise ProfileError(f"{where}: expected {{alpha, beta}}", field=where)
+    _known_keys(raw, LINK_KEYS, where)
+    return Link(
+        alpha=_number(raw, "alpha", where),
+        beta=_number(raw, "beta", where),
     )
 
 
