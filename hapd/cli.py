@@ -14,7 +14,7 @@ from hapd.errors import HapdError, OptionsError
 from hapd.serve.cache import DEFAULT_MAX_CACHE_BYTES
 
 
-class _Group(click.Group):
+class _HapdGroup(click.Group):
     """Turns hapd errors, and a file the system refuses (a path that cannot be written,
     a full disk), into one readable line and exit status 2, not a traceback."""
 
@@ -31,7 +31,7 @@ class _Group(click.Group):
             sys.exit(2)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_HapdGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hapd")
 def main() -> None:
     """Automatic SPMD training for PyTorch on heterogeneous GPU clusters."""

@@ -42,7 +42,9 @@ a launcher started with it ignored (in the background of a script, under ``nohup
 stops on ``kill -INT``, as it does on Ctrl-C."""
 
 
-class _Group(click.Group):
+class _LauncherGroup(click.Group):
+    """Turns hapd errors into one line on stderr and the launcher's launch-error status."""
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -51,7 +53,7 @@ class _Group(click.Group):
             sys.exit(EXIT_LAUNCH_ERROR)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_LauncherGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """hapd's launcher: start SPMD training on every host's daemon at once, stream
     every rank's output, gather per-iteration timings, stop every rank on a failure."""

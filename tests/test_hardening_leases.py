@@ -196,17 +196,17 @@ def test_a_failed_host_stays_failed_when_the_launcher_s_cancel_comes_first(tmp_p
     one included, at once. Here the cancel runs inside the exit's publication (the
     earliest moment it can arrive): the host whose rank crashed still reports "failed",
     with the crash as its reason, and its other rank is stopped."""
-    from hapd.serve.jobs import Job
+    from hapd.serve.jobs import HostJob
 
     jobs = _manager(tmp_path)
-    publish = Job.add_event
+    publish = HostJob.add_event
 
     def launcher_cancels_on_exit(self, rank, stream, line, **kw):
         publish(self, rank, stream, line, **kw)
         if stream == "exit" and line != "0":
             jobs.cancel(self.spec.job, reason="cancelled by the launcher: another rank failed")
 
-    monkeypatch.setattr(Job, "add_event", launcher_cancels_on_exit)
+    monkeypatch.setattr(HostJob, "add_event", launcher_cancels_on_exit)
     try:
         job = jobs.launch(_launch_body("crashes", script="crash.py", script_bytes=CRASH_ONE.encode(), nproc=2,
                                        world_size=2))

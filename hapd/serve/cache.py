@@ -161,7 +161,7 @@ class Served:
 
 
 @dataclass
-class _Entry:
+class _CachedFile:
     kind: str
     path: Path
     size: int
@@ -222,7 +222,7 @@ class PlanCache:
         self.root = Path(root)
         self.max_bytes = int(max_bytes)
         self._lock = threading.RLock()
-        self._index: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._index: OrderedDict[str, _CachedFile] = OrderedDict()  # least recently used first
         self._last_ns = 0
         self.counters = {"hits": 0, "misses": 0, "lp_only": 0, "corrupt": 0, "evictions": 0, "not_cached": 0}
         self._failing: str | None = None  # why writes fail, since the first that did (warned once)
@@ -236,7 +236,7 @@ class PlanCache:
         return self.root / kind / key[:2] / f"{key}.entry"
 
     def _scan(self, clean_tmp: bool) -> None:
-        found: list[tuple[float, str, _Entry]] = []
+        found: list[tuple[float, str, _CachedFile]] = []
         for kind in KINDS:
             for path in (self.root / kind).glob("*/*"):
                 if path.name.endswith(".tmp"):
@@ -259,7 +259,7 @@ class PlanCache:
                     self._discard(path, str(exc))
                     continue
                 parts = header.get("parts") if isinstance(header.get("parts"), dict) else None
-                entry = _Entry(kind, path, st.st_size, header.get("family"), parts.get("profile_id") if parts else None, parts)
+                entry = _CachedFile(kind, path, st.st_size, header.get("family"), parts.get("profile_id") if parts else None, parts)
                 found.append((st.st_mtime_ns, header["key"], entry))
                 self._last_ns = max(self._last_ns, st.st_mtime_ns)
         for _, key, entry in sorted(found, key=lambda t: t[0]):
@@ -325,7 +325,7 @@ class PlanCache:
         entry = self._index.get(key)
         if entry is None:
             parts = header.get("parts") if isinstance(header.get("parts"), dict) else None
-            entry = _Entry(kind, path, size, header.get("family"), parts.get("profile_id") if parts else None, parts)
+            entry = _CachedFile(kind, path, size, header.get("family"), parts.get("profile_id") if parts else None, parts)
             self._index[key] = entry
         self._index.move_to_end(key)
 
@@ -345,7 +345,7 @@ class PlanCache:
         self._write_succeeded()
         with self._lock:
             self._stamp(path)
-            self._index[key] = _Entry(kind, path, len(blob), family, (parts or {}).get("profile_id"), dict(parts) if parts else None)
+            self._index[key] = _CachedFile(kind, path, len(blob), family, (parts or {}).get("profile_id"), dict(parts) if parts else None)
             self._index.move_to_end(key)
             self._evict(keep=key)
         return None

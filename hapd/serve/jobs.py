@@ -263,8 +263,9 @@ class Rank:
 
 
 @dataclass
-class Job:
-    """One job's ranks and events."""
+class HostJob:
+    """This host's share of a job: its ranks and their events (the launcher's
+    :class:`launcher.job.Job` is the whole job, over every host)."""
 
     spec: LaunchSpec
     command: list[str]
@@ -374,7 +375,7 @@ class JobManager:
         self.keep_finished = keep_finished
         self.keep_job_dirs = keep_job_dirs
         self.job_dir_max_age_s = job_dir_max_age_s
-        self._jobs: dict[str, Job] = {}
+        self._jobs: dict[str, HostJob] = {}
         self._lock = threading.Lock()
         self._dirs_lock = threading.Lock()
         """Held while a job folder is written and its job registered, and while pruning."""
@@ -384,7 +385,7 @@ class JobManager:
 
     # -- queries
 
-    def get(self, job_id: str) -> Job:
+    def get(self, job_id: str) -> HostJob:
         with self._lock:
             job = self._jobs.get(job_id)
         if job is None:
@@ -405,7 +406,7 @@ class JobManager:
 
     # -- launch
 
-    def launch(self, body: Mapping[str, Any]) -> Job:
+    def launch(self, body: Mapping[str, Any]) -> HostJob:
         spec = LaunchSpec.from_body(body)
         with self._lock:
             old = self._jobs.get(spec.job)
@@ -424,7 +425,7 @@ class JobManager:
                     raise _bad(f"this host has {self.slots} rank slot(s), {busy} in use: no room for {spec.nproc} "
                                "more rank(s)", "nproc")
                 events = EventLog(self.jobs_dir / spec.job / SPILL_FILE, rank=spec.rank_offset)
-                job = Job(spec, command, [Rank(spec.rank_offset + i, i) for i in range(spec.nproc)], events)
+                job = HostJob(spec, command, [Rank(spec.rank_offset + i, i) for i in range(spec.nproc)], events)
                 self._jobs[spec.job] = job
                 self._trim()
         delay = spec.start_at - time.time() if spec.start_at is not None else 0.0
@@ -450,7 +451,7 @@ class JobManager:
             raise _bad(f"script {spec.script} is not a file on this host (looked at {script})", "script")
         return script
 
-    def _delayed_start(self, job: Job, delay: float) -> None:
+    def _delayed_start(self, job: HostJob, delay: float) -> None:
         if job.cancelled.wait(delay):
             return
         try:
@@ -461,7 +462,7 @@ class JobManager:
             job.state = "failed"
             self._ended(job)
 
-    def _start(self, job: Job, cwd: Path) -> None:
+    def _start(self, job: HostJob, cwd: Path) -> None:
         spec = job.spec
         base = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "HAPD_DAEMON": self.daemon_address,
                 "HAPD_CACHE": str(self.cache_dir), "HAPD_JOB": spec.job, MARKER_ENV: job.token,
@@ -496,7 +497,7 @@ class JobManager:
         for r in job.ranks:
             threading.Thread(target=self._watch_rank, args=(job, r), name=f"hapd-rank-{r.rank}", daemon=True).start()
 
-    def _watch_rank(self, job: Job, r: Rank) -> None:
+    def _watch_rank(self, job: HostJob, r: Rank) -> None:
         proc = r.proc
         readers = [
             threading.Thread(target=self._read, args=(job, r, proc.stdout, "stdout"), daemon=True),
@@ -535,7 +536,7 @@ class JobManager:
             self._ended(job)
 
     @staticmethod
-    def _read(job: Job, rank: Rank, stream: Any, name: str) -> None:
+    def _read(job: HostJob, rank: Rank, stream: Any, name: str) -> None:
         """A rank's output as events of at most :data:`MAX_LINE` bytes: a longer line in
         pieces marked ``more`` (the launcher joins them), decoded across the cuts, so a
         multi-byte character split by one arrives whole. Each event carries the rank's
@@ -553,7 +554,7 @@ class JobManager:
 
     # -- stopping
 
-    def cancel(self, job_id: str, reason: str = REASON_CANCELLED) -> Job:
+    def cancel(self, job_id: str, reason: str = REASON_CANCELLED) -> HostJob:
         job = self.get(job_id)
         if job.finished:
             return job
@@ -570,7 +571,7 @@ class JobManager:
             self._stop(job)
         return job
 
-    def switch(self, job_id: str, body: Mapping[str, Any]) -> Job:
+    def switch(self, job_id: str, body: Mapping[str, Any]) -> HostJob:
         """Record where an in-place job's ranks go on (``switch``): every local rank must
         still run; from now on its events carry its new global rank."""
         job = self.get(job_id)
@@ -610,7 +611,7 @@ class JobManager:
 
     # -- job folders
 
-    def _ended(self, job: Job) -> None:
+    def _ended(self, job: HostJob) -> None:
         """A job has finished: its events leave memory but a small tail; its folder
         counts from now (the last finished are kept); forget old folders; stop what
         its ranks left running."""
@@ -652,21 +653,21 @@ class JobManager:
             log.info("removed %d old job folder(s) from %s", len(removed), self.jobs_dir)
         return removed
 
-    def _stop(self, job: Job) -> None:
+    def _stop(self, job: HostJob) -> None:
         """SIGTERM to every rank's process group and every process of the job; SIGKILL
         to those still there after the grace period."""
         self._kill(job, signal.SIGTERM)
         signal_marked({job.token}, signal.SIGTERM)
         self._later(self._kill_rest, job)
 
-    def _kill_rest(self, job: Job) -> None:
+    def _kill_rest(self, job: HostJob) -> None:
         """The end of a stop's grace period."""
         self._kill(job, signal.SIGKILL, True)
         signal_marked({job.token}, signal.SIGKILL)
         if job.finished:
             self.records.remove(job.token)
 
-    def _stop_left(self, job: Job) -> None:
+    def _stop_left(self, job: HostJob) -> None:
         """A job has ended: what its ranks started and left running (in their own
         session, say) gets SIGTERM, then SIGKILL after the grace period; the job's
         record goes once nothing of it is left."""
@@ -678,13 +679,13 @@ class JobManager:
         signal_marked({job.token}, signal.SIGTERM)
         self._later(self._kill_rest, job)
 
-    def _later(self, action: Any, job: Job) -> None:
+    def _later(self, action: Any, job: HostJob) -> None:
         timer = threading.Timer(self.grace_s, action, args=(job,))
         timer.daemon = True
         timer.start()
 
     @staticmethod
-    def _kill(job: Job, sig: int, only_running: bool = False) -> None:
+    def _kill(job: HostJob, sig: int, only_running: bool = False) -> None:
         """Signal every rank's process group (``only_running``: whose leader has not
         exited, so a recycled process group id is never signalled)."""
         for r in job.ranks:

@@ -64,7 +64,7 @@ class _File:
 
 
 @dataclass
-class _Entry:
+class _SnapshotEntry:
     world: int
     count: int
     """How many files the entry has once complete."""
@@ -84,7 +84,7 @@ class _Entry:
 @dataclass
 class _Run:
     touched: float
-    entries: dict[tuple[int, int], _Entry] = field(default_factory=dict)
+    entries: dict[tuple[int, int], _SnapshotEntry] = field(default_factory=dict)
 
     def steps(self) -> list[int]:
         return sorted({step for step, _ in self.entries})
@@ -173,7 +173,7 @@ class SnapshotStore:
             old = entry.files.get(name) if entry is not None else None
             if offset == 0:
                 state = self._reserve(run, state, step, total - (len(old.data) if old is not None else 0), name, now)
-                entry = state.entries.setdefault((step, rank), _Entry(world, count, now))
+                entry = state.entries.setdefault((step, rank), _SnapshotEntry(world, count, now))
                 file = entry.files[name] = _File(bytearray(total))
             else:
                 file = self._continued(run, step, rank, name, old, offset, total)
