@@ -3,7 +3,10 @@
 //! A [`Row`] gives, for every device `d`, `constant[d] + coef[d] · r[d]` seconds, where
 //! `r[d]` is device `d`'s sharding ratio. A step costs `max_d comp + max_d comm`; a
 //! program costs the sum over its steps (bulk-synchronous, no overlap). The memory
-//! model, rows of bytes in the same form, is [`crate::memory`].
+//! model, rows of bytes in the same form, is [`crate::memory`]. [`RowOut`] is a row on
+//! the wire (in plans and overlap schedules).
+
+use serde::Serialize;
 
 use crate::profile::Profile;
 
@@ -41,6 +44,19 @@ impl Row {
 
     pub fn is_zero(&self) -> bool {
         self.constant.iter().chain(&self.coef).all(|v| *v == 0.0)
+    }
+}
+
+/// A cost row on the wire: per device `constant[d] + coef[d] · r[d]` seconds (or bytes).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RowOut {
+    pub constant: Vec<f64>,
+    pub coef: Vec<f64>,
+}
+
+impl From<&Row> for RowOut {
+    fn from(row: &Row) -> Self {
+        RowOut { constant: row.constant.clone(), coef: row.coef.clone() }
     }
 }
 

@@ -1,7 +1,10 @@
 //! The graph IR (`.hapg`, `docs/formats.md`): what hapd lowers an exported PyTorch
-//! program to. Decoding checks the header first (format, version), then each node on
+//! program to. [`decode`] checks the header first (format, version), then each node on
 //! its own so that an error names the node; [`crate::validate`] checks references and
-//! shapes afterwards.
+//! shapes afterwards (`Graph::from_msgpack`, in `validate`, does both).
+//!
+//! The ground floor of the crate's graph side: it uses nothing of the crate but
+//! [`crate::error`].
 
 use serde::{Deserialize, Serialize};
 
@@ -336,7 +339,8 @@ pub struct Mutation {
     pub value: TensorRef,
 }
 
-/// A decoded graph. [`crate::validate::validate`] turns it into a checked one.
+/// A decoded graph. [`crate::validate::validate`] checks one; `Graph::from_msgpack`
+/// (defined there) decodes and checks.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Graph {
     pub name: String,
@@ -354,13 +358,6 @@ impl Graph {
     /// Shape, dtype and name of a tensor; the reference must be valid.
     pub fn meta(&self, t: TensorRef) -> &TensorMeta {
         &self.nodes[t.node()].outputs[t.output()]
-    }
-
-    /// Decode and validate a `.hapg` document.
-    pub fn from_msgpack(bytes: &[u8]) -> Result<Graph> {
-        let graph = decode(bytes)?;
-        crate::validate::validate(&graph)?;
-        Ok(graph)
     }
 
     /// Ops that appear in the graph, with how many times.
@@ -473,59 +470,9 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
         let field = raw.as_map().map_or_else(|| "<node>".to_string(), |m| failing_field(m, &message));
         Error::node_field(index, &name, field, message)
     })?;
-    let mut outputs = Vec::with_capacity(file.outputs.len());
-    for (k, out) in file.outputs.iter().enumerate() {
-        let mut shape = Vec::with_capacity(out.shape.len());
-        for &d in &out.shape {
-            if d < 0 {
-                return Err(Error::node_field(
-                    index,
-                    &name,
-                    format!("outputs[{k}].shape"),
-                    format!("negative dimension {d} in {:?}", out.shape),
-                ));
-            }
-            shape.push(d as usize);
-        }
-        let elements = out.shape.iter().try_fold(1_u64, |n, &d| n.checked_mul(d as u64));
-        if elements.is_none_or(|n| n > MAX_ELEMENTS) {
-            return Err(Error::node_field(
-                index,
-                &name,
-                format!("outputs[{k}].shape"),
-                format!("{:?} has more than 2^48 elements", out.shape),
-            ));
-        }
-        outputs.push(TensorMeta { name: out.name.clone(), shape, dtype: DType::parse(&out.dtype) });
-    }
-    if let Some(flops) = file.flops.filter(|f| !(f.is_finite() && *f >= 0.0)) {
-        return Err(Error::node_field(index, &name, "flops", format!("{flops} is not a finite count ≥ 0")));
-    }
-    if let Some(bytes) = file.saved_bytes.filter(|b| !(b.is_finite() && *b >= 0.0)) {
-        return Err(Error::node_field(index, &name, "saved_bytes", format!("{bytes} is not a finite byte count ≥ 0")));
-    }
-    if let Some(bytes) = file.counter_saved_bytes.filter(|b| !(b.is_finite() && *b >= 0.0)) {
-        return Err(Error::node_field(
-            index,
-            &name,
-            "counter_saved_bytes",
-            format!("{bytes} is not a finite byte count ≥ 0"),
-        ));
-    }
-    let mut saved = vec![false; outputs.len()];
-    for &k in &file.saved {
-        match saved.get_mut(k as usize) {
-            Some(flag) => *flag = true,
-            None => {
-                return Err(Error::node_field(
-                    index,
-                    &name,
-                    "saved",
-                    format!("result {k} out of range for {} results", outputs.len()),
-                ))
-            }
-        }
-    }
+    let outputs = decode_outputs(index, &name, &file.outputs)?;
+    check_counts(index, &name, &file)?;
+    let saved = saved_flags(index, &name, &file.saved, outputs.len())?;
     let batch_dim = match file.batch_dim {
         None => None,
         Some(d) if d >= 0 => Some(d as usize),
@@ -548,6 +495,75 @@ fn decode_node(index: usize, raw: &rmpv::Value) -> Result<Node> {
         counter_saved_bytes: file.counter_saved_bytes.unwrap_or(0.0),
         block: file.block,
     })
+}
+
+/// The results of node `index` (`name`) with typed shapes and dtypes: no negative
+/// dimension, at most 2^48 elements each.
+fn decode_outputs(index: usize, name: &str, outputs: &[TensorMetaFile]) -> Result<Vec<TensorMeta>> {
+    let mut metas = Vec::with_capacity(outputs.len());
+    for (k, out) in outputs.iter().enumerate() {
+        let mut shape = Vec::with_capacity(out.shape.len());
+        for &d in &out.shape {
+            if d < 0 {
+                return Err(Error::node_field(
+                    index,
+                    name,
+                    format!("outputs[{k}].shape"),
+                    format!("negative dimension {d} in {:?}", out.shape),
+                ));
+            }
+            shape.push(d as usize);
+        }
+        let elements = out.shape.iter().try_fold(1_u64, |n, &d| n.checked_mul(d as u64));
+        if elements.is_none_or(|n| n > MAX_ELEMENTS) {
+            return Err(Error::node_field(
+                index,
+                name,
+                format!("outputs[{k}].shape"),
+                format!("{:?} has more than 2^48 elements", out.shape),
+            ));
+        }
+        metas.push(TensorMeta { name: out.name.clone(), shape, dtype: DType::parse(&out.dtype) });
+    }
+    Ok(metas)
+}
+
+/// The node's FLOP and byte counts, where present, are finite and ≥ 0.
+fn check_counts(index: usize, name: &str, file: &NodeFile) -> Result<()> {
+    if let Some(flops) = file.flops.filter(|f| !(f.is_finite() && *f >= 0.0)) {
+        return Err(Error::node_field(index, name, "flops", format!("{flops} is not a finite count ≥ 0")));
+    }
+    if let Some(bytes) = file.saved_bytes.filter(|b| !(b.is_finite() && *b >= 0.0)) {
+        return Err(Error::node_field(index, name, "saved_bytes", format!("{bytes} is not a finite byte count ≥ 0")));
+    }
+    if let Some(bytes) = file.counter_saved_bytes.filter(|b| !(b.is_finite() && *b >= 0.0)) {
+        return Err(Error::node_field(
+            index,
+            name,
+            "counter_saved_bytes",
+            format!("{bytes} is not a finite byte count ≥ 0"),
+        ));
+    }
+    Ok(())
+}
+
+/// Per result of `results`, whether `saved` (the file's indices) names it.
+fn saved_flags(index: usize, name: &str, saved: &[u32], results: usize) -> Result<Vec<bool>> {
+    let mut flags = vec![false; results];
+    for &k in saved {
+        match flags.get_mut(k as usize) {
+            Some(flag) => *flag = true,
+            None => {
+                return Err(Error::node_field(
+                    index,
+                    name,
+                    "saved",
+                    format!("result {k} out of range for {results} results"),
+                ))
+            }
+        }
+    }
+    Ok(flags)
 }
 
 /// The node field a decode error is about. serde's own message names a value, not

@@ -4,6 +4,31 @@
 //! across devices, searches for the fastest SPMD program and returns it as data (a
 //! plan plus its cost rows). It never touches torch objects or Python.
 //!
+//! ## Modules, ground floor up
+//!
+//! Each module uses only modules listed before it: the modules form no cycle
+//! (`tests/module_cycles.rs` checks both from the sources).
+//!
+//! - [`error`] — the one error type of the core.
+//! - [`layout`] — layouts (`Gather(dim)`, `Reduce`, `Identity`) and sets of them.
+//! - [`ir`] — the graph IR and its decoding ([`ir::decode`]), unchecked.
+//! - [`profile`] — the cluster profile: devices and the α-β cost of each collective.
+//! - [`cost`] — the cost model: per-device rows linear in the sharding ratios, and
+//!   their wire form ([`cost::RowOut`]).
+//! - [`comm`] — collectives: how a tensor held in one layout becomes another, and its
+//!   cost rows.
+//! - [`rules`] — the sharding rules of each op family, and its shape checks.
+//! - [`validate`] — checks a decoded graph; checked decoding (`Graph::from_msgpack`).
+//! - [`summary`] — a human-sized summary of a graph (`hapd inspect`).
+//! - [`recompute`] — activation recomputation: the recomputed spans of the program.
+//! - [`problem`] — the search problem: steps with their rules and compute rows, the
+//!   tensors live between them, the options.
+//! - [`overlap`] — the overlap-aware cost: the two-duplica schedule.
+//! - [`outcome`] — what a search finds: the chosen steps and why it stopped.
+//! - [`memory`] — the memory model: the peak bytes per device of a found program.
+//! - [`search`] — the best-first search for the cheapest program.
+//! - [`plan`] — the program as data, what the core hands to Python.
+//!
 //! ## Glossary (the same words in Rust, Python, on the wire and in the docs)
 //!
 //! - **rank** — one process of the distributed job, `0..world`; one per **device**.
@@ -48,6 +73,7 @@ pub mod error;
 pub mod ir;
 pub mod layout;
 pub mod memory;
+pub mod outcome;
 pub mod overlap;
 pub mod plan;
 pub mod problem;
@@ -60,6 +86,8 @@ pub mod validate;
 
 pub use error::{Error, Result};
 pub use ir::Graph;
+
+use outcome::{Outcome, StopReason};
 
 /// Limits of one search.
 #[derive(Debug, Clone, PartialEq)]
@@ -116,7 +144,7 @@ pub fn search_program(
     let plain = (free && options.overlap).then(|| options.clone());
     let problem = problem::Problem::new(graph, profile, options)?;
     let outcome = limited(search::Search::new(&problem, ratios)?, limits.clone(), cancel).run()?;
-    if outcome.stop == search::StopReason::Bounded {
+    if outcome.stop == StopReason::Bounded {
         if let Some(dp_options) = fallback {
             let dp_problem = problem::Problem::new(graph, profile, dp_options)?;
             let dp = limited(search::Search::new(&dp_problem, ratios)?, limits.clone(), cancel).run()?;
@@ -131,7 +159,7 @@ pub fn search_program(
             }
         }
     }
-    if outcome.stop != search::StopReason::Optimal {
+    if outcome.stop != StopReason::Optimal {
         if let Some(options) = plain {
             let (p, o) = plain_as_overlapped(graph, profile, ratios, options, &limits, cancel)?;
             if o.cost < outcome.cost {
@@ -144,14 +172,14 @@ pub fn search_program(
 
 /// The program of a search that won over the searches `others`: not proven optimal,
 /// with their states and seconds counted in.
-fn candidate(problem: &problem::Problem, outcome: &search::Outcome, others: &[&search::Outcome]) -> plan::ProgramOut {
+fn candidate(problem: &problem::Problem, outcome: &Outcome, others: &[&Outcome]) -> plan::ProgramOut {
     let mut program = plan::program(problem, outcome);
     for other in others {
         program.stats.expanded += other.expanded;
         program.stats.generated += other.generated;
         program.stats.seconds += other.seconds;
     }
-    program.stats.stop_reason = search::StopReason::Bounded.name().to_string();
+    program.stats.stop_reason = StopReason::Bounded.name().to_string();
     program
 }
 
@@ -167,7 +195,7 @@ fn plain_as_overlapped<'a>(
     options: problem::Options,
     limits: &Limits,
     cancel: Option<&std::sync::atomic::AtomicBool>,
-) -> Result<(problem::Problem<'a>, search::Outcome)> {
+) -> Result<(problem::Problem<'a>, Outcome)> {
     let plain_problem = problem::Problem::new(graph, profile, problem::Options { overlap: false, ..options.clone() })?;
     let plain = limited(search::Search::new(&plain_problem, ratios)?, limits.clone(), cancel).run()?;
     let force = plain

@@ -22,7 +22,9 @@
 //! a replica (`constant`) when any layout it is held in is not `Gather` (replicated and
 //! partial-sum tensors are whole on every device), else as a shard (`coef`). A graph
 //! lowered without traced saved tensors counts every op result that carries a gradient
-//! as kept, except results of free ops (views).
+//! as kept, except results of free ops (views). Under activation recomputation
+//! ([`crate::recompute`]) a recomputed span keeps only its inputs, and the backward pass
+//! holds one span's rebuilt activations at a time ([`largest_span`]).
 //!
 //! Each part is also kept by split ([`Bytes`]): a shard remembers the tensor dim it is
 //! split on, so that a finished plan prices it at the integer lengths the runtime
@@ -35,8 +37,8 @@ use crate::comm::GRAD_BUCKET_BYTES;
 use crate::cost::{Row, Work};
 use crate::ir::NodeKind;
 use crate::layout::{Layout, LayoutSet};
+use crate::outcome::{ChosenStep, Outcome};
 use crate::problem::{Problem, TensorId};
-use crate::search::{ChosenStep, Outcome};
 
 /// How many optimizer-state buffers a trainable parameter has (Adam: two moments).
 pub const OPTIMIZER_STATES: f64 = 2.0;
@@ -213,18 +215,7 @@ pub fn breakdown(problem: &Problem, outcome: &Outcome) -> Breakdown {
             }
         }
     }
-    for chosen in &outcome.steps {
-        let step = &problem.steps[chosen.step];
-        let inside = problem.saved_inside(step.node);
-        if inside > 0.0 && step.span.is_none() {
-            let sharded = step.rules[chosen.rule].work == Work::Sharded;
-            activations.add(inside, if sharded { Share::Shard(step_split(problem, chosen)) } else { Share::Replica });
-        }
-    }
-    // one recomputed span's activations, rebuilt during the backward pass
-    let (replica, shard) = crate::recompute::largest_span(problem, outcome);
-    activations.add(replica, Share::Replica);
-    activations.add(shard, Share::Shard(None));
+    add_inside_and_span(problem, outcome, &mut activations);
     Breakdown {
         parameters,
         gradients: trainable.clone(),
@@ -235,6 +226,24 @@ pub fn breakdown(problem: &Problem, outcome: &Outcome) -> Breakdown {
         communication: communication(problem, outcome, synced),
         workspace: largest.scaled(WORKSPACE_RESULTS),
     }
+}
+
+/// Add to `activations` what each op's backward keeps inside it (no node's result)
+/// outside recomputed spans, split like the step's work, and one recomputed span's
+/// activations, rebuilt during the backward pass ([`largest_span`]).
+fn add_inside_and_span(problem: &Problem, outcome: &Outcome, activations: &mut Bytes) {
+    for chosen in &outcome.steps {
+        let step = &problem.steps[chosen.step];
+        let inside = problem.saved_inside(step.node);
+        if inside > 0.0 && step.span.is_none() {
+            let sharded = step.rules[chosen.rule].work == Work::Sharded;
+            activations.add(inside, if sharded { Share::Shard(step_split(problem, chosen)) } else { Share::Replica });
+        }
+    }
+    // one recomputed span's activations, rebuilt during the backward pass
+    let (replica, shard) = largest_span(problem, outcome);
+    activations.add(replica, Share::Replica);
+    activations.add(shard, Share::Shard(None));
 }
 
 /// Whether an op result `t` counts as an activation the backward pass keeps: the
@@ -249,13 +258,9 @@ pub fn is_activation(problem: &Problem, t: TensorId) -> bool {
 }
 
 /// Whether the backward pass keeps tensor `t`'s storage (the graph's traced flag, as
-/// activation recomputation changes it: [`crate::recompute::keeps`]).
+/// activation recomputation changes it: [`Problem::recompute_keep`]).
 fn kept(problem: &Problem, t: TensorId) -> bool {
-    if let Some(keep) = problem.recompute_keep[t as usize] {
-        return keep;
-    }
-    let r = problem.tensor(t).r;
-    problem.graph.nodes[r.node()].saved.get(r.output()).copied().unwrap_or(false)
+    problem.recompute_keep[t as usize].unwrap_or_else(|| saved_flag(problem, t))
 }
 
 /// How tensor `t` held in `layouts` is held: a replica unless every layout is a
@@ -314,4 +319,56 @@ fn free_outputs(problem: &Problem, outcome: &Outcome) -> Vec<bool> {
         }
     }
     free
+}
+
+/// The bytes per device one span's activations take while the backward pass
+/// rebuilds them: of every span, the op results it would keep without
+/// recomputation (traced `saved` flags) but drops, and what its ops' backward keeps
+/// inside them, as (bytes whole on every device, bytes split by the ratios); the
+/// span with the most bytes on an even split. Spans are rebuilt one at a time.
+pub fn largest_span(problem: &Problem, outcome: &Outcome) -> (f64, f64) {
+    if problem.spans == 0 {
+        return (0.0, 0.0);
+    }
+    let mut rebuilt = vec![(0.0, 0.0); problem.spans];
+    let add = |rebuilt: &mut Vec<(f64, f64)>, span: usize, bytes: f64, sharded: bool| {
+        let entry = &mut rebuilt[span];
+        if sharded {
+            entry.1 += bytes;
+        } else {
+            entry.0 += bytes;
+        }
+    };
+    for (id, t) in problem.tensors.iter().enumerate() {
+        let dropped = problem.recompute_keep[id] == Some(false) && t.kind == NodeKind::Op;
+        let held = outcome.held[id];
+        if !dropped || held.is_empty() || !saved_flag(problem, id as TensorId) {
+            continue;
+        }
+        if let Some(span) = problem.steps[t.first].span {
+            add(&mut rebuilt, span, t.bytes(), all_gathered(held));
+        }
+    }
+    for chosen in &outcome.steps {
+        let step = &problem.steps[chosen.step];
+        let inside = problem.saved_inside(step.node);
+        if let (Some(span), true) = (step.span, inside > 0.0) {
+            let sharded = step.rules[chosen.rule].work == Work::Sharded;
+            add(&mut rebuilt, span, inside, sharded);
+        }
+    }
+    let n = problem.profile.world().max(1) as f64;
+    rebuilt.into_iter().fold((0.0, 0.0), |best, s| if s.0 + s.1 / n > best.0 + best.1 / n { s } else { best })
+}
+
+/// The graph's traced flag: whether the backward pass keeps tensor `t`'s storage
+/// without recomputation.
+fn saved_flag(problem: &Problem, t: TensorId) -> bool {
+    let r = problem.tensor(t).r;
+    problem.graph.nodes[r.node()].saved.get(r.output()).copied().unwrap_or(false)
+}
+
+/// Whether every layout is a `Gather` (the tensor is held as a shard).
+fn all_gathered(layouts: LayoutSet) -> bool {
+    layouts.iter().all(|l| matches!(l, Layout::Gather(_)))
 }

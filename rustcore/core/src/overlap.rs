@@ -47,9 +47,8 @@
 use serde::Serialize;
 
 use crate::comm::{one_way_row, Collective};
-use crate::cost::Row;
+use crate::cost::{Row, RowOut};
 use crate::ir::NodeKind;
-use crate::plan::RowOut;
 use crate::problem::{Problem, TensorId};
 use crate::profile::Profile;
 

@@ -6,26 +6,17 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::cost::{Row, Work};
+use crate::cost::Work;
 use crate::ir::NodeKind;
 use crate::layout::Layout;
 use crate::memory;
+use crate::outcome::{ChosenStep, Comm, Outcome, Source};
 use crate::overlap::{OverlapOut, DUPLICAS};
 use crate::problem::{Problem, TensorId};
-use crate::search::{ChosenStep, Comm, Outcome, Source};
 
-/// A cost row on the wire: per device `constant[d] + coef[d] · r[d]` seconds (or bytes).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RowOut {
-    pub constant: Vec<f64>,
-    pub coef: Vec<f64>,
-}
-
-impl From<&Row> for RowOut {
-    fn from(row: &Row) -> Self {
-        RowOut { constant: row.constant.clone(), coef: row.coef.clone() }
-    }
-}
+/// The wire form of a cost row, defined beside [`crate::cost::Row`] (below `overlap`,
+/// whose schedule rows carry it too) and re-exported with the plan types that carry it.
+pub use crate::cost::RowOut;
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct LayoutOut {

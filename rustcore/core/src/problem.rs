@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::comm::Collective;
-use crate::cost::{compute_row, Row};
+use crate::cost::{compute_row, Row, WorkClass};
 use crate::error::{Error, Result};
 use crate::ir::{Graph, NodeKind, TensorMeta, TensorRef};
 use crate::layout::Layout;
@@ -102,7 +102,7 @@ pub struct Problem<'a> {
     /// program must end with in `Identity` layout.
     pub mutations: Vec<TensorId>,
     /// Per tensor, whether the backward pass keeps it as recomputation decides
-    /// ([`crate::recompute::keeps`]); `None` where recomputation changes nothing.
+    /// (`recompute_keeps`, below); `None` where recomputation changes nothing.
     pub recompute_keep: Vec<Option<bool>>,
     /// How many recomputed spans the program has.
     pub spans: usize,
@@ -121,121 +121,18 @@ impl<'a> Problem<'a> {
         let needed = ancestors_of_effects(graph);
         let op_nodes: Vec<usize> =
             (0..graph.nodes.len()).filter(|&i| needed[i] && graph.nodes[i].kind == NodeKind::Op).collect();
-
-        // tensors in order of first appearance
-        let mut ids: HashMap<TensorRef, TensorId> = HashMap::new();
-        let mut tensors: Vec<Tensor> = Vec::new();
-        let mut steps = Vec::with_capacity(op_nodes.len());
         let span_of = crate::recompute::spans(graph, &op_nodes, &options.recompute)?;
+        // tensors in order of first appearance
+        let mut builder = Builder { graph, profile, options: &options, ids: HashMap::new(), tensors: Vec::new() };
+        let mut steps = Vec::with_capacity(op_nodes.len());
         for (s, &n) in op_nodes.iter().enumerate() {
-            let node = &graph.nodes[n];
-            let mut inputs = Vec::with_capacity(node.inputs.len());
-            for r in &node.inputs {
-                let id = *ids.entry(*r).or_insert_with(|| {
-                    let producer = &graph.nodes[r.node()];
-                    tensors.push(Tensor {
-                        r: *r,
-                        meta: graph.meta(*r).clone(),
-                        kind: producer.kind,
-                        target: producer.target.clone(),
-                        requires_grad: producer.kind == NodeKind::Parameter
-                            && producer.requires_grad
-                            && graph.meta(*r).dtype.is_float(),
-                        batch_dim: producer.batch_dim,
-                        first: s,
-                        last: s,
-                    });
-                    (tensors.len() - 1) as TensorId
-                });
-                tensors[id as usize].last = s;
-                inputs.push(id);
-            }
-            let grad_in = inputs.iter().any(|&t| tensors[t as usize].requires_grad);
-            let mut outputs = Vec::with_capacity(node.outputs.len());
-            for (k, meta) in node.outputs.iter().enumerate() {
-                let r = TensorRef(n as u32, k as u32);
-                if meta.dtype == crate::ir::DType::NotATensor {
-                    outputs.push(None);
-                    continue;
-                }
-                tensors.push(Tensor {
-                    r,
-                    meta: meta.clone(),
-                    kind: NodeKind::Op,
-                    target: String::new(),
-                    requires_grad: grad_in && meta.dtype.is_float(),
-                    batch_dim: None,
-                    first: s,
-                    last: s,
-                });
-                let id = (tensors.len() - 1) as TensorId;
-                ids.insert(r, id);
-                outputs.push(Some(id));
-            }
-            let op = rules_for(graph, node);
-            let mut rules = op.rules;
-            if let Some(forced) = options.force.get(&node.name) {
-                rules.retain(|r| r.name == forced);
-                if rules.is_empty() {
-                    return Err(Error::InvalidOption {
-                        field: format!("force.{}", node.name),
-                        message: format!("{} has no rule named {forced:?}", node.op),
-                    });
-                }
-            }
-            // a rule's own collectives (synchronized statistics) count with its compute; a
-            // recomputed step runs its forward once more
-            let span = span_of[s];
-            let comp = rules
-                .iter()
-                .map(|r| {
-                    let mut row = compute_row(profile, op.flops, op.class, r.work, grad_in);
-                    if let Some(inside) = internal_comm_row(graph, node, r, profile, grad_in) {
-                        row.add(&inside);
-                    }
-                    if span.is_some() {
-                        row.add(&compute_row(profile, op.flops, op.class, r.work, false));
-                        if let Some(inside) = internal_comm_row(graph, node, r, profile, false) {
-                            row.add(&inside);
-                        }
-                    }
-                    row
-                })
-                .collect();
-            steps.push(Step { node: n, inputs, outputs, rules, comp, flops: op.flops, span });
+            steps.push(builder.step(s, n, span_of[s])?);
         }
-        let loss = *ids.get(&graph.loss).ok_or_else(|| Error::InvalidGraph {
-            field: "loss".into(),
-            message: "the loss is not computed by any op".into(),
-        })?;
-        tensors[loss as usize].last = steps.len();
-        let mut mutations = Vec::with_capacity(graph.mutations.len());
-        for m in &graph.mutations {
-            let id = *ids.get(&m.value).ok_or_else(|| Error::InvalidGraph {
-                field: "mutations".into(),
-                message: format!("the new value of buffer {} is not computed by any op", m.target),
-            })?;
-            tensors[id as usize].last = steps.len();
-            mutations.push(id);
-        }
-        // forced rules name nodes that must exist
-        for name in options.force.keys() {
-            if !op_nodes.iter().any(|&n| &graph.nodes[n].name == name) {
-                return Err(Error::InvalidOption {
-                    field: format!("force.{name}"),
-                    message: "no op of that name leads to the loss or a buffer update".into(),
-                });
-            }
-        }
-
-        let mut live = vec![Vec::new(); steps.len() + 1];
-        for (id, t) in tensors.iter().enumerate() {
-            // live after the step that creates it (a source: its first use) up to its last use
-            for slot in live.iter_mut().take(t.last + 1).skip(t.first + 1) {
-                slot.push(id as TensorId);
-            }
-        }
-        let recompute_keep = crate::recompute::keeps(&tensors, &steps);
+        let (loss, mutations) = builder.effects(steps.len())?;
+        let tensors = builder.tensors;
+        check_forced(graph, &op_nodes, &options)?;
+        let live = live_tensors(&tensors, steps.len());
+        let recompute_keep = recompute_keeps(&tensors, &steps);
         let spans = span_of.iter().flatten().max().map_or(0, |s| s + 1);
         Ok(Problem { graph, profile, options, tensors, steps, live, loss, mutations, recompute_keep, spans })
     }
@@ -285,6 +182,157 @@ impl<'a> Problem<'a> {
     }
 }
 
+/// The tensors and steps of a problem while [`Problem::new`] builds them.
+struct Builder<'g> {
+    graph: &'g Graph,
+    profile: &'g Profile,
+    options: &'g Options,
+    ids: HashMap<TensorRef, TensorId>,
+    tensors: Vec<Tensor>,
+}
+
+impl Builder<'_> {
+    /// The step of op node `n`, the `s`-th in program order, in recomputed span `span`
+    /// (if any): its operands and results registered as tensors, its rules (only the
+    /// forced one, if the options force one) and their compute rows.
+    fn step(&mut self, s: usize, n: usize, span: Option<usize>) -> Result<Step> {
+        let graph = self.graph;
+        let node = &graph.nodes[n];
+        let inputs: Vec<TensorId> = node.inputs.iter().map(|r| self.input(*r, s)).collect();
+        let grad_in = inputs.iter().any(|&t| self.tensors[t as usize].requires_grad);
+        let outputs = self.outputs(n, s, grad_in);
+        let op = rules_for(graph, node);
+        let mut rules = op.rules;
+        if let Some(forced) = self.options.force.get(&node.name) {
+            rules.retain(|r| r.name == forced);
+            if rules.is_empty() {
+                return Err(Error::InvalidOption {
+                    field: format!("force.{}", node.name),
+                    message: format!("{} has no rule named {forced:?}", node.op),
+                });
+            }
+        }
+        let comp = rules.iter().map(|r| self.comp_row(n, op.flops, op.class, r, grad_in, span)).collect();
+        Ok(Step { node: n, inputs, outputs, rules, comp, flops: op.flops, span })
+    }
+
+    /// The tensor operand `r` of step `s` is: a new one at its first use.
+    fn input(&mut self, r: TensorRef, s: usize) -> TensorId {
+        let graph = self.graph;
+        let tensors = &mut self.tensors;
+        let id = *self.ids.entry(r).or_insert_with(|| {
+            let producer = &graph.nodes[r.node()];
+            tensors.push(Tensor {
+                r,
+                meta: graph.meta(r).clone(),
+                kind: producer.kind,
+                target: producer.target.clone(),
+                requires_grad: producer.kind == NodeKind::Parameter
+                    && producer.requires_grad
+                    && graph.meta(r).dtype.is_float(),
+                batch_dim: producer.batch_dim,
+                first: s,
+                last: s,
+            });
+            (tensors.len() - 1) as TensorId
+        });
+        self.tensors[id as usize].last = s;
+        id
+    }
+
+    /// The results of op node `n` (step `s`) as new tensors, `None` for those that are
+    /// not tensors; they carry a gradient when an operand does (`grad_in`).
+    fn outputs(&mut self, n: usize, s: usize, grad_in: bool) -> Vec<Option<TensorId>> {
+        let node = &self.graph.nodes[n];
+        let mut outputs = Vec::with_capacity(node.outputs.len());
+        for (k, meta) in node.outputs.iter().enumerate() {
+            let r = TensorRef(n as u32, k as u32);
+            if meta.dtype == crate::ir::DType::NotATensor {
+                outputs.push(None);
+                continue;
+            }
+            self.tensors.push(Tensor {
+                r,
+                meta: meta.clone(),
+                kind: NodeKind::Op,
+                target: String::new(),
+                requires_grad: grad_in && meta.dtype.is_float(),
+                batch_dim: None,
+                first: s,
+                last: s,
+            });
+            let id = (self.tensors.len() - 1) as TensorId;
+            self.ids.insert(r, id);
+            outputs.push(Some(id));
+        }
+        outputs
+    }
+
+    /// The compute row of op node `n` under `rule`: a rule's own collectives
+    /// (synchronized statistics) count with its compute; a recomputed step runs its
+    /// forward once more.
+    fn comp_row(&self, n: usize, flops: f64, class: WorkClass, rule: &Rule, grad_in: bool, span: Option<usize>) -> Row {
+        let (graph, profile, node) = (self.graph, self.profile, &self.graph.nodes[n]);
+        let mut row = compute_row(profile, flops, class, rule.work, grad_in);
+        if let Some(inside) = internal_comm_row(graph, node, rule, profile, grad_in) {
+            row.add(&inside);
+        }
+        if span.is_some() {
+            row.add(&compute_row(profile, flops, class, rule.work, false));
+            if let Some(inside) = internal_comm_row(graph, node, rule, profile, false) {
+                row.add(&inside);
+            }
+        }
+        row
+    }
+
+    /// The loss and the new value of each buffer update, each live to the end of the
+    /// program's `n_steps` steps; an error when an op of the program computes none.
+    fn effects(&mut self, n_steps: usize) -> Result<(TensorId, Vec<TensorId>)> {
+        let graph = self.graph;
+        let loss = *self.ids.get(&graph.loss).ok_or_else(|| Error::InvalidGraph {
+            field: "loss".into(),
+            message: "the loss is not computed by any op".into(),
+        })?;
+        self.tensors[loss as usize].last = n_steps;
+        let mut mutations = Vec::with_capacity(graph.mutations.len());
+        for m in &graph.mutations {
+            let id = *self.ids.get(&m.value).ok_or_else(|| Error::InvalidGraph {
+                field: "mutations".into(),
+                message: format!("the new value of buffer {} is not computed by any op", m.target),
+            })?;
+            self.tensors[id as usize].last = n_steps;
+            mutations.push(id);
+        }
+        Ok((loss, mutations))
+    }
+}
+
+/// Forced rules name nodes that must exist: ops of the program (`op_nodes`).
+fn check_forced(graph: &Graph, op_nodes: &[usize], options: &Options) -> Result<()> {
+    for name in options.force.keys() {
+        if !op_nodes.iter().any(|&n| &graph.nodes[n].name == name) {
+            return Err(Error::InvalidOption {
+                field: format!("force.{name}"),
+                message: "no op of that name leads to the loss or a buffer update".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The tensors live before each of `n_steps` steps (and after the last), sorted: from
+/// after the step that creates one (a source: its first use) up to its last use.
+fn live_tensors(tensors: &[Tensor], n_steps: usize) -> Vec<Vec<TensorId>> {
+    let mut live = vec![Vec::new(); n_steps + 1];
+    for (id, t) in tensors.iter().enumerate() {
+        for slot in live.iter_mut().take(t.last + 1).skip(t.first + 1) {
+            slot.push(id as TensorId);
+        }
+    }
+    live
+}
+
 /// Nodes the step's effects depend on: the loss and every buffer update (an update
 /// nobody reads is an effect all the same; dropping it would change the model).
 fn ancestors_of_effects(graph: &Graph) -> Vec<bool> {
@@ -301,4 +349,45 @@ fn ancestors_of_effects(graph: &Graph) -> Vec<bool> {
         }
     }
     needed
+}
+
+/// Per tensor, whether the backward pass keeps it once the recomputed spans
+/// ([`crate::recompute::spans`]) keep only their inputs (`None` where recomputation
+/// changes nothing):
+/// - a result of a recomputed step is kept when a step outside its span reads it (a
+///   span's output: the next span's input, or read by an op that may keep it) or
+///   the program ends with it (the loss, a buffer's new value), and dropped otherwise;
+/// - another op result that a recomputed span reads is kept (a span keeps its
+///   inputs, to run its forward again);
+/// - a parameter, buffer or constant read only by recomputed steps is not kept in a
+///   layout gathered for them (the gathering collective runs again);
+/// - everything else is as the graph's traced `saved` flags say.
+fn recompute_keeps(tensors: &[Tensor], steps: &[Step]) -> Vec<Option<bool>> {
+    let mut out = vec![None; tensors.len()];
+    if steps.iter().all(|s| s.span.is_none()) {
+        return out;
+    }
+    let producer = |t: &Tensor| if t.kind == NodeKind::Op { steps[t.first].span } else { None };
+    let mut read_elsewhere = vec![false; tensors.len()]; // by a step outside the producer's span
+    let mut read_in_span = vec![false; tensors.len()];
+    let mut read_outside_spans = vec![false; tensors.len()];
+    for step in steps {
+        for &t in &step.inputs {
+            let i = t as usize;
+            read_elsewhere[i] |= step.span != producer(&tensors[i]);
+            read_in_span[i] |= step.span.is_some();
+            read_outside_spans[i] |= step.span.is_none();
+        }
+    }
+    for (i, tensor) in tensors.iter().enumerate() {
+        out[i] = match tensor.kind {
+            NodeKind::Op if producer(tensor).is_some() => Some(read_elsewhere[i] || tensor.last == steps.len()),
+            NodeKind::Op => read_in_span[i].then_some(true),
+            NodeKind::Parameter | NodeKind::Buffer | NodeKind::Constant => {
+                (read_in_span[i] && !read_outside_spans[i]).then_some(false)
+            }
+            NodeKind::Input => None,
+        };
+    }
+    out
 }

@@ -28,80 +28,10 @@ use crate::memory;
 use crate::overlap::{Clock, Schedule, StepRows, StepTimes};
 use crate::problem::{Problem, TensorId};
 
-/// Why the search stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StopReason {
-    /// The returned program is optimal under the cost model.
-    Optimal,
-    /// A position had more undominated states than the front width; the cheapest were
-    /// kept. The program is complete but not proven optimal.
-    Bounded,
-    /// The state budget ran out; the program was completed greedily.
-    StateLimit,
-    /// The time budget ran out; the program was completed greedily.
-    TimeLimit,
-    /// Cancelled by the caller; the program was completed greedily.
-    Cancelled,
-}
-
-impl StopReason {
-    pub fn name(self) -> &'static str {
-        match self {
-            StopReason::Optimal => "optimal",
-            StopReason::Bounded => "bounded",
-            StopReason::StateLimit => "state_limit",
-            StopReason::TimeLimit => "time_limit",
-            StopReason::Cancelled => "cancelled",
-        }
-    }
-}
-
-/// A communication inserted before a step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Comm {
-    pub tensor: TensorId,
-    pub from: Layout,
-    pub to: Layout,
-    pub collective: Collective,
-    /// Forward + backward cost.
-    pub row: Row,
-}
-
-/// A source created for a step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Source {
-    pub tensor: TensorId,
-    pub layout: Layout,
-    /// Gradient synchronization of a replicated trainable parameter.
-    pub row: Row,
-}
-
-/// One step of a found program.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ChosenStep {
-    pub step: usize,
-    pub rule: usize,
-    pub sources: Vec<Source>,
-    pub comms: Vec<Comm>,
-    pub comp: Row,
-    pub comm: Row,
-    /// The step's part in the two-duplica schedule (with the `overlap` option).
-    pub overlap: Option<StepRows>,
-}
-
-/// A found program and how the search went.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Outcome {
-    pub steps: Vec<ChosenStep>,
-    /// Layouts each tensor is held in over the program.
-    pub held: Vec<LayoutSet>,
-    /// Cost under the ratios the search ran with.
-    pub cost: f64,
-    pub stop: StopReason,
-    pub expanded: usize,
-    pub generated: usize,
-    pub seconds: f64,
-}
+/// The search's result types, defined in [`crate::outcome`] (below the memory model and
+/// the plan, which read a found program without the search), re-exported where they
+/// were first defined.
+pub use crate::outcome::{ChosenStep, Comm, Outcome, Source, StopReason};
 
 /// Search limits and cancellation, set with a builder.
 pub struct Search<'p, 'a> {
@@ -140,6 +70,27 @@ struct Transition {
     cost: f64,
     times: StepTimes,
     choice: u16,
+}
+
+/// What one way of applying a rule adds up to while its [`Transition`] is built.
+struct Tally {
+    /// The layouts of the step's inputs after their creation and communication.
+    local: Vec<(TensorId, LayoutSet)>,
+    /// Seconds of the step's communication per device.
+    comm: Vec<f64>,
+    /// The memory charge (see [`Search::with_memory_price`]).
+    charge: f64,
+    /// With overlap: the step's part in the two-duplica schedule.
+    rows: Option<StepRows>,
+}
+
+/// The program [`Search::replay`] rebuilds, as far as it got.
+struct Replayed {
+    /// The layouts each tensor is held in (canonical: forgets slices).
+    held: Vec<LayoutSet>,
+    /// Every layout the program materializes.
+    created: Vec<LayoutSet>,
+    memo: CommMemo,
 }
 
 /// How many of the cheapest states of a position a new state is compared against for
@@ -389,27 +340,8 @@ impl<'p, 'a> Search<'p, 'a> {
         if !self.admit_same_layouts(run, &key_held, &clock, left) {
             return;
         }
-        // dominance against the cheapest states of the front (sorted by cost)
-        let front = &run.fronts[next];
-        let checked = front.len().min(FRONT_CHECKS);
-        if front[..checked].iter().any(|&k| {
-            let e = &run.arena[k as usize];
-            let switch = self.switch_cost(live, &e.held, &t.held, &mut run.set_memo, &mut run.memo);
-            e.clock.dominates(&clock, self.switch_extra(&e.clock, switch))
-        }) {
+        if !self.admit_to_front(run, next, live, &clock, &t.held) {
             return; // an existing state reaches this one for less
-        }
-        let mut dead = Vec::new();
-        for (j, &k) in front[..checked].iter().enumerate() {
-            let e = &run.arena[k as usize];
-            let switch = self.switch_cost(live, &t.held, &e.held, &mut run.set_memo, &mut run.memo);
-            if clock.dominates(&e.clock, self.switch_extra(&clock, switch)) {
-                dead.push(j);
-            }
-        }
-        for &j in dead.iter().rev() {
-            let k = run.fronts[next].remove(j);
-            run.arena[k as usize].dead = true;
         }
         let child = run.arena.len() as u32;
         let kept = run.exact.entry(key_held).or_default();
@@ -428,9 +360,46 @@ impl<'p, 'a> Search<'p, 'a> {
             held: t.held,
         });
         let child = (run.arena.len() - 1) as u32;
+        self.insert_in_front(run, next, child, left);
+        let bound = self.lower_bound(&clock, run.heuristic[next], run.batch_left[next]);
+        run.heap.push((Reverse(key(bound)), pos + 1, Reverse(child)));
+    }
+
+    /// Whether a new state of position `next` with clock `clock` holding `held` may join
+    /// its front: not when one of the front's cheapest states dominates it (reaches its
+    /// layouts for less); those it dominates are dropped.
+    fn admit_to_front(&self, run: &mut Run, next: usize, live: &[TensorId], clock: &Clock, held: &[LayoutSet]) -> bool {
+        // dominance against the cheapest states of the front (sorted by cost)
+        let front = &run.fronts[next];
+        let checked = front.len().min(FRONT_CHECKS);
+        if front[..checked].iter().any(|&k| {
+            let e = &run.arena[k as usize];
+            let switch = self.switch_cost(live, &e.held, held, &mut run.set_memo, &mut run.memo);
+            e.clock.dominates(clock, self.switch_extra(&e.clock, switch))
+        }) {
+            return false;
+        }
+        let mut dead = Vec::new();
+        for (j, &k) in front[..checked].iter().enumerate() {
+            let e = &run.arena[k as usize];
+            let switch = self.switch_cost(live, held, &e.held, &mut run.set_memo, &mut run.memo);
+            if clock.dominates(&e.clock, self.switch_extra(clock, switch)) {
+                dead.push(j);
+            }
+        }
+        for &j in dead.iter().rev() {
+            let k = run.fronts[next].remove(j);
+            run.arena[k as usize].dead = true;
+        }
+        true
+    }
+
+    /// Put state `child` into its position `next`'s front by rank (`left` seconds of
+    /// compute after it); past the front width, drop the dearest.
+    fn insert_in_front(&self, run: &mut Run, next: usize, child: u32, left: f64) {
         let arena = &mut run.arena;
         let front = &mut run.fronts[next];
-        let rank = self.rank(&clock, left);
+        let rank = self.rank(&arena[child as usize].clock, left);
         let at = front.partition_point(|&k| self.rank(&arena[k as usize].clock, left) <= rank);
         front.insert(at, child);
         if front.len() > self.front_width {
@@ -441,8 +410,6 @@ impl<'p, 'a> Search<'p, 'a> {
                 run.bounded = true;
             }
         }
-        let bound = self.lower_bound(&clock, run.heuristic[next], run.batch_left[next]);
-        run.heap.push((Reverse(key(bound)), pos + 1, Reverse(child)));
     }
 
     /// Finish the run: the stop reason, the program to the goal (or completed greedily
@@ -580,125 +547,170 @@ impl<'p, 'a> Search<'p, 'a> {
         memo: &mut CommMemo,
     ) -> Vec<Transition> {
         let p = self.problem;
-        let step = &p.steps[pos];
-        let rule = &step.rules[rule_index];
-        let live = &p.live[pos];
+        let rule = &p.steps[pos].rules[rule_index];
         let new_sources = self.new_sources(pos);
         let options: Vec<Vec<(Layout, Option<Layout>)>> =
             new_sources.iter().map(|&(t, slot)| p.source_options(t, rule.inputs[slot])).collect();
         let combos: usize = options.iter().map(Vec::len).product();
-        let n = p.profile.world();
         let mut out = Vec::with_capacity(combos);
-        'combo: for choice in 0..combos {
-            let mut local: Vec<(TensorId, LayoutSet)> = Vec::with_capacity(step.inputs.len());
-            let mut comm = vec![0.0; n];
-            let mut charge = 0.0;
-            let mut rows = self.schedule.as_ref().map(|s| s.step(p, pos, rule_index));
-            let mut c = choice;
-            for (k, &(t, _)) in new_sources.iter().enumerate() {
-                let (created, _) = options[k][c % options[k].len()];
-                c /= options[k].len();
-                local.push((t, LayoutSet::single(created)));
-                if let Some(values) = self.source_values(t, created) {
-                    Self::add_values(&mut comm, &values);
-                }
-                if let (Some(rows), Some(row)) = (rows.as_mut(), self.source_row(t, created)) {
-                    rows.add_serial(&row);
-                }
-                if self.memory_price.is_some() {
-                    let tensor = p.tensor(t);
-                    let copies = if tensor.requires_grad { 2.0 + memory::OPTIMIZER_STATES } else { 1.0 };
-                    charge += self.memory_charge(copies * tensor.bytes(), created.gather_dim().is_some());
-                }
+        for choice in 0..combos {
+            let mut tally = self.create_sources(pos, rule_index, &new_sources, &options, choice);
+            if self.bring_inputs(pos, rule_index, held, &mut tally, memo).is_none() {
+                continue; // an input not available: cannot happen for a valid problem
             }
-            for (slot, &t) in step.inputs.iter().enumerate() {
-                let need = rule.inputs[slot];
-                let current = match local.iter().find(|(x, _)| *x == t) {
-                    Some((_, set)) => *set,
-                    None => match live.binary_search(&t) {
-                        Ok(i) => held[i],
-                        Err(_) => continue 'combo, // not available: cannot happen for a valid problem
-                    },
-                };
-                if current.contains(need) {
-                    continue;
-                }
-                if let (Some(rows), Some(schedule)) = (rows.as_mut(), &self.schedule) {
-                    if let Some((_, collective, _)) = self.cheapest_comm(t, current, need, memo) {
-                        schedule.add_comm(p, rows, t, collective);
-                    }
-                }
-                let Some((_, collective, values)) = self.cheapest_comm(t, current, need, memo) else { continue 'combo };
-                Self::add_values(&mut comm, &values);
-                if let Some(again) = self.recomputed_comm(pos, t, collective) {
-                    Self::add_values(&mut comm, &again.values(&self.ratios));
-                    if let Some(rows) = rows.as_mut() {
-                        rows.add_recomputed(&again);
-                    }
-                }
-                if self.memory_price.is_some() && need.gather_dim().is_none() && memory::is_activation(p, t) {
-                    charge += self.memory_charge(p.tensor(t).bytes(), false);
-                }
-                let updated = current.with(need);
-                match local.iter_mut().find(|(x, _)| *x == t) {
-                    Some(entry) => entry.1 = updated,
-                    None => local.push((t, updated)),
-                }
-            }
-            // the state after the step
-            let next = &p.live[pos + 1];
-            let mut next_held = Vec::with_capacity(next.len());
-            for &t in next {
-                let set = if let Some(k) = step.outputs.iter().position(|o| *o == Some(t)) {
-                    LayoutSet::single(rule.outputs[k])
-                } else if let Some((_, set)) = local.iter().find(|(x, _)| *x == t) {
-                    *set
-                } else {
-                    match live.binary_search(&t) {
-                        Ok(i) => held[i],
-                        Err(_) => LayoutSet::default(),
-                    }
-                };
-                next_held.push(set);
-            }
-            // the goal: every updated buffer whole on every rank (the last step pays the
-            // collectives), and the loss as a partial sum (a replicated loss is masked to
-            // rank 0)
-            if pos + 1 == p.steps.len() {
-                for &t in &p.mutations {
-                    let Ok(i) = next.binary_search(&t) else { continue 'combo };
-                    let set = next_held[i];
-                    if set.contains(Layout::Identity) {
-                        continue;
-                    }
-                    let Some((_, collective, values)) = self.cheapest_comm(t, set, Layout::Identity, memo) else {
-                        continue 'combo;
-                    };
-                    Self::add_values(&mut comm, &values);
-                    if let (Some(rows), Some(schedule)) = (rows.as_mut(), &self.schedule) {
-                        schedule.add_comm(p, rows, t, collective);
-                    }
-                    next_held[i] = set.with(Layout::Identity);
-                }
-                if let Ok(i) = next.binary_search(&p.loss) {
-                    let set = next_held[i];
-                    if !(set.contains(Layout::Reduce) || set.contains(Layout::Identity)) {
-                        continue 'combo;
-                    }
-                    next_held[i] = LayoutSet::single(Layout::Reduce);
-                }
+            let mut next_held = self.held_after(pos, rule_index, held, &tally.local);
+            if pos + 1 == p.steps.len() && self.reach_goal(&mut next_held, &mut tally, memo).is_none() {
+                continue;
             }
             if self.memory_price.is_some() {
-                charge += self.outputs_charge(pos, rule_index);
+                tally.charge += self.outputs_charge(pos, rule_index);
             }
-            let comm_max = comm.iter().copied().fold(0.0, f64::max);
-            let (cost, times) = match &rows {
-                Some(rows) => (charge, rows.times(&self.ratios)),
-                None => (comp_values[pos][rule_index] + comm_max + charge, StepTimes::default()),
+            let comm_max = tally.comm.iter().copied().fold(0.0, f64::max);
+            let (cost, times) = match &tally.rows {
+                Some(rows) => (tally.charge, rows.times(&self.ratios)),
+                None => (comp_values[pos][rule_index] + comm_max + tally.charge, StepTimes::default()),
             };
             out.push(Transition { held: next_held.into_boxed_slice(), cost, times, choice: choice as u16 });
         }
         out
+    }
+
+    /// The start of transition `choice` of `rule_index` at step `pos`: its new sources
+    /// created (`new_sources`, each in its option of `options` that `choice` picks, the
+    /// first varying fastest), with their gradient synchronization and memory charge.
+    fn create_sources(
+        &self,
+        pos: usize,
+        rule_index: usize,
+        new_sources: &[(TensorId, usize)],
+        options: &[Vec<(Layout, Option<Layout>)>],
+        choice: usize,
+    ) -> Tally {
+        let p = self.problem;
+        let mut tally = Tally {
+            local: Vec::with_capacity(p.steps[pos].inputs.len()),
+            comm: vec![0.0; p.profile.world()],
+            charge: 0.0,
+            rows: self.schedule.as_ref().map(|s| s.step(p, pos, rule_index)),
+        };
+        let mut c = choice;
+        for (k, &(t, _)) in new_sources.iter().enumerate() {
+            let (created, _) = options[k][c % options[k].len()];
+            c /= options[k].len();
+            tally.local.push((t, LayoutSet::single(created)));
+            if let Some(values) = self.source_values(t, created) {
+                Self::add_values(&mut tally.comm, &values);
+            }
+            if let (Some(rows), Some(row)) = (tally.rows.as_mut(), self.source_row(t, created)) {
+                rows.add_serial(&row);
+            }
+            if self.memory_price.is_some() {
+                let tensor = p.tensor(t);
+                let copies = if tensor.requires_grad { 2.0 + memory::OPTIMIZER_STATES } else { 1.0 };
+                tally.charge += self.memory_charge(copies * tensor.bytes(), created.gather_dim().is_some());
+            }
+        }
+        tally
+    }
+
+    /// Bring each input of step `pos` into the layout rule `rule_index` needs, from the
+    /// layouts `held` (or just created), by the cheapest communication; `None` when one
+    /// cannot be.
+    fn bring_inputs(
+        &self,
+        pos: usize,
+        rule_index: usize,
+        held: &[LayoutSet],
+        tally: &mut Tally,
+        memo: &mut CommMemo,
+    ) -> Option<()> {
+        let p = self.problem;
+        let step = &p.steps[pos];
+        for (slot, &t) in step.inputs.iter().enumerate() {
+            let need = step.rules[rule_index].inputs[slot];
+            let current = match tally.local.iter().find(|(x, _)| *x == t) {
+                Some((_, set)) => *set,
+                None => held[p.live[pos].binary_search(&t).ok()?],
+            };
+            if current.contains(need) {
+                continue;
+            }
+            if let (Some(rows), Some(schedule)) = (tally.rows.as_mut(), &self.schedule) {
+                if let Some((_, collective, _)) = self.cheapest_comm(t, current, need, memo) {
+                    schedule.add_comm(p, rows, t, collective);
+                }
+            }
+            let (_, collective, values) = self.cheapest_comm(t, current, need, memo)?;
+            Self::add_values(&mut tally.comm, &values);
+            if let Some(again) = self.recomputed_comm(pos, t, collective) {
+                Self::add_values(&mut tally.comm, &again.values(&self.ratios));
+                if let Some(rows) = tally.rows.as_mut() {
+                    rows.add_recomputed(&again);
+                }
+            }
+            if self.memory_price.is_some() && need.gather_dim().is_none() && memory::is_activation(p, t) {
+                tally.charge += self.memory_charge(p.tensor(t).bytes(), false);
+            }
+            let updated = current.with(need);
+            match tally.local.iter_mut().find(|(x, _)| *x == t) {
+                Some(entry) => entry.1 = updated,
+                None => tally.local.push((t, updated)),
+            }
+        }
+        Some(())
+    }
+
+    /// The layouts of the tensors live after step `pos` runs rule `rule_index`: its
+    /// results in the rule's, its inputs as `local` left them, the others as `held`.
+    fn held_after(&self, pos: usize, rule_index: usize, held: &[LayoutSet], local: &[(TensorId, LayoutSet)]) -> Vec<LayoutSet> {
+        let p = self.problem;
+        let step = &p.steps[pos];
+        let live = &p.live[pos];
+        let next = &p.live[pos + 1];
+        let mut next_held = Vec::with_capacity(next.len());
+        for &t in next {
+            let set = if let Some(k) = step.outputs.iter().position(|o| *o == Some(t)) {
+                LayoutSet::single(step.rules[rule_index].outputs[k])
+            } else if let Some((_, set)) = local.iter().find(|(x, _)| *x == t) {
+                *set
+            } else {
+                match live.binary_search(&t) {
+                    Ok(i) => held[i],
+                    Err(_) => LayoutSet::default(),
+                }
+            };
+            next_held.push(set);
+        }
+        next_held
+    }
+
+    /// The goal, after the last step: every updated buffer whole on every rank (the last
+    /// step pays the collectives), and the loss as a partial sum (a replicated loss is
+    /// masked to rank 0). `None` when the layouts `next_held` cannot reach it.
+    fn reach_goal(&self, next_held: &mut [LayoutSet], tally: &mut Tally, memo: &mut CommMemo) -> Option<()> {
+        let p = self.problem;
+        let next = &p.live[p.steps.len()];
+        for &t in &p.mutations {
+            let i = next.binary_search(&t).ok()?;
+            let set = next_held[i];
+            if set.contains(Layout::Identity) {
+                continue;
+            }
+            let (_, collective, values) = self.cheapest_comm(t, set, Layout::Identity, memo)?;
+            Self::add_values(&mut tally.comm, &values);
+            if let (Some(rows), Some(schedule)) = (tally.rows.as_mut(), &self.schedule) {
+                schedule.add_comm(p, rows, t, collective);
+            }
+            next_held[i] = set.with(Layout::Identity);
+        }
+        if let Ok(i) = next.binary_search(&p.loss) {
+            let set = next_held[i];
+            if !(set.contains(Layout::Reduce) || set.contains(Layout::Identity)) {
+                return None;
+            }
+            next_held[i] = LayoutSet::single(Layout::Reduce);
+        }
+        Some(())
     }
 
     /// Seconds charged for the activations step `pos` keeps when it runs rule
@@ -761,90 +773,29 @@ impl<'p, 'a> Search<'p, 'a> {
     /// Rebuild the program (with full cost rows) from the chosen (rule, choice) per step.
     fn replay(&self, choices: &[(usize, u16)]) -> Result<(Vec<ChosenStep>, Vec<LayoutSet>, f64)> {
         let p = self.problem;
-        let mut held = vec![LayoutSet::default(); p.tensors.len()];
-        // every layout the program materializes (held is canonical and forgets slices)
-        let mut created = vec![LayoutSet::default(); p.tensors.len()];
+        let mut state = Replayed {
+            held: vec![LayoutSet::default(); p.tensors.len()],
+            created: vec![LayoutSet::default(); p.tensors.len()],
+            memo: HashMap::new(),
+        };
         let mut steps = Vec::with_capacity(choices.len());
         let mut total = 0.0;
         let mut clock = Clock::default();
-        let mut memo: CommMemo = HashMap::new();
         for (pos, &(rule_index, choice)) in choices.iter().enumerate() {
-            let step = &p.steps[pos];
-            let rule = &step.rules[rule_index];
-            let mut sources = Vec::new();
-            let mut comms = Vec::new();
-            let mut comm = Row::zeros(p.profile.world());
-            let mut rows = self.schedule.as_ref().map(|s| s.step(p, pos, rule_index));
-            let mut c = choice as usize;
-            for (t, slot) in self.new_sources(pos) {
-                let options = p.source_options(t, rule.inputs[slot]);
-                let (created_layout, _) = options[c % options.len()];
-                c /= options.len();
-                held[t as usize] = LayoutSet::single(created_layout);
-                created[t as usize] = created[t as usize].with_raw(created_layout);
-                let row = self.source_row(t, created_layout).unwrap_or_else(|| Row::zeros(p.profile.world()));
-                comm.add(&row);
-                if let Some(rows) = rows.as_mut() {
-                    rows.add_serial(&row);
-                }
-                sources.push(Source { tensor: t, layout: created_layout, row });
-            }
-            for (slot, &t) in step.inputs.iter().enumerate() {
-                let need = rule.inputs[slot];
-                let current = held[t as usize];
-                if current.contains(need) {
-                    continue;
-                }
-                let (from, collective, _) = self.cheapest_comm(t, current, need, &mut memo).ok_or_else(|| {
-                    Error::Synthesis { message: format!("replay: no communication gives {need} at step {pos}") }
-                })?;
-                let tensor = p.tensor(t);
-                let mut row = collective_row(p.profile, collective, tensor.bytes(), tensor.requires_grad);
-                if let (Some(rows), Some(schedule)) = (rows.as_mut(), &self.schedule) {
-                    schedule.add_comm(p, rows, t, collective);
-                }
-                if let Some(again) = self.recomputed_comm(pos, t, collective) {
-                    if let Some(rows) = rows.as_mut() {
-                        rows.add_recomputed(&again);
-                    }
-                    row.add(&again);
-                }
-                comm.add(&row);
-                comms.push(Comm { tensor: t, from, to: need, collective, row });
-                held[t as usize] = current.with(need);
-                created[t as usize] = created[t as usize].with_raw(need);
-            }
-            for (k, out) in step.outputs.iter().enumerate() {
-                if let Some(t) = out {
-                    held[*t as usize] = LayoutSet::single(rule.outputs[k]);
-                    created[*t as usize] = LayoutSet::single(rule.outputs[k]);
-                }
-            }
-            if pos + 1 == p.steps.len() {
-                for c in self.whole_buffers(&held, &mut memo)? {
-                    comm.add(&c.row);
-                    if let (Some(rows), Some(schedule)) = (rows.as_mut(), &self.schedule) {
-                        schedule.add_comm(p, rows, c.tensor, c.collective);
-                    }
-                    held[c.tensor as usize] = held[c.tensor as usize].with(Layout::Identity);
-                    created[c.tensor as usize] = created[c.tensor as usize].with_raw(Layout::Identity);
-                    comms.push(c);
-                }
-            }
-            let comp = step.comp[rule_index].clone();
-            total += self.max(&comp) + self.max(&comm);
-            if let Some(rows) = &rows {
+            let chosen = self.replay_step(&mut state, pos, rule_index, choice)?;
+            total += self.max(&chosen.comp) + self.max(&chosen.comm);
+            if let Some(rows) = &chosen.overlap {
                 clock = clock.advance(&rows.times(&self.ratios));
             }
-            steps.push(ChosenStep { step: pos, rule: rule_index, sources, comms, comp, comm, overlap: rows });
+            steps.push(chosen);
         }
         // a replicated loss becomes a partial sum by keeping it on rank 0
         if let Some(last) = steps.last_mut() {
             let loss = p.loss;
-            if !created[loss as usize].contains(Layout::Reduce) {
+            if !state.created[loss as usize].contains(Layout::Reduce) {
                 let row = Row::zeros(p.profile.world());
                 last.comms.push(Comm { tensor: loss, from: Layout::Identity, to: Layout::Reduce, collective: Collective::MaskToRankZero, row });
-                created[loss as usize] = created[loss as usize].with_raw(Layout::Reduce);
+                state.created[loss as usize] = state.created[loss as usize].with_raw(Layout::Reduce);
             }
         }
         if choices.len() != p.steps.len() {
@@ -853,7 +804,114 @@ impl<'p, 'a> Search<'p, 'a> {
             });
         }
         let total = if self.schedule.is_some() { clock.cost() } else { total };
-        Ok((steps, created, total))
+        Ok((steps, state.created, total))
+    }
+
+    /// Step `pos` of the replayed program, running rule `rule_index` with its sources
+    /// created as `choice` says: its sources, the communications before it (after the
+    /// last step, those that end the program with every updated buffer whole), and its
+    /// cost rows.
+    fn replay_step(&self, state: &mut Replayed, pos: usize, rule_index: usize, choice: u16) -> Result<ChosenStep> {
+        let p = self.problem;
+        let step = &p.steps[pos];
+        let rule = &step.rules[rule_index];
+        let mut comm = Row::zeros(p.profile.world());
+        let mut rows = self.schedule.as_ref().map(|s| s.step(p, pos, rule_index));
+        let sources = self.replay_sources(state, pos, rule_index, choice, &mut comm, &mut rows);
+        let mut comms = self.replay_comms(state, pos, rule_index, &mut comm, &mut rows)?;
+        for (k, out) in step.outputs.iter().enumerate() {
+            if let Some(t) = out {
+                state.held[*t as usize] = LayoutSet::single(rule.outputs[k]);
+                state.created[*t as usize] = LayoutSet::single(rule.outputs[k]);
+            }
+        }
+        if pos + 1 == p.steps.len() {
+            for c in self.whole_buffers(&state.held, &mut state.memo)? {
+                comm.add(&c.row);
+                if let (Some(rows), Some(schedule)) = (rows.as_mut(), &self.schedule) {
+                    schedule.add_comm(p, rows, c.tensor, c.collective);
+                }
+                let t = c.tensor as usize;
+                state.held[t] = state.held[t].with(Layout::Identity);
+                state.created[t] = state.created[t].with_raw(Layout::Identity);
+                comms.push(c);
+            }
+        }
+        let comp = step.comp[rule_index].clone();
+        Ok(ChosenStep { step: pos, rule: rule_index, sources, comms, comp, comm, overlap: rows })
+    }
+
+    /// The sources step `pos` creates for rule `rule_index` as `choice` picks their
+    /// layouts; their rows (gradient synchronization) added to `comm` and `rows`.
+    fn replay_sources(
+        &self,
+        state: &mut Replayed,
+        pos: usize,
+        rule_index: usize,
+        choice: u16,
+        comm: &mut Row,
+        rows: &mut Option<StepRows>,
+    ) -> Vec<Source> {
+        let p = self.problem;
+        let rule = &p.steps[pos].rules[rule_index];
+        let mut sources = Vec::new();
+        let mut c = choice as usize;
+        for (t, slot) in self.new_sources(pos) {
+            let options = p.source_options(t, rule.inputs[slot]);
+            let (created_layout, _) = options[c % options.len()];
+            c /= options.len();
+            state.held[t as usize] = LayoutSet::single(created_layout);
+            state.created[t as usize] = state.created[t as usize].with_raw(created_layout);
+            let row = self.source_row(t, created_layout).unwrap_or_else(|| Row::zeros(p.profile.world()));
+            comm.add(&row);
+            if let Some(rows) = rows.as_mut() {
+                rows.add_serial(&row);
+            }
+            sources.push(Source { tensor: t, layout: created_layout, row });
+        }
+        sources
+    }
+
+    /// The communications that bring step `pos`'s inputs into the layouts rule
+    /// `rule_index` needs (the cheapest from those held), their rows added to `comm` and
+    /// `rows`.
+    fn replay_comms(
+        &self,
+        state: &mut Replayed,
+        pos: usize,
+        rule_index: usize,
+        comm: &mut Row,
+        rows: &mut Option<StepRows>,
+    ) -> Result<Vec<Comm>> {
+        let p = self.problem;
+        let step = &p.steps[pos];
+        let mut comms = Vec::new();
+        for (slot, &t) in step.inputs.iter().enumerate() {
+            let need = step.rules[rule_index].inputs[slot];
+            let current = state.held[t as usize];
+            if current.contains(need) {
+                continue;
+            }
+            let (from, collective, _) = self.cheapest_comm(t, current, need, &mut state.memo).ok_or_else(|| {
+                Error::Synthesis { message: format!("replay: no communication gives {need} at step {pos}") }
+            })?;
+            let tensor = p.tensor(t);
+            let mut row = collective_row(p.profile, collective, tensor.bytes(), tensor.requires_grad);
+            if let (Some(rows), Some(schedule)) = (rows.as_mut(), &self.schedule) {
+                schedule.add_comm(p, rows, t, collective);
+            }
+            if let Some(again) = self.recomputed_comm(pos, t, collective) {
+                if let Some(rows) = rows.as_mut() {
+                    rows.add_recomputed(&again);
+                }
+                row.add(&again);
+            }
+            comm.add(&row);
+            comms.push(Comm { tensor: t, from, to: need, collective, row });
+            state.held[t as usize] = current.with(need);
+            state.created[t as usize] = state.created[t as usize].with_raw(need);
+        }
+        Ok(comms)
     }
 }
 

@@ -3,12 +3,25 @@
 //! the shapes of every op as its family checks them (`Family::check_shapes` in
 //! `rules/`). Ops the core does not know are not checked (they become opaque,
 //! replicated-only ops).
+//!
+//! Checked decoding lives here too: `Graph::from_msgpack` decodes with
+//! [`crate::ir::decode`] and validates, so that `ir` needs neither this module nor the
+//! rules.
 
 use std::collections::HashSet;
 
 use crate::error::{Error, Result};
 use crate::ir::{DType, Graph, Node, NodeKind, Value};
 use crate::rules;
+
+impl Graph {
+    /// Decode ([`crate::ir::decode`]) and validate a `.hapg` document.
+    pub fn from_msgpack(bytes: &[u8]) -> Result<Graph> {
+        let graph = crate::ir::decode(bytes)?;
+        validate(&graph)?;
+        Ok(graph)
+    }
+}
 
 /// Validate every node, then the loss.
 pub fn validate(graph: &Graph) -> Result<()> {

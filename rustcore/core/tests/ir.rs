@@ -313,9 +313,9 @@ type Edit = Box<dyn FnOnce(&mut rmpv::Value)>;
 /// (what, edit, Python class, node, field) of the error.
 type Case = (&'static str, Edit, &'static str, Option<&'static str>, Option<&'static str>);
 
-#[test]
-fn edits_name_the_node_and_field() {
-    let cases: Vec<Case> = vec![
+/// Edits of a node's fields that fail to decode: one missing, a count out of range or not a number.
+fn node_field_cases() -> Vec<Case> {
+    vec![
         (
             "missing kind",
             Box::new(|d| {
@@ -346,6 +346,12 @@ fn edits_name_the_node_and_field() {
             Some("gelu"),
             Some("flops"),
         ),
+    ]
+}
+
+/// Edits of a node's values that fail to decode: references, arguments, results.
+fn node_value_cases() -> Vec<Case> {
+    vec![
         (
             "inputs not refs",
             Box::new(|d| *entry(node(d, "gelu"), "inputs") = rmpv::Value::from("x")),
@@ -374,6 +380,12 @@ fn edits_name_the_node_and_field() {
             Some("gelu"),
             Some("outputs"),
         ),
+    ]
+}
+
+/// Edits that make a node wrong in its graph: references, names, sources.
+fn node_check_cases() -> Vec<Case> {
+    vec![
         (
             "tensor arg out of range",
             Box::new(|d| {
@@ -426,6 +438,12 @@ fn edits_name_the_node_and_field() {
             Some("gelu"),
             Some("inputs"),
         ),
+    ]
+}
+
+/// Edits of the document around the nodes: the loss, the node list, the header.
+fn graph_cases() -> Vec<Case> {
+    vec![
         (
             "loss past the end",
             Box::new(|d| *entry(d, "loss") = ints(&[99, 0])),
@@ -479,6 +497,12 @@ fn edits_name_the_node_and_field() {
             None,
             None,
         ),
+    ]
+}
+
+/// Edits the shape checks of the op families catch.
+fn shape_cases() -> Vec<Case> {
+    vec![
         (
             "bias of the wrong size",
             Box::new(|d| {
@@ -509,8 +533,13 @@ fn edits_name_the_node_and_field() {
             Some("gelu"),
             None,
         ),
-    ];
-    for (what, edit, kind, node_name, field) in cases {
+    ]
+}
+
+#[test]
+fn edits_name_the_node_and_field() {
+    let groups = [node_field_cases(), node_value_cases(), node_check_cases(), graph_cases(), shape_cases()];
+    for (what, edit, kind, node_name, field) in groups.into_iter().flatten() {
         let err = edited(edit).expect_err(what);
         assert_eq!((err.kind(), err.node(), err.field()), (kind, node_name, field), "{what}: {err}");
     }

@@ -36,55 +36,12 @@ pub const FAMILY: Family = Family {
 };
 
 fn rules(ctx: &OpCtx) -> Vec<Rule> {
+    if ctx.op() == "aten.cat" {
+        return cat_rules(ctx);
+    }
     let x = ctx.in_shape(0);
-    let mapping: Vec<(usize, usize)> = match ctx.op() {
-        "aten.view" | "aten.reshape" | "aten._unsafe_view" | "aten.flatten.using_ints" | "aten.unflatten.int" => {
-            reshape_map(x, ctx.out_shape(0))
-        }
-        "aten.alias" | "aten.detach" | "aten.lift_fresh_copy" => (0..x.len()).map(|d| (d, d)).collect(),
-        "aten.transpose.int" => {
-            let rank = x.len();
-            let dims = (ctx.int_arg("dim0"), ctx.int_arg("dim1"));
-            let (Some(a), Some(b)) = dims else { return Vec::new() };
-            let (Some(a), Some(b)) = (OpCtx::norm_dim(a, rank), OpCtx::norm_dim(b, rank)) else { return Vec::new() };
-            (0..rank).map(|d| (d, if d == a { b } else if d == b { a } else { d })).collect()
-        }
-        "aten.t" => (0..x.len()).map(|d| (d, x.len() - 1 - d)).collect(),
-        "aten.permute" => {
-            let Some(dims) = ctx.ints_arg("dims") else { return Vec::new() };
-            dims.iter()
-                .enumerate()
-                .filter_map(|(o, &i)| OpCtx::norm_dim(i, x.len()).map(|i| (i, o)))
-                .collect()
-        }
-        "aten.unsqueeze" => {
-            let Some(dim) = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len() + 1)) else { return Vec::new() };
-            (0..x.len()).map(|d| (d, if d < dim { d } else { d + 1 })).collect()
-        }
-        "aten.squeeze.dim" => {
-            let Some(dim) = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len())) else { return Vec::new() };
-            if x[dim] != 1 {
-                (0..x.len()).map(|d| (d, d)).collect()
-            } else {
-                (0..x.len()).filter(|&d| d != dim).map(|d| (d, if d < dim { d } else { d - 1 })).collect()
-            }
-        }
-        "aten.expand" => {
-            let out = ctx.out_shape(0);
-            let offset = out.len().saturating_sub(x.len());
-            (0..x.len()).filter(|&d| x[d] == out[d + offset] && x[d] != 1).map(|d| (d, d + offset)).collect()
-        }
-        "aten.cat" => return cat_rules(ctx),
-        "aten.slice.Tensor" | "aten.chunk" | "aten.split.Tensor" => {
-            let Some(dim) = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len())) else { return Vec::new() };
-            (0..x.len()).filter(|&d| d != dim).map(|d| (d, d)).collect()
-        }
-        "aten.select.int" => {
-            let Some(dim) = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len())) else { return Vec::new() };
-            (0..x.len()).filter(|&d| d != dim).map(|d| (d, if d < dim { d } else { d - 1 })).collect()
-        }
-        _ => Vec::new(),
-    };
+    // an op whose dims cannot be read has no rule at all
+    let Some(mapping) = dim_map(ctx) else { return Vec::new() };
     let mut rules: Vec<Rule> = mapping
         .into_iter()
         .filter(|&(i, _)| x.get(i).is_some_and(|&s| s > 1))
@@ -100,6 +57,61 @@ fn rules(ctx: &OpCtx) -> Vec<Rule> {
     }
     rules.push(ctx.uniform(PARTIAL, Layout::Reduce, Layout::Reduce, Work::Free));
     rules
+}
+
+/// How a view maps its operand's dims to its result's: (operand dim, result dim) for
+/// each dim a slice along stays a slice along; `None` when the op's dims cannot be
+/// read (then it has no rule).
+fn dim_map(ctx: &OpCtx) -> Option<Vec<(usize, usize)>> {
+    let x = ctx.in_shape(0);
+    let mapping = match ctx.op() {
+        "aten.view" | "aten.reshape" | "aten._unsafe_view" | "aten.flatten.using_ints" | "aten.unflatten.int" => {
+            reshape_map(x, ctx.out_shape(0))
+        }
+        "aten.alias" | "aten.detach" | "aten.lift_fresh_copy" => (0..x.len()).map(|d| (d, d)).collect(),
+        "aten.transpose.int" => {
+            let rank = x.len();
+            let dims = (ctx.int_arg("dim0"), ctx.int_arg("dim1"));
+            let (Some(a), Some(b)) = dims else { return None };
+            let (Some(a), Some(b)) = (OpCtx::norm_dim(a, rank), OpCtx::norm_dim(b, rank)) else { return None };
+            (0..rank).map(|d| (d, if d == a { b } else if d == b { a } else { d })).collect()
+        }
+        "aten.t" => (0..x.len()).map(|d| (d, x.len() - 1 - d)).collect(),
+        "aten.permute" => {
+            let dims = ctx.ints_arg("dims")?;
+            dims.iter()
+                .enumerate()
+                .filter_map(|(o, &i)| OpCtx::norm_dim(i, x.len()).map(|i| (i, o)))
+                .collect()
+        }
+        "aten.unsqueeze" => {
+            let dim = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len() + 1))?;
+            (0..x.len()).map(|d| (d, if d < dim { d } else { d + 1 })).collect()
+        }
+        "aten.squeeze.dim" => {
+            let dim = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len()))?;
+            if x[dim] != 1 {
+                (0..x.len()).map(|d| (d, d)).collect()
+            } else {
+                (0..x.len()).filter(|&d| d != dim).map(|d| (d, if d < dim { d } else { d - 1 })).collect()
+            }
+        }
+        "aten.expand" => {
+            let out = ctx.out_shape(0);
+            let offset = out.len().saturating_sub(x.len());
+            (0..x.len()).filter(|&d| x[d] == out[d + offset] && x[d] != 1).map(|d| (d, d + offset)).collect()
+        }
+        "aten.slice.Tensor" | "aten.chunk" | "aten.split.Tensor" => {
+            let dim = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len()))?;
+            (0..x.len()).filter(|&d| d != dim).map(|d| (d, d)).collect()
+        }
+        "aten.select.int" => {
+            let dim = ctx.int_arg("dim").and_then(|d| OpCtx::norm_dim(d, x.len()))?;
+            (0..x.len()).filter(|&d| d != dim).map(|d| (d, if d < dim { d } else { d - 1 })).collect()
+        }
+        _ => Vec::new(),
+    };
+    Some(mapping)
 }
 
 /// `expand` from `x` to `out`: the result dims that broadcast makes (a size-1 dim of
