@@ -109,7 +109,7 @@ pub fn one_way_row(profile: &Profile, collective: Collective, bytes: f64) -> Row
     row
 }
 
-/// Bytes of gradient the runtime packs into one all-reduce (`hapd.runtime.GradSync`):
+/// Bytes of gradient the runtime packs into one all-reduce (`hapd.spmd.gradsync.GradSync`):
 /// replicated parameters' gradients travel together, one latency per bucket rather than
 /// per parameter. Smaller than DDP's 25 MiB so that the first buckets' sums overlap
 /// the rest of backward even for models of a few million parameters.

@@ -57,11 +57,25 @@
 //!   group** is the set of ranks on one host.
 //! - **triple** — a Hoare triple `{pre} instruction {post}` over tensor layouts: one way
 //!   to compute or communicate a tensor.
-//! - **step** — one triple chosen by the search, in program order.
-//! - **plan** — the chosen steps, their layouts and collectives, the ratios and the
-//!   cost estimate: what the runtime applies to a module for each rank.
+//! - **plan step** — one triple chosen by the search, in program order (a plan's
+//!   `program.steps`; `ChosenStep` here). Python says "plan step" in full.
+//! - **plan** — the chosen plan steps, their layouts and collectives, the ratios and
+//!   the cost estimate: what `hapd.spmd` applies to a module for each rank; a `.hplan`
+//!   file. Only this is a plan: how a mixed-length training step is cut into rows is its
+//!   **packing**, torch's checkpoint "planners" keep torch's word, and a pipeline plan
+//!   is the plan of the pipeline technique.
+//! - **program** — an exported torch program (`torch.export`'s `ExportedProgram`, a
+//!   `.pt2`): a model has several (its training forward, its eval forward, other batch
+//!   sizes). A **rank program** is the module one rank runs (`hapd.spmd.rewrite`'s
+//!   `distribute`); a plan's **plan program** (`plan.program`) is its plan steps as data.
+//! - **technique** — how a plan splits the work: SPMD (one program on every device),
+//!   pipeline (stages on host groups) or overlap.
+//! - **overlap** — the technique (HiDup) that runs a rank program as two interleaved
+//!   **duplicas**, half the batch each, so one's communication hides under the other's
+//!   compute (`hapd.spmd.duplicas`). A profile's `sync_overlap` is another thing: the
+//!   share of a gradient sync hidden behind the backward pass, "sync hiding" in prose.
 //! - **training step** — one optimizer update (what checkpoints, snapshots, the loader
-//!   and the launcher's timings count); "step" alone in the runtime means this one.
+//!   and the launcher's timings count); "step" alone in Python means this one.
 //! - **generation** — one run of an elastic job on one set of hosts (`JOB-g0`,
 //!   `JOB-g1`, …); a host lost or joining starts the next.
 //! - **snapshot** — each rank's files of a checkpoint of one training step, kept in the

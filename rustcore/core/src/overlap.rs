@@ -1,6 +1,6 @@
 //! The overlap-aware cost: a program run as **two duplicas** interleaved (HiDup,
 //! SoCC'22), so that one duplica computes while the other communicates
-//! (`hapd.runtime.overlap` runs it).
+//! (`hapd.spmd.duplicas` runs it).
 //!
 //! The program is searched on the graph of one duplica (half the global batch). Each
 //! rank runs it twice, duplicas A and B. Every collective on a batch-dependent tensor is

@@ -1,5 +1,5 @@
 //! The cluster profile as the core sees it: devices and the α-β cost of each
-//! collective. Python validates the JSON file (`hapd/profile.py`) and hands the core a
+//! collective. Python validates the JSON file (`hapd/profile/schema.py`) and hands the core a
 //! normalized msgpack map; the core checks what it relies on again.
 
 use serde::Deserialize;

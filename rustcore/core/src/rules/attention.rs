@@ -10,7 +10,7 @@
 //!   causal or masked slice of queries would need its row offset into the mask.
 //!
 //! With `dropout_p > 0` (training) the runtime runs the math attention with the
-//! probabilities dropped by hapd's counter-based generator (`hapd/runtime/random_ops.py`,
+//! probabilities dropped by hapd's counter-based generator (`hapd/spmd/random/random_ops.py`,
 //! `CounterAttention`): each rank draws its slice of the single-device probabilities, so
 //! the same rules hold. The cost adds the draw (as a dropout's, per probability) and the
 //! probabilities written and read again in memory, which a fused kernel never does.

@@ -4,7 +4,7 @@
 //! result, should it survive normalization), `aten.bernoulli(probabilities)`,
 //! `aten.bernoulli.p(x, p)` (stochastic depth's `empty(…).bernoulli_(p)`, functionalized),
 //! `aten.rand_like(x)` and `aten.randn_like(x)` run on each rank with hapd's counter-based
-//! generator (`hapd/runtime/counter_rng.py`): every element's keep decision is a pure
+//! generator (`hapd/spmd/random/counter_rng.py`): every element's keep decision is a pure
 //! function of the seed, the op's stream (its position among the program's random
 //! ops), the training step and the element's linear index in the single-device
 //! tensor. A rank draws only its slice, and the slices are the single-device draw, so
@@ -38,7 +38,7 @@ pub const FAMILY: Family = Family {
 };
 
 /// FLOPs per element: the draw (SplitMix64 over the element's index: about 15 integer
-/// ops, `hapd/runtime/counter_rng.py`), the comparison and the scaled product.
+/// ops, `hapd/spmd/random/counter_rng.py`), the comparison and the scaled product.
 pub const FLOPS_PER_ELEMENT: f64 = 18.0;
 
 /// FLOPs per element of `randn_like`: two draws and the Box–Muller transform (a log,
