@@ -66,35 +66,53 @@ def export(
         raise ExportError(f"{len(batch_dims)} batch dims for {len(example_inputs)} example inputs")
     model.train(training)
     size = _batch_size(example_inputs, batch_dims)
-    info = BatchInfo(size=size, symbolic=False, reason="exported static")
-    program = None
+    program, info = None, BatchInfo(size=size, symbolic=False, reason="exported static")
     if symbolic_batch:
-        try:
-            program = _export(model, example_inputs, dynamic_shapes(example_inputs, batch_dims))
-            info = BatchInfo(size=size, symbolic=True)
-        except Exception as exc:  # noqa: BLE001 - any reason torch gives: fall back, and say why
-            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
-            if size < 2:
-                reason = f"example batch {size}: torch.export specializes a dim of size 0 or 1 ({reason})"
-            info = BatchInfo(size=size, symbolic=False, reason=reason)
-            _log.warning("%s: exported at the static batch %d, not a symbolic batch: %s",
-                         name or type(model).__name__, size, reason)
+        program, info = _export_symbolic(model, example_inputs, batch_dims, size, name)
     if program is None:
-        try:
-            program = _export(model, example_inputs, None)
-        except Exception as exc:
-            raise ExportError(f"torch.export failed for {type(model).__name__}: {type(exc).__name__}: {exc}") from exc
+        program = _export_static(model, example_inputs)
     set_batch_info(program, info)
     if path is not None:
-        names = user_input_names(program)
-        meta = {"name": name or type(model).__name__, "batch_dims": dict(zip(names, batch_dims)),
-                FROZEN_KEY: frozen_parameters(program), **info.to_doc()}
-        try:
-            with atomic_file(path) as handle:
-                torch.export.save(program, handle, extra_files={EXTRA_FILE: json.dumps(meta, sort_keys=True)})
-        except OSError as exc:
-            raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from exc
+        _save(program, path, name or type(model).__name__, batch_dims, info)
     return program
+
+
+def _export_symbolic(model: torch.nn.Module, example_inputs: tuple[Any, ...], batch_dims: Sequence[int | None],
+                     size: int, name: str | None) -> tuple[ExportedProgram | None, BatchInfo]:
+    """The program exported with a symbolic batch dim, or None and why it could not be
+    (logged at warning level)."""
+    try:
+        program = _export(model, example_inputs, dynamic_shapes(example_inputs, batch_dims))
+        return program, BatchInfo(size=size, symbolic=True)
+    except Exception as exc:  # noqa: BLE001 - any reason torch gives: fall back, and say why
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+        if size < 2:
+            reason = f"example batch {size}: torch.export specializes a dim of size 0 or 1 ({reason})"
+        _log.warning("%s: exported at the static batch %d, not a symbolic batch: %s",
+                     name or type(model).__name__, size, reason)
+        return None, BatchInfo(size=size, symbolic=False, reason=reason)
+
+
+def _export_static(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> ExportedProgram:
+    """The program exported at the example batch; :class:`ExportError` when torch cannot."""
+    try:
+        return _export(model, example_inputs, None)
+    except Exception as exc:
+        raise ExportError(f"torch.export failed for {type(model).__name__}: {type(exc).__name__}: {exc}") from exc
+
+
+def _save(program: ExportedProgram, path: str | Path, name: str, batch_dims: Sequence[int | None],
+          info: BatchInfo) -> None:
+    """Save ``program`` to ``path`` with the model's name, batch dims, frozen parameters
+    and batch info (hapd's extra file)."""
+    names = user_input_names(program)
+    meta = {"name": name, "batch_dims": dict(zip(names, batch_dims)),
+            FROZEN_KEY: frozen_parameters(program), **info.to_doc()}
+    try:
+        with atomic_file(path) as handle:
+            torch.export.save(program, handle, extra_files={EXTRA_FILE: json.dumps(meta, sort_keys=True)})
+    except OSError as exc:
+        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def _export(model: torch.nn.Module, example_inputs: tuple[Any, ...], shapes: Any) -> ExportedProgram:
