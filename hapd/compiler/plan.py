@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import msgpack
 
@@ -339,15 +339,32 @@ def explain(plan: Plan, *, steps: bool = True) -> str:
     sync and pipeline reports, per-device totals, and every step with its layouts and
     collectives and why replicated ops are replicated."""
     doc, program, ratios = plan.doc, plan.program, plan.ratios
-    est, base, stats = doc["estimate"], doc["baselines"], doc["stats"]
-    opaque = set(doc.get("opaque_ops", []))
     gap = doc.get("dp_gap")
     head = summary_lines(doc)
     if gap:
         head += gap_lines(gap)[: 1 + len(gap["causes"])]
     if not steps:
         return "\n".join([*head, "(hapd explain --steps: the details and every step's layouts and collectives)"])
-    lines = [*head, "", "details:",
+    lines = [*head, "", "details:", *_detail_lines(doc, program)]
+    lines += search_pass_lines(doc["stats"])
+    lines += technique_lines(doc)
+    lines += gap_lines(doc.get("dp_gap"))
+    lines += _overlap_lines(plan)
+    lines += _sync_lines(doc["estimate"])
+    lines += _pipeline_lines(doc)
+    lines += _device_lines(doc["estimate"], ratios)
+    lines.append("steps:")
+    opaque = set(doc.get("opaque_ops", []))
+    for step in program["steps"]:
+        lines += _step_lines(step, ratios, opaque)
+    return "\n".join(lines)
+
+
+def _detail_lines(doc: Mapping[str, Any], program: Mapping[str, Any]) -> list[str]:
+    """The details' first lines: what the plan is for, its estimate against the
+    baselines, replicated FLOPs, recompute and the synthesis's statistics."""
+    est, base, stats = doc["estimate"], doc["baselines"], doc["stats"]
+    return [
         f"plan for {program['graph']} on {doc['key'].get('profile_name', '?')} ({program['devices']} devices)",
         f"  graph {doc['key']['graph_id'][:16]}  profile {doc['key']['profile_id'][:16]}  hapd {doc['key']['compiler_version']}",
         f"estimated per iteration: {format_seconds(est['per_iteration'])}"
@@ -358,42 +375,44 @@ def explain(plan: Plan, *, steps: bool = True) -> str:
         f"synthesis: {stats['seconds']:.3f} s, {stats['expanded']} states expanded, "
         f"{stats['lp_rounds']} search/LP rounds, stop reason {stats['stop_reason']}",
     ]
-    lines += search_pass_lines(stats)
-    lines += technique_lines(doc)
-    lines += gap_lines(doc.get("dp_gap"))
-    lines += _overlap_lines(plan)
-    lines += _sync_lines(est)
-    lines += _pipeline_lines(doc)
-    lines.append("devices:")
+
+
+def _device_lines(est: Mapping[str, Any], ratios: Sequence[float]) -> list[str]:
+    """Each device's ratio, compute, communication and memory."""
+    lines = ["devices:"]
     for d, r in enumerate(ratios):
         lines.append(
             f"  rank {d:<3} ratio {r:.4f}  compute {format_seconds(est['compute'][d]):>10}  "
             f"communication {format_seconds(est['communication'][d]):>10}  memory {format_bytes(est['memory'][d])}"
         )
-    lines.append("steps:")
-    for step in program["steps"]:
-        comp = max(row_values(step["comp"], ratios), default=0.0)
-        comm = max(row_values(step["comm"], ratios), default=0.0)
-        ins = ", ".join(f"{i['tensor']}:{i['layout']}" for i in step["inputs"])
-        outs = ", ".join(f"{o['tensor']}:{o['layout']}" for o in step["outputs"])
-        span = step.get("recompute_span")
-        again = f"  recomputed (span {span})" if span is not None else ""
-        lines.append(f"  {step['node']:<30} {step['op']:<34} {step['rule']:<16} {format_seconds(comp + comm):>10}{again}")
-        lines.append(f"      {ins} -> {outs}")
-        for s in step["sources"]:
-            sync = f", gradient all-reduce {format_bytes(s['bytes'])} {format_seconds(max(row_values(s['cost'], ratios)))}" if s["grad_sync"] else ""
-            lines.append(f"      source {s['kind']} {s['target']} as {s['layout']}{sync}")
-        for c in step["comms"]:
-            t = max(row_values(c["cost"], ratios), default=0.0)
-            back = " (+ backward)" if c["grad"] else ""
-            lines.append(
-                f"      {c['collective']} {c['tensor']} {c['from']} -> {c['to']}, {format_bytes(c['bytes'])}, {format_seconds(t)}{back}"
-            )
-        if step["rule"] == "replicated" and step["work"] != "free":
-            why = (
-                f"{step['op']} has no sharding rules (opaque)"
-                if step["op"] in opaque
-                else "cheapest under the cost model: a sharded rule would need more communication than it saves"
-            )
-            lines.append(f"      replicated: {why}")
-    return "\n".join(lines)
+    return lines
+
+
+def _step_lines(step: Mapping[str, Any], ratios: Sequence[float], opaque: set[str]) -> list[str]:
+    """One step: its rule and time, layouts, sources, collectives, and why it is
+    replicated when it is."""
+    comp = max(row_values(step["comp"], ratios), default=0.0)
+    comm = max(row_values(step["comm"], ratios), default=0.0)
+    ins = ", ".join(f"{i['tensor']}:{i['layout']}" for i in step["inputs"])
+    outs = ", ".join(f"{o['tensor']}:{o['layout']}" for o in step["outputs"])
+    span = step.get("recompute_span")
+    again = f"  recomputed (span {span})" if span is not None else ""
+    lines = [f"  {step['node']:<30} {step['op']:<34} {step['rule']:<16} {format_seconds(comp + comm):>10}{again}",
+             f"      {ins} -> {outs}"]
+    for s in step["sources"]:
+        sync = f", gradient all-reduce {format_bytes(s['bytes'])} {format_seconds(max(row_values(s['cost'], ratios)))}" if s["grad_sync"] else ""
+        lines.append(f"      source {s['kind']} {s['target']} as {s['layout']}{sync}")
+    for c in step["comms"]:
+        t = max(row_values(c["cost"], ratios), default=0.0)
+        back = " (+ backward)" if c["grad"] else ""
+        lines.append(
+            f"      {c['collective']} {c['tensor']} {c['from']} -> {c['to']}, {format_bytes(c['bytes'])}, {format_seconds(t)}{back}"
+        )
+    if step["rule"] == "replicated" and step["work"] != "free":
+        why = (
+            f"{step['op']} has no sharding rules (opaque)"
+            if step["op"] in opaque
+            else "cheapest under the cost model: a sharded rule would need more communication than it saves"
+        )
+        lines.append(f"      replicated: {why}")
+    return lines
