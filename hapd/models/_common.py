@@ -9,6 +9,7 @@ Everything here is written with plain ``torch`` ops so that
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,47 @@ def check_transformer(*, hidden: int, heads: int, layers: int, ffn: int,
     check_probability(dropout=dropout, attention_dropout=attention_dropout)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LMConfig:
+    """The sizes every transformer language model here shares (BERT, GPT-2, Llama), with
+    the ``tiny`` and ``small`` presets of BERT and GPT-2; each model's config adds its
+    own fields, checks and ``paper`` size."""
+
+    vocab: int
+    """Vocabulary size."""
+    seq: int
+    """Maximum sequence length (rows of the model's position tables)."""
+    hidden: int
+    """Model width."""
+    heads: int
+    """Attention heads; must divide ``hidden``."""
+    layers: int
+    """Number of layers (blocks)."""
+    ffn: int
+    """Inner width of each feed-forward network (4 * hidden in BERT and GPT-2)."""
+    dropout: float = 0.0
+    """Dropout after the embeddings and on each residual branch (and inside the FFN where
+    the model has one there)."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities (the ``dropout_p`` of sdpa)."""
+
+    def __post_init__(self) -> None:
+        check_transformer(hidden=self.hidden, heads=self.heads, layers=self.layers, ffn=self.ffn,
+                          dropout=self.dropout, attention_dropout=self.attention_dropout)
+        check_positive(vocab=self.vocab, seq=self.seq)
+
+    @classmethod
+    def tiny(cls) -> LMConfig:
+        """2 layers, width 32, vocab 128, seq 16 (~30k parameters)."""
+        return cls(vocab=128, seq=16, hidden=32, heads=4, layers=2, ffn=128)
+
+    @classmethod
+    def small(cls) -> LMConfig:
+        """4 layers, width 256, vocab 4096, seq 64 (~4-5M parameters): big enough that its
+        matmuls run near a CPU core's peak, small enough to train on 2 cores; dropout 0.1."""
+        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024, dropout=0.1, attention_dropout=0.1)
+
+
 def seeded_generator(seed: int = 0) -> torch.Generator:
     """A fresh CPU generator, so example inputs never touch global RNG state."""
     return torch.Generator().manual_seed(seed)
@@ -70,6 +112,32 @@ def lm_tokens(vocab: int, batch: int, seq: int) -> tuple[Tensor, Tensor]:
     stream = torch.randint(0, vocab, (batch, seq + 1), generator=seeded_generator(),
                            dtype=torch.int64)
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+
+
+def lm_inputs(config: LMConfig, batch: int) -> tuple[Tensor, Tensor]:
+    """Deterministic ``(x, y)`` token batches of length ``config.seq``; ``y`` is ``x`` shifted."""
+    return lm_tokens(config.vocab, batch, config.seq)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageConfig:
+    """The inputs and labels of an image classifier here (VGG19, ViT): CIFAR-10's shapes
+    unless set; each model's config adds its sizes and checks."""
+
+    image_size: int = 32
+    """Height and width of the square input image."""
+    in_channels: int = 3
+    """Channels of the input image."""
+    classes: int = 10
+    """Number of output classes."""
+
+
+def labelled_images(config: ImageConfig, batch: int) -> tuple[Tensor, Tensor]:
+    """Deterministic ``(x, y)``: random images ``[batch, C, H, W]`` and labels ``[batch]``."""
+    gen = seeded_generator()
+    x = torch.randn(batch, config.in_channels, config.image_size, config.image_size, generator=gen)
+    y = torch.randint(0, config.classes, (batch,), generator=gen, dtype=torch.int64)
+    return x, y
 
 
 # --------------------------------------------------------------------------

@@ -12,49 +12,19 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from ._common import (check_positive, check_transformer, lm_tokens, post_ln_dense_layer,
-                      post_ln_params, sinusoidal_positions, sum_cross_entropy)
+from ._common import LMConfig, lm_inputs, post_ln_dense_layer, post_ln_params, sinusoidal_positions, sum_cross_entropy
 
 
 @dataclass(frozen=True, kw_only=True)
-class BertConfig:
-    """Sizes of :class:`BertLM`."""
-
-    vocab: int
-    """Vocabulary size (paper: 33280, WikiText-2's 33278 rounded up to a multiple of 8)."""
-    seq: int
-    """Sequence length; the sinusoidal position table has this many rows."""
-    hidden: int
-    """Model width; must be even (sin/cos position pairs)."""
-    heads: int
-    """Attention heads; must divide ``hidden``."""
-    layers: int
-    """Number of post-LN encoder layers."""
-    ffn: int
-    """Inner width of each feed-forward network (4 * hidden in the paper)."""
-    dropout: float = 0.0
-    """Dropout after the embeddings, each sub-layer and inside the FFN."""
-    attention_dropout: float = 0.0
-    """Dropout on the attention probabilities (the ``dropout_p`` of sdpa)."""
+class BertConfig(LMConfig):
+    """Sizes of :class:`BertLM` (paper vocabulary: 33280, WikiText-2's 33278 rounded up to
+    a multiple of 8); ``seq`` rows of sinusoidal positions, so ``hidden`` must be even
+    (sin/cos pairs). ``tiny`` has ~34k parameters, ``small`` ~5.3M."""
 
     def __post_init__(self) -> None:
-        check_transformer(hidden=self.hidden, heads=self.heads, layers=self.layers, ffn=self.ffn,
-                          dropout=self.dropout, attention_dropout=self.attention_dropout)
-        check_positive(vocab=self.vocab, seq=self.seq)
+        super().__post_init__()
         if self.hidden % 2:
             raise ValueError(f"hidden {self.hidden} must be even for sinusoidal positions")
-
-    @classmethod
-    def tiny(cls) -> BertConfig:
-        """2 layers, width 32, vocab 128, seq 16 (~34k parameters)."""
-        return cls(vocab=128, seq=16, hidden=32, heads=4, layers=2, ffn=128)
-
-    @classmethod
-    def small(cls) -> BertConfig:
-        """4 layers, width 256, vocab 4096, seq 64 (~5.3M parameters): big enough that its
-        matmuls run near a CPU core's peak, small enough to train on 2 cores; BERT's dropout
-        0.1."""
-        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024, dropout=0.1, attention_dropout=0.1)
 
     @classmethod
     def paper(cls) -> BertConfig:
@@ -103,7 +73,6 @@ class BertLM(nn.Module):
         return sum_cross_entropy(self.head(h), y)
 
 
-def example_inputs(config: BertConfig, batch: int) -> tuple[Tensor, Tensor]:
-    """Deterministic ``(x, y)`` token batches of length ``config.seq``; ``y`` is ``x`` shifted."""
-    return lm_tokens(config.vocab, batch, config.seq)
+example_inputs = lm_inputs
+"""Deterministic ``(x, y)`` token batches of length ``config.seq``; ``y`` is ``x`` shifted."""
 

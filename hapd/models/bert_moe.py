@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (PostLNEncoderLayer, SelfAttention, check_at_least, check_positive,
-                      lm_tokens)
+from ._common import PostLNEncoderLayer, SelfAttention, check_at_least, check_positive, lm_inputs
 from .bert import BertConfig, BertLM
 
 
@@ -152,6 +151,5 @@ class BertMoE(BertLM):
             hidden=c.hidden, dropout=c.dropout)
 
 
-def example_inputs(config: BertMoEConfig, batch: int) -> tuple[Tensor, Tensor]:
-    """Deterministic ``(x, y)`` token batches of length ``config.seq``; ``y`` is ``x`` shifted."""
-    return lm_tokens(config.vocab, batch, config.seq)
+example_inputs = lm_inputs
+"""Deterministic ``(x, y)`` token batches of length ``config.seq``; ``y`` is ``x`` shifted."""

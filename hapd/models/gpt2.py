@@ -8,44 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import SelfAttention, check_positive, check_transformer, lm_tokens, sum_cross_entropy
+from ._common import LMConfig, SelfAttention, lm_inputs, sum_cross_entropy
 
 
 @dataclass(frozen=True, kw_only=True)
-class GPT2Config:
-    """Sizes of :class:`GPT2`."""
-
-    vocab: int
-    """Vocabulary size."""
-    seq: int
-    """Maximum sequence length (rows of the learned position table)."""
-    hidden: int
-    """Model width."""
-    heads: int
-    """Attention heads; must divide ``hidden``."""
-    layers: int
-    """Number of decoder blocks."""
-    ffn: int
-    """Inner width of each MLP (4 * hidden in GPT-2)."""
-    dropout: float = 0.0
-    """Dropout after the embeddings and on each residual branch."""
-    attention_dropout: float = 0.0
-    """Dropout on the attention probabilities (the ``dropout_p`` of sdpa)."""
-
-    def __post_init__(self) -> None:
-        check_transformer(hidden=self.hidden, heads=self.heads, layers=self.layers, ffn=self.ffn,
-                          dropout=self.dropout, attention_dropout=self.attention_dropout)
-        check_positive(vocab=self.vocab, seq=self.seq)
-
-    @classmethod
-    def tiny(cls) -> GPT2Config:
-        """2 blocks, width 32, vocab 128, seq 16 (~30k parameters)."""
-        return cls(vocab=128, seq=16, hidden=32, heads=4, layers=2, ffn=128)
-
-    @classmethod
-    def small(cls) -> GPT2Config:
-        """4 blocks, width 256, vocab 4096, seq 64 (~4.2M parameters), GPT-2's dropout 0.1."""
-        return cls(vocab=4096, seq=64, hidden=256, heads=4, layers=4, ffn=1024, dropout=0.1, attention_dropout=0.1)
+class GPT2Config(LMConfig):
+    """Sizes of :class:`GPT2` (``seq`` rows of learned positions; ``ffn`` is 4 * hidden in
+    GPT-2). ``tiny`` has ~30k parameters, ``small`` ~4.2M (GPT-2's dropout 0.1)."""
 
     @classmethod
     def paper(cls) -> GPT2Config:
@@ -115,6 +84,5 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def example_inputs(config: GPT2Config, batch: int) -> tuple[Tensor, Tensor]:
-    """Deterministic ``(x, y)`` token batches of length ``config.seq``; ``y`` is ``x`` shifted."""
-    return lm_tokens(config.vocab, batch, config.seq)
+example_inputs = lm_inputs
+"""Deterministic ``(x, y)`` token batches of length ``config.seq``; ``y`` is ``x`` shifted."""

@@ -8,39 +8,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import SelfAttention, check_positive, check_transformer, lm_tokens, sum_cross_entropy
+from ._common import LMConfig, SelfAttention, check_positive, lm_inputs, sum_cross_entropy
 
 
 @dataclass(frozen=True, kw_only=True)
-class LlamaConfig:
-    """Sizes of :class:`Llama`."""
+class LlamaConfig(LMConfig):
+    """Sizes of :class:`Llama` (``seq`` rows of the rotary cos/sin tables; ``heads`` must
+    divide ``hidden`` into an even head size; ``ffn``, the SwiGLU's inner width, is about
+    8/3 * hidden in Llama, which itself trains without dropout)."""
 
-    vocab: int
-    """Vocabulary size."""
-    seq: int
-    """Maximum sequence length (rows of the rotary cos/sin tables)."""
-    hidden: int
-    """Model width."""
-    heads: int
-    """Attention heads; must divide ``hidden`` into an even head size."""
-    layers: int
-    """Number of decoder blocks."""
-    ffn: int
-    """Inner width of the SwiGLU FFN (about 8/3 * hidden in Llama)."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies."""
     norm_eps: float = 1e-6
     """Epsilon inside RMSNorm."""
-    dropout: float = 0.0
-    """Dropout on each residual branch (Llama itself trains without dropout)."""
-    attention_dropout: float = 0.0
-    """Dropout on the attention probabilities (the ``dropout_p`` of sdpa)."""
 
     def __post_init__(self) -> None:
-        check_transformer(hidden=self.hidden, heads=self.heads, layers=self.layers, ffn=self.ffn,
-                          dropout=self.dropout, attention_dropout=self.attention_dropout)
-        check_positive(vocab=self.vocab, seq=self.seq, rope_theta=self.rope_theta,
-                       norm_eps=self.norm_eps)
+        super().__post_init__()
+        check_positive(rope_theta=self.rope_theta, norm_eps=self.norm_eps)
         head_dim = self.hidden // self.heads
         if head_dim % 2:
             raise ValueError(f"head size {head_dim} (hidden {self.hidden} / heads {self.heads}) "
@@ -154,6 +138,5 @@ class Llama(nn.Module):
         return sum_cross_entropy(self.head(self.norm(h)), y)
 
 
-def example_inputs(config: LlamaConfig, batch: int) -> tuple[Tensor, Tensor]:
-    """Deterministic ``(x, y)`` token batches of length ``config.seq``; ``y`` is ``x`` shifted."""
-    return lm_tokens(config.vocab, batch, config.seq)
+example_inputs = lm_inputs
+"""Deterministic ``(x, y)`` token batches of length ``config.seq``; ``y`` is ``x`` shifted."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ._common import (check_divisible, check_positive, check_probability, seeded_generator,
+from ._common import (ImageConfig, check_divisible, check_positive, check_probability, labelled_images,
                       sum_cross_entropy)
 
 POOL = "M"
@@ -22,19 +22,13 @@ POOLS = sum(1 for item in VGG19_PATTERN if item == POOL)
 
 
 @dataclass(frozen=True, kw_only=True)
-class VGG19Config:
-    """Sizes of :class:`VGG19`."""
+class VGG19Config(ImageConfig):
+    """Sizes of :class:`VGG19`; ``image_size`` must be a multiple of 32."""
 
     width: int
     """Channels of the first conv block; later blocks use 2x, 4x and 8x this (paper: 64)."""
     hidden: int
     """Width of the two hidden classifier layers (paper: 4096)."""
-    image_size: int = 32
-    """Height and width of the square input image; must be a multiple of 32."""
-    in_channels: int = 3
-    """Channels of the input image."""
-    classes: int = 10
-    """Number of output classes."""
     dropout: float = 0.0
     """Dropout probability in the classifier."""
 
@@ -105,9 +99,5 @@ class VGG19(nn.Module):
         return sum_cross_entropy(self.classifier(features), y)
 
 
-def example_inputs(config: VGG19Config, batch: int) -> tuple[Tensor, Tensor]:
-    """Deterministic ``(x, y)``: random images and labels."""
-    gen = seeded_generator()
-    x = torch.randn(batch, config.in_channels, config.image_size, config.image_size, generator=gen)
-    y = torch.randint(0, config.classes, (batch,), generator=gen, dtype=torch.int64)
-    return x, y
+example_inputs = labelled_images
+"""Deterministic ``(x, y)``: random images and labels."""

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ._common import (check_divisible, check_positive, check_transformer, post_ln_dense_layer,
-                      post_ln_params, seeded_generator, sum_cross_entropy)
+from ._common import (ImageConfig, check_divisible, check_positive, check_transformer, labelled_images,
+                      post_ln_dense_layer, post_ln_params, sum_cross_entropy)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ViTConfig:
+class ViTConfig(ImageConfig):
     """Sizes of :class:`ViT`."""
 
     hidden: int
@@ -23,14 +23,8 @@ class ViTConfig:
     """Number of post-LN encoder layers."""
     ffn: int
     """Inner width of each feed-forward network (4 * hidden in the paper)."""
-    image_size: int = 32
-    """Height and width of the square input image."""
     patch: int = 4
     """Side of each square patch; must divide ``image_size``."""
-    in_channels: int = 3
-    """Channels of the input image."""
-    classes: int = 10
-    """Number of output classes."""
     dropout: float = 0.0
     """Dropout after the embeddings, each sub-layer and inside the FFN."""
     attention_dropout: float = 0.0
@@ -106,9 +100,5 @@ class ViT(nn.Module):
         return sum_cross_entropy(self.head(h[:, 0]), y)
 
 
-def example_inputs(config: ViTConfig, batch: int) -> tuple[Tensor, Tensor]:
-    """Deterministic ``(x, y)``: random images and labels."""
-    gen = seeded_generator()
-    x = torch.randn(batch, config.in_channels, config.image_size, config.image_size, generator=gen)
-    y = torch.randint(0, config.classes, (batch,), generator=gen, dtype=torch.int64)
-    return x, y
+example_inputs = labelled_images
+"""Deterministic ``(x, y)``: random images and labels."""

@@ -373,42 +373,23 @@ def make(name: str, batch: int = 4, size: str = "tiny",
     return entry.build(config), entry.example_inputs(config, batch)
 
 
-def gpt2(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
-    return make("gpt2", batch, size)
+Factory = Callable[..., tuple[nn.Module, tuple[Tensor, ...]]]
+"""``(batch=4, size="tiny") -> (module, example_inputs)``."""
 
 
-def llama(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
-    return make("llama", batch, size)
+def factory(name: str) -> Factory:
+    """The factory of zoo model ``name``: :func:`make` with its ``batch`` and ``size``,
+    named ``name`` (what ``hapd export hapd.models.zoo:NAME`` calls)."""
+    def made(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
+        return make(name, batch, size)
+
+    made.__name__ = made.__qualname__ = name
+    made.__doc__ = f"{MODELS[name].description}: :func:`make` of {name!r} at ``size`` for ``batch``."
+    return made
 
 
-def bert(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
-    return make("bert", batch, size)
-
-
-def mixtral(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
-    """See :func:`build_mixtral`."""
-    return make("mixtral", batch, size)
-
-
-def qwen2_moe(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
-    """See :func:`build_qwen2_moe`."""
-    return make("qwen2_moe", batch, size)
-
-
-def t5(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
-    return make("t5", batch, size)
-
-
-def resnet18(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
-    return make("resnet18", batch, size)
-
-
-def vit(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, tuple[Tensor, ...]]:
-    return make("vit", batch, size)
-
-
-ZOO: dict[str, Callable[..., tuple[nn.Module, tuple[Tensor, ...]]]] = {
-    "gpt2": gpt2, "llama": llama, "bert": bert, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "t5": t5,
-    "resnet18": resnet18, "vit": vit,
-}
+ZOO: dict[str, Factory] = {name: factory(name) for name in MODELS}
 """Zoo name → factory."""
+
+gpt2, llama, bert, mixtral, qwen2_moe, t5, resnet18, vit = ZOO.values()
+"""The factories, one module attribute each (``hapd export hapd.models.zoo:gpt2``)."""
