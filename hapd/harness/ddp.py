@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,13 +52,29 @@ SPLITS = {"even": "ddp-ev", "flops": "ddp-cp"}
 """``--split`` value -> the system name it reports."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ddp.py", description="Data-parallel baseline (DistributedDataParallel); launch with torchrun.")
+def split_parser(prog: str, description: str, split_help: str) -> argparse.ArgumentParser:
+    """The flags of a data-parallel baseline (this one and :mod:`hapd.harness.fsdp`): the
+    training flags and ``--split``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     add_train_flags(parser)
-    parser.add_argument("--split", choices=list(SPLITS), default="even",
-                        help="even: equal shares (DDP-EV); flops: shares proportional to each device's "
-                             "FLOP/s in --profile (DDP-CP) (default: even)")
+    parser.add_argument("--split", choices=list(SPLITS), default="even", help=split_help)
+    return parser
+
+
+def parse_split_args(parser: argparse.ArgumentParser,
+                     argv: Sequence[str] | None) -> tuple[TrainArgs, argparse.Namespace]:
+    """:func:`~hapd.harness.training.parse_train_args`, and ``--split flops`` needs a
+    ``--profile`` (exits through ``parser.error``)."""
+    args, ns = parse_train_args(parser, argv)
+    if ns.split == "flops" and args.profile is None:
+        parser.error("--split flops needs --profile NAME|PATH: the split follows each device's FLOP/s")
+    return args, ns
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = split_parser("ddp.py", "Data-parallel baseline (DistributedDataParallel); launch with torchrun.",
+                          "even: equal shares (DDP-EV); flops: shares proportional to each device's "
+                          "FLOP/s in --profile (DDP-CP) (default: even)")
     parser.add_argument("--bucket-mib", type=float, default=25.0, metavar="MIB",
                         help="DDP's gradient bucket size, bucket_cap_mb (default: 25, DDP's own)")
     return parser
@@ -118,33 +135,57 @@ class DDPStep:
         return self.last_loss
 
 
-def run(args: TrainArgs, split: str, env: DistEnv, bucket_mib: float = 25.0) -> dict:
-    """Train and report on this rank; returns the summary."""
+@dataclass(frozen=True)
+class Shares:
+    """How a data-parallel baseline's job splits the global batch (:func:`shares`)."""
+
+    profile: Profile | None
+    """``--profile``, loaded (None without one)."""
+    lengths: list[int]
+    """Samples of the global batch on each rank (:func:`split_lengths`)."""
+    spec: models.ModelSpec
+    """The model's registry entry."""
+    weight: float
+    """What this rank's loss counts for in the global batch's loss (:func:`loss_weight`)."""
+
+
+def shares(args: TrainArgs, split: str, env: DistEnv) -> Shares:
+    """This job's :class:`Shares` under ``split``, on this rank."""
     profile = load_profile(args.profile, world_size=env.world) if args.profile is not None else None
     lengths = split_lengths(split, args.batch, env.world, profile)
     spec = models.get(args.model)
-    weight = loss_weight(spec.loss, lengths, env.rank, args.model)
-    model, config = args.build()
-    model = model.to(device=env.device, dtype=args.torch_dtype)
-    ddp_model = wrap(model, env, bucket_mib)
-    inputs = local_batch(spec, config, lengths, env.rank, args.seed, env.device, args.torch_dtype)
-    optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
-    step = DDPStep(ddp_model, inputs, env.world, weight)
-    times = train(step, optimizer, env, iterations=args.iterations, warmup=args.warmup, trace=args.trace)
+    return Shares(profile, lengths, spec, loss_weight(spec.loss, lengths, env.rank, args.model))
+
+
+def report_run(args: TrainArgs, env: DistEnv, step: DDPStep, times: Sequence[float], *, system: str, split: str,
+               shared: Shares, **more: object) -> dict:
+    """Report a data-parallel baseline's timed run (:func:`~hapd.harness.training.report`)
+    with the global batch's loss of its last iteration (all-reduced: collective) and
+    ``more`` beside the split; returns the summary."""
     assert step.last_loss is not None
     total = step.last_loss.float().reshape(1).clone()
     dist.all_reduce(total)
-    extra = {"split": split, "lengths": lengths, "batch": args.batch, "size": args.size, "dtype": args.dtype,
-             "profile": None if profile is None else profile.name}
-    return report(env, system=SPLITS[split], model=args.model, times=times, warmup=args.warmup,
+    extra = {"split": split, "lengths": shared.lengths, "batch": args.batch, "size": args.size, "dtype": args.dtype,
+             **more, "profile": None if shared.profile is None else shared.profile.name}
+    return report(env, system=system, model=args.model, times=times, warmup=args.warmup,
                   loss=float(total.item()), extra=extra, json_path=args.json)
 
 
+def run(args: TrainArgs, split: str, env: DistEnv, bucket_mib: float = 25.0) -> dict:
+    """Train and report on this rank; returns the summary."""
+    shared = shares(args, split, env)
+    model, config = args.build()
+    model = model.to(device=env.device, dtype=args.torch_dtype)
+    ddp_model = wrap(model, env, bucket_mib)
+    inputs = local_batch(shared.spec, config, shared.lengths, env.rank, args.seed, env.device, args.torch_dtype)
+    optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
+    step = DDPStep(ddp_model, inputs, env.world, shared.weight)
+    times = train(step, optimizer, env, iterations=args.iterations, warmup=args.warmup, trace=args.trace)
+    return report_run(args, env, step, times, system=SPLITS[split], split=split, shared=shared)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, ns = parse_train_args(parser, argv)
-    if ns.split == "flops" and args.profile is None:
-        parser.error("--split flops needs --profile NAME|PATH: the split follows each device's FLOP/s")
+    args, ns = parse_split_args(build_parser(), argv)
     return run_rank("ddp", lambda env: run(args, ns.split, env, ns.bucket_mib))
 
 

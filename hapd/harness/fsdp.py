@@ -34,14 +34,12 @@ import argparse
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hapd import models
 from hapd.errors import HapdError
-from hapd.profile.schema import load_profile
-from hapd.harness.ddp import DDPStep, loss_weight, split_lengths
-from hapd.harness.training import TrainArgs, add_train_flags, local_batch, parse_train_args, report, run_rank, train
+from hapd.harness.ddp import DDPStep, parse_split_args, report_run, shares, split_parser
+from hapd.harness.training import TrainArgs, add_init_flag, local_batch, run_rank, train
 from hapd.spmd.distributed import DistEnv
 from hapd.state.weights import WeightSource, init_on_meta, module_init
 from hapd.util import exit_process
@@ -51,16 +49,11 @@ SPLITS = {"even": "fsdp", "flops": "fsdp-cp"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fsdp.py", description="Fully sharded data-parallel baseline (PyTorch FSDP); launch with torchrun.")
-    add_train_flags(parser)
-    parser.add_argument("--split", choices=list(SPLITS), default="even",
-                        help="even: equal shares; flops: shares proportional to each device's FLOP/s in --profile "
-                             "(default: even)")
-    parser.add_argument("--init", choices=["eager", "meta"], default="eager",
-                        help="eager: every rank builds the whole model, then shards it; meta: the model is built on "
-                             "the meta device and each rank initializes only its shards, one parameter at a time, "
-                             "seeded by --seed and each parameter's name (default: eager)")
+    parser = split_parser("fsdp.py", "Fully sharded data-parallel baseline (PyTorch FSDP); launch with torchrun.",
+                          "even: equal shares; flops: shares proportional to each device's FLOP/s in --profile "
+                          "(default: even)")
+    add_init_flag(parser, eager="every rank builds the whole model, then shards it",
+                  meta="the model is built on the meta device and each rank initializes only its shards")
     return parser
 
 
@@ -145,29 +138,17 @@ class FSDPStep(DDPStep):
 
 def run(args: TrainArgs, split: str, init: str, env: DistEnv) -> dict:
     """Train and report on this rank; returns the summary."""
-    profile = load_profile(args.profile, world_size=env.world) if args.profile is not None else None
-    lengths = split_lengths(split, args.batch, env.world, profile)
-    spec = models.get(args.model)
-    weight = loss_weight(spec.loss, lengths, env.rank, args.model)
+    shared = shares(args, split, env)
     model, config = build(args, init, env)
-    inputs = local_batch(spec, config, lengths, env.rank, args.seed, env.device, args.torch_dtype)
+    inputs = local_batch(shared.spec, config, shared.lengths, env.rank, args.seed, env.device, args.torch_dtype)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    step = FSDPStep(model, inputs, env.world, weight)
+    step = FSDPStep(model, inputs, env.world, shared.weight)
     times = train(step, optimizer, env, iterations=args.iterations, warmup=args.warmup, trace=args.trace)
-    assert step.last_loss is not None
-    total = step.last_loss.float().reshape(1).clone()
-    dist.all_reduce(total)
-    extra = {"split": split, "lengths": lengths, "batch": args.batch, "size": args.size, "dtype": args.dtype,
-             "init": init, "profile": None if profile is None else profile.name}
-    return report(env, system=SPLITS[split], model=args.model, times=times, warmup=args.warmup,
-                  loss=float(total.item()), extra=extra, json_path=args.json)
+    return report_run(args, env, step, times, system=SPLITS[split], split=split, shared=shared, init=init)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, ns = parse_train_args(parser, argv)
-    if ns.split == "flops" and args.profile is None:
-        parser.error("--split flops needs --profile NAME|PATH: the split follows each device's FLOP/s")
+    args, ns = parse_split_args(build_parser(), argv)
     return run_rank("fsdp", lambda env: run(args, ns.split, ns.init, env))
 
 

@@ -263,6 +263,15 @@ def add_train_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def add_init_flag(parser: argparse.ArgumentParser, *, eager: str, meta: str) -> None:
+    """Add ``--init eager|meta`` (how each rank gets its weights) to ``parser``; ``eager``
+    and ``meta`` say what each does in this script (meta: then each rank's pieces come
+    one parameter at a time from :func:`hapd.module_init`)."""
+    parser.add_argument("--init", choices=["eager", "meta"], default="eager",
+                        help=f"eager: {eager}; meta: {meta}, one parameter at a time, seeded by --seed and each "
+                             "parameter's name (default: eager)")
+
+
 def parse_train_args(parser: argparse.ArgumentParser,
                      argv: Sequence[str] | None = None) -> tuple[TrainArgs, argparse.Namespace]:
     """Parse ``argv`` with ``parser`` (which has :func:`add_train_flags`'s flags, and maybe
@@ -458,5 +467,6 @@ def report(env: DistEnv, *, system: str, model: str, times: Sequence[float], war
     return summary
 
 
-__all__ = ["DTYPES", "TRACE_ITERATIONS", "TrainArgs", "add_train_flags", "format_table", "under_launcher",
-           "local_batch", "parse_train_args", "report", "shutdown", "summarize", "trace_path", "train"]
+__all__ = ["DTYPES", "TRACE_ITERATIONS", "TrainArgs", "add_init_flag", "add_train_flags", "format_table",
+           "under_launcher", "local_batch", "parse_train_args", "report", "shutdown", "summarize", "trace_path",
+           "train"]

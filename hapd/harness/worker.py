@@ -35,7 +35,7 @@ from hapd.compiler.options import CompileOptions
 from hapd.profile.schema import Profile
 from hapd.compiler.plan import Plan
 from hapd.errors import HapdError, OptionsError, PlanError
-from hapd.harness.training import TrainArgs, add_train_flags, parse_train_args, report, run_rank, train
+from hapd.harness.training import TrainArgs, add_init_flag, add_train_flags, parse_train_args, report, run_rank, train
 from hapd.spmd.distributed import DistEnv, job_host_groups
 from hapd.train.parallel_module import ParallelModule
 from hapd.train.parallelize import parallelize
@@ -61,10 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pipeline", choices=["off", "auto"], default="off",
                         help="auto: also search pipelines (stages on groups of hosts, 1F1B over micro-batches) and "
                              "run one when it is predicted faster than the SPMD plan (default: off)")
-    parser.add_argument("--init", choices=["eager", "meta"], default="eager",
-                        help="eager: every rank builds the whole model; meta: the model is built on the meta device "
-                             "(buffers real), exported from shapes, and each rank initializes only its own pieces, "
-                             "one parameter at a time, seeded by --seed and each parameter's name (default: eager)")
+    add_init_flag(parser, eager="every rank builds the whole model",
+                  meta="the model is built on the meta device (buffers real), exported from shapes, and each rank "
+                       "initializes only its own pieces")
     return parser
 
 
