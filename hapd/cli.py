@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -406,8 +408,6 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
     (.NAME.pt2.tmp) works too (now and then noticed up to 0.5 s later). Stops cleanly on SIGTERM
     or Ctrl-C.
     """
-    import logging
-    import os
     import signal
     import threading
     import time
@@ -419,29 +419,12 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
     if key_file is None:
         key_file = default_key_path() if home is None else home / "key"
     home = home or home_dir()
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "logs").mkdir(mode=0o700, exist_ok=True)
-    log_path = home / "logs" / "daemon.log"
-    os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))  # the owner's alone, whatever the umask
-    os.chmod(log_path, 0o600)
-    fmt = logging.Formatter("%(asctime)s hapd[%(process)d] %(levelname)s %(message)s")
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr), logging.FileHandler(log_path)]
-    root = logging.getLogger("hapd")
-    root.setLevel(log_level.upper())
-    for handler in handlers:
-        handler.setFormatter(fmt)
-        root.addHandler(handler)
-    root.propagate = False
-    extra: dict[str, object] = {"slots": slots} if slots is not None else {}
-    if max_connections is not None:
-        extra["max_connections"] = max_connections
-    if snapshot_mb is not None:
-        extra["snapshot_max_bytes"] = snapshot_mb * 2**20
+    _log_daemon(home, log_level)
     config = DaemonConfig.defaults(
         profile=profile, home=home, watch=watch, cache=cache, key_file=key_file,
         bind=bind or DEFAULT_ADDRESS, allow_remote=bind is not None, max_cache_bytes=max_cache_bytes,
         max_body_bytes=max_request_bytes, options=_parse_overrides(options), relp=relp, preload=preload,
-        imports=imports, **extra,
+        imports=imports, **_daemon_extra(slots, max_connections, snapshot_mb),
     )
     stop = threading.Event()
     first_signal: list[float] = []
@@ -460,6 +443,33 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     Daemon(config, stop=stop).run()
+
+
+def _log_daemon(home: Path, log_level: str) -> None:
+    """hapd's log records at ``log_level`` and above to stderr and HOME/logs/daemon.log (the owner's alone)."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "logs").mkdir(mode=0o700, exist_ok=True)
+    log_path = home / "logs" / "daemon.log"
+    os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))  # the owner's alone, whatever the umask
+    os.chmod(log_path, 0o600)
+    fmt = logging.Formatter("%(asctime)s hapd[%(process)d] %(levelname)s %(message)s")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr), logging.FileHandler(log_path)]
+    root = logging.getLogger("hapd")
+    root.setLevel(log_level.upper())
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.propagate = False
+
+
+def _daemon_extra(slots: int | None, max_connections: int | None, snapshot_mb: int | None) -> dict[str, object]:
+    """The :class:`~hapd.serve.daemon.DaemonConfig` fields the command line gives (the others: defaults)."""
+    extra: dict[str, object] = {"slots": slots} if slots is not None else {}
+    if max_connections is not None:
+        extra["max_connections"] = max_connections
+    if snapshot_mb is not None:
+        extra["snapshot_max_bytes"] = snapshot_mb * 2**20
+    return extra
 
 
 @main.command("ping")

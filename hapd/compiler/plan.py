@@ -361,8 +361,7 @@ def explain(plan: Plan, *, steps: bool = True) -> str:
 
 
 def _detail_lines(doc: Mapping[str, Any], program: Mapping[str, Any]) -> list[str]:
-    """The details' first lines: what the plan is for, its estimate against the
-    baselines, replicated FLOPs, recompute and the synthesis's statistics."""
+    """The details' head: the plan's key, estimate vs baselines, replicated FLOPs, recompute, synthesis."""
     est, base, stats = doc["estimate"], doc["baselines"], doc["stats"]
     return [
         f"plan for {program['graph']} on {doc['key'].get('profile_name', '?')} ({program['devices']} devices)",
@@ -389,8 +388,7 @@ def _device_lines(est: Mapping[str, Any], ratios: Sequence[float]) -> list[str]:
 
 
 def _step_lines(step: Mapping[str, Any], ratios: Sequence[float], opaque: set[str]) -> list[str]:
-    """One step: its rule and time, layouts, sources, collectives, and why it is
-    replicated when it is."""
+    """One step: its rule and time, layouts, sources, collectives, and why it is replicated if it is."""
     comp = max(row_values(step["comp"], ratios), default=0.0)
     comm = max(row_values(step["comm"], ratios), default=0.0)
     ins = ", ".join(f"{i['tensor']}:{i['layout']}" for i in step["inputs"])

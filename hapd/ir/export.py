@@ -79,8 +79,7 @@ def export(
 
 def _export_symbolic(model: torch.nn.Module, example_inputs: tuple[Any, ...], batch_dims: Sequence[int | None],
                      size: int, name: str | None) -> tuple[ExportedProgram | None, BatchInfo]:
-    """The program exported with a symbolic batch dim, or None and why it could not be
-    (logged at warning level)."""
+    """The program exported with a symbolic batch dim, or None and why not (logged at warning level)."""
     try:
         program = _export(model, example_inputs, dynamic_shapes(example_inputs, batch_dims))
         return program, BatchInfo(size=size, symbolic=True)
@@ -103,8 +102,7 @@ def _export_static(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> E
 
 def _save(program: ExportedProgram, path: str | Path, name: str, batch_dims: Sequence[int | None],
           info: BatchInfo) -> None:
-    """Save ``program`` to ``path`` with the model's name, batch dims, frozen parameters
-    and batch info (hapd's extra file)."""
+    """Save ``program`` to ``path`` with hapd's extra file: name, batch dims, frozen parameters, batch info."""
     names = user_input_names(program)
     meta = {"name": name, "batch_dims": dict(zip(names, batch_dims)),
             FROZEN_KEY: frozen_parameters(program), **info.to_doc()}

@@ -397,8 +397,7 @@ def _device_from_dict(d: Any, i: int) -> Device:
 
 
 def _collectives_from_dict(raw: Any) -> dict[str, dict[str, Link]]:
-    """The ``collectives`` object: each required collective (and each optional one given)
-    → its links by kind."""
+    """The ``collectives`` object: each required collective, and each optional one given → its links."""
     if not isinstance(raw, Mapping):
         raise ProfileError("collectives: expected an object", field="collectives")
     unknown = sorted(set(raw) - set(COLLECTIVES) - set(OPTIONAL_COLLECTIVES))
