@@ -533,21 +533,10 @@ def mixed_loader(sequences: Sequence[Tensor], module: Any, *, tokens: int, short
     if not callable(getattr(module, "expect_batch", None)) or not callable(getattr(module, "global_shapes", None)):
         raise OptionsError(f"mixed_loader takes the ParallelModule hapd.parallelize returned, not a "
                            f"{type(module).__name__}", field="module")
-    lengths = []
-    for i, seq in enumerate(sequences):
-        if not isinstance(seq, Tensor) or seq.dim() != 1 or seq.numel() < 1:
-            raise OptionsError(f"sequence {i} must be a non-empty 1-D tensor of token ids, not "
-                               f"{getattr(seq, 'shape', type(seq).__name__)}", field="sequences")
-        lengths.append(int(seq.numel()))
-    if not lengths:
-        raise OptionsError("no sequences to load", field="sequences")
+    lengths = _sequence_lengths(sequences)
     if tokens < 1:
         raise OptionsError(f"token budget {tokens} must be ≥ 1", field="tokens")
-    shapes = module.global_shapes()
-    if len(shapes) != 3 or any(len(s) != 2 for s in shapes):
-        raise OptionsError(f"mixed_loader feeds (input_ids, position_ids, labels) rows; the module takes inputs of "
-                           f"shapes {shapes}", field="module")
-    rows, row = shapes[0]
+    rows, row = _row_shape(module)
     longest = max(lengths) if longest is None else int(longest)
     if max(lengths) > longest:
         too_long = lengths.index(max(lengths))
@@ -555,11 +544,7 @@ def mixed_loader(sequences: Sequence[Tensor], module: Any, *, tokens: int, short
                            "hapd does not cut sequences (split them before loading)", field="sequences")
     pool = row_lengths(shortest, longest)
     if cost is None:
-        recipe = getattr(module, "_recipe", None)
-        if recipe is None:
-            raise OptionsError("no cost model: pass cost=LengthCost(...) (the module has no model to count)",
-                               field="cost")
-        cost = LengthCost.of_model(recipe.model, lambda n: one_row(n, pad_id))
+        cost = _model_cost(module, pad_id)
 
     def split(n: int, length: int) -> Sequence[int]:
         got = module.sample_lengths(shapes=((n, length),) * 3)
@@ -574,6 +559,38 @@ def mixed_loader(sequences: Sequence[Tensor], module: Any, *, tokens: int, short
                              micro_tokens=rows * row, cost=cost, split=split, rank=module.rank, module=module,
                              seed=seed, shuffle=shuffle, rows_step=rows_step, pad_id=pad_id, packing=packing,
                              device=torch.device(device) if device is not None else None)
+
+
+def _sequence_lengths(sequences: Sequence[Tensor]) -> list[int]:
+    """Each sequence's token count; :class:`OptionsError` for one that is not a non-empty 1-D tensor, or none."""
+    lengths = []
+    for i, seq in enumerate(sequences):
+        if not isinstance(seq, Tensor) or seq.dim() != 1 or seq.numel() < 1:
+            raise OptionsError(f"sequence {i} must be a non-empty 1-D tensor of token ids, not "
+                               f"{getattr(seq, 'shape', type(seq).__name__)}", field="sequences")
+        lengths.append(int(seq.numel()))
+    if not lengths:
+        raise OptionsError("no sequences to load", field="sequences")
+    return lengths
+
+
+def _row_shape(module: Any) -> tuple[int, int]:
+    """The module's example batch as (rows, row length); it must take (input_ids, position_ids, labels) rows."""
+    shapes = module.global_shapes()
+    if len(shapes) != 3 or any(len(s) != 2 for s in shapes):
+        raise OptionsError(f"mixed_loader feeds (input_ids, position_ids, labels) rows; the module takes inputs of "
+                           f"shapes {shapes}", field="module")
+    rows, row = shapes[0]
+    return rows, row
+
+
+def _model_cost(module: Any, pad_id: int) -> LengthCost:
+    """The length cost model counted on the module's model (:meth:`LengthCost.of_model`)."""
+    recipe = getattr(module, "_recipe", None)
+    if recipe is None:
+        raise OptionsError("no cost model: pass cost=LengthCost(...) (the module has no model to count)",
+                           field="cost")
+    return LengthCost.of_model(recipe.model, lambda n: one_row(n, pad_id))
 
 
 def one_row(length: int, pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor]:
