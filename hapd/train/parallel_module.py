@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -57,7 +57,41 @@ from hapd.spmd.rewrite import distribute, global_loss
 _MODE_DEPENDENT = overloads(MODE_DEPENDENT_OPS)
 
 
-class ParallelModule(nn.Module):
+class PlannedModule(nn.Module):
+    """What every module :func:`hapd.parallelize` returns holds (:class:`ParallelModule`,
+    :class:`~hapd.train.pipeline_module.PipelineModule`): where its plan came from, the
+    process group it runs in, the state-dict keys that name another key's tensor
+    (``aliases``) and the state outside the plan (``extra``, held whole)."""
+
+    build_times: Any = None
+    """What :func:`hapd.parallelize` took on this rank
+    (:class:`hapd.train.parallelize.BuildTimes`); None for a module built otherwise."""
+
+    def __init__(self, source: PlanSource, *, group: Any, aliases: Mapping[str, str] | None,
+                 extra: Mapping[str, Tensor] | None):
+        super().__init__()
+        self.plan_source = source
+        self.group = group
+        self.aliases = dict(aliases or {})
+        self.extra = dict(extra or {})
+
+    @property
+    def plan(self) -> Plan:
+        return self.plan_source.plan
+
+    def _with_aliases(self, groups: list[list[str]]) -> list[list[str]]:
+        """``groups`` of state-dict keys naming one tensor, each key in :attr:`aliases`
+        added to the group of the key it names (a group of its own when none has it)."""
+        for key, target in self.aliases.items():
+            group = next((g for g in groups if target in g), None)
+            if group is None:
+                group = [target]
+                groups.append(group)
+            group.append(key)
+        return groups
+
+
+class ParallelModule(PlannedModule):
     """One rank's part of a parallelized model.
 
     ``forward(*local_inputs)`` returns this rank's part of the loss: the sum over ranks
@@ -71,19 +105,11 @@ class ParallelModule(nn.Module):
     (without one, only ``inner`` runs).
     """
 
-    build_times: Any = None
-    """What :func:`hapd.parallelize` took on this rank
-    (:class:`hapd.train.parallelize.BuildTimes`); None for a module built otherwise."""
-
     def __init__(self, inner: RankModule, source: PlanSource, *, group: Any = None,
                  aliases: Mapping[str, str] | None = None, extra: Mapping[str, Tensor] | None = None,
                  recipe: Recipe | None = None):
-        super().__init__()
+        super().__init__(source, group=group, aliases=aliases, extra=extra)
         self.inner = inner
-        self.plan_source = source
-        self.group = group
-        self.aliases = dict(aliases or {})
-        self.extra = dict(extra or {})
         self._recipe = recipe
         self._mode_dependent = [(n.name, str(n.target)) for n in inner.graph.nodes
                                 if n.op == "call_function" and n.target in _MODE_DEPENDENT]
@@ -105,10 +131,6 @@ class ParallelModule(nn.Module):
         """Times each training step for the launcher, progress and logs (:mod:`hapd.train.telemetry`)."""
 
     # -- what the plan says --------------------------------------------------------------
-
-    @property
-    def plan(self) -> Plan:
-        return self.plan_source.plan
 
     @property
     def rank(self) -> int:
@@ -361,14 +383,7 @@ class ParallelModule(nn.Module):
         params = dict(self.inner.named_parameters(remove_duplicate=False))
         for key in self.inner.hapd_params:
             by_id.setdefault(id(params[key]), []).append(key)
-        groups = list(by_id.values())
-        for key, target in self.aliases.items():  # names the rank module does not hold
-            group = next((g for g in groups if target in g), None)
-            if group is None:
-                group = [target]
-                groups.append(group)
-            group.append(key)
-        return groups
+        return self._with_aliases(list(by_id.values()))  # names the rank module does not hold
 
     def params_by_kind(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(split, replicated) trainable parameters with gradients."""
@@ -404,12 +419,7 @@ class ParallelModule(nn.Module):
             if self.world > 1:
                 dist.all_reduce(local, group=self.group)
             total = (local + power_sum(replicated, norm_type, device)) ** (1.0 / norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in split + replicated:
-            p.grad.mul_(coef.to(p.grad.dtype))
-        return total
+        return clip_grads(split + replicated, total, max_norm, norm_type, error_if_nonfinite)
 
     # -- the single-device state dict ----------------------------------------------------
 
@@ -552,4 +562,18 @@ def max_abs(params: Sequence[nn.Parameter], device: torch.device) -> Tensor:
     return total
 
 
-__all__ = ["ParallelModule"]
+def clip_grads(params: Iterable[Tensor], total: Tensor, max_norm: float, norm_type: float,
+               error_if_nonfinite: bool) -> Tensor:
+    """Scale the gradients of ``params`` (those that have one) so that their norm ``total``
+    becomes at most ``max_norm``, as :func:`torch.nn.utils.clip_grad_norm_`; returns
+    ``total``. RuntimeError when it is not finite and ``error_if_nonfinite``."""
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return total
+
+
+__all__ = ["ParallelModule", "PlannedModule"]

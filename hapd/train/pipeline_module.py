@@ -39,13 +39,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from hapd.compiler.plan import Plan
 from hapd.errors import PlanError
 from hapd.train import telemetry
 from hapd.state.held import Held
-from hapd.train.parallel_module import ParallelModule, check_tensors, max_abs, power_sum
+from hapd.train.parallel_module import ParallelModule, PlannedModule, check_tensors, clip_grads, max_abs, power_sum
 from hapd.spmd.pipeline import PipelineRank, build_pipeline
 from hapd.train.plan_source import PlanSource
 from hapd.train.programs import Recipe
@@ -71,7 +70,7 @@ class _KeptGradients(torch.autograd.Function):
         return None, None, None
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(PlannedModule):
     """One rank's stage of a pipelined model (see the module docstring).
 
     ``pipe``: this rank's :class:`PipelineRank`; ``source``: where the plan (the one with
@@ -79,20 +78,12 @@ class PipelineModule(nn.Module):
     every state-dict key of the whole model (the first name of a tied tensor) and its
     shape; ``owners``: the stage that writes each key to checkpoints."""
 
-    build_times: Any = None
-    """What :func:`hapd.parallelize` took on this rank
-    (:class:`hapd.train.parallelize.BuildTimes`); None for a module built otherwise."""
-
     def __init__(self, pipe: PipelineRank, source: PlanSource, stage_source: PlanSource, *,
                  sizes: Mapping[str, tuple[int, ...]], owners: Mapping[str, int],
                  aliases: Mapping[str, str] | None = None, extra: Mapping[str, Tensor] | None = None,
                  example_shapes: Sequence[Sequence[int]] = ()):
-        super().__init__()
+        super().__init__(source, group=None, aliases=aliases, extra=extra)
         self.pipe = pipe
-        self.plan_source = source
-        self.group = None
-        self.aliases = dict(aliases or {})
-        self.extra = dict(extra or {})
         # the stage as an SPMD module of its group: its pieces, layouts and state dict
         self.stage = ParallelModule(pipe.module, stage_source, group=pipe.group)
         self._sizes = {k: tuple(v) for k, v in sizes.items()}
@@ -103,10 +94,6 @@ class PipelineModule(nn.Module):
         """Times each training step for the launcher, progress and logs (:mod:`hapd.train.telemetry`)."""
 
     # -- what the plan says --------------------------------------------------------------
-
-    @property
-    def plan(self) -> Plan:
-        return self.plan_source.plan
 
     @property
     def rank(self) -> int:
@@ -218,14 +205,7 @@ class PipelineModule(nn.Module):
         return sorted(out, key=lambda h: h.key)
 
     def tied_names(self) -> list[list[str]]:
-        groups = [list(g) for g in self.stage.tied_names()]
-        for key, target in self.aliases.items():
-            group = next((g for g in groups if target in g), None)
-            if group is None:
-                group = [target]
-                groups.append(group)
-            group.append(key)
-        return groups
+        return self._with_aliases([list(g) for g in self.stage.tied_names()])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
@@ -249,13 +229,7 @@ class PipelineModule(nn.Module):
             total = power_sum(split + replicated, norm_type, device)
             dist.all_reduce(total)
             total = total ** (1.0 / norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.stage.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
-        return total
+        return clip_grads(self.stage.parameters(), total, max_norm, norm_type, error_if_nonfinite)
 
     # -- the single-device state dict ----------------------------------------------------
 
