@@ -377,18 +377,7 @@ def sync_overlap(device: Any, dtype: Any, *, hosts: Any, window_s: float) -> flo
     import torch.distributed as dist
 
     probe = SyncProbe(device, dtype, hosts, rows=SYNC_PROBE_ROWS[0])
-    probe.step(synced=False)  # allocations, first-call costs
-    forward, backward = {}, {}
-    for rows in SYNC_PROBE_ROWS:
-        probe.set_rows(rows)
-        forward[rows], backward[rows] = min((probe.timed_step() for _ in range(SYNC_PROBE_SAMPLES)), key=sum)
-    _warm_up_groups(hosts, device, dtype)
-    (first_sync,) = _max_over_ranks([_timed(probe.sync_alone, device)], device)
-    rows = _rows_lasting(first_sync, backward)
-    offset, slope = _affine({r: forward[r] + backward[r] for r in SYNC_PROBE_ROWS})
-    (round_s,) = _max_over_ranks([2 * (first_sync + max(0.0, offset + slope * rows))], device)
-    low, high = SYNC_OVERLAP_ROUNDS
-    rounds = min(high, max(low, math.ceil(window_s / round_s)))
+    first_sync, rows, rounds = _probe_rows_and_rounds(probe, device, dtype, hosts, window_s)
     probe.set_rows(rows)
     steps, backwards, syncs, togethers = [], [], [], []
     for _ in range(rounds):
@@ -405,6 +394,23 @@ def sync_overlap(device: Any, dtype: Any, *, hosts: Any, window_s: float) -> flo
     comm = sum(slowest[2 * rounds:-rounds]) if rounds > 1 else first_sync
     together = sum(slowest[-rounds:])
     return overlap_share(comm, backward_s, together - (compute - backward_s))
+
+
+def _probe_rows_and_rounds(probe: SyncProbe, device: Any, dtype: Any, hosts: Any,
+                           window_s: float) -> tuple[float, int, int]:
+    """(first sync's seconds, rows whose backward lasts about one sync, rounds lasting about ``window_s``)."""
+    probe.step(synced=False)  # allocations, first-call costs
+    forward, backward = {}, {}
+    for rows in SYNC_PROBE_ROWS:
+        probe.set_rows(rows)
+        forward[rows], backward[rows] = min((probe.timed_step() for _ in range(SYNC_PROBE_SAMPLES)), key=sum)
+    _warm_up_groups(hosts, device, dtype)
+    (first_sync,) = _max_over_ranks([_timed(probe.sync_alone, device)], device)
+    rows = _rows_lasting(first_sync, backward)
+    offset, slope = _affine({r: forward[r] + backward[r] for r in SYNC_PROBE_ROWS})
+    (round_s,) = _max_over_ranks([2 * (first_sync + max(0.0, offset + slope * rows))], device)
+    low, high = SYNC_OVERLAP_ROUNDS
+    return first_sync, rows, min(high, max(low, math.ceil(window_s / round_s)))
 
 
 def measure_device(device: Any, options: ProfilerOptions, *,
@@ -643,6 +649,17 @@ def measure(options: ProfilerOptions) -> Profile | None:
     kinds: dict[str, Any] = {"inter": None} if multi_host else {"intra": None}
     if host_group is not None:
         kinds["intra"] = host_group
+    fits = _measure_links(kinds, world, rank, hosts, groups, two_level, options, env.device)
+    dist.barrier()
+    if rank != 0:
+        return None
+    return assemble(devices, fits, options, started=started, backend=env.backend, world=world,
+                    no_intra=no_intra if multi_host else None, torch_version=torch.__version__)
+
+
+def _measure_links(kinds: dict[str, Any], world: int, rank: int, hosts: list[str], groups: list[list[int]],
+                   two_level: Any, options: ProfilerOptions, device: Any) -> dict[str, dict[str, Fit]]:
+    """Each collective's fit per link kind (``kinds``: kind → its group), the runtime's grad_sync and p2p's."""
     fits: dict[str, dict[str, Fit]] = {}
     for i, name in enumerate(COLLECTIVES, 1):
         if world == 1:  # nothing is communicated, and the cost model charges nothing
@@ -651,22 +668,18 @@ def measure(options: ProfilerOptions) -> Profile | None:
         _say(rank, f"measuring {name} ({i}/{len(COLLECTIVES)}) …")
         fits[name] = {}
         for kind, group in kinds.items():
-            fits[name][kind] = _measure_link(name, kind, group, options, env.device, rank)
+            fits[name][kind] = _measure_link(name, kind, group, options, device, rank)
     if two_level is not None:
         _say(rank, "measuring grad_sync (the runtime's two-level gradient all-reduce) …")
-        fits["grad_sync"] = {"inter": _measure_link("grad_sync", "inter", None, options, env.device, rank,
+        fits["grad_sync"] = {"inter": _measure_link("grad_sync", "inter", None, options, device, rank,
                                                     hosts=two_level)}
     if world > 1:
         _say(rank, "measuring p2p (one rank's message to another) …")
         members = {"inter": hosts, "intra": [hosts[rank]] * len(next(g for g in groups if rank in g))}
-        fits["p2p"] = {kind: _measure_link("p2p", kind, group, options, env.device, rank,
+        fits["p2p"] = {kind: _measure_link("p2p", kind, group, options, device, rank,
                                            p2p_sharing=pairs_per_host_pair(members[kind]))
                        for kind, group in kinds.items()}
-    dist.barrier()
-    if rank != 0:
-        return None
-    return assemble(devices, fits, options, started=started, backend=env.backend, world=world,
-                    no_intra=no_intra if multi_host else None, torch_version=torch.__version__)
+    return fits
 
 
 def _measure_link(name: str, kind: str, group: Any, options: ProfilerOptions, device: Any, rank: int,
