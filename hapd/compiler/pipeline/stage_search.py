@@ -479,11 +479,7 @@ def stage_table(ir: GraphIR, profile: Profile, options: CompileOptions, *, repea
     ops = op_counts(doc, units.unit_of, count)
     searches = whole = 0
     reduced_doc = reduction.ir.doc if reduction is not None and options.memory_caps else None
-    bytes_of: dict[bool, Any] = {}  # what unit_memory reads of the graphs, by whether the reduced one was searched
-    if options.memory_caps and count >= 2 and units.cuts:
-        bytes_of[False] = graph_unit_bytes(doc, units.unit_of, count)
-        if reduced_doc is not None:
-            bytes_of[True] = (bytes_of[False][0], graph_unit_bytes(reduced_doc, {}, 0)[0])
+    bytes_of = _unit_bytes(doc, reduced_doc, units, count) if options.memory_caps else {}
 
     def price(group: Group) -> tuple[UnitCosts | None, UnitMemory | None, int, int]:
         """(its units' costs, their memory, searches run, whole-graph searches)."""
@@ -522,6 +518,17 @@ def stage_table(ir: GraphIR, profile: Profile, options: CompileOptions, *, repea
     summed = (profile.collectives.get("grad_sync") or profile.collectives["all_reduce"])["inter"]
     return StageTable(units=units, groups=groups, costs=costs, boundary=boundary, searches=searches, sum_link=summed,
                       priced_units=priced_units, whole_searches=whole, memory=memory)
+
+
+def _unit_bytes(doc: Mapping[str, Any], reduced_doc: Mapping[str, Any] | None, units: GraphUnits,
+                count: int) -> dict[bool, Any]:
+    """What unit_memory reads of the graphs, by whether the reduced one was searched (nothing for one unit)."""
+    bytes_of: dict[bool, Any] = {}
+    if count >= 2 and units.cuts:
+        bytes_of[False] = graph_unit_bytes(doc, units.unit_of, count)
+        if reduced_doc is not None:
+            bytes_of[True] = (bytes_of[False][0], graph_unit_bytes(reduced_doc, {}, 0)[0])
+    return bytes_of
 
 
 SEARCH_THREADS = max(1, min(4, os.cpu_count() or 1))

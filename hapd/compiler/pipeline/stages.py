@@ -29,7 +29,7 @@ updates buffers (batch norm's running statistics) is refused — both with an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,31 +86,13 @@ def split_program(program: ExportedProgram, cuts: Sequence[str]) -> tuple[list[S
     """``program`` cut after each node of ``cuts`` (in program order) into
     ``len(cuts) + 1`` stage programs; see the module docstring."""
     ep = normalize(program)
-    gm, graph = ep.graph_module, ep.graph
     kinds = _kinds(ep)
     state = {**dict(ep.named_parameters()), **dict(ep.named_buffers()), **dict(ep.constants)}
-    if any(spec.kind == OutputKind.BUFFER_MUTATION for spec in ep.graph_signature.output_specs):
-        target = next(s.target for s in ep.graph_signature.output_specs if s.kind == OutputKind.BUFFER_MUTATION)
-        raise PlanError(f"pipeline stages: the program updates buffer {target} (running statistics) from the batch; "
-                        "stages that update buffers are not supported", node=target)
-    nodes = list(graph.nodes)
+    _refuse_buffer_updates(ep)
+    nodes = list(ep.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
-    by_name = {n.name: n for n in nodes}
-    cut_positions = []
-    for name in cuts:
-        if name not in by_name:
-            raise PlanError(f"pipeline cut {name!r}: no such node in the program", node=name)
-        cut_positions.append(position[by_name[name]])
-    if cut_positions != sorted(set(cut_positions)):
-        raise PlanError(f"pipeline cuts {list(cuts)} are not in program order")
-
-    heavy: set[fx.Node] = set()
-    for node in nodes:
-        if node.op == "placeholder":
-            if kinds[node.name][0] == InputKind.PARAMETER:
-                heavy.add(node)
-        elif node.op == "call_function" and any(a in heavy for a in node.all_input_nodes):
-            heavy.add(node)
+    cut_positions = _cut_positions(nodes, position, cuts)
+    heavy = _heavy_nodes(nodes, kinds)
 
     def stage_of(node: fx.Node) -> int:
         return sum(position[node] > c for c in cut_positions)
@@ -126,6 +108,52 @@ def split_program(program: ExportedProgram, cuts: Sequence[str]) -> tuple[list[S
     for node in nodes:
         if node.op == "call_function" and node in heavy:
             owned[stage_of(node)].append(node)
+    boundaries = _boundaries(owned, loss_node, heavy, stage_of)
+    user_names = [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
+    stages = []
+    for s in range(n_stages):
+        stages.append(_stage(ep, s, owned[s], loss_node if s == n_stages - 1 else None, boundaries, heavy,
+                             stage_of, user_names, kinds, state))
+    return stages, boundaries
+
+
+def _refuse_buffer_updates(ep: ExportedProgram) -> None:
+    """:class:`PlanError` naming the first buffer the program updates (pipeline stages do not)."""
+    if any(spec.kind == OutputKind.BUFFER_MUTATION for spec in ep.graph_signature.output_specs):
+        target = next(s.target for s in ep.graph_signature.output_specs if s.kind == OutputKind.BUFFER_MUTATION)
+        raise PlanError(f"pipeline stages: the program updates buffer {target} (running statistics) from the batch; "
+                        "stages that update buffers are not supported", node=target)
+
+
+def _cut_positions(nodes: list[fx.Node], position: dict[fx.Node, int], cuts: Sequence[str]) -> list[int]:
+    """The positions of the cut nodes in the program, which must exist and be in program order."""
+    by_name = {n.name: n for n in nodes}
+    cut_positions = []
+    for name in cuts:
+        if name not in by_name:
+            raise PlanError(f"pipeline cut {name!r}: no such node in the program", node=name)
+        cut_positions.append(position[by_name[name]])
+    if cut_positions != sorted(set(cut_positions)):
+        raise PlanError(f"pipeline cuts {list(cuts)} are not in program order")
+    return cut_positions
+
+
+def _heavy_nodes(nodes: list[fx.Node], kinds: dict[str, tuple[InputKind, str | None]]) -> set[fx.Node]:
+    """The trainable parameters and the ops that depend on one."""
+    heavy: set[fx.Node] = set()
+    for node in nodes:
+        if node.op == "placeholder":
+            if kinds[node.name][0] == InputKind.PARAMETER:
+                heavy.add(node)
+        elif node.op == "call_function" and any(a in heavy for a in node.all_input_nodes):
+            heavy.add(node)
+    return heavy
+
+
+def _boundaries(owned: list[list[fx.Node]], loss_node: fx.Node, heavy: set[fx.Node],
+                stage_of: Callable[[fx.Node], int]) -> dict[str, Boundary]:
+    """The heavy results that later stages read, by name; each must be a floating-point tensor."""
+    n_stages = len(owned)
     boundaries: dict[str, Boundary] = {}
     consumers: dict[fx.Node, set[int]] = {}
     for s in range(n_stages):
@@ -139,13 +167,7 @@ def split_program(program: ExportedProgram, cuts: Sequence[str]) -> tuple[list[S
             raise PlanError(f"pipeline cut: {node.name} ({node.target}) crosses a cut but is not a floating-point "
                             "tensor (no gradient can flow back through it); cut elsewhere", node=node.name)
         boundaries[node.name] = Boundary(node.name, stage_of(node), tuple(sorted(readers)), tuple(val.shape), val.dtype)
-
-    user_names = [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
-    stages = []
-    for s in range(n_stages):
-        stages.append(_stage(ep, s, owned[s], loss_node if s == n_stages - 1 else None, boundaries, heavy,
-                             stage_of, user_names, kinds, state))
-    return stages, boundaries
+    return boundaries
 
 
 def _stage(ep: ExportedProgram, s: int, owned: list[fx.Node], loss: fx.Node | None, boundaries: dict[str, Boundary],
@@ -156,10 +178,33 @@ def _stage(ep: ExportedProgram, s: int, owned: list[fx.Node], loss: fx.Node | No
     env: dict[fx.Node, fx.Node] = {}
     received = [b.name for b in boundaries.values() if s in b.consumers]
     sent = [b.name for b in boundaries.values() if b.producer == s]
-    needed_users: list[int] = []
-    parameters: list[str] = []
+    wanted = _wanted(s, owned, loss, boundaries, heavy, stage_of)
+    order = [n for n in ep.graph.nodes if n in wanted]
+    users = [n for n in order if n.op == "placeholder" and kinds[n.name][0] == InputKind.USER_INPUT]
+    needed_users = [user_names.index(node.name) for node in users]
+    for node in users:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for name in received:
+        env[_node(ep, name)] = graph.placeholder(name)
+    grads = {name: graph.placeholder(GRAD_PREFIX + name) for name in sent}
+    parameters = _copy_nodes(graph, root, env, order, kinds, state)
+    if loss is not None:
+        graph.output(env[loss])
+    else:
+        graph.output(_boundary_loss(graph, [env[_node(ep, name)] for name in sent], [grads[name] for name in sent]))
+    graph.lint()
+    module = fx.GraphModule(root, graph)
+    examples = [_example(n.meta["val"]) for n in users]
+    examples += [torch.zeros(boundaries[name].shape, dtype=boundaries[name].dtype) for name in received]
+    examples += [torch.zeros(boundaries[name].shape, dtype=boundaries[name].dtype) for name in sent]
+    program = torch.export.export(module, tuple(examples), strict=False)
+    return Stage(s, program, needed_users, received, sent, parameters)
 
-    # the nodes this stage evaluates: its heavy ops, and the light nodes they read
+
+def _wanted(s: int, owned: list[fx.Node], loss: fx.Node | None, boundaries: dict[str, Boundary],
+            heavy: set[fx.Node], stage_of: Any) -> set[fx.Node]:
+    """The nodes stage ``s`` evaluates: its heavy ops, and the light nodes they read."""
     wanted: set[fx.Node] = set()
     stack = list(owned) + ([loss] if loss is not None else [])
     while stack:
@@ -173,15 +218,13 @@ def _stage(ep: ExportedProgram, s: int, owned: list[fx.Node], loss: fx.Node | No
             if arg.op == "call_function" and arg in heavy and stage_of(arg) != s:
                 continue
             stack.append(arg)
-    order = [n for n in ep.graph.nodes if n in wanted]
-    users = [n for n in order if n.op == "placeholder" and kinds[n.name][0] == InputKind.USER_INPUT]
-    for node in users:
-        needed_users.append(user_names.index(node.name))
-        env[node] = graph.placeholder(node.name)
-        env[node].meta = dict(node.meta)
-    for name in received:
-        env[_node(ep, name)] = graph.placeholder(name)
-    grads = {name: graph.placeholder(GRAD_PREFIX + name) for name in sent}
+    return wanted
+
+
+def _copy_nodes(graph: fx.Graph, root: nn.Module, env: dict[fx.Node, fx.Node], order: list[fx.Node],
+                kinds: dict, state: dict) -> list[str]:
+    """Copy ``order``'s nodes into ``graph`` (state as attributes of ``root``); the parameters' targets."""
+    parameters: list[str] = []
     for node in order:
         if node.op == "placeholder":
             kind, target = kinds[node.name]
@@ -193,23 +236,18 @@ def _stage(ep: ExportedProgram, s: int, owned: list[fx.Node], loss: fx.Node | No
             env[node] = graph.get_attr(target)
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
-    if loss is not None:
-        graph.output(env[loss])
-    else:
-        terms = [graph.call_function(torch.ops.aten.sum.default,
-                                     (graph.call_function(torch.ops.aten.mul.Tensor, (env[_node(ep, name)], grads[name])),))
-                 for name in sent]
-        total = terms[0]
-        for term in terms[1:]:
-            total = graph.call_function(torch.ops.aten.add.Tensor, (total, term))
-        graph.output(total)
-    graph.lint()
-    module = fx.GraphModule(root, graph)
-    examples = [_example(n.meta["val"]) for n in users]
-    examples += [torch.zeros(boundaries[name].shape, dtype=boundaries[name].dtype) for name in received]
-    examples += [torch.zeros(boundaries[name].shape, dtype=boundaries[name].dtype) for name in sent]
-    program = torch.export.export(module, tuple(examples), strict=False)
-    return Stage(s, program, needed_users, received, sent, parameters)
+    return parameters
+
+
+def _boundary_loss(graph: fx.Graph, sent: list[fx.Node], grads: list[fx.Node]) -> fx.Node:
+    """``Σ_i sum(b_i · g_i)`` over the sent boundaries and their gradient inputs."""
+    terms = [graph.call_function(torch.ops.aten.sum.default,
+                                 (graph.call_function(torch.ops.aten.mul.Tensor, (b, g)),))
+             for b, g in zip(sent, grads)]
+    total = terms[0]
+    for term in terms[1:]:
+        total = graph.call_function(torch.ops.aten.add.Tensor, (total, term))
+    return total
 
 
 def _node(ep: ExportedProgram, name: str) -> fx.Node:
