@@ -47,7 +47,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -120,21 +120,43 @@ def _check_place(body: Mapping[str, Any], nproc: int, request: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchSpec:
-    """A validated ``launch`` request (fields as in ``docs/protocol.md``)."""
+class Placement:
+    """Where a host's ranks stand in a job (a launch's or a switch's): hosts, ranks,
+    rendezvous, environment."""
 
-    job: str
-    script: str
-    script_bytes: bytes | None
-    args: tuple[str, ...]
-    env: Mapping[str, str]
-    nproc: int
     node_rank: int
     nnodes: int
     rank_offset: int
     world_size: int
     master_addr: str
     master_port: int
+    env: Mapping[str, str]
+
+    @staticmethod
+    def checked(body: Mapping[str, Any], nproc: int, request: str) -> dict[str, Any]:
+        """The placement fields of a ``request``'s ``body`` placing a host's ``nproc``
+        ranks, checked (OptionsError naming the field)."""
+        _check_place(body, nproc, request)
+        return {name: body[name] for name in PLACEMENT_FIELDS} | {"env": dict(body["env"])}
+
+    def placement(self) -> dict[str, Any]:
+        """The placement fields, for a reply."""
+        return {name: getattr(self, name) for name in PLACEMENT_FIELDS} | {"env": dict(self.env)}
+
+
+PLACEMENT_FIELDS = tuple(f.name for f in fields(Placement))
+"""The fields of :class:`Placement`, in order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec(Placement):
+    """A validated ``launch`` request (fields as in ``docs/protocol.md``)."""
+
+    job: str
+    script: str
+    script_bytes: bytes | None
+    args: tuple[str, ...]
+    nproc: int
     start_at: float | None
     cwd: str | None
     lease_s: float = DEFAULT_LEASE_S
@@ -149,11 +171,10 @@ class LaunchSpec:
         job = body["job"]
         if not JOB_ID.fullmatch(job):
             raise _bad(f"job id {job!r} must be 1-64 letters, digits, '.', '_' or '-'", "job")
-        nproc, nnodes, node_rank = body["nproc"], body["nnodes"], body["node_rank"]
-        world, offset, port = body["world_size"], body["rank_offset"], body["master_port"]
+        nproc = body["nproc"]
         if not 1 <= nproc <= MAX_NPROC:
             raise _bad(f"nproc {nproc} must be in 1..{MAX_NPROC}", "nproc")
-        _check_place(body, nproc, "launch")
+        place = Placement.checked(body, nproc, "launch")
         if any("\0" in a for a in body["args"]):
             raise _bad("an argument contains a NUL byte", "args")
         script = body["script"]
@@ -175,18 +196,12 @@ class LaunchSpec:
         if not MIN_LEASE_S <= lease_s <= MAX_LEASE_S:
             raise _bad(f"lease_s {lease_s:g} must be in {MIN_LEASE_S:g}..{MAX_LEASE_S:g} s", "lease_s")
         return cls(
+            **place,
             job=job,
             script=script,
             script_bytes=body.get("script_bytes"),
             args=tuple(body["args"]),
-            env=dict(body["env"]),
             nproc=nproc,
-            node_rank=node_rank,
-            nnodes=nnodes,
-            rank_offset=offset,
-            world_size=world,
-            master_addr=body["master_addr"],
-            master_port=port,
             start_at=start_at,
             cwd=cwd,
             lease_s=float(lease_s),
@@ -195,34 +210,22 @@ class LaunchSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SwitchOrder:
+class SwitchOrder(Placement):
     """A validated ``switch`` request: where this host's ranks of an in-place job go on
     (the next generation of an elastic job, on the hosts left)."""
 
     generation: int
-    node_rank: int
-    nnodes: int
-    rank_offset: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    env: Mapping[str, str]
     time: float
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], nproc: int) -> "SwitchOrder":
-        gen, nnodes, node_rank = body["generation"], body["nnodes"], body["node_rank"]
-        world, offset, port = body["world_size"], body["rank_offset"], body["master_port"]
+        gen = body["generation"]
         if gen < 1:
             raise OptionsError(f"switch: generation {gen} must be ≥ 1", field="generation")
-        _check_place(body, nproc, "switch")
-        return cls(generation=gen, node_rank=node_rank, nnodes=nnodes, rank_offset=offset, world_size=world,
-                   master_addr=body["master_addr"], master_port=port, env=dict(body["env"]), time=time.time())
+        return cls(generation=gen, **Placement.checked(body, nproc, "switch"), time=time.time())
 
     def describe(self) -> dict[str, Any]:
-        return {"generation": self.generation, "node_rank": self.node_rank, "nnodes": self.nnodes,
-                "rank_offset": self.rank_offset, "world_size": self.world_size, "master_addr": self.master_addr,
-                "master_port": self.master_port, "env": dict(self.env), "time": self.time}
+        return {"generation": self.generation, **self.placement(), "time": self.time}
 
 
 def torchrun_env(spec: LaunchSpec, local_rank: int) -> dict[str, str]:
