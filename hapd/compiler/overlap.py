@@ -236,11 +236,7 @@ def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | 
     """Sharding ratios minimizing overlapped ``program``'s cost (:func:`overlap_cost`),
     under per-device memory caps when given."""
     n = int(program["devices"])
-    known = hashlib.sha256(msgpack.packb(
-        [n, PASSES, [step["overlap"] for step in program["steps"]],
-         None if memory_caps is None else [list(memory_caps), [[list(m["constant"]), list(m["coef"])]
-                                                                for m in memory_rows(program)]]],
-        use_bin_type=True)).digest()  # everything its LP is made of, in order: the same key, the same LP
+    known = _lp_key(program, n, memory_caps)
     solved = _SOLVED.get(known)
     if solved is not None:
         return LPResult(ratios=solved[0], objective=overlap_cost(program, solved[0]), variables=solved[1])
@@ -262,18 +258,7 @@ def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | 
         return var
 
     for p in PASSES:
-        # per interval: A's compute, B's compute, and the point's (first, last, inner)
-        chain: list[list[Any]] = [[[], [], None]]
-        for step in program["steps"]:
-            rows = step["overlap"]
-            comms = [maxima.of(c) for c in rows[f"comm_{p}"]]
-            if comms:
-                inner = 2 * pulp.lpSum(comms) - comms[0] - comms[-1] if len(comms) > 1 else 0.0
-                chain.append([[], [], (comms[0], comms[-1], inner)])
-            compute = maxima.of(rows[f"comp_{p}"])
-            chain[-1][0].append(compute)
-            if rows["batch"]:
-                chain[-1][1].append(compute)
+        chain = _pass_chain(program, p, maxima)
         terms.append(pulp.lpSum(chain[0][0]))
         for k in range(1, len(chain)):
             first, last, inner = chain[k][2]
@@ -295,6 +280,32 @@ def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | 
     ratios = tuple(v / total for v in ratios)
     _SOLVED.put(known, (ratios, len(lp.variables())))
     return LPResult(ratios=ratios, objective=overlap_cost(program, ratios), variables=len(lp.variables()))
+
+
+
+def _lp_key(program: Mapping[str, Any], n: int, memory_caps: Sequence[float] | None) -> bytes:
+    """Everything the overlapped LP is made of, in order: the same key, the same LP."""
+    return hashlib.sha256(msgpack.packb(
+        [n, PASSES, [step["overlap"] for step in program["steps"]],
+         None if memory_caps is None else [list(memory_caps), [[list(m["constant"]), list(m["coef"])]
+                                                                for m in memory_rows(program)]]],
+        use_bin_type=True)).digest()
+
+
+def _pass_chain(program: Mapping[str, Any], p: str, maxima: _Maxima) -> list[list[Any]]:
+    """Pass ``p``'s intervals: A's compute, B's compute, and the point's (first, last, inner) communication."""
+    chain: list[list[Any]] = [[[], [], None]]
+    for step in program["steps"]:
+        rows = step["overlap"]
+        comms = [maxima.of(c) for c in rows[f"comm_{p}"]]
+        if comms:
+            inner = 2 * pulp.lpSum(comms) - comms[0] - comms[-1] if len(comms) > 1 else 0.0
+            chain.append([[], [], (comms[0], comms[-1], inner)])
+        compute = maxima.of(rows[f"comp_{p}"])
+        chain[-1][0].append(compute)
+        if rows["batch"]:
+            chain[-1][1].append(compute)
+    return chain
 
 
 _SOLVED = SolvedLPs()

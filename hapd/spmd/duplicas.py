@@ -282,17 +282,37 @@ def overlapped(single: RankModule, batch_dims: Sequence[int | None] | None = Non
         for p in placeholders:
             b.env[(dup, p)] = b.graph.placeholder(f"{p.name}_{dup}")
             b.env[(dup, p)].meta = dict(p.meta)
+    points, intervals = _intervals(graph, b.exchanges)
+    _interleave(b, points, intervals)
+    total = b.graph.call_function(operator.add, (b.value("a", loss), b.value("b", loss)))
+    b.graph.output(total)
+    b.graph.lint()
 
-    # intervals between communication points, in program order
-    points = [n for n in graph.nodes if n in b.exchanges]
+    if hasattr(single, _HOLDER):
+        raise PlanError("this rank module already runs overlapped (build it again with distribute)")
+    single.add_module(_HOLDER, b.holder)
+    module = OverlappedModule(single, b.graph, class_name="OverlappedModule")
+    _take_over(module, single, batch_dims, len(points))
+    module.register_forward_pre_hook(lambda m, _args: m.hapd_sync.reset())
+    return module
+
+
+def _intervals(graph: fx.Graph, exchanges: dict[fx.Node, str]) -> tuple[list[fx.Node], list[list[fx.Node]]]:
+    """The communication points, and the intervals of nodes between them, in program order."""
+    points = [n for n in graph.nodes if n in exchanges]
     intervals: list[list[fx.Node]] = [[]]
     for node in graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if node in b.exchanges:
+        if node in exchanges:
             intervals.append([])
         else:
             intervals[-1].append(node)
+    return points, intervals
+
+
+def _interleave(b: _Builder, points: list[fx.Node], intervals: list[list[fx.Node]]) -> None:
+    """Each duplica's intervals while the other's exchange at a point is in flight."""
     b.interval("a", intervals[0])
     for k, point in enumerate(points, start=1):
         b.start("a", point)
@@ -302,14 +322,10 @@ def overlapped(single: RankModule, batch_dims: Sequence[int | None] | None = Non
         b.interval("a", intervals[k])
         b.finish("b", point)
     b.interval("b", intervals[-1])
-    total = b.graph.call_function(operator.add, (b.value("a", loss), b.value("b", loss)))
-    b.graph.output(total)
-    b.graph.lint()
 
-    if hasattr(single, _HOLDER):
-        raise PlanError("this rank module already runs overlapped (build it again with distribute)")
-    single.add_module(_HOLDER, b.holder)
-    module = OverlappedModule(single, b.graph, class_name="OverlappedModule")
+
+def _take_over(module: OverlappedModule, single: RankModule, batch_dims: Sequence[int | None], points: int) -> None:
+    """Give ``module`` the one-duplica module's parameter names and hapd attributes (inputs: each half's)."""
     have = dict(module.named_parameters(remove_duplicate=False))
     for name in single.hapd_params:  # every name of a tied parameter, as the one-duplica module has them
         if name not in have:
@@ -319,9 +335,6 @@ def overlapped(single: RankModule, batch_dims: Sequence[int | None] | None = Non
     module.hapd_inputs = list(single.hapd_inputs)  # each half's: forward takes them twice
     module.hapd_batch_dims = tuple(batch_dims)
     module.__dict__["hapd_single"] = single  # not a submodule: its parameters are this module's
-    module.hapd_points = len(points)
-    module.register_forward_pre_hook(lambda m, _args: m.hapd_sync.reset())
-    return module
-
+    module.hapd_points = points
 
 __all__ = ["OverlappedModule", "loss_counts", "overlapped", "split_batch"]
