@@ -731,22 +731,35 @@ class Job:
         self.launched = [p for p, why in zip(self.placements, refusals) if why is None]
         self.start_info["launched"] = time.time()
         if len(self.launched) < len(self.placements):
-            self._cancel(self.launched)
-            self._cancel([p for p in self.placements if p.node_rank in unanswered], quiet=True)
-            late = time.time() >= start_at
-            lines = [f"  {p.host.label}: {why}" for p, why in zip(self.placements, refusals) if why is not None]
-            what = ("the accepted hosts' ranks had started and were stopped" if late
-                    else "the job was cancelled on the other hosts before its start time: nothing was started")
-            raise LaunchError(f"{len(lines)} host(s) refused job {self.job_id}; {what}:\n" + "\n".join(lines))
+            self._cancel_refused(refusals, unanswered, start_at)
+        self._start_pollers()
+        self._say_started(master.name, port, start_at)
+
+    def _cancel_refused(self, refusals: Sequence[str | None], unanswered: set[int], start_at: float) -> None:
+        """Cancel the job on the hosts that took it (or did not answer), and raise :class:`LaunchError`."""
+        self._cancel(self.launched)
+        self._cancel([p for p in self.placements if p.node_rank in unanswered], quiet=True)
+        late = time.time() >= start_at
+        lines = [f"  {p.host.label}: {why}" for p, why in zip(self.placements, refusals) if why is not None]
+        what = ("the accepted hosts' ranks had started and were stopped" if late
+                else "the job was cancelled on the other hosts before its start time: nothing was started")
+        raise LaunchError(f"{len(lines)} host(s) refused job {self.job_id}; {what}:\n" + "\n".join(lines))
+
+    def _start_pollers(self) -> None:
+        """One poller per host, reading its job's events from the first."""
+        opts = self.options
         for p in self.placements:
             poller = _Poller(p, Client(p.host.address, self._key, opts.lost_after_s), self.job_id, self._events, opts.poll_s)
             self._pollers.append(poller)
             poller.start()
+
+    def _say_started(self, master_addr: str, port: int, start_at: float) -> None:
+        """The line saying where the job's ranks run and when they start."""
         hosts = ", ".join(f"{p.host.label} ranks {p.rank_offset}-{p.rank_offset + p.nproc - 1}" for p in self.placements)
         left = start_at - time.time()
         when = f"start in {left:.2f} s" if left > 0 else f"started {-left:.2f} s late (a daemon answered the launch slowly)"
         self.say(f"job {self.job_id}: {self.world_size} ranks on {len(self.placements)} host(s) ({hosts}); "
-                 f"MASTER_ADDR={master.name} MASTER_PORT={port}; {when}")
+                 f"MASTER_ADDR={master_addr} MASTER_PORT={port}; {when}")
 
     def _switch(self, attach: Attach) -> None:
         """Tell every host's daemon where its parked ranks of ``attach.job_id`` go on (the
@@ -826,12 +839,7 @@ class Job:
                     if self._all_parked(finished, lost):
                         held = True
                         break
-                    now = time.monotonic()
-                    if now >= hold_until or self._survivor_exited(lost) or (
-                            not self.parked and now >= hold_until - HOLD_S + FIRST_PARK_S):
-                        why = "none of them parked" if not self.parked else "not all of them parked"
-                        self.say(f"the other hosts' ranks are stopped ({why} in {now - hold_until + HOLD_S:.1f} s): "
-                                 "the next generation restarts them")
+                    if self._hold_ended(hold_until, lost):
                         stop_started, deadline = self._stop_all(finished, lost)
                         continue
                     timeout = min(timeout, hold_until - time.monotonic())
@@ -854,31 +862,51 @@ class Job:
                 elif self.parked and self.failure is None:  # a rank lost a peer: find a host that died at once
                     self._ping_once(finished, lost)
         except KeyboardInterrupt:
-            if self.failure is None:
-                self.failure = {"kind": "interrupt"}
-            self.say("interrupted: stopping all ranks")
-            stop_started, deadline = self._stop_all(finished, lost)
-            try:
-                while len(finished) + len(lost) < len(self.placements) and time.monotonic() < deadline:
-                    try:
-                        kind, p, payload = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
-                    except queue.Empty:
-                        break
-                    self._handle(kind, p, payload, finished, lost)
-            except KeyboardInterrupt:
-                self.say("interrupted again: not waiting for the ranks to stop")
+            stop_started = self._stop_on_interrupt(finished, lost)
         finally:
             for poller in self._pollers:
                 poller.quit.set()
             self._flush_tracebacks(list(self.tracebacks.held))
         result = self._result(finished, lost, stop_started)
         if held:  # their pollers stopped: the next generation reads on from their last event
-            result.held, result.leftover = list(result.leftover), []
-            for poller in self._pollers:
-                if poller.placement.host.label in result.held:
-                    poller.join(timeout=self.options.lost_after_s + 1)
-                    result.after[poller.placement.host.label] = poller.after
+            self._hand_over_held(result)
         return result
+
+    def _hold_ended(self, hold_until: float, lost: Mapping[int, str]) -> bool:
+        """Whether the held ranks are to be stopped (said when so): the hold ran out, a survivor exited, none parked."""
+        now = time.monotonic()
+        if now >= hold_until or self._survivor_exited(lost) or (
+                not self.parked and now >= hold_until - HOLD_S + FIRST_PARK_S):
+            why = "none of them parked" if not self.parked else "not all of them parked"
+            self.say(f"the other hosts' ranks are stopped ({why} in {now - hold_until + HOLD_S:.1f} s): "
+                     "the next generation restarts them")
+            return True
+        return False
+
+    def _stop_on_interrupt(self, finished: set[int], lost: dict[int, str]) -> float:
+        """Ctrl-C: stop every host's ranks and take their events up to ``grace_s``; when the stop started."""
+        if self.failure is None:
+            self.failure = {"kind": "interrupt"}
+        self.say("interrupted: stopping all ranks")
+        stop_started, deadline = self._stop_all(finished, lost)
+        try:
+            while len(finished) + len(lost) < len(self.placements) and time.monotonic() < deadline:
+                try:
+                    kind, p, payload = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                self._handle(kind, p, payload, finished, lost)
+        except KeyboardInterrupt:
+            self.say("interrupted again: not waiting for the ranks to stop")
+        return stop_started
+
+    def _hand_over_held(self, result: JobResult) -> None:
+        """The held hosts' pollers joined, and where each stopped reading, for the next generation."""
+        result.held, result.leftover = list(result.leftover), []
+        for poller in self._pollers:
+            if poller.placement.host.label in result.held:
+                poller.join(timeout=self.options.lost_after_s + 1)
+                result.after[poller.placement.host.label] = poller.after
 
     def _ping_once(self, finished: set[int], lost: Mapping[int, str]) -> None:
         """Call :attr:`on_failure` once: at the job's first failure, or when a rank first
