@@ -15,7 +15,7 @@ NEWEST ?= .venv-newest
 TEST_WORKERS ?= 2
 PYTEST = $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 # the exactness and zoo tests, run again under the newest torch
-NEWEST_TESTS ?= tests/test_zoo.py tests/test_dropout.py tests/test_frozen.py tests/test_lowering.py
+NEWEST_TESTS ?= tests/models/test_zoo.py tests/spmd/test_dropout.py tests/spmd/test_frozen.py tests/ir/test_lowering.py
 # `make image`: the image's tag, its base (empty: the Dockerfile's default, the official
 # PyTorch image) and a CA bundle the build's downloads trust behind a proxy that re-signs
 # TLS (given to the build as the secret `ca`, never stored in the image), and more flags

@@ -167,7 +167,7 @@ def log(msg: str) -> None:
     print(f"[elastic {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-# ----------------------------------------------------------------------------- pure parts (tests/test_elastic_cluster_report.py)
+# ----------------------------------------------------------------------------- pure parts (tests/bench/test_elastic_cluster_report.py)
 
 
 @dataclass(frozen=True)

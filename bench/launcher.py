@@ -29,7 +29,7 @@ Targets (issue): to all running ≤ 2 s, skew ≤ 50 ms. All hosts share this ma
 clock, so cross-host skews need no clock correction.
 
 :class:`NamespaceCluster` and :class:`LoopbackCluster` are also used by
-``tests/test_launcher.py``.
+``tests/launcher/test_launcher.py``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ printed as measured / expected ratios.
 
 Needs root (cgroups, ``ip netns``, ``tc``); a measurement the machine cannot do is
 skipped with the reason. :func:`shaped_veth` and :func:`profile_across` are also used
-by ``tests/test_profiler.py``.
+by ``tests/profile/test_profiler.py``.
 """
 
 from __future__ import annotations

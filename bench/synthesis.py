@@ -15,7 +15,7 @@ log(time) against log(layers).
 
 Last, cancellation: a search sent SIGINT (as Ctrl-C would) one second into it, and how
 long after the signal its process ended. :func:`interrupt_search` is also used by
-``tests/test_synthesis.py``.
+``tests/compiler/test_synthesis.py``.
 """
 
 from __future__ import annotations

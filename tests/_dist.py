@@ -4,8 +4,9 @@
 group (rendezvous through a FileStore in a fresh temporary directory, so no port has to
 be picked), calls ``fn(rank, world, *args)`` with one intra-op thread, destroys the group
 and sends the result back through a pipe. ``fn`` and its results must be picklable: give
-a module-level function of a test module (the ``tests`` folder is on ``sys.path`` under
-pytest, and the ranks get the parent's ``sys.path``).
+a module-level function of a test module (under pytest ``tests/`` is on ``sys.path``, by
+pyproject's ``pythonpath``, and so is each test file's folder, ``tests/<room>/``, whose
+files import by their unique basenames; the ranks get the parent's ``sys.path``).
 
 The ranks are forked from a fork server that imported torch and hapd's runtime once
 (:data:`PRELOAD`): a rank starts in a fraction of a second instead of the seconds a

@@ -11,7 +11,11 @@ one :func:`_dist.run_ranks` call, and each rank compares its piece of every grad
 and the global loss before and after the Adam steps.
 
 Used by ``test_rules_zoo.py`` (one rule per case), ``test_rules_gaps.py``,
-``test_moe.py`` and ``test_zoo.py`` (the zoo on 2 and 4 ranks).
+``test_moe.py``, ``test_zoo.py`` (the zoo on 2 and 4 ranks), ``test_dropout.py``,
+``test_overlap.py``, ``test_recompute.py``, ``test_tied.py`` (which also compares every
+parameter after the Adam steps) and ``test_distribute.py`` (with its own profiles and
+plans); their relative errors (:func:`relative`, :func:`relative_norm`) by the other
+exactness tests too.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ RATIOS = (0.6, 0.4)
 """Default sharding ratios: 2 ranks, uneven."""
 LR = 1e-3
 """Adam's learning rate in the runs with steps."""
+EPS = 1e-8
+"""Adam's epsilon in the runs with steps (torch's default)."""
 
 Force = Callable[[dict[str, Any]], dict[str, str]]
 """The forced rules of a case, from its lowered graph's document."""
@@ -68,6 +74,43 @@ def _merge(*forces: Force) -> Force:
     return lambda doc: {k: v for f in forces for k, v in f(doc).items()}
 
 
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+"""Names that end a stacked expert-weight parameter (transformers' MoE models)."""
+DENSE_OPS = ("aten.linear", "aten.addmm", "aten.conv2d")
+"""Ops the forced tensor-parallel plans split column-parallel and row-parallel in turn."""
+TENSOR_PARALLEL = ("column-parallel", "row-parallel")
+
+
+def _expert_einsums(doc: dict[str, Any]) -> dict[str, str]:
+    """Every einsum with a stacked expert-weight parameter operand → ``expert-parallel``."""
+    nodes = doc["nodes"]
+
+    def expert_weight(ref: list[int]) -> bool:
+        source = nodes[ref[0]]
+        return source["kind"] == "parameter" and source["target"].endswith(EXPERT_WEIGHTS)
+
+    return {n["name"]: "expert-parallel" for n in nodes
+            if n.get("op") == "aten.einsum" and any(expert_weight(r) for r in n["inputs"])}
+
+
+def _tensor_parallel(doc: dict[str, Any]) -> dict[str, str]:
+    """Linears, ``addmm`` and convolutions column-parallel and row-parallel in turn
+    (graph order), and every einsum over stacked expert weights expert-parallel."""
+    dense = [n["name"] for n in doc["nodes"] if n.get("op") in DENSE_OPS]
+    return {**{node: TENSOR_PARALLEL[i % 2] for i, node in enumerate(dense)}, **_expert_einsums(doc)}
+
+
+def _zoo(name: str, batch: int = 8) -> Build:
+    """A builder of the zoo's ``name`` (:data:`hapd.models.zoo.ZOO`) at ``batch``."""
+
+    def build() -> tuple[nn.Module, tuple[Tensor, ...]]:
+        from hapd.models.zoo import ZOO
+
+        return ZOO[name](batch=batch)
+
+    return build
+
+
 def _seeded(cls: type[nn.Module], *inputs: Callable[[], Any]) -> Build:
     """A builder of ``cls()`` under seed 0 with the inputs ``inputs`` make."""
 
@@ -97,6 +140,7 @@ class Spec(NamedTuple):
     force: Force | None
     expect: frozenset  # (op, rule) pairs the plan must run
     overlap: bool = False  # compiled with overlap: a plan for half the batch, run as two duplicas
+    params: bool = False  # also compare every parameter after the Adam steps
 
 
 # --------------------------------------------------------------------------------------
@@ -113,6 +157,8 @@ class Reference(NamedTuple):
     inputs: tuple[Tensor, ...]
     losses: tuple[float, ...]  # the first loss, then the loss after each Adam step
     grads: dict[str, Tensor]  # the first gradients, by every name (tied ones included)
+    params: dict[str, Tensor]  # the parameters after the Adam steps, by every name
+    adam: tuple[float, float]  # Adam's (lr, eps) in the steps
 
 
 class Case(NamedTuple):
@@ -125,33 +171,56 @@ class Case(NamedTuple):
     expect: frozenset
     forced: dict[str, str]  # node -> the rule forced on it
     overlap: bool = False  # program and plan are for half the batch, run as two duplicas
+    params: dict[str, Tensor] | None = None  # with these, every parameter after the steps is compared too
+    adam: tuple[float, float] = (LR, EPS)  # Adam's (lr, eps) in the steps
 
 
-def reference(build: Build, name: str, steps: int = 0) -> Reference:
-    """Export and lower ``build()``'s model, and run a copy of ``program.module()``:
-    the loss and gradients, then ``steps`` Adam steps (``LR``) and the loss after each."""
-    module, inputs = build()
-    program = hapd.export(module, inputs)
-    ir = hapd.lower(program, name=name)
-    # a copy (the steps must not change the program's weights), its dropouts drawn with
-    # hapd's generator and the seed the ranks draw with (torch.manual_seed(0): _run_cases)
-    single = counter_reference(program, seed=0)
-    optimizer = torch.optim.Adam(single.parameters(), lr=LR)
+def adam_steps(module: nn.Module, forward: Callable[[], Tensor], value: Callable[[Tensor], float], steps: int,
+               adam: tuple[float, float], first: Callable[[], Any]) -> tuple[list[float], Any]:
+    """The loss ``forward()`` gives and its gradients, then ``steps`` Adam steps of
+    ``module``'s parameters (``adam``: lr, eps): ``value`` of the loss before each step
+    and after the last, and what ``first()`` makes of the first gradients."""
+    optimizer = torch.optim.Adam(module.parameters(), lr=adam[0], eps=adam[1])
     losses: list[float] = []
-    grads: dict[str, Tensor] = {}
+    made = None
     for step in range(steps + 1):
         optimizer.zero_grad()
-        loss = single(*inputs)
-        losses.append(float(loss.detach()))
+        loss = forward()
+        losses.append(value(loss))
         if step == steps and step > 0:
             break
         loss.backward()
         if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in single.named_parameters(remove_duplicate=False)
-                     if p.grad is not None}
+            made = first()
         if step < steps:
             optimizer.step()
-    return Reference(program, save_normal_form(program), ir, inputs, tuple(losses), grads)
+    return losses, made
+
+
+def single_device(program: Any, inputs: tuple[Tensor, ...], steps: int = 0, *, lr: float = LR,
+                  eps: float = EPS) -> tuple[tuple[float, ...], dict[str, Tensor], dict[str, Tensor]]:
+    """A copy of ``program.module()`` run on one device: the loss and gradients (by every
+    name), then ``steps`` Adam steps (``lr``, ``eps``) and the loss after each; returns
+    ``(losses, first gradients, parameters after the steps)``."""
+    # a copy (the steps must not change the program's weights), its dropouts drawn with
+    # hapd's generator and the seed the ranks draw with (torch.manual_seed(0): _run_cases)
+    single = counter_reference(program, seed=0)
+    losses, grads = adam_steps(
+        single, lambda: single(*inputs), lambda loss: float(loss.detach()), steps, (lr, eps),
+        lambda: {n: p.grad.detach().clone() for n, p in single.named_parameters(remove_duplicate=False)
+                 if p.grad is not None})
+    params = {n: p.detach().clone() for n, p in single.named_parameters(remove_duplicate=False)}
+    return tuple(losses), grads, params
+
+
+def reference(build: Build, name: str, steps: int = 0, *, lr: float = LR, eps: float = EPS) -> Reference:
+    """Export and lower ``build()``'s model, and run it on one device
+    (:func:`single_device`)."""
+    module, inputs = build()
+    program = hapd.export(module, inputs)
+    ir = hapd.lower(program, name=name)
+    losses, grads, params = single_device(program, inputs, steps, lr=lr, eps=eps)
+    return Reference(program, save_normal_form(program), ir, inputs, losses, grads, params, (lr, eps))
 
 
 def profile_flops(world: int) -> list[float]:
@@ -169,7 +238,8 @@ def make_case(spec: Spec, ratios: Sequence[float], ref: Reference) -> Case:
     profile = estimated_profile(world, flops=profile_flops(world))
     plan = hapd.compile(ir, profile, CompileOptions(ratios=tuple(ratios), mode=spec.mode, force=force,
                                                     overlap=spec.overlap))
-    return Case(spec.name, saved, plan.to_bytes(), ref.inputs, ref.losses, ref.grads, spec.expect, force, spec.overlap)
+    return Case(spec.name, saved, plan.to_bytes(), ref.inputs, ref.losses, ref.grads, spec.expect, force, spec.overlap,
+                ref.params if spec.params else None, ref.adam)
 
 
 def _half_batch(spec: Spec, ref: Reference) -> tuple[bytes, Any]:
@@ -203,27 +273,41 @@ def make_cases(specs: Sequence[Spec], ratios: Sequence[float], steps: int = 0,
 # --------------------------------------------------------------------------------------
 
 
-def _relative(got: Tensor, expected: Tensor, floor: float) -> float:
+def relative(got: Tensor, expected: Tensor, floor: float) -> float:
+    """``max |got - expected|`` over ``max |expected|``, the denominator at least ``floor``
+    (0 for empty tensors)."""
     if not expected.numel():
         return 0.0
     return float((got - expected).abs().max()) / max(float(expected.abs().max()), floor)
 
 
-def _grad_errors(module: Any, case: Case) -> dict[str, float]:
-    """Relative error of this rank's piece of every parameter's gradient, by every name.
-    A gradient that is zero in exact arithmetic is rounding noise in both runs: it is
-    compared against a hundredth of the model's largest gradient."""
-    floor = 1e-2 * max(float(g.abs().max()) for g in case.grads.values() if g.numel())
+def relative_norm(got: Tensor, expected: Tensor) -> float:
+    """``‖got - expected‖ / ‖expected‖`` (2-norms, the denominator at least 1e-30)."""
+    return float((got - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def piece_errors(module: Any, expected: dict[str, Tensor], got: dict[str, Tensor | None]) -> dict[str, float]:
+    """Relative error of this rank's piece of every parameter's value in ``got`` (its
+    gradient, or the parameter itself) against the single-device values ``expected``
+    (a name missing there, or ``None`` in ``got``: zero), by every name. A value that is
+    zero in exact arithmetic is rounding noise in both runs: it is compared against a
+    hundredth of the model's largest."""
+    floor = 1e-2 * max(float(t.abs().max()) for t in expected.values() if t.numel())
     named = dict(module.named_parameters(remove_duplicate=False))
     errors = {}
     for fqn, (tensor, layout) in module.hapd_params.items():
-        full = case.grads.get(fqn)
+        full = expected.get(fqn)
         if full is None:  # no gradient: zero
             full = torch.zeros(module.hapd_view.full_shape(tensor), dtype=named[fqn].dtype)
-        expected = module.hapd_view.local_value(tensor, layout, full)
-        got = named[fqn].grad
-        errors[fqn] = _relative(got if got is not None else torch.zeros_like(expected), expected, floor)
+        want = module.hapd_view.local_value(tensor, layout, full)
+        have = got[fqn]
+        errors[fqn] = relative(have if have is not None else torch.zeros_like(want), want, floor)
     return errors
+
+
+def _grad_errors(module: Any, case: Case) -> dict[str, float]:
+    """:func:`piece_errors` of this rank's gradients against the case's first ones."""
+    return piece_errors(module, case.grads, {n: p.grad for n, p in module.named_parameters(remove_duplicate=False)})
 
 
 def save_normal_form(program: Any) -> bytes:
@@ -303,9 +387,15 @@ def distribute_saved(saved: bytes, plan: Any, rank: int, loaded: dict[bytes, _Lo
     return distribute(entry.program, plan, rank, check_graph=False, **kwargs)
 
 
-def _run_case(rank: int, case: Case, loaded: dict[bytes, Any] | None = None) -> dict[str, Any]:
+Extra = Callable[[Any, Any], dict[str, Any]]
+"""What a test adds to a rank's result, from the trained rank module and its plan."""
+
+
+def _run_case(rank: int, case: Case, loaded: dict[bytes, Any] | None = None, extra: Extra | None = None) -> dict[str, Any]:
     """One case on this rank: the loss and gradients, then the Adam steps the reference
-    took (``LR``, on this rank's parameters) and the global loss after each."""
+    took (``case.adam``, on this rank's parameters) and the global loss after each;
+    with ``case.params``, every parameter after the steps; ``extra(module, plan)``'s
+    entries added."""
     from hapd.compiler.plan import Plan
     from hapd.spmd.rewrite import global_loss
 
@@ -314,39 +404,37 @@ def _run_case(rank: int, case: Case, loaded: dict[bytes, Any] | None = None) -> 
     if case.overlap != plan.overlap:
         raise AssertionError(f"{case.name}: the plan's overlap is {plan.overlap}")
     local_inputs = module.shard_inputs(*case.inputs)
-    steps = len(case.losses) - 1
-    optimizer = torch.optim.Adam(module.parameters(), lr=LR)
-    losses: list[float] = []
-    grad_errors: dict[str, float] = {}
-    for step in range(steps + 1):
-        optimizer.zero_grad()
-        local = module(*local_inputs)
-        losses.append(global_loss(local))
-        if step == steps and step > 0:
-            break
-        local.backward()
-        if step == 0:
-            grad_errors = _grad_errors(module, case)
-        if step < steps:
-            optimizer.step()
+    losses, grad_errors = adam_steps(module, lambda: module(*local_inputs), global_loss, len(case.losses) - 1,
+                                     case.adam, lambda: _grad_errors(module, case))
     loss_errors = [abs(got - want) / max(abs(want), 1e-12) for got, want in zip(losses, case.losses)]
     rules = {(s["op"], s["rule"]) for s in plan.program["steps"]}
     ran = {s["node"]: s["rule"] for s in plan.program["steps"]}
-    return {
+    result = {
         "case": case.name,
         "loss_error": loss_errors[0],
         "adam_error": max(loss_errors[1:], default=0.0),
+        "loss_errors": loss_errors,  # the first loss, then after each Adam step
         "worst_grad": max(grad_errors.items(), key=lambda kv: kv[1]),
+        "missing_params": sorted(set(case.grads) - set(grad_errors)),  # gradients no rank parameter has
         "missing": sorted(case.expect - rules),
         "not_forced": sorted((node, rule, str(ran.get(node))) for node, rule in case.forced.items()
                              if ran.get(node) != rule),
     }
+    if case.params is not None:
+        named = module.named_parameters(remove_duplicate=False)
+        param_errors = piece_errors(module, case.params, {n: p.detach() for n, p in named})
+        result["worst_param"] = max(param_errors.items(), key=lambda kv: kv[1])
+    if extra is not None:
+        result.update(extra(module, plan))
+    return result
 
 
-def _run_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
+def _run_cases(rank: int, world: int, cases: list[Case], extra: Extra | None = None) -> list[dict[str, Any]]:
+    """Every case on this rank (:func:`_run_case`), after ``torch.manual_seed(0)``, each
+    program loaded once."""
     torch.manual_seed(0)
     loaded: dict[bytes, Any] = {}
-    return [_run_case(rank, case, loaded) for case in cases]
+    return [_run_case(rank, case, loaded, extra) for case in cases]
 
 
 # --------------------------------------------------------------------------------------
@@ -354,23 +442,26 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]
 # --------------------------------------------------------------------------------------
 
 
-def run_cases(cases: list[Case], world: int, run: Any = None) -> list[dict[str, Any]]:
+def run_cases(cases: list[Case], world: int, run: Any = None, *, extra: Extra | None = None) -> list[dict[str, Any]]:
     """Every case on ``world`` Gloo ranks in one call (each rank runs ``run(rank,
-    world, cases)``, default :func:`_run_cases`): one result per rank and case."""
-    per_rank = run_ranks(world, run or _run_cases, cases, timeout=600)
+    world, cases)``, default :func:`_run_cases` with ``extra``): one result per rank and
+    case, rank 0's first."""
+    per_rank = run_ranks(world, run or _run_cases, cases, *([] if extra is None else [extra]), timeout=600)
     return [r for rank_results in per_rank for r in rank_results]
 
 
 def run_specs(specs: list[Spec], run: Any = None, *, ratios: Sequence[float] = RATIOS,
-              steps: int = 0) -> list[dict[str, Any]]:
+              steps: int = 0, extra: Extra | None = None) -> list[dict[str, Any]]:
     """Every spec's case on ``len(ratios)`` Gloo ranks with ``ratios`` (see
     :func:`run_cases`), with ``steps`` Adam steps after the first gradients."""
-    return run_cases(make_cases(specs, ratios, steps), len(ratios), run)
+    return run_cases(make_cases(specs, ratios, steps), len(ratios), run, extra=extra)
 
 
 def worst(result: dict[str, Any]) -> float:
-    """A result's largest relative error: loss, any gradient, loss after any Adam step."""
-    return max(result["loss_error"], result["worst_grad"][1], result["adam_error"])
+    """A result's largest relative error: loss, any gradient, loss after any Adam step
+    (and any parameter after them, where compared)."""
+    return max(result["loss_error"], result["worst_grad"][1], result["adam_error"],
+               result.get("worst_param", ("", 0.0))[1])
 
 
 def assert_exact(results: list[dict[str, Any]], specs: list[Spec]) -> None:
@@ -391,3 +482,25 @@ def assert_rules_ran(results: list[dict[str, Any]]) -> None:
     bad = [f"{r['case']}: never ran {r['missing']}" for r in results if r["missing"]]
     bad += [f"{r['case']}: (node, forced, ran) {r['not_forced']}" for r in results if r["not_forced"]]
     assert not bad, "\n".join(bad)
+
+
+def rule_tests(specs: list[Spec]) -> tuple[Callable[..., Any], ...]:
+    """A module of rule cases' fixture and tests, to bind at its top level as
+    ``results, test_loss_and_gradients_match_single_device,
+    test_plans_run_the_rules_under_test``: ``specs`` run once (:func:`run_specs`), then
+    :func:`assert_exact` and :func:`assert_rules_ran` of the results."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def results() -> list[dict[str, Any]]:
+        return run_specs(specs)
+
+    @pytest.mark.distributed
+    def test_loss_and_gradients_match_single_device(results: list[dict[str, Any]]) -> None:
+        assert_exact(results, specs)
+
+    @pytest.mark.distributed
+    def test_plans_run_the_rules_under_test(results: list[dict[str, Any]]) -> None:
+        assert_rules_ran(results)
+
+    return results, test_loss_and_gradients_match_single_device, test_plans_run_the_rules_under_test

@@ -107,7 +107,8 @@ LONGEST_FIRST = (
     "test_shapes.py", "test_local_daemon.py", "test_frozen.py", "test_dropout.py", "test_memory_cluster.py",
     "test_collectives.py", "test_container.py",
 )
-"""The test files that take longest (``make test`` prints ``--durations``), longest first.
+"""The test files that take longest (``make test`` prints ``--durations``), longest first,
+by file name (the names are unique across the room folders ``tests/<room>/``).
 
 ``make test`` runs the files on two pytest-xdist workers, a whole file per worker
 (``--dist loadfile``), handed out in collection order: collected alphabetically, the

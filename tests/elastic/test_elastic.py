@@ -1,0 +1,357 @@
+"""Elastic jobs end to end: a host killed mid-run (its daemon and its ranks, SIGKILL),
+the job goes on on the hosts left from the in-memory snapshot of the last step, every
+loss equal to a reference run that trained the same steps on the same hosts from the
+same state; a host joining at a step boundary; a rank killed; a script error that is
+not a fault ends the job as before.
+
+Three daemons on loopback ports are the hosts (one rank each, uneven speeds in the
+profile); the model is a tiny MLP so that a run takes seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import _bench
+import numpy as np
+import pytest
+import torch
+from _jobs import job_processes, launched
+from _wait import GENEROUS_S
+
+from hapd.profile.schema import estimated_profile
+from launcher.elastic import PEER_FAILURE, ElasticOptions, append_host, parse_elastic, restart_parts
+from launcher.hosts import load_hosts
+
+pytestmark = [pytest.mark.daemon, pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = r'''
+import json, os, sys, time
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import hapd
+
+steps, profile = int(sys.argv[1]), (None if sys.argv[2] == "-" else sys.argv[2])
+fail_at = int(os.environ.get("ELASTIC_TEST_RAISE_AT", "0"))
+pace = float(os.environ.get("ELASTIC_TEST_STEP_S", "0"))  # seconds a step takes at least
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y, reduction="sum")
+
+torch.manual_seed(0)
+x, y = torch.randn(96, 16), torch.randn(96, 4)
+data = TensorDataset(x, y)
+model = Net()
+module = hapd.parallelize(model, (x[:12], y[:12]), profile=profile)
+optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
+loader = hapd.loader(data, module, seed=0, drop_last=True)
+elastic = hapd.Elastic(module, optimizer, sampler=loader)
+step = elastic.resume()
+seen = []
+while step < steps:
+    loader.set_epoch(loader.sampler.epoch)
+    for xb, yb in loader:
+        optimizer.zero_grad()
+        part = module(xb, yb)
+        part.backward()
+        optimizer.step()
+        step += 1
+        loss = float(module.global_loss(part.detach()))
+        if module.rank == 0:
+            print(json.dumps({"step": step, "loss": loss, "world": module.world}), flush=True)
+        if fail_at and step == fail_at:
+            raise ValueError("a bug in the training script")
+        time.sleep(pace)
+        elastic.step_done(step)
+        if step >= steps:
+            break
+    else:
+        loader.set_epoch(loader.sampler.epoch + 1)
+elastic.close()
+state = module.full_state_dict()
+if module.rank == 0:
+    values = torch.cat([state[k].detach().flatten() for k in sorted(state)])
+    print(json.dumps({"final": values.tolist(), "step": step}), flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def hosts3(tmp_path_factory):
+    """Three daemons on loopback ports (the hosts of the tests), 2 slots each."""
+    cluster = _bench.load("launcher").LoopbackCluster(tmp_path_factory.mktemp("elastic"), 3, 2).start()
+    yield cluster
+    cluster.close()
+
+
+def _setup(cluster, tmp_path: Path, n_hosts: int = 3) -> tuple[Path, Path, Path, list[str]]:
+    hostfile = tmp_path / "hosts.txt"
+    text = cluster.host_lines(slots=[1] * cluster.n)
+    lines = text.splitlines()
+    hostfile.write_text("\n".join(lines[:n_hosts]) + "\n")
+    labels = [h.label for h in load_hosts(tmp_path / "hosts.txt")]
+    all_labels = labels + [f"127.0.0.1:{cluster.port(i)}" for i in range(n_hosts, cluster.n)]
+    profile = tmp_path / "profile.json"
+    estimated_profile(cluster.n, flops=[3e10, 2e10, 1e10][: cluster.n], hosts=all_labels, name="three").save(profile)
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    return hostfile, profile, script, lines
+
+
+def _env(cluster, tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HAPD_DAEMON",)}
+    env["HAPD_HOME"] = str(tmp_path / "home")
+    env["HAPD_KEY_FILE"] = str(cluster.key_file)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _losses(stdout: str) -> dict[int, tuple[float, int]]:
+    """step -> (loss, world) from rank 0's lines (the last one printed for a step)."""
+    out = {}
+    for line in stdout.splitlines():
+        text = line.split("] ", 1)[1] if line.startswith("[rank 0] ") else None
+        if text and text.startswith('{"step"'):
+            value = json.loads(text)
+            out[value["step"]] = (value["loss"], value["world"])
+    return out
+
+
+def _final(stdout: str) -> list[float]:
+    for line in stdout.splitlines():
+        if '{"final"' in line:
+            return json.loads(line.split("] ", 1)[1])["final"]
+    raise AssertionError("no final digest:\n" + stdout[-3000:])
+
+
+def _run(args: list[str], env: dict[str, str], job: str, *, on_line=None) -> tuple[int, str, str]:
+    """The launcher on ``args`` (script first) with ``-v`` (rank 0's elastic events on
+    stdout), ``on_line`` called with each stdout line as it comes; (status, stdout, stderr)."""
+    script, rest = args[0], args[1:]
+    with launched(["run", script, "--job-id", job, "-v", *rest], env, job) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        err_lines: list[str] = []
+        reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        out_lines: list[str] = []
+        with proc.stdout:
+            for line in proc.stdout:
+                out_lines.append(line.rstrip("\n"))
+                if on_line is not None:
+                    on_line(line.rstrip("\n"))
+        code = proc.wait(GENEROUS_S)
+        reader.join(GENEROUS_S)
+        proc.stderr.close()
+    return code, "\n".join(out_lines), "".join(err_lines)
+
+
+def _kill_host(cluster, i: int, job_prefix: str) -> None:
+    """SIGKILL host ``i``: its daemon and every rank it runs of the job."""
+    label = f"127.0.0.1:{cluster.port(i)}"
+    cluster.procs[i].kill()
+    for pid in _host_ranks(job_prefix, label):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _host_ranks(job_prefix: str, label: str) -> list[int]:
+    pids = []
+    for pid in _job_pids(job_prefix):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if b"\0HAPD_HOST=" + label.encode() + b"\0" in b"\0" + env:
+            pids.append(pid)
+    return pids
+
+
+def _job_pids(job_prefix: str) -> list[int]:
+    return [pid for g in range(8) for pid in job_processes(f"{job_prefix}-g{g}")]
+
+
+def test_parse_elastic_and_options():
+    assert parse_elastic("2:3", 3) == (2, 3)
+    assert parse_elastic("2", 3) == (2, 3)
+    assert parse_elastic("1:", 2) == (1, 2)
+    with pytest.raises(Exception, match="MIN:MAX"):
+        parse_elastic("two", 3)
+    with pytest.raises(Exception, match="MIN ≤ MAX"):
+        ElasticOptions(3, 2)
+    assert PEER_FAILURE.search("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert not PEER_FAILURE.search("ValueError: a bug in the training script")
+
+
+def test_a_restart_splits_at_the_process_start_and_at_parallelize():
+    resumed = {"started_at": 100.5, "build": {"started": 104.0, "join_s": 1.5, "total_s": 3.0}}
+    parts = restart_parts(resumed, decided_at=100.0, restart_s=8.0, plan_s=0.25)
+    assert parts == {"launch_s": 0.5, "script_s": 3.5, "parallelize_s": 2.75, "join_s": 1.5, "after_s": 1.25}
+    assert restart_parts({"started_at": None, "build": None}, 100.0, 8.0, 0.25) is None  # a script without them
+    assert restart_parts({"started_at": 1.0, "build": {"started": "x"}}, 100.0, 8.0, 0.25) is None
+
+
+def test_join_appends_a_checked_host_line(tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("127.0.0.1 slots=1 port=6001\n")
+    host = append_host(hostfile, "127.0.0.1 slots=2 port=6002")
+    assert host.port == 6002 and [h.port for h in load_hosts(hostfile)] == [6001, 6002]
+    with pytest.raises(Exception, match="already"):
+        append_host(hostfile, "127.0.0.1 slots=2 port=6002")
+    with pytest.raises(Exception, match="slots"):
+        append_host(hostfile, "127.0.0.1 port=6003")
+    assert len(load_hosts(hostfile)) == 2  # a refused line changes nothing
+
+
+def test_host_killed_job_goes_on_from_the_snapshot(hosts3, tmp_path):
+    """Host 2 (daemon and rank) is killed after step 8 of 14: the job finishes on the
+    other two from the newest complete snapshot (snapshots every step: step 7, or 6
+    when 7's was still being sent), the plan for them an LP-only re-plan from the
+    daemon's cache, and every loss and the final parameters are the single device's."""
+    hostfile, profile, script, lines = _setup(hosts3, tmp_path)
+    env = _env(hosts3, tmp_path)
+    killed = {}
+
+    def on_line(line: str) -> None:
+        if not killed and '"event": "step", "step": 8}' in line:
+            killed["at"] = time.time()
+            _kill_host(hosts3, 2, "el-kill")
+
+    try:
+        code, out, err = _run([str(script), "--hosts", str(hostfile), "--elastic", "2:3", "--snapshot-every", "1",
+                               "--", "14", str(profile)], env, "el-kill", on_line=on_line)
+    finally:
+        if hosts3.procs[2].poll() is not None:
+            hosts3.start_daemon(2)
+    assert code == 0, err[-4000:]
+    assert killed, out[-3000:]
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, 15)), out[-3000:]
+    assert {losses[s][1] for s in range(1, 6)} == {3} and {losses[s][1] for s in range(9, 15)} == {2}
+    assert "host(s) 127.0.0.1:" in err and "lost" in err and "resumed at step" in err, err[-3000:]
+    assert "plan: daemon LP-only re-plan" in err, err[-3000:]  # no search between the failure and the next step
+    report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())
+    gens = report["elastic"]["generations"]
+    assert len(gens) == 2 and gens[0]["recovery"]["resumed_step"] >= 6 and gens[0]["recovery"]["steps_lost"] <= 2, gens
+    # the survivors kept their processes: switched in place, no launch between the generations; or, when
+    # one of them had not parked within the hold (under load a parked rank's group destruction can wait on
+    # a collective its peer never enters), the launcher said so and restarted them
+    switched = gens[1]["in_place"] and gens[0]["recovery"]["in_place"] and "switched in place to generation 1" in err
+    said_why = "of them parked in" in err and "the next generation restarts them" in err and not gens[1]["in_place"]
+    assert switched or said_why, err[-3000:]
+    for part in ("detection_s", "replan_s", "restart_s", "load_s"):
+        assert gens[0]["recovery"][part] >= 0
+    parts = gens[0]["recovery"]["restart_parts"]  # where the restart went, on rank 0
+    assert min(parts.values()) >= 0 and parts["join_s"] <= parts["parallelize_s"], parts
+    assert sum(parts[k] for k in ("launch_s", "script_s", "parallelize_s", "after_s")) == pytest.approx(
+        gens[0]["recovery"]["restart_s"])
+    assert "script to parallelize" in err
+    assert not _job_pids("el-kill")  # nothing orphaned
+
+    # the reference: the same script in one process, no launcher (hapd's plans reproduce the
+    # single-device loss and gradients: whatever ran on 3 and then on 2 hosts must give its losses)
+    one = subprocess.run([sys.executable, str(script), "14", "-"], capture_output=True, text=True, cwd=tmp_path,
+                         env={**env, "HAPD_HOME": str(tmp_path / "one")}, timeout=GENEROUS_S * 2)
+    assert one.returncode == 0, one.stderr[-3000:]
+    reference = _losses("\n".join(f"[rank 0] {line}" for line in one.stdout.splitlines()))
+    assert sorted(reference) == list(range(1, 15))
+    for s in range(1, 15):
+        assert abs(reference[s][0] - losses[s][0]) <= 1e-5 * abs(reference[s][0]), (s, reference[s], losses[s])
+    want = np.array(_final("\n".join(f"[rank 0] {line}" for line in one.stdout.splitlines())))
+    np.testing.assert_allclose(np.array(_final(out)), want, rtol=1e-4, atol=1e-6)  # the parameters after recovery
+
+
+def test_a_bug_in_the_script_is_not_a_fault(hosts3, tmp_path):
+    hostfile, profile, script, _ = _setup(hosts3, tmp_path, n_hosts=2)
+    code, out, err = _run([str(script), "--hosts", str(hostfile), "--elastic", "1:2", "--env", "ELASTIC_TEST_RAISE_AT=2",
+                           "--", "6", str(profile)], _env(hosts3, tmp_path), "el-bug")
+    assert code == 1, err[-3000:]
+    assert "ValueError: a bug in the training script" in err
+    assert "restarting" not in err
+
+
+def test_a_killed_rank_restarts_and_a_host_joins_at_a_step_boundary(hosts3, tmp_path):
+    """On 2 of the 3 hosts: rank 1 is killed (SIGKILL) after step 3: the same hosts go
+    on from the snapshot; at step 7 the third host is added to the host file with
+    ``launcher join``: the job pauses at a step boundary (no step lost) and finishes on
+    3 hosts."""
+    hostfile, profile, script, lines = _setup(hosts3, tmp_path, n_hosts=2)
+    env = _env(hosts3, tmp_path)
+    done: dict[str, float] = {}
+
+    def on_line(line: str) -> None:
+        if "kill" not in done and '"event": "step", "step": 3}' in line:
+            done["kill"] = time.time()
+            label = lines[1].split()[0] + ":" + lines[1].split("port=")[1].split()[0]
+            for pid in _host_ranks("el-join", label):
+                os.kill(pid, signal.SIGKILL)
+        if "kill" in done and "join" not in done and '"step": 7, "loss"' in line:
+            done["join"] = time.time()
+            joined = _launcher(["join", *lines[2].split(), "--hosts", str(hostfile)], env)
+            assert joined.returncode == 0, joined.stderr
+
+    code, out, err = _run([str(script), "--hosts", str(hostfile), "--elastic", "1:3", "--snapshot-every", "1",
+                           "--env", "ELASTIC_TEST_STEP_S=0.5", "--", "12", str(profile)], env, "el-join", on_line=on_line)
+    assert code == 0, err[-4000:]
+    assert set(done) == {"kill", "join"}, err[-3000:]
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, 13)), out[-3000:]
+    assert losses[1][1] == 2 and losses[12][1] == 3
+    report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())["elastic"]
+    gens = report["generations"]
+    assert len(gens) == 3, gens
+    assert "killed" in gens[0]["outcome"] and gens[0]["recovery"]["lost"] == []
+    assert gens[1]["outcome"].startswith("paused for") and gens[2]["resumed"]["step"] == gens[1]["last_step"]
+    assert [j["host"] for j in report["joined"]] == [lines[2].split()[0] + ":" + lines[2].split("port=")[1].split()[0]]
+    assert report["faults"] == 1
+    assert not _job_pids("el-join")
+
+
+def _launcher(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=GENEROUS_S)
+
+
+def test_a_snapshot_is_found_across_this_generations_and_former_hosts_daemons(hosts3, monkeypatch):
+    """Rank 0's files of step 5 are on a daemon of this generation, rank 1's only on a
+    dropped host's daemon (its link came back); a third former daemon does not answer.
+    Resuming finds step 5 complete, each rank's files where they are, passing over the
+    dead daemon."""
+    from hapd.elastic import resume as el
+    from hapd.wire.client import Client
+    from hapd.wire.keys import load_key
+
+    key = load_key(hosts3.key_file)
+    run = f"found-{os.getpid()}"
+    with Client(hosts3.addresses[0], key, 5.0) as client:
+        client.snapshot_put(f"{run}-g0", 5, 0, 2, {"a.distcp": b"zero"})
+        client.snapshot_put(f"{run}-g0", 4, 0, 2, {"a.distcp": b"zero"})
+    with Client(hosts3.addresses[1], key, 5.0) as client:
+        client.snapshot_put(f"{run}-g0", 5, 1, 2, {"b.distcp": b"one"})
+    with socket.socket() as sock:  # a port nothing answers on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("HAPD_KEY_FILE", str(hosts3.key_file))
+    environ = {el.RUN_ENV: run, el.GENERATION_ENV: "1", el.DAEMONS_ENV: hosts3.addresses[0],
+               el.FORMER_DAEMONS_ENV: f"{dead},{hosts3.addresses[1]}"}
+    elastic = el.Elastic(torch.nn.Linear(2, 2), environ=environ)
+    found = elastic._newest_snapshot()  # the dead daemon is passed over
+    assert found == {"run": f"{run}-g0", "step": 5, "world": 2,
+                     "holders": {"0": hosts3.addresses[0], "1": hosts3.addresses[1]}}
+    alone = el.Elastic(torch.nn.Linear(2, 2), environ={**environ, el.FORMER_DAEMONS_ENV: ""})
+    assert alone._newest_snapshot() is None  # rank 1's files are only on the former host
