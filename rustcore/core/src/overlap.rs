@@ -97,26 +97,29 @@ pub fn collective_rows(profile: &Profile, collective: Collective, bytes: f64, wi
     (forward, backward)
 }
 
-/// One step's part in the two-duplica schedule, per device.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepRows {
+/// One step's part in the two-duplica schedule, per device, with rows of type `R`:
+/// [`Row`] in the search, [`RowOut`] on the wire ([`OverlapOut`], which leaves
+/// `recomputed` out).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepRows<R = Row> {
     /// Whether the step depends on the batch (each duplica runs it; else A only, once).
     pub batch: bool,
     /// Whether the step is in a recomputed span (its collectives block).
+    #[serde(skip)]
     pub recomputed: bool,
     /// Forward compute of one duplica.
-    pub comp_forward: Row,
+    pub comp_forward: R,
     /// Backward compute of one duplica.
-    pub comp_backward: Row,
+    pub comp_backward: R,
     /// The batch collectives before the step, one duplica's, in order: each a
     /// communication point of the forward pass.
-    pub comm_forward: Vec<Row>,
+    pub comm_forward: Vec<R>,
     /// Their duals (those whose tensor carries a gradient), in the same order: the
     /// backward pass's points.
-    pub comm_backward: Vec<Row>,
+    pub comm_backward: Vec<R>,
     /// Collectives run once for both duplicas (parameters', forward and backward, and
     /// the replicated gradients' all-reduce), not overlapped.
-    pub serial: Row,
+    pub serial: R,
 }
 
 impl StepRows {
@@ -348,21 +351,14 @@ impl Clock {
     }
 }
 
-/// A step's overlap rows on the wire (see [`StepRows`]).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct OverlapOut {
-    pub batch: bool,
-    pub comp_forward: RowOut,
-    pub comp_backward: RowOut,
-    pub comm_forward: Vec<RowOut>,
-    pub comm_backward: Vec<RowOut>,
-    pub serial: RowOut,
-}
+/// A step's overlap rows on the wire: [`StepRows`] without `recomputed`.
+pub type OverlapOut = StepRows<RowOut>;
 
 impl From<&StepRows> for OverlapOut {
     fn from(rows: &StepRows) -> Self {
-        OverlapOut {
+        StepRows {
             batch: rows.batch,
+            recomputed: rows.recomputed,
             comp_forward: (&rows.comp_forward).into(),
             comp_backward: (&rows.comp_backward).into(),
             comm_forward: rows.comm_forward.iter().map(Into::into).collect(),

@@ -22,7 +22,7 @@
 //! operands: no partial-sum rules.
 
 use super::rule_names::{DATA_PARALLEL, HEAD_PARALLEL, QUERY_SPLIT};
-use super::{by_name, gather, matmul_class, random, Family, OpCtx, Rule};
+use super::{by_name, gather, matmul_class, random, Family, OpCtx, Rule, I};
 use crate::cost::Work;
 use crate::error::Result;
 use crate::layout::Layout;
@@ -34,8 +34,6 @@ pub const FAMILY: Family = Family {
     class: matmul_class,
     check_shapes,
 };
-
-const I: Layout = Layout::Identity;
 
 /// The dim of an operand of `shape` (aligned from the right with a rank-`rank` tensor)
 /// matching dim `d` of size `size`; `Ok(None)` when it is broadcast there (missing or

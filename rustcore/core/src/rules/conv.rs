@@ -17,7 +17,7 @@
 //! average pool is linear, so it also keeps partial sums partial (`"partial"`).
 
 use super::rule_names::{COLUMN_PARALLEL, DATA_PARALLEL, PARTIAL, ROW_PARALLEL, SHARDED};
-use super::{by_name, gather, no_shape_checks, Family, OpCtx, Rule};
+use super::{by_name, gather, no_shape_checks, Family, OpCtx, Rule, I};
 use crate::cost::{Work, WorkClass};
 use crate::layout::Layout;
 
@@ -28,8 +28,6 @@ pub const FAMILY: Family = Family {
     class,
     check_shapes: no_shape_checks,
 };
-
-const I: Layout = Layout::Identity;
 
 fn rules(ctx: &OpCtx) -> Vec<Rule> {
     match ctx.op() {

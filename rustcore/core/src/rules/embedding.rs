@@ -10,7 +10,7 @@
 //!   each output row. Every rank still writes the whole output, hence `Work::Full`.
 
 use super::rule_names::{DATA_PARALLEL, HIDDEN_SPLIT, VOCAB_PARALLEL};
-use super::{by_name, elementwise_class, gather, Family, OpCtx, Rule};
+use super::{by_name, elementwise_class, gather, Family, OpCtx, Rule, I};
 use crate::cost::Work;
 use crate::error::Result;
 use crate::layout::Layout;
@@ -22,8 +22,6 @@ pub const FAMILY: Family = Family {
     class: elementwise_class,
     check_shapes,
 };
-
-const I: Layout = Layout::Identity;
 
 fn rules(ctx: &OpCtx) -> Vec<Rule> {
     let (Some(wi), Some(ii)) = (ctx.input_index("weight"), ctx.input_index("indices")) else { return Vec::new() };

@@ -26,7 +26,7 @@
 
 use super::binary::{aligned_dim, broadcast};
 use super::rule_names::{DATA_PARALLEL, SHARDED};
-use super::{elementwise_class, gather, Family, OpCtx, Rule};
+use super::{elementwise_class, gather, Family, OpCtx, Rule, I};
 use crate::cost::Work;
 use crate::error::Result;
 use crate::ir::{DType, Value};
@@ -39,8 +39,6 @@ pub const FAMILY: Family = Family {
     class: elementwise_class,
     check_shapes,
 };
-
-const I: Layout = Layout::Identity;
 
 fn rules(ctx: &OpCtx) -> Vec<Rule> {
     if ctx.n_outputs() != 1 {

@@ -15,7 +15,7 @@ use super::rule_names::{
     SPLIT,
 };
 use super::binary::aligned_dim;
-use super::{by_name, gather, matmul_class, Family, OpCtx, Rule};
+use super::{by_name, gather, matmul_class, Family, OpCtx, Rule, I};
 use crate::cost::Work;
 use crate::error::Result;
 use crate::ir::{NodeKind, Value};
@@ -29,7 +29,6 @@ pub const FAMILY: Family = Family {
     check_shapes,
 };
 
-const I: Layout = Layout::Identity;
 const R: Layout = Layout::Reduce;
 
 fn g(dim: usize) -> Option<Layout> {

@@ -270,6 +270,9 @@ pub(crate) fn by_name(ctx: &OpCtx, named: &[(&str, Layout)], fill: Layout) -> Ve
     layouts
 }
 
+/// The replicated layout, as the families' rule tables write it.
+pub(crate) const I: Layout = Layout::Identity;
+
 /// Gather on a dim as a layout (dims beyond what a layout set can hold are not split).
 pub fn gather(dim: usize) -> Option<Layout> {
     (dim < crate::layout::MAX_GATHER_DIMS).then_some(Layout::Gather(dim as u8))

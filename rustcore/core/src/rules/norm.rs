@@ -28,7 +28,7 @@ use crate::comm::{collective_row, Collective};
 use crate::cost::{Row, Work};
 use crate::profile::Profile;
 use crate::error::Result;
-use crate::ir::Value;
+use crate::ir::{TensorMeta, Value};
 use crate::layout::Layout;
 
 pub const FAMILY: Family = Family {
@@ -173,12 +173,23 @@ fn check_shapes(ctx: &OpCtx) -> Result<()> {
 /// Batch norms: the input is `[N, C, …]`, the result has its shape, and weight, bias and
 /// running statistics (where given) are `[C]`.
 fn check_per_channel(ctx: &OpCtx) -> Result<()> {
+    let x = channels_first_input(ctx)?;
+    check_channel_operands(ctx, x, &["weight", "bias", "running_mean", "running_var"])
+}
+
+/// The input of a norm on `[N, C, …]`, checked to be so and the result alike.
+fn channels_first_input<'g>(ctx: &OpCtx<'g>) -> Result<&'g TensorMeta> {
     let out = ctx.require_out()?;
     let x = ctx.require_input(0)?;
     if x.rank() < 2 || out.shape != x.shape {
         return ctx.shape_error(format!("input {:?} must be [N, C, …] and the result {:?} alike", x.shape, out.shape));
     }
-    for name in ["weight", "bias", "running_mean", "running_var"] {
+    Ok(x)
+}
+
+/// The operands `names` (where given) of a norm on input `x` (`[N, C, …]`) are `[C]`.
+fn check_channel_operands(ctx: &OpCtx, x: &TensorMeta, names: &[&str]) -> Result<()> {
+    for &name in names {
         if let Some(p) = ctx.tensor_arg(name) {
             if p.shape != [x.shape[1]] {
                 return ctx.shape_error(format!("{name} {:?} is not [C] for input {:?}", p.shape, x.shape));
@@ -191,23 +202,12 @@ fn check_per_channel(ctx: &OpCtx) -> Result<()> {
 /// Group norms: `[N, C, …]` input, result alike, `num_groups` divides `C`, and weight
 /// and bias (where given) are `[C]`.
 fn check_group_norm(ctx: &OpCtx) -> Result<()> {
-    let out = ctx.require_out()?;
-    let x = ctx.require_input(0)?;
-    if x.rank() < 2 || out.shape != x.shape {
-        return ctx.shape_error(format!("input {:?} must be [N, C, …] and the result {:?} alike", x.shape, out.shape));
-    }
+    let x = channels_first_input(ctx)?;
     let groups = ctx.int_arg("num_groups").or_else(|| ctx.int_arg("group")).unwrap_or(1);
     if groups < 1 || x.shape[1] % groups as usize != 0 {
         return ctx.shape_error(format!("{groups} groups do not divide {} channels", x.shape[1]));
     }
-    for name in ["weight", "bias"] {
-        if let Some(p) = ctx.tensor_arg(name) {
-            if p.shape != [x.shape[1]] {
-                return ctx.shape_error(format!("{name} {:?} is not [C] for input {:?}", p.shape, x.shape));
-            }
-        }
-    }
-    Ok(())
+    check_channel_operands(ctx, x, &["weight", "bias"])
 }
 
 /// Layer norms: `normalized_shape` is the tail of the input's shape, `weight` and `bias`
