@@ -448,15 +448,42 @@ def distribute(
     ``bucket_bytes`` are ``shared``'s). The plan must hold every parameter as
     ``shared``'s does (:func:`shared_state_mismatch`): :class:`PlanError` otherwise.
 
+    ``weights``, ``seed``, ``rng``: where the pieces of parameters and buffers come from,
+    and what the program's random ops draw with (:func:`_rank_emitter`).
+
+    A plan with ``overlap`` (compiled for one duplica: half the global batch) gives an
+    :class:`hapd.spmd.duplicas.OverlappedModule` running two interleaved duplicas;
+    ``batch_dims``: each input's batch dim in the global batch (default 0).
+    """
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    ep = normalize(_at_plan_batch(_load_program(program, example_inputs), plan))
+    rank, world = _rank_and_world(rank, world, group)
+    _check(ep, plan, rank, world, graph=check_graph)
+    em = _rank_emitter(ep, plan, rank, world, group=group, device=device, shared=shared, weights=weights,
+                       seed=seed, rng=rng)
+    _shard_sources(em, plan.program["steps"])
+    _emit_steps(em, plan.program["steps"])
+    _write_back_buffers(em)
+    _output_loss(em, plan.program["loss"])
+    module = _seeded(_rank_module(em), em, shared)
+    if shared is None:
+        _sync_gradients(module, em.synced, group, bucket_bytes, hosts)
+    else:
+        _share_gradient_sync(module, shared, em.synced)
+    return _seeded(overlapped(module, batch_dims), em, shared) if plan.overlap else module
+
+
+def _rank_emitter(ep: ExportedProgram, plan: Plan, rank: int, world: int, *, group: Any,
+                  device: torch.device | str | None, shared: RankModule | None, weights: Weights | None,
+                  seed: int | None, rng: str | None) -> _Emitter:
+    """The emitter of rank ``rank``'s module: its view of the plan, its pieces' source, its random draws.
+
     ``weights``: where the pieces of parameters and buffers come from instead of the
     program's state dict (:func:`hapd.state.weights.weight_source`: an initializer, a
     safetensors file, a checkpoint): each is read one tensor at a time and only this
     rank's piece is kept, so ``program`` may be exported from a model on the meta
     device; a tensor the source lacks is cut from the program's value.
-
-    A plan with ``overlap`` (compiled for one duplica: half the global batch) gives an
-    :class:`hapd.spmd.duplicas.OverlappedModule` running two interleaved duplicas;
-    ``batch_dims``: each input's batch dim in the global batch (default 0).
 
     ``seed``: what the program's dropouts draw with (hapd's counter-based generator,
     :mod:`hapd.spmd.random.random_ops`; given, it must be the same on every rank; default
@@ -471,11 +498,6 @@ def distribute(
     (no duplicas), where there is nothing to slice. Default: ``"torch"`` for such a
     program, ``"counter"`` otherwise.
     """
-    if not isinstance(plan, Plan):
-        plan = Plan.load(plan)
-    ep = normalize(_at_plan_batch(_load_program(program, example_inputs), plan))
-    rank, world = _rank_and_world(rank, world, group)
-    _check(ep, plan, rank, world, graph=check_graph)
     rng = choose_rng(rng, world=world, overlap=bool(plan.overlap))
     view = RankView(plan, rank, world)
     if shared is not None:
@@ -492,24 +514,14 @@ def distribute(
         em.seed = int(getattr(shared, SEED))  # another program of one model: one generator
     elif em.streams and world > 1 and dist.is_available() and dist.is_initialized():
         em.seed = _job_seed(em.seed, group)
-    _shard_sources(em, plan.program["steps"])
-    _emit_steps(em, plan.program["steps"])
-    _write_back_buffers(em)
-    _output_loss(em, plan.program["loss"])
-    module = _rank_module(em)
+    return em
+
+
+def _seeded(module: RankModule, em: _Emitter, shared: RankModule | None) -> RankModule:
+    """``module`` holding the seed its random ops draw with, and advancing its step counter at each forward."""
     setattr(module, SEED, em.seed)
     if em.streams:
         install_step(module, shared)
-    if shared is None:
-        _sync_gradients(module, em.synced, group, bucket_bytes, hosts)
-    else:
-        _share_gradient_sync(module, shared, em.synced)
-    if plan.overlap:
-        both = overlapped(module, batch_dims)
-        setattr(both, SEED, em.seed)
-        if em.streams:
-            install_step(both, shared)
-        return both
     return module
 
 
