@@ -75,16 +75,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     Joins the job torchrun started when ``WORLD_SIZE`` is set and no process group
     exists; one process without either runs the plan for one device.
 
-    ``weights``: where this rank reads its pieces of the parameters and buffers
-    instead of ``model`` (:mod:`hapd.state.weights`: :func:`hapd.module_init`, a
-    safetensors file, a checkpoint), one tensor at a time; needed when ``model`` is on
-    the meta device (too large for one host: only its shapes are exported), whose real
-    tensors (buffers built under :func:`hapd.init_on_meta`) fill in what the source lacks.
-
-    ``compile``: run each of this rank's programs under ``torch.compile`` (True: its
-    defaults; a mapping: its keyword arguments, e.g. ``{"backend": "aot_eager"}``). The
-    collectives run between the compiled graphs (graph breaks); the values are the
-    uncompiled program's up to the compiler's rounding.
+    ``weights`` (a model on the meta device) and ``compile`` (``torch.compile``): see :func:`_recipe`.
 
     ``overlap`` (with ``options.overlap``, the overlap-aware search): ``"auto"`` compiles
     the program for the whole batch and one duplica's program (half the batch) priced as
@@ -99,39 +90,73 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     joined_s = time.time() - started
     if overlap not in ("auto", "always"):
         raise OptionsError(f"overlap {overlap!r} is not auto or always", field="overlap")
-    weights = weight_source(weights, model)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    recipe = _recipe(model, example_inputs, batch_dims, name=name, profile=profile, plan=plan, world=world, group=group,
+                     device=device, use_daemon=use_daemon, verbose=verbose, weights=weights, compile=compile)
+    carried = _carried_in(recipe)
+    options = _default_options(options, recipe.profile, world)
+    program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
+                                            always=overlap == "always")
+    if verbose and rank == 0:
+        print(source.summary(), flush=True)
+    built = _build_module(recipe, source, program, graph, options, world=world, rank=rank, group=group, hosts=hosts)
+    built.build_times = BuildTimes(started=started, join_s=joined_s, total_s=time.time() - started)
+    if carried is not None:
+        CARRY.keep(carried, recipe.exported)
+    return built
+
+
+def _recipe(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims: Sequence[int | None] | None, *,
+            name: str | None, profile: Profile | str | Path | Mapping | None, plan: Plan | str | Path | bytes | None,
+            world: int, group: Any, device: torch.device | str | None, use_daemon: bool, verbose: bool,
+            weights: Weights | None, compile: bool | Mapping[str, Any]) -> Recipe:  # noqa: A002 - torch's word
+    """What :func:`parallelize` was given, with its defaults: batch dims, device, the job's profile.
+
+    ``weights``: where this rank reads its pieces of the parameters and buffers
+    instead of ``model`` (:mod:`hapd.state.weights`: :func:`hapd.module_init`, a
+    safetensors file, a checkpoint), one tensor at a time; needed when ``model`` is on
+    the meta device (too large for one host: only its shapes are exported), whose real
+    tensors (buffers built under :func:`hapd.init_on_meta`) fill in what the source lacks.
+
+    ``compile``: run each of this rank's programs under ``torch.compile`` (True: its
+    defaults; a mapping: its keyword arguments, e.g. ``{"backend": "aot_eager"}``). The
+    collectives run between the compiled graphs (graph breaks); the values are the
+    uncompiled program's up to the compiler's rounding.
+    """
+    source = weight_source(weights, model)
     example_inputs = tuple(example_inputs)
     if batch_dims is None:
         batch_dims = [0 if t.dim() > 0 else None for t in example_inputs]
     device = _default_device(model, device)
     if profile is None and plan is None:
         profile = job_profile(None, world, device=device, group=group)  # the devices as they are
-    recipe = Recipe(model=model, example_inputs=example_inputs, batch_dims=tuple(batch_dims),
-                    name=name or type(model).__name__, profile=profile, use_daemon=use_daemon, verbose=verbose,
-                    device=device, weights=weights, compile=_compile_options(compile))
-    carried = export_key(model, example_inputs, recipe.batch_dims, recipe.name, device) if CARRY.enabled else None
+    return Recipe(model=model, example_inputs=example_inputs, batch_dims=tuple(batch_dims),
+                  name=name or type(model).__name__, profile=profile, use_daemon=use_daemon, verbose=verbose,
+                  device=device, weights=source, compile=_compile_options(compile))
+
+
+def _carried_in(recipe: Recipe) -> tuple | None:
+    """The export key of a run of the script again in this process (an in-place switch), its exports taken in."""
+    carried = export_key(recipe.model, recipe.example_inputs, recipe.batch_dims, recipe.name,
+                         recipe.device) if CARRY.enabled else None
     if carried is not None:  # a run of the script again in this process (an in-place switch): no export
-        recipe.exported.update(CARRY.take(carried, model))
-    options = _default_options(options, profile, world)
-    program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
-                                            always=overlap == "always")
-    if verbose and rank == 0:
-        print(source.summary(), flush=True)
+        recipe.exported.update(CARRY.take(carried, recipe.model))
+    return carried
+
+
+def _build_module(recipe: Recipe, source: PlanSource, program: Any, graph: GraphIR,
+                  options: CompileOptions | Mapping[str, Any] | None, *, world: int, rank: int, group: Any,
+                  hosts: Any) -> ParallelModule | PipelineModule:
+    """The pipeline module when a pipeline won, else this rank's distributed program as a ParallelModule."""
     if pipeline_won(source.plan):
-        built: ParallelModule | PipelineModule = build_pipeline_module(
-            recipe, source, job_profile(profile, world), compile_options(options), weights=weights)
-    else:
-        host_groups = job_host_groups(world, group) if hosts == "auto" else hosts
-        inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
-                           check_graph=False, hosts=host_groups, weights=weights, batch_dims=recipe.batch_dims)
-        extra = _state_outside_plan(model, inner, weights)
-        recipe = dataclasses.replace(recipe, training_ops=op_nodes(graph))
-        built = ParallelModule(inner, source, group=group, aliases=_aliases(model, inner), extra=extra, recipe=recipe)
-    built.build_times = BuildTimes(started=started, join_s=joined_s, total_s=time.time() - started)
-    if carried is not None:
-        CARRY.keep(carried, recipe.exported)
-    return built
+        return build_pipeline_module(recipe, source, job_profile(recipe.profile, world), compile_options(options),
+                                     weights=recipe.weights)
+    host_groups = job_host_groups(world, group) if hosts == "auto" else hosts
+    inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
+                       check_graph=False, hosts=host_groups, weights=recipe.weights, batch_dims=recipe.batch_dims)
+    extra = _state_outside_plan(recipe.model, inner, recipe.weights)
+    recipe = dataclasses.replace(recipe, training_ops=op_nodes(graph))
+    return ParallelModule(inner, source, group=group, aliases=_aliases(recipe.model, inner), extra=extra, recipe=recipe)
 
 
 @dataclasses.dataclass(frozen=True)
