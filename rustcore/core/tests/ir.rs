@@ -186,6 +186,8 @@ macro_rules! reject {
         )*
         /// Every bad fixture has a test above.
         const BAD: &[&str] = &[$($fixture),*];
+        /// Their bytes.
+        const BAD_BYTES: &[(&str, &[u8])] = fixtures![$($fixture),*];
     };
 }
 
@@ -250,20 +252,6 @@ fn every_fixture_file_is_tested() {
     }
 }
 
-const BAD_BYTES: &[(&str, &[u8])] = &[
-    ("truncated", fixture!("truncated")),
-    ("garbage", fixture!("garbage")),
-    ("empty", fixture!("empty")),
-    ("wrong_version", fixture!("wrong_version")),
-    ("wrong_format", fixture!("wrong_format")),
-    ("dangling", fixture!("dangling")),
-    ("forward_ref", fixture!("forward_ref")),
-    ("shape_mismatch", fixture!("shape_mismatch")),
-    ("not_scalar_loss", fixture!("not_scalar_loss")),
-    ("bad_kind", fixture!("bad_kind")),
-    ("negative_dim", fixture!("negative_dim")),
-];
-
 // ------------------------------------------------------- edits of a good document
 
 /// The mlp fixture as a msgpack value, to edit.
@@ -278,18 +266,44 @@ fn encode(doc: &rmpv::Value) -> Vec<u8> {
 }
 
 fn entry<'a>(map: &'a mut rmpv::Value, key: &str) -> &'a mut rmpv::Value {
-    let rmpv::Value::Map(entries) = map else { panic!("not a map") };
-    &mut entries.iter_mut().find(|(k, _)| k.as_str() == Some(key)).unwrap_or_else(|| panic!("no {key}")).1
+    &mut entries(map).iter_mut().find(|(k, _)| k.as_str() == Some(key)).unwrap_or_else(|| panic!("no {key}")).1
 }
 
 fn node<'a>(doc: &'a mut rmpv::Value, name: &str) -> &'a mut rmpv::Value {
-    let rmpv::Value::Array(nodes) = entry(doc, "nodes") else { panic!("nodes") };
-    nodes
+    items(entry(doc, "nodes"))
         .iter_mut()
         .find(|n| {
             n.as_map().is_some_and(|m| m.iter().any(|(k, v)| k.as_str() == Some("name") && v.as_str() == Some(name)))
         })
         .unwrap()
+}
+
+/// The entries of a map.
+fn entries(map: &mut rmpv::Value) -> &mut Vec<(rmpv::Value, rmpv::Value)> {
+    let rmpv::Value::Map(entries) = map else { panic!("not a map") };
+    entries
+}
+
+/// `map` without its entry `key`.
+fn without(map: &mut rmpv::Value, key: &str) {
+    entries(map).retain(|(k, _)| k.as_str() != Some(key));
+}
+
+/// The items of a list.
+fn items(list: &mut rmpv::Value) -> &mut Vec<rmpv::Value> {
+    let rmpv::Value::Array(items) = list else { panic!("not a list") };
+    items
+}
+
+/// Node `name`'s first result gets shape `dims`.
+fn set_shape(doc: &mut rmpv::Value, name: &str, dims: &[i64]) {
+    *entry(&mut items(entry(node(doc, name), "outputs"))[0], "shape") = ints(dims);
+}
+
+/// Node `name`'s first schema argument gets the value `{tag: value}`.
+fn set_first_arg(doc: &mut rmpv::Value, name: &str, tag: &str, value: i64) {
+    let value = rmpv::Value::Map(vec![(rmpv::Value::from(tag), rmpv::Value::from(value))]);
+    *entry(&mut items(entry(node(doc, name), "args"))[0], "value") = value;
 }
 
 fn ints(values: &[i64]) -> rmpv::Value {
@@ -313,35 +327,36 @@ type Edit = Box<dyn FnOnce(&mut rmpv::Value)>;
 /// (what, edit, Python class, node, field) of the error.
 type Case = (&'static str, Edit, &'static str, Option<&'static str>, Option<&'static str>);
 
+/// The case that sets `field` of node `name` to `value`, an error naming that node and field.
+fn node_field(what: &'static str, name: &'static str, field: &'static str, value: rmpv::Value) -> Case {
+    (what, Box::new(move |d| *entry(node(d, name), field) = value), "GraphValidationError", Some(name), Some(field))
+}
+
+/// The case that sets the document's `field` to `value`, an error naming that field.
+fn graph_field(what: &'static str, field: &'static str, value: rmpv::Value) -> Case {
+    (what, Box::new(move |d| *entry(d, field) = value), "GraphValidationError", None, Some(field))
+}
+
 /// Edits of a node's fields that fail to decode: one missing, a count out of range or not a number.
 fn node_field_cases() -> Vec<Case> {
     vec![
         (
             "missing kind",
-            Box::new(|d| {
-                let rmpv::Value::Map(m) = node(d, "gelu") else { unreachable!() };
-                m.retain(|(k, _)| k.as_str() != Some("kind"));
-            }),
+            Box::new(|d| without(node(d, "gelu"), "kind")),
             "GraphValidationError",
             Some("gelu"),
             Some("kind"),
         ),
         (
             "negative flops",
-            Box::new(|d| {
-                let rmpv::Value::Map(m) = node(d, "gelu") else { unreachable!() };
-                m.push((rmpv::Value::from("flops"), rmpv::Value::from(-1.0)));
-            }),
+            Box::new(|d| entries(node(d, "gelu")).push((rmpv::Value::from("flops"), rmpv::Value::from(-1.0)))),
             "GraphValidationError",
             Some("gelu"),
             Some("flops"),
         ),
         (
             "flops not a number",
-            Box::new(|d| {
-                let rmpv::Value::Map(m) = node(d, "gelu") else { unreachable!() };
-                m.push((rmpv::Value::from("flops"), rmpv::Value::from("many")));
-            }),
+            Box::new(|d| entries(node(d, "gelu")).push((rmpv::Value::from("flops"), rmpv::Value::from("many")))),
             "GraphValidationError",
             Some("gelu"),
             Some("flops"),
@@ -352,30 +367,17 @@ fn node_field_cases() -> Vec<Case> {
 /// Edits of a node's values that fail to decode: references, arguments, results.
 fn node_value_cases() -> Vec<Case> {
     vec![
-        (
-            "inputs not refs",
-            Box::new(|d| *entry(node(d, "gelu"), "inputs") = rmpv::Value::from("x")),
-            "GraphValidationError",
-            Some("gelu"),
-            Some("inputs"),
-        ),
+        node_field("inputs not refs", "gelu", "inputs", rmpv::Value::from("x")),
         (
             "bad arg value",
-            Box::new(|d| {
-                let rmpv::Value::Array(args) = entry(node(d, "gelu"), "args") else { unreachable!() };
-                *entry(&mut args[0], "value") = rmpv::Value::Map(vec![(rmpv::Value::from("zz"), rmpv::Value::from(1))]);
-            }),
+            Box::new(|d| set_first_arg(d, "gelu", "zz", 1)),
             "GraphValidationError",
             Some("gelu"),
             Some("args"),
         ),
         (
             "output without dtype",
-            Box::new(|d| {
-                let rmpv::Value::Array(outs) = entry(node(d, "gelu"), "outputs") else { unreachable!() };
-                let rmpv::Value::Map(m) = &mut outs[0] else { unreachable!() };
-                m.retain(|(k, _)| k.as_str() != Some("dtype"));
-            }),
+            Box::new(|d| without(&mut items(entry(node(d, "gelu"), "outputs"))[0], "dtype")),
             "GraphValidationError",
             Some("gelu"),
             Some("outputs"),
@@ -388,10 +390,7 @@ fn node_check_cases() -> Vec<Case> {
     vec![
         (
             "tensor arg out of range",
-            Box::new(|d| {
-                let rmpv::Value::Array(args) = entry(node(d, "gelu"), "args") else { unreachable!() };
-                *entry(&mut args[0], "value") = rmpv::Value::Map(vec![(rmpv::Value::from("t"), rmpv::Value::from(7))]);
-            }),
+            Box::new(|d| set_first_arg(d, "gelu", "t", 7)),
             "GraphValidationError",
             Some("gelu"),
             Some("args[0] (self)"),
@@ -403,137 +402,40 @@ fn node_check_cases() -> Vec<Case> {
             Some("gelu"),
             Some("name"),
         ),
-        (
-            "source with inputs",
-            Box::new(|d| *entry(node(d, "x"), "inputs") = rmpv::Value::Array(vec![ints(&[0, 0])])),
-            "GraphValidationError",
-            Some("x"),
-            Some("inputs"),
-        ),
-        (
-            "batch dim past rank",
-            Box::new(|d| *entry(node(d, "y"), "batch_dim") = rmpv::Value::from(1)),
-            "GraphValidationError",
-            Some("y"),
-            Some("batch_dim"),
-        ),
-        (
-            "batch dim on a parameter",
-            Box::new(|d| *entry(node(d, "p_head_bias"), "batch_dim") = rmpv::Value::from(0)),
-            "GraphValidationError",
-            Some("p_head_bias"),
-            Some("batch_dim"),
-        ),
-        (
-            "op without name",
-            Box::new(|d| *entry(node(d, "gelu"), "op") = rmpv::Value::from("")),
-            "GraphValidationError",
-            Some("gelu"),
-            Some("op"),
-        ),
-        (
-            "output index past the end",
-            Box::new(|d| *entry(node(d, "gelu"), "inputs") = rmpv::Value::Array(vec![ints(&[8, 3])])),
-            "GraphValidationError",
-            Some("gelu"),
-            Some("inputs"),
-        ),
+        node_field("source with inputs", "x", "inputs", rmpv::Value::Array(vec![ints(&[0, 0])])),
+        node_field("batch dim past rank", "y", "batch_dim", rmpv::Value::from(1)),
+        node_field("batch dim on a parameter", "p_head_bias", "batch_dim", rmpv::Value::from(0)),
+        node_field("op without name", "gelu", "op", rmpv::Value::from("")),
+        node_field("output index past the end", "gelu", "inputs", rmpv::Value::Array(vec![ints(&[8, 3])])),
     ]
 }
 
 /// Edits of the document around the nodes: the loss, the node list, the header.
 fn graph_cases() -> Vec<Case> {
     vec![
-        (
-            "loss past the end",
-            Box::new(|d| *entry(d, "loss") = ints(&[99, 0])),
-            "GraphValidationError",
-            None,
-            Some("loss"),
-        ),
-        ("integer loss", Box::new(|d| *entry(d, "loss") = ints(&[7, 0])), "GraphValidationError", None, Some("loss")),
-        (
-            "loss not a ref",
-            Box::new(|d| *entry(d, "loss") = rmpv::Value::from("cross_entropy_loss")),
-            "GraphValidationError",
-            None,
-            Some("loss"),
-        ),
-        (
-            "bad loss reduction",
-            Box::new(|d| *entry(d, "loss_reduction") = rmpv::Value::from("max")),
-            "GraphValidationError",
-            None,
-            Some("loss_reduction"),
-        ),
-        (
-            "no nodes",
-            Box::new(|d| *entry(d, "nodes") = rmpv::Value::Array(vec![])),
-            "GraphValidationError",
-            None,
-            Some("nodes"),
-        ),
-        (
-            "nodes not a list",
-            Box::new(|d| *entry(d, "nodes") = rmpv::Value::from(3)),
-            "GraphValidationError",
-            None,
-            Some("nodes"),
-        ),
-        (
-            "version not an int",
-            Box::new(|d| *entry(d, "version") = rmpv::Value::from("1")),
-            "GraphValidationError",
-            None,
-            Some("version"),
-        ),
-        (
-            "missing format",
-            Box::new(|d| {
-                let rmpv::Value::Map(m) = d else { unreachable!() };
-                m.retain(|(k, _)| k.as_str() != Some("format"));
-            }),
-            "GraphFormatError",
-            None,
-            None,
-        ),
+        graph_field("loss past the end", "loss", ints(&[99, 0])),
+        graph_field("integer loss", "loss", ints(&[7, 0])),
+        graph_field("loss not a ref", "loss", rmpv::Value::from("cross_entropy_loss")),
+        graph_field("bad loss reduction", "loss_reduction", rmpv::Value::from("max")),
+        graph_field("no nodes", "nodes", rmpv::Value::Array(vec![])),
+        graph_field("nodes not a list", "nodes", rmpv::Value::from(3)),
+        graph_field("version not an int", "version", rmpv::Value::from("1")),
+        ("missing format", Box::new(|d| without(d, "format")), "GraphFormatError", None, None),
     ]
 }
 
-/// Edits the shape checks of the op families catch.
+/// Edits the shape checks of the op families catch: (what, node, its result's new
+/// shape, the node named).
 fn shape_cases() -> Vec<Case> {
-    vec![
-        (
-            "bias of the wrong size",
-            Box::new(|d| {
-                let rmpv::Value::Array(outs) = entry(node(d, "p_body_0_bias"), "outputs") else { unreachable!() };
-                *entry(&mut outs[0], "shape") = ints(&[63]);
-            }),
-            "ShapeError",
-            Some("linear"),
-            None,
-        ),
-        (
-            "reshape changes the size",
-            Box::new(|d| {
-                let rmpv::Value::Array(outs) = entry(node(d, "reshape"), "outputs") else { unreachable!() };
-                *entry(&mut outs[0], "shape") = ints(&[2, 11]);
-            }),
-            "ShapeError",
-            Some("reshape"),
-            None,
-        ),
-        (
-            "non-broadcasting output",
-            Box::new(|d| {
-                let rmpv::Value::Array(outs) = entry(node(d, "gelu"), "outputs") else { unreachable!() };
-                *entry(&mut outs[0], "shape") = ints(&[2, 65]);
-            }),
-            "ShapeError",
-            Some("gelu"),
-            None,
-        ),
-    ]
+    const CASES: &[(&str, &str, &[i64], &str)] = &[
+        ("bias of the wrong size", "p_body_0_bias", &[63], "linear"),
+        ("reshape changes the size", "reshape", &[2, 11], "reshape"),
+        ("non-broadcasting output", "gelu", &[2, 65], "gelu"),
+    ];
+    let case = |&(what, edited, dims, named): &(&'static str, &'static str, &'static [i64], &'static str)| -> Case {
+        (what, Box::new(move |d| set_shape(d, edited, dims)), "ShapeError", Some(named), None)
+    };
+    CASES.iter().map(case).collect()
 }
 
 #[test]
@@ -549,11 +451,7 @@ fn edits_name_the_node_and_field() {
 fn huge_dimensions_are_errors_not_overflows() {
     // element counts past usize must not overflow (a panic in debug builds)
     for dims in [vec![1_i64 << 32, 1 << 32], vec![i64::MAX, 2], vec![1 << 62, 1 << 62, 1 << 62]] {
-        let err = edited(|d| {
-            let rmpv::Value::Array(outs) = entry(node(d, "y"), "outputs") else { unreachable!() };
-            *entry(&mut outs[0], "shape") = ints(&dims);
-        })
-        .expect_err("a tensor of more than 2^64 elements loaded");
+        let err = edited(|d| set_shape(d, "y", &dims)).expect_err("a tensor of more than 2^64 elements loaded");
         assert_eq!(err.kind(), "GraphValidationError", "{dims:?}: {err}");
     }
 }
@@ -566,8 +464,7 @@ fn deeply_nested_args_are_errors_not_stack_overflows() {
             value = rmpv::Value::Map(vec![(rmpv::Value::from("l"), rmpv::Value::Array(vec![value]))]);
         }
         let mut doc = mlp_doc();
-        let rmpv::Value::Array(args) = entry(node(&mut doc, "gelu"), "args") else { unreachable!() };
-        args.push(rmpv::Value::Map(vec![
+        items(entry(node(&mut doc, "gelu"), "args")).push(rmpv::Value::Map(vec![
             (rmpv::Value::from("name"), rmpv::Value::from("deep")),
             (rmpv::Value::from("value"), value),
         ]));

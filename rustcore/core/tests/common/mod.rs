@@ -12,17 +12,17 @@ macro_rules! fixture {
     };
 }
 
+/// `(name, bytes)` of each named fixture, in order.
+#[allow(unused_macros)]
+macro_rules! fixtures {
+    ($($name:literal),* $(,)?) => {
+        &[$(($name, fixture!($name))),*]
+    };
+}
+
 /// Every benchmark model, exported at tiny size with batch 2.
 #[allow(dead_code)]
-pub const MODELS: &[(&str, &[u8])] = &[
-    ("mlp", fixture!("mlp")),
-    ("vgg19", fixture!("vgg19")),
-    ("vit", fixture!("vit")),
-    ("bert", fixture!("bert")),
-    ("bert_moe", fixture!("bert_moe")),
-    ("gpt2_block", fixture!("gpt2_block")),
-    ("llama_block", fixture!("llama_block")),
-];
+pub const MODELS: &[(&str, &[u8])] = fixtures!["mlp", "vgg19", "vit", "bert", "bert_moe", "gpt2_block", "llama_block"];
 
 /// A one-host profile: one device per entry of `flops`, 16 GiB each, and the same
 /// α (s) / β (bytes/s) for every collective.
