@@ -158,7 +158,7 @@ class RankClock:
         gradsync.GradSync._finish = self.timed(gradsync.GradSync._finish, "grad_sync")
         collectives.Pending.wait = self.timed(collectives.Pending.wait, "wait_{phase}")
 
-        def plan_step(step):
+        def pack_step(step):
             clock.steps.append({})
             t0 = time.perf_counter()
             clock.phase = "forward"
@@ -174,7 +174,7 @@ class RankClock:
             step.last_loss = loss.detach()
             return step.last_loss
 
-        worker.PlanStep.__call__ = plan_step
+        worker.HapdStep.__call__ = pack_step
 
 
 def clocked_worker(out: Path, args: list[str], clock: RankClock) -> int:

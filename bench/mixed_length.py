@@ -133,7 +133,7 @@ def run_hapd(model, config, seqs, ns, packing: str, barrier) -> dict[str, Any]:
         step.train(module)
         optimizer.step()
         # planning and packing ran in the loader, before the step's clock: added to it
-        return {"tokens": step.tokens, "slots": step.plan.slots, "dispatch_ms": 1e3 * loader.dispatch_seconds[-1],
+        return {"tokens": step.tokens, "slots": step.packing.slots, "dispatch_ms": 1e3 * loader.dispatch_seconds[-1],
                 "outside_s": loader.dispatch_seconds[-1]}
 
     out = _timed_steps(loader, step_fn, barrier, ns.warmup, ns.steps, lambda: len(loader.build_seconds))
@@ -290,7 +290,7 @@ def launch(ns: argparse.Namespace, systems: str, steps: int, env: dict[str, str]
 
 def dry_planning(ns: argparse.Namespace) -> dict[str, Any]:
     """Planning alone over 1,000 steps (no model): the pool's programs, padding, time."""
-    from hapd.train.mixed_length import LengthCost, MixedLengthLoader, even_split, plan_padded, plan_step, row_lengths
+    from hapd.train.mixed_length import LengthCost, MixedLengthLoader, even_split, pack_padded, pack_step, row_lengths
 
     lengths = draw_lengths(200_000, ns.longest, ns.seed)
     pool = row_lengths(ns.shortest, ns.longest)
@@ -307,9 +307,9 @@ def dry_planning(ns: argparse.Namespace) -> dict[str, Any]:
         at += len(chosen)
         ls = [lengths[i] for i in chosen]
         started = time.perf_counter()
-        packed = plan_step(ls, pool=pool, micro_tokens=ns.micro_tokens, cost=cost, split=split)
+        packed = pack_step(ls, pool=pool, micro_tokens=ns.micro_tokens, cost=cost, split=split)
         ms.append(1e3 * (time.perf_counter() - started))
-        padded = plan_padded(ls, pool=pool, micro_tokens=ns.micro_tokens, split=split)
+        padded = pack_padded(ls, pool=pool, micro_tokens=ns.micro_tokens, split=split)
         for name, plan in (("packed", packed), ("padded", padded)):
             shapes[name].update(mb.shape for mb in plan.micro_batches)
             padding[name].append(plan.padding)

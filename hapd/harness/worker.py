@@ -78,7 +78,7 @@ def global_inputs(args: TrainArgs, env: DistEnv, config) -> tuple[Tensor, ...]:
     return tuple((t.to(args.torch_dtype) if t.is_floating_point() else t).to(env.device) for t in inputs)
 
 
-class PlanStep:
+class HapdStep:
     """Forward and backward of one iteration; ``last_loss`` is this rank's loss part."""
 
     def __init__(self, module: ParallelModule, inputs: Sequence[Tensor]):
@@ -174,7 +174,7 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     plan, source = module.plan, module.plan_source
     inputs = module.shard_inputs(*full)
     optimizer = torch.optim.Adam(module.parameters(), lr=args.lr)
-    step = PlanStep(module, inputs)
+    step = HapdStep(module, inputs)
     times = train(step, optimizer, env, iterations=args.iterations, warmup=args.warmup, trace=args.trace)
     assert step.last_loss is not None
     extra = {

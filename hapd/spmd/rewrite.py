@@ -10,7 +10,7 @@ in order:
    plan uses becomes this rank's piece of it (a slice for ``Gather(d)``, the whole
    tensor for ``Identity``); the full tensor is never kept for a sharded one; a tied
    parameter is one ``nn.Parameter`` registered under each of its names;
-3. **emit steps** (:func:`_emit_steps`) — the plan's steps in order: the collectives
+3. **emit steps** (:func:`_emit_plan_steps`) — the plan's steps in order: the collectives
    that bring each step's inputs to the layouts its rule needs, the op itself (adapted
    where a rule needs more than the local op: :data:`hapd.spmd.adapters.ADAPTERS`),
    and collectives on its results (the loss masked to rank 0 when it was computed
@@ -463,7 +463,7 @@ def distribute(
     em = _rank_emitter(ep, plan, rank, world, group=group, device=device, shared=shared, weights=weights,
                        seed=seed, rng=rng)
     _shard_sources(em, plan.program["steps"])
-    _emit_steps(em, plan.program["steps"])
+    _emit_plan_steps(em, plan.program["steps"])
     _write_back_buffers(em)
     _output_loss(em, plan.program["loss"])
     module = _seeded(_rank_module(em), em, shared)
@@ -579,7 +579,7 @@ def _shard_sources(em: _Emitter, steps: Sequence[Mapping[str, Any]]) -> None:
             em.source(src)
 
 
-def _emit_steps(em: _Emitter, steps: Sequence[Mapping[str, Any]]) -> None:
+def _emit_plan_steps(em: _Emitter, steps: Sequence[Mapping[str, Any]]) -> None:
     """Step 3: every step in plan order; the steps of a recompute span then run
     under activation checkpointing (:mod:`hapd.spmd.checkpointed`)."""
     marks = recompute.StepMarks(em.graph)

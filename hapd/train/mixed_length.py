@@ -14,8 +14,8 @@ longer than their documents. :func:`mixed_loader` does neither::
 
 Each step draws sequences in a shuffled order until the token budget is reached (the
 order is seeded, the same on every rank; :meth:`MixedLengthLoader.state_dict` says
-where it is, for checkpoints). The step is then planned on every rank alike
-(:func:`plan_step`, a few milliseconds):
+where it is, for checkpoints). The step is then packed on every rank alike
+(:func:`pack_step`, a few milliseconds):
 
 1. **Shapes from a small pool.** Rows have a length from :func:`row_lengths` (``shortest``
    times a power of two, up to the longest sequence); a micro-batch of row length ``R``
@@ -41,8 +41,8 @@ The loss is the single-device loss of the step's sequences: every micro-batch's 
 mean is weighted by its share of the step's counted tokens (:attr:`MicroBatch.weight`),
 so the sum is the token mean over the whole global batch, whatever the split.
 
-Every rank plans every step (the plan is a pure function of the lengths, the seed and
-the split) and builds only its own rows.
+Every rank packs every step (the packing is a pure function of the lengths, the seed
+and the split) and builds only its own rows.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def pack_rows(lengths: Sequence[int], items: Sequence[int], row: int) -> list[li
 
 
 @dataclass(frozen=True)
-class MicroBatchPlan:
+class MicroBatchPacking:
     """One micro-batch of a step: ``rows`` rows of ``length`` tokens, and which sequences
     (indices into the step's) each rank packs into each of its rows."""
 
@@ -178,14 +178,14 @@ class MicroBatchPlan:
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    """Where a step's sequences go (:func:`plan_step`)."""
+class StepPacking:
+    """Where a step's sequences go (:func:`pack_step`)."""
 
-    micro_batches: tuple[MicroBatchPlan, ...]
+    micro_batches: tuple[MicroBatchPacking, ...]
     tokens: int
     """The step's tokens (the sum of its sequences' lengths)."""
     seconds: float = 0.0
-    """How long planning it took (building a new shape's program included)."""
+    """How long packing it took (building a new shape's program included)."""
 
     @property
     def slots(self) -> int:
@@ -206,8 +206,8 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def plan_step(lengths: Sequence[int], *, pool: Sequence[int], micro_tokens: int, cost: LengthCost,
-              split: Splitter, rows_step: int | None = None) -> StepPlan:
+def pack_step(lengths: Sequence[int], *, pool: Sequence[int], micro_tokens: int, cost: LengthCost,
+              split: Splitter, rows_step: int | None = None) -> StepPacking:
     """Where each of a step's sequences (their ``lengths``) goes: which micro-batch, which
     row, which rank (see the module docstring). ``pool``: the row lengths, ascending;
     ``split(rows, length)``: each rank's rows of a micro-batch of that shape;
@@ -223,7 +223,7 @@ def plan_step(lengths: Sequence[int], *, pool: Sequence[int], micro_tokens: int,
     by_length: dict[int, list[int]] = {r: [] for r in pool}
     for i, n in enumerate(lengths):
         by_length[next(r for r in pool if r >= n)].append(i)
-    micro: list[MicroBatchPlan] = []
+    micro: list[MicroBatchPacking] = []
     carried: list[int] = []
     for k, length in enumerate(pool):
         items = by_length[length] + carried
@@ -246,12 +246,12 @@ def plan_step(lengths: Sequence[int], *, pool: Sequence[int], micro_tokens: int,
         for start in range(0, len(rows), full):
             chunk = rows[start:start + full]
             micro.append(_deal(lengths, chunk, _rounded_rows(len(chunk), full, step), length, split))
-    return StepPlan(micro_batches=tuple(micro), tokens=int(sum(lengths)), seconds=time.perf_counter() - started)
+    return StepPacking(micro_batches=tuple(micro), tokens=int(sum(lengths)), seconds=time.perf_counter() - started)
 
 
-def plan_padded(lengths: Sequence[int], *, pool: Sequence[int], micro_tokens: int, split: Splitter,
-                rows_step: int | None = None) -> StepPlan:
-    """The padded baseline of :func:`plan_step`: one sequence per row, every row as long
+def pack_padded(lengths: Sequence[int], *, pool: Sequence[int], micro_tokens: int, split: Splitter,
+                rows_step: int | None = None) -> StepPacking:
+    """The padded baseline of :func:`pack_step`: one sequence per row, every row as long
     as the pool's first length that holds the step's longest sequence, in micro-batches
     of as many tokens, cut over the ranks alike."""
     started = time.perf_counter()
@@ -266,7 +266,7 @@ def plan_padded(lengths: Sequence[int], *, pool: Sequence[int], micro_tokens: in
     rows = [[i] for i in range(len(lengths))]
     micro = tuple(_deal(lengths, rows[s:s + full], _rounded_rows(len(rows[s:s + full]), full, step), length, split)
                   for s in range(0, len(rows), full))
-    return StepPlan(micro_batches=micro, tokens=int(sum(lengths)), seconds=time.perf_counter() - started)
+    return StepPacking(micro_batches=micro, tokens=int(sum(lengths)), seconds=time.perf_counter() - started)
 
 
 def _rows_per(length: int, micro_tokens: int, rows_step: int | None) -> tuple[int, int]:
@@ -290,7 +290,7 @@ def _work(lengths: Sequence[int], items: Sequence[int], length: int, micro_token
     return _rounded_rows(len(pack_rows(lengths, items, length)), full, step) * cost.row(length)
 
 
-def _deal(lengths: Sequence[int], rows: list[list[int]], n: int, length: int, split: Splitter) -> MicroBatchPlan:
+def _deal(lengths: Sequence[int], rows: list[list[int]], n: int, length: int, split: Splitter) -> MicroBatchPacking:
     """A micro-batch of ``n`` rows (``rows`` filled, the rest padding) dealt over the
     ranks in the program's split: fullest rows first, each to the rank with the most of
     its share still free, so every rank's real tokens follow its share."""
@@ -304,7 +304,7 @@ def _deal(lengths: Sequence[int], rows: list[list[int]], n: int, length: int, sp
         r = max((r for r in range(len(shares)) if len(per_rank[r]) < shares[r]),
                 key=lambda r: ((shares[r] - len(per_rank[r])) / shares[r], -r))
         per_rank[r].append(tuple(row))
-    return MicroBatchPlan(length=length, rows=n, ranks=tuple(tuple(rs) for rs in per_rank))
+    return MicroBatchPacking(length=length, rows=n, ranks=tuple(tuple(rs) for rs in per_rank))
 
 
 def even_split(ratios: Sequence[float]) -> Splitter:
@@ -374,11 +374,17 @@ class Step:
 
     index: int
     micro_batches: list[MicroBatch]
-    plan: StepPlan
+    packing: StepPacking
+    """How the step's sequences are packed into micro-batches and rows (all ranks)."""
     tokens: int
     """The step's tokens (all ranks)."""
     counted: int
     """The step's counted tokens (all ranks): the token mean's denominator."""
+
+    @property
+    def plan(self) -> StepPacking:
+        """The step's packing, under its former name (kept for one release)."""
+        return self.packing
 
     def __iter__(self) -> Iterator[MicroBatch]:
         return iter(self.micro_batches)
@@ -420,7 +426,7 @@ class MixedLengthLoader:
     pad_id: int = 0
     device: torch.device | None = None
     packing: str = "packed"
-    """``"packed"`` (:func:`plan_step`) or ``"padded"`` (:func:`plan_padded`, the baseline)."""
+    """``"packed"`` (:func:`pack_step`) or ``"padded"`` (:func:`pack_padded`, the baseline)."""
     epoch: int = 0
     position: int = 0
     """Sequences of the epoch's order handed out."""
@@ -481,13 +487,13 @@ class MixedLengthLoader:
             chosen = self.step_sequences(order, self.position)
             lengths = [self.lengths[i] for i in chosen]
             if self.packing == "padded":
-                plan = plan_padded(lengths, pool=self.pool, micro_tokens=self.micro_tokens, split=self.split_of,
-                                   rows_step=self.rows_step)
+                packing = pack_padded(lengths, pool=self.pool, micro_tokens=self.micro_tokens, split=self.split_of,
+                                      rows_step=self.rows_step)
             else:
-                plan = plan_step(lengths, pool=self.pool, micro_tokens=self.micro_tokens, cost=self.cost,
-                                 split=self.split_of, rows_step=self.rows_step)
+                packing = pack_step(lengths, pool=self.pool, micro_tokens=self.micro_tokens, cost=self.cost,
+                                    split=self.split_of, rows_step=self.rows_step)
             micro, counts = [], []
-            for mb in plan.micro_batches:
+            for mb in packing.micro_batches:
                 rows = [[chosen[i] for i in row] for row in mb.ranks[self.rank]]
                 ids, positions, labels = pack_tensors(self.sequences, rows, mb.length, pad_id=self.pad_id)
                 counts.append(sum(self.lengths[chosen[i]] - 1 for rs in mb.ranks for row in rs for i in row))
@@ -506,7 +512,7 @@ class MixedLengthLoader:
                 mb.weight = n / total if total else 0.0
             self.dispatch_seconds.append(time.perf_counter() - started - (sum(self.build_seconds.values()) - built))
             self.position += len(chosen)
-            yield Step(index=index, micro_batches=micro, plan=plan, tokens=plan.tokens, counted=total)
+            yield Step(index=index, micro_batches=micro, packing=packing, tokens=packing.tokens, counted=total)
             index += 1
 
 
@@ -599,6 +605,6 @@ def one_row(length: int, pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     return pack_tensors([ids[0]], [[0]], length, pad_id=pad_id)
 
 
-__all__ = ["IGNORE", "LengthCost", "MicroBatch", "MicroBatchPlan", "MixedLengthLoader", "Step", "StepPlan",
-           "counted", "even_split", "mixed_loader", "one_row", "pack_rows", "pack_tensors", "plan_padded", "plan_step",
+__all__ = ["IGNORE", "LengthCost", "MicroBatch", "MicroBatchPacking", "MixedLengthLoader", "Step", "StepPacking",
+           "counted", "even_split", "mixed_loader", "one_row", "pack_rows", "pack_tensors", "pack_padded", "pack_step",
            "row_lengths"]

@@ -21,7 +21,7 @@ from torch import Tensor
 import hapd
 from hapd.errors import OptionsError
 from hapd.train.mixed_length import (IGNORE, LengthCost, MixedLengthLoader, counted, even_split, one_row,
-                                       pack_rows, pack_tensors, plan_step, row_lengths)
+                                       pack_rows, pack_tensors, pack_step, row_lengths)
 
 TOL = 1e-5
 COST = LengthCost(linear=1000.0, quadratic=4.0)
@@ -59,7 +59,7 @@ def test_plan_step_places_every_sequence_once_in_pool_shapes_and_split(ratios) -
     lengths = _lengths(120, seed=3)
     pool = row_lengths(16, max(lengths))
     split = even_split(ratios)
-    plan = plan_step(lengths, pool=pool, micro_tokens=256, cost=COST, split=split)
+    plan = pack_step(lengths, pool=pool, micro_tokens=256, cost=COST, split=split)
     seen = []
     for mb in plan.micro_batches:
         assert mb.length in pool and mb.rows * mb.length <= max(256, mb.length)
@@ -76,7 +76,7 @@ def test_rows_follow_the_ranks_shares_and_long_sequences_spread() -> None:
     """At 3:1, the fast rank gets about three times the tokens; four sequences of a
     full row land on both ranks (each in its own row)."""
     lengths = [64] * 4 + [10] * 40
-    plan = plan_step(lengths, pool=(16, 32, 64), micro_tokens=256, cost=COST, split=even_split((0.75, 0.25)))
+    plan = pack_step(lengths, pool=(16, 32, 64), micro_tokens=256, cost=COST, split=even_split((0.75, 0.25)))
     tokens = [0, 0]
     long_on = set()
     for mb in plan.micro_batches:
@@ -94,21 +94,21 @@ def test_the_cost_model_moves_short_leftovers_up_only_when_cheaper() -> None:
     room for them (no row added); they keep 2 short rows of their own when moving would
     add a long row, which costs more."""
     kw = dict(pool=(8, 64), micro_tokens=256, split=even_split((1,)), rows_step=1, cost=LengthCost(1000.0, 4.0))
-    room = plan_step([50] * 3 + [6, 6], **kw)
+    room = pack_step([50] * 3 + [6, 6], **kw)
     assert [(mb.length, mb.rows) for mb in room.micro_batches] == [(64, 3)]
-    full = plan_step([60] * 3 + [6, 6], **kw)
+    full = pack_step([60] * 3 + [6, 6], **kw)
     assert sorted((mb.length, mb.rows) for mb in full.micro_batches) == [(8, 2), (64, 3)]
-    moved = plan_step([60] * 3 + [12], **kw)  # 12 tokens need a 16-row... no 8-row holds them: 64 only
+    moved = pack_step([60] * 3 + [12], **kw)  # 12 tokens need a 16-row... no 8-row holds them: 64 only
     assert [(mb.length, mb.rows) for mb in moved.micro_batches] == [(64, 4)]
 
 
 def test_plan_step_refuses_what_it_cannot_place() -> None:
     with pytest.raises(OptionsError, match="longer than the longest row"):
-        plan_step([10, 200], pool=(16, 32), micro_tokens=64, cost=COST, split=even_split((1,)))
+        pack_step([10, 200], pool=(16, 32), micro_tokens=64, cost=COST, split=even_split((1,)))
     with pytest.raises(OptionsError, match="at least one"):
-        plan_step([], pool=(16,), micro_tokens=64, cost=COST, split=even_split((1,)))
+        pack_step([], pool=(16,), micro_tokens=64, cost=COST, split=even_split((1,)))
     with pytest.raises(OptionsError, match="does not sum"):
-        plan_step([10], pool=(16,), micro_tokens=64, cost=COST, split=lambda rows, _n: [rows + 1])
+        pack_step([10], pool=(16,), micro_tokens=64, cost=COST, split=lambda rows, _n: [rows + 1])
     with pytest.raises(OptionsError, match="linear"):
         LengthCost(-1.0, 0.0)
 
@@ -234,12 +234,12 @@ def _rank(rank: int, world: int, build, ratios, steps: int, grads: dict[str, Ten
             break
         losses.append(step.train(module))
         splits.extend(mb.split for mb in step)
-        sequences.append(step.plan.tokens)
+        sequences.append(step.packing.tokens)
         if step.index == 0:
             grad_error = _grad_error(module, grads)
         optimizer.step()
     return {"losses": losses, "grad_error": grad_error, "splits": splits, "shapes": dict(loader.shapes),
-            "dispatch_ms": 1e3 * max(loader.dispatch_seconds), "padding": step.plan.padding}
+            "dispatch_ms": 1e3 * max(loader.dispatch_seconds), "padding": step.packing.padding}
 
 
 def _grad_error(module, grads: dict[str, Tensor]) -> float:
@@ -313,16 +313,16 @@ def test_a_loaded_state_resumes_at_the_next_sequence(one_process) -> None:
     corpus = _sequences(_lengths(60, seed=2, longest=60))
     first = hapd.mixed_loader(corpus, one_process, tokens=200, shortest=16, seed=3)
     steps = iter(first)
-    seen = [next(steps).plan.tokens for _ in range(2)]
+    seen = [next(steps).packing.tokens for _ in range(2)]
     state = first.state_dict()
     third = next(steps)
     again = hapd.mixed_loader(corpus, one_process, tokens=200, shortest=16, seed=3)
     again.load_state_dict(state)
     resumed = next(iter(again))
-    assert resumed.plan == dataclasses.replace(third.plan, seconds=resumed.plan.seconds)
+    assert resumed.plan == dataclasses.replace(third.plan, seconds=resumed.packing.seconds)
     assert [mb.inputs[0].tolist() for mb in resumed] == [mb.inputs[0].tolist() for mb in third]
-    rest = [s.plan.tokens for s in again]
-    assert sum(seen) + third.plan.tokens + sum(rest) == sum(s.numel() for s in corpus)
+    rest = [s.packing.tokens for s in again]
+    assert sum(seen) + third.packing.tokens + sum(rest) == sum(s.numel() for s in corpus)
 
 
 def test_one_process_trains_the_token_mean_of_the_step(one_process) -> None:
