@@ -5,7 +5,6 @@ with :mod:`_hardening_daemon`."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -13,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _hardening_daemon import daemon_info
 from _wait import wait_for
 
 from hapd.wire.client import Client
@@ -50,13 +50,8 @@ class DaemonProcess:
         stderr.close()
 
         def started() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the daemon exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                info = json.loads((self.home / "daemon.json").read_text())
-            except (OSError, ValueError):
-                return False
-            if info.get("pid") != self.proc.pid:
+            info = daemon_info(self.proc, self.home, self.log)
+            if info is None or info.get("pid") != self.proc.pid:
                 return False
             self.address = info["address"]
             return True

@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 import zmq
@@ -24,6 +24,17 @@ from hapd.wire.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def daemon_info(proc: subprocess.Popen, home: Path, output: Callable[[], str]) -> dict[str, Any] | None:
+    """``home/daemon.json`` once the daemon ``proc`` wrote it, else None; an
+    AssertionError with ``output()`` when the daemon exited."""
+    if proc.poll() is not None:
+        raise AssertionError(f"the daemon exited with {proc.returncode}:\n{output()}")
+    try:
+        return json.loads((home / "daemon.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 class ServedDaemon:
@@ -49,11 +60,8 @@ class ServedDaemon:
             self.proc = subprocess.Popen([*self.wrap, *command], stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT)
 
         def started() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the daemon exited with {self.proc.returncode}:\n{self.stderr()}")
-            try:
-                info = json.loads((self.home / "daemon.json").read_text())
-            except (OSError, ValueError):
+            info = daemon_info(self.proc, self.home, self.stderr)
+            if info is None:
                 return False
             self.address, self.pid = info["address"], info["pid"]
             return True
