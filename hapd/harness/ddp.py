@@ -21,7 +21,7 @@ global batch's.
 ``--split flops``) still runs forward and backward on its empty slice: the sum loss of
 no samples is 0 and autograd still reaches every parameter with a zero gradient, so the
 rank joins every gradient all-reduce bucket and contributes 0. (Every benchmark model
-does this; tests/test_training.py checks the all-reduce with a ``[n, 0]`` split.) A mean
+does this; tests/harness/test_training.py checks the all-reduce with a ``[n, 0]`` split.) A mean
 over no samples is not a number, so a model with a mean loss needs samples on every rank.
 
 Output: see :mod:`hapd.harness.training` (system ``"ddp-ev"`` or ``"ddp-cp"``); the reported

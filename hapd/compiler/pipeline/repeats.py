@@ -44,7 +44,7 @@ last kept period differently from the one before, leaning on the different units
 it) stands for none of the whole graph: that group is searched on the whole graph.
 
 The search of the whole graph lays out identical periods alike, up to where its own
-front width bounds it, so the two agree: ``tests/test_pipeline_repeats.py`` checks the
+front width bounds it, so the two agree: ``tests/compiler/test_pipeline_repeats.py`` checks the
 unit costs of the benchmark transformers against the whole graph's search
 (``bench/pipeline_search.py`` the zoo's and the paper ViT's). Where they differ, each
 is a program of the whole graph and either may be the cheaper. Searching a 96-layer
