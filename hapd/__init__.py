@@ -38,6 +38,7 @@ _LAZY = {
     "export_safetensors": "hapd.state.checkpoint",
     "import_safetensors": "hapd.state.checkpoint",
     "check": "hapd.train.check",
+    "GradScaler": "hapd.train.scaler",
     "module_init": "hapd.state.weights",
     "init_on_meta": "hapd.state.weights",
     "materialize": "hapd.state.weights",

@@ -239,11 +239,17 @@ def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
 @click.option("--global-batch", type=click.IntRange(min=2), default=None,
               help="With --overlap: the global batch the plan trains; GRAPH must have been exported at half of it "
                    "(checked before compiling).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="fp32", show_default=True,
+              help="What the job trains in: autocast to bf16 or fp16 (fp32 master weights), priced at each device's "
+                   "rate in that dtype; auto: bf16 where every device has it, else fp16, fp32 on CPUs.")
+@click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="The dtype replicated parameters' gradients are summed over ranks in.")
 @click.option("--explain/--no-explain", "show", default=False, help="Print the full report.")
 @_import_option
 def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap: bool, memory_caps: bool,
                 max_seconds: float | None, recompute: str, pipeline: str, micro_graphs: tuple[Path, ...],
-                global_batch: int | None, show: bool, imports: tuple[str, ...]) -> None:
+                global_batch: int | None, precision: str, reduce_dtype: str, show: bool,
+                imports: tuple[str, ...]) -> None:
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
     from hapd.compiler.driver import compile as compile_plan
     from hapd.compiler.options import CompileOptions
@@ -265,7 +271,7 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
                            field="global_batch")
 
     options = CompileOptions(zero=zero, overlap=overlap, memory_caps=memory_caps, max_seconds=max_seconds,
-                             recompute=recompute, pipeline=pipeline)
+                             recompute=recompute, pipeline=pipeline, precision=precision, reduce_dtype=reduce_dtype)
     if micro_graphs:
         click.echo("note: --micro-graph is deprecated: export GRAPH with a symbolic batch (hapd export) and every "
                    "micro-batch graph is cut from it", err=True)

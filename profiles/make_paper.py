@@ -8,6 +8,13 @@ heterogeneous cluster (bytes of the full tensor per second); intra-host bandwidt
 its measurements within one machine. HAP modelled no latency; the α values here
 (30 µs across hosts, 10 µs within one) are hapd's estimates, stated as such.
 
+Half precision: HAP measured fp32 only, and no measured fp16 rate of these cards under
+one profiler is published; each device's ``dtype_flops`` is its fp32 rate times its
+datasheet's fp16/fp32 peak ratio (V100 SXM2: 125 / 15.7 TF, tensor cores; P100 SXM2:
+21.2 / 10.6 TF, no tensor cores; :data:`hapd.profile.precision.DATASHEET`), and no
+bf16 or tf32 (neither card has them): 30.7 TF against 4.3 TF, 7.1 : 1 where fp32 is
+1.8 : 1.
+
     python profiles/make_paper.py   # rewrites profiles/paper-{8,16,64}.json
 """
 
@@ -15,11 +22,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hapd.profile.precision import DATASHEET
 from hapd.profile.schema import Device, Link, Profile
 
 V100, P100 = 3_858_755_112_937.0, 2_149_250_936_815.0
 MEMORY = {"V100": 32 * 2**30, "P100": 16 * 2**30}
 """Device memory: HAP's cluster had the 32 GB V100 and the 16 GB P100."""
+
+
+def dtype_flops(model: str, fp32: float) -> dict[str, float | None]:
+    """The card's matmul rates per dtype: fp32 as measured, fp16 by its datasheet's
+    ratio, no tf32 or bf16."""
+    sheet = DATASHEET[model]
+    return {"fp32": fp32, "tf32": None, "bf16": None, "fp16": fp32 * sheet.fp16 / sheet.fp32}
 
 INTER = {
     "all_gather": 815_418_707,
@@ -51,7 +66,8 @@ def paper_profile(world: int) -> Profile:
         model = "V100" if host < 2 else "P100"
         devices.append(
             Device(rank=rank, host=f"{model.lower()}-{host}", model=model,
-                   flops=V100 if model == "V100" else P100, memory=MEMORY[model])
+                   flops=V100 if model == "V100" else P100, memory=MEMORY[model],
+                   dtype_flops=dtype_flops(model, V100 if model == "V100" else P100))
         )
     collectives = {
         name: {"inter": Link(alpha=30e-6, beta=float(INTER[name])), "intra": Link(alpha=10e-6, beta=float(INTRA[name]))}
@@ -60,7 +76,8 @@ def paper_profile(world: int) -> Profile:
     return Profile(
         name=f"paper-{world}",
         description=f"HAP's V100/P100 cluster, {world} devices on 8 hosts ({per_host} per host); "
-        "FLOP/s and bandwidths from HAP's profiler, α estimated by hapd",
+        "FLOP/s and bandwidths from HAP's profiler, α estimated by hapd; fp16 FLOP/s = HAP's fp32 × the "
+        "datasheet's fp16/fp32 peak ratio (V100 7.96, P100 2.0), no bf16",
         devices=tuple(devices),
         collectives=collectives,
         extra={"units": {"time": "s", "size": "bytes", "bandwidth": "bytes/s", "speed": "FLOP/s"}},

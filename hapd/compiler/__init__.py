@@ -7,6 +7,8 @@ From the ground floor up (each module imports only those before it):
   and their one conversion from a map of fields (no torch: the daemon reads them);
 - :mod:`~hapd.compiler.lengths` — integer lengths under sharding ratios (no pulp, no
   torch: the loaders read it);
+- :mod:`~hapd.compiler.precision` — a graph's dtypes as autocast gives them (bf16/fp16
+  pricing);
 - :mod:`~hapd.compiler.lp` — what the sharding-ratio LPs share: rows under ratios, PuLP's
   variables and solver, memory caps, the result and the failure message;
 - :mod:`~hapd.compiler.overlap` — two duplicas interleaved: the schedule's cost and its LP;

@@ -29,6 +29,8 @@ from hapd.compiler.search import SpmdSearch, dp_fits, search_spmd
 from hapd.ir.shapes import is_symbolic
 from hapd.compiler.techniques import GraphSet, graphs_of_program, needs_other_batches
 from hapd.errors import HapdError, OptionsError
+from hapd.compiler.precision import autocast_graph
+from hapd.profile.precision import device_speed, for_precision, resolve_precision
 from hapd.profile.schema import Profile, load_profile
 from hapd.util import gc_paused
 
@@ -73,15 +75,31 @@ def _compile(graph: Any, profile: Any, options: CompileOptions | None, micro_gra
         raise OptionsError("pipeline auto with overlap prices graphs at several batches: give the program exported "
                            "with a symbolic batch (hapd export), not one graph", field="pipeline")
     profile = load_profile(profile)
+    precision = resolve_precision(options.precision, profile)
+    priced = for_precision(profile, precision)
     data = _graph_bytes(graph)
     _core.load_graph(data)  # a malformed graph is a GraphValidationError naming the field, before any search
     start = time.perf_counter()
-    found = search_spmd(data, profile, options)
-    doc = _plan_document(data, profile, options, found, seconds=time.perf_counter() - start)
+    found = search_spmd(autocast_graph(data, precision), priced, options)
+    doc = _plan_document(data, priced, options, found, seconds=time.perf_counter() - start)
+    doc["key"]["profile_id"] = profile.profile_id
+    doc["precision"] = precision_record(profile, options, precision)
     if options.pipeline == "auto":
-        _add_pipeline(doc, data, micro_graphs, profile, options, program_cost(found.program, found.ratios))
+        _add_pipeline(doc, data, micro_graphs, priced, options, program_cost(found.program, found.ratios))
     _add_technique(doc)
     return Plan(doc)
+
+
+def precision_record(profile: Profile, options: CompileOptions, precision: str) -> dict[str, Any]:
+    """What a plan records of its precision: the one it runs (``precision``), what was
+    asked (``auto`` resolves), the gradient reduction's dtype, and each device's matmul
+    rate it was priced at with where the rate comes from."""
+    rates = []
+    for d in profile.devices:
+        speed, source = device_speed(d, precision)
+        rates.append({"rank": d.rank, "model": d.model, "flops": speed, "source": source})
+    return {"precision": precision, "requested": options.precision, "reduce_dtype": options.reduce_dtype,
+            "rates": rates}
 
 
 @gc_paused()

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 from hapd.errors import OptionsError
+from hapd.profile.precision import PRECISIONS, REDUCE_DTYPES
 
 
 MODES = ("auto", "data_parallel")
@@ -124,6 +125,21 @@ class CompileOptions:
     ``micro_graphs``); ``"off"``: the SPMD plan only. With ``overlap`` too, only from a
     program (:mod:`hapd.compiler.techniques`). Not with fixed ``ratios`` (the ratios of
     the whole cluster)."""
+    precision: str = "fp32"
+    """What the job trains in: ``"fp32"``; ``"bf16"`` or ``"fp16"``: the forward runs
+    under ``torch.autocast`` to that dtype (matmul, convolution and attention in half
+    precision, norms, softmax, losses and reductions in fp32, as autocast's op lists
+    say), master weights, optimizer state and gradients stay fp32, and the plan is
+    priced so (each device's matmul rate in that dtype:
+    :mod:`hapd.profile.precision`; activations at the dtype autocast gives them:
+    :mod:`hapd.compiler.precision`); fp16 wants loss scaling (:class:`hapd.GradScaler`,
+    whose inf check spans every rank). ``"auto"``: bf16 where every device has it, fp16
+    where one lacks it (V100, P100), fp32 on CPU devices. The plan records the
+    precision it resolved to (``Plan.precision``)."""
+    reduce_dtype: str = "fp32"
+    """The dtype replicated parameters' gradients are summed over ranks in (FSDP2's
+    ``MixedPrecisionPolicy.reduce_dtype``): ``"fp32"`` (default, exact sums of fp32
+    gradients), ``"bf16"`` or ``"fp16"`` (half the bytes on the wire, rounded sums)."""
 
     def __post_init__(self) -> None:
         """Every field's type and range, checked here, before the core sees any of them
@@ -145,6 +161,11 @@ class CompileOptions:
             raise OptionsError(f"recompute {self.recompute!r} is not auto, never or always", field="recompute")
         if not isinstance(self.pipeline, str) or self.pipeline not in PIPELINE:
             raise OptionsError(f"pipeline {self.pipeline!r} is not off or auto", field="pipeline")
+        if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
+            raise OptionsError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}", field="precision")
+        if not isinstance(self.reduce_dtype, str) or self.reduce_dtype not in REDUCE_DTYPES:
+            raise OptionsError(f"reduce_dtype {self.reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}",
+                               field="reduce_dtype")
         if self.pipeline == "auto" and self.ratios is not None:
             raise OptionsError("pipeline auto with fixed ratios: each stage's group gets its own ratios",
                                field="pipeline")
@@ -185,7 +206,14 @@ class CompileOptions:
             raise OptionsError(f"bad compile options: {exc}", field="options") from exc
 
     def key(self) -> dict[str, Any]:
+        """The options as a plan's cache key records them. ``precision`` and
+        ``reduce_dtype`` at their defaults are left out, so plans cached before they
+        existed keep their keys."""
         out = asdict(self)
+        if self.precision == "fp32":
+            del out["precision"]
+        if self.reduce_dtype == "fp32":
+            del out["reduce_dtype"]
         out["force"] = dict(sorted(self.force.items()))
         out["ratios"] = list(self.ratios) if self.ratios is not None else None
         return out

@@ -58,6 +58,18 @@ class Plan:
         return bool(self.doc.get("overlap", False))
 
     @property
+    def precision(self) -> str:
+        """What the job trains in: ``"fp32"``, or ``"bf16"``/``"fp16"`` (the rank
+        programs run under ``torch.autocast`` to it); a plan written before precision was
+        recorded is fp32."""
+        return str((self.doc.get("precision") or {}).get("precision", "fp32"))
+
+    @property
+    def reduce_dtype(self) -> str:
+        """The dtype replicated parameters' gradients are summed over ranks in."""
+        return str((self.doc.get("precision") or {}).get("reduce_dtype", "fp32"))
+
+    @property
     def duplicas(self) -> int:
         """How many duplicas the global batch is cut into (1 without overlap)."""
         return int(self.doc.get("duplicas", 1))

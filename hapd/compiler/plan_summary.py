@@ -211,6 +211,26 @@ def _against(doc: Mapping[str, Any], which: str) -> str:
     return f"{won / base:.2f}× slower than {name} ({format_seconds(base)})"
 
 
+def precision_text(doc: Mapping[str, Any]) -> str:
+    """``precision: fp16 (asked: auto), autocast; gradients summed in fp32; priced at
+    30.7 TFLOP/s (V100) … 4.3 TFLOP/s (P100) matmul`` — what the plan trains in and the
+    rates it was priced at."""
+    record = doc.get("precision") or {}
+    precision = record.get("precision", "fp32")
+    asked = record.get("requested", precision)
+    text = f"precision: {precision}" + (f" (asked: {asked})" if asked != precision else "")
+    text += ", autocast" if precision != "fp32" else ""
+    text += f"; gradients summed in {record.get('reduce_dtype', 'fp32')}"
+    rates = {}
+    for rate in record.get("rates", []):
+        if rate.get("flops"):
+            rates.setdefault(str(rate.get("model")), (float(rate["flops"]), str(rate.get("source", ""))))
+    if rates:
+        text += "; matmul priced at " + ", ".join(f"{v[0] / 1e12:.3g} TFLOP/s ({k}{', estimated' if v[1].startswith(('estimated', 'assumed')) else ''})"
+                                                 for k, v in rates.items())
+    return text
+
+
 def plan_line(doc: Mapping[str, Any], origin: str | None = None, seconds: float | None = None) -> str:
     """The one line :func:`hapd.parallelize` prints: technique (and what the others
     were predicted at), the ratios or per-rank batch, the predicted time per step
@@ -223,7 +243,9 @@ def plan_line(doc: Mapping[str, Any], origin: str | None = None, seconds: float 
     """
     own = technique(doc)
     name = _NAMES[own] + (f" ({_spmd_kind(doc)})" if own == "spmd" else "")
-    line = (f"plan: {name}, {split_text(doc)}; {format_seconds(predicted_seconds(doc))}/step predicted, "
+    precision = (doc.get("precision") or {}).get("precision", "fp32")
+    in_precision = f" in {precision}" if precision != "fp32" else ""
+    line = (f"plan: {name}{in_precision}, {split_text(doc)}; {format_seconds(predicted_seconds(doc))}/step predicted, "
             f"{_against(doc, 'dp_cp')}")
     others = _others(doc)
     line += "; " + ", ".join(others) if others else ""
@@ -343,6 +365,7 @@ def summary_lines(doc: Mapping[str, Any], *, glossary: bool = True) -> list[str]
                                 "; the only technique searched (compile with --pipeline auto / --overlap to price others)"),
         f"predicted per step: {format_seconds(won)}, {_against(doc, 'dp_ev')}, {_against(doc, 'dp_cp')}",
         f"split: {split_text(doc)}",
+        precision_text(doc),
         _time_line(doc),
         _memory_line(doc),
         _compile_line(doc),
@@ -354,5 +377,5 @@ def summary_lines(doc: Mapping[str, Any], *, glossary: bool = True) -> list[str]
     return lines
 
 
-__all__ = ["GLOSSARY", "TECHNIQUES", "format_seconds", "input_split", "plan_line", "predicted_seconds", "split_text", "summary_lines",
+__all__ = ["GLOSSARY", "TECHNIQUES", "format_seconds", "input_split", "plan_line", "precision_text", "predicted_seconds", "split_text", "summary_lines",
            "technique", "technique_times"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -100,6 +101,11 @@ class Device:
     pass's compute on this device (default: none, not measured). The runtime launches
     each gradient bucket's all-reduce during the backward pass; its threads or kernels
     share the device with that compute, so the overlap is seldom whole."""
+    dtype_flops: Mapping[str, float | None] | None = None
+    """Achieved matmul FLOP/s per dtype (``fp32``, ``tf32``, ``bf16``, ``fp16``; null: the
+    device has no such arithmetic, a V100's bf16), as measured (default: none stated;
+    :mod:`hapd.profile.precision` estimates a half-precision rate from the device's
+    datasheet and says so). ``flops`` is the fp32 rate."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +144,8 @@ class Profile:
                 **({"elementwise_flops": float(d.elementwise_flops)} if d.elementwise_flops is not None else {}),
                 **({"op_seconds": float(d.op_seconds)} if d.op_seconds is not None else {}),
                 **({"sync_overlap": float(d.sync_overlap)} if d.sync_overlap is not None else {}),
+                **({"dtype_flops": {k: (None if v is None else float(v)) for k, v in sorted(d.dtype_flops.items())}}
+                   if d.dtype_flops else {}),
             }
             for d in self.devices
         ]
@@ -153,8 +161,13 @@ class Profile:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def core_bytes(self) -> bytes:
-        """The msgpack map the Rust core reads."""
-        return msgpack.packb({"name": self.name, **self.canonical()}, use_bin_type=True)
+        """The msgpack map the Rust core reads (each device's ``flops`` is the rate it
+        prices matmul work at: :func:`hapd.profile.precision.for_precision` sets it for
+        a job in half precision; the per-dtype rates stay in Python)."""
+        canonical = self.canonical()
+        for device in canonical["devices"]:
+            device.pop("dtype_flops", None)
+        return msgpack.packb({"name": self.name, **canonical}, use_bin_type=True)
 
     def flops_ratios(self) -> list[float]:
         """Sharding ratios proportional to each device's FLOP/s (DP-CP)."""
@@ -177,10 +190,7 @@ class Profile:
             raise ProfileError(f"ranks {ranks} are not distinct ranks of the profile's {self.world} devices", field="devices")
         rename = hosts or {}
         devices = tuple(
-            Device(rank=i, host=rename.get(self.devices[r].host, self.devices[r].host), model=self.devices[r].model,
-                   flops=self.devices[r].flops, memory=self.devices[r].memory,
-                   elementwise_flops=self.devices[r].elementwise_flops, op_seconds=self.devices[r].op_seconds,
-                   sync_overlap=self.devices[r].sync_overlap)
+            dataclasses.replace(self.devices[r], rank=i, host=rename.get(self.devices[r].host, self.devices[r].host))
             for i, r in enumerate(ranks)
         )
         collectives = dict(self.collectives)
@@ -318,7 +328,7 @@ DOCUMENT_KEYS = ("format", "version", "name", "description", "units", "devices",
 """The keys of a profile document hapd reads."""
 MEASURED_KEYS = ("measured_at", "tool", "tool_version", "torch_version", "backend", "options", "fits", "device_detail")
 """The keys ``hapd profile`` adds about its measurement (kept, not read)."""
-DEVICE_KEYS = ("rank", "host", "model", "flops", "memory", "elementwise_flops", "op_seconds", "sync_overlap")
+DEVICE_KEYS = ("rank", "host", "model", "flops", "memory", "elementwise_flops", "op_seconds", "sync_overlap", "dtype_flops")
 """The keys of a device."""
 COLLECTIVE_KEYS = ("inter", "intra")
 LINK_KEYS = ("alpha", "beta")
@@ -385,6 +395,7 @@ def _device_from_dict(d: Any, i: int) -> Device:
     op = d.get("op_seconds")
     overlap = d.get("sync_overlap")
     return Device(
+        dtype_flops=_dtype_flops(d.get("dtype_flops"), where),
         rank=i,
         host=host,
         model=str(d.get("model", "")),
@@ -394,6 +405,33 @@ def _device_from_dict(d: Any, i: int) -> Device:
         op_seconds=None if op is None else _number(d, "op_seconds", where),
         sync_overlap=None if overlap is None else _number(d, "sync_overlap", where),
     )
+
+
+DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16")
+"""The dtypes a device's ``dtype_flops`` may state."""
+
+
+def _dtype_flops(raw: Any, where: str) -> dict[str, float | None] | None:
+    """A device's ``dtype_flops``: dtype → FLOP/s in :data:`RANGES` or null (none)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ProfileError(f"{where}.dtype_flops: expected an object like {{\"fp16\": 1.2e14, \"bf16\": null}}",
+                           field=f"{where}.dtype_flops")
+    _known_keys(raw, DTYPE_KEYS, f"{where}.dtype_flops")
+    out: dict[str, float | None] = {}
+    for dtype, value in raw.items():
+        if value is None:
+            out[dtype] = None
+            continue
+        at = f"{where}.dtype_flops.{dtype}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProfileError(f"{at}: expected a number of FLOP/s or null, got {value!r}", field=at)
+        low, high, unit = RANGES["flops"]
+        if not (math.isfinite(float(value)) and low <= float(value) <= high):
+            raise ProfileError(f"{at}: {float(value):g} {unit} is outside {low:g}..{high:g} {unit}", field=at)
+        out[dtype] = float(value)
+    return out
 
 
 def _collectives_from_dict(raw: Any) -> dict[str, dict[str, Link]]:

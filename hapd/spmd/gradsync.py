@@ -29,6 +29,10 @@ from hapd.errors import PlanError
 from hapd.spmd import collectives
 
 
+REDUCE_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""A plan's ``reduce_dtype`` as the dtype a bucket is summed in (None: the gradients' own)."""
+
+
 class GradSync:
     """Sums the gradients of replicated trainable parameters over ranks during backward.
 
@@ -46,11 +50,16 @@ class GradSync:
     it is reduced onto the host's leader, where a helper thread waits for that reduce,
     all-reduces the bucket among the leaders and broadcasts it back, while backward goes
     on producing the next buckets. Only the leaders' all-reduce crosses hosts.
+
+    With ``reduce_dtype`` (bf16 or fp16: FSDP2's ``MixedPrecisionPolicy.reduce_dtype``) a
+    bucket is cast to it before the sum and back to the gradients' dtype after: half the
+    bytes on the wire, sums rounded to it.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = _core.GRAD_BUCKET_BYTES,
-                 hosts: collectives.HostGroups | None = None):
+                 hosts: collectives.HostGroups | None = None, reduce_dtype: torch.dtype | None = None):
         self.group = group
+        self.reduce_dtype = reduce_dtype
         self.hosts = hosts
         self._relay: _LeaderRelay | None = None
         self.buckets: list[list[nn.Parameter]] = []
@@ -141,6 +150,8 @@ class GradSync:
 
     def _launch(self, bucket: list[nn.Parameter]) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        if self.reduce_dtype is not None and flat.is_floating_point():
+            flat = flat.to(self.reduce_dtype)
         hosts = self.hosts
         if hosts is None:
             handle = dist.all_reduce(flat, group=self.group, async_op=True)

@@ -64,7 +64,7 @@ from hapd.errors import PlanError
 from hapd.spmd import collectives
 from hapd.spmd import checkpointed as recompute
 from hapd.spmd.adapters import ADAPTERS, stride_free
-from hapd.spmd.gradsync import GradSync
+from hapd.spmd.gradsync import REDUCE_DTYPE, GradSync
 from hapd.spmd.layout import IDENTITY, REDUCE, check_layout, gather_dim
 from hapd.spmd.duplicas import overlapped
 from hapd.spmd.random.random_ops import (
@@ -468,7 +468,7 @@ def distribute(
     _output_loss(em, plan.program["loss"])
     module = _seeded(_rank_module(em), em, shared)
     if shared is None:
-        _sync_gradients(module, em.synced, group, bucket_bytes, hosts)
+        _sync_gradients(module, em.synced, group, bucket_bytes, hosts, reduce_dtype=plan.reduce_dtype)
     else:
         _share_gradient_sync(module, shared, em.synced)
     return _seeded(overlapped(module, batch_dims), em, shared) if plan.overlap else module
@@ -627,10 +627,10 @@ def _register_tied(module: RankModule, em: _Emitter) -> None:
 
 
 def _sync_gradients(module: RankModule, synced: Sequence[nn.Parameter], group: Any, bucket_bytes: int,
-                    hosts: collectives.HostGroups | None) -> None:
+                    hosts: collectives.HostGroups | None, *, reduce_dtype: str = "fp32") -> None:
     """Step 5: sum the gradients of ``synced`` (the replicated trainable parameters) over
-    ranks during each backward of ``module``."""
-    module.hapd_sync = GradSync(synced, group, bucket_bytes, hosts=hosts)
+    ranks during each backward of ``module``, in the plan's ``reduce_dtype``."""
+    module.hapd_sync = GradSync(synced, group, bucket_bytes, hosts=hosts, reduce_dtype=REDUCE_DTYPE[reduce_dtype])
     module.register_forward_pre_hook(lambda m, _args: m.hapd_sync.reset())
 
 

@@ -123,13 +123,17 @@ def _ranks(module: nn.Module) -> _Ranks:
 
 
 def save_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    sampler: Any = None, step: int = 0, extra: dict | None = None) -> Path:
+                    sampler: Any = None, step: int = 0, extra: dict | None = None, scaler: Any = None) -> Path:
     """Write a checkpoint of ``module`` (a ParallelModule, or a plain single-device
     module), ``optimizer``, ``sampler`` (anything with ``state_dict()``: a
-    :class:`~hapd.train.data.RankLoader` or sampler), the RNG, ``step`` and ``extra``
-    to the folder ``path``, replacing a checkpoint there all at once. Collective: every
-    rank calls it and writes its own pieces. Returns ``path``."""
+    :class:`~hapd.train.data.RankLoader` or sampler), ``scaler`` (a
+    :class:`hapd.GradScaler` or ``torch.amp.GradScaler``: its scale is the same on every
+    rank, rank 0's is kept), the RNG, ``step`` and ``extra`` to the folder ``path``,
+    replacing a checkpoint there all at once. Collective: every rank calls it and writes
+    its own pieces. Returns ``path``."""
     target = Path(path)
+    if scaler is not None:
+        extra = {**(extra or {}), SCALER_KEY: dict(scaler.state_dict())}
     ranks = _ranks(module)
     held = held_tensors(module)
     temp = _temp_folder(target, ranks)
@@ -373,11 +377,24 @@ def _publish(temp: Path, target: Path) -> None:
 
 
 def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    sampler: Any = None) -> dict[str, Any]:
+                    sampler: Any = None, scaler: Any = None) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``module`` (a ParallelModule of any world
     size, profile and plan, or a plain single-device module), ``optimizer`` (of the same
-    kind and param groups as the saved one), ``sampler`` (``load_state_dict``) and this
-    rank's RNG. Collective. Returns ``{"step": int, "extra": dict}``."""
+    kind and param groups as the saved one), ``sampler`` (``load_state_dict``),
+    ``scaler`` (a grad scaler: the saved scale and growth tracker, on any world size) and
+    this rank's RNG. Collective. Returns ``{"step": int, "extra": dict}``."""
+    loaded = _load_checkpoint(path, module, optimizer, sampler=sampler)
+    state = loaded["extra"].pop(SCALER_KEY, None)
+    if scaler is not None:
+        if state is None:
+            raise CheckpointError(f"{path} holds no grad scaler state (saved without scaler=)")
+        scaler.load_state_dict(state)
+    return loaded
+
+
+def _load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                     sampler: Any) -> dict[str, Any]:
+    """:func:`load_checkpoint` but the grad scaler."""
     folder = find_checkpoint(path)
     manifest = read_manifest(folder)
     verify_files(folder, manifest)
@@ -421,6 +438,10 @@ def load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
     _set_rng(state.get(rng_key), int(manifest.get("seed", 0)) + ranks.rank)
     set_draw_count(module, state[EXTRA].get("draws"))
     return {"step": int(state[EXTRA]["step"]), "extra": dict(state[EXTRA]["extra"])}
+
+
+SCALER_KEY = "hapd_grad_scaler"
+"""The key of a grad scaler's state in a checkpoint's ``extra``."""
 
 
 def draw_count(module: nn.Module) -> int | None:

@@ -8,6 +8,10 @@ From the ground floor up:
 - :mod:`~hapd.train.data` — :func:`hapd.loader` and the uneven samplers;
 - :mod:`~hapd.train.mixed_length` — :func:`hapd.mixed_loader`: sequences of any length
   packed into rows from a pool of shapes, split over ranks by cost;
+- :mod:`~hapd.train.precision` — a plan's precision at run time: the forward under
+  ``torch.autocast`` to its dtype;
+- :mod:`~hapd.train.scaler` — :class:`hapd.GradScaler`: fp16 loss scaling whose inf check
+  spans every rank;
 - :mod:`~hapd.train.telemetry` — a module's per-training-step times for the launcher,
   progress and logs;
 - :mod:`~hapd.train.programs` — a model's other programs (eval forward, other batch

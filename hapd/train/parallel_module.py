@@ -48,6 +48,7 @@ from hapd.train import telemetry
 from hapd.spmd.collectives import all_gather
 from hapd.state.held import Held, whole
 from hapd.spmd.layout import IDENTITY, gather, gather_dim
+from hapd.train.precision import plan_autocast
 from hapd.train.plan_source import PlanSource, compile_options, obtain_plan
 from hapd.spmd.random.random_ops import CounterDropout
 from hapd.train.programs import Recipe, Shapes, aligned_force, op_nodes
@@ -297,7 +298,8 @@ class ParallelModule(PlannedModule):
         if len(got) != len(expected) or any(e and g != e for g, e in zip(got, expected)):
             raise PlanError(f"rank {self.rank}: inputs of shapes {got}, the plan runs {expected} on this rank "
                             "(cut a batch of another size with shard_inputs, or read it with hapd.loader)")
-        return self._telemetry.forward(self, self._runner(program), local_inputs)
+        with plan_autocast(self.plan.precision, local_inputs, self.__dict__.setdefault("_precision_said", set())):
+            return self._telemetry.forward(self, self._runner(program), local_inputs)
 
     def _runner(self, program: RankModule) -> Callable[..., Tensor]:
         """``program``, or its ``torch.compile`` when the module compiles (made once per

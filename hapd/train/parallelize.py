@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hapd.profile.precision import PRECISIONS
 from hapd.compiler.options import CompileOptions
 from hapd.ir.lower import GraphIR
 from hapd.compiler.plan import Plan
@@ -55,7 +56,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
                 name: str | None = None, device: torch.device | str | None = None, group: Any = None,
                 hosts: Any = "auto", use_daemon: bool = True, verbose: bool = True,
                 weights: Weights | None = None, overlap: str = "auto",
-                compile: bool | Mapping[str, Any] = False) -> ParallelModule | PipelineModule:  # noqa: A002 - torch's word
+                compile: bool | Mapping[str, Any] = False,  # noqa: A002 - torch's word
+                precision: str | None = None) -> ParallelModule | PipelineModule:
     """This rank's :class:`ParallelModule` of ``model``, trained on batches shaped like
     ``example_inputs`` (the *global* batch, the same on every rank). Collective.
 
@@ -77,6 +79,12 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
 
     ``weights`` (a model on the meta device) and ``compile`` (``torch.compile``): see :func:`_recipe`.
 
+    ``precision``: what the job trains in, ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"``
+    (:attr:`CompileOptions.precision <hapd.compiler.options.CompileOptions.precision>`;
+    the same as ``options={"precision": ...}``): the plan is priced in it and each
+    forward runs under ``torch.autocast`` to it (:mod:`hapd.train.precision`); with fp16
+    scale the loss with :class:`hapd.GradScaler`.
+
     ``overlap`` (with ``options.overlap``, the overlap-aware search): ``"auto"`` compiles
     the program for the whole batch and one duplica's program (half the batch) priced as
     two interleaved duplicas (:mod:`hapd.spmd.duplicas`), and runs the cheaper;
@@ -94,7 +102,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     recipe = _recipe(model, example_inputs, batch_dims, name=name, profile=profile, plan=plan, world=world, group=group,
                      device=device, use_daemon=use_daemon, verbose=verbose, weights=weights, compile=compile)
     carried = _carried_in(recipe)
-    options = _default_options(options, recipe.profile, world)
+    options = _with_precision(_default_options(options, recipe.profile, world), precision)
     program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
                                             always=overlap == "always")
     if verbose and rank == 0:
@@ -232,6 +240,23 @@ def _default_options(options: CompileOptions | Mapping[str, Any] | None, profile
         return options
     hosts = job_profile(profile, world).hosts
     return {"pipeline": "auto", "overlap": True} if len(set(hosts)) > 1 else None
+
+
+def _with_precision(options: CompileOptions | Mapping[str, Any] | None,
+                    precision: str | None) -> CompileOptions | Mapping[str, Any] | None:
+    """``options`` with ``parallelize``'s ``precision``; :class:`OptionsError` when the
+    options name another one."""
+    if precision is None:
+        return options
+    if precision not in PRECISIONS:
+        raise OptionsError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}", field="precision")
+    given = CompileOptions.from_mapping(options)
+    if given.precision not in ("fp32", precision):
+        raise OptionsError(f"precision {precision!r} and options' precision {given.precision!r} disagree: give one",
+                           field="precision")
+    if isinstance(options, CompileOptions):
+        return dataclasses.replace(options, precision=precision)
+    return {**dict(options or {}), "precision": precision}
 
 
 def pipeline_won(plan: Plan) -> bool:

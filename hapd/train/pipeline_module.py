@@ -44,6 +44,7 @@ from torch import Tensor
 from hapd.errors import PlanError
 from hapd.train import telemetry
 from hapd.state.held import Held
+from hapd.train.precision import plan_autocast
 from hapd.train.parallel_module import ParallelModule, PlannedModule, check_tensors, clip_grads, max_abs, power_sum
 from hapd.spmd.pipeline import PipelineRank, build_pipeline
 from hapd.train.plan_source import PlanSource
@@ -150,7 +151,8 @@ class PipelineModule(PlannedModule):
         for p in params:
             p.grad = None
         try:
-            total = self.pipe.step(*global_batch)
+            with plan_autocast(self.plan.precision, global_batch, self.__dict__.setdefault("_precision_said", set())):
+                total = self.pipe.step(*global_batch)
         finally:
             fresh = [p.grad for p in params]
             for p, g in zip(params, before):

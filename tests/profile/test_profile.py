@@ -146,7 +146,7 @@ def test_bad_fields_are_named(paper8, edit, field):
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda d: d["devices"][3].update(flopss=9e12),
      "devices[3].flopss: unknown key; known: rank, host, model, flops, memory, elementwise_flops, op_seconds, "
-     "sync_overlap (keys starting with _ are comments)"),
+     "sync_overlap, dtype_flops (keys starting with _ are comments)"),
     (lambda d: d.update(collective={}), "collective: unknown key; known: format, version, name, description, units, "
                                         "devices, collectives, measured_at, tool,"),
     (lambda d: d["collectives"]["all_reduce"].update(inner={}), "collectives.all_reduce.inner: unknown key; known: inter, intra"),
