@@ -79,11 +79,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
 
     ``weights`` (a model on the meta device) and ``compile`` (``torch.compile``): see :func:`_recipe`.
 
-    ``precision``: what the job trains in, ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"``
-    (:attr:`CompileOptions.precision <hapd.compiler.options.CompileOptions.precision>`;
-    the same as ``options={"precision": ...}``): the plan is priced in it and each
-    forward runs under ``torch.autocast`` to it (:mod:`hapd.train.precision`); with fp16
-    scale the loss with :class:`hapd.GradScaler`.
+    ``precision`` (fp32, bf16, fp16, auto: ``options={"precision": ...}``): priced in it,
+    run under autocast to it (:mod:`hapd.train.precision`; fp16: :class:`hapd.GradScaler`).
 
     ``overlap`` (with ``options.overlap``, the overlap-aware search): ``"auto"`` compiles
     the program for the whole batch and one duplica's program (half the batch) priced as
