@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/memory_model.py                      # every model, 2 and 4 ranks
     .venv/bin/python bench/memory_model.py --models mlp zoo.gpt2 --worlds 2
+    .venv/bin/python bench/memory_model.py --precision bf16     # planned and run under bf16 autocast
 
 For each benchmark model and zoo model (``--size``, default small), exported at the
 global batch ``--batch-per-rank`` × ranks and compiled for an estimated profile of
@@ -14,7 +15,9 @@ for that rank (the larger of the bytes held while the backward pass runs and dur
 the optimizer step, ``rustcore/core/src/memory.rs``, with every split dim priced at the
 integer lengths the rank holds). The table prints both per rank
 with the relative error ``(predicted − measured) / measured``, then the median and
-worst |error| over all ranks of all models.
+worst |error| over all ranks of all models. With ``--precision bf16`` (or fp16) the plan
+is compiled for that precision (activations priced at autocast's dtypes) and each rank
+runs its steps under ``torch.autocast`` to it, as :func:`hapd.parallelize` does.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class RankResult:
         return (self.predicted - self.measured) / self.measured
 
 
-def _rank_main(rank: int, world: int, store: str, program: bytes, plan: bytes, inputs: tuple, conn) -> None:
+def _rank_main(rank: int, world: int, store: str, program: bytes, plan: bytes, inputs: tuple, conn,
+               precision: str = "fp32") -> None:
     """One Gloo rank: two training steps; sends the peak bytes of the second."""
     import torch.distributed as dist
 
@@ -72,6 +76,7 @@ def _rank_main(rank: int, world: int, store: str, program: bytes, plan: bytes, i
     from hapd.compiler.plan import Plan
     from hapd.harness.memtrack import LiveTensorBytes
     from hapd.spmd.rewrite import distribute
+    from hapd.train.precision import plan_autocast
 
     import warnings
 
@@ -95,7 +100,9 @@ def _rank_main(rank: int, world: int, store: str, program: bytes, plan: bytes, i
                 if step == 1:
                     tracker.reset_peak()
                 optimizer.zero_grad(set_to_none=True)
-                module(*local).backward()
+                with plan_autocast(precision, local, set()):
+                    loss = module(*local)
+                loss.backward()
                 optimizer.step()
         conn.send(("ok", tracker.peak))
         dist.destroy_process_group()
@@ -105,7 +112,7 @@ def _rank_main(rank: int, world: int, store: str, program: bytes, plan: bytes, i
         conn.close()
 
 
-def measure(program: bytes, plan: bytes, inputs: tuple, world: int) -> list[int]:
+def measure(program: bytes, plan: bytes, inputs: tuple, world: int, precision: str = "fp32") -> list[int]:
     """The measured peak bytes of every rank."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hapd-mem-") as tmp:
@@ -113,7 +120,7 @@ def measure(program: bytes, plan: bytes, inputs: tuple, world: int) -> list[int]
         pipes, procs = [], []
         for rank in range(world):
             parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, args=(rank, world, store, program, plan, inputs, child))
+            p = ctx.Process(target=_rank_main, args=(rank, world, store, program, plan, inputs, child, precision))
             p.start()
             child.close()
             pipes.append(parent)
@@ -127,7 +134,7 @@ def measure(program: bytes, plan: bytes, inputs: tuple, world: int) -> list[int]
     return [int(r[1]) for r in results]
 
 
-def case(name: str, size: str, world: int, batch_per_rank: int) -> list[RankResult]:
+def case(name: str, size: str, world: int, batch_per_rank: int, precision: str = "fp32") -> list[RankResult]:
     """Compile ``name`` for ``world`` ranks with uneven ratios, run it, compare."""
     spec = models.get(name)
     module, config = models.build(name, size)
@@ -135,10 +142,10 @@ def case(name: str, size: str, world: int, batch_per_rank: int) -> list[RankResu
     program = export(module, inputs, batch_dims=spec.batch_dims)
     graph = lower(program, name=name)
     profile = estimated_profile(world, flops=[1e10 * (world - r) for r in range(world)])
-    plan = hapd.compile(graph, profile, CompileOptions(ratios=RATIOS[world], memory_caps=False))
+    plan = hapd.compile(graph, profile, CompileOptions(ratios=RATIOS[world], memory_caps=False, precision=precision))
     buf = io.BytesIO()
     torch.export.save(program, buf)
-    measured = measure(buf.getvalue(), plan.to_bytes(), inputs, world)
+    measured = measure(buf.getvalue(), plan.to_bytes(), inputs, world, precision)
     parts = part_memory(plan.program, plan.ratios)
     return [
         RankResult(rank=r, predicted=plan.estimate["memory"][r], measured=m, parts={k: v[r] for k, v in parts.items()})
@@ -153,13 +160,15 @@ def main() -> None:
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
     parser.add_argument("--batch-per-rank", type=int, default=4)
     parser.add_argument("--parts", action="store_true", help="print each rank's predicted parts")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                        help="plan and run the steps in this precision (autocast)")
     args = parser.parse_args()
     errors: list[float] = []
     print(f"{'model':<18} {'ranks':>5} {'rank':>4} {'predicted':>11} {'measured':>11} {'error':>7}")
     for name in args.models:
         for world in args.worlds:
             try:
-                rows = case(name, args.size, world, args.batch_per_rank)
+                rows = case(name, args.size, world, args.batch_per_rank, args.precision)
             except Exception as exc:  # a model that cannot run prints why and the table goes on
                 print(f"{name:<18} {world:>5}  failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:150]}")
                 continue
