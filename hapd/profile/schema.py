@@ -463,6 +463,20 @@ def _link_from_dict(raw: Any, where: str) -> Link:
     )
 
 
+BUNDLED = Path(__file__).resolve().parents[2] / "profiles"
+"""The profiles that ship with hapd, loaded by name (``paper-8``)."""
+
+
+def _bundled_hint(path: Path) -> str:
+    """``; did you mean paper-8 (a bundled profile, by name)?`` for a path whose stem names a
+    bundled profile, else the bundled names."""
+    names = sorted(p.stem for p in BUNDLED.glob("*.json"))
+    stem = path.stem if path.suffix == ".json" else path.name
+    if stem in names:
+        return f"; did you mean {stem}? (a bundled profile: give its name, not a path)"
+    return f"; bundled profiles, by name: {', '.join(names)}" if names else ""
+
+
 def load_profile(source: str | Path | Mapping[str, Any] | Profile, *, world_size: int | None = None) -> Profile:
     """A profile from a path, a decoded document or a Profile; validated."""
     if isinstance(source, Profile):
@@ -473,11 +487,11 @@ def load_profile(source: str | Path | Mapping[str, Any] | Profile, *, world_size
         return profile_from_dict(source, world_size=world_size)
     path = Path(source)
     if not path.is_file():
-        bundled = Path(__file__).resolve().parents[2] / "profiles" / f"{path.name}.json"
+        bundled = BUNDLED / f"{path.name}.json"
         if path.suffix == "" and bundled.is_file():
             path = bundled
         else:
-            raise ProfileError(f"{source}: no such profile file", field="<file>")
+            raise ProfileError(f"{source}: no such profile file{_bundled_hint(path)}", field="<file>")
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as exc:

@@ -285,3 +285,14 @@ def test_a_profile_cut_to_the_hosts_a_job_runs_on(monkeypatch):
     assert [d.model for d in ordered.devices] == [paper.devices[r].model for h in rejoined for r in paper.ranks_of(h)]
     monkeypatch.setenv(JOB_HOSTS_ENV, ",".join(hosts))
     assert job_profile("paper-8", paper.world).hosts == hosts
+
+
+def test_a_missing_profile_path_that_names_a_bundled_profile_says_so(tmp_path, monkeypatch):
+    """From a folder outside the repository, ``profiles/paper-8.json`` is no file: the
+    error names the bundled profile to give by name; an unknown name lists them."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ProfileError, match=r"did you mean paper-8\?"):
+        load_profile("profiles/paper-8.json")
+    with pytest.raises(ProfileError, match=r"bundled profiles, by name: .*paper-8"):
+        load_profile("paper-9")
+    assert load_profile("paper-8").name == "paper-8"
