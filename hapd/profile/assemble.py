@@ -60,7 +60,8 @@ def assemble(devices: Sequence[Mapping[str, Any]], fits: Mapping[str, Mapping[st
             Device(rank=r, host=d["host"], model=d["model"], flops=float(d["flops"]), memory=float(d["memory"]),
                    elementwise_flops=float(d["elementwise_flops"]),
                    op_seconds=float(d["op_seconds"]) if d.get("op_seconds") is not None else None,
-                   sync_overlap=float(d["sync_overlap"]) if d.get("sync_overlap") is not None else None)
+                   sync_overlap=float(d["sync_overlap"]) if d.get("sync_overlap") is not None else None,
+                   dtype_flops=d.get("dtype_flops") or None)
             for r, d in enumerate(devices)
         ),
         collectives=collectives,

@@ -130,6 +130,29 @@ class DeviceMeasurement:
     sync_overlap: float | None = None
     """Share of a gradient all-reduce hidden behind compute (:func:`sync_overlap`); None
     with one rank or without a process group."""
+    dtype_flops: dict[str, float | None] | None = None
+    """The linear probe's rate per half dtype (:func:`half_precision_flops`): ``bf16``,
+    ``fp16``; None for one the device has no arithmetic for."""
+
+
+def half_precision_flops(device: Any, width: int, rows: int, *, repeats: int, window_s: float,
+                         barrier: Callable[[], Any] | None = None) -> dict[str, float | None]:
+    """The linear probe at ``width`` in the half dtypes (weights and activations in the
+    dtype: the matmul rate autocast gets). On CUDA bf16 and fp16, bf16 None where the
+    device has none (``torch.cuda.is_bf16_supported``). On a CPU bf16 only: torch runs a
+    CPU's fp16 matmuls emulated (1.2 GFLOP/s against 16 fp32 and 62 bf16 on the 2-core
+    machine hapd is tested on), whose probe alone would take a minute; the profile
+    states no fp16 rate and :mod:`hapd.profile.precision` says how it prices one."""
+    import torch
+
+    dtypes = (("bf16", torch.bfloat16), ("fp16", torch.float16)) if device.type == "cuda" else (("bf16", torch.bfloat16),)
+    out: dict[str, float | None] = {}
+    for name, dtype in dtypes:
+        if device.type == "cuda" and name == "bf16" and not torch.cuda.is_bf16_supported():
+            out[name] = None
+            continue
+        out[name], _ = linear_flops(device, dtype, (width,), rows, repeats=repeats, window_s=window_s, barrier=barrier)
+    return out
 
 
 OP_PROBE_BLOCKS = 32
@@ -430,6 +453,8 @@ def measure_device(device: Any, options: ProfilerOptions, *,
                                     window_s=options.window_s, barrier=barrier)
     ew, per_op = elementwise_flops(device, dtype, numel, repeats=options.speed_repeats, window_s=options.window_s,
                                    barrier=barrier)
+    half = half_precision_flops(device, widths[-1], rows, repeats=options.speed_repeats, window_s=options.window_s,
+                                barrier=barrier)
     if barrier is not None:
         barrier()
     per_op_s = op_seconds(device, dtype, repeats=options.speed_repeats, window_s=options.window_s)
@@ -445,7 +470,8 @@ def measure_device(device: Any, options: ProfilerOptions, *,
         model, memory = cpu_model(), host_memory()
         detail["threads"] = torch.get_num_threads()
     return DeviceMeasurement(host=host_name(), model=model, flops=flops, elementwise_flops=ew,
-                             memory=memory, detail=detail, op_seconds=per_op_s)
+                             memory=memory, detail=detail, op_seconds=per_op_s,
+                             dtype_flops={**({"fp32": flops} if options.dtype == "float32" else {}), **half})
 
 
 # --------------------------------------------------------------------------

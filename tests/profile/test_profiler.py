@@ -363,6 +363,10 @@ def test_hapd_profile_quick_on_two_ranks(tmp_path):
     profile = load_profile(out, world_size=2)
     assert profile.name == "cpu-test"
     assert len(profile.hosts) == 1
+    for device in profile.devices:  # each dtype's matmul rate, measured (a CPU's emulated fp16 is not)
+        assert set(device.dtype_flops) == {"fp32", "bf16"}, device.dtype_flops
+        assert device.dtype_flops["fp32"] == device.flops
+        assert all(v is not None and v > 1e6 for v in device.dtype_flops.values())
     _check_measured(profile, kinds={"intra", "inter"})
     for links in profile.collectives.values():
         assert links["inter"] == links["intra"]  # one host: nothing crossed a host
