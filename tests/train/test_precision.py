@@ -323,3 +323,17 @@ def test_half_precision_is_as_close_to_fp32_as_one_device_in_it(name: str, preci
     assert own > 1e-6, "the single-device half-precision run equals fp32: autocast did not run"
     assert dist_error > 1e-6, "the distributed run equals fp32: its forward did not run under autocast"
     assert dist_error <= 1.5 * own + FLOOR, (name, precision, world, dist_error, own)
+
+
+def test_a_users_own_autocast_runs_and_an_fp32_plan_says_once_it_was_priced_for_fp32(caplog) -> None:
+    model, config = models.build("mlp")
+    batch = models.get("mlp").example_inputs(config, 8)
+    module = hapd.parallelize(model, batch, use_daemon=False, verbose=False)
+    caplog.set_level("WARNING", logger="hapd.precision")
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = module(*batch)
+        loss.backward()
+    said = [r.getMessage() for r in caplog.records if r.name == "hapd.precision"]
+    assert len(said) == 1 and "priced for fp32" in said[0] and "precision='bf16'" in said[0], said
+    assert module.plan.precision == "fp32"
