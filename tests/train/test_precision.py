@@ -337,3 +337,34 @@ def test_a_users_own_autocast_runs_and_an_fp32_plan_says_once_it_was_priced_for_
     said = [r.getMessage() for r in caplog.records if r.name == "hapd.precision"]
     assert len(said) == 1 and "priced for fp32" in said[0] and "precision='bf16'" in said[0], said
     assert module.plan.precision == "fp32"
+
+
+def _save_with_scaler(rank: int, world: int, folder: str) -> float:
+    """Two fp16 steps of the mlp on uneven ranks with hapd's scaler, then a checkpoint."""
+    torch.manual_seed(0)
+    model, config = models.build("mlp")
+    batch = models.get("mlp").example_inputs(config, 8)
+    module = hapd.parallelize(model, batch, options={"ratios": RATIOS}, precision="fp16", use_daemon=False,
+                              verbose=False)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    scaler = hapd.GradScaler("cpu", init_scale=2.0**20, growth_interval=1)
+    for _ in range(2):
+        scaler.scale(module(*module.shard_inputs(*batch))).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    hapd.save_checkpoint(folder, module, optimizer, scaler=scaler)
+    return scaler.get_scale()
+
+
+@pytest.mark.distributed
+def test_the_scale_resumes_on_another_world_size(tmp_path: Path) -> None:
+    scales = run_ranks(2, _save_with_scaler, str(tmp_path / "ck"), timeout=300)
+    assert scales[0] == scales[1]
+    model, config = models.build("mlp")
+    batch = models.get("mlp").example_inputs(config, 8)
+    module = hapd.parallelize(model, batch, precision="fp16", use_daemon=False, verbose=False)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    scaler = hapd.GradScaler("cpu")
+    hapd.load_checkpoint(tmp_path / "ck", module, optimizer, scaler=scaler)
+    assert scaler.get_scale() == scales[0]
