@@ -4,7 +4,8 @@
 - local: ``./run_all worker.py 2`` on this machine (a daemon started for the job);
 - multi-host: network namespaces as hosts (one address and one daemon each, the
   launcher in the root namespace), a 4-rank worker job across them; skipped with the
-  reason where namespaces cannot be made;
+  reason where the tools are absent (not root, no ``ip``), failed where they are there
+  and the cluster cannot be made;
 - failures against two loopback daemons: a rank that crashes mid-run, Ctrl-C and
   SIGTERM, a daemon that dies, an unreachable host, a wrong key, a host that refuses the
   launch. After each, the process table must hold no process of the job (every rank and
@@ -160,7 +161,11 @@ def loop_hosts(loop, tmp_path) -> Path:
 
 @pytest.fixture(scope="module")
 def namespaces(tmp_path_factory):
-    """Three network namespaces on a bridge, one daemon each (2 slots each)."""
+    """Three network namespaces on a bridge, one daemon each (2 slots each).
+
+    A skip only where the tools are absent (not root, or no ``ip``; the namespace test
+    shapes no link, so it needs no ``tc``). With them there, any error creating the
+    cluster (a leftover bridge, a bad ``ip`` call) fails the tests with that error."""
     why = bench.NamespaceCluster.available()
     if why:
         pytest.skip(why)
@@ -169,7 +174,7 @@ def namespaces(tmp_path_factory):
         cluster.create()
     except RuntimeError as exc:
         cluster.close()
-        pytest.skip(f"network namespaces unavailable: {exc}")
+        pytest.fail(f"root with ip here, yet the namespace cluster could not be made: {exc}")
     try:
         cluster.start()
         yield cluster
