@@ -42,7 +42,9 @@ each rank in its cgroup), then per model, through the launcher (``./run_all``'s
 ``python -m launcher run``): hapd's plan (``worker.py --profile``), DP-EV (``ddp.py --split
 even``) and DP-CP (``ddp.py --split flops --profile``). Prints one table, writes
 ``bench/out/emulated_cluster.json`` and a PNG bar chart beside it (matplotlib: ``pip
-install -e '.[bench]'``; without it the script says so and writes no chart).
+install -e '.[bench]'``; without it the script says so and writes no chart). Every target
+is printed: one a failed run leaves unmeasured reads ``MISS (run failed: …)``, and the
+script then exits 1 (``--from-json`` too, re-printing such a run).
 """
 
 from __future__ import annotations
@@ -491,8 +493,7 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         f = lambda k, fmt: fmt.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
         if r.get("error"):
-            last = (r["error"].strip().splitlines() or [""])[-1]  # a traceback's last line names the error
-            out.append(f"{r['variant']:>7} {r['model']:>12} {r['system']:>7}  FAILED: {last[-80:]}")
+            out.append(f"{r['variant']:>7} {r['model']:>12} {r['system']:>7}  FAILED: {_last_line(r['error'])}")
             continue
         out.append(f"{r['variant']:>7} {r['model']:>12} {r['system']:>7} {_ms(r['mean_s']):>9} {_ms(r['std_s']):>7} "
                    f"{f('speedup_vs_ev', '{:.2f}x'):>6} {f('speedup_vs_cp', '{:.2f}x'):>6} "
@@ -500,32 +501,69 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _last_line(error: str) -> str:
+    """A failed run's error in one line: its output's last (a traceback's names the error)."""
+    return (error.strip().splitlines() or [""])[-1][-80:]
+
+
+def _run_failed(*runs: dict) -> str | None:
+    """``MISS (run failed: SYSTEM: ERROR)`` for the first of ``runs`` that failed, None when none did."""
+    failed = next((r for r in runs if r.get("error")), None)
+    return f"MISS (run failed: {failed['system']}: {_last_line(failed['error'])})" if failed else None
+
+
 def targets(rows: list[dict]) -> list[str]:
+    """Every target of the table's rows: MET or MISS, or ``MISS (run failed: …)`` where a
+    run it needs failed."""
     lines = []
+    runs = {(r["variant"], r["model"], r["system"]): r for r in rows}
     for r in rows:
-        if r["system"] != "hapd" or r.get("mean_s") is None:
+        if r["system"] != "hapd" or (r.get("mean_s") is None and not r.get("error")):
             continue
         v, m = r["variant"], r["model"]
+        ev, cp = runs.get((v, m, "ddp-ev"), {}), runs.get((v, m, "ddp-cp"), {})
         if v == "3:1" and m in SPEEDUP_TARGET_MODELS:
-            for key, goal in (("speedup_vs_ev", 1.6), ("speedup_vs_cp", 1.2)):
-                val = r.get(key)
-                if val is not None:
+            for key, goal, other in (("speedup_vs_ev", 1.6, ev), ("speedup_vs_cp", 1.2, cp)):
+                val, failed = r.get(key), _run_failed(r, other)
+                if failed:
+                    lines.append(f"{failed} {v} {m}: hapd vs {key[-2:].upper()} (target ≥{goal}x)")
+                elif val is not None:
                     lines.append(f"{'MET ' if val >= goal else 'MISS'} {v} {m}: hapd {val:.2f}x {key[-2:].upper()} "
                                  f"(target ≥{goal}x)")
-        if v == "1:1" and r.get("speedup_vs_ev"):
+        if v == "1:1" and (failed := _run_failed(r, ev)):
+            lines.append(f"{failed} 1:1 {m}: hapd/DDP time (target ≤1.05)")
+        elif v == "1:1" and r.get("speedup_vs_ev"):
             ratio = 1 / r["speedup_vs_ev"]
             lines.append(f"{'MET ' if ratio <= 1.05 else 'MISS'} 1:1 {m}: hapd/DDP time {ratio:.2f} (target ≤1.05)")
     for r in rows:
-        if r.get("fraction_of_ideal") is not None and r["system"] == "hapd" and r["variant"] != "1:1":
+        if r["system"] == "hapd" and r["variant"] != "1:1" and r.get("error"):
+            lines.append(f"{_run_failed(r)} {r['variant']} {r['model']}: hapd of ideal (target ≥80%)")
+        elif r.get("fraction_of_ideal") is not None and r["system"] == "hapd" and r["variant"] != "1:1":
             val = r["fraction_of_ideal"]
             lines.append(f"{'MET ' if val >= 0.8 else 'MISS'} {r['variant']} {r['model']}: hapd at {val:.0%} of ideal "
                          f"(target ≥80%)")
     errors = [abs(r["rel_error"]) for r in rows if r.get("rel_error") is not None]
-    if errors:
+    failed = [r for r in rows if r["system"] == "hapd" and r.get("error")]
+    if failed:
+        med = f"{statistics.median(errors):.1%}" if errors else "-"
+        lines.append(f"{_run_failed(*failed)} cost-model median |relative error| {med} over {len(errors)} hapd "
+                     f"run(s), {len(failed)} failed (target ≤10%)")
+    elif errors:
         med = statistics.median(errors)
         lines.append(f"{'MET ' if med <= 0.10 else 'MISS'} cost-model median |relative error| {med:.1%} over "
                      f"{len(errors)} hapd run(s) (target ≤10%)")
     return lines
+
+
+def exit_status(rows: list[dict]) -> int:
+    """The bench's exit code: 1 when a run of the table failed, else 0."""
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+def failure_line(rows: list[dict]) -> str:
+    """How many runs failed, which, and the exit code that says so."""
+    failed = [f"{r['variant']} {r['model']} {r['system']}" for r in rows if r.get("error")]
+    return f"{len(failed)} of {len(rows)} run(s) failed ({', '.join(failed)}): exit 1"
 
 
 def diagnosis(results: dict) -> list[str]:
@@ -629,8 +667,9 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def report(results: dict, out: Path | None) -> None:
-    """Print the table, the targets and the diagnosis; save the JSON (and PNG) to ``out``."""
+def report(results: dict, out: Path | None) -> int:
+    """Print the table, the targets and the diagnosis; save the JSON (and PNG) to ``out``;
+    the exit code (:func:`exit_status`: 1 when a run failed, said in the last line)."""
     rows = summarize(results)
     results["table"] = rows
     results["targets"] = targets(rows)
@@ -648,6 +687,10 @@ def report(results: dict, out: Path | None) -> None:
         write_png(rows, out.with_suffix(".png"),
                   f"hapd vs DP-EV vs DP-CP: 2 emulated machines × 2 CPU ranks, {results.get('rate_mbit', 0):.0f} Mbit/s "
                   f"link, {results.get('size', 'tiny')} models")
+    if exit_status(rows):
+        print()
+        print(failure_line(rows))
+    return exit_status(rows)
 
 
 def measure(session: Session, ns: argparse.Namespace, models_: list[str], variants: dict[str, tuple[float, float]],
@@ -715,8 +758,7 @@ def measure(session: Session, ns: argparse.Namespace, models_: list[str], varian
 def main(argv=None) -> int:
     ns = parse_args(argv)
     if ns.from_json is not None:
-        report(json.loads(ns.from_json.read_text()), None)
-        return 0
+        return report(json.loads(ns.from_json.read_text()), None)
     try:
         models_ = model_names(ns.models)
         variants = {v.strip(): parse_variant(v.strip()) for v in ns.variants.split(",") if v.strip()}
@@ -734,7 +776,7 @@ def main(argv=None) -> int:
     results: dict[str, Any] = {"variants": {}, "period_us": PERIOD_US, "flop_per_byte": FLOP_PER_BYTE,
                                "iterations": ns.iterations, "warmup": ns.warmup, "workdir": str(session.work)}
     return session.run(lambda: measure(session, ns, models_, variants, results), lambda: _save(results, ns.out),
-                       ns.keep, log)
+                       ns.keep, log) or exit_status(summarize(results))
 
 
 def _save(results: dict, path: Path) -> None:

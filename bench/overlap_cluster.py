@@ -43,6 +43,9 @@ cases, a probe (this script's ``probe`` subcommand on the 4 ranks) answers wheth
 moves a collective while the rank's main thread computes inside its cpu quota (Gloo's
 threads share the rank's cgroup): an all-to-all alone, matmuls alone, and both at once.
 Writes ``bench/out/overlap_cluster.json`` and each plan's ``hapd explain`` beside it.
+A pooled mean that lost failed rounds says how many it pools; a target whose plain or
+overlap runs all failed reads ``MISS (run failed: …)``, and a failed run makes the
+script exit 1 (``--from-json`` too, re-printing such a run).
 """
 
 from __future__ import annotations
@@ -351,9 +354,11 @@ def summarize(results: Mapping[str, Any]) -> list[dict[str, Any]]:
         for system in ran:
             mine = [r for r in runs if r["system"] == system]
             mean, std, n = pooled(mine)
+            failed = [r for r in mine if r.get("error")]
             row[system] = {"mean_s": mean, "std_s": std, "iterations": n,
                            "estimate_s": (case.get("plans", {}).get(system) or {}).get("estimate_s"),
-                           "failed": sum(1 for r in mine if r.get("error"))}
+                           "rounds": len(mine), "failed": len(failed),
+                           "why": error_line(failed[-1]["error"]) if failed else None}
         plain, over = row["plain"], row["overlap"]
         if plain["mean_s"] and over["mean_s"]:
             row["speedup"] = plain["mean_s"] / over["mean_s"]
@@ -418,18 +423,66 @@ def format_searched(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def error_line(error: str) -> str:
+    """A failed run's error in one line: its output's last (a traceback's names the error)."""
+    return (error.strip().splitlines() or [""])[-1][-200:]
+
+
+def systems_of(row: Mapping[str, Any]) -> list[str]:
+    """The systems a :func:`summarize` row pooled: plain, overlap and the extras."""
+    return [*SYSTEMS, *row.get("extra", {})]
+
+
+def pool_note(row: Mapping[str, Any], system: str) -> str | None:
+    """What a system's pooled mean leaves out: ``SYSTEM: mean of K of N rounds (F failed:
+    ERROR)``; None when no round failed."""
+    cell = row[system]
+    if not cell.get("failed"):
+        return None
+    return (f"{system}: mean of {cell['rounds'] - cell['failed']} of {cell['rounds']} rounds ({cell['failed']} "
+            f"failed: {cell['why']})")
+
+
+def format_pools(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Per case, every system some of whose rounds failed: :func:`pool_note`."""
+    return "\n".join(f"{r['model']} {note}" for r in rows for s in systems_of(r) if (note := pool_note(r, s)))
+
+
 def targets(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every case's target: MET or MISS, saying which pooled mean lost failed rounds, or
+    ``MISS (run failed: …)`` when every round of plain or overlap failed."""
     lines = []
     for r in rows:
         goal = SPEEDUP_TARGET.get(r["parallelism"])
-        if goal is not None and r.get("speedup"):
+        if goal is None:
+            continue
+        predicted = f"predicted {r.get('predicted_speedup', float('nan')):.2f}x"
+        lost = next((s for s in SYSTEMS if r[s]["failed"] and not r[s]["mean_s"]), None)
+        if lost is not None:
+            lines.append(f"MISS (run failed: {lost}: {r[lost]['why']}) {r['model']} {r['parallelism']}: overlap "
+                         f"against the plain program (target ≥{goal}x; {predicted})")
+        elif r.get("speedup"):
+            notes = "".join(f"; {note}" for s in SYSTEMS if (note := pool_note(r, s)))
             lines.append(f"{'MET ' if r['speedup'] >= goal else 'MISS'} {r['model']} {r['parallelism']}: overlap "
-                         f"{r['speedup']:.2f}x the plain program (target ≥{goal}x; predicted "
-                         f"{r.get('predicted_speedup', float('nan')):.2f}x)")
+                         f"{r['speedup']:.2f}x the plain program (target ≥{goal}x; {predicted}{notes})")
     return lines
 
 
-def report(results: dict[str, Any], out: Path | None) -> None:
+def exit_status(rows: Sequence[Mapping[str, Any]]) -> int:
+    """The bench's exit code: 1 when a run of any case and system failed, else 0."""
+    return 1 if any(r[s]["failed"] for r in rows for s in systems_of(r)) else 0
+
+
+def failure_line(results: Mapping[str, Any]) -> str:
+    """How many runs failed, which, and the exit code that says so."""
+    runs = [(model, r) for model, case in results.get("cases", {}).items() for r in case.get("runs", [])]
+    failed = [f"{model} {r['system']} round {r.get('round')}" for model, r in runs if r.get("error")]
+    return f"{len(failed)} of {len(runs)} run(s) failed ({', '.join(failed)}): exit 1"
+
+
+def report(results: dict[str, Any], out: Path | None) -> int:
+    """Print the table, the targets, the breakdown, the probe and the unforced search;
+    save the JSON to ``out``; the exit code (:func:`exit_status`, said in the last line)."""
     rows = summarize(results)
     results["table"] = rows
     results["targets"] = targets(rows)
@@ -438,6 +491,9 @@ def report(results: dict[str, Any], out: Path | None) -> None:
           f"{results.get('rate_mbit', 0):.1f} Mbit/s, {results.get('iterations')} iterations "
           f"({results.get('warmup')} warm-up) × {results.get('rounds')} round(s) per plan")
     print(format_table(rows))
+    pools = format_pools(rows)
+    if pools:
+        print(pools)
     print()
     print("\n".join(results["targets"]))
     print()
@@ -454,6 +510,10 @@ def report(results: dict[str, Any], out: Path | None) -> None:
         print(searched)
     if out is not None:
         save(results, out)
+    if exit_status(rows):
+        print()
+        print(failure_line(results))
+    return exit_status(rows)
 
 
 # ----------------------------------------------------------------------------- main
@@ -523,8 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return probe_main(argv[1:])
     ns = parse_args(argv)
     if ns.from_json is not None:
-        report(json.loads(ns.from_json.read_text()), None)
-        return 0
+        return report(json.loads(ns.from_json.read_text()), None)
     try:
         cases = parse_cases(ns.cases)
         fast, slow = ab.emulated.parse_variant(ns.variant, ns.cores)
@@ -534,8 +593,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {"variant": ns.variant, "quotas": [fast, fast, slow, slow], "batch": ns.batch,
                                "size": ns.size, "iterations": ns.iterations, "warmup": ns.warmup, "rounds": ns.rounds,
                                "period_us": ab.emulated.PERIOD_US, "cases": {}}
-    return ab.run_on_cluster("overlap", ns, fast, results, log,
+    code = ab.run_on_cluster("overlap", ns, fast, results, log,
                              lambda session, rate: measure(session, rate, ns, cases, fast, slow, results))
+    return code or exit_status(summarize(results))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,10 @@ the point-to-point transfers), the group's gradient sum and the rest of the step
 receives, waiting for the last sends, tied parameters' sum); for an SPMD rank the time
 blocked in the plan's collectives and the gradient sum. Next to it, each stage's
 predicted compute and the rest of its predicted iteration (``--trace``: Chrome traces
-too). Writes ``bench/out/pipeline_cluster.json``.
+too). Writes ``bench/out/pipeline_cluster.json``. A pooled mean that lost failed rounds
+says how many it pools; the targets read ``MISS (run failed: …)`` when every round of a
+model's spmd or pipeline runs failed, and a failed run makes the script exit 1
+(``--from-json`` too, re-printing such a run).
 """
 
 from __future__ import annotations
@@ -290,8 +293,10 @@ def summarize(results: Mapping[str, Any]) -> list[dict[str, Any]]:
                 continue
             mean, std, n = pooled(mine)
             estimate = next((r["estimate_s"] for r in mine if r.get("estimate_s")), None)
+            failed = [r for r in mine if r.get("error")]
             cell: dict[str, Any] = {"mean_s": mean, "std_s": std, "iterations": n, "estimate_s": estimate,
-                                    "failed": sum(1 for r in mine if r.get("error")),
+                                    "rounds": len(mine), "failed": len(failed),
+                                    "why": failed[-1]["error"] if failed else None,
                                     "ran_pipeline": any(r.get("pipeline") for r in mine)}
             if mean and estimate:
                 cell["rel_error"] = (estimate - mean) / mean
@@ -398,23 +403,61 @@ def format_breakdown(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_failed(rows: Sequence[Mapping[str, Any]]) -> tuple[str, int]:
+    """``MISS (run failed: MODEL SYSTEM: ERROR)`` for the first spmd or pipeline system
+    every round of which failed ("" when none did), and how many such systems there are."""
+    lost = [(r["model"], s, r[s]["why"]) for r in rows for s in SYSTEMS
+            if r.get(s, {}).get("failed") and not r[s].get("mean_s")]
+    return (f"MISS (run failed: {lost[0][0]} {lost[0][1]}: {lost[0][2][-200:]})" if lost else ""), len(lost)
+
+
+def pool_notes(rows: Sequence[Mapping[str, Any]]) -> str:
+    """What the spmd and pipeline pooled means leave out: `` (MODEL SYSTEM: mean of K of N
+    rounds (F failed: ERROR); ...)`` for each that lost failed rounds but not all; ""
+    when none did."""
+    notes = [f"{r['model']} {s}: mean of {c['rounds'] - c['failed']} of {c['rounds']} rounds ({c['failed']} failed: "
+             f"{c['why'][-200:]})" for r in rows for s in SYSTEMS if (c := r.get(s, {})).get("failed") and c["mean_s"]]
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
 def targets(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Both targets: MET or MISS, saying which pooled means lost failed rounds, or
+    ``MISS (run failed: …)`` when every round of a model's spmd or pipeline runs failed."""
     lines = []
+    failed, lost = run_failed(rows)
+    notes = pool_notes(rows)
     won = [r for r in rows if (r.get("speedup") or 0) >= SPEEDUP_TARGET]
     speedups = ", ".join(f"{r['model']} {r['speedup']:.2f}x" for r in rows if r.get("speedup"))
-    lines.append(f"{'MET ' if len(won) >= TARGET_MODELS else 'MISS'} hapd with pipelines ≥{SPEEDUP_TARGET}x hapd "
-                 f"without on ≥{TARGET_MODELS} models: {speedups or 'no runs'}")
+    verdict = failed or ("MET " if len(won) >= TARGET_MODELS else "MISS")
+    lines.append(f"{verdict} hapd with pipelines ≥{SPEEDUP_TARGET}x hapd without on ≥{TARGET_MODELS} models: "
+                 f"{speedups or 'no runs'}{notes}")
     errors = [abs(r[s]["rel_error"]) for r in rows for s in SYSTEMS if r.get(s, {}).get("rel_error") is not None]
-    if errors:
+    if failed:
+        med = f"{statistics.median(errors):.1%}" if errors else "-"
+        lines.append(f"{failed} cost-model median |relative error| {med} over {len(errors)} plan(s) run, {lost} "
+                     f"failed (target ≤{ERROR_TARGET:.0%}){notes}")
+    elif errors:
         med = statistics.median(errors)
         lines.append(f"{'MET ' if med <= ERROR_TARGET else 'MISS'} cost-model median |relative error| {med:.1%} over "
-                     f"{len(errors)} plan(s) run (target ≤{ERROR_TARGET:.0%})")
+                     f"{len(errors)} plan(s) run (target ≤{ERROR_TARGET:.0%}){notes}")
     forced = [abs(r[FORCED]["rel_error"]) for r in rows if r.get(FORCED, {}).get("rel_error") is not None]
     if forced:
         lines.append(f"     forced pipelines (not chosen): |relative error| "
                      + ", ".join(f"{r['model']} {r[FORCED]['rel_error']:+.0%}" for r in rows
                                  if r.get(FORCED, {}).get("rel_error") is not None))
     return lines
+
+
+def exit_status(rows: Sequence[Mapping[str, Any]]) -> int:
+    """The bench's exit code: 1 when a run of any model and system failed, else 0."""
+    return 1 if any(r.get(s, {}).get("failed") for r in rows for s in (*SYSTEMS, FORCED)) else 0
+
+
+def failure_line(results: Mapping[str, Any]) -> str:
+    """How many runs failed, which, and the exit code that says so."""
+    runs = [(model, r) for model, case in results.get("models", {}).items() for r in case.get("runs", [])]
+    failed = [f"{model} {r['system']} round {r.get('round')}" for model, r in runs if r.get("error")]
+    return f"{len(failed)} of {len(runs)} run(s) failed ({', '.join(failed)}): exit 1"
 
 
 def link_lines(profile: Mapping[str, Any], rate_mbit: float | None) -> list[str]:
@@ -432,7 +475,10 @@ def link_lines(profile: Mapping[str, Any], rate_mbit: float | None) -> list[str]
     return lines
 
 
-def report(results: dict[str, Any], out: Path | None) -> None:
+def report(results: dict[str, Any], out: Path | None) -> int:
+    """Print the table, the failures, the targets, the search, the stages and the
+    breakdown; save the JSON to ``out``; the exit code (:func:`exit_status`, said in the
+    last line)."""
     rows = summarize(results)
     results["table"] = rows
     results["targets"] = targets(rows)
@@ -467,6 +513,10 @@ def report(results: dict[str, Any], out: Path | None) -> None:
     print(format_breakdown(results))
     if out is not None:
         save(results, out)
+    if exit_status(rows):
+        print()
+        print(failure_line(results))
+    return exit_status(rows)
 
 
 # ----------------------------------------------------------------------------- main
@@ -553,8 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rank_main(argv[1:])
     ns = parse_args(argv)
     if ns.from_json is not None:
-        report(json.loads(ns.from_json.read_text()), None)
-        return 0
+        return report(json.loads(ns.from_json.read_text()), None)
     try:
         names = model_list(ns.models)
         fast, slow = ab.emulated.parse_variant(ns.variant, ns.cores)
@@ -564,8 +613,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {"variant": ns.variant, "quotas": [fast, fast, slow, slow], "batch": ns.batch,
                                "size": ns.size, "layers": ns.layers, "iterations": ns.iterations, "warmup": ns.warmup,
                                "rounds": ns.rounds, "period_us": ab.emulated.PERIOD_US, "commit": None, "models": {}}
-    return ab.run_on_cluster("pipeline", ns, fast, results, log,
+    code = ab.run_on_cluster("pipeline", ns, fast, results, log,
                              lambda session, rate: measure(session, rate, ns, names, fast, slow, results))
+    return code or exit_status(summarize(results))
 
 
 if __name__ == "__main__":

@@ -100,3 +100,47 @@ def test_a_saved_run_is_reprinted_and_bad_arguments_exit_2(tmp_path):
     out = _bench.reprint("emulated_cluster", _results(hapd=4.0, ev=8.0, cp=5.0, estimate=4.4), tmp_path,
                          bad=((["--variants", "3:x"], "not FAST:SLOW"), (["--models", "nope"], "unknown")))
     assert "MET  3:1 bert: hapd 2.00x EV" in out and "1.25x" in out
+
+
+def _failed(results: dict, system: str, error: str = "rank 3 exited 1\nTraceback: boom", variant: str = "3:1") -> dict:
+    runs = results["variants"][variant]["models"]["bert"]["runs"]
+    runs[[r["system"] for r in runs].index(system)] = {"system": system, "error": error}
+    return results
+
+
+def test_a_failed_baseline_is_a_missed_target_with_its_reason_and_exit_1(bench):
+    rows = bench.summarize(_failed(_results(hapd=4.0, ev=8.0, cp=5.0, estimate=4.4), "ddp-cp"))
+    lines = bench.targets(rows)
+    assert "MET  3:1 bert: hapd 2.00x EV (target ≥1.6x)" in lines
+    assert "MISS (run failed: ddp-cp: Traceback: boom) 3:1 bert: hapd vs CP (target ≥1.2x)" in lines
+    assert not any(line.startswith("MET ") and "CP" in line for line in lines)
+    assert bench.exit_status(rows) == 1
+    assert bench.exit_status(bench.summarize(_results(hapd=4.0, ev=8.0, cp=5.0, estimate=4.4))) == 0
+
+
+def test_a_failed_hapd_run_misses_every_target_it_has(bench):
+    rows = bench.summarize(_failed(_results(hapd=4.0, ev=8.0, cp=5.0, estimate=4.4), "hapd"))
+    lines = bench.targets(rows)
+    assert len(lines) == 4 and all(line.startswith("MISS (run failed: hapd: Traceback: boom) ") for line in lines)
+    assert [line.split(") ", 1)[1] for line in lines] == [
+        "3:1 bert: hapd vs EV (target ≥1.6x)", "3:1 bert: hapd vs CP (target ≥1.2x)",
+        "3:1 bert: hapd of ideal (target ≥80%)",
+        "cost-model median |relative error| - over 0 hapd run(s), 1 failed (target ≤10%)"]
+    assert bench.exit_status(rows) == 1
+    rows = bench.summarize(_failed(_results(hapd=2.0, ev=2.05, cp=2.0, estimate=2.0, variant="1:1"), "ddp-ev",
+                                   variant="1:1"))
+    assert "MISS (run failed: ddp-ev: Traceback: boom) 1:1 bert: hapd/DDP time (target ≤1.05)" in bench.targets(rows)
+
+
+def test_a_saved_failed_run_is_reprinted_with_its_misses_and_exits_1(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(_failed(_results(hapd=4.0, ev=8.0, cp=5.0, estimate=4.4), "ddp-cp")))
+    done = subprocess.run([sys.executable, str(_bench.BENCH / "emulated_cluster.py"), "--from-json", str(saved)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "MISS (run failed: ddp-cp: Traceback: boom) 3:1 bert: hapd vs CP" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1] == "1 of 3 run(s) failed (3:1 bert ddp-cp): exit 1"

@@ -82,18 +82,46 @@ def test_an_extra_plan_is_compared_with_plain(bench):
     assert "searched-plain" in bench.format_table([row])
 
 
-def test_a_failed_run_leaves_no_speedup(bench):
+def test_a_failed_run_leaves_no_speedup_and_misses_its_target(bench):
     results = _results(plain=[[3.0]], overlap=[[2.0]])
-    results["cases"]["bert_moe"]["runs"][1] = {"system": "overlap", "round": 0, "error": "boom"}
+    results["cases"]["bert_moe"]["runs"][1] = {"system": "overlap", "round": 0, "error": "rank 2 exited 1\nboom"}
     (row,) = bench.summarize(results)
     assert "speedup" not in row and row["overlap"]["failed"] == 1
-    assert "FAILED" in bench.format_table([row]) and bench.targets([row]) == []
+    assert "FAILED" in bench.format_table([row])
+    assert bench.targets([row]) == ["MISS (run failed: overlap: boom) bert_moe expert-parallel: overlap against the "
+                                    "plain program (target ≥1.2x; predicted 1.50x)"]
+    assert bench.exit_status([row]) == 1
+    assert bench.exit_status(bench.summarize(_results(plain=[[3.0]], overlap=[[2.0]]))) == 0
+
+
+def test_a_failed_round_is_counted_beside_the_pooled_mean(bench):
+    results = _results(plain=[[3.0], [3.0]], overlap=[[2.0], [2.0]])
+    results["cases"]["bert_moe"]["runs"][3] = {"system": "overlap", "round": 1, "error": "boom"}
+    (row,) = bench.summarize(results)
+    assert row["speedup"] == pytest.approx(1.5) and row["overlap"]["rounds"] == 2
+    (line,) = bench.targets([row])
+    assert line == ("MET  bert_moe expert-parallel: overlap 1.50x the plain program (target ≥1.2x; predicted 1.50x; "
+                    "overlap: mean of 1 of 2 rounds (1 failed: boom))")
+    assert "bert_moe overlap: mean of 1 of 2 rounds (1 failed: boom)" in bench.format_pools([row])
+    assert bench.exit_status([row]) == 1
 
 
 def test_a_saved_run_is_reprinted_and_bad_arguments_exit_2(tmp_path):
     out = _bench.reprint("overlap_cluster", _results(plain=[[3.0, 3.0]], overlap=[[2.0, 2.0]]), tmp_path,
                          bad=((["--cases", "bert=x"], "not one of"), (["--variant", "3:x"], "not FAST:SLOW")))
     assert "1.50x" in out and "MET  bert_moe expert-parallel" in out
+
+
+def test_a_saved_failed_run_is_reprinted_with_its_miss_and_exits_1(tmp_path):
+    results = _results(plain=[[3.0]], overlap=[[2.0]])
+    results["cases"]["bert_moe"]["runs"][1] = {"system": "overlap", "round": 0, "error": "boom"}
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(results))
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "overlap_cluster.py"), "--from-json", str(saved)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "MISS (run failed: overlap: boom) bert_moe expert-parallel" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1] == "1 of 2 run(s) failed (bert_moe overlap round 0): exit 1"
 
 
 @pytest.mark.distributed

@@ -122,13 +122,47 @@ class _Args:
     no_forced: bool
 
 
-def test_a_failed_run_leaves_no_speedup(bench):
+def test_a_failed_run_leaves_no_speedup_and_misses_the_targets(bench):
     results = _results(spmd=[[2.0]], pipeline=[[1.5]])
     results["models"]["vit"]["runs"][1] = {"system": "pipeline", "round": 0, "error": "PlanError: boom"}
     (row,) = bench.summarize(results)
     assert "speedup" not in row and row["pipeline"]["failed"] == 1
     assert "FAILED" in bench.format_table([row])
     assert "FAILED vit pipeline round 0: PlanError: boom" in bench.format_failures(results)
+    assert bench.targets([row]) == [
+        "MISS (run failed: vit pipeline: PlanError: boom) hapd with pipelines ≥1.3x hapd without on ≥2 models: "
+        "no runs",
+        "MISS (run failed: vit pipeline: PlanError: boom) cost-model median |relative error| 0.0% over 1 plan(s) run, "
+        "1 failed (target ≤10%)"]
+    assert bench.exit_status([row]) == 1
+    assert bench.exit_status(bench.summarize(_results(spmd=[[2.0]], pipeline=[[1.5]]))) == 0
+
+
+def test_a_failed_round_is_counted_beside_the_pooled_mean(bench):
+    results = _results(spmd=[[2.0], [2.0]], pipeline=[[1.5], [1.5]])
+    results["models"]["vit"]["runs"][3] = {"system": "pipeline", "round": 1, "error": "PlanError: boom"}
+    (row,) = bench.summarize(results)
+    assert row["speedup"] == pytest.approx(2.0 / 1.5) and row["pipeline"]["rounds"] == 2
+    lines = bench.targets([row, {**row, "model": "bert"}])
+    assert lines[0] == ("MET  hapd with pipelines ≥1.3x hapd without on ≥2 models: vit 1.33x, bert 1.33x "
+                        "(vit pipeline: mean of 1 of 2 rounds (1 failed: PlanError: boom); bert pipeline: mean of 1 "
+                        "of 2 rounds (1 failed: PlanError: boom))")
+    assert lines[1].startswith("MET  cost-model median") and lines[1].endswith(
+        "(vit pipeline: mean of 1 of 2 rounds (1 failed: PlanError: boom); bert pipeline: mean of 1 of 2 rounds "
+        "(1 failed: PlanError: boom))")
+    assert bench.exit_status([row]) == 1
+
+
+def test_a_saved_failed_run_is_reprinted_with_its_misses_and_exits_1(tmp_path):
+    results = _results(spmd=[[2.0]], pipeline=[[1.5]])
+    results["models"]["vit"]["runs"][1] = {"system": "pipeline", "round": 0, "error": "PlanError: boom"}
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(results))
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "pipeline_cluster.py"), "--from-json", str(saved)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "MISS (run failed: vit pipeline: PlanError: boom) hapd with pipelines" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1] == "1 of 2 run(s) failed (vit pipeline round 0): exit 1"
 
 
 def test_a_saved_run_is_reprinted_and_bad_arguments_exit_2(tmp_path):
