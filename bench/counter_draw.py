@@ -17,7 +17,8 @@ each as a ratio to ``native``; and the attention of the 8×12×1024×64 heads wi
 0.1: torch's ``scaled_dot_product_attention`` against
 :class:`hapd.spmd.random.random_ops.CounterAttention` (the math attention), forward and
 backward. On CUDA the fused masks and results are compared bit for bit with the torch
-ops run on the CPU.
+ops run on the CPU: the last line says whether they are equal, and the script exits 1
+when they differ.
 """
 
 from __future__ import annotations
@@ -127,6 +128,32 @@ def _line(row: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def differing(rows: list[dict[str, Any]]) -> list[str]:
+    """``WHAT DTYPE (mask, result)`` of each row whose fused bits differ from the CPU's."""
+    out = []
+    for row in rows:
+        parts = [part for part in ("mask", "result") if row.get(f"fused_{part}_equal_cpu") is False]
+        if parts:
+            out.append(f"{row['what']} {row['dtype']} ({', '.join(parts)})")
+    return out
+
+
+def exit_status(rows: list[dict[str, Any]]) -> int:
+    """The script's exit code: 1 when the fused kernel's bits differ from the CPU's, else 0."""
+    return 1 if differing(rows) else 0
+
+
+def verdict(rows: list[dict[str, Any]]) -> str:
+    """The last line: whether the fused kernel's bits equal the CPU's torch ops."""
+    differ = differing(rows)
+    if differ:
+        return f"FAILED: the fused kernel's bits differ from the CPU's torch ops in {'; '.join(differ)}: exit 1"
+    compared = sum(1 for row in rows if "fused_mask_equal_cpu" in row)
+    if not compared:
+        return "no fused kernel ran (no CUDA): no bits compared"
+    return f"the fused kernel's bits equal the CPU's torch ops in all {compared} row(s) compared"
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
@@ -146,8 +173,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "counter_draw.json").write_text(json.dumps(rows, indent=1))
+    print(verdict(rows), flush=True)
     return rows
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status(main()))
