@@ -49,9 +49,11 @@ is marked and returned as it is, and a program it was given keeps its result.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -136,6 +138,33 @@ def functionalize(program: ExportedProgram) -> ExportedProgram:
     return _functionalize(program)
 
 
+@contextlib.contextmanager
+def _casts_kept(program: ExportedProgram) -> Iterator[None]:
+    """While it lasts, every ``x.to(dtype)`` of ``program`` to a floating dtype is an
+    ``aten._to_copy`` (restored after): functionalization drops a cast the tensor did
+    not need at export (``.float()`` on an fp32 activation) as a no-op, but under
+    ``torch.autocast`` that activation is half and the cast is what makes the ops after
+    it (a router's softmax and top-k, a norm) run in fp32, as on one device."""
+    graph_module = program.graph_module
+    changed = []
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.to.dtype and len(node.args) >= 2 \
+                and isinstance(node.args[1], torch.dtype) and node.args[1].is_floating_point:
+            changed.append((node, node.target, node.args, node.kwargs))
+            node.target = torch.ops.aten._to_copy.default
+            node.kwargs = {"dtype": node.args[1]}
+            node.args = (node.args[0],)
+    if changed:
+        graph_module.recompile()
+    try:
+        yield
+    finally:
+        for node, target, args, kwargs in changed:
+            node.target, node.args, node.kwargs = target, args, kwargs
+        if changed:
+            graph_module.recompile()
+
+
 def _functionalize(program: ExportedProgram) -> ExportedProgram:
     """``run_decompositions({})``: functional ATen, higher-order ops inlined. A program
     exported without weights is re-traced on fakes of the device it was exported on, as
@@ -143,7 +172,8 @@ def _functionalize(program: ExportedProgram) -> ExportedProgram:
     ops, ``reshape`` a view where the device's kernels make it one)."""
     try:
         with program_faked(program) as restore:
-            functional = program.run_decompositions({})
+            with _casts_kept(program):
+                functional = program.run_decompositions({})
         restore(functional)
         return functional
     except Exception as exc:  # torch names the op it could not functionalize

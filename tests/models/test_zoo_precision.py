@@ -32,18 +32,17 @@ is bf16): hapd's normal form, which the ranks run, drops them too
 runs it in float64, which autocast leaves alone).
 
 The single-device runs are the model as exported (``program.module()``), not hapd's
-normal form: the normal form's functionalization drops a model's casts to fp32 that were
-identities when export traced in fp32 (GPT-2, Llama, Mixtral, Qwen2-MoE and T5 cast with
-``.float()`` / ``.to(torch.float32)``), and under autocast such a cast is what keeps an op
-in fp32. Mixtral's router is one: its ``router_logits.float()`` is gone from the program
-the ranks run, so its softmax, top-2 and weight normalization run in bf16 there and in
-fp32 on one device; that case fails the measure (1.71e-4 against 4.87e-5, bound 8.3e-5)
-and is marked as an expected failure (strict: it passes once the cast is kept).
+normal form, so that a cast the normal form lost would show: a model's casts to fp32
+that were identities when export traced in fp32 (GPT-2, Llama, Mixtral, Qwen2-MoE and T5
+cast with ``.float()`` / ``.to(torch.float32)``) are what keep an op in fp32 under
+autocast. Functionalization used to drop them, and Mixtral's router then ran its
+softmax, top-2 and weight normalization in bf16 on the ranks (1.71e-4 against 4.87e-5,
+bound 8.3e-5); the normal form keeps them now (:func:`hapd.ir.normalize._casts_kept`).
 
 ``-s`` prints each case's two errors (distributed, one device in the precision).
 Measured (5 AdamW steps, loss error against fp32: distributed / one device):
 bf16 on 2 ranks: gpt2 3.1e-5 / 3.7e-5, llama 6.1e-5 / 3.5e-5, bert 2.7e-5 / 1.5e-5,
-mixtral 1.7e-4 / 4.9e-5 (fails), qwen2_moe 5.0e-5 / 9.0e-5, t5 3.1e-4 / 3.4e-4,
+mixtral 6.2e-5 / 4.9e-5, qwen2_moe 5.0e-5 / 9.0e-5, t5 3.1e-4 / 3.4e-4,
 resnet18 2.0e-1 / 4.0e-1, vit 1.8e-2 / 1.5e-2; gpt2 forced tensor-parallel 5.5e-5 / 3.7e-5;
 bf16 on 4 ranks: gpt2 5.0e-5 / 3.7e-5, bert 2.7e-5 / 1.5e-5; fp16 on 2 ranks: gpt2
 1.5e-5 / 1.4e-5, bert 9.6e-6 / 8.7e-6; gpt2_block compiled in bf16 on one process
@@ -248,14 +247,7 @@ def results(references: dict[str, Reference]) -> dict[str, list[dict[str, Any]]]
     return out
 
 
-MIXTRAL_ROUTER = pytest.mark.xfail(strict=True, reason=(
-    "hapd's normal form drops Mixtral's router cast to fp32 (`router_logits.float()`, an identity when exported "
-    "in fp32; functionalization removes it): on the ranks the router's softmax, top-2 and weight "
-    "normalization run in bf16 under autocast, on one device in fp32 — the first loss is already off "
-    "(4.862414 against 4.861870 in bf16 and 4.861887 in fp32): distributed 1.71e-4, one device 4.87e-5, "
-    "bound 8.3e-5"))
-"""A known failure of the measure, hapd's (see the module docstring)."""
-PARAMS = [pytest.param(c, marks=MIXTRAL_ROUTER) if c[:2] == ("mixtral", "bf16") else c for c in CASES]
+PARAMS = CASES
 
 
 @pytest.mark.distributed
