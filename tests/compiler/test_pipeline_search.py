@@ -368,7 +368,9 @@ def test_a_stages_memory_from_the_graph_without_its_repeated_blocks_is_the_whole
     units = len(whole.units.units)
     for key, memory in whole.memory.items():
         for k0, k1, n in ((0, 3, 2), (3, units, 1), (0, units, 1), (2, 6, 3)):
-            assert reduced.memory[key].peak(k0, k1, n) == pytest.approx(memory.peak(k0, k1, n), rel=0.02)
+            # rel: the reduced graph's parameter and activation parts reach the whole graph's by proportion of bytes
+            # (UnitMemory, an estimate), not by pricing the dropped blocks: 0.28% off at worst here
+            assert reduced.memory[key].peak(k0, k1, n) == pytest.approx(memory.peak(k0, k1, n), rel=0.01)
 
 
 def test_every_op_pays_the_profiles_small_op_seconds_once_per_micro_batch() -> None:
