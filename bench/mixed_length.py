@@ -288,13 +288,25 @@ def launch(ns: argparse.Namespace, systems: str, steps: int, env: dict[str, str]
     return json.loads(result.read_text())
 
 
+def length_cost(name: str, longest: int):
+    """The length cost the runs' loader counts for model ``name`` (``hapd.mixed_loader``
+    without ``cost``: :meth:`LengthCost.of_model` on the packed model, rows of pad id 0)."""
+    import hapd
+    from hapd.train.mixed_length import LengthCost, one_row
+
+    model, _ = build(name, longest)
+    return LengthCost.of_model(hapd.PackedLanguageModel(model), lambda n: one_row(n, 0))
+
+
 def dry_planning(ns: argparse.Namespace) -> dict[str, Any]:
-    """Planning alone over 1,000 steps (no model): the pool's programs, padding, time."""
-    from hapd.train.mixed_length import LengthCost, MixedLengthLoader, even_split, pack_padded, pack_step, row_lengths
+    """Planning alone over 1,000 steps (nothing trained): the pool's programs, padding,
+    time, with the length cost of the first of ``--models`` (counted on that model)."""
+    from hapd.train.mixed_length import MixedLengthLoader, even_split, pack_padded, pack_step, row_lengths
 
     lengths = draw_lengths(200_000, ns.longest, ns.seed)
     pool = row_lengths(ns.shortest, ns.longest)
-    cost = LengthCost(linear=6.8e6, quadratic=4096.0)  # GPT-2 small (width 256, 4 layers): printed by the runs
+    cost_model = ns.models.split(",")[0]
+    cost = length_cost(cost_model, ns.longest)  # GPT-2 small (width 256, 4 layers): 6.8e6 per token, 4096 per pair
     split = even_split([s / sum(SPEEDS) for s in SPEEDS])
     order = MixedLengthLoader(sequences=[], lengths=lengths, tokens=ns.tokens, pool=pool, micro_tokens=ns.micro_tokens,
                               cost=cost, split=split, rank=0, seed=ns.seed)
@@ -313,7 +325,7 @@ def dry_planning(ns: argparse.Namespace) -> dict[str, Any]:
         for name, plan in (("packed", packed), ("padded", padded)):
             shapes[name].update(mb.shape for mb in plan.micro_batches)
             padding[name].append(plan.padding)
-    return {"programs_per_1000_steps": {k: len(v) for k, v in shapes.items()},
+    return {"cost_model": cost_model, "cost": vars(cost), "programs_per_1000_steps": {k: len(v) for k, v in shapes.items()},
             "padding": {k: statistics.mean(v) for k, v in padding.items()},
             "plan_ms_mean": statistics.mean(ms), "plan_ms_max": max(ms),
             "under_quarter": sum(L < ns.longest / 4 for L in lengths) / len(lengths)}
@@ -344,7 +356,8 @@ def main() -> None:
     dry = dry_planning(ns)
     print(f"lengths: log-normal, median {MEDIAN:.0f}, σ {SIGMA}, {SHORTEST}..{ns.longest}: "
           f"{100 * dry['under_quarter']:.1f}% under {ns.longest // 4} tokens")
-    print(f"planning alone, 1,000 steps of {ns.tokens} tokens: programs {dry['programs_per_1000_steps']}, "
+    print(f"planning alone, 1,000 steps of {ns.tokens} tokens ({dry['cost_model']}'s length cost "
+          f"{dry['cost']['linear']:.3g}·R + {dry['cost']['quadratic']:.3g}·R²): programs {dry['programs_per_1000_steps']}, "
           f"padding packed {100 * dry['padding']['packed']:.1f}% / padded {100 * dry['padding']['padded']:.1f}%, "
           f"plan {dry['plan_ms_mean']:.2f} ms mean, {dry['plan_ms_max']:.2f} ms max")
     work = Path(tempfile.mkdtemp(prefix="hapd-ml-"))
