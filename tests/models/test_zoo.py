@@ -3,11 +3,11 @@ with GQA and RoPE, BERT, Mixtral, Qwen2-MoE, T5, resnet18, torchvision's ViT) lo
 with no opaque op, passes the self-check (``hapd.check``), and runs on 2 and 4 Gloo
 ranks with uneven ratios — (0.75, 0.25) and (0.4, 0.3, 0.2, 0.1) — with the loss, every
 gradient and the loss after each of 5 Adam steps equal to the single-device run
-(relative 1e-5), under two plans: the searched one, and one forced into tensor
-parallelism (every linear, ``addmm`` and convolution column-parallel and row-parallel in
-turn, the Megatron pairing) with, for the mixtures of experts, every einsum over
-stacked expert weights expert-parallel. The forced plans must run every forced rule, so
-a replicated plan cannot pass for them.
+(within 1e-5: :func:`_exact.grad_errors` for the gradients), under two plans: the
+searched one, and one forced into tensor parallelism (every linear, ``addmm`` and
+convolution column-parallel and row-parallel in turn, the Megatron pairing) with, for
+the mixtures of experts, every einsum over stacked expert weights expert-parallel. The
+forced plans must run every forced rule, so a replicated plan cannot pass for them.
 
 resnet18 runs in float64 (see ``FLOAT64``: its fp32 single-device run is itself further
 than 1e-5 from exact); every other model in fp32.

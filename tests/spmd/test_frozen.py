@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_ranks
-from _exact import relative
+from _exact import tensor_error
 from click.testing import CliRunner
 from torch import Tensor, nn
 
@@ -50,7 +50,7 @@ LR = 1e-3
 TOL = 1e-5
 """Relative tolerance against the single-device run (as ``_exact.TOL``)."""
 FLOOR = 1e-6
-"""The least denominator of a relative error (:func:`_exact.relative`)."""
+"""The least denominator of a parameter's relative error (:func:`_exact.tensor_error`)."""
 FROZEN_MODULES = ("embed", "layers.0")
 """The frozen parts of the model: its embedding and its whole first layer."""
 PLANS = ("searched", "forced")
@@ -235,7 +235,7 @@ def rank_report(rank_module: Any, optimizer: torch.optim.Optimizer, losses: list
     for fqn, (tensor, layout) in rank_module.hapd_params.items():
         if fqn not in frozen and fqn not in ref["noise"]:
             expected = rank_module.hapd_view.local_value(tensor, layout, ref["final"][fqn])
-            trainable_errors[fqn] = relative(named[fqn].detach(), expected, FLOOR)
+            trainable_errors[fqn] = tensor_error(named[fqn].detach(), expected, FLOOR)
     return {
         "wrong_flags": sorted(n for n, p in named.items() if p.requires_grad == (n in frozen)),
         "frozen_changed": sorted(n for n in frozen if not torch.equal(named[n].detach(), initial[n])),
@@ -276,7 +276,7 @@ def parallelized_run(rank: int, plan: bytes, ref: dict[str, Any], folder: str | 
     out["norm_error"] = max(abs(a - b) / b for a, b in zip(norms, ref["norms"]))
     full = module.full_state_dict()
     out["full_frozen_changed"] = sorted(n for n in ref["frozen"] if not torch.equal(full[n], ref["initial"][n]))
-    out["full_trainable_error"] = max(relative(full[n], ref["final"][n], FLOOR) for n in ref["final"]
+    out["full_trainable_error"] = max(tensor_error(full[n], ref["final"][n], FLOOR) for n in ref["final"]
                                       if n not in ref["frozen"] and n not in ref["noise"])
     module.load_full_state_dict(full)
     out["flags_after_load_full"] = sorted(n for n, p in module.inner.named_parameters()
@@ -292,7 +292,7 @@ def parallelized_run(rank: int, plan: bytes, ref: dict[str, Any], folder: str | 
     named = dict(fresh.inner.named_parameters())
     out["checkpoint_wrong_flags"] = sorted(n for n, p in named.items() if p.requires_grad == (n in ref["frozen"]))
     out["checkpoint_frozen_with_state"] = sorted(n for n in ref["frozen"] if named[n] in fresh_optimizer.state)
-    out["checkpoint_state_error"] = max(relative(v, full[k], FLOOR) for k, v in fresh.full_state_dict().items())
+    out["checkpoint_state_error"] = max(tensor_error(v, full[k], FLOOR) for k, v in fresh.full_state_dict().items())
     return out
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_ranks
+from _exact import grad_errors
 from torch import nn
 
 import hapd
@@ -89,7 +90,7 @@ def _run_case(rank: int, world: int, case: str) -> dict[str, Any]:
     pipe = PipelineRank(stages, boundaries, plans, groups, m, batch_dims)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-3)
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
-    losses, grad_errors = [], {}
+    losses, errors = [], {}
     for step in range(STEPS + 1):
         optimizer.zero_grad()
         ref_optimizer.zero_grad()
@@ -101,18 +102,16 @@ def _run_case(rank: int, world: int, case: str) -> dict[str, Any]:
             break
         expected.backward()
         if step == 0:
-            full = dict(reference.named_parameters())
-            floor = 1e-2 * max(float(p.grad.abs().max()) for p in full.values() if p.grad is not None)
+            full = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
             view = pipe.module.hapd_view
             mine = dict(pipe.module.named_parameters(remove_duplicate=False))
-            for fqn, (tensor, layout) in pipe.module.hapd_params.items():
-                want = view.local_value(tensor, layout, full[fqn].grad)
-                got = mine[fqn].grad
-                grad_errors[fqn] = float((got - want).abs().max()) / max(float(want.abs().max()), floor)
+            want = {fqn: view.local_value(tensor, layout, full[fqn])
+                    for fqn, (tensor, layout) in pipe.module.hapd_params.items()}
+            errors = grad_errors(want, {fqn: mine[fqn].grad for fqn in want}, scale=full)
         optimizer.step()
         ref_optimizer.step()
     layouts = {fqn: layout for fqn, (_, layout) in pipe.module.hapd_params.items()}
-    return {"stage": pipe.s, "losses": losses, "grads": grad_errors, "params": len(grad_errors), "layouts": layouts}
+    return {"stage": pipe.s, "losses": losses, "grads": errors, "params": len(errors), "layouts": layouts}
 
 
 def _run_world(rank: int, world: int, cases: list[str]) -> list[dict[str, Any]]:

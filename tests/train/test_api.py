@@ -5,8 +5,9 @@ row-parallel linears) as well as replicating others, against the single-device m
 the full state dict, gradient clipping by global norm, gradient accumulation over
 micro-batches (with and without ``no_sync``), an LR scheduler over several steps,
 ``eval()`` / ``torch.no_grad()`` forwards, and bf16 autocast. fp32 tolerance: 1e-5
-relative; bf16 autocast: see ``BF16_TOL``. Plus: one process without a process group,
-the single-device names of a transformers GPT-2, and plans from a real daemon.
+(gradients: :func:`_exact.grad_errors`); bf16 autocast: see ``BF16_TOL``. Plus: one
+process without a process group, the single-device names of a transformers GPT-2, and
+plans from a real daemon.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_ranks
-from _exact import relative
+from _exact import grad_errors, tensor_error
 from _wait import wait_for
 
 import hapd
@@ -50,16 +51,13 @@ def _batches(config: Any, count: int) -> list[tuple[torch.Tensor, ...]]:
 
 
 def _grad_error(module, ref: torch.nn.Module) -> float:
-    """Largest relative error of this rank's gradient pieces against the single-device
-    gradients (relative to the largest gradient of the model)."""
+    """Largest error (:func:`_exact.grad_errors`) of this rank's gradient pieces against
+    the single-device gradients."""
     grads = dict((n, p.grad) for n, p in ref.named_parameters())
-    floor = max(float(g.abs().max()) for g in grads.values())
-    worst = 0.0
-    for name, param in module.inner.named_parameters():
-        tensor, layout = module.inner.hapd_params[name]
-        expected = module.inner.hapd_view.local_value(tensor, layout, grads[name])
-        worst = max(worst, relative(param.grad, expected, floor))
-    return worst
+    named = dict(module.inner.named_parameters())
+    expected = {name: module.inner.hapd_view.local_value(*module.inner.hapd_params[name], grads[name])
+                for name in named}
+    return max(grad_errors(expected, {name: p.grad for name, p in named.items()}, scale=grads).values())
 
 
 def _zero(*modules) -> None:
@@ -86,10 +84,10 @@ def _features(rank: int, world: int) -> dict[str, Any]:
     # full state dict: the single-device names, shapes and values; loading slices it
     full = module.full_state_dict()
     out["state_keys"] = sorted(full) == sorted(initial)
-    out["state_error"] = max(relative(full[k], initial[k], 1e-12) for k in initial)
+    out["state_error"] = max(tensor_error(full[k], initial[k]) for k in initial)
     changed = {k: v + 1.0 for k, v in initial.items()}
     module.load_full_state_dict(changed)
-    out["reload_error"] = max(relative(v, changed[k], 1e-12) for k, v in module.full_state_dict().items())
+    out["reload_error"] = max(tensor_error(v, changed[k]) for k, v in module.full_state_dict().items())
     module.load_full_state_dict(initial)
 
     # clipping by global norm
@@ -97,12 +95,12 @@ def _features(rank: int, world: int) -> dict[str, Any]:
     ref(*batches[0]).backward()
     total = module.clip_grad_norm_(0.5)
     ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-    out["clip_norm_error"] = relative(total, ref_total, 1e-12)
+    out["clip_norm_error"] = tensor_error(total, ref_total)
     out["clip_grad_error"] = _grad_error(module, ref)
     out["clipped"] = float(ref_total) > 0.5
     inf_module, inf_ref = module.clip_grad_norm_(1e-3, norm_type="inf"), torch.nn.utils.clip_grad_norm_(
         ref.parameters(), 1e-3, norm_type="inf")
-    out["clip_inf_error"] = max(relative(inf_module, inf_ref, 1e-12), _grad_error(module, ref))
+    out["clip_inf_error"] = max(tensor_error(inf_module, inf_ref), _grad_error(module, ref))
 
     # accumulation over micro-batches: plain, with no_sync, mixed
     accumulation = {}

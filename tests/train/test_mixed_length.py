@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 from _dist import run_ranks
+from _exact import grad_errors
 from torch import Tensor
 
 import hapd
@@ -243,19 +244,12 @@ def _rank(rank: int, world: int, build, ratios, steps: int, grads: dict[str, Ten
 
 
 def _grad_error(module, grads: dict[str, Tensor]) -> float:
-    """The largest relative error of this rank's piece of any gradient."""
+    """The largest error (:func:`_exact.grad_errors`) of this rank's piece of any gradient."""
     inner = module.inner
     named = dict(inner.named_parameters(remove_duplicate=False))
-    floor = 1e-2 * max(float(g.abs().max()) for g in grads.values())
-    worst = 0.0
-    for fqn, (tensor, layout) in inner.hapd_params.items():
-        full = grads[fqn.removeprefix("model.")]
-        expected = inner.hapd_view.local_value(tensor, layout, full)
-        got = named[fqn].grad
-        got = torch.zeros_like(expected) if got is None else got
-        if expected.numel():
-            worst = max(worst, float((got - expected).abs().max()) / max(float(expected.abs().max()), floor))
-    return worst
+    expected = {fqn: inner.hapd_view.local_value(tensor, layout, grads[fqn.removeprefix("model.")])
+                for fqn, (tensor, layout) in inner.hapd_params.items()}
+    return max(grad_errors(expected, {fqn: named[fqn].grad for fqn in expected}, scale=grads).values())
 
 
 @pytest.mark.parametrize("world,ratios,build", [
