@@ -203,6 +203,19 @@ def adam_steps(module: nn.Module, forward: Callable[[], Tensor], value: Callable
     return losses, made
 
 
+def update(loss: Tensor, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
+    """One training step's end: ``loss``'s backward (scaled by ``scaler``, a grad scaler,
+    when given), the optimizer's step (through the scaler, which skips it on an inf),
+    the gradients zeroed."""
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad()
+
+
 def single_device(program: Any, inputs: tuple[Tensor, ...], steps: int = 0, *, lr: float = LR,
                   eps: float = EPS) -> tuple[tuple[float, ...], dict[str, Tensor], dict[str, Tensor]]:
     """A copy of ``program.module()`` run on one device: the loss and gradients (by every

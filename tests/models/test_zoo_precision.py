@@ -57,7 +57,7 @@ from unittest import mock
 import pytest
 import torch
 from _dist import run_ranks
-from _exact import _tensor_parallel, fill_zero_parameters
+from _exact import _tensor_parallel, fill_zero_parameters, update
 from torch import Tensor, fx, nn
 
 import hapd
@@ -137,13 +137,7 @@ def _train(module: nn.Module, inputs: tuple[Tensor, ...], precision: str, steps:
     for _ in range(steps):
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = module(*inputs)
-        (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad()
+        update(loss, optimizer, scaler)
         losses.append(float(loss.detach()))
     return losses
 
@@ -206,13 +200,7 @@ def _ranks(rank: int, world: int, cases: list[tuple[str, str, str, dict[str, str
         for _ in range(STEPS):
             loss = module(*local)
             losses.append(module.global_loss(loss))
-            (scaler.scale(loss) if scaler else loss).backward()
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad()
+            update(loss, optimizer, scaler)
         ran = {s["node"]: s["rule"] for s in module.plan.program["steps"]}
         out.append({"case": case_id, "losses": losses, "precision": module.plan.precision,
                     "not_forced": sorted((n, r, str(ran.get(n))) for n, r in force.items() if ran.get(n) != r)})

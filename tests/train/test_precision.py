@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
+from _exact import update
 
 import hapd
 from hapd import models
@@ -255,13 +256,7 @@ def _single(model: torch.nn.Module, batches, precision: str) -> list[float]:
     for batch in batches:
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             loss = model(*batch)
-        (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad()
+        update(loss, optimizer, scaler)
         losses.append(float(loss))
     return losses
 
@@ -279,13 +274,7 @@ def _distributed(rank: int, world: int, name: str, precision: str, force: dict[s
     for batch in batches:
         loss = module(*module.shard_inputs(*batch))
         losses.append(module.global_loss(loss))
-        (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad()
+        update(loss, optimizer, scaler)
     out: dict[str, Any] = {"losses": losses, "precision": module.plan.precision}
     if rank == 0:
         out["fp32"] = _single(model_for_reference(name), batches, "fp32")
