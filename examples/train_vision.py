@@ -88,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
 
     first = module.rank == 0
     if first:
+        lengths = module.sample_lengths()  # None: some rank needs more than its slice of the batch
+        reading = (f"reading {'/'.join(map(str, lengths))} images of every batch of {args.batch}" if lengths else
+                   f"each reading the whole batch of {args.batch} (the plan does not split every input by samples)")
         print(f"{args.model}: {sum(p.numel() for p in model.parameters()):,} parameters, {module.world} rank(s) "
-              f"reading {module.sample_lengths()} images of every batch of {args.batch}", flush=True)
+              f"{reading}", flush=True)
     step = epoch = 0
     first_loss = loss = math.nan
     start = time.perf_counter()

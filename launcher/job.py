@@ -1134,6 +1134,9 @@ def run_job(hosts: Sequence[Host] | None, options: JobOptions, *, out: TextIO | 
         if hosts is None:
             k = options.nproc_per_node or 1
             options = _replace(options, nproc_per_node=k)
+            crowded = crowded_cores(k, usable_cores())
+            if crowded is not None:
+                print(f"hapd launcher: {crowded}", file=err_stream, flush=True)
             address = local_daemon_answers(options.key_file)
             if address is not None:
                 host_part, _, port = address.removeprefix("tcp://").rpartition(":")
@@ -1162,6 +1165,24 @@ def run_job(hosts: Sequence[Host] | None, options: JobOptions, *, out: TextIO | 
     finally:
         if local is not None:
             local.stop()
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system says it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def crowded_cores(ranks: int, cores: int) -> str | None:
+    """The warning for ``ranks`` local CPU ranks on ``cores`` cores when they outnumber
+    them (each rank's share of a core slows every step past the plan's prediction, which
+    prices a whole device per rank); None otherwise."""
+    if ranks <= cores:
+        return None
+    return (f"{ranks} ranks on this machine's {cores} CPU core(s): ranks share cores, so steps run slower than the "
+            f"plan predicts (it prices one device per rank); use -n {cores} or fewer for timings that mean something")
 
 
 def _replace(options: JobOptions, **changes: Any) -> JobOptions:

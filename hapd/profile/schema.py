@@ -440,7 +440,9 @@ def _collectives_from_dict(raw: Any) -> dict[str, dict[str, Link]]:
         raise ProfileError("collectives: expected an object", field="collectives")
     unknown = sorted(set(raw) - set(COLLECTIVES) - set(OPTIONAL_COLLECTIVES))
     if unknown:
-        raise ProfileError(f"collectives: unknown collective {unknown[0]!r}", field=f"collectives.{unknown[0]}")
+        known = ", ".join((*COLLECTIVES, *OPTIONAL_COLLECTIVES))
+        raise ProfileError(f"collectives: unknown collective {unknown[0]!r}; known: {known}",
+                           field=f"collectives.{unknown[0]}")
     collectives: dict[str, dict[str, Link]] = {}
     for name in (*COLLECTIVES, *(c for c in OPTIONAL_COLLECTIVES if c in raw)):
         entry = raw.get(name)

@@ -48,6 +48,10 @@ def test_an_example_trains_alike_on_one_process_and_two_ranks(name, tmp_path):
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     (first1, last1, rest1), (first2, last2, rest2) = _final(one.stdout), _final(two.stdout)
     assert first1 == pytest.approx(first2, rel=1e-5) and last1 == pytest.approx(last2, rel=1e-5)
+    if name == "train_vision":  # what each rank reads is said (lengths, or the whole batch), never "None"
+        assert "None" not in one.stdout + two.stdout
+        assert re.search(r"^convnext\S*: [\d,]+ parameters, 1 rank\(s\) reading 8 images of every batch of 8", one.stdout,
+                         re.M), one.stdout
     if name == "finetune_classifier":
         assert rest1.endswith("frozen embeddings unchanged: True") and rest2.endswith("frozen embeddings unchanged: True")
         assert re.search(r"^\[rank 0\] classifier: [\d,]+ of [\d,]+ parameters trainable \(embeddings frozen\), 2 rank",

@@ -23,6 +23,7 @@ import torch
 
 from hapd.harness.training import report
 from hapd.spmd.distributed import DistEnv
+from launcher.job import crowded_cores, usable_cores
 from launcher.report import Timings, build_report, format_table
 from launcher.tracebacks import TRACEBACK_START, Tracebacks, strip_rank_prefix
 
@@ -172,6 +173,8 @@ def test_a_failing_script_under_hapd_run_from_another_folder(tmp_path, launcher_
     same = re.findall(r"^\[rank (\d)\] \(the same traceback as rank (\d)(, ending:)?\)$", err, re.M)
     assert sorted(int(r) for r, _, _ in same) == sorted({0, 1, 2} - {first}) and {int(o) for _, o, _ in same} == {first}
     assert "[rank 2] ValueError: batch 8 is not a multiple of 3 (rank 2 saw it)" in err or first == 2
+    if usable_cores() < 3:  # more ranks than cores: said once, before the job starts
+        assert err.count("3 ranks on this machine's") == 1 and "use -n" in err, err
     closing = re.search(r"^hapd launcher: job fail-\S+ failed: rank (\d) on 127\.0\.0\.1:\d+ exited with code 1: (.*)$",
                         err, re.M)
     assert closing, err
@@ -193,3 +196,10 @@ def test_hapd_run_finds_the_packaged_worker_from_any_folder(tmp_path, launcher_e
                           text=True, timeout=60, cwd=tmp_path, env=launcher_env)
     assert done.returncode == 2
     assert done.stderr.startswith(f"hapd launcher: OptionsError: script nowhere.py not found in {tmp_path} (")
+
+
+def test_ranks_that_outnumber_the_cores_are_said_with_the_fix():
+    assert crowded_cores(2, 2) is None and crowded_cores(1, 8) is None
+    said = crowded_cores(4, 2)
+    assert said.startswith("4 ranks on this machine's 2 CPU core(s)") and said.endswith("use -n 2 or fewer for timings "
+                                                                                         "that mean something")

@@ -296,3 +296,12 @@ def test_a_missing_profile_path_that_names_a_bundled_profile_says_so(tmp_path, m
     with pytest.raises(ProfileError, match=r"bundled profiles, by name: .*paper-8"):
         load_profile("paper-9")
     assert load_profile("paper-8").name == "paper-8"
+
+
+def test_a_misspelled_collective_lists_the_known_ones(paper8):
+    bad = copy.deepcopy(paper8)
+    bad["collectives"]["all_reduc"] = bad["collectives"].pop("all_reduce")
+    with pytest.raises(ProfileError) as info:
+        profile_from_dict(bad)
+    assert str(info.value).startswith("collectives: unknown collective 'all_reduc'; known: all_gather")
+    assert "all_reduce" in str(info.value) and info.value.field == "collectives.all_reduc"
