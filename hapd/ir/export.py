@@ -7,6 +7,7 @@ import inspect
 import itertools
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -97,7 +98,17 @@ def _export_static(model: torch.nn.Module, example_inputs: tuple[Any, ...]) -> E
     try:
         return _export(model, example_inputs, None)
     except Exception as exc:
+        unreturnable = _UNRETURNABLE.search(str(exc))
+        if unreturnable is not None:  # a ModelOutput with a cache, or any other object torch cannot return
+            raise ExportError(
+                f"{type(model).__name__}'s forward returns {unreturnable.group(1)} among its outputs, which torch.export "
+                "cannot return (a transformers ModelOutput holds one); hapd trains a forward that returns the scalar "
+                "loss: return `out.loss` (e.g. a wrapper whose forward is `return self.model(...).loss`)") from None
         raise ExportError(f"torch.export failed for {type(model).__name__}: {type(exc).__name__}: {exc}") from exc
+
+
+_UNRETURNABLE = re.compile(r"Found <class '(?:[\w.]+\.)?(\w+)'> in output, which is not a known type")
+"""torch.export's error for a forward whose outputs hold an object it cannot flatten."""
 
 
 def _save(program: ExportedProgram, path: str | Path, name: str, batch_dims: Sequence[int | None],

@@ -513,3 +513,25 @@ def test_load_failure_in_process_names_torch_reason(custom_op_pt2, monkeypatch) 
     with pytest.raises(ExportError, match=r"torch cannot load the exported program: .*SerializeError: We failed to "
                                           r"resolve .*custom op.*--import MODULE"):
         load_exported(path)
+
+
+def test_a_forward_returning_a_model_output_with_a_cache_is_told_to_return_the_loss():
+    """A transformers GPT-2 whose wrapper returns the ModelOutput (its cache among the
+    outputs): one line naming the cache and the fix, not torch's pytree message."""
+    transformers = pytest.importorskip("transformers")
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                             bos_token_id=0, eos_token_id=0)
+            self.model = transformers.GPT2LMHeadModel(config)
+
+        def forward(self, ids, labels):
+            return self.model(input_ids=ids, labels=labels)
+
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(hapd.errors.ExportError) as info:
+        hapd.export(Wrapper(), (ids, ids))
+    message = str(info.value)
+    assert "\n" not in message and "DynamicCache" in message and "return `out.loss`" in message, message
