@@ -14,6 +14,7 @@ import click
 from hapd import __version__
 from hapd.errors import HapdError, OptionsError
 from hapd.serve.cache import DEFAULT_MAX_CACHE_BYTES
+from hapd.util import private_folder
 
 
 class _HapdGroup(click.Group):
@@ -453,7 +454,7 @@ def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | 
 
 def _log_daemon(home: Path, log_level: str) -> None:
     """hapd's log records at ``log_level`` and above to stderr and HOME/logs/daemon.log (the owner's alone)."""
-    home.mkdir(parents=True, exist_ok=True)
+    private_folder(home)
     (home / "logs").mkdir(mode=0o700, exist_ok=True)
     log_path = home / "logs" / "daemon.log"
     os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))  # the owner's alone, whatever the umask

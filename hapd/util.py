@@ -112,6 +112,18 @@ def atomic_file(path: str | Path, *, mode: int = 0o666) -> Iterator[BinaryIO]:
     fsync_folder(path.parent)
 
 
+def private_folder(path: str | Path) -> Path:
+    """``path`` as a folder only its owner can enter (0700): made so, or narrowed when
+    it exists, is this process's and lets others in. A daemon's and a launcher's state
+    (jobs, run reports, the plan cache, rank output) is readable by its user alone."""
+    folder = Path(path)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid == os.geteuid() and info.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+    return folder
+
+
 def atomic_write(path: str | Path, data: bytes | str, *, mode: int = 0o666) -> Path:
     """Replace ``path`` with ``data`` (a ``str`` is written as UTF-8) all at once; see
     :func:`atomic_file`. Returns the path."""
@@ -218,5 +230,5 @@ def exit_process(status: int) -> NoReturn:
         os._exit(status)
 
 
-__all__ = ["TimingSummary", "atomic_file", "atomic_write", "exit_process", "format_bytes", "gc_paused", "home_dir",
+__all__ = ["TimingSummary", "atomic_file", "atomic_write", "private_folder", "exit_process", "format_bytes", "gc_paused", "home_dir",
            "summarize"]

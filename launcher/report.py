@@ -34,7 +34,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from hapd.util import atomic_write, summarize
+from hapd.util import atomic_write, private_folder, summarize
 
 REPORT_FORMAT = "hapd.launcher.report"
 REPORT_VERSION = 1
@@ -274,8 +274,8 @@ def _final_loss(report: Mapping[str, Any]) -> float | None:
 def write_report(report: Mapping[str, Any], path: str | Path) -> Path:
     """Write the report as JSON (atomically: see :func:`hapd.util.atomic_write`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write(path, json.dumps(clean_nans(report), indent=1, allow_nan=False) + "\n")
+    private_folder(path.parent)
+    return atomic_write(path, json.dumps(clean_nans(report), indent=1, allow_nan=False) + "\n", mode=0o600)
 
 
 def clean_nans(value: Any) -> Any:

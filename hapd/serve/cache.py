@@ -47,7 +47,7 @@ import msgpack
 
 from hapd import __version__
 from hapd.errors import HapdError, OptionsError, PlanError
-from hapd.util import atomic_write, format_bytes
+from hapd.util import atomic_write, format_bytes, private_folder
 
 if TYPE_CHECKING:
     from hapd.compiler.techniques import GraphSet
@@ -227,7 +227,7 @@ class PlanCache:
         self.counters = {"hits": 0, "misses": 0, "lp_only": 0, "corrupt": 0, "evictions": 0, "not_cached": 0}
         self._failing: str | None = None  # why writes fail, since the first that did (warned once)
         for kind in KINDS:
-            (self.root / kind).mkdir(parents=True, exist_ok=True)
+            private_folder(self.root / kind)
         self._scan(clean_tmp)
 
     # -- layout
@@ -338,8 +338,8 @@ class PlanCache:
             return f"larger than the cache bound {format_bytes(self.max_bytes)}"
         path = self._path(kind, key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, blob, mode=0o644)
+            private_folder(path.parent)
+            atomic_write(path, blob, mode=0o600)
         except OSError as exc:
             return self._write_failed(exc)
         self._write_succeeded()

@@ -60,7 +60,7 @@ from hapd.serve.snapshots import (DEFAULT_SNAPSHOT_KEEP, DEFAULT_SNAPSHOT_MAX_BY
                                   SnapshotStore)
 from hapd.serve.guard import MAX_LOGGED_CHARS, MAX_REPLY_ERROR_CHARS, ConnectionGate, RateLimitedLog, shorten, source_fd
 from hapd.serve.watch import DEFAULT_RESCAN_S, DEFAULT_SETTLE_S, Drop
-from hapd.util import atomic_write
+from hapd.util import atomic_write, private_folder
 
 log = logging.getLogger("hapd.daemon")
 
@@ -324,7 +324,9 @@ class Daemon:
 
     def _setup(self) -> None:
         cfg = self.config
-        for folder in (cfg.home, cfg.watch, *(cfg.watch / sub for sub in SUBFOLDERS), cfg.cache, cfg.home / "tmp"):
+        for folder in (cfg.home, cfg.cache, cfg.home / "tmp"):  # the daemon's own state: its user's alone
+            private_folder(folder)
+        for folder in (cfg.watch, *(cfg.watch / sub for sub in SUBFOLDERS)):
             folder.mkdir(parents=True, exist_ok=True)
         self._locks = [_DirLock(cfg.cache)]
         if cfg.watch.resolve() != cfg.cache.resolve():

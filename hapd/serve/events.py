@@ -17,6 +17,7 @@ Not thread-safe by itself: the job holds its lock around every call. No torch im
 from __future__ import annotations
 
 import logging
+import os
 import time
 from array import array
 from collections import deque
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgpack
+
+from hapd.util import private_folder
 
 log = logging.getLogger("hapd.jobs")
 
@@ -87,9 +90,9 @@ class EventLog:
         """A new, empty spill file (a job id used again gets a file of its own: the old
         one is unlinked first, so a late writer of the old job cannot touch it)."""
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_folder(path.parent)
             path.unlink(missing_ok=True)
-            self._spill = open(path, "xb")  # noqa: SIM115 - held for the job's life
+            self._spill = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
         except OSError as exc:
             self._stop_spilling(f"cannot write {path}: {exc.strerror or exc}")
 

@@ -56,6 +56,7 @@ from hapd.wire.contract import JOB_ID, MAX_LEASE_S, MIN_LEASE_S, STARTED_ENV
 from hapd.serve.events import SPILL_FILE, EventLog
 from hapd.serve.leftovers import MARKER_ENV, RankRecords, marked_processes, signal_marked
 from hapd.serve.rank_guard import GUARD_MODULE
+from hapd.util import private_folder
 
 IN_PLACE_MODULE = "hapd.elastic.in_place"
 """What an in-place launch's ranks run the script under (``python -m`` it)."""
@@ -443,8 +444,7 @@ class JobManager:
         """The script the ranks run: the shipped bytes written to the job's folder, or
         the named file, which must exist here."""
         if spec.script_bytes is not None:
-            folder = self.jobs_dir / spec.job
-            folder.mkdir(parents=True, exist_ok=True)
+            folder = private_folder(self.jobs_dir / spec.job)
             script = folder / spec.script
             script.write_bytes(spec.script_bytes)
             os.utime(folder)  # the newest folder: kept by the prune

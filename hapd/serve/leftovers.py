@@ -27,6 +27,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from hapd.util import private_folder
+
 log = logging.getLogger("hapd.jobs")
 
 MARKER_ENV = "HAPD_JOB_TOKEN"
@@ -111,7 +113,7 @@ class RankRecords:
         path = self._path(token)
         tmp = path.with_name(f".{path.name}.tmp")
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            private_folder(self.folder)
             tmp.write_text(json.dumps(data))
             os.replace(tmp, path)
         except OSError as exc:

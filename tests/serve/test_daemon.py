@@ -585,3 +585,30 @@ def test_cli_ping_and_a_second_daemon_on_the_same_state(daemon, tmp_path):
     assert second.returncode == 2 and "another hapd daemon" in second.stderr, second.stderr
     with daemon.client() as client:
         assert client.ping()["profile_name"] == "paper-8"
+
+
+def test_the_daemons_state_is_its_users_alone(daemon):
+    """After a job and a compile: the state folder, the plan cache, a job's folder and its
+    spill of output are the daemon's user's alone (0700 folders, 0600 files)."""
+    import stat
+
+    with daemon.client() as client:
+        client.launch("private", "p.py", script_bytes=b"print('secret', flush=True)\n", nproc=1, world_size=1,
+                      master_addr="127.0.0.1", master_port=29990)
+        collect(client, "private", timeout=30)
+    job = daemon.home / "jobs" / "private"
+    modes = {path: stat.S_IMODE(path.stat().st_mode) for path in (daemon.home, daemon.home / "cache", job)}
+    assert all(mode == 0o700 for mode in modes.values()), {str(k): oct(v) for k, v in modes.items()}
+    spill = job / "events.spill"
+    assert stat.S_IMODE(spill.stat().st_mode) == 0o600
+    kinds = [daemon.home / "cache" / kind for kind in ("plan", "lowered")]
+    assert all(stat.S_IMODE(k.stat().st_mode) == 0o700 for k in kinds)
+
+
+def test_a_cached_graph_is_its_users_alone(tmp_path):
+    import stat
+
+    cache = PlanCache(tmp_path / "cache")
+    cache.put_lowered("abc", b"graph bytes")
+    files = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), [oct(p.stat().st_mode) for p in files]
