@@ -77,6 +77,9 @@ class EventLog:
         self._tail_size = 0
         self._spill_path = spill
         self._spill: BinaryIO | None = None
+        self._spill_id: tuple[int, int] | None = None
+        """(device, inode) of the spill file this log made: a job id used again makes a
+        new file at the same path, which this log must not remove."""
         self._spill_size = 0
         self._spilled = 0
         """Events 1..spilled are in the spill file."""
@@ -93,6 +96,8 @@ class EventLog:
             private_folder(path.parent)
             path.unlink(missing_ok=True)
             self._spill = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
+            info = os.fstat(self._spill.fileno())
+            self._spill_id = (info.st_dev, info.st_ino)
         except OSError as exc:
             self._stop_spilling(f"cannot write {path}: {exc.strerror or exc}")
 
@@ -154,10 +159,21 @@ class EventLog:
             self._spill = None
 
     def close(self) -> None:
-        """Forget everything (the job itself is forgotten)."""
+        """Forget everything (the job itself is forgotten, or the daemon stops): the
+        spill file is removed too, so no job's output outlives its record."""
         self.finish()
         self._tail.clear()
         self._tail_size = 0
+        if self._spill_path is None or self._spill_id is None:
+            return
+        try:
+            info = os.stat(self._spill_path)
+            if (info.st_dev, info.st_ino) == self._spill_id:
+                self._spill_path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", self._spill_path, exc.strerror or exc)
 
     # -- reading
 

@@ -718,6 +718,8 @@ class JobManager:
         signal_marked({j.token for j in known}, signal.SIGKILL)
         for job in known:
             self.records.remove(job.token)
+            with job.lock:
+                job.events.close()  # its spill file: a stopped daemon keeps no job's output
 
     def kill_all(self) -> None:
         """SIGKILL every rank of every unfinished job, without waiting: the daemon's

@@ -109,6 +109,34 @@ def test_the_tail_is_bounded_and_older_events_come_from_the_spill_file(tmp_path)
     assert log.after(0, limit=2, max_bytes=1 << 20)[0]["line"] == "line 1"  # the file outlives the job's end
 
 
+def test_a_forgotten_jobs_spill_file_is_removed(tmp_path):
+    """A finished job's events are read from its spill file until the daemon forgets
+    the job (past its kept finished jobs, or when it stops): then the file goes too."""
+    path = tmp_path / "job" / SPILL_FILE
+    log = EventLog(path, rank=0, tail_events=1)
+    for i in range(1, 50):
+        log.append(_event(i))
+    log.finish()
+    assert path.exists() and log.after(0, limit=1, max_bytes=1 << 20)[0]["line"] == "line 1"
+    log.close()
+    assert not path.exists()
+
+
+def test_a_stopped_daemons_jobs_leave_no_spill(tmp_path):
+    from hapd.serve.jobs import JobManager
+
+    jobs = JobManager(jobs_dir=tmp_path / "jobs", daemon_address="tcp://127.0.0.1:1", cache_dir=tmp_path / "cache",
+                      grace_s=2.0)
+    job = jobs.launch({"job": "talker", "script": "t.py", "script_bytes": b"print('x' * 100)\n", "args": [], "env": {},
+                       "nproc": 1, "node_rank": 0, "nnodes": 1, "rank_offset": 0, "world_size": 1,
+                       "master_addr": "127.0.0.1", "master_port": 29991})
+    spill = tmp_path / "jobs" / "talker" / SPILL_FILE
+    wait_for(lambda: job.finished, GENEROUS_S, "the job to end")
+    assert spill.exists()
+    jobs.shutdown()
+    assert not spill.exists()
+
+
 def test_a_finished_job_keeps_a_small_tail(tmp_path):
     log = EventLog(tmp_path / SPILL_FILE, rank=0)
     for i in range(1, 3 * FINISHED_TAIL_EVENTS):
