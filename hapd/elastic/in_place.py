@@ -37,17 +37,16 @@ from __future__ import annotations
 import gc
 import json
 import os
-import runpy
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Mapping
 
 from hapd.errors import PEER_FAILURE, CollectiveError, HapdError
 from hapd.wire.client import Client
 from hapd.wire.contract import STARTED_ENV
 from hapd.wire.keys import default_key_path, load_key
+from hapd.spmd.script import exit_status, report_exception, run_script
 from hapd.util import exit_process
 
 RUN_ENV = "HAPD_ELASTIC_RUN"
@@ -122,14 +121,6 @@ def wait_for_switch(generation: int, deadline: float) -> Mapping[str, Any] | Non
     return None
 
 
-def _run_script(script: str, args: list[str]) -> None:
-    sys.argv = [script, *args]
-    folder = str(Path(script).resolve().parent)
-    if not sys.path or sys.path[0] != folder:
-        sys.path.insert(0, folder)
-    runpy.run_path(script, run_name="__main__")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
@@ -140,19 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         generation = int(os.environ.get(GENERATION_ENV) or 0)
         try:
-            _run_script(script, args)
+            run_script(script, args)
             return 0
         except SystemExit as exc:
-            code = exc.code
-            if code is None or isinstance(code, int):
-                return code or 0
-            print(code, file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - a peer's failure is parked, anything else re-raised
+            return exit_status(exc.code)
+        except KeyboardInterrupt as exc:
+            report_exception(exc)
+            return 130
+        except BaseException as exc:  # noqa: BLE001 - a peer's failure is parked, anything else told and ends
             if not os.environ.get(RUN_ENV) or not peer_failure(exc):
-                raise
+                report_exception(exc)
+                return 1
             cause = f"{type(exc).__name__}: {str(exc)[:300]}"
             told = traceback.format_exc()
         # out of the except block: the failed step's frames (the old model, its optimizer) are freed

@@ -1,6 +1,7 @@
 """Jobs the daemon launches: this host's ranks of an SPMD job, as subprocesses.
 
-Each local rank runs ``python -u SCRIPT ARGS…`` with exactly the environment torchrun
+Each local rank runs ``python -u -m hapd.spmd.script SCRIPT ARGS…`` (``SCRIPT`` as ``python SCRIPT``
+would run it) with exactly the environment torchrun
 gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
 ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``ROLE_NAME``,
 ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``,
@@ -60,6 +61,9 @@ from hapd.util import private_folder
 
 IN_PLACE_MODULE = "hapd.elastic.in_place"
 """What an in-place launch's ranks run the script under (``python -m`` it)."""
+SCRIPT_MODULE = "hapd.spmd.script"
+"""What a plain launch's ranks run the script under (``python -m`` it): the script as
+``python SCRIPT`` runs it, the process ended without the interpreter's finalization."""
 
 log = logging.getLogger("hapd.jobs")
 
@@ -420,7 +424,7 @@ class JobManager:
         with self._dirs_lock:  # a prune never removes the folder of a job being launched
             script = self._script_path(spec, cwd)
             # every rank runs under a guard that kills its process group should the daemon die
-            runner = ["-m", IN_PLACE_MODULE] if spec.in_place else []
+            runner = ["-m", IN_PLACE_MODULE if spec.in_place else SCRIPT_MODULE]
             command = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), "--",
                        sys.executable, "-u", *runner, str(script), *spec.args]
             with self._lock:  # the slots counted and taken at once: concurrent launches cannot both pass

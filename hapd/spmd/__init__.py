@@ -4,6 +4,8 @@ with its collectives.
 From the ground floor up (each module imports only those before it, and
 :mod:`hapd.spmd.random`):
 
+- :mod:`~hapd.spmd.script` — the runner of a user's script on a rank (torch-free): the
+  script as ``python SCRIPT`` runs it, the process ended without finalization;
 - :mod:`~hapd.spmd.collectives` — uneven collectives between layouts, as autograd
   functions;
 - :mod:`~hapd.spmd.layout` — the layout vocabulary: ``Identity``, ``Reduce``,
