@@ -495,8 +495,8 @@ def _rank_emitter(ep: ExportedProgram, plan: Plan, rank: int, world: int, *, gro
     (:data:`~hapd.spmd.random.random_ops.RNG_CHOICES`). ``"counter"``: hapd's, each rank its
     slice of the single-device draw. ``"torch"``: the program's own ops and torch's
     generator, as the eager model draws; only for a program that runs whole on one device
-    (no duplicas), where there is nothing to slice. Default: ``"torch"`` for such a
-    program, ``"counter"`` otherwise.
+    (no duplicas), where there is nothing to slice. Default: ``"counter"`` everywhere, so
+    one process draws the masks N ranks draw.
     """
     rng = choose_rng(rng, world=world, overlap=bool(plan.overlap))
     view = RankView(plan, rank, world)

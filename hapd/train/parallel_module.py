@@ -280,7 +280,7 @@ class ParallelModule(PlannedModule):
         source = obtain_plan(graph, world=self.world, rank=self.rank, profile=recipe.profile, options=options,
                              group=self.group, use_daemon=recipe.use_daemon)
         module = distribute(program, source.plan, self.rank, world=self.world, group=self.group, device=recipe.device,
-                            check_graph=False, shared=self.inner, weights=recipe.weights)
+                            check_graph=False, shared=self.inner, weights=recipe.weights, rng=recipe.rng)
         return source, module
 
     # -- running -------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from hapd.train.pipeline_module import PipelineModule, build_pipeline_module
 from hapd.train.plan_source import PlanSource, compile_options, given_plan, job_profile, obtain_plan
 from hapd.train.programs import CARRY, Recipe, export_key, op_nodes
 from hapd.spmd.rank import RankModule
+from hapd.spmd.random.random_ops import COUNTER_RNG, RNG_CHOICES, TORCH_RNG
 from hapd.spmd.rewrite import distribute
 from hapd.state.weights import Weights, WeightSource, rank_piece, weight_source
 
@@ -57,7 +58,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
                 hosts: Any = "auto", use_daemon: bool = True, verbose: bool = True,
                 weights: Weights | None = None, overlap: str = "auto",
                 compile: bool | Mapping[str, Any] = False,  # noqa: A002 - torch's word
-                precision: str | None = None) -> ParallelModule | PipelineModule:
+                precision: str | None = None, rng: str = COUNTER_RNG) -> ParallelModule | PipelineModule:
     """This rank's :class:`ParallelModule` of ``model``, trained on batches shaped like
     ``example_inputs`` (the *global* batch, the same on every rank). Collective.
 
@@ -82,6 +83,14 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     ``precision`` (fp32, bf16, fp16, auto: ``options={"precision": ...}``): priced in it,
     run under autocast to it (:mod:`hapd.train.precision`; fp16: :class:`hapd.GradScaler`).
 
+    ``rng`` (``"counter"``, the default, or ``"torch"``): what dropout and the other
+    random ops draw with. ``"counter"``: hapd's counter-based generator, each rank its
+    slice of the single-device draw, on one process as on N ranks, pipelines and
+    duplicas — a script run as one process and as N ranks trains the same numbers with
+    dropout on (up to the order of the sums a split changes). ``"torch"``: the model's
+    own random ops and torch's generator, as the eager model draws; one process only
+    (several ranks would each draw a whole mask of their own).
+
     ``overlap`` (with ``options.overlap``, the overlap-aware search): ``"auto"`` compiles
     the program for the whole batch and one duplica's program (half the batch) priced as
     two interleaved duplicas (:mod:`hapd.spmd.duplicas`), and runs the cheaper;
@@ -96,8 +105,10 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     if overlap not in ("auto", "always"):
         raise OptionsError(f"overlap {overlap!r} is not auto or always", field="overlap")
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    _check_rng(rng, world, options, overlap)
     recipe = _recipe(model, example_inputs, batch_dims, name=name, profile=profile, plan=plan, world=world, group=group,
                      device=device, use_daemon=use_daemon, verbose=verbose, weights=weights, compile=compile)
+    recipe = dataclasses.replace(recipe, rng=rng)
     carried = _carried_in(recipe)
     options = _with_precision(_default_options(options, recipe.profile, world), precision)
     program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
@@ -140,6 +151,22 @@ def _recipe(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims: Sequ
                   device=device, weights=source, compile=_compile_options(compile))
 
 
+def _check_rng(rng: str, world: int, options: CompileOptions | Mapping[str, Any] | None, overlap: str) -> None:
+    """:class:`OptionsError` for an ``rng`` parallelize cannot run: not one of
+    :data:`~hapd.spmd.random.random_ops.RNG_CHOICES`, or ``"torch"`` where the program
+    runs on several ranks or as duplicas (each would draw a whole mask of its own)."""
+    if rng not in RNG_CHOICES:
+        raise OptionsError(f"rng must be one of {', '.join(map(repr, RNG_CHOICES))}, not {rng!r}", field="rng")
+    if rng != TORCH_RNG:
+        return
+    if world > 1:
+        raise OptionsError(f"rng='torch' draws each random op whole, but this job has {world} ranks: each would draw a "
+                           "mask of its own, not its slice of one (use rng='counter', the default)", field="rng")
+    if overlap == "always" or (options is not None and compile_options(options).overlap):
+        raise OptionsError("rng='torch' draws each random op whole, but overlap runs the batch as two duplicas: each "
+                           "would draw a mask of its own (use rng='counter', the default, or no overlap)", field="rng")
+
+
 def _carried_in(recipe: Recipe) -> tuple | None:
     """The export key of a run of the script again in this process (an in-place switch), its exports taken in."""
     carried = export_key(recipe.model, recipe.example_inputs, recipe.batch_dims, recipe.name,
@@ -158,7 +185,8 @@ def _build_module(recipe: Recipe, source: PlanSource, program: Any, graph: Graph
                                      weights=recipe.weights)
     host_groups = job_host_groups(world, group) if hosts == "auto" else hosts
     inner = distribute(program, source.plan, rank, world=world, group=group, device=recipe.device,
-                       check_graph=False, hosts=host_groups, weights=recipe.weights, batch_dims=recipe.batch_dims)
+                       check_graph=False, hosts=host_groups, weights=recipe.weights, batch_dims=recipe.batch_dims,
+                       rng=recipe.rng)
     extra = _state_outside_plan(recipe.model, inner, recipe.weights)
     recipe = dataclasses.replace(recipe, training_ops=op_nodes(graph))
     return ParallelModule(inner, source, group=group, aliases=_aliases(recipe.model, inner), extra=extra, recipe=recipe)

@@ -65,6 +65,8 @@ class Recipe:
     compile: Mapping[str, Any] | None = None
     """``torch.compile`` keyword arguments every program of the module runs under; None:
     the programs run as fx modules."""
+    rng: str = "counter"
+    """What the programs' random ops draw with (:func:`hapd.parallelize`'s ``rng``)."""
     exported: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     """What was exported, kept: training mode → the program exported with a symbolic
     batch (:meth:`symbolic`), and (mode, shapes) → a program and its graph."""

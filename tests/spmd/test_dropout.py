@@ -415,14 +415,24 @@ def _step(module: nn.Module, inputs: tuple[torch.Tensor, ...], seed: int) -> tup
     return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def test_one_device_draws_as_the_eager_model_does() -> None:
-    """A program that runs whole on one device keeps the model's own random ops and
-    torch's generator: seeded alike, hapd and the eager model drop the same elements
-    (hidden, embedding and attention dropout of GPT-2), so loss and gradients agree."""
+def test_one_device_with_rng_torch_draws_as_the_eager_model_does() -> None:
+    """``rng="torch"`` on one process keeps the model's own random ops and torch's
+    generator: seeded alike, hapd and the eager model drop the same elements (hidden,
+    embedding and attention dropout of GPT-2), so loss and gradients agree. The default
+    draws with hapd's generator, as N ranks do."""
+    from hapd.errors import OptionsError
     from hapd.spmd.random.random_ops import CounterDraw
 
     model, inputs = models.zoo.make("gpt2", 4, "tiny", dropout=0.2)
-    module = hapd.parallelize(model, inputs, profile=estimated_profile(1), use_daemon=False, verbose=False)
+    default = hapd.parallelize(model, inputs, profile=estimated_profile(1), use_daemon=False, verbose=False)
+    assert [m for m in default.modules() if isinstance(m, CounterDraw)]
+    with pytest.raises(OptionsError, match="overlap runs the batch as two duplicas"):
+        hapd.parallelize(model, inputs, profile=estimated_profile(1), use_daemon=False, verbose=False, rng="torch",
+                         overlap="always")
+    with pytest.raises(OptionsError, match="rng must be one of"):
+        hapd.parallelize(model, inputs, profile=estimated_profile(1), use_daemon=False, verbose=False, rng="philox")
+    module = hapd.parallelize(model, inputs, profile=estimated_profile(1), use_daemon=False, verbose=False,
+                              rng="torch")
     assert not [m for m in module.modules() if isinstance(m, CounterDraw)]
     targets = {n.target for n in module.inner.graph.nodes if n.op == "call_function"}
     assert torch.ops.aten.native_dropout.default in targets
@@ -444,7 +454,8 @@ def test_rng_choice_is_checked() -> None:
     from hapd.errors import PlanError
     from hapd.spmd.random.random_ops import CounterDropout, choose_rng
 
-    assert choose_rng(None, world=1, overlap=False) == "torch"
+    assert choose_rng(None, world=1, overlap=False) == "counter"  # one process draws what N ranks draw
+    assert choose_rng("torch", world=1, overlap=False) == "torch"
     assert choose_rng(None, world=2, overlap=False) == "counter"
     assert choose_rng(None, world=1, overlap=True) == "counter"
     with pytest.raises(PlanError, match="2 ranks"):
@@ -461,9 +472,10 @@ def test_rng_choice_is_checked() -> None:
     assert [m for m in counted.modules() if isinstance(m, CounterDropout)]
 
 
-def test_only_plans_of_several_devices_price_the_math_attention() -> None:
-    """One device keeps torch's fused attention with its dropout: priced as without
-    dropout; on two, hapd's generator draws it in the math attention, priced so."""
+def test_every_plan_prices_the_math_attention_its_counter_dropout_runs() -> None:
+    """hapd's generator draws an attention's dropout on every plan by default, one
+    device's too (the math attention on CPU): its probabilities and mask are priced on
+    one device as on two."""
     from hapd.compiler.ratios import part_memory
 
     def activations(p: float, devices: int) -> float:
@@ -471,5 +483,5 @@ def test_only_plans_of_several_devices_price_the_math_attention() -> None:
         plan = hapd.compile(graph, estimated_profile(devices))
         return sum(float(v) for v in part_memory(plan.program, plan.ratios)["activations"])
 
-    assert activations(0.1, 1) == activations(0.0, 1)
-    assert activations(0.1, 2) - activations(0.0, 2) >= 2 * 4 * 24 * 24 * (2 * 4 + 1) * 0.99
+    for devices in (1, 2):
+        assert activations(0.1, devices) - activations(0.0, devices) >= 2 * 4 * 24 * 24 * (2 * 4 + 1) * 0.99 / devices

@@ -261,20 +261,20 @@ def has_random_ops(graph: fx.Graph) -> bool:
 
 
 def choose_rng(rng: str | None, *, world: int, overlap: bool) -> str:
-    """The generator a rank program draws with: ``rng`` when given (``"torch"`` only
+    """The generator a rank program draws with: ``rng`` when given, else ``"counter"``
+    (hapd's, everywhere: one process, several ranks, duplicas, pipeline stages — so a
+    script run as one process and as N ranks draws the same masks). ``"torch"`` (the
+    program's own random ops, drawn by torch's generator as the eager model draws) only
     for a program that runs whole on one device, without duplicas: anywhere else the
-    ranks or the duplicas would each draw a whole mask of their own), else ``"torch"``
-    for such a program (it is the single-device program: the eager model's kernels and
-    draws) and ``"counter"`` otherwise."""
-    whole = world == 1 and not overlap
+    ranks or the duplicas would each draw a whole mask of their own."""
     if rng is None:
-        return TORCH_RNG if whole else COUNTER_RNG
+        return COUNTER_RNG
     if rng not in RNG_CHOICES:
         raise PlanError(f"rng must be one of {', '.join(map(repr, RNG_CHOICES))}, not {rng!r}")
-    if rng == TORCH_RNG and not whole:
+    if rng == TORCH_RNG and not (world == 1 and not overlap):
         where = f"{world} ranks" if world != 1 else "two duplicas"
         raise PlanError(f"rng='torch' draws each random op whole, but this program runs on {where}: each would draw "
-                        "a mask of its own, not its slice of one (use rng='counter')")
+                        "a mask of its own, not its slice of one (use rng='counter', the default)")
     return rng
 
 

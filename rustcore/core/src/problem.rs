@@ -109,12 +109,12 @@ pub struct Problem<'a> {
 }
 
 impl<'a> Problem<'a> {
-    /// Bytes node `node`'s backward keeps that are no node's result: its `saved_bytes`,
-    /// plus its `counter_saved_bytes` on a plan of several devices, where hapd's
-    /// counter-based generator draws its dropout (one device keeps torch's kernels).
+    /// Bytes node `node`'s backward keeps that are no node's result: its `saved_bytes`
+    /// plus its `counter_saved_bytes`, what the math attention keeps where hapd's
+    /// counter-based generator draws its dropout (every plan's default, one device's too).
     pub fn saved_inside(&self, node: usize) -> f64 {
         let n = &self.graph.nodes[node];
-        n.saved_bytes + if self.profile.world() > 1 { n.counter_saved_bytes } else { 0.0 }
+        n.saved_bytes + n.counter_saved_bytes
     }
 
     pub fn new(graph: &'a Graph, profile: &'a Profile, options: Options) -> Result<Problem<'a>> {
