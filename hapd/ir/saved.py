@@ -20,9 +20,8 @@ log-sum-exp), not as the math attention ``scaled_dot_product_attention`` picks o
 tensors, which keeps the probabilities (4 bytes a score: GPT-2 at batch 8 × 1024 would
 be priced 4.8 GB more than it keeps). What the runtime's math attention keeps when
 hapd's generator draws its dropout (:func:`_attention_dropout_bytes`) is recorded apart
-(``counter``): it is kept only where hapd's generator draws, on a plan of several
-devices (a one-device program keeps torch's fused kernel:
-``hapd.spmd.random.random_ops.choose_rng``).
+(``counter``): it is kept where hapd's generator draws, every plan's default, one
+device's too (``hapd.spmd.random.random_ops.choose_rng``).
 """
 
 from __future__ import annotations

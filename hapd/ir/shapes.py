@@ -265,6 +265,20 @@ def _whole_slice(node: fx.Node, val: Any, env: Mapping[fx.Node, Any]) -> bool:
             and list(new_val.shape) == list(val.shape))
 
 
+def program_batch(program: ExportedProgram, batch_dims: Sequence[int | None] | None = None) -> int | None:
+    """The batch of a static ``program``: its first user input's size along its batch
+    dim (``batch_dims``, one per user input, default 0); None for a symbolic program or
+    one without such an input."""
+    if is_symbolic(program):
+        return None
+    for k, node in enumerate(_user_inputs(program)):
+        d = batch_dims[k] if batch_dims is not None and k < len(batch_dims) else 0
+        val = node.meta.get("val")
+        if d is not None and isinstance(val, torch.Tensor) and val.dim() > d:
+            return int(val.shape[d])
+    return None
+
+
 def micro_batches(batch: int, counts: Sequence[int]) -> dict[int, int]:
     """Micro-batch count → micro-batch size, for the ``counts`` that divide ``batch``."""
     return {m: batch // m for m in counts if m >= 1 and batch % m == 0}
@@ -278,4 +292,4 @@ def half_batch(batch: int) -> int:
 
 
 __all__ = ["BATCH_DIM", "BatchInfo", "batch_info", "batch_of", "dynamic_shapes", "half_batch", "is_symbolic",
-           "micro_batches", "program_at", "set_batch_info"]
+           "micro_batches", "program_at", "program_batch", "set_batch_info"]

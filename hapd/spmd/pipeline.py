@@ -49,6 +49,7 @@ from hapd.compiler.pipeline import stage_search as search
 from hapd.compiler.driver import compile as compile_plan
 from hapd.ir.export import export
 from hapd.ir.lower import lower
+from hapd.ir.shapes import program_batch
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.pipeline.stage_search import PipelinePlan
 from hapd.compiler.plan import Plan
@@ -58,7 +59,15 @@ from hapd.spmd import collectives
 from hapd.spmd.layout import IDENTITY, REDUCE, gather_dim
 from hapd.spmd.duplicas import loss_counts
 from hapd.spmd.rank import RankModule
-from hapd.spmd.random.random_ops import COUNTER_RNG, STEP, advance_step, set_part
+from hapd.spmd.random.random_ops import (
+    COUNTER_RNG,
+    STEP,
+    DrawParts,
+    advance_step,
+    is_random,
+    random_batch_dims,
+    set_part,
+)
 from hapd.spmd.rewrite import distribute
 
 Box = tuple[tuple[int, int], ...]
@@ -145,6 +154,16 @@ class _Flow:
     received: the layout its plan takes it in)."""
 
 
+def _micro_batch_draws(stages: Sequence[Stage], m: int, batch_dims: Sequence[int | None]) -> DrawParts:
+    """Where each random op of the stages (in order) holds a micro-batch's samples: dim 0
+    of batch-first tensors (:func:`~hapd.spmd.random.random_ops.random_batch_dims` at
+    the micro-batch read from the first stage's inputs), so that the ``m`` micro-batches
+    draw the whole batch's masks."""
+    first = stages[0]
+    micro = program_batch(first.program, [batch_dims[i] for i in first.user_inputs])
+    return DrawParts(m, tuple(d for st in stages for d in random_batch_dims(st.program, micro)))
+
+
 class PipelineRank:
     """This rank's stage of a pipeline and the 1F1B iteration (see the module docstring).
 
@@ -156,7 +175,8 @@ class PipelineRank:
 
     def __init__(self, stages: Sequence[Stage], boundaries: dict[str, Boundary], plans: Sequence[Plan],
                  groups: Sequence[Sequence[int]], micro_batches: int, batch_dims: Sequence[int | None],
-                 *, device: torch.device | str | None = None, mean_loss: bool = False):
+                 *, device: torch.device | str | None = None, mean_loss: bool = False,
+                 draw_parts: DrawParts | None = None):
         if not (len(stages) == len(plans) == len(groups)):
             raise PlanError(f"{len(stages)} stages, {len(plans)} plans and {len(groups)} groups")
         if micro_batches < 1:
@@ -178,10 +198,15 @@ class PipelineRank:
         plan = plans[self.s]
         if plan.overlap:
             raise PlanError("a stage's plan cannot run overlapped duplicas")
-        # micro-batches draw as parts of one batch (random_ops.set_part): hapd's generator
-        # even where a stage runs on one device
+        # micro-batches draw as parts of one batch (random_ops.set_part), each its rows of the
+        # whole batch's masks (draw_parts: the micro-batch program's random ops, this stage's
+        # after the earlier stages'): hapd's generator even where a stage runs on one device
+        before = sum(sum(map(is_random, st.program.graph.nodes)) for st in stages[:self.s])
+        mine = sum(map(is_random, self.stage.program.graph.nodes))
+        stage_draw = (draw_parts or _micro_batch_draws(stages, micro_batches, batch_dims)).stage(before, mine)
         self.module: RankModule = distribute(self.stage.program, plan, self.local, world=len(self.groups[self.s]),
-                                             group=self.group, device=device, check_graph=False, rng=COUNTER_RNG)
+                                             group=self.group, device=device, check_graph=False, rng=COUNTER_RNG,
+                                             draw_parts=stage_draw)
         names = [n for n, _ in self.module.hapd_inputs]
         n_users, n_recv = len(self.stage.user_inputs), len(self.stage.received)
         self.user_names = names[:n_users]

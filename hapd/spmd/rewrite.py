@@ -41,6 +41,7 @@ gradient sync, so an optimizer of the first trains through either.
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -58,7 +59,7 @@ from hapd.ir.lower import load_exported, lower
 from hapd.ir.normalize import buffer_mutations, normalize
 from hapd.ir.op_facts import NO_EMPTY_SPLIT_OPS
 from hapd.compiler.plan import Plan
-from hapd.ir.shapes import batch_of, is_symbolic, program_at
+from hapd.ir.shapes import batch_of, is_symbolic, program_at, program_batch
 from hapd.ir.tied import aliases_of_read
 from hapd.errors import PlanError
 from hapd.spmd import collectives
@@ -72,13 +73,18 @@ from hapd.spmd.random.random_ops import (
     SEED,
     STEP,
     TORCH_RNG,
+    DrawParts,
+    apply_draw_parts,
     choose_rng,
     default_seed,
     install_step,
+    random_batch_dims,
     random_streams,
 )
 from hapd.spmd.rank import Communicate, RankModule, RankView, set_attr
 from hapd.state.weights import Weights, WeightSource, rank_piece, weight_source
+
+_log = logging.getLogger("hapd.distribute")
 
 # --------------------------------------------------------------------------------------
 # Building the rank's graph
@@ -429,6 +435,7 @@ def distribute(
     batch_dims: Sequence[int | None] | None = None,
     seed: int | None = None,
     rng: str | None = None,
+    draw_parts: DrawParts | None = None,
 ) -> RankModule:
     """The fx module rank ``rank`` runs for ``plan``.
 
@@ -454,24 +461,52 @@ def distribute(
     A plan with ``overlap`` (compiled for one duplica: half the global batch) gives an
     :class:`hapd.spmd.duplicas.OverlappedModule` running two interleaved duplicas;
     ``batch_dims``: each input's batch dim in the global batch (default 0).
+
+    ``draw_parts``: where this program's batch lies in the single-device batch
+    (:class:`~hapd.spmd.random.random_ops.DrawParts`: a pipeline's micro-batch), so that
+    its random ops draw the single-device masks of its rows; an overlap plan's two
+    duplicas are placed so without it (the samples' dim of each random op read from a
+    program with a symbolic batch, else dim 0 of batch-first tensors).
     """
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
-    ep = normalize(_at_plan_batch(_load_program(program, example_inputs), plan))
+    loaded = _load_program(program, example_inputs)
+    if draw_parts is None and plan.overlap:
+        draw_parts = DrawParts(2, random_batch_dims(loaded, program_batch(loaded, batch_dims)))
+    ep = normalize(_at_plan_batch(loaded, plan))
     rank, world = _rank_and_world(rank, world, group)
     _check(ep, plan, rank, world, graph=check_graph)
     em = _rank_emitter(ep, plan, rank, world, group=group, device=device, shared=shared, weights=weights,
                        seed=seed, rng=rng)
+    if draw_parts is not None and em.streams:
+        em.streams = {name: k + draw_parts.stream_base for name, k in em.streams.items()}
     _shard_sources(em, plan.program["steps"])
     _emit_plan_steps(em, plan.program["steps"])
     _write_back_buffers(em)
     _output_loss(em, plan.program["loss"])
     module = _seeded(_rank_module(em), em, shared)
+    if draw_parts is not None and em.streams:
+        _place_draws(module, draw_parts, len(em.streams))
     if shared is None:
         _sync_gradients(module, em.synced, group, bucket_bytes, hosts, reduce_dtype=plan.reduce_dtype)
     else:
         _share_gradient_sync(module, shared, em.synced)
     return _seeded(overlapped(module, batch_dims), em, shared) if plan.overlap else module
+
+
+def _place_draws(module: RankModule, parts: DrawParts, streams: int) -> None:
+    """Place the random ops of ``module`` in the single-device batch; where the samples'
+    dims were read for another count of random ops than the program has (a program
+    normalized into other ops), each part draws masks of its own, logged."""
+    if len(parts.batch_dims) != streams:
+        if parts.batch_dims:
+            _log.warning("the samples' dims of %d random ops were given for a program with %d: each of its %d parts "
+                         "draws masks of its own", len(parts.batch_dims), streams, parts.parts)
+        parts = DrawParts(parts.parts, (), parts.stream_base)
+    placed = apply_draw_parts(module, parts)
+    if placed < streams:
+        _log.info("%d of %d random ops draw masks of their own per part (samples' dim not known)", streams - placed,
+                  streams)
 
 
 def _rank_emitter(ep: ExportedProgram, plan: Plan, rank: int, world: int, *, group: Any,

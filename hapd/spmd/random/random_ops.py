@@ -37,6 +37,8 @@ what ``hapd check`` and the exactness tests compare a distributed program agains
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -74,6 +76,34 @@ RNG_CHOICES = (COUNTER_RNG, TORCH_RNG)
 PART = "hapd_rng_part"
 """The module buffer holding the part of the batch being run (pipeline micro-batch)."""
 
+_log = logging.getLogger("hapd.random")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawParts:
+    """Where a program's batch lies in the single-device batch, so that its random ops
+    draw the single-device masks of its rows: the batch is cut into ``parts`` equal
+    parts (an overlapped run's two duplicas, a pipeline's ``m`` micro-batches) and a run
+    computes one of them (the duplica, or the micro-batch :func:`set_part` names).
+    ``batch_dims``: per random op of the program, in stream order, the dim of the tensor
+    it draws that holds the samples (outermost: a dim merging samples with other dims
+    holds each sample's block whole); None where it is not known — that op then draws
+    a mask of its own per part (valid dropout, not the single device's). ``stream_base``:
+    the random ops of the whole model before this program's (a pipeline stage's)."""
+
+    parts: int
+    batch_dims: tuple[int | None, ...] = ()
+    stream_base: int = 0
+
+    def __post_init__(self) -> None:
+        if self.parts < 1 or self.stream_base < 0:
+            raise ValueError(f"parts {self.parts} and stream base {self.stream_base}: need parts ≥ 1, base ≥ 0")
+
+    def stage(self, first: int, count: int) -> "DrawParts":
+        """The parts of the ``count`` random ops from the ``first`` of this program on (a stage's)."""
+        dims = self.batch_dims[first:first + count] if len(self.batch_dims) >= first + count else ()
+        return DrawParts(self.parts, tuple(dims), self.stream_base + first)
+
 
 class CounterDraw(nn.Module):
     """What every op drawn by the counter-based generator holds: its stream, the
@@ -85,12 +115,31 @@ class CounterDraw(nn.Module):
         self.stream = int(stream)
         self.global_shape, self.offsets = [int(s) for s in global_shape], [int(o) for o in offsets]
         self.seed = int(seed)
+        self.parts, self.batch_dim, self.part_index = 1, None, 0
+        """The program's batch as one of ``parts`` equal parts of the single-device batch
+        (:class:`DrawParts`), ``batch_dim`` the dim of the drawn tensor holding the
+        samples, ``part_index`` the micro-batch being run (:func:`set_part`)."""
+
+    def piece(self, part: Tensor | int, duplica: int) -> tuple[list[int], list[int], Tensor | int, int]:
+        """``(global shape, offsets, part, duplica)`` of the draw a run makes: where the
+        program's batch is a part of the single-device batch and the samples' dim is
+        known, this rank's piece of that part placed in the whole batch's draw (the
+        single-device masks: no part in the key); else the program's own shape and a key
+        per part (each part draws masks of its own)."""
+        if self.parts > 1 and self.batch_dim is not None:
+            d, index = self.batch_dim, self.part_index + duplica
+            shape, offsets = list(self.global_shape), list(self.offsets)
+            offsets[d] += index * shape[d]
+            shape[d] *= self.parts
+            return shape, offsets, 0, 0
+        return self.global_shape, self.offsets, part, duplica
 
     def uniforms(self, local_shape: Sequence[int], device: torch.device, step: Tensor, part: Tensor, duplica: int,
                  *, per_element: int = 1) -> Tensor:
         """This piece's float32 uniforms in ``[0, 1)``; ``per_element`` > 1 gives that
         many independent ones per element, along a new last dim."""
-        shape, offsets, local = self.global_shape, self.offsets, list(local_shape)
+        shape, offsets, part, duplica = self.piece(part, duplica)
+        local = list(local_shape)
         if per_element > 1:
             shape, offsets, local = [*shape, per_element], [*offsets, 0], [*local, per_element]
         if counter_kernels.available(step):
@@ -121,8 +170,9 @@ class CounterDropout(CounterDraw):
     def forward(self, x: Tensor, step: Tensor, part: Tensor, duplica: int = 0) -> Any:
         fused = None
         if self.drops and counter_kernels.available(x):  # one kernel on CUDA
-            fused = counter_kernels.fused_dropout(x, self.p, self.seed, self.stream, step, part, duplica,
-                                                  self.global_shape, self.offsets)
+            shape, offsets, key_part, key_duplica = self.piece(part, duplica)
+            fused = counter_kernels.fused_dropout(x, self.p, self.seed, self.stream, step, key_part, key_duplica,
+                                                  shape, offsets)
         if fused is not None:
             out, mask = fused
         elif not self.drops:
@@ -313,9 +363,59 @@ def advance_step(module: nn.Module) -> None:
 
 
 def set_part(module: nn.Module, part: int) -> None:
-    """The part of the batch the next forward runs (a new tensor, as for the step)."""
+    """The part of the batch the next forward runs (a new tensor, as for the step; the
+    random ops placed in the single-device batch take its index)."""
     step = getattr(module, STEP)
     setattr(module, PART, torch.full((), part, dtype=torch.int64, device=step.device))
+    for sub in module.modules():
+        if isinstance(sub, CounterDraw):
+            sub.part_index = int(part)
+
+
+def apply_draw_parts(module: nn.Module, parts: DrawParts) -> int:
+    """Give every random op of ``module`` its place in the single-device batch
+    (:class:`DrawParts`, its ``batch_dims`` indexed by stream less the base); returns
+    how many draw the single-device masks."""
+    placed = 0
+    for sub in module.modules():
+        if isinstance(sub, CounterDraw):
+            k = sub.stream - parts.stream_base
+            sub.parts = parts.parts
+            sub.batch_dim = parts.batch_dims[k] if 0 <= k < len(parts.batch_dims) else None
+            placed += sub.batch_dim is not None or parts.parts == 1
+    return placed
+
+
+def _drawn_shape(node: fx.Node) -> Sequence[Any] | None:
+    """The shape of what random node ``node`` draws (an attention: its probabilities)."""
+    if node.target is ATTENTION:
+        a = attention_args(node.args, node.kwargs)
+        q, k = a["query"].meta.get("val"), a["key"].meta.get("val")
+        return probability_shape(q.shape, k.shape) if q is not None and k is not None else None
+    val = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    return val.shape if isinstance(val, Tensor) else None
+
+
+def random_batch_dims(program: ExportedProgram, batch: int | None = None) -> tuple[int | None, ...]:
+    """Per random node of ``program`` (graph order, :func:`is_random`), the dim of what
+    it draws that holds the samples: the one dim whose size is symbolic in a program
+    exported with a symbolic batch (:mod:`hapd.ir.shapes`); in a static one at batch
+    ``batch``, dim 0 where its size is a multiple of ``batch`` (the layout of batch-first
+    models; None where it is not)."""
+    out: list[int | None] = []
+    for node in filter(is_random, program.graph.nodes):
+        shape = _drawn_shape(node)
+        if shape is None:
+            out.append(None)
+            continue
+        symbolic = [d for d, n in enumerate(shape) if isinstance(n, torch.SymInt) and not n.node.expr.is_number]
+        if symbolic:
+            out.append(symbolic[0] if len(symbolic) == 1 else None)
+        elif batch and len(shape) and int(shape[0]) % batch == 0:
+            out.append(0)
+        else:
+            out.append(None)
+    return tuple(out)
 
 
 def set_seed(module: nn.Module, seed: int) -> None:
@@ -368,7 +468,7 @@ def counter_reference(program: ExportedProgram, seed: int) -> nn.Module:
 
 
 __all__ = ["ATTENTION", "COUNTER_RNG", "DROPOUT_OPS", "PART", "RANDOM_OPS", "RNG_CHOICES", "SEED", "STEP", "TORCH_RNG", "CounterAttention", "CounterDraw",
-           "CounterDropout", "CounterRandom", "advance_step", "attention_args", "choose_rng", "counter_attention", "counter_random",
+           "CounterDropout", "CounterRandom", "DrawParts", "advance_step", "apply_draw_parts", "random_batch_dims", "attention_args", "choose_rng", "counter_attention", "counter_random",
            "counter_reference", "default_seed", "dropout_args",
            "has_random_ops", "install_step", "is_random", "probability_shape", "random_streams", "set_part",
            "set_seed"]
