@@ -1,8 +1,9 @@
 """examples/finetune_classifier.py (a DistilBERT classifier, frozen embeddings) and
 examples/train_vision.py (a torchvision ConvNeXt), at tiny sizes for 3 steps: on one
 process (plain python) and on 2 ranks through ``hapd run`` from a folder outside the
-repository; the losses of the two runs agree and, for the classifier, the frozen
-embeddings are unchanged.
+repository; the losses of the two runs agree — the classifier with its default dropout
+0.1, which one process draws as the two ranks do (hapd's generator, the default) — and,
+for the classifier, the frozen embeddings are unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ pytest.importorskip("torchvision")
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {
     "finetune_classifier": ["--steps", "3", "--batch", "8", "--seq", "8", "--samples", "64", "--vocab", "50",
-                            "--width", "16", "--layers", "1", "--heads", "2", "--dropout", "0"],
+                            "--width", "16", "--layers", "1", "--heads", "2"],  # its default dropout 0.1
     "train_vision": ["--steps", "3", "--batch", "8", "--image", "16", "--samples", "32", "--width", "8", "--depth", "1",
                      "--drop-path", "0", "--classes", "4"],
 }
