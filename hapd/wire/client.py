@@ -16,6 +16,7 @@ thread at a time (a lock serializes its requests). No torch import here.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -40,6 +41,21 @@ def default_address() -> str:
     return os.environ.get("HAPD_DAEMON") or DEFAULT_ADDRESS
 
 
+def _refuses_connections(address: str) -> bool:
+    """Whether a TCP connection to ``tcp://HOST:PORT`` is refused now (no process
+    listens there); False for other transports and for any other outcome."""
+    if not address.startswith("tcp://"):
+        return False
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 __all__ = ["Client", "DaemonTimeout", "default_address", "default_key_path", "SNAPSHOT_CHUNK_BYTES"]
 
 
@@ -62,6 +78,9 @@ class Client:
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._lock = threading.Lock()
+        self._answered = False
+        """Whether the daemon answered a request of this client: then silence is a
+        daemon gone or hung, not a wrong key."""
 
     # -- connection
 
@@ -117,12 +136,14 @@ class Client:
         deadline = time.monotonic() + timeout
         if not self._send(sock, frames, deadline):
             self._reset()
-            raise self._timeout(timeout, "could not connect")
+            raise self._gone(timeout, mtype) if self._answered else self._timeout(timeout, "could not connect")
         rejected = ""
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 self._reset()
+                if self._answered:
+                    raise self._gone(timeout, mtype)
                 raise DaemonTimeout(
                     f"the daemon at {self.address} took the connection but did not answer the {mtype} within "
                     f"{timeout:g} s: most likely it refused the message's signature, holding another key (a daemon "
@@ -136,6 +157,7 @@ class Client:
                 rejected = f"; rejected a reply: {exc}"
                 continue  # not for us, or forged: keep waiting for ours
             if reply.parent == message.id:
+                self._answered = True
                 return reply
             # else a late reply to an earlier request
 
@@ -149,6 +171,18 @@ class Client:
                 if time.monotonic() >= deadline:
                     return False
                 sock.poll(20, zmq.POLLOUT)
+
+    def _gone(self, timeout: float, mtype: str) -> DaemonTimeout:
+        """The timeout of a daemon that answered this client before: refusing
+        connections now (no process listens: it died or was stopped), or taking them
+        without an answer (hung or overloaded). Its key was right: it answered."""
+        if _refuses_connections(self.address):
+            return DaemonTimeout(
+                f"the daemon at {self.address} answered before but now refuses connections: it is not running "
+                f"(killed or stopped); restart it (hapd serve) and run the job again", field="address")
+        return DaemonTimeout(
+            f"the daemon at {self.address} answered before but did not answer the {mtype} within {timeout:g} s: it "
+            "is hung or overloaded (its log: logs/daemon.log in its state folder)", field="address")
 
     def _timeout(self, timeout: float, what: str) -> DaemonTimeout:
         return DaemonTimeout(

@@ -493,6 +493,24 @@ def _alive(pid: int) -> bool:
 # ----------------------------------------------------------------------------- crash safety
 
 
+def test_a_daemon_that_answered_then_died_is_told_dead_not_a_wrong_key(tmp_path):
+    """A client whose daemon answered before and was then SIGKILLed is told the daemon
+    refuses connections (not running), not that its key is most likely wrong."""
+    d = DaemonProcess(tmp_path / "state").start()
+    try:
+        with d.client(timeout_s=GENEROUS_S) as client:
+            assert client.ping()["protocol"]
+            d.kill()
+            with pytest.raises(DaemonTimeout) as told:
+                client.ping(timeout_s=2.0)
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
+    message = str(told.value)
+    assert "answered before but now refuses connections: it is not running" in message, message
+    assert "key" not in message, message
+
+
 def test_sigkill_during_a_compile_then_restart(tmp_path, fixture_bytes):
     from hapd.compiler.options import CompileOptions
     from hapd.profile.schema import estimated_profile
