@@ -156,10 +156,10 @@ def common_options(f: Any) -> Any:
 @click.option("--verbose", "-v", is_flag=True,
               help='Also print the ranks\' {"hapd": ...} lines (timings, summary), which the launcher consumes.')
 @click.option("--progress", is_flag=True,
-              help="Rank 0 of a script training a hapd.parallelize module prints its progress (step, ms/step, "
-                   "samples/s) every few seconds (HAPD_PROGRESS=1).")
+              help="Rank 0 of a script training a hapd.parallelize module prints its progress (step, the step's "
+                   "global loss, ms/step, samples/s) every 2 s and at the end (HAPD_PROGRESS=1).")
 @click.option("--log-dir", "log_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Rank 0 of a script training a hapd.parallelize module logs each step's time and rates there: "
+              help="Rank 0 of a script training a hapd.parallelize module logs each step's loss, time and rates there: "
                    "TensorBoard scalars when tensorboard is installed, else hapd_steps.jsonl (HAPD_LOG_DIR).")
 @click.option("--elastic", "elastic", default=None, metavar="MIN:MAX",
               help="Go on when hosts leave (down to MIN) or join the host file (up to MAX): the job restarts on the "

@@ -31,13 +31,21 @@ the step around them. On CUDA the module's device is synchronized at each step's
   module's is then not printed (:func:`script_reported`). ``HAPD_TELEMETRY=1`` prints
   the line without the launcher too; ``HAPD_TELEMETRY=0`` turns all of this off.
 - ``HAPD_PROGRESS=1`` (the launcher's ``--progress``): rank 0 shows progress — a tqdm
-  bar on a terminal when tqdm is installed, else a line on stderr every
-  ``HAPD_PROGRESS_EVERY`` seconds (default 5): step, ms/step, samples/s (tokens/s).
+  bar on a terminal when tqdm is installed, else a line on stderr at the first step,
+  then every ``HAPD_PROGRESS_EVERY`` seconds (default 2), and at the end: step, the
+  step's loss, ms/step, samples/s (tokens/s).
 - ``HAPD_LOG_DIR=DIR`` (the launcher's ``--log-dir``): rank 0 logs each step's
-  ``hapd/step_time_s``, ``hapd/samples_per_s`` and ``hapd/tokens_per_s`` as TensorBoard
-  scalars (``torch.utils.tensorboard``, which needs the ``tensorboard`` package); without
-  it, as JSON lines in ``DIR/hapd_steps.jsonl`` (one ``{"step", "step_time_s",
-  "samples", "samples_per_s", "tokens_per_s", "time"}`` per step), and says so once.
+  ``hapd/loss``, ``hapd/step_time_s``, ``hapd/samples_per_s`` and ``hapd/tokens_per_s`` as
+  TensorBoard scalars (``torch.utils.tensorboard``, which needs the ``tensorboard``
+  package); without it, as JSON lines in ``DIR/hapd_steps.jsonl`` (one ``{"step",
+  "loss", "step_time_s", "samples", "samples_per_s", "tokens_per_s", "time"}`` per
+  step), and says so once.
+
+**The step's loss** (with either): the global loss of the step — the single-device
+loss, the mean over the step's training forwards when it accumulates several — which
+every rank's telemetry sums at the step's end (one scalar all-reduce per step in the
+module's group, only when one of the two variables is set: every rank of a job sees
+the same environment, so all take part).
 
 Without the launcher and none of these variables the module records nothing (no hook,
 no cost).
@@ -118,8 +126,14 @@ class StepTelemetry:
     """One module's steps (see the module docstring). Holds no reference to the module."""
 
     def __init__(self, *, rank: int, world: int, name: str, device: torch.device, parameters: Sequence[Tensor],
-                 batch_dims: Sequence[int | None] | None, plan_info: dict[str, Any]):
+                 batch_dims: Sequence[int | None] | None, plan_info: dict[str, Any],
+                 global_loss: Callable[[], Callable[[Tensor], float] | None] | None = None):
         self.rank, self.world, self.name = rank, world, name
+        self.global_loss = global_loss if _flag(ENV_PROGRESS) or os.environ.get(ENV_LOG_DIR) else None
+        """A weak reference to the module's ``global_loss`` (collective), when the step's
+        loss is shown or logged; None: it is not."""
+        self._step_loss: Tensor | None = None
+        self._step_forwards = 0
         self.device = torch.device(device)
         self.param_ids = {id(p) for p in parameters}
         self.batch_dims = list(batch_dims) if batch_dims is not None else None
@@ -154,6 +168,10 @@ class StepTelemetry:
         self.forwards.append((now, samples, tokens))
         out = run(*local_inputs)
         self._loss = out.detach() if isinstance(out, Tensor) else None
+        if self.global_loss is not None and self._loss is not None and self._loss.numel() == 1:
+            part = self._loss.to(torch.float64)
+            self._step_loss = part if self._step_loss is None else self._step_loss + part
+            self._step_forwards += 1
         return out
 
     def batch_size(self, shapes: Sequence[Sequence[int]], inputs: Sequence[Tensor]) -> tuple[int, int | None]:
@@ -179,8 +197,21 @@ class StepTelemetry:
         self.step_samples.append(self._samples)
         self.step_tokens.append(self._tokens)
         self._start, self._samples, self._tokens = now, 0, 0
+        loss = self._global_step_loss()
         if self._sink is not None:
-            self._sink.step(len(self.steps), seconds, self.step_samples[-1], self.step_tokens[-1])
+            self._sink.step(len(self.steps), seconds, self.step_samples[-1], self.step_tokens[-1], loss)
+
+    def _global_step_loss(self) -> float | None:
+        """The step's global loss (every rank calls it at the same step's end: a
+        collective), or None when it is not asked for."""
+        if self.global_loss is None:
+            return None
+        part, count = self._step_loss, self._step_forwards
+        self._step_loss, self._step_forwards = None, 0
+        reduce = self.global_loss()
+        if reduce is None or part is None:
+            return None
+        return reduce(part / count)
 
     def holds_any(self, optimizer: torch.optim.Optimizer) -> bool:
         return any(id(p) in self.param_ids for group in optimizer.param_groups for p in group["params"])
@@ -262,7 +293,8 @@ def for_module(module: Any, *, instead_of: Any = None) -> StepTelemetry | Passth
             "plan_s": module.plan_source.seconds, "ratios": list(doc["ratios"])}
     recorder = StepTelemetry(rank=module.rank, world=module.world, name=recipe.name if recipe is not None else str(doc["program"].get("graph", "model")),
                              device=device, parameters=list(module.parameters()),
-                             batch_dims=recipe.batch_dims if recipe is not None else None, plan_info=info)
+                             batch_dims=recipe.batch_dims if recipe is not None else None, plan_info=info,
+                             global_loss=weakref.WeakMethod(module.global_loss))
     _register(recorder)
     return recorder
 
@@ -335,8 +367,11 @@ class _Sink:
         self.name = name
         self.progress = bool(_flag(ENV_PROGRESS))
         self.bar: Any = None
-        self.every = _float_env(ENV_PROGRESS_EVERY, 5.0)
+        self.every = _float_env(ENV_PROGRESS_EVERY, 2.0)
         self.last_print = 0.0
+        self.last_step = 0
+        """The last step printed (the end prints the steps after it)."""
+        self.index, self.last_loss = 0, None
         self.window: list[tuple[float, int, int | None]] = []
         self.log_dir = os.environ.get(ENV_LOG_DIR)
         self.writer: Any = None
@@ -364,34 +399,44 @@ class _Sink:
                 print(f"hapd: tensorboard is not installed: writing step scalars to {folder / LOG_FILE} "
                       f"(pip install tensorboard for TensorBoard event files)", file=sys.stderr, flush=True)
 
-    def step(self, index: int, seconds: float, samples: int, tokens: int | None) -> None:
+    def step(self, index: int, seconds: float, samples: int, tokens: int | None, loss: float | None = None) -> None:
         if not self._opened:
             self._open()
         rate = samples / seconds if seconds > 0 else 0.0
         token_rate = tokens / seconds if tokens is not None and seconds > 0 else None
         if self.writer is not None:
+            if loss is not None:
+                self.writer.add_scalar("hapd/loss", loss, index)
             self.writer.add_scalar("hapd/step_time_s", seconds, index)
             self.writer.add_scalar("hapd/samples_per_s", rate, index)
             if token_rate is not None:
                 self.writer.add_scalar("hapd/tokens_per_s", token_rate, index)
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"step": index, "step_time_s": seconds, "samples": samples,
+            self.jsonl.write(json.dumps({"step": index, "loss": loss, "step_time_s": seconds, "samples": samples,
                                          "samples_per_s": rate, "tokens_per_s": token_rate, "time": time.time()}) + "\n")
             self.jsonl.flush()
         if not self.progress:
             return
         self.window.append((seconds, samples, tokens))
+        self.last_loss, self.index = loss, index
+        said = "" if loss is None else f"loss {loss:.4f}, "
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix_str(_rates(self.window[-10:]), refresh=False)
+            self.bar.set_postfix_str(said + _rates(self.window[-10:]), refresh=False)
             return
         now = time.monotonic()
         if index == 1 or now - self.last_print >= self.every:
-            self.last_print = now
-            print(f"hapd: step {index}, {_rates(self.window)}", file=sys.stderr, flush=True)
-            self.window = []
+            self._print(now)
+
+    def _print(self, now: float) -> None:
+        """One progress line: the last step, its loss, the rates since the last line."""
+        said = "" if self.last_loss is None else f"loss {self.last_loss:.4f}, "
+        print(f"hapd: step {self.index}, {said}{_rates(self.window)}", file=sys.stderr, flush=True)
+        self.last_print, self.last_step, self.window = now, self.index, []
 
     def close(self) -> None:
+        if self.bar is None and self.progress and self.window and self.index > self.last_step:
+            self._print(time.monotonic())  # the end: the steps since the last line
         if self.bar is not None:
             self.bar.close()
             self.bar = None

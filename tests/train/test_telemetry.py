@@ -112,6 +112,7 @@ def test_a_step_is_optimizer_step_to_optimizer_step(monkeypatch, tmp_path, capsy
     if (tmp_path / "logs" / telemetry.LOG_FILE).exists():
         rows = [json.loads(x) for x in (tmp_path / "logs" / telemetry.LOG_FILE).read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[0]["samples"] == 16
+        assert all(isinstance(r["loss"], float) and r["loss"] > 0 for r in rows)  # the step's global loss
         assert "tensorboard is not installed" in capsys.readouterr().err
     else:
         assert any(name.startswith("events.out.tfevents") for name in logs), logs
@@ -167,7 +168,9 @@ def test_a_users_script_under_the_launcher_gets_the_table_and_report(tmp_path) -
     out = done.stdout
     assert re.search(r"^\[rank 0\] plan: SPMD \(data parallel\), per-rank batch 4/4 of 8; .* DP-CP .*, \d+ ms$", out,
                      re.M), out
-    assert re.search(r"^\[rank 0\] hapd: step 1, [\d.]+ ms/step, \d+ samples/s, \d+ tokens/s$", done.stderr, re.M)
+    steps = re.findall(r"^\[rank 0\] hapd: step (\d+), loss ([\d.]+), [\d.]+ ms/step, \d+ samples/s, \d+ tokens/s$",
+                       done.stderr, re.M)
+    assert steps and steps[0][0] == "1" and steps[-1][0] == "6", done.stderr  # the first step, then to the end
     assert '{"hapd"' not in out  # consumed by the launcher
     assert "per-iteration timings of job my_script-" in out and "(hapd Classifier; 2 of 2 ranks" in out
     assert re.search(r"^throughput [\d.]+ samples/s, \d+ tokens/s \(8 samples per step", out, re.M), out
@@ -178,3 +181,4 @@ def test_a_users_script_under_the_launcher_gets_the_table_and_report(tmp_path) -
     assert data["overall"]["iterations"] == 4 and data["overall"]["samples_per_s"] > 0
     assert data["loss"] == pytest.approx(sum(r["loss_part"] for r in data["ranks"]))
     assert f"loss {data['loss']:.6g} (last iteration, global batch)" in out
+    assert float(steps[-1][1]) == pytest.approx(data["loss"], abs=1e-4)  # the progress line's loss is the global one
