@@ -17,7 +17,7 @@ from torch.export.graph_signature import InputKind
 
 from hapd.errors import ExportError
 from hapd.ir.fake import model_faked
-from hapd.ir.lower import EXTRA_FILE, FROZEN_KEY, frozen_parameters
+from hapd.ir.lower import EXTRA_FILE, FROZEN_KEY, frozen_parameters, mark_frozen
 from hapd.ir.shapes import BatchInfo, dynamic_shapes, set_batch_info
 from hapd.util import atomic_file
 
@@ -43,7 +43,10 @@ def export(
     the model name and batch dims, so that dropping the file into a watched folder is
     enough for hapd to compile it, and the names of the frozen parameters
     (``requires_grad=False``), which ``torch.export`` does not save: loaded by hapd
-    (:func:`hapd.ir.lower.load_exported`), they stay frozen.
+    (:func:`hapd.ir.lower.load_exported`), they stay frozen. The program records them
+    in itself too (:data:`hapd.ir.lower.FROZEN_META`), so one loaded with
+    ``torch.export.load`` and given to :func:`hapd.lower` or :func:`hapd.distribute`
+    keeps them frozen as well.
 
     A model whose parameters are on the meta device (built under
     ``torch.device("meta")`` or :func:`hapd.init_on_meta`) is exported from shapes
@@ -73,6 +76,7 @@ def export(
     if program is None:
         program = _export_static(model, example_inputs)
     set_batch_info(program, info)
+    mark_frozen(program)
     if path is not None:
         _save(program, path, name or type(model).__name__, batch_dims, info)
     return program

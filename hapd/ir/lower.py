@@ -127,6 +127,7 @@ def lower(
         program, stored = load_exported(program)
         name = name or stored.get("name")
         batch_dims = batch_dims if batch_dims is not None else stored.get("batch_dims")
+    apply_frozen_mark(program)
     info = batch_info(program)
     if info is not None and info.symbolic:
         at = batch if batch is not None else info.size
@@ -161,6 +162,36 @@ def frozen_parameters(program: ExportedProgram) -> list[str]:
     state = program.state_dict
     return sorted(name for name in program.graph_signature.parameters
                   if name in state and not state[name].requires_grad)
+
+
+FROZEN_META = "hapd_frozen"
+"""Key in the ``meta["custom"]`` of a program's first op node where :func:`hapd.export`
+records the frozen parameters in the program itself: ``torch.export.save`` serializes a
+node's custom meta (not ``requires_grad``), so a program saved by hapd and loaded with
+``torch.export.load`` rather than hapd's loader still says what does not train."""
+
+
+def _first_op(program: ExportedProgram) -> torch.fx.Node | None:
+    return next((n for n in program.graph.nodes if n.op == "call_function"), None)
+
+
+def mark_frozen(program: ExportedProgram) -> None:
+    """Record ``program``'s frozen parameters in the program (:data:`FROZEN_META`)."""
+    first = _first_op(program)
+    if first is not None:
+        custom = dict(first.meta.get("custom") or {})
+        custom[FROZEN_META] = frozen_parameters(program)
+        first.meta["custom"] = custom
+
+
+def apply_frozen_mark(program: ExportedProgram) -> None:
+    """Freeze the parameters the program's own record names (:data:`FROZEN_META`): a
+    program hapd exported, loaded by ``torch.export.load``, comes back with every
+    parameter trainable. A program without the record is left as it is."""
+    first = _first_op(program)
+    frozen = (first.meta.get("custom") or {}).get(FROZEN_META) if first is not None else None
+    if frozen is not None:
+        restore_frozen(program, frozen, "the program's own record of its frozen parameters")
 
 
 def restore_frozen(program: ExportedProgram, frozen: Any, path: str | Path) -> None:

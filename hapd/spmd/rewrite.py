@@ -55,7 +55,7 @@ from torch.export.graph_signature import InputKind
 
 from hapd import _core
 from hapd.ir.export import export
-from hapd.ir.lower import load_exported, lower
+from hapd.ir.lower import apply_frozen_mark, load_exported, lower
 from hapd.ir.normalize import buffer_mutations, normalize
 from hapd.ir.op_facts import NO_EMPTY_SPLIT_OPS
 from hapd.compiler.plan import Plan
@@ -410,6 +410,7 @@ def _load_program(program: ExportedProgram | str | Path | nn.Module, example_inp
     """The exported program: as given, exported from an ``nn.Module`` at ``example_inputs``,
     or loaded from a ``.pt2`` path."""
     if isinstance(program, ExportedProgram):
+        apply_frozen_mark(program)  # a program hapd exported, loaded by torch.export.load
         return program
     if isinstance(program, nn.Module):
         if example_inputs is None:

@@ -104,6 +104,34 @@ def test_requires_grad_survives_export_save_and_load(tmp_path):
     assert ir.graph_id == hapd.lower(program, name=stored["name"]).graph_id  # one graph, in memory or from a file
 
 
+def _torch_load(path: Path) -> Any:
+    """``torch.export.load`` alone (it warns that it reads weights from a read-only buffer)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.export.load(path)
+
+
+def test_a_program_loaded_by_torch_export_load_keeps_its_frozen_parameters(tmp_path):
+    """A ``.pt2`` hapd wrote, loaded with ``torch.export.load`` (not hapd's loader: every
+    parameter comes back trainable): lowering and distributing it freeze what the model
+    froze, from the record the program carries in itself, so the frozen ones get no
+    gradient and the graph is the one compiled from the file."""
+    model, inputs = frozen_bert()
+    flags = _flags(model.named_parameters())
+    hapd.export(model, inputs, path=tmp_path / "bert.pt2")
+    loaded = _torch_load(tmp_path / "bert.pt2")
+    ir = hapd.lower(loaded, name="BERT")
+    assert {n["target"]: n["requires_grad"] for n in ir.doc["nodes"] if n["kind"] == "parameter"} == flags
+    assert ir.graph_id == hapd.lower(tmp_path / "bert.pt2", name="BERT").graph_id
+    module = hapd.distribute(_torch_load(tmp_path / "bert.pt2"), hapd.compile(ir, estimated_profile(1)),
+                             0, world=1)
+    module(*inputs).backward()
+    grads = {n for n, p in module.named_parameters(remove_duplicate=False) if p.grad is not None}
+    assert grads and not grads & frozen_names(model), sorted(grads & frozen_names(model))
+
+
 def test_a_bad_frozen_record_is_a_format_error(tmp_path):
     """A record naming a parameter the program lacks, or not a list: the file is bad."""
     model, inputs = frozen_bert()
