@@ -143,7 +143,8 @@ def save_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
         if ranks.rank == 0:  # DCP raises on every rank once every rank is done writing
             shutil.rmtree(temp, ignore_errors=True)
         if isinstance(exc, (Exception, CheckpointException)):  # a full disk, an unwritable folder
-            raise CheckpointError(f"could not write the checkpoint for {target}: {_first_line(exc)}") from exc
+            raise CheckpointError(f"could not write the checkpoint for {target}: {_first_line(exc)}"
+                                  f"{_disk_note(target)}") from exc
         raise
     error = None
     if ranks.rank == 0:
@@ -155,8 +156,29 @@ def save_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim.
             error = f"{type(exc).__name__}: {exc}"
     error = ranks.broadcast(error)  # also: no rank returns before the checkpoint is in place
     if error is not None:
-        raise CheckpointError(f"could not put the checkpoint in place at {target}: {error}")
+        raise CheckpointError(f"could not put the checkpoint in place at {target}: {error}{_disk_note(target)}")
     return target
+
+
+FULL_BELOW_BYTES = 64 * 2**20
+"""Free bytes below which a failed write is put down to a full disk."""
+
+
+def _disk_note(target: Path) -> str:
+    """What the file system holding ``target`` has free, when a write there failed: a
+    full disk fails a write with ``ENOSPC`` or, inside torch's serializer, with an
+    error that does not say so (``unexpected pos 704 vs 598``)."""
+    folder = next((p for p in (target, *target.parents) if p.exists()), None)
+    if folder is None:
+        return ""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    if free < FULL_BELOW_BYTES:
+        return (f"; the disk holding {folder} is full ({free / 2**20:.1f} MiB free): free space there or save "
+                "elsewhere")
+    return f" ({free / 2**30:.1f} GiB free on the disk holding {folder})"
 
 
 def _write_pieces(folder: Path, module: nn.Module, held: list[Held], optimizer: torch.optim.Optimizer | None,
@@ -398,9 +420,6 @@ def _load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim
     folder = find_checkpoint(path)
     manifest = read_manifest(folder)
     verify_files(folder, manifest)
-    if optimizer is not None and manifest.get("optimizer") not in (None, type(optimizer).__name__):
-        raise CheckpointError(f"{folder} holds the state of a {manifest['optimizer']} optimizer, not of a "
-                              f"{type(optimizer).__name__}")
     try:
         metadata = dcp.FileSystemReader(folder).read_metadata()
     except Exception as exc:  # a damaged .metadata: an unpickling error naming no file
@@ -408,7 +427,10 @@ def _load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim
     saved = metadata.state_dict_metadata
     ranks = _ranks(module)
     held = held_tensors(module)
-    _check_model_keys(held, model_sizes(module, held), saved, folder)
+    _check_model_keys(held, model_sizes(module, held), saved, folder)  # another model first: it says most
+    if optimizer is not None and manifest.get("optimizer") not in (None, type(optimizer).__name__):
+        raise CheckpointError(f"{folder} holds the state of a {manifest['optimizer']} optimizer, not of a "
+                              f"{type(optimizer).__name__}")
     state, pieces = _model_request(held)
     if optimizer is not None:
         if GROUPS not in saved:

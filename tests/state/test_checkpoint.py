@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -377,6 +378,26 @@ def test_a_full_disk_is_a_checkpoint_error(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="No space left on device"):
         hapd.save_checkpoint(tmp_path / "ckpt", module, optimizer)
     assert not list(tmp_path.iterdir())
+
+    # torch's serializer on a full disk does not say so: the free space does
+    def torn(self, plan, planner):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", torn)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: shutil._ntuple_diskusage(10 * 2**30, 10 * 2**30, 4096))
+    with pytest.raises(CheckpointError, match=r"unexpected pos 704 vs 598; the disk holding .* is full \(0.0 MiB free\)"):
+        hapd.save_checkpoint(tmp_path / "ckpt", module, optimizer)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_checkpoint_of_another_model_says_so_before_the_optimizer(tmp_path):
+    """A 2-layer MLP's checkpoint (AdamW) loaded into another model with Adam: the model
+    is named as the mismatch, not the optimizer."""
+    module, optimizer, _ = _trained()
+    path = hapd.save_checkpoint(tmp_path / "ckpt", module, optimizer)
+    other, _ = models.build("mlp", layers=3)
+    with pytest.raises(CheckpointError, match="is of another model"):
+        hapd.load_checkpoint(path, other, torch.optim.Adam(other.parameters()))
 
 
 def test_the_sampler_and_loader_say_where_they_are():
