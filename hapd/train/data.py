@@ -218,6 +218,9 @@ class RankLoader:
                 self.module.expect_batch(*[(sum(split), *t.shape[1:]) for t in inputs], lengths=split)
             else:
                 inputs = self.module.shard_inputs(*inputs)
+            took = getattr(self.module, "took_batch", None)
+            if took is not None:  # the ranks' forwards are checked to take the same batch
+                took(self.sampler.epoch, self.position)
             self.position += 1
             yield inputs
 

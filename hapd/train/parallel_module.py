@@ -54,6 +54,7 @@ from hapd.spmd.random.random_ops import CounterDropout
 from hapd.train.programs import Recipe, Shapes, aligned_force, op_nodes
 from hapd.spmd.rank import RankModule
 from hapd.spmd.rewrite import distribute, global_loss
+from hapd.spmd.stepwatch import Pending, StepCheck
 
 _MODE_DEPENDENT = overloads(MODE_DEPENDENT_OPS)
 
@@ -130,6 +131,32 @@ class ParallelModule(PlannedModule):
         from (:meth:`shard_inputs`, :meth:`expect_batch`); None: the example batch."""
         self._telemetry = telemetry.for_module(self)
         """Times each training step for the launcher, progress and logs (:mod:`hapd.train.telemetry`)."""
+        self._check = self._step_check()
+        """Checks every forward against the other ranks' before its first collective
+        (:class:`~hapd.spmd.stepwatch.StepCheck`); None on one process."""
+        self._position: tuple[int, int] | None = None
+        """(epoch, batch) of the batch :func:`hapd.loader` handed out for the next forward."""
+
+    def _step_check(self) -> StepCheck | None:
+        """The check of this rank's forwards against the others' (None on one rank)."""
+        if self.world == 1 or not dist.is_initialized():
+            return None
+        device = self._recipe.device if self._recipe is not None else next(
+            (p.device for p in self.inner.parameters()), torch.device("cpu"))
+        if dist.get_backend(self.group) == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        return StepCheck(self.rank, self.world, self.group, device, list(self.inner.parameters()))
+
+    def took_batch(self, epoch: int, batch: int) -> None:
+        """Say that the next forward's inputs are batch ``batch`` of epoch ``epoch``
+        (:func:`hapd.loader` calls it): the ranks' forwards are checked to take the
+        same batch, so one that skipped or repeated a batch is named at once."""
+        self._position = (int(epoch), int(batch))
+
+    def _mode(self) -> str:
+        if not self.training:
+            return "eval"
+        return "training" if torch.is_grad_enabled() else "training (no_grad)"
 
     # -- what the plan says --------------------------------------------------------------
 
@@ -228,6 +255,8 @@ class ParallelModule(PlannedModule):
         key = (training or not self._mode_dependent, shapes)
         found = self._programs.get(key)
         if found is None:
+            if self._check is not None:  # building is collective: only when every rank builds this one
+                self._check.agree(self._check.arrival("build", self._mode(), self._position, shapes))
             found = self._programs[key] = self._build(*key)
         return found
 
@@ -295,11 +324,30 @@ class ParallelModule(PlannedModule):
         local_inputs = _split_halves(program, local_inputs)
         expected = program.local_shapes()
         got = [list(t.shape) for t in local_inputs]
-        if len(got) != len(expected) or any(e and g != e for g, e in zip(got, expected)):
-            raise PlanError(f"rank {self.rank}: inputs of shapes {got}, the plan runs {expected} on this rank "
-                            "(cut a batch of another size with shard_inputs, or read it with hapd.loader)")
+        names = [name for name, _ in program.hapd_inputs]
+        pending = self._start_check(program, names, got, expected)
+        _check_shapes(self.rank, names, got, expected)
+        run = self._runner(program) if pending is None else _waiting(self._runner(program), pending)
         with plan_autocast(self.plan.precision, local_inputs, self.__dict__.setdefault("_precision_said", set())):
-            return self._telemetry.forward(self, self._runner(program), local_inputs)
+            return self._telemetry.forward(self, run, local_inputs)
+
+    def _start_check(self, program: RankModule, names: Sequence[str], got: Sequence[Sequence[int]],
+                     expected: Sequence[Sequence[int]]) -> Pending | None:
+        """Check this forward against the other ranks' before its first collective
+        (:class:`~hapd.spmd.stepwatch.StepCheck`): done here when the program's forward
+        communicates or this rank's inputs do not fit; else left in flight, returned,
+        for the forward to wait on once it has computed (a data-parallel forward has no
+        collective: its first is the backward's gradient sum)."""
+        if self._check is None:
+            return None
+        shapes = self._cut[0] if self._cut is not None else self._example_shapes
+        position, self._position = self._position, None
+        arrival = self._check.arrival("forward", self._mode(), position, shapes, names, got, expected)
+        pending = self._check.start(arrival)
+        if arrival.given is None and not _forward_communicates(program):
+            return pending
+        pending.wait()
+        return None
 
     def _runner(self, program: RankModule) -> Callable[..., Tensor]:
         """``program``, or its ``torch.compile`` when the module compiles (made once per
@@ -494,6 +542,48 @@ def check_tensors(values: Sequence[Any], what: str) -> None:
             raise OptionsError(f"{what}: input {k} is a {type(value).__name__}, not a tensor (pass the batch's "
                                "tensors as separate arguments, in the order of the example inputs)",
                                field=f"inputs[{k}]")
+
+
+def _waiting(run: Callable[..., Tensor], pending: Pending) -> Callable[..., Tensor]:
+    """``run``, then the wait for the forward's check in flight (also when ``run``
+    raises: a disagreement of the ranks is then the cause, and raised instead)."""
+    def forward(*inputs: Tensor) -> Tensor:
+        try:
+            out = run(*inputs)
+        except Exception:
+            pending.wait()
+            raise
+        pending.wait()
+        return out
+    return forward
+
+
+def _forward_communicates(program: RankModule) -> bool:
+    """Whether ``program``'s forward runs a collective: a module of it holding a process
+    group or an exchange (the plan's collectives, a global sum, synced batch norm,
+    duplicas' exchanges) or a call into :mod:`hapd.spmd.collectives`. Kept per program."""
+    found = program.__dict__.get("_hapd_communicates")
+    if found is None:
+        found = any(hasattr(m, "group") or hasattr(m, "exchange") for m in program.modules() if m is not program) \
+            or any(n.op == "call_function" and getattr(n.target, "__module__", "") == "hapd.spmd.collectives"
+                   for n in program.graph.nodes)
+        program.__dict__["_hapd_communicates"] = found
+    return found
+
+
+def _check_shapes(rank: int, names: Sequence[str], got: Sequence[Sequence[int]],
+                  expected: Sequence[Sequence[int]]) -> None:
+    """:class:`~hapd.errors.PlanError` naming the first input whose shape is not the one
+    the plan runs on this rank (an empty expected shape takes any)."""
+    if len(got) != len(expected):
+        raise PlanError(f"rank {rank}: {len(got)} inputs given, the plan runs {len(expected)} "
+                        f"({', '.join(names)})", field="inputs")
+    for k, (g, e) in enumerate(zip(got, expected)):
+        if e and list(g) != list(e):
+            name = names[k] if k < len(names) else f"input {k}"
+            raise PlanError(f"rank {rank}: input {k} ({name}): expected shape {list(e)}, given {list(g)} (the plan "
+                            "runs a batch of the example's size: cut a batch of another size with shard_inputs, or "
+                            "read it with hapd.loader)", field=f"inputs[{k}]")
 
 
 def _joined_halves(program: RankModule, pieces: Sequence[Tensor]) -> tuple[Tensor, ...]:

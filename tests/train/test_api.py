@@ -262,8 +262,8 @@ def test_a_batch_of_another_size_runs_its_own_program(capsys):
     module = hapd.parallelize(model, _batches(config, 1)[0], use_daemon=False)
     x, y = models.get("mlp").example_inputs(config, B - 1)
     # one process as two ranks: a batch of another size is named first (shard_inputs, the loader), not guessed
-    with pytest.raises(PlanError, match=r"^rank 0: inputs of shapes \[\[7, \d+\], \[7\]\], the plan runs \[\[8, \d+\], "
-                                        r"\[8\]\] on this rank \(cut a batch of another size with shard_inputs"):
+    with pytest.raises(PlanError, match=r"^rank 0: input 0 \(x\): expected shape \[8, \d+\], given \[7, \d+\] \(the plan "
+                                        r"runs a batch of the example's size: cut a batch of another size with shard_inputs"):
         module(x, y)
     assert float(module(*module.shard_inputs(x, y)).detach()) == pytest.approx(float(ref(x, y).detach()), rel=TOL)
     assert "plan (training, batch shapes [[7, " in capsys.readouterr().out
