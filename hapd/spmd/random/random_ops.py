@@ -51,7 +51,7 @@ from hapd.state.held import STEP
 from hapd.ir.normalize import normalize
 from hapd.ir.op_facts import ATTENTION, attention_args
 from hapd.errors import PlanError
-from hapd.spmd.random import counter_kernels
+from hapd.spmd.random import attention_kernels, counter_kernels
 from hapd.spmd.random.counter_rng import uniform
 
 DROPOUT_OPS = frozenset({torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default})
@@ -224,7 +224,11 @@ class CounterAttention(CounterDropout):
     its probabilities dropped by :class:`CounterDropout`'s draw of this rank's slice of
     the single-device probabilities (``global_shape``: ``[…, queries, keys]``, the
     piece starting at ``offsets``). A causal attention here is never split along the
-    queries (the core's rules), so its triangle is the local one."""
+    queries (the core's rules), so its triangle is the local one. Where the fused
+    kernels run (:func:`hapd.spmd.random.counter_kernels.available`) the same attention
+    and draw run as one flash-attention kernel
+    (:func:`hapd.spmd.random.attention_kernels.fused_attention`), which keeps no
+    ``queries × keys`` tensor; calls it does not take run the math path."""
 
     def __init__(self, p: float, stream: int, global_shape: Sequence[int], offsets: Sequence[int], seed: int, *,
                  is_causal: bool, scale: float | None, enable_gqa: bool):
@@ -233,6 +237,14 @@ class CounterAttention(CounterDropout):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,  # type: ignore[override]
                 step: Tensor, part: Tensor, duplica: int = 0) -> Tensor:
+        if counter_kernels.available(q):  # one flash-attention kernel, the same draw
+            shape, offsets, key_part, key_duplica = self.piece(part, duplica)
+            fused = attention_kernels.fused_attention(
+                q, k, v, attn_mask, p=self.p, is_causal=self.is_causal, scale=self.scale, enable_gqa=self.enable_gqa,
+                seed=self.seed, stream=self.stream, step=step, part=key_part, duplica=key_duplica,
+                global_shape=shape, offsets=offsets)
+            if fused is not None:
+                return fused
         if self.enable_gqa and q.dim() >= 3 and k.size(-3) != q.size(-3):
             k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
             v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
