@@ -15,7 +15,8 @@ probabilities, 8×12×1024×1024), the median time of:
 
 each as a ratio to ``native``; and the attention of the 8×12×1024×64 heads with dropout
 0.1: torch's ``scaled_dot_product_attention`` against
-:class:`hapd.spmd.random.random_ops.CounterAttention` (the math attention), forward and
+:class:`hapd.spmd.random.random_ops.CounterAttention` (on CUDA the fused kernel of
+:mod:`hapd.spmd.random.attention_kernels`, on CPU the math attention), forward and
 backward. On CUDA the fused masks and results are compared bit for bit with the torch
 ops run on the CPU: the last line says whether they are equal, and the script exits 1
 when they differ.
@@ -119,7 +120,7 @@ def attention_row(device: torch.device, dtype: torch.dtype, repeats: int, batch:
 def _line(row: dict[str, Any]) -> str:
     parts = [f"{row['what']:<40} {str(row['shape']):<22} {row['dtype']:<9} native {row['native_s'] * 1e3:8.3f} ms"]
     for key, label in (("counter_ops", "counter (torch ops)"), ("counter_fused", "counter (fused)"),
-                       ("counter", "counter (math)")):
+                       ("counter", "counter attention")):
         if f"{key}_s" in row:
             parts.append(f"{label} {row[key + '_s'] * 1e3:8.3f} ms ({row[key + '_ratio']:.2f}×)")
     if "fused_mask_equal_cpu" in row:
