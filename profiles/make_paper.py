@@ -28,6 +28,10 @@ from hapd.profile.schema import Device, Link, Profile
 V100, P100 = 3_858_755_112_937.0, 2_149_250_936_815.0
 MEMORY = {"V100": 32 * 2**30, "P100": 16 * 2**30}
 """Device memory: HAP's cluster had the 32 GB V100 and the 16 GB P100."""
+FUSED_ATTENTION = {"V100": True, "P100": False}
+"""Whether the card runs hapd's fused attention kernel: Triton compiles for compute
+capability 7.0 (the V100) and up, not the P100's 6.0; a cluster with both is priced as
+the math attention (:attr:`hapd.profile.schema.Device.fused_attention`)."""
 
 
 def dtype_flops(model: str, fp32: float) -> dict[str, float | None]:
@@ -67,7 +71,8 @@ def paper_profile(world: int) -> Profile:
         devices.append(
             Device(rank=rank, host=f"{model.lower()}-{host}", model=model,
                    flops=V100 if model == "V100" else P100, memory=MEMORY[model],
-                   dtype_flops=dtype_flops(model, V100 if model == "V100" else P100))
+                   dtype_flops=dtype_flops(model, V100 if model == "V100" else P100),
+                   fused_attention=FUSED_ATTENTION[model])
         )
     collectives = {
         name: {"inter": Link(alpha=30e-6, beta=float(INTER[name])), "intra": Link(alpha=10e-6, beta=float(INTRA[name]))}

@@ -61,7 +61,8 @@ def assemble(devices: Sequence[Mapping[str, Any]], fits: Mapping[str, Mapping[st
                    elementwise_flops=float(d["elementwise_flops"]),
                    op_seconds=float(d["op_seconds"]) if d.get("op_seconds") is not None else None,
                    sync_overlap=float(d["sync_overlap"]) if d.get("sync_overlap") is not None else None,
-                   dtype_flops=d.get("dtype_flops") or None)
+                   dtype_flops=d.get("dtype_flops") or None,
+                   fused_attention=bool(d["fused_attention"]) if d.get("fused_attention") is not None else None)
             for r, d in enumerate(devices)
         ),
         collectives=collectives,
@@ -77,6 +78,7 @@ def summary(profile: Profile) -> str:
         ew = f", {d.elementwise_flops:.3g} element-wise" if d.elementwise_flops else ""
         ew += f", {d.op_seconds * 1e6:.1f} µs per op beyond its FLOPs" if d.op_seconds else ""
         ew += f", {d.sync_overlap:.0%} of a gradient sum hidden behind compute" if d.sync_overlap is not None else ""
+        ew += ", hapd's fused attention kernel" if d.fused_attention else ""
         lines.append(f"  rank {d.rank} {d.host} {d.model}: {d.flops:.3g} FLOP/s matmul{ew}, "
                      f"{format_bytes(d.memory)}")
     fits = profile.extra.get("fits", {})

@@ -18,8 +18,9 @@ profile is infinite or zero. ``flops`` is the achieved rate on matmul-heavy work
 what one training op costs beyond its FLOPs (dispatch, launch, autograd, run node by
 node: what a pipeline's many small micro-batches pay once per op each);
 ``sync_overlap`` (optional, 0 to 1) the share of a gradient all-reduce's time that hides
-behind the backward pass's compute on the device. ``intra`` (optional) is
-the cost within one host; ``inter`` across hosts. The **profile id** is the sha256 of
+behind the backward pass's compute on the device; ``fused_attention`` (optional, a bool)
+whether the device runs hapd's fused attention kernel for an attention with dropout.
+``intra`` (optional) is the cost within one host; ``inter`` across hosts. The **profile id** is the sha256 of
 the canonical form of the devices and collectives: names, descriptions, extra fields,
 key order and formatting do not change it. ``hapd profile`` (:mod:`hapd.profiler.driver`)
 measures one.
@@ -106,6 +107,13 @@ class Device:
     device has no such arithmetic, a V100's bf16), as measured (default: none stated;
     :mod:`hapd.profile.precision` estimates a half-precision rate from the device's
     datasheet and says so). ``flops`` is the fp32 rate."""
+    fused_attention: bool | None = None
+    """Whether the device runs an attention with dropout as hapd's fused kernel
+    (:mod:`hapd.spmd.random.attention_kernels`: CUDA with Triton, compute capability
+    ≥ 7.0, Triton's minimum), which keeps nothing of size queries × keys and draws the
+    mask again in the backward pass (default: none, false: the math attention, its
+    probabilities kept). The cost model prices the fused kernel only when every device
+    of the profile runs it: a plan's step lasts as long as its slowest rank's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,6 +154,7 @@ class Profile:
                 **({"sync_overlap": float(d.sync_overlap)} if d.sync_overlap is not None else {}),
                 **({"dtype_flops": {k: (None if v is None else float(v)) for k, v in sorted(d.dtype_flops.items())}}
                    if d.dtype_flops else {}),
+                **({"fused_attention": bool(d.fused_attention)} if d.fused_attention is not None else {}),
             }
             for d in self.devices
         ]
@@ -240,13 +249,16 @@ def estimated_profile(
     models: Sequence[str] | None = None,
     name: str = "estimated",
     description: str | None = None,
+    fused_attention: bool | Sequence[bool] | None = None,
 ) -> Profile:
     """A profile from stated guesses, for when no measured one is given (worker.py on a
     laptop, tests): ``world`` devices with ``flops`` each (default 1e10, a CPU core's
     order), ``memory`` bytes each (one value, or one per device), one α and β for every
     collective (``beta`` may map collective names to their own bandwidth), all on one
-    host unless ``hosts`` says otherwise. Its description (default) says it is an
-    estimate; ``hapd profile`` measures a real one."""
+    host unless ``hosts`` says otherwise; ``fused_attention`` (one value, or one per
+    device) says whether each runs hapd's fused attention kernel (:attr:`Device.fused_attention`;
+    default: not stated). Its description (default) says it is an estimate; ``hapd
+    profile`` measures a real one."""
     if world < 1:
         raise ProfileError(f"world {world} must be ≥ 1", field="devices")
     flops = list(flops) if flops is not None else [1e10] * world
@@ -257,6 +269,9 @@ def estimated_profile(
     models = list(models) if models is not None else ["estimated"] * world
     if len(memories) != world or len(models) != world:
         raise ProfileError(f"{len(memories)} memories and {len(models)} models for {world} devices", field="devices")
+    fused = list(fused_attention) if isinstance(fused_attention, Sequence) else [fused_attention] * world
+    if len(fused) != world:
+        raise ProfileError(f"{len(fused)} fused_attention flags for {world} devices", field="devices")
     for r, (f, m) in enumerate(zip(flops, memories)):
         check_range("flops", float(f), f"devices[{r}]")
         check_range("memory", m, f"devices[{r}]")
@@ -264,7 +279,9 @@ def estimated_profile(
     for c in COLLECTIVES:
         check_range("beta", float(beta[c] if isinstance(beta, Mapping) else beta), f"collectives.{c}")
     devices = tuple(
-        Device(rank=r, host=hosts[r], model=models[r], flops=float(flops[r]), memory=memories[r]) for r in range(world)
+        Device(rank=r, host=hosts[r], model=models[r], flops=float(flops[r]), memory=memories[r],
+               fused_attention=None if fused[r] is None else bool(fused[r]))
+        for r in range(world)
     )
     betas = {c: float(beta[c] if isinstance(beta, Mapping) else beta) for c in COLLECTIVES}
     collectives = {c: {"inter": Link(alpha=alpha, beta=betas[c])} for c in COLLECTIVES}
@@ -328,7 +345,8 @@ DOCUMENT_KEYS = ("format", "version", "name", "description", "units", "devices",
 """The keys of a profile document hapd reads."""
 MEASURED_KEYS = ("measured_at", "tool", "tool_version", "torch_version", "backend", "options", "fits", "device_detail")
 """The keys ``hapd profile`` adds about its measurement (kept, not read)."""
-DEVICE_KEYS = ("rank", "host", "model", "flops", "memory", "elementwise_flops", "op_seconds", "sync_overlap", "dtype_flops")
+DEVICE_KEYS = ("rank", "host", "model", "flops", "memory", "elementwise_flops", "op_seconds", "sync_overlap", "dtype_flops",
+               "fused_attention")
 """The keys of a device."""
 COLLECTIVE_KEYS = ("inter", "intra")
 LINK_KEYS = ("alpha", "beta")
@@ -404,7 +422,17 @@ def _device_from_dict(d: Any, i: int) -> Device:
         elementwise_flops=None if ew is None else _number(d, "elementwise_flops", where),
         op_seconds=None if op is None else _number(d, "op_seconds", where),
         sync_overlap=None if overlap is None else _number(d, "sync_overlap", where),
+        fused_attention=_flag(d, "fused_attention", where),
     )
+
+
+def _flag(doc: Mapping[str, Any], key: str, where: str) -> bool | None:
+    """An optional boolean field (``true``, ``false`` or absent/null): a string such as
+    ``"yes"`` or a number is a :class:`ProfileError` naming it, not read as true."""
+    value = doc.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ProfileError(f"{where}.{key}: expected true or false, got {value!r}", field=f"{where}.{key}")
+    return value
 
 
 DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16")

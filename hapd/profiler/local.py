@@ -18,6 +18,9 @@ describes, never for invented devices:
   :data:`CPU_FLOPS`, a core's order, said in the profile's description: ranks on one
   machine's cores are alike, so their plan does not depend on it, and a probe would
   cost every small job a second.
+- **fused attention**: whether the device runs hapd's fused attention kernel
+  (:func:`hapd.profiler.machine.runs_fused_attention`: CUDA of compute capability ≥ 7.0
+  with Triton; never a CPU), so that an attention with dropout is priced as what runs.
 - **collectives**: the estimated α and β of :func:`hapd.profile.schema.estimated_profile`.
 
 Every rank describes its own device and the descriptions are all-gathered, so each rank
@@ -35,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hapd.errors import ProfileError
-from hapd.profiler.machine import cpu_model, host_memory_size, host_name, linear_flops
+from hapd.profiler.machine import cpu_model, host_memory_size, host_name, linear_flops, runs_fused_attention
 from hapd.profile.schema import Profile, estimated_profile
 from hapd.util import atomic_write, home_dir
 
@@ -69,6 +72,8 @@ class LocalDevice:
     """FLOP/s the device is planned with."""
     measured: bool
     """Whether ``flops`` was measured (the probe, or its remembered value)."""
+    fused_attention: bool = False
+    """Whether the device runs hapd's fused attention kernel (:func:`runs_fused_attention`)."""
 
 
 def coarse_memory(nbytes: float) -> float:
@@ -120,9 +125,10 @@ def describe_device(device: Any) -> LocalDevice:
         index = device.index if device.index is not None else torch.cuda.current_device()
         model = torch.cuda.get_device_properties(index).name
         free = float(torch.cuda.mem_get_info(index)[0])
-        return LocalDevice(host_name(), f"cuda:{index}", model, free, cuda_speed(torch.device("cuda", index), model),
-                           True)
-    return LocalDevice(host_name(), "cpu", cpu_model(), float(host_memory_size()), CPU_FLOPS, False)
+        cuda = torch.device("cuda", index)
+        return LocalDevice(host_name(), f"cuda:{index}", model, free, cuda_speed(cuda, model), True,
+                           runs_fused_attention(cuda))
+    return LocalDevice(host_name(), "cpu", cpu_model(), float(host_memory_size()), CPU_FLOPS, False, False)
 
 
 def profile_of(devices: list[LocalDevice]) -> Profile:
@@ -141,7 +147,8 @@ def profile_of(devices: list[LocalDevice]) -> Profile:
     description = (f"this job's devices, described by its ranks: {len(devices)} × {', '.join(models)}; memory from "
                    f"the devices, speed {speed}, collectives estimated")
     return estimated_profile(len(devices), flops=flops, hosts=[d.host for d in devices], memory=memory,
-                             models=[d.model for d in devices], name=f"local-{len(devices)}", description=description)
+                             models=[d.model for d in devices], name=f"local-{len(devices)}", description=description,
+                             fused_attention=[d.fused_attention for d in devices])
 
 
 def device_profile(device: Any, *, world: int = 1, group: Any = None) -> Profile:

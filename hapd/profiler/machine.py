@@ -146,6 +146,31 @@ def sync_device(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
+FUSED_ATTENTION_CAPABILITY = (7, 0)
+"""The least CUDA compute capability Triton compiles for, so the least that runs hapd's
+fused attention kernel (:mod:`hapd.spmd.random.attention_kernels`)."""
+
+
+def runs_fused_attention(device: Any) -> bool:
+    """Whether ``device`` (a ``torch.device``) runs an attention with dropout as hapd's
+    fused kernel, as a profile's ``fused_attention`` says: a CUDA device of compute
+    capability ≥ 7.0 (:data:`FUSED_ATTENTION_CAPABILITY`) where Triton imports. A CPU
+    runs the math attention (Triton's interpreter is for tests, not training), and so
+    does a P100 (6.0)."""
+    if device.type != "cuda":
+        return False
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index) < FUSED_ATTENTION_CAPABILITY:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def sample_rate(step: Callable[[], None], work: float, device: Any, *, repeats: int, window_s: float) -> list[float]:
     """``repeats`` samples of ``work`` units per second, each over back-to-back calls of
     ``step`` lasting at least ``window_s`` wall seconds (after warming up)."""
@@ -223,5 +248,6 @@ def linear_flops(device: Any, dtype: Any, widths: Sequence[int], rows: int, *, r
     return statistics.median(per_width.values()), per_width
 
 
-__all__ = ["LINEAR_PROBE_BYTES", "LINEAR_PROBE_LAYERS", "cpu_model", "host_memory", "host_memory_size", "host_name", "linear_flops",
-           "linear_probe", "sample_rate", "sync_device"]
+__all__ = ["FUSED_ATTENTION_CAPABILITY", "LINEAR_PROBE_BYTES", "LINEAR_PROBE_LAYERS", "cpu_model", "host_memory",
+           "host_memory_size", "host_name", "linear_flops", "linear_probe", "runs_fused_attention", "sample_rate",
+           "sync_device"]

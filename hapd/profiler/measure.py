@@ -74,7 +74,8 @@ from typing import Any
 
 from hapd.errors import OptionsError, ProfileError
 from hapd.profile.assemble import assemble
-from hapd.profiler.machine import cpu_model, host_memory, host_name, linear_flops, sample_rate, sync_device
+from hapd.profiler.machine import (cpu_model, host_memory, host_name, linear_flops, runs_fused_attention, sample_rate,
+                                   sync_device)
 from hapd.profile.fit import NOT_COMMUNICATED, Fit, bound_alpha_beta, fit_alpha_beta
 from hapd.profile.options import ProfilerOptions
 from hapd.profile.schema import COLLECTIVES, Profile
@@ -133,6 +134,9 @@ class DeviceMeasurement:
     dtype_flops: dict[str, float | None] | None = None
     """The linear probe's rate per half dtype (:func:`half_precision_flops`): ``bf16``,
     ``fp16``; None for one the device has no arithmetic for."""
+    fused_attention: bool = False
+    """Whether the device runs hapd's fused attention kernel
+    (:func:`hapd.profiler.machine.runs_fused_attention`)."""
 
 
 def half_precision_flops(device: Any, width: int, rows: int, *, repeats: int, window_s: float,
@@ -471,7 +475,8 @@ def measure_device(device: Any, options: ProfilerOptions, *,
         detail["threads"] = torch.get_num_threads()
     return DeviceMeasurement(host=host_name(), model=model, flops=flops, elementwise_flops=ew,
                              memory=memory, detail=detail, op_seconds=per_op_s,
-                             dtype_flops={**({"fp32": flops} if options.dtype == "float32" else {}), **half})
+                             dtype_flops={**({"fp32": flops} if options.dtype == "float32" else {}), **half},
+                             fused_attention=runs_fused_attention(device))
 
 
 # --------------------------------------------------------------------------

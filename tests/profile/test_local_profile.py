@@ -36,6 +36,24 @@ def test_equal_gpus_of_a_host_get_its_first_ranks_speed() -> None:
     assert [d.memory for d in profile.devices] == [27 * 2**30, 28 * 2**30, 13.5 * 2**30]
     assert [d.model for d in profile.devices] == ["V100", "V100", "P100"]
     assert "speed measured" in profile.description
+    assert [d.fused_attention for d in profile.devices] == [False] * 3  # not said: the math attention
+
+
+def test_the_devices_say_whether_they_run_the_fused_attention_kernel(monkeypatch) -> None:
+    """A CUDA device of compute capability ≥ 7.0 with Triton runs hapd's fused attention
+    kernel, a P100 (6.0) and a CPU do not; the profile carries each device's answer."""
+    from hapd.profiler import machine
+
+    gpus = [LocalDevice("a", "cuda:0", "V100", 30e9, 5.0e12, True, True),
+            LocalDevice("b", "cuda:0", "P100", 15e9, 2.0e12, True, False)]
+    assert [d.fused_attention for d in profile_of(gpus).devices] == [True, False]
+    assert local.describe_device(torch.device("cpu")).fused_attention is False
+    assert [d.fused_attention for d in profile_of([_cpu("a")]).devices] == [False]
+    assert machine.runs_fused_attention(torch.device("cpu")) is False
+    capability = {0: (7, 0), 1: (6, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[index])
+    assert machine.runs_fused_attention(torch.device("cuda", 0)) is True
+    assert machine.runs_fused_attention(torch.device("cuda", 1)) is False
 
 
 def test_memory_is_coarse_so_the_profile_stays_put() -> None:

@@ -146,7 +146,7 @@ def test_bad_fields_are_named(paper8, edit, field):
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda d: d["devices"][3].update(flopss=9e12),
      "devices[3].flopss: unknown key; known: rank, host, model, flops, memory, elementwise_flops, op_seconds, "
-     "sync_overlap, dtype_flops (keys starting with _ are comments)"),
+     "sync_overlap, dtype_flops, fused_attention (keys starting with _ are comments)"),
     (lambda d: d.update(collective={}), "collective: unknown key; known: format, version, name, description, units, "
                                         "devices, collectives, measured_at, tool,"),
     (lambda d: d["collectives"]["all_reduce"].update(inner={}), "collectives.all_reduce.inner: unknown key; known: inter, intra"),
@@ -212,6 +212,37 @@ def test_a_sync_overlap_is_optional_kept_and_checked(paper8):
     assert all("sync_overlap" not in d for d in plain.canonical()["devices"])
     assert "hidden behind compute" not in summary(plain)
     assert hapd.compile(FIXTURES / "mlp.hapg", profile).estimate["per_iteration"] > 0  # the core accepts it
+
+
+def test_fused_attention_is_optional_kept_and_reaches_the_core(paper8):
+    """``fused_attention`` (hapd's fused attention kernel runs on the device) round-trips,
+    survives a subset, is in the id and the core's map, and a profile without it keeps
+    its id; the bundled paper cluster's V100s run it and its P100s (compute capability
+    6.0) do not."""
+    import msgpack
+
+    profile = profile_from_dict(paper8)
+    assert [d.fused_attention for d in profile.devices] == [True, True] + [False] * 6
+    assert profile_from_dict(json.loads(profile.to_json())) == profile
+    assert profile.subset([1, 2]).devices[0].fused_attention is True
+    assert [d["fused_attention"] for d in msgpack.unpackb(profile.core_bytes())["devices"][1:3]] == [True, False]
+    assert "fused attention kernel" in summary(profile).splitlines()[1]
+    without = copy.deepcopy(paper8)
+    for d in without["devices"]:
+        del d["fused_attention"]
+    plain = profile_from_dict(without)
+    assert plain.devices[0].fused_attention is None and plain.profile_id != profile.profile_id
+    assert all("fused_attention" not in d for d in plain.canonical()["devices"])
+    assert hapd.compile(FIXTURES / "mlp.hapg", profile).estimate["per_iteration"] > 0  # the core accepts it
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0, [True]])
+def test_a_fused_attention_that_is_not_a_bool_is_named(paper8, value):
+    bad = copy.deepcopy(paper8)
+    bad["devices"][3]["fused_attention"] = value
+    with pytest.raises(ProfileError, match=r"devices\[3\]\.fused_attention: expected true or false") as info:
+        profile_from_dict(bad)
+    assert info.value.field == "devices[3].fused_attention"
 
 
 @pytest.mark.parametrize("value", [1.5, -0.1, "x", float("inf"), True])

@@ -485,3 +485,28 @@ def test_every_plan_prices_the_math_attention_its_counter_dropout_runs() -> None
 
     for devices in (1, 2):
         assert activations(0.1, devices) - activations(0.0, devices) >= 2 * 4 * 24 * 24 * (2 * 4 + 1) * 0.99 / devices
+
+
+def test_a_cluster_running_the_fused_attention_kernel_is_priced_as_it() -> None:
+    """Where every device runs hapd's fused attention kernel (the profile's
+    ``fused_attention``), an attention with dropout keeps what one without does (no
+    probabilities or mask) and costs its two draws per score, fewer FLOPs than the math
+    attention's; one device on the math path keeps the math pricing for the cluster."""
+    from hapd.compiler.ratios import part_memory
+
+    graphs = {p: hapd.lower(hapd.export(_SelfAttention(p), (torch.randn(2, 24, 32),))) for p in (0.0, 0.1)}
+
+    def priced(p: float, fused: list[bool] | None) -> tuple[float, float, float]:
+        plan = hapd.compile(graphs[p], estimated_profile(2, fused_attention=fused))
+        activations = sum(float(v) for v in part_memory(plan.program, plan.ratios)["activations"])
+        flops = sum(float(s["flops"]) for s in plan.program["steps"])
+        return activations, flops, float(plan.estimate["per_iteration"])
+
+    plain = priced(0.0, [True, True])
+    fused = priced(0.1, [True, True])
+    math_ = priced(0.1, None)
+    assert fused[0] == pytest.approx(plain[0], rel=1e-3)  # nothing of size queries × keys kept
+    assert math_[0] - fused[0] >= 2 * 4 * 24 * 24 * (2 * 4 + 1) * 0.99 / 2
+    assert plain[1] < fused[1] < math_[1] and fused[2] < math_[2]
+    assert priced(0.1, [True, False]) == math_  # a mixed cluster: the math attention's price
+    assert priced(0.1, [False, False]) == math_

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::ir::{Graph, NodeKind, TensorMeta, TensorRef};
 use crate::layout::Layout;
 use crate::profile::Profile;
-use crate::rules::{internal_comm_row, rules_for, Rule};
+use crate::rules::{fused_attention_flops, internal_comm_row, rules_for, Rule};
 
 /// Dense id of a tensor that matters to the program.
 pub type TensorId = u32;
@@ -111,10 +111,13 @@ pub struct Problem<'a> {
 impl<'a> Problem<'a> {
     /// Bytes node `node`'s backward keeps that are no node's result: its `saved_bytes`
     /// plus its `counter_saved_bytes`, what the math attention keeps where hapd's
-    /// counter-based generator draws its dropout (every plan's default, one device's too).
+    /// counter-based generator draws its dropout (every plan's default, one device's too)
+    /// — unless every device runs hapd's fused attention kernel
+    /// ([`Profile::fused_attention`]), which keeps nothing of size queries × keys.
     pub fn saved_inside(&self, node: usize) -> f64 {
         let n = &self.graph.nodes[node];
-        n.saved_bytes + n.counter_saved_bytes
+        let counter = if self.profile.fused_attention() { 0.0 } else { n.counter_saved_bytes };
+        n.saved_bytes + counter
     }
 
     pub fn new(graph: &'a Graph, profile: &'a Profile, options: Options) -> Result<Problem<'a>> {
@@ -201,7 +204,11 @@ impl Builder<'_> {
         let inputs: Vec<TensorId> = node.inputs.iter().map(|r| self.input(*r, s)).collect();
         let grad_in = inputs.iter().any(|&t| self.tensors[t as usize].requires_grad);
         let outputs = self.outputs(n, s, grad_in);
-        let op = rules_for(graph, node);
+        let mut op = rules_for(graph, node);
+        if self.profile.fused_attention() {
+            // an attention with dropout runs as hapd's fused kernel on every device
+            op.flops = fused_attention_flops(graph, node).unwrap_or(op.flops);
+        }
         let mut rules = op.rules;
         if let Some(forced) = self.options.force.get(&node.name) {
             rules.retain(|r| r.name == forced);
@@ -390,4 +397,78 @@ fn recompute_keeps(tensors: &[Tensor], steps: &[Step]) -> Vec<Option<bool>> {
         };
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Options, Problem};
+    use crate::ir::{DType, Graph};
+    use crate::profile::{CollectiveCost, Collectives, Device, Link, Profile};
+    use crate::rules::testkit::{boolean, float, graph, none, A::T};
+
+    const QKV: &[usize] = &[2, 4, 16, 8];
+
+    /// An attention with dropout whose math path keeps 1 KiB beyond the fused kernel.
+    fn attention() -> Graph {
+        let args = vec![
+            ("query", T(QKV)),
+            ("key", T(QKV)),
+            ("value", T(QKV)),
+            ("attn_mask", none()),
+            ("dropout_p", float(0.1)),
+            ("is_causal", boolean(false)),
+        ];
+        let mut g = graph("aten.scaled_dot_product_attention", args, &[(QKV, DType::F32)]);
+        g.nodes.last_mut().unwrap().counter_saved_bytes = 1024.0;
+        g
+    }
+
+    /// Two devices on one host, each running the fused attention kernel or not.
+    fn profile(fused: [bool; 2]) -> Profile {
+        let cost = CollectiveCost { inter: Link { alpha: 1e-5, beta: 1e9 }, intra: None };
+        let device = |rank: u32| Device {
+            rank,
+            host: "h0".into(),
+            model: "test".into(),
+            flops: 1e12,
+            elementwise_flops: None,
+            memory: 1e10,
+            fused_attention: fused[rank as usize],
+        };
+        Profile {
+            name: "test".into(),
+            devices: vec![device(0), device(1)],
+            collectives: Collectives {
+                all_gather: cost,
+                all_gather_grouped: cost,
+                reduce_scatter: cost,
+                reduce_scatter_grouped: cost,
+                all_reduce: cost,
+                all_to_all: cost,
+                broadcast: cost,
+                grad_sync: None,
+                p2p: None,
+            },
+        }
+    }
+
+    #[test]
+    fn the_fused_kernel_keeps_no_probabilities_and_draws_twice() {
+        let g = attention();
+        let node = g.nodes.len() - 1;
+        let scores = 2.0 * 4.0 * 16.0 * 16.0;
+        let priced = |fused| {
+            let p = profile(fused);
+            let problem = Problem::new(&g, &p, Options::default()).unwrap();
+            (problem.saved_inside(node), problem.steps[0].flops)
+        };
+        let (math_bytes, math_flops) = priced([false, false]);
+        let (fused_bytes, fused_flops) = priced([true, true]);
+        assert_eq!((math_bytes, fused_bytes), (1024.0, 0.0));
+        // the math attention's draw and passes (24 FLOPs a score) against the fused
+        // kernel's two draws (12 as forward FLOPs)
+        assert_eq!(math_flops - fused_flops, 12.0 * scores);
+        // one device on the math path: the cluster is priced as the math attention
+        assert_eq!(priced([true, false]), (math_bytes, math_flops));
+    }
 }

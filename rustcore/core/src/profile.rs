@@ -20,6 +20,12 @@ pub struct Device {
     pub elementwise_flops: Option<f64>,
     /// Memory in bytes.
     pub memory: f64,
+    /// Whether the device runs hapd's fused attention kernel (CUDA with Triton, compute
+    /// capability ≥ 7.0): an attention with dropout then keeps nothing of size
+    /// queries × keys and draws its mask again in the backward pass. False (absent):
+    /// the math attention, the probabilities materialized.
+    #[serde(default)]
+    pub fused_attention: bool,
 }
 
 /// Latency (s) and bandwidth (bytes/s, counted over the full tensor) of one collective.
@@ -81,6 +87,16 @@ impl Profile {
     /// Whether the devices span more than one host (collectives then use `inter`).
     pub fn multi_host(&self) -> bool {
         self.devices.iter().any(|d| d.host != self.devices[0].host)
+    }
+
+    /// Whether the cost model prices an attention with dropout as hapd's fused kernel
+    /// ([`crate::rules::fused_attention_flops`], nothing of size queries × keys kept):
+    /// only when every device runs it. A plan's step lasts as long as its slowest rank's,
+    /// and a rank running the math attention keeps its probabilities, so a mixed cluster
+    /// keeps the math pricing on every rank (pricing each device by its own path is left
+    /// for later).
+    pub fn fused_attention(&self) -> bool {
+        !self.devices.is_empty() && self.devices.iter().all(|d| d.fused_attention)
     }
 
     /// The link a collective over all devices runs on.

@@ -106,23 +106,35 @@ fn rules(ctx: &OpCtx) -> Vec<Rule> {
 /// `Q·Kᵀ` and `P·V` (2 FLOPs per multiply-add each) plus scale, mask and softmax
 /// (about 5 per score): `2·L·Sq·Sk·(D + Dv) + 5·L·Sq·Sk` with `L` the product of the
 /// leading (batch, head) dims of the output; `4·B·H·Sq·Sk·D + 5·B·H·Sq·Sk` when
-/// `D = Dv`. With dropout, [`DROPOUT_FLOPS_PER_SCORE`] more per score.
+/// `D = Dv`. With dropout, [`DROPOUT_FLOPS_PER_SCORE`] more per score (the math
+/// attention; [`fused_flops`] prices hapd's fused kernel).
 fn flops(ctx: &OpCtx) -> f64 {
-    let (Some(qi), Some(ki), Some(vi)) = (ctx.input_index("query"), ctx.input_index("key"), ctx.input_index("value"))
-    else {
-        return ctx.out_numel();
-    };
+    match plain_flops_and_scores(ctx) {
+        Some((plain, scores)) if dropped(ctx) => plain + DROPOUT_FLOPS_PER_SCORE * scores,
+        Some((plain, _)) => plain,
+        None => ctx.out_numel(),
+    }
+}
+
+/// Whether the attention drops probabilities (`dropout_p > 0`: training).
+fn dropped(ctx: &OpCtx) -> bool {
+    ctx.float_arg("dropout_p").unwrap_or(0.0) > 0.0
+}
+
+/// `(FLOPs without dropout, scores)` of the attention ([`flops`]'s formula), `None`
+/// when its operands are not the shapes it takes.
+fn plain_flops_and_scores(ctx: &OpCtx) -> Option<(f64, f64)> {
+    let (qi, ki, vi) = (ctx.input_index("query")?, ctx.input_index("key")?, ctx.input_index("value")?);
     let (q, k, v, out) = (ctx.in_shape(qi), ctx.in_shape(ki), ctx.in_shape(vi), ctx.out_shape(0));
     let rank = q.len();
     if rank < 2 || k.len() < 2 || v.is_empty() || out.len() < 2 {
-        return ctx.out_numel();
+        return None;
     }
     let lead = out[..out.len() - 2].iter().product::<usize>() as f64;
     let (sq, sk) = (q[rank - 2] as f64, k[k.len() - 2] as f64);
     let (d, dv) = (q[rank - 1] as f64, v[v.len() - 1] as f64);
     let scores = lead * sq * sk;
-    let dropout = if ctx.float_arg("dropout_p").unwrap_or(0.0) > 0.0 { DROPOUT_FLOPS_PER_SCORE * scores } else { 0.0 };
-    2.0 * scores * (d + dv) + 5.0 * scores + dropout
+    Some((2.0 * scores * (d + dv) + 5.0 * scores, scores))
 }
 
 /// What a dropped probability costs beyond the fused kernel: the counter-based draw
@@ -130,6 +142,28 @@ fn flops(ctx: &OpCtx) -> f64 {
 /// over the materialized probabilities (scores written, softmax read and written, the
 /// dropout read and written: about 6 element-wise passes, priced as FLOPs).
 pub const DROPOUT_FLOPS_PER_SCORE: f64 = random::FLOPS_PER_ELEMENT + 6.0;
+
+/// What a dropped probability costs in hapd's fused attention kernel
+/// (`hapd/spmd/random/attention_kernels.py`), as forward FLOPs: the kernel keeps its
+/// scores in registers (no pass over memory) but draws each score's keep decision
+/// twice, once in the forward and once more in the backward to regenerate the mask it
+/// did not keep: `2 ×` [`random::FLOPS_PER_ELEMENT`] per training step. The cost model
+/// prices a training step as 3× an op's forward FLOPs ([`crate::cost::compute_row`]),
+/// so the two draws are a third of that each forward: 12 FLOPs, half of the math
+/// attention's [`DROPOUT_FLOPS_PER_SCORE`].
+pub const FUSED_DROPOUT_FLOPS_PER_SCORE: f64 = 2.0 * random::FLOPS_PER_ELEMENT / 3.0;
+
+/// Forward FLOPs of an attention with dropout run as hapd's fused kernel: [`flops`]'s
+/// formula with [`FUSED_DROPOUT_FLOPS_PER_SCORE`] per score in place of the math
+/// attention's [`DROPOUT_FLOPS_PER_SCORE`]; `None` for an attention without dropout
+/// (or of shapes the formula does not take), which costs the same either way.
+pub fn fused_flops(ctx: &OpCtx) -> Option<f64> {
+    if !dropped(ctx) {
+        return None;
+    }
+    let (plain, scores) = plain_flops_and_scores(ctx)?;
+    Some(plain + FUSED_DROPOUT_FLOPS_PER_SCORE * scores)
+}
 
 /// Query, key and value have one rank ≥ 2; query and key agree on the feature dim, key
 /// and value on the sequence.
@@ -227,5 +261,31 @@ mod tests {
         assert_rules(&got, &[dp, hp, "query-split G2,I,I -> G2 sharded"]);
         let plain = sdpa(QKV, QKV, none(), false);
         assert_eq!(got.flops - plain.flops, super::DROPOUT_FLOPS_PER_SCORE * 8.0 * 16.0 * 16.0);
+    }
+
+    #[test]
+    fn the_fused_kernel_prices_its_two_draws_only() {
+        let scores = 8.0 * 16.0 * 16.0;
+        let g = graph_p(0.1);
+        let node = g.nodes.last().unwrap();
+        let plain = sdpa(QKV, QKV, none(), false).flops;
+        let fused = crate::rules::fused_attention_flops(&g, node).expect("an attention with dropout");
+        assert_eq!(fused - plain, super::FUSED_DROPOUT_FLOPS_PER_SCORE * scores);
+        assert!(fused < crate::rules::rules_for(&g, node).flops);
+        // without dropout the fused kernel and the math attention cost the same
+        let g = graph_p(0.0);
+        assert_eq!(crate::rules::fused_attention_flops(&g, g.nodes.last().unwrap()), None);
+    }
+
+    fn graph_p(p: f64) -> crate::ir::Graph {
+        let args = vec![
+            ("query", T(QKV)),
+            ("key", T(QKV)),
+            ("value", T(QKV)),
+            ("attn_mask", none()),
+            ("dropout_p", float(p)),
+            ("is_causal", boolean(false)),
+        ];
+        crate::rules::testkit::graph("aten.scaled_dot_product_attention", args, &[(QKV, crate::ir::DType::F32)])
     }
 }

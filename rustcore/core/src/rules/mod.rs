@@ -305,6 +305,19 @@ pub fn rules_for(graph: &Graph, node: &Node) -> OpRules {
     OpRules { rules, flops, class }
 }
 
+/// Forward FLOPs of op node `node` where every device runs hapd's fused attention
+/// kernel ([`crate::profile::Profile::fused_attention`]): `Some` only for an attention
+/// with dropout ([`attention::fused_flops`]: its own two draws per score, none of the
+/// math attention's passes over the probabilities), the larger of that and torch's count
+/// as in [`rules_for`]. Every other op costs what [`rules_for`] says.
+pub fn fused_attention_flops(graph: &Graph, node: &Node) -> Option<f64> {
+    if !attention::FAMILY.ops.contains(&node.op.as_str()) {
+        return None;
+    }
+    let fused = attention::fused_flops(&OpCtx::new(graph, node))?;
+    Some(fused.max(node.flops.unwrap_or(0.0)))
+}
+
 /// Seconds per device of the collectives a rule runs inside its op (forward, and
 /// backward when `with_grad`), beyond the layout changes between ops the search prices
 /// itself: today only the synchronized batch norm's statistics

@@ -41,6 +41,7 @@ pub fn profile(flops: &[f64], alpha: f64, beta: f64) -> Profile {
                 flops: f,
                 elementwise_flops: None,
                 memory: 16.0 * (1u64 << 30) as f64,
+                fused_attention: false,
             })
             .collect(),
         collectives: Collectives {
