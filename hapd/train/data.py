@@ -23,7 +23,7 @@ of the module's program for that batch) or by the same ratios (largest remainder
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -209,8 +209,9 @@ class RankLoader:
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         self.position = self.sampler.start_batch
         lengths = self.sampler.batch_lengths()
+        keys = getattr(self.module, "keywords", None)
         for batch in self.loader:
-            inputs = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
+            inputs = _in_order(batch, keys)
             if self.device is not None:
                 inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
             if self.split:  # the module's next forward: the program for this batch's size, cut in these lengths
@@ -222,7 +223,32 @@ class RankLoader:
             if took is not None:  # the ranks' forwards are checked to take the same batch
                 took(self.sampler.epoch, self.position)
             self.position += 1
-            yield inputs
+            yield dict(zip(keys, inputs)) if isinstance(batch, Mapping) else inputs
+
+
+def _in_order(batch: Any, keys: Sequence[str] | None) -> tuple[Tensor, ...]:
+    """A collated batch's tensors in forward order: a tuple's in its order, a dict's in
+    the order of the dict batch the module was made for (``keys``);
+    :class:`~hapd.errors.OptionsError` naming a dict's keys the module does not take
+    (or a dict for a module made for a tuple batch), or a value that is not a tensor."""
+    if isinstance(batch, Mapping):
+        if keys is None:
+            raise OptionsError(f"the dataset's samples are dicts (keys {', '.join(map(str, batch))}), the module was "
+                               "made for a tuple batch: parallelize it with a dict example batch (module(**batch))",
+                               field="dataset")
+        if set(batch) != set(keys):
+            raise OptionsError(f"the dataset's samples have keys {', '.join(map(str, batch))}, the module takes "
+                               f"{', '.join(keys)} (the example batch's): drop or add those columns", field="dataset")
+        inputs = tuple(batch[k] for k in keys)
+        names = list(keys)
+    else:
+        inputs = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
+        names = [str(k) for k in range(len(inputs))]
+    for name, value in zip(names, inputs):
+        if not isinstance(value, Tensor):
+            raise OptionsError(f"the batch's input {name} is a {type(value).__name__}, not a tensor (the loader "
+                               "collates tensors: drop other columns)", field="dataset")
+    return inputs
 
 
 def loader(dataset: Dataset, module: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
@@ -231,7 +257,9 @@ def loader(dataset: Dataset, module: Any, *, shuffle: bool = True, seed: int = 0
     """This rank's loader of ``dataset`` for ``module`` (a ParallelModule): batches of the
     global size the plan was compiled for, of which this rank reads only its samples when
     the plan splits every input along dim 0 (else it reads whole batches and keeps its
-    pieces). A sample is a tuple of tensors in forward order (collated along dim 0).
+    pieces). A sample is a tuple of tensors in forward order (collated along dim 0), or
+    a dict of tensors for a module made from a dict batch: each batch is then the dict
+    of this rank's pieces, for ``module(**batch)``.
     ``device``: where batches go (``"auto"``: where the module's parameters are).
 
     The last ``len(dataset) % batch`` samples are a short last batch (``drop_last``

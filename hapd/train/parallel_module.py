@@ -51,7 +51,7 @@ from hapd.spmd.layout import IDENTITY, gather, gather_dim
 from hapd.train.precision import plan_autocast
 from hapd.train.plan_source import PlanSource, compile_options, obtain_plan
 from hapd.spmd.random.random_ops import CounterDropout
-from hapd.train.programs import Recipe, Shapes, aligned_force, op_nodes
+from hapd.train.programs import Recipe, Shapes, aligned_force, keyword_names, op_nodes
 from hapd.spmd.rank import RankModule
 from hapd.spmd.rewrite import distribute, global_loss
 from hapd.spmd.stepwatch import Pending, StepCheck
@@ -77,9 +77,34 @@ class PlannedModule(nn.Module):
         self.aliases = dict(aliases or {})
         self.extra = dict(extra or {})
 
+    keywords: tuple[str, ...] | None = None
+    """The keys of the dict batch the module was made for (``hapd.parallelize(model,
+    batch_dict)``): ``module(**batch)`` passes them to the model's forward by name;
+    None for a tuple batch."""
+
     @property
     def plan(self) -> Plan:
         return self.plan_source.plan
+
+    def _positional(self, inputs: tuple[Any, ...], batch: Mapping[str, Any], what: str) -> tuple[Any, ...]:
+        """``inputs``, or the tensors of a dict batch ``batch`` in the order the model was
+        exported with (:attr:`keywords`); :class:`~hapd.errors.OptionsError` naming the
+        keys missing or unknown, or a dict given to a module made for a tuple batch."""
+        if not batch:
+            return inputs
+        if self.keywords is None:
+            raise OptionsError(f"{what}: keyword inputs {', '.join(batch)}, but the module was made for a tuple batch: "
+                               "pass the tensors in the example's order, or parallelize with a dict example batch",
+                               field="inputs")
+        if inputs:
+            raise OptionsError(f"{what}: give the batch either as tensors in order or as keywords, not both",
+                               field="inputs")
+        missing = [k for k in self.keywords if k not in batch]
+        unknown = [k for k in batch if k not in self.keywords]
+        if missing or unknown:
+            raise OptionsError(f"{what}: the batch's keys {', '.join(batch)} are not the example batch's "
+                               f"{', '.join(self.keywords)} (missing {missing}, unknown {unknown})", field="inputs")
+        return tuple(batch[k] for k in self.keywords)
 
     def _with_aliases(self, groups: list[list[str]]) -> list[list[str]]:
         """``groups`` of state-dict keys naming one tensor, each key in :attr:`aliases`
@@ -113,6 +138,7 @@ class ParallelModule(PlannedModule):
         super().__init__(source, group=group, aliases=aliases, extra=extra)
         self.inner = inner
         self._recipe = recipe
+        self.keywords = keyword_names(recipe.model) if recipe is not None else None
         self._mode_dependent = [(n.name, str(n.target)) for n in inner.graph.nodes
                                 if n.op == "call_function" and n.target in _MODE_DEPENDENT]
         # dropouts run as hapd's counter-based draws (a recompute span's among them)
@@ -222,10 +248,14 @@ class ParallelModule(PlannedModule):
             raise PlanError("the model's inputs have no batch dim 0 to size")
         return tuple((batch, *s[1:]) for s in self._example_shapes)
 
-    def shard_inputs(self, *global_batch: Tensor) -> tuple[Tensor, ...]:
+    def shard_inputs(self, *global_batch: Tensor, **global_dict: Tensor) -> tuple[Tensor, ...] | dict[str, Tensor]:
         """This rank's pieces of the global batch, in forward order, as the program of
         the current mode for its shapes cuts it (collective when that program is not
-        built yet); the next forwards run that program."""
+        built yet); the next forwards run that program. A dict batch
+        (``shard_inputs(**batch)``) gives a dict of the pieces, for ``module(**pieces)``."""
+        if global_dict:
+            pieces = self.shard_inputs(*self._positional(global_batch, global_dict, "shard_inputs"))
+            return dict(zip(self.keywords, pieces))
         check_tensors(global_batch, "shard_inputs")
         if len(global_batch) != len(self.inner.hapd_inputs):
             return self.inner.shard_inputs(*global_batch)  # the error naming the inputs
@@ -314,11 +344,13 @@ class ParallelModule(PlannedModule):
 
     # -- running -------------------------------------------------------------------------
 
-    def forward(self, *local_inputs: Tensor) -> Tensor:
+    def forward(self, *local_inputs: Tensor, **local_dict: Tensor) -> Tensor:
         """This rank's part of the loss of the global batch whose pieces these are, by
         the program of the current mode for that batch (the one :meth:`shard_inputs`
         or :meth:`expect_batch` named last; the example batch when neither did — on one
-        process as on several ranks, so a script that runs on one runs on many)."""
+        process as on several ranks, so a script that runs on one runs on many).
+        ``module(**batch)`` for a module made from a dict batch (:attr:`keywords`)."""
+        local_inputs = self._positional(local_inputs, local_dict, "forward")
         check_tensors(local_inputs, "forward")
         program = self._forward_program(local_inputs)
         local_inputs = _split_halves(program, local_inputs)

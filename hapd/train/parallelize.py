@@ -44,7 +44,7 @@ from hapd.spmd.distributed import init_distributed, job_host_groups
 from hapd.train.parallel_module import ParallelModule
 from hapd.train.pipeline_module import PipelineModule, build_pipeline_module
 from hapd.train.plan_source import PlanSource, compile_options, given_plan, job_profile, obtain_plan
-from hapd.train.programs import CARRY, Recipe, export_key, op_nodes
+from hapd.train.programs import CARRY, Recipe, by_keyword, export_key, op_nodes
 from hapd.spmd.rank import RankModule
 from hapd.spmd.random.random_ops import COUNTER_RNG, RNG_CHOICES, TORCH_RNG
 from hapd.spmd.rewrite import distribute
@@ -99,6 +99,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     if not isinstance(model, nn.Module):
         raise OptionsError(f"parallelize takes a torch.nn.Module whose forward returns the loss, not a "
                            f"{type(model).__name__}", field="model")
+    model, example_inputs, batch_dims, name = by_keyword(model, example_inputs, batch_dims, name)  # a dict batch
     started = time.time()
     _join_job_if_launched()
     joined_s = time.time() - started

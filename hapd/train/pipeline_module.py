@@ -48,7 +48,7 @@ from hapd.train.precision import plan_autocast
 from hapd.train.parallel_module import ParallelModule, PlannedModule, check_tensors, clip_grads, max_abs, power_sum
 from hapd.spmd.pipeline import PipelineRank, build_pipeline
 from hapd.train.plan_source import PlanSource
-from hapd.train.programs import Recipe
+from hapd.train.programs import Recipe, keyword_names
 
 
 class _KeptGradients(torch.autograd.Function):
@@ -118,8 +118,11 @@ class PipelineModule(PlannedModule):
                             f"not {batch} (pass drop_last=True to the loader)")
         return None
 
-    def shard_inputs(self, *global_batch: Tensor) -> tuple[Tensor, ...]:
+    def shard_inputs(self, *global_batch: Tensor, **global_dict: Tensor) -> tuple[Tensor, ...] | dict[str, Tensor]:
         """The global batch itself: every stage reads the micro-batches of it it needs."""
+        if global_dict:
+            self.shard_inputs(*self._positional(global_batch, global_dict, "shard_inputs"))
+            return dict(global_dict)
         check_tensors(global_batch, "shard_inputs")
         self._check_shapes(global_batch)
         return tuple(global_batch)
@@ -135,9 +138,11 @@ class PipelineModule(PlannedModule):
 
     # -- running -------------------------------------------------------------------------
 
-    def forward(self, *global_batch: Tensor) -> Tensor:
+    def forward(self, *global_batch: Tensor, **global_dict: Tensor) -> Tensor:
         """Runs the pipeline's schedule on the global batch; returns this rank's part of
-        the loss, whose ``backward()`` adds the step's gradients (module docstring)."""
+        the loss, whose ``backward()`` adds the step's gradients (module docstring).
+        ``module(**batch)`` for a module made from a dict batch."""
+        global_batch = self._positional(global_batch, global_dict, "forward")
         return self._telemetry.forward(self, self._step, global_batch)
 
     def _step(self, *global_batch: Tensor) -> Tensor:
@@ -305,8 +310,10 @@ def build_pipeline_module(recipe: Recipe, source: PlanSource, profile: Any, opti
     sizes.update({k: tuple(t.shape) for k, t in extra.items()})
     stage_source = PlanSource(pipe.plans[pipe.s], f"stage {pipe.s} of the pipeline", 0.0)
     shapes = [tuple(t.shape) for t in example_inputs]
-    return PipelineModule(pipe, source, stage_source, sizes=sizes, owners=owners, aliases=aliases, extra=extra,
-                          example_shapes=shapes)
+    module = PipelineModule(pipe, source, stage_source, sizes=sizes, owners=owners, aliases=aliases, extra=extra,
+                            example_shapes=shapes)
+    module.keywords = keyword_names(recipe.model)  # a dict batch: module(**batch)
+    return module
 
 
 __all__ = ["PipelineModule", "build_pipeline_module"]

@@ -6,11 +6,17 @@ keeps what :func:`~hapd.train.parallelize.parallelize` was given, to export the 
 again for that mode and batch (:meth:`Recipe.export`); :func:`aligned_force` keeps the
 training plan's choices for every op the two graphs share (:func:`op_nodes`), so the
 other program's plan holds every parameter as the training plan does.
+
+A dict batch (what ``datasets`` and transformers' collators give, ``model(**batch)``)
+is exported through :class:`KeywordModel` (:func:`by_keyword`): the model seen as one
+whose forward takes the dict's tensors in its order, under their names, with the
+model's own parameter names.
 """
 
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import os
 import threading
@@ -31,7 +37,7 @@ from hapd.compiler.options import CompileOptions
 from hapd.ir.lower import lower_at
 from hapd.ir.shapes import batch_info, is_symbolic, program_at
 from hapd.compiler.techniques import GraphSet, graph_set
-from hapd.errors import PlanError
+from hapd.errors import OptionsError, PlanError
 from hapd.profile.schema import Profile
 from hapd.elastic.in_place import KEEP_EXPORTS_ENV
 from hapd.state.weights import WeightSource
@@ -196,6 +202,101 @@ class Recipe:
 
 
 # --------------------------------------------------------------------------------------
+# Dict batches: the model called by keyword
+# --------------------------------------------------------------------------------------
+
+
+class KeywordModel(nn.Module):
+    """``model`` called as ``model(**dict(zip(keys, inputs)))`` by a forward that takes
+    the inputs in ``keys``' order, named as the keys (the exported program's inputs are
+    ``input_ids``, ``labels``, …). It shares the model's parameters, buffers and
+    submodules under their own names (the same dicts, not a ``model.`` prefix), so the
+    state dict, the plan's tensors and checkpoints name them as the model does. Made
+    by :func:`by_keyword` (a subclass per key list, whose forward's signature names
+    them: :func:`torch.export.export` reads the input names from it)."""
+
+    keys: tuple[str, ...] = ()
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "keyword_model", model)  # not a child: its entries are this module's own
+        self._parameters = model._parameters  # noqa: SLF001 - shared, so every name stays the model's
+        self._buffers = model._buffers  # noqa: SLF001
+        self._modules = model._modules  # noqa: SLF001
+        self._non_persistent_buffers_set = model._non_persistent_buffers_set  # noqa: SLF001
+        self.training = model.training
+
+    def train(self, mode: bool = True) -> "KeywordModel":
+        """Sets the model's own mode too (its forward may read ``self.training``)."""
+        self.keyword_model.train(mode)
+        return super().train(mode)
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        return self.keyword_model(**dict(zip(self.keys, inputs)))
+
+    def extra_repr(self) -> str:
+        return f"{type(self.keyword_model).__name__} called with {', '.join(self.keys)}"
+
+
+def by_keyword(model: nn.Module, example: Sequence[Tensor] | Mapping[str, Tensor],
+               batch_dims: Sequence[int | None] | Mapping[str, int | None] | None, name: str | None
+               ) -> tuple[nn.Module, tuple[Tensor, ...], Sequence[int | None] | None, str | None]:
+    """``(model, example inputs, batch dims, name)`` as :func:`hapd.parallelize` exports
+    them: unchanged for a tuple batch; for a dict batch (``model(**batch)``), the model
+    as a :class:`KeywordModel` of the dict's keys, its tensors in the dict's order,
+    ``batch_dims`` (a sequence in that order, or a dict by key) in that order too, and
+    the model's class name. :class:`~hapd.errors.OptionsError` naming a key whose
+    value is not a tensor or that the model's forward does not take."""
+    if not isinstance(example, Mapping):
+        return model, example, batch_dims, name
+    keys = [str(k) for k in example]
+    for key, value in example.items():
+        if not isinstance(value, Tensor):
+            raise OptionsError(f"example batch[{key!r}] is a {type(value).__name__}, not a tensor (a dict batch "
+                               "holds the forward's tensor arguments: drop other columns)", field=f"inputs[{key!r}]")
+    _check_keywords(model, keys)
+    if isinstance(batch_dims, Mapping):
+        batch_dims = [batch_dims.get(k, 0 if example[k].dim() > 0 else None) for k in keys]
+    forward = _keyword_forward(keys)
+    cls = type(type(model).__name__, (KeywordModel,), {"forward": forward, "keys": tuple(keys)})
+    return cls(model), tuple(example[k] for k in keys), batch_dims, name or type(model).__name__
+
+
+def _keyword_forward(keys: Sequence[str]) -> Any:
+    """``KeywordModel.forward`` with a signature that names ``keys``."""
+    def forward(self: KeywordModel, *inputs: Tensor) -> Tensor:
+        return self.keyword_model(**dict(zip(self.keys, inputs)))
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    forward.__signature__ = inspect.Signature([inspect.Parameter("self", kind)]  # type: ignore[attr-defined]
+                                              + [inspect.Parameter(k, kind) for k in keys])
+    return forward
+
+
+def _check_keywords(model: nn.Module, keys: Sequence[str]) -> None:
+    """:class:`~hapd.errors.OptionsError` naming the keys ``model.forward`` takes no
+    argument for (none when it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in keys if k not in named]
+    if unknown:
+        raise OptionsError(f"{type(model).__name__}.forward takes no argument {', '.join(map(repr, unknown))} of the "
+                           f"example batch (it takes {', '.join(named)}): drop those keys from the batch",
+                           field=f"inputs[{unknown[0]!r}]")
+
+
+def keyword_names(model: nn.Module) -> tuple[str, ...] | None:
+    """The keys a module built from ``model`` is called with (``module(**batch)``), or
+    None for a model exported from a tuple batch."""
+    return tuple(model.keys) if isinstance(model, KeywordModel) else None
+
+
+# --------------------------------------------------------------------------------------
 # Exports carried across a run of the script again in the same process
 # --------------------------------------------------------------------------------------
 
@@ -349,4 +450,5 @@ def aligned_force(training: Sequence[tuple[str, str]], rules: Mapping[str, str],
     return force
 
 
-__all__ = ["CARRY", "ExportCarry", "Recipe", "Shapes", "aligned_force", "export_key", "op_nodes", "rebind"]
+__all__ = ["CARRY", "ExportCarry", "KeywordModel", "Recipe", "Shapes", "aligned_force", "by_keyword", "export_key",
+           "keyword_names", "op_nodes", "rebind"]
