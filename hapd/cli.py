@@ -8,13 +8,18 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from hapd import __version__
+from hapd.compiler.options import TECHNIQUE_MARGIN
 from hapd.errors import HapdError, OptionsError
 from hapd.serve.cache import DEFAULT_MAX_CACHE_BYTES
 from hapd.util import private_folder
+
+if TYPE_CHECKING:
+    from hapd.compiler.plan import Plan
 
 
 class _HapdGroup(click.Group):
@@ -238,8 +243,12 @@ def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
                    "auto and a static GRAPH, its model exported at a smaller batch, to price that micro-batch count "
                    "(repeatable).")
 @click.option("--global-batch", type=click.IntRange(min=2), default=None,
-              help="With --overlap: the global batch the plan trains; GRAPH must have been exported at half of it "
-                   "(checked before compiling).")
+              help="With --overlap: the global batch the plan trains, checked before compiling: a .pt2 exported with "
+                   "a symbolic batch must have been exported at it (the exported batch is the global batch of every "
+                   "technique); a static GRAPH, one duplica's, at half of it.")
+@click.option("--technique-margin", type=float, default=TECHNIQUE_MARGIN, show_default=True,
+              help="How much faster a pipeline or overlap must be predicted than every simpler technique (SPMD, then "
+                   "pipeline, then overlap) to be chosen: 0.02 is 2%; in [0, 1).")
 @click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="fp32", show_default=True,
               help="What the job trains in: autocast to bf16 or fp16 (fp32 master weights), priced at each device's "
                    "rate in that dtype; auto: bf16 where every device has it, else fp16, fp32 on CPUs.")
@@ -249,39 +258,35 @@ def inspect_cmd(file: Path, imports: tuple[str, ...]) -> None:
 @_import_option
 def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap: bool, memory_caps: bool,
                 max_seconds: float | None, recompute: str, pipeline: str, micro_graphs: tuple[Path, ...],
-                global_batch: int | None, precision: str, reduce_dtype: str, show: bool,
+                global_batch: int | None, technique_margin: float, precision: str, reduce_dtype: str, show: bool,
                 imports: tuple[str, ...]) -> None:
     """Synthesize a plan for GRAPH (.pt2 or .hapg) on a cluster PROFILE."""
     from hapd.compiler.driver import compile as compile_plan
     from hapd.compiler.options import CompileOptions
     from hapd.compiler.plan import gap_lines, search_pass_lines, technique_lines
-    from hapd.compiler.plan_summary import plan_line
+    from hapd.compiler.plan_summary import global_batch as global_batch_of
+    from hapd.compiler.plan_summary import plan_line, predicted_seconds, technique_name
 
     _import(imports)
-    duplica_batch = None
-    if overlap:
-        duplica_batch = _graph_batch(graph)
-        if global_batch is not None and duplica_batch is not None and 2 * duplica_batch != global_batch:
-            raise OptionsError(
-                f"--overlap: {graph} was exported at batch {duplica_batch}, but a duplica's graph of global batch "
-                f"{global_batch} has batch {global_batch // 2}: export it at --batch {global_batch // 2}"
-                + (" (half the global batch)" if global_batch % 2 == 0 else "; the global batch must be even"),
-                field="global_batch")
-    elif global_batch is not None:
-        raise OptionsError("--global-batch is for --overlap (a duplica's graph is half the global batch)",
-                           field="global_batch")
+    if global_batch is not None:
+        if not overlap:
+            raise OptionsError("--global-batch is for --overlap (a duplica's graph is half the global batch)",
+                               field="global_batch")
+        _check_global_batch(graph, global_batch, pipeline)
 
     options = CompileOptions(zero=zero, overlap=overlap, memory_caps=memory_caps, max_seconds=max_seconds,
-                             recompute=recompute, pipeline=pipeline, precision=precision, reduce_dtype=reduce_dtype)
+                             recompute=recompute, pipeline=pipeline, precision=precision, reduce_dtype=reduce_dtype,
+                             technique_margin=technique_margin)
     if micro_graphs:
         click.echo("note: --micro-graph is deprecated: export GRAPH with a symbolic batch (hapd export) and every "
                    "micro-batch graph is cut from it", err=True)
     plan = compile_plan(graph, profile, options, micro_graphs=micro_graphs)
     path = plan.save(out or graph.with_suffix(".hplan"))
-    est, base, stats = plan.estimate, plan.doc["baselines"], plan.doc["stats"]
+    base, stats = plan.doc["baselines"], plan.doc["stats"]
+    won = predicted_seconds(plan.doc)
     click.echo(
-        f"wrote {path}: {est['per_iteration'] * 1e3:.2f} ms/iteration estimated "
-        f"(speed-up over DP-EV {base['dp_ev'] / est['per_iteration']:.2f}×, over DP-CP {base['dp_cp'] / est['per_iteration']:.2f}×); "
+        f"wrote {path}: {won * 1e3:.2f} ms/iteration estimated ({technique_name(plan.technique)}, global batch "
+        f"{global_batch_of(plan.doc) or '?'}; speed-up over DP-EV {base['dp_ev'] / won:.2f}×, over DP-CP {base['dp_cp'] / won:.2f}×); "
         f"SPMD search {stats['seconds']:.3f} s in {_count(len(stats.get('passes') or [1]), 'pass', 'passes')}, "
         f"{stats['expanded']} states, {stats['stop_reason']}"
     )
@@ -291,20 +296,73 @@ def compile_cmd(graph: Path, profile: str, out: Path | None, zero: bool, overlap
             click.echo(line)
     for line in gap_lines(plan.doc.get("dp_gap")):
         click.echo(line)
-    if duplica_batch is not None:
-        click.echo(f"overlap: {graph.name} is one duplica's batch of {duplica_batch}: the plan trains global batches of "
-                   f"{2 * duplica_batch} (two duplicas); a graph exported at the full batch trains twice it")
+    for line in _duplica_lines(plan, graph.name):
+        click.echo(line)
     for line in technique_lines(plan.doc):
         click.echo(line)
     found = plan.doc.get("pipeline")
     if found:
         click.echo(
-            f"pipeline: {len(found['stages'])} stages, {found['micro_batches']} micro-batches, "
-            f"{found['per_iteration'] * 1e3:.2f} ms/iteration predicted, "
-            + ("chosen over the SPMD plan" if found["chosen"] else "the SPMD plan is cheaper")
+            f"pipeline: {len(found['stages'])} stages, {found['micro_batches']} micro-batches of "
+            f"{found['micro_batch_size']}, {found['per_iteration'] * 1e3:.2f} ms/iteration predicted, "
+            + ("chosen over the SPMD plan" if found["chosen"] else f"not run: the {technique_name(plan.technique)} plan runs")
         )
     if show:
         click.echo(plan.explain())
+
+
+def _check_global_batch(graph: Path, global_batch: int, pipeline: str) -> None:
+    """``--global-batch`` against what GRAPH trains with ``--overlap``: a ``.pt2`` exported
+    with a symbolic batch trains its exported batch (every technique cut from it); a
+    static graph compiled alone is one duplica's, half the global batch."""
+    exported = _exported_batch(graph)
+    if exported is not None:
+        if exported != global_batch:
+            raise OptionsError(f"--overlap: {graph} was exported with a symbolic batch at {exported}, the global batch "
+                               f"every technique trains, not {global_batch}: export it at --batch {global_batch}",
+                               field="global_batch")
+        return
+    duplica_batch = _graph_batch(graph)
+    if pipeline != "auto" and duplica_batch is not None and 2 * duplica_batch != global_batch:
+        raise OptionsError(
+            f"--overlap: {graph} was exported at batch {duplica_batch}, but a duplica's graph of global batch "
+            f"{global_batch} has batch {global_batch // 2}: export it at --batch {global_batch // 2}"
+            + (" (half the global batch)" if global_batch % 2 == 0 else "; the global batch must be even"),
+            field="global_batch")
+
+
+def _exported_batch(graph: Path) -> int | None:
+    """The example batch of a ``.pt2`` exported with a symbolic batch (the global batch it
+    trains); None for a static program or a ``.hapg``."""
+    if graph.suffix != ".pt2":
+        return None
+    from hapd.ir.lower import load_exported
+    from hapd.ir.shapes import batch_info
+
+    info = batch_info(load_exported(graph)[0])
+    return info.size if info is not None and info.symbolic and info.size else None
+
+
+def _duplica_lines(plan: Plan, name: str) -> list[str]:
+    """What a compile of one duplica's graph (a static graph with ``--overlap``) trains:
+    twice its batch; and that its overlap hides nothing when it does not (the plan was not
+    chosen against SPMD: one graph prices no other technique)."""
+    from hapd.compiler.plan_summary import format_seconds, global_batch
+
+    if plan.technique != "overlap" or "graphs" in plan.key:
+        return []
+    batch = global_batch(plan.doc)
+    lines = []
+    if batch is not None:
+        lines.append(f"overlap: {name} is one duplica's graph, of batch {batch // plan.duplicas}: the plan trains global "
+                     f"batches of {batch} (two duplicas); a .pt2 exported with a symbolic batch (hapd export) trains "
+                     "the batch it was exported at, every technique priced from it")
+    shown = plan.estimate.get("overlap") or {}
+    if float(shown.get("hidden", 0.0)) <= 0:
+        lines.append(f"overlap: the schedule hides no communication under compute "
+                     f"({format_seconds(float(shown.get('exposed', 0.0)))} exposed): the SPMD plan of the global batch "
+                     "would do the same with one program")
+    return lines
 
 
 def _graph_batch(graph: Path) -> int | None:

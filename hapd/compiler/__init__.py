@@ -5,6 +5,8 @@ From the ground floor up (each module imports only those before it):
 
 - :mod:`~hapd.compiler.options` — :class:`~hapd.compiler.options.CompileOptions`, validated,
   and their one conversion from a map of fields (no torch: the daemon reads them);
+- :mod:`~hapd.compiler.choice` — which technique runs when several are priced: the
+  simplest unless a more complex one is predicted faster by the margin;
 - :mod:`~hapd.compiler.lengths` — integer lengths under sharding ratios (no pulp, no
   torch: the loaders read it);
 - :mod:`~hapd.compiler.precision` — a graph's dtypes as autocast gives them (bf16/fp16

@@ -12,23 +12,25 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from torch.export import ExportedProgram
 
 from hapd import __version__, _core
 from hapd.compiler.pipeline import stage_search as pipeline_search
+from hapd.compiler.pipeline.stage_cost import graph_batch
+from hapd.compiler.choice import ORDER, choose
 from hapd.compiler.dp_gap import dp_gap
 from hapd.ir.lower import GraphIR, load_exported, lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.overlap import is_overlapped
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
-from hapd.compiler.plan_summary import technique
+from hapd.compiler.plan_summary import format_seconds, technique
 from hapd.compiler.ratios import peak_memory, program_cost
 from hapd.compiler.search import SpmdSearch, dp_fits, search_spmd
 from hapd.ir.shapes import is_symbolic
 from hapd.compiler.techniques import GraphSet, graphs_of_program, needs_other_batches
-from hapd.errors import HapdError, OptionsError
+from hapd.errors import GraphError, HapdError, OptionsError
 from hapd.compiler.precision import autocast_graph
 from hapd.profile.precision import device_speed, for_precision, resolve_precision
 from hapd.profile.schema import Profile, load_profile
@@ -46,7 +48,9 @@ def compile(  # noqa: A001 - hapd.compile is the public name
     with ``options.pipeline`` auto or ``options.overlap`` is compiled with every technique
     in the space from that one program (:func:`compile_techniques`:
     SPMD at the global batch, pipelines over the micro-batch graphs derived from it,
-    overlap on the half-batch graph; the cheapest wins, ``Plan.technique`` says which),
+    overlap on the half-batch graph; the simplest wins unless a more complex one is
+    predicted ``options.technique_margin`` faster, :mod:`hapd.compiler.choice`;
+    ``Plan.technique`` says which),
     and so is a static program with both (the graphs it cannot give are reported not
     priced, with the reason). A single graph compiles as before: with ``options.overlap``
     it is one duplica's graph (half the global batch); with ``options.pipeline`` auto,
@@ -104,9 +108,13 @@ def precision_record(profile: Profile, options: CompileOptions, precision: str) 
 
 @gc_paused()
 def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions | None = None) -> Plan:
-    """The cheapest technique's plan for ``graphs`` on ``profile`` (see the module
-    docstring); ``options.pipeline`` auto and ``options.overlap`` put pipelines and
-    overlap in the space."""
+    """The plan of the technique that runs for ``graphs`` on ``profile``: SPMD, unless a
+    pipeline or overlap is predicted ``options.technique_margin`` faster than every
+    simpler technique (:mod:`hapd.compiler.choice`); an overlap plan that hides no
+    communication is not priced. ``options.pipeline`` auto and ``options.overlap`` put
+    pipelines and overlap in the space. Every technique's plan trains the same global
+    batch, ``graphs.full``'s (``global_batch``): a pipeline's micro-batches and overlap's
+    two duplicas are shares of it."""
     options = options or CompileOptions()
     if options.overlap and options.ratios is not None:
         raise OptionsError("overlap with fixed ratios over a technique search", field="ratios")
@@ -139,35 +147,50 @@ def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions |
         overlap_options = dataclasses.replace(options, pipeline="off", overlap=True)
         try:
             duplica = dict(compile(graphs.half, profile, overlap_options).doc)
-            priced["overlap"] = {"per_iteration": duplica["estimate"]["per_iteration"]}
+            priced["overlap"] = _overlap_priced(duplica["estimate"])
             stats["overlap_seconds"] = duplica["stats"]["seconds"]
         except HapdError as exc:
             priced["overlap"] = {"per_iteration": None, "reason": f"{type(exc).__name__}: {exc}"}
-    winner = _cheapest(priced, dispatch)
+    winner = _winner(priced, dispatch, options.technique_margin)
     doc = duplica if winner == "overlap" and duplica is not None else spmd
-    if winner != "pipeline" and doc.get("pipeline"):
-        doc["pipeline"] = {**doc["pipeline"], "chosen": False}
-    if winner == "overlap" and spmd.get("pipeline") is not None:
-        doc["pipeline"] = {**spmd["pipeline"], "chosen": False}
+    if winner == "overlap" and "pipeline" in spmd:  # what the pipeline search found, or why nothing
+        doc["pipeline"] = spmd["pipeline"]
         doc["stats"] = {**doc["stats"], "pipeline": spmd["stats"]["pipeline"]}
+    if doc.get("pipeline"):
+        doc["pipeline"] = {**doc["pipeline"], "chosen": winner == "pipeline"}
     doc["key"] = {**doc["key"], "options": options.key(), "graphs": graphs.key()}
     doc["technique"] = winner
+    doc["global_batch"] = graphs.batch
     doc["estimate"] = {**doc["estimate"], "techniques": priced}
     doc["stats"] = {**doc["stats"], "techniques": {**stats, "seconds": sum(stats.values())}}
     return Plan(doc)
 
 
-def _cheapest(priced: Mapping[str, Mapping[str, Any]], dispatch: float) -> str:
-    """The technique of least predicted seconds per iteration; a pipeline's prediction
-    includes its ops' dispatch (the profile's ``op_seconds``), so the others are
-    compared with the SPMD plan's dispatch (``dispatch``) added; ties go to the
-    simpler (SPMD, then overlap)."""
-    def cost(name: str) -> float:
-        seconds = priced[name].get("per_iteration")
-        if seconds is None:
-            return float("inf")
-        return seconds if name == "pipeline" else seconds + dispatch
-    return min(("spmd", "overlap", "pipeline"), key=lambda name: (cost(name), ("spmd", "overlap", "pipeline").index(name)))
+def _overlap_priced(estimate: Mapping[str, Any]) -> dict[str, Any]:
+    """Overlap's entry in ``estimate.techniques``: its predicted seconds, or none when
+    its schedule hides no communication under compute: two half-batch duplicas that
+    hide nothing run what one SPMD program does, with more to go wrong, so such a plan
+    is not an overlap plan (never chosen; ``reason`` says why, ``predicted`` keeps its
+    seconds)."""
+    seconds = float(estimate["per_iteration"])
+    hidden = float((estimate.get("overlap") or {}).get("hidden", 0.0))
+    if hidden > 0:
+        return {"per_iteration": seconds}
+    return {"per_iteration": None, "predicted": seconds,
+            "reason": f"hides no communication under compute (predicted {format_seconds(seconds)}): "
+                      "not an overlap plan"}
+
+
+def _winner(priced: Mapping[str, Mapping[str, Any]], dispatch: float, margin: float) -> str:
+    """The technique that runs (:func:`hapd.compiler.choice.choose`: the simplest unless a
+    more complex one is predicted ``margin`` faster than every simpler one). A
+    pipeline's prediction includes its ops' dispatch (the profile's ``op_seconds``), so
+    the others are compared with the SPMD plan's dispatch (``dispatch``) added."""
+    costs: dict[str, float | None] = {}
+    for name in ORDER:
+        seconds = (priced.get(name) or {}).get("per_iteration")
+        costs[name] = None if seconds is None else float(seconds) + (0.0 if name == "pipeline" else dispatch)
+    return choose(costs, margin)
 
 
 def _add_technique(doc: dict) -> None:
@@ -232,6 +255,7 @@ def _plan_document(data: bytes, profile: Profile, options: CompileOptions, found
         "program": program,
         "overlap": is_overlapped(program),
         "duplicas": int(program.get("duplicas", 1)),
+        "global_batch": _global_batch(data, int(program.get("duplicas", 1))),
         "ratios": ratios,
         "lengths": split_lengths(program, ratios),
         "estimate": estimate(program, ratios),
@@ -257,6 +281,16 @@ def _plan_document(data: bytes, profile: Profile, options: CompileOptions, found
             "passes": [dict(p) for p in found.passes],
         },
     }
+
+
+def _global_batch(data: bytes, duplicas: int) -> int | None:
+    """The global batch a plan of graph ``data`` trains: the graph's batch, times the
+    duplicas when it is one duplica's (an overlap plan's graph is half the global batch).
+    None for a graph without one batch dim (nothing to split by samples)."""
+    try:
+        return graph_batch(GraphIR(data).doc) * duplicas
+    except GraphError:
+        return None
 
 
 def _add_pipeline(doc: dict, data: bytes, micro_graphs: Sequence[Any], profile: Profile, options: CompileOptions,

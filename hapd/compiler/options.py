@@ -29,6 +29,9 @@ MAX_FRONT_WIDTH = 2**63 - 1
 """Largest front width (a 64-bit integer in the core)."""
 MAX_SEARCH_SECONDS = 7 * 24 * 3600.0
 """Longest time budget of one search: a week (the core's timer takes finite seconds)."""
+TECHNIQUE_MARGIN = 0.02
+"""The default of ``CompileOptions.technique_margin``: a more complex technique must be
+predicted at least 2% faster than every simpler one to be chosen."""
 
 
 def _int_option(name: str, value: Any, most: int) -> None:
@@ -48,6 +51,14 @@ def _seconds_option(name: str, value: Any) -> None:
         raise OptionsError(f"{name} {value!r} must be a number of seconds", field=name)
     if not (math.isfinite(value) and 0 < value <= MAX_SEARCH_SECONDS):
         raise OptionsError(f"{name} {value!r} must be a finite number of seconds in (0, {MAX_SEARCH_SECONDS:g}]", field=name)
+
+
+def _margin_option(name: str, value: Any) -> None:
+    """A share of a step's time in [0, 1): 1 or more would rule out every complex technique."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptionsError(f"{name} {value!r} must be a number", field=name)
+    if not (math.isfinite(value) and 0 <= value < 1):
+        raise OptionsError(f"{name} {value!r} must be at least 0 and below 1 (0.02: 2% faster)", field=name)
 
 
 def _is_force(value: Any) -> bool:
@@ -125,6 +136,14 @@ class CompileOptions:
     ``micro_graphs``); ``"off"``: the SPMD plan only. With ``overlap`` too, only from a
     program (:mod:`hapd.compiler.techniques`). Not with fixed ``ratios`` (the ratios of
     the whole cluster)."""
+    technique_margin: float = TECHNIQUE_MARGIN
+    """How much faster a more complex technique must be predicted to be chosen: the
+    techniques rank SPMD, then pipeline, then overlap (each runs more machinery than the
+    one before), and one wins only when its predicted seconds per step are at most
+    ``1 - technique_margin`` times every simpler technique's (0.02: at least 2% faster);
+    of those that qualify the fastest runs, ties to the simpler. An estimate within the
+    margin is within the cost model's error, and the simpler program is less to go
+    wrong. In [0, 1); 0 picks the fastest (ties still to the simpler)."""
     precision: str = "fp32"
     """What the job trains in: ``"fp32"``; ``"bf16"`` or ``"fp16"``: the forward runs
     under ``torch.autocast`` to that dtype (matmul, convolution and attention in half
@@ -161,6 +180,7 @@ class CompileOptions:
             raise OptionsError(f"recompute {self.recompute!r} is not auto, never or always", field="recompute")
         if not isinstance(self.pipeline, str) or self.pipeline not in PIPELINE:
             raise OptionsError(f"pipeline {self.pipeline!r} is not off or auto", field="pipeline")
+        _margin_option("technique_margin", self.technique_margin)
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
             raise OptionsError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}", field="precision")
         if not isinstance(self.reduce_dtype, str) or self.reduce_dtype not in REDUCE_DTYPES:
@@ -216,6 +236,7 @@ class CompileOptions:
             del out["reduce_dtype"]
         out["force"] = dict(sorted(self.force.items()))
         out["ratios"] = list(self.ratios) if self.ratios is not None else None
+        out["technique_margin"] = float(self.technique_margin)
         return out
 
     def core(

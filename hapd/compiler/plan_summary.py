@@ -33,10 +33,14 @@ GLOSSARY = (
     "terms (docs/explain.md):",
     "  SPMD = one program every rank runs on its share of the work; pipeline = stages of layers on groups of",
     "    ranks, micro-batches flowing through them (1F1B); overlap = two half-batch duplicas interleaved, one",
-    "    computing while the other communicates",
+    "    computing while the other communicates; a more complex technique runs only when predicted faster",
+    "    than every simpler one by the margin (2% unless compiled with another technique_margin)",
     "  DP-EV / DP-CP = data parallelism as DDP runs it, the batch split evenly (EV) or in proportion to each",
     "    device's FLOP/s (CP), priced by the same cost model from the same profile",
-    "  ratio = the share of every split dimension a rank computes; per-rank batch = its samples of the batch",
+    "  global batch = the batch the model was exported at (or given to hapd.parallelize), whatever the",
+    "    technique: overlap's duplicas take half each, a pipeline's micro-batches their share",
+    "  ratio = the share of every split dimension a rank computes; per-rank batch = its samples of the global",
+    "    batch in a step (both duplicas' with overlap)",
     "  layouts (how a rank holds a tensor): Identity = whole on every rank (replicated); Gather(d) = split",
     "    along dim d, each rank holding its ratio's slice; Reduce = a partial sum (the value is the ranks' sum)",
     "  sharded = a step whose work is split between the ranks; replicated = every rank does all of it",
@@ -50,6 +54,11 @@ def format_seconds(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.1f} µs"
+
+
+def technique_name(name: str) -> str:
+    """How a person reads a technique's name: ``SPMD``, ``pipeline``, ``overlap``."""
+    return _NAMES.get(name, name)
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -150,24 +159,56 @@ def _ratios(ratios: Sequence[float]) -> str:
     return "/".join(f"{r:.3g}" for r in ratios)
 
 
+def global_batch(doc: Mapping[str, Any]) -> int | None:
+    """The global batch the plan trains, whatever its technique: the batch the model was
+    exported at (or given to ``hapd.parallelize``) for a technique search; overlap's two
+    duplicas and a pipeline's micro-batches are shares of it. ``doc["global_batch"]``
+    when recorded, else from what the plan splits (None when it does not say)."""
+    recorded = doc.get("global_batch")
+    if recorded is not None:
+        return int(recorded)
+    if technique(doc) == "pipeline" and doc.get("pipeline"):
+        return int(doc["pipeline"]["micro_batches"]) * int(doc["pipeline"]["micro_batch_size"])
+    split = input_split(doc)
+    return sum(split) * int(doc.get("duplicas", 1)) if split else None
+
+
+def rank_batches(doc: Mapping[str, Any]) -> list[int] | None:
+    """Samples of the global batch each rank computes in a step (both duplicas' shares
+    for an overlap plan), when every batch input is split along dim 0 alike; else None."""
+    split = input_split(doc)
+    if split is None or technique(doc) == "pipeline":
+        return None
+    return [int(doc.get("duplicas", 1)) * n for n in split]
+
+
+def _batches(lengths: Sequence[int]) -> str:
+    return "/".join(map(str, lengths)) if len(lengths) <= 8 else f"{min(lengths)}…{max(lengths)}"
+
+
 def split_text(doc: Mapping[str, Any]) -> str:
-    """How the plan splits the work: the pipeline's stages and micro-batches, the
-    per-rank batch of a data-parallel split of the inputs, or the ratios."""
+    """How the plan splits the global batch (:func:`global_batch`): the pipeline's stages
+    and micro-batches, the per-rank batch of a data-parallel split of the inputs (a
+    step's samples on each rank; an overlap plan's two duplicas and each rank's share of
+    one), or the ratios."""
+    batch = global_batch(doc)
     if technique(doc) == "pipeline":
         found = doc["pipeline"]
         stages = ", ".join(f"{_ranks(s['ranks'])}" for s in found["stages"])
-        return (f"{len(found['stages'])} stages ({stages}), {found['micro_batches']} micro-batch"
+        of = f"global batch {batch} in " if batch is not None else ""
+        return (f"{len(found['stages'])} stages ({stages}), {of}{found['micro_batches']} micro-batch"
                 f"{'es' if found['micro_batches'] != 1 else ''} of {found['micro_batch_size']}")
     ratios = list(doc["ratios"])
     split = input_split(doc)
     duplicas = int(doc.get("duplicas", 1))
+    each = f"{duplicas} duplicas of {batch // duplicas}" if batch is not None else f"{duplicas} duplicas"
     if split is not None and len(split) > 1:
-        each = "/".join(map(str, split)) if len(split) <= 8 else f"{min(split)}…{max(split)}"
-        per = f"per-rank batch {each} of {sum(split)}"
-        return per + (f" per duplica, {duplicas} duplicas" if duplicas > 1 else "")
+        text = f"per-rank batch {_batches(rank_batches(doc) or split)} of {batch if batch is not None else sum(split)}"
+        return text + (f" ({each}, each rank {_batches(split)} of each)" if duplicas > 1 else "")
+    of = f", global batch {batch}" if batch is not None else ""
     if len(ratios) == 1:
-        return "one device"
-    return f"ratios {_ratios(ratios)}" + (f", {duplicas} duplicas" if duplicas > 1 else "")
+        return "one device" + of + (f" ({each})" if duplicas > 1 else "")
+    return f"ratios {_ratios(ratios)}{of}" + (f" ({each})" if duplicas > 1 else "")
 
 
 def _spmd_kind(doc: Mapping[str, Any]) -> str:
@@ -180,8 +221,22 @@ def _spmd_kind(doc: Mapping[str, Any]) -> str:
     return "parameters sharded" if params_split else "data parallel"
 
 
+def margin_of(doc: Mapping[str, Any]) -> float:
+    """The margin a more complex technique had to win by (``CompileOptions.technique_margin``
+    in the plan's key; 0 for a plan compiled before it existed)."""
+    return float((doc.get("key", {}).get("options") or {}).get("technique_margin", 0.0))
+
+
+def _reason(doc: Mapping[str, Any], name: str) -> str | None:
+    """Why technique ``name`` has no price (recorded in ``estimate.techniques``)."""
+    found = (doc.get("estimate", {}).get("techniques") or {}).get(name)
+    return str(found["reason"]) if isinstance(found, Mapping) and found.get("reason") else None
+
+
 def _others(doc: Mapping[str, Any]) -> list[str]:
-    """How each other technique priced did, against the winner."""
+    """How each other technique priced did, against the winner: how much slower, or how
+    much faster and short of the margin a more complex technique must win by, or why it
+    has no price."""
     times = technique_times(doc)
     own, won = technique(doc), predicted_seconds(doc)
     out = []
@@ -190,10 +245,11 @@ def _others(doc: Mapping[str, Any]) -> list[str]:
             continue
         t = times[name]
         if t is None:
-            out.append(f"{_NAMES[name]}: none found")
+            out.append(f"{_NAMES[name]}: {_reason(doc, name) or 'none found'}")
         elif won > 0:
             out.append(f"{_NAMES[name]} {format_seconds(t)} ({t / won:.2f}× slower)" if t >= won else
-                       f"{_NAMES[name]} {format_seconds(t)} (faster, not run: {won / t:.2f}×)")
+                       f"{_NAMES[name]} {format_seconds(t)} ({won / t:.2f}× faster, short of the "
+                       f"{margin_of(doc):.0%} a more complex technique must win by)")
     return out
 
 
@@ -274,7 +330,7 @@ def _device_rows(doc: Mapping[str, Any]) -> list[str]:
         return _stage_rows(doc)
     est = doc["estimate"]
     ratios = list(doc["ratios"])
-    split = input_split(doc) or [None] * len(ratios)
+    split = rank_batches(doc) or [None] * len(ratios)
     rows: list[tuple[list[int], tuple]] = []
     for d, r in enumerate(ratios):
         key = (f"{r:.4f}", split[d], format_seconds(est["compute"][d]), format_seconds(est["communication"][d]),
@@ -377,5 +433,6 @@ def summary_lines(doc: Mapping[str, Any], *, glossary: bool = True) -> list[str]
     return lines
 
 
-__all__ = ["GLOSSARY", "TECHNIQUES", "format_seconds", "input_split", "plan_line", "precision_text", "predicted_seconds", "split_text", "summary_lines",
+__all__ = ["GLOSSARY", "TECHNIQUES", "format_seconds", "global_batch", "input_split", "margin_of", "plan_line",
+           "rank_batches", "technique_name", "precision_text", "predicted_seconds", "split_text", "summary_lines",
            "technique", "technique_times"]

@@ -91,10 +91,13 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     own random ops and torch's generator, as the eager model draws; one process only
     (several ranks would each draw a whole mask of their own).
 
-    ``overlap`` (with ``options.overlap``, the overlap-aware search): ``"auto"`` compiles
+    ``overlap`` (with ``options.overlap``, the overlap-aware search): ``"auto"`` prices
     the program for the whole batch and one duplica's program (half the batch) priced as
-    two interleaved duplicas (:mod:`hapd.spmd.duplicas`), and runs the cheaper;
-    ``"always"`` runs the duplicas whatever the estimates say (to measure them).
+    two interleaved duplicas (:mod:`hapd.spmd.duplicas`), and runs the duplicas only when
+    they hide communication and are predicted ``options.technique_margin`` faster
+    (:mod:`hapd.compiler.choice`); ``"always"`` runs the duplicas whatever the estimates
+    say (to measure them). Either way ``example_inputs`` is the global batch: each
+    duplica takes half of it.
     """
     if not isinstance(model, nn.Module):
         raise OptionsError(f"parallelize takes a torch.nn.Module whose forward returns the loss, not a "
@@ -239,21 +242,7 @@ def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
     half_program, half_graph = recipe.export(True, recipe.half_shapes())
     both = obtain_plan(half_graph, world=world, rank=rank, profile=recipe.profile, options=opts, group=group,
                        use_daemon=recipe.use_daemon)
-    if always:
-        return half_program, half_graph, both
-    program, graph = recipe.export(True, recipe.example_shapes)
-    plain = obtain_plan(graph, world=world, rank=rank, profile=recipe.profile,
-                        options=dataclasses.replace(opts, overlap=False), group=group, use_daemon=recipe.use_daemon)
-    plain_s, both_s = plain.plan.estimate["per_iteration"], both.plan.estimate["per_iteration"]
-    if both_s < plain_s:
-        chosen = dataclasses.replace(both, seconds=both.seconds + plain.seconds,
-                                     origin=f"{both.origin}; overlapped {both_s * 1e3:.2f} ms beats "
-                                            f"{plain_s * 1e3:.2f} ms without overlap")
-        return half_program, half_graph, chosen
-    chosen = dataclasses.replace(plain, seconds=both.seconds + plain.seconds,
-                                 origin=f"{plain.origin}; without overlap {plain_s * 1e3:.2f} ms, "
-                                        f"overlapped {both_s * 1e3:.2f} ms")
-    return program, graph, chosen
+    return half_program, half_graph, both  # always: the duplicas of half the global batch each, whatever the estimates
 
 
 def _default_options(options: CompileOptions | Mapping[str, Any] | None, profile: Any,

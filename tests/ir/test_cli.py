@@ -361,7 +361,7 @@ def test_overlap_checks_the_duplica_graphs_batch(factory_module, tmp_path) -> No
                              "global batch 8 has batch 4: export it at --batch 4 (half the global batch) [field global_batch]\n")
     result = run("compile", "m.hapg", "-p", "paper-8", "--overlap", "--global-batch", "16", cwd=tmp_path)
     assert result.exit_code == 0, result.output
-    assert ("overlap: m.hapg is one duplica's batch of 8: the plan trains global batches of 16 (two duplicas)"
+    assert ("overlap: m.hapg is one duplica's graph, of batch 8: the plan trains global batches of 16 (two duplicas)"
             in result.stdout)
     result = run("compile", "m.hapg", "-p", "paper-8", "--global-batch", "16", cwd=tmp_path)
     assert result.exit_code == 2 and "--global-batch is for --overlap" in result.stderr

@@ -92,7 +92,10 @@ def test_one_compile_prices_every_technique_from_one_file(tmp_path: Path) -> Non
     plan = compile_plan(tmp_path / "vit.pt2", profile, EVERYTHING)
     priced = plan.estimate["techniques"]
     assert set(priced) == {"spmd", "pipeline", "overlap"} and plan.technique in priced
-    assert priced["spmd"]["per_iteration"] > 0 and priced["overlap"]["per_iteration"] > 0
+    assert priced["spmd"]["per_iteration"] > 0
+    overlap = priced["overlap"]  # priced, or hides no communication: not an overlap plan (hapd.compiler.choice)
+    assert overlap["per_iteration"] > 0 if overlap["per_iteration"] is not None else (
+        overlap["predicted"] > 0 and "hides no communication" in overlap["reason"])
     assert plan.doc["technique"] == plan.technique
     assert set(plan.key["graphs"]["micro"]) == {"2", "4", "8"} and plan.key["graphs"]["half"] is not None
     best = min(v["per_iteration"] for v in priced.values() if v["per_iteration"] is not None)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from hapd.ir.lower import GraphIR
+from hapd.compiler.choice import beats
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.pipeline.stage_cost import (
     GraphUnits,
@@ -299,7 +300,8 @@ class PipelinePlan:
     """The pure SPMD plan's estimate it competed with, with its ops' dispatch added as
     the stages' is (the profile's ``op_seconds``: once per op forward, twice backward)."""
     chosen: bool
-    """Whether it beat the SPMD plan: the runtime runs the pipeline only then."""
+    """Whether it runs: predicted ``CompileOptions.technique_margin`` faster than the SPMD
+    plan (:mod:`hapd.compiler.choice`), and after a technique search not beaten by overlap."""
     shared_sync: float = 0.0
     """Predicted seconds per iteration of summing the gradients of parameters that
     several stages read (a tied embedding and head), between their groups; in
@@ -608,12 +610,14 @@ def search(
     if best is None:
         return PipelineSearch(best=None, seconds=seconds, groups_priced=priced, tried=tuple(tried), reason=reason)
     split, m, table = best
-    plan = _plan(split, m, graphs[m], table, spmd_only)
+    plan = _plan(split, m, graphs[m], table, spmd_only, options.technique_margin)
     return PipelineSearch(best=plan, seconds=seconds, groups_priced=priced, tried=tuple(tried))
 
 
-def _plan(split: Split, m: int, ir: GraphIR, table: StageTable, spmd_only: float) -> PipelinePlan:
-    """The :class:`PipelinePlan` of the stages ``split`` found for ``m`` micro-batches."""
+def _plan(split: Split, m: int, ir: GraphIR, table: StageTable, spmd_only: float, margin: float) -> PipelinePlan:
+    """The :class:`PipelinePlan` of the stages ``split`` found for ``m`` micro-batches,
+    chosen when it is predicted ``margin`` faster than the SPMD plan
+    (:func:`hapd.compiler.choice.beats`: the simpler technique keeps a tie)."""
     units = table.units.units
     stages = []
     for s, (h0, h1, k0, k1) in enumerate(split.spans):
@@ -636,7 +640,7 @@ def _plan(split: Split, m: int, ir: GraphIR, table: StageTable, spmd_only: float
     return PipelinePlan(
         stages=tuple(stages), micro_batches=m, micro_batch_size=graph_batch(ir.doc), micro_batch_graph_id=ir.graph_id,
         per_iteration=per_iteration, bubble=bubble, spmd_only_per_iteration=spmd_only,
-        chosen=split.cost < spmd_only, shared_sync=shared, shared_parameters=tuple(names),
+        chosen=beats(split.cost, spmd_only, margin), shared_sync=shared, shared_parameters=tuple(names),
     )
 
 
