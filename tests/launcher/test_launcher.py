@@ -451,7 +451,8 @@ def test_ctrl_c_or_sigterm_stops_everything(loop, loop_hosts, launcher_env, slee
         assert_no_orphans(job)
     assert proc.returncode == 130, err
     assert "interrupted: stopping all ranks" in err, err
-
+    told = err[err.index("interrupted: stopping all ranks"):].strip().splitlines()
+    assert len(told) <= 3, told  # Ctrl-C is answered in ≤ 3 lines: what happened and where the report is
 
 def test_a_daemon_that_disappears_stops_the_others(loop, launcher_env, tmp_path, sleeper):
     """SIGKILL one host's daemon mid-run: the launcher notices within --lost-after,

@@ -196,10 +196,12 @@ def test_hapd_run_finds_the_packaged_worker_from_any_folder(tmp_path, launcher_e
                           text=True, timeout=60, cwd=tmp_path, env=launcher_env)
     assert done.returncode == 2
     assert done.stderr.startswith(f"hapd launcher: OptionsError: script nowhere.py not found in {tmp_path} (")
+    assert len(done.stderr.strip().splitlines()) <= 3, done.stderr  # a newcomer's mistake: cause and fix, ≤ 3 lines
 
 
 def test_ranks_that_outnumber_the_cores_are_said_with_the_fix():
     assert crowded_cores(2, 2) is None and crowded_cores(1, 8) is None
     said = crowded_cores(4, 2)
+    assert len(said.splitlines()) <= 3
     assert said.startswith("4 ranks on this machine's 2 CPU core(s)") and said.endswith("use -n 2 or fewer for timings "
                                                                                          "that mean something")

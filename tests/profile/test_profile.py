@@ -322,8 +322,9 @@ def test_a_missing_profile_path_that_names_a_bundled_profile_says_so(tmp_path, m
     """From a folder outside the repository, ``profiles/paper-8.json`` is no file: the
     error names the bundled profile to give by name; an unknown name lists them."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ProfileError, match=r"did you mean paper-8\?"):
+    with pytest.raises(ProfileError, match=r"did you mean paper-8\?") as typo:
         load_profile("profiles/paper-8.json")
+    assert len(str(typo.value).splitlines()) <= 3  # a newcomer's mistake: the cause and the fix in ≤ 3 lines
     with pytest.raises(ProfileError, match=r"bundled profiles, by name: .*paper-8"):
         load_profile("paper-9")
     assert load_profile("paper-8").name == "paper-8"
