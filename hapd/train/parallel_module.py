@@ -92,19 +92,23 @@ class PlannedModule(nn.Module):
         keys missing or unknown, or a dict given to a module made for a tuple batch."""
         if not batch:
             return inputs
-        if self.keywords is None:
+        keys = self.keywords or self._input_names()
+        if keys is None:
             raise OptionsError(f"{what}: keyword inputs {', '.join(batch)}, but the module was made for a tuple batch: "
                                "pass the tensors in the example's order, or parallelize with a dict example batch",
                                field="inputs")
-        if inputs:
-            raise OptionsError(f"{what}: give the batch either as tensors in order or as keywords, not both",
-                               field="inputs")
-        missing = [k for k in self.keywords if k not in batch]
-        unknown = [k for k in batch if k not in self.keywords]
+        keys = keys[len(inputs):]  # positional first, the rest by name (as a forward's arguments)
+        missing = [k for k in keys if k not in batch]
+        unknown = [k for k in batch if k not in keys]
         if missing or unknown:
             raise OptionsError(f"{what}: the batch's keys {', '.join(batch)} are not the example batch's "
-                               f"{', '.join(self.keywords)} (missing {missing}, unknown {unknown})", field="inputs")
-        return tuple(batch[k] for k in self.keywords)
+                               f"{', '.join(keys)} (missing {missing}, unknown {unknown})", field="inputs")
+        return (*inputs, *(batch[k] for k in keys))
+
+    def _input_names(self) -> tuple[str, ...] | None:
+        """The names of the forward's inputs, for a module made from a tuple batch called
+        by keyword (the model's argument names, as exported); None when unknown."""
+        return None
 
     def _with_aliases(self, groups: list[list[str]]) -> list[list[str]]:
         """``groups`` of state-dict keys naming one tensor, each key in :attr:`aliases`
@@ -185,6 +189,11 @@ class ParallelModule(PlannedModule):
         return "training" if torch.is_grad_enabled() else "training (no_grad)"
 
     # -- what the plan says --------------------------------------------------------------
+
+    def _input_names(self) -> tuple[str, ...] | None:
+        if getattr(self.inner, "hapd_duplicas", 1) != 1:
+            return None  # two duplicas' inputs
+        return tuple(name for name, _ in self.inner.hapd_inputs)
 
     @property
     def rank(self) -> int:

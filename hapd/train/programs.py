@@ -19,9 +19,11 @@ import difflib
 import inspect
 import logging
 import os
+import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ from hapd.compiler.options import CompileOptions
 from hapd.ir.lower import lower_at
 from hapd.ir.shapes import batch_info, is_symbolic, program_at
 from hapd.compiler.techniques import GraphSet, graph_set
-from hapd.errors import OptionsError, PlanError
+from hapd.errors import ExportError, OptionsError, PlanError
 from hapd.profile.schema import Profile
 from hapd.elastic.in_place import KEEP_EXPORTS_ENV
 from hapd.state.weights import WeightSource
@@ -103,9 +105,10 @@ class Recipe:
             inputs = self.example_inputs if len(key) == 2 else self.inputs_of(shapes)
             was = self.model.training
             try:
-                with torch.enable_grad():
+                with torch.enable_grad(), _naming_index_inputs(self.model, inputs):
                     self.exported[key] = export(self.model, inputs, batch_dims=self.batch_dims,
                                                 training=training, symbolic_batch=True)
+                check_index_inputs(self.exported[key])
             finally:
                 self.model.train(was)
         return self.exported[key]
@@ -192,13 +195,127 @@ class Recipe:
     def _export(self, training: bool, shapes: Shapes) -> tuple[Any, GraphIR]:
         was = self.model.training
         try:
-            with torch.enable_grad():  # as for training, also when asked inside torch.no_grad()
-                program = export(self.model, self.inputs_of(shapes), batch_dims=self.batch_dims, training=training)
+            inputs = self.inputs_of(shapes)
+            with torch.enable_grad(), _naming_index_inputs(self.model, inputs):  # as for training, also inside no_grad
+                program = export(self.model, inputs, batch_dims=self.batch_dims, training=training)
+                check_index_inputs(program)
                 graph = lower(program, name=self.name,
                               batch_dims=dict(zip(user_input_names(program), self.batch_dims)))
         finally:
             self.model.train(was)
         return program, graph
+
+
+# --------------------------------------------------------------------------------------
+# Example inputs an exported program uses as indices
+# --------------------------------------------------------------------------------------
+
+_INDEX_ARGS = {"embedding": 1, "cross_entropy_loss": 1, "nll_loss": 1, "nll_loss_forward": 1, "nll_loss2d_forward": 1,
+               "nll_loss_nd": 1, "gather": 2, "index_select": 2, "one_hot": 0, "take_along_dim": 1, "scatter": 2,
+               "scatter_add": 2, "scatter_reduce": 2, "embedding_bag": 1}
+"""aten ops by name → the argument they read as indices (token ids, class labels)."""
+_SAME_VALUES = {"reshape", "view", "_unsafe_view", "flatten", "contiguous", "clone", "unsqueeze", "squeeze", "slice",
+                "select", "expand", "permute", "transpose", "t", "detach", "alias", "narrow", "getitem", "split",
+                "chunk", "unflatten", "repeat"}
+"""aten ops whose output holds their input's values (so its dtype too) in another shape."""
+
+
+def check_index_inputs(program: ExportedProgram) -> None:
+    """:class:`~hapd.errors.OptionsError` naming an example input of a floating or bool
+    dtype that the program uses as indices (an embedding's token ids, a loss's class
+    labels): ``torch.export`` traces such a model without complaint, but every forward
+    would then fail inside torch. A float target of the input's shape (class
+    probabilities) is not an index."""
+    names = set(user_input_names(program))
+    for node in program.graph.nodes:
+        if node.op != "placeholder" or node.name not in names:
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, Tensor) or not (value.is_floating_point() or value.dtype == torch.bool
+                                                 or value.is_complex()):
+            continue
+        use = _index_use(node, value.dtype)
+        if use is not None:
+            raise OptionsError(f"example input {node.name} is {value.dtype}, and the model uses it as indices "
+                               f"({use}: token ids or class labels): give it as integers (torch.long)",
+                               field=f"inputs[{node.name!r}]")
+
+
+_INDEX_DTYPE = re.compile(r"(?:for index|scalar type (?:Long|Int)|indices).*?(?:got|found) (?:torch\.)?(\w+)", re.I)
+"""torch's complaint about an index argument of another dtype, and the dtype it got."""
+_DTYPE_WORDS = {"Float": torch.float32, "Double": torch.float64, "Half": torch.float16, "BFloat16": torch.bfloat16,
+                "Bool": torch.bool}
+
+
+@contextmanager
+def _naming_index_inputs(model: nn.Module, inputs: Sequence[Tensor]) -> Iterator[None]:
+    """An export that failed because an op got indices of another dtype (class labels as
+    floats) re-raised as :class:`~hapd.errors.OptionsError` naming the example inputs of
+    that dtype (the forward's argument names), which should be integers."""
+    try:
+        yield
+    except ExportError as exc:
+        found = _INDEX_DTYPE.search(str(exc))
+        if found is None:
+            raise
+        dtype = _DTYPE_WORDS.get(found.group(1), getattr(torch, found.group(1), None))
+        names = _argument_names(model, len(inputs))
+        which = [f"{names[k]} ({t.dtype})" for k, t in enumerate(inputs) if isinstance(t, Tensor) and t.dtype == dtype]
+        if not which:
+            raise
+        raise OptionsError(f"example input {' or '.join(which)} is used as indices (token ids or class labels) by "
+                           f"{type(model).__name__}'s forward, which needs integers: give it as torch.long "
+                           f"[{str(exc)[:200]}]", field="inputs") from exc
+
+
+def _argument_names(model: nn.Module, count: int) -> list[str]:
+    """The names of the first ``count`` arguments of ``model.forward`` (``input k`` where unknown)."""
+    try:
+        params = [n for n, p in inspect.signature(model.forward).parameters.items()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return [params[k] if k < len(params) else f"input {k}" for k in range(count)]
+
+
+def _index_use(start: Any, dtype: torch.dtype) -> str | None:
+    """The first op that reads ``start``'s values (through ops that only reshape them) as
+    indices, as ``aten.NAME``; None when none does."""
+    todo, seen = [start], {start}
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            name = _op_name(user.target)
+            position = _INDEX_ARGS.get(name)
+            if position is not None and position < len(user.args) and _refers(user.args[position], node) \
+                    and not _probabilities(user, name, node):
+                return f"aten.{name}"
+            value = user.meta.get("val")
+            if name in _SAME_VALUES and user not in seen and (
+                    not isinstance(value, Tensor) or value.dtype == dtype):
+                seen.add(user)
+                todo.append(user)
+    return None
+
+
+def _op_name(target: Any) -> str:
+    """``aten.embedding.default`` → ``embedding``; ``operator.getitem`` → ``getitem``."""
+    name = getattr(target, "__name__", str(target))
+    packet = getattr(target, "_overloadpacket", None)
+    return getattr(packet, "__name__", name).split(".")[-1]
+
+
+def _refers(arg: Any, node: Any) -> bool:
+    return arg is node or (isinstance(arg, (list, tuple)) and any(a is node for a in arg))
+
+
+def _probabilities(user: Any, name: str, target: Any) -> bool:
+    """A cross-entropy target of the logits' own shape: class probabilities, not labels."""
+    if name != "cross_entropy_loss" or not user.args:
+        return False
+    logits, labels = user.args[0].meta.get("val"), target.meta.get("val")
+    return isinstance(logits, Tensor) and isinstance(labels, Tensor) and labels.is_floating_point() \
+        and tuple(logits.shape) == tuple(labels.shape)
 
 
 # --------------------------------------------------------------------------------------
@@ -450,5 +567,5 @@ def aligned_force(training: Sequence[tuple[str, str]], rules: Mapping[str, str],
     return force
 
 
-__all__ = ["CARRY", "ExportCarry", "KeywordModel", "Recipe", "Shapes", "aligned_force", "by_keyword", "export_key",
+__all__ = ["CARRY", "ExportCarry", "KeywordModel", "Recipe", "Shapes", "aligned_force", "by_keyword", "check_index_inputs", "export_key",
            "keyword_names", "op_nodes", "rebind"]
