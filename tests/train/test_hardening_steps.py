@@ -51,24 +51,35 @@ def _caught(run) -> tuple[str, str, float]:
     raise AssertionError("no error raised")
 
 
+NAMED = {
+    "direct": "PlanError: rank 1: this rank was given a batch of another size at step 2: rank 1 input 0 (x): "
+              "expected shape [4, 32], given [6, 32]",
+    "cut": "the ranks run different programs at step 2: rank 0: step 2, forward 1 of it, training, global batch "
+           "shapes [[8, 32], [8]]; rank 1: step 2, building a program for forward 1 of it, training, global batch "
+           "shapes [[6, 32], [6]]",
+}
+"""What the job's output says, by how rank 1 got its batch of another size."""
+
+
 @pytest.mark.daemon
-def test_a_rank_given_a_batch_of_another_size_ends_the_launched_job_at_once(tmp_path):
-    """Rank 1 passes 6 samples straight to forward where the plan runs 4 on it: both
-    ranks raise at that forward, rank 1 naming itself, the input and both shapes, and
-    the launcher ends the job well within the bound."""
+@pytest.mark.parametrize("mode", ["direct", "cut"])
+def test_a_rank_given_a_batch_of_another_size_ends_the_launched_job_at_once(tmp_path, mode):
+    """Rank 1 passes 6 samples straight to forward where the plan runs 4 on it
+    (``direct``), or cuts a global batch of 6 alone (``cut``: the job hung until the
+    collective timeout): the ranks raise at that forward, naming rank 1 and the
+    shapes, and the launcher ends the job well within the bound."""
     env = {k: v for k, v in os.environ.items() if k not in ("HAPD_DAEMON", "HAPD_KEY_FILE")}
     env.update(HAPD_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path))
-    job = f"wrong-batch-{os.getpid()}"
-    with launched(["run", str(SCRIPT), "direct", "-n", "2", "--job-id", job], env, job) as proc:
+    job = f"wrong-batch-{mode}-{os.getpid()}"
+    with launched(["run", str(SCRIPT), mode, "-n", "2", "--job-id", job], env, job) as proc:
         out, err = proc.communicate(timeout=HANG_GUARD_S)
     ended = time.time()
     output = out + err
     assert proc.returncode != 0, output[-3000:]
     bad = float(re.search(r"bad forward at ([\d.]+)", output).group(1))
     assert ended - bad <= BOUND_S, f"the job ended {ended - bad:.1f} s after the bad forward"
-    assert ("PlanError: rank 1: this rank was given a batch of another size at step 2: rank 1 input 0 (x): "
-            "expected shape [4, 32], given [6, 32]") in output, output[-3000:]
-    assert "failed: rank 1" in output or "failed: rank 0" in output
+    assert NAMED[mode] in output, output[-3000:]
+    assert re.search(r"hapd launcher: job \S+ failed: rank [01] on \S+ exited with code 1: PlanError: ", output)
 
 
 def _cut_alone(rank: int, world: int) -> tuple[str, str, float]:
