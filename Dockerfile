@@ -26,14 +26,16 @@ ARG BASE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
 FROM ${BASE} AS build
 ENV DEBIAN_FRONTEND=noninteractive
 # a C toolchain (the Rust linker), curl and certificates (rustup), and Python with venv
-# where the base has none
-# hadolint ignore=DL3008
+# where the base has none (${python} splits into package names on purpose)
+# hadolint ignore=DL3008,SC2086
 RUN python="" && { python3 -c 'import ensurepip, venv' 2>/dev/null || python="python3 python3-venv"; } \
  && apt-get update \
  && apt-get install -y --no-install-recommends build-essential ca-certificates curl ${python} \
  && rm -rf /var/lib/apt/lists/*
-# rustup-init straight from static.rust-lang.org (checked against its published sha256)
+# rustup-init straight from static.rust-lang.org (checked against its published sha256;
+# POSIX sh has no pipefail: sha256sum -c fails the step on a short or failed download)
 ARG RUST_VERSION=1.95.0
+# hadolint ignore=DL4006
 RUN --mount=type=secret,id=ca \
     ca=/run/secrets/ca; if [ -s "$ca" ]; then \
       export SSL_CERT_FILE="$ca" CURL_CA_BUNDLE="$ca" PIP_CERT="$ca" CARGO_HTTP_CAINFO="$ca"; fi \
@@ -46,15 +48,25 @@ RUN --mount=type=secret,id=ca \
  && rm /tmp/rustup-init
 ENV PATH=/root/.cargo/bin:${PATH}
 WORKDIR /src
-# only what the wheel is made of: edits to tests, bench or docs keep this layer cached
+# the Rust extension first, from a layer that depends on rustcore/ and pyproject.toml only:
+# the wheel is built once around empty placeholder packages, which leaves the compiled
+# crates in rustcore/target, so an edit under hapd/ or launcher/ rebuilds no Rust (cargo
+# finds every crate fresh below and maturin only packs the Python files)
 COPY pyproject.toml README.md ./
 COPY rustcore ./rustcore
+RUN --mount=type=secret,id=ca \
+    ca=/run/secrets/ca; if [ -s "$ca" ]; then \
+      export SSL_CERT_FILE="$ca" CURL_CA_BUNDLE="$ca" PIP_CERT="$ca" CARGO_HTTP_CAINFO="$ca"; fi \
+ && python3 -m venv /opt/build \
+ && mkdir -p hapd launcher && touch hapd/__init__.py launcher/__init__.py \
+ && /opt/build/bin/python -m pip wheel --no-cache-dir --no-deps --wheel-dir /tmp/rust-only . \
+ && rm -rf /tmp/rust-only hapd launcher
+# then the Python packages: edits to tests, bench or docs keep both layers cached
 COPY hapd ./hapd
 COPY launcher ./launcher
 RUN --mount=type=secret,id=ca \
     ca=/run/secrets/ca; if [ -s "$ca" ]; then \
       export SSL_CERT_FILE="$ca" CURL_CA_BUNDLE="$ca" PIP_CERT="$ca" CARGO_HTTP_CAINFO="$ca"; fi \
- && python3 -m venv /opt/build \
  && /opt/build/bin/python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---- runtime: the base, Python (the base's, else Debian's), torch (the base's, else

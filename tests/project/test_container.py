@@ -56,6 +56,12 @@ def test_dockerfile_builds_the_wheel_apart_and_serves_by_default():
     assert build[0] == "FROM ${BASE} AS build" and final[0] == "FROM ${BASE}"
     build_text, final_text = "\n".join(build), "\n".join(final)
     assert "rustup-init" in build_text and "pip wheel" in build_text
+    # the Rust extension builds in a layer that depends on rustcore/ (and pyproject) only: an
+    # edit under hapd/ or launcher/ reuses it (the second wheel finds cargo's crates fresh)
+    at = {word: next(i for i, line in enumerate(build) if line.startswith(word))
+          for word in ("COPY rustcore", "COPY hapd", "COPY launcher")}
+    wheels = [i for i, line in enumerate(build) if line.startswith("RUN") and "pip wheel" in line]
+    assert len(wheels) == 2 and at["COPY rustcore"] < wheels[0] < at["COPY hapd"] < at["COPY launcher"] < wheels[1]
     # no Rust toolchain, compiler or source tree in the final stage: only the wheel crosses over
     for word in ("rustup", "cargo", "build-essential", "COPY . ", "COPY rustcore", "COPY hapd "):
         assert word not in final_text, word
