@@ -369,7 +369,7 @@ class Variant:
             self.optimizer = torch.optim.AdamW(self.params.parameters(), lr=1e-4)
             sync(self.device)
             # one seed before each variant's first step: eager and hapd's one-device program
-            # (torch's generator, as the model has it) draw the same dropout masks
+            # with --rng torch (torch's generator, as the model has it) draw the same dropout masks
             torch.manual_seed(FIRST_STEP_SEED)
             start = time.perf_counter()
             self.row.first_loss = float(self.step())
@@ -703,7 +703,8 @@ def parallelize(model: nn.Module, inputs: Sequence[Tensor], profile: Any, device
     sync(device)
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     start = time.perf_counter()
-    module = hapd.parallelize(model, inputs, profile=profile, use_daemon=args.daemon, verbose=False, **extra)
+    module = hapd.parallelize(model, inputs, profile=profile, use_daemon=args.daemon, verbose=False, rng=args.rng,
+                              **extra)
     seconds = time.perf_counter() - start
     free(device)
     took = torch.cuda.memory_allocated(device) - before if before is not None else None
@@ -856,9 +857,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8, help="batch (default 8)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the size's)")
     parser.add_argument("--dropout", type=float, default=None,
-                        help="every dropout probability (default: the library's; on one device hapd draws with "
-                             "torch's generator as the model does, so eager and hapd first losses agree; the compiled "
-                             "variants draw with inductor's)")
+                        help="every dropout probability (default: the library's; hapd draws with --rng's generator, "
+                             "the compiled variants with inductor's)")
+    parser.add_argument("--rng", choices=["counter", "torch"], default="counter",
+                        help="parallelize's rng (default counter, parallelize's own: one process draws what N ranks "
+                             "draw, other masks than eager's; torch: torch's generator as the model draws, so eager "
+                             "and hapd first losses agree with dropout on)")
     parser.add_argument("--iterations", type=int, default=None, help="timed steps (default 20; --quick 3)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps first, the compiling one among them (default 3; --quick 1)")
