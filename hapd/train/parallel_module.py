@@ -54,7 +54,7 @@ from hapd.spmd.random.random_ops import CounterDropout
 from hapd.train.programs import Recipe, Shapes, aligned_force, keyword_names, op_nodes
 from hapd.spmd.rank import RankModule
 from hapd.spmd.rewrite import distribute, global_loss
-from hapd.spmd.stepwatch import Pending, StepCheck
+from hapd.spmd.stepwatch import Pending, StepCheck, step_check_enabled
 
 _MODE_DEPENDENT = overloads(MODE_DEPENDENT_OPS)
 
@@ -168,8 +168,9 @@ class ParallelModule(PlannedModule):
         """(epoch, batch) of the batch :func:`hapd.loader` handed out for the next forward."""
 
     def _step_check(self) -> StepCheck | None:
-        """The check of this rank's forwards against the others' (None on one rank)."""
-        if self.world == 1 or not dist.is_initialized():
+        """The check of this rank's forwards against the others' (None on one rank, and
+        with ``HAPD_STEP_CHECK=0``)."""
+        if self.world == 1 or not dist.is_initialized() or not step_check_enabled():
             return None
         device = self._recipe.device if self._recipe is not None else next(
             (p.device for p in self.inner.parameters()), torch.device("cpu"))

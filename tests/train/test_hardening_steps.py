@@ -162,3 +162,17 @@ def test_a_rank_skipping_a_batch_of_the_loader_is_refused_at_that_step():
         assert [s for s, _ in seen] == [2], seen
         assert ("rank 0: step 2, forward 1 of it, training, the loader's batch 1 of epoch 0, global batch shapes "
                 "[[8, 32], [8]]; rank 1: step 2, forward 1 of it, training, the loader's batch 2 of epoch 0") in seen[0][1]
+
+
+def test_the_step_check_is_on_unless_turned_off_alike() -> None:
+    """``HAPD_STEP_CHECK``: on by default and for 1/true/on, off for 0/false/off, and a
+    value that is neither names the variable (a typo must not leave one rank without the
+    check its peers run)."""
+    from hapd.errors import HapdError
+    from hapd.spmd.stepwatch import STEP_CHECK_ENV, step_check_enabled
+
+    assert step_check_enabled({}) and step_check_enabled({STEP_CHECK_ENV: "1"})
+    assert step_check_enabled({STEP_CHECK_ENV: " On "})
+    assert not step_check_enabled({STEP_CHECK_ENV: "0"}) and not step_check_enabled({STEP_CHECK_ENV: "off"})
+    with pytest.raises(HapdError, match="HAPD_STEP_CHECK='maybe' must be 1 or 0"):
+        step_check_enabled({STEP_CHECK_ENV: "maybe"})
