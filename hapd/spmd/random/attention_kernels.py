@@ -282,7 +282,6 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, *
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if why_not(q, k, v, attn_mask, enable_gqa=enable_gqa, global_shape=global_shape, offsets=offsets) is not None:
         return None
-    dims = q.dim()
     q4, k4, v4 = _four(q), _four(k), _four(v)
     probs = [*q4.shape[:-1], k4.size(-2)]
     mask4, kind = None, NO_MASK
