@@ -10,9 +10,11 @@ script's folder first on ``sys.path``). When the script raises because a peer we
 
 1. it prints ``{"hapd": "elastic", "event": "parked", ...}`` (the launcher waits for every
    rank of the hosts left to say it before it switches them in place);
-2. it destroys its process groups (:func:`hapd.spmd.distributed.leave_group`): their
-   connections close, so a peer still waiting on this rank fails at once and parks too
-   (a ``left_group`` line says how long that took);
+2. it leaves its process groups (:func:`hapd.spmd.distributed.leave_group`): their
+   connections are shut down, so work still pending on a silent peer fails at once
+   (destroying a Gloo group waits for it otherwise, up to the collective timeout) and a
+   peer still waiting on this rank fails at once and parks too; then the groups are
+   destroyed (a ``left_group`` line says how long that took);
 3. it asks its daemon (``job_status``) for the job's ``switch`` until one names a later
    generation, at most ``$HAPD_COLLECTIVE_TIMEOUT`` seconds (60 by default);
 4. it sets the new generation's environment (torchrun's variables from the order, its
@@ -166,7 +168,7 @@ def _park(generation: int, cause: str) -> Mapping[str, Any] | None:
     from hapd.spmd.distributed import leave_group
 
     start = time.perf_counter()
-    leave_group()
+    leave_group()  # its connections shut down first: no wait on work pending on a silent peer
     gc.collect()
     _say("left_group", rank=rank, generation=generation, seconds=time.perf_counter() - start, time=time.time())
     return wait_for_switch(generation, time.monotonic() + _park_s())

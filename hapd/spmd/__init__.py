@@ -6,6 +6,8 @@ From the ground floor up (each module imports only those before it, and
 
 - :mod:`~hapd.spmd.script` — the runner of a user's script on a rank (torch-free): the
   script as ``python SCRIPT`` runs it, the process ended without finalization;
+- :mod:`~hapd.spmd.group_sockets` — the process groups' connections, shut down at once
+  when a rank leaves a broken group (no wait on work pending on a silent peer);
 - :mod:`~hapd.spmd.collectives` — uneven collectives between layouts, as autograd
   functions;
 - :mod:`~hapd.spmd.layout` — the layout vocabulary: ``Identity``, ``Reduce``,

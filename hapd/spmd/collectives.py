@@ -57,6 +57,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from hapd.errors import PlanError
+from hapd.spmd import group_sockets
 
 _FLOAT8 = [
     getattr(torch, name)
@@ -608,12 +609,13 @@ def host_groups(node_of_rank: Sequence[int]) -> HostGroups | None:
     if len(hosts) < 2 or all(len(m) == 1 for m in members.values()):
         return None
     local = local_back = None
-    for h in hosts:  # every rank creates every group, in the same order
-        group, back = dist.new_group(members[h]), dist.new_group(members[h])
-        if rank in members[h]:
-            local, local_back = group, back
-    leader_ranks = [members[h][0] for h in hosts]
-    leaders = dist.new_group(leader_ranks)
+    with group_sockets.tracked():  # their connections are shut down at once when a rank leaves a broken job
+        for h in hosts:  # every rank creates every group, in the same order
+            group, back = dist.new_group(members[h]), dist.new_group(members[h])
+            if rank in members[h]:
+                local, local_back = group, back
+        leader_ranks = [members[h][0] for h in hosts]
+        leaders = dist.new_group(leader_ranks)
     leader = members[node_of_rank[rank]][0]
     assert local is not None and local_back is not None
     return HostGroups(local=local, local_back=local_back, leader=leader, leaders=leaders if rank == leader else None)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hapd.errors import CollectiveError, HapdError
-from hapd.spmd import collectives
+from hapd.spmd import collectives, group_sockets
 from hapd.spmd.stepwatch import collective_timeout_s, seconds_from_env
 
 
@@ -137,8 +137,9 @@ def init_distributed(*, timeout_s: float | None = None) -> DistEnv:
     timeout = timedelta(seconds=collective_timeout_s() if timeout_s is None else timeout_s)
     extra: dict[str, Any] = {"device_id": env.device} if env.is_cuda else {}
     if env_int(os.environ, "RANK") is not None:
-        store = dist.PrefixStore("default_pg", _join(rank, world, timeout))  # as init_method="env://" does
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
+        with group_sockets.tracked():  # the store's and Gloo's connections, closed at once by leave_group
+            store = dist.PrefixStore("default_pg", _join(rank, world, timeout))  # as init_method="env://" does
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
     else:
         # port 0: the store binds a free port itself, so there is no race for it
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
@@ -203,12 +204,22 @@ def _destroy_group() -> None:
             dist.destroy_process_group()
 
 
-def leave_group() -> None:
-    """Destroy the process group (every group of this process) after a peer went away:
-    its connections close, so the peers still waiting in a collective with this rank
-    fail at once instead of at the group's timeout. Errors of the broken group are
-    swallowed; nothing is left to tell it."""
-    _destroy_group()
+def leave_group() -> float:
+    """Leave the process group (every group of this process) after a peer went away,
+    without waiting on it; the seconds it took. Its connections are shut down first
+    (:mod:`hapd.spmd.group_sockets`): work still pending on a silent peer fails at once
+    instead of holding the destruction until the collective timeout (Gloo's destructor
+    waits for it), and the peers still waiting in a collective with this rank fail at
+    once too. Then the groups are aborted (NCCL: ``ncclCommAbort``) or destroyed.
+    Errors of the broken group are swallowed; nothing is left to tell it."""
+    start = time.perf_counter()
+    group_sockets.shut_down()
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            if dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+                dist.distributed_c10d._abort_process_group()
+        _destroy_group()
+    return time.perf_counter() - start
 
 
 def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> DistEnv:

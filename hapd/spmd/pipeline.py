@@ -55,7 +55,7 @@ from hapd.compiler.pipeline.stage_search import PipelinePlan
 from hapd.compiler.plan import Plan
 from hapd.compiler.pipeline.stages import GRAD_PREFIX, Boundary, Stage, split_program
 from hapd.errors import PlanError
-from hapd.spmd import collectives
+from hapd.spmd import collectives, group_sockets
 from hapd.spmd.layout import IDENTITY, REDUCE, gather_dim
 from hapd.spmd.duplicas import loss_counts
 from hapd.spmd.rank import RankModule
@@ -187,7 +187,8 @@ class PipelineRank:
             raise PlanError(f"the stage groups {[list(g) for g in groups]} do not cover ranks 0..{dist.get_world_size() - 1} once")
         self.groups = [list(g) for g in groups]
         self.plans = list(plans)
-        process_groups = [dist.new_group(g) for g in self.groups]  # every rank, same order
+        with group_sockets.tracked():  # shut down at once when a rank leaves a broken job
+            process_groups = [dist.new_group(g) for g in self.groups]  # every rank, same order
         self.s = next(i for i, g in enumerate(self.groups) if rank in g)
         self.stage = stages[self.s]
         self.stages = list(stages)
@@ -482,7 +483,8 @@ def _tied_groups(stages: Sequence[Stage], groups: Sequence[Sequence[int]]) -> di
     out = {}
     for target in sorted(t for t, h in holders.items() if len(h) > 1):
         members = sorted(r for s in holders[target] for r in groups[s])
-        out[target] = (members, dist.new_group(sorted(groups[s][0] for s in holders[target])))
+        with group_sockets.tracked():  # shut down at once when a rank leaves a broken job
+            out[target] = (members, dist.new_group(sorted(groups[s][0] for s in holders[target])))
     return out
 
 
