@@ -88,7 +88,8 @@ TENSOR_PARALLEL = ("column-parallel", "row-parallel")
 
 
 def _expert_einsums(doc: dict[str, Any]) -> dict[str, str]:
-    """Every einsum with a stacked expert-weight parameter operand → ``expert-parallel``."""
+    """Every einsum with a stacked expert-weight parameter operand (hapd's dense experts)
+    and every ``hapd.routed_experts`` (transformers' default experts) → ``expert-parallel``."""
     nodes = doc["nodes"]
 
     def expert_weight(ref: list[int]) -> bool:
@@ -96,7 +97,8 @@ def _expert_einsums(doc: dict[str, Any]) -> dict[str, str]:
         return source["kind"] == "parameter" and source["target"].endswith(EXPERT_WEIGHTS)
 
     return {n["name"]: "expert-parallel" for n in nodes
-            if n.get("op") == "aten.einsum" and any(expert_weight(r) for r in n["inputs"])}
+            if (n.get("op") == "aten.einsum" and any(expert_weight(r) for r in n["inputs"]))
+            or n.get("op") == "hapd.routed_experts"}
 
 
 def _tensor_parallel(doc: dict[str, Any]) -> dict[str, str]:

@@ -22,7 +22,7 @@ from typing import Any
 from hapd.compiler.lp import row_values
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.ratios import program_cost
-from hapd.compiler.search import batch_tensors, ddp_step_seconds
+from hapd.compiler.search import batch_tensors, ddp_step_seconds, loss_collectives
 
 TOLERANCE = 1e-6
 """Relative excess over DP-CP below which a plan ties with it (the LP meets its
@@ -90,6 +90,11 @@ def dp_gap(program: Mapping[str, Any], ratios: Sequence[float], dp_program: Mapp
                           "why": _why(step, reads_batch, opaque)})
     steps.sort(key=lambda s: -s["extra"])
     causes = _causes(program, options, dp_fits, options.memory_caps)
+    needed = loss_collectives(dp_program, flops)
+    if not causes and not forcing and needed > 0.0 and cost <= (dp_cp + needed) * (1 + 1e-4):
+        causes.append(f"the single-device loss needs {needed * 1e3:.3f} ms of collectives over the whole batch (a "
+                      "mixture-of-experts router's expert counts and probabilities in its auxiliary loss), which "
+                      "DDP's price leaves out: DDP computes that loss from each rank's own tokens, another loss")
     if not causes and not forcing:
         causes.append(f"the search (front width {options.front_width}, widened within its time budget) found no "
                       "program as cheap; a wider front_width may")

@@ -400,6 +400,23 @@ def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int 
     return compute + total_sync - sync_overlap(program) * min(total_sync, BACKWARD_SHARE * compute)
 
 
+def loss_collectives(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
+    """Seconds of the collectives a data-parallel ``program`` runs beyond the gradient
+    sync, Σ over steps of the slowest device's: what the single-device loss needs from
+    the whole batch (a router's expert counts and probabilities, summed over every
+    token, in a mixture-of-experts auxiliary loss). DDP computes such a loss on each
+    rank's own tokens (another loss), so :func:`ddp_cost` leaves them out, and no exact
+    program can match that price."""
+    total = 0.0
+    for step in program["steps"]:
+        comm = row_values(step["comm"], ratios)
+        for source in step.get("sources", ()):
+            if source.get("grad_sync"):
+                comm = [c - v for c, v in zip(comm, row_values(source["cost"], ratios))]
+        total += max(max(comm, default=0.0), 0.0)
+    return total
+
+
 def ddp_step_seconds(step: Mapping[str, Any], batch: set[str], ratios: Sequence[float], duplicas: int = 1) -> float:
     """What DDP pays for ``step``'s op (:func:`ddp_cost`): its slowest device's share of
     the work when it reads a tensor of ``batch`` (:func:`batch_tensors`), its whole work
@@ -540,6 +557,10 @@ def _wider_front(
     buckets, split and all-gathered later). Only a free ``auto`` compile widens, and
     only within :data:`WIDEN_BUDGET_S`.
 
+    A plan that costs DP-CP plus the collectives the data-parallel program needs for the
+    single-device loss (:func:`loss_collectives`, which DDP's price leaves out) does not
+    widen: no program in the space is cheaper for that reason alone.
+
     A plan that merely ties with data parallelism does not widen: that is the common
     case (data parallelism is optimal for most models on most clusters) and widening
     there would multiply every compile's time; a user who expects more sets
@@ -551,7 +572,9 @@ def _wider_front(
         return None
     if program.get("recompute"):  # it pays for recomputation, which DP-CP's price leaves out
         return None
-    lost = program_cost(program, ratios) > baselines.dp_cp * (1 + 1e-9)
+    cost = program_cost(program, ratios)
+    needed = loss_collectives(baselines.dp_program, baselines.flops)
+    lost = cost > baselines.dp_cp * (1 + 1e-9) and (needed <= 0.0 or cost > (baselines.dp_cp + needed) * (1 + 1e-4))
     if not lost or options.front_width * WIDEN_FACTOR > MAX_FRONT_WIDTH:
         return None
     limit = left if options.max_seconds is None else min(left, options.max_seconds)

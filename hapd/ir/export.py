@@ -16,6 +16,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from hapd.errors import ExportError
+from hapd.ir import experts
 from hapd.ir.fake import model_faked
 from hapd.ir.lower import EXTRA_FILE, FROZEN_KEY, frozen_parameters, mark_frozen
 from hapd.ir.shapes import BatchInfo, dynamic_shapes, set_batch_info
@@ -129,13 +130,16 @@ def _save(program: ExportedProgram, path: str | Path, name: str, batch_dims: Seq
 
 
 def _export(model: torch.nn.Module, example_inputs: tuple[Any, ...], shapes: Any) -> ExportedProgram:
-    """``torch.export.export`` (non-strict), from shapes alone for a meta model."""
+    """``torch.export.export`` (non-strict), from shapes alone for a meta model;
+    transformers' default experts traced as one ``hapd.routed_experts`` op (the same
+    values: :mod:`hapd.ir.experts`)."""
     if on_meta(model):
-        with model_faked(model, example_inputs) as (fake_inputs, restore):
+        with model_faked(model, example_inputs) as (fake_inputs, restore), experts.captured():
             program = torch.export.export(model, fake_inputs, dynamic_shapes=shapes, strict=False)
         restore(program)
         return program
-    return torch.export.export(model, example_inputs, dynamic_shapes=shapes, strict=False)
+    with experts.captured():
+        return torch.export.export(model, example_inputs, dynamic_shapes=shapes, strict=False)
 
 
 def _batch_size(example_inputs: Sequence[Any], batch_dims: Sequence[int | None]) -> int:

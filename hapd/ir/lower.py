@@ -26,6 +26,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from hapd.ir import experts as _experts  # noqa: F401 - registers hapd::routed_experts, which programs may call
 from hapd.ir.flops import FlopCounter
 from hapd.ir.normalize import buffer_mutations, normalize
 from hapd.ir.op_facts import LOSS_OPS, REDUCTIONS

@@ -270,33 +270,30 @@ def build_bert(c: TextConfig) -> nn.Module:
 
 
 def build_mixtral(c: TextConfig) -> nn.Module:
-    """Mixtral with 4 experts, top-2, run by hapd's dense experts implementation
-    (:mod:`hapd.models.hf_experts`: transformers' default sorts tokens into a Python
-    custom op with data-dependent offsets, which no plan can split; the dense one is
-    the same function as einsums over the expert dim, so a plan can split the experts)."""
+    """Mixtral with 4 experts, top-2, run by transformers' default experts
+    implementation (``grouped_mm``: :func:`hapd.export` traces it as one
+    ``hapd.routed_experts`` op, the same values, which a plan splits by tokens or by
+    experts: :mod:`hapd.ir.experts`)."""
     t = _extra("transformers")
-    from hapd.models.hf_experts import register
-
     hf_config = t.MixtralConfig(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=c.ffn,
                                 num_hidden_layers=c.layers, num_attention_heads=c.heads,
                                 num_key_value_heads=c.kv_heads, max_position_embeddings=c.positions,
-                                num_local_experts=4, num_experts_per_tok=2, **_dropouts(c, "attention_dropout"))
-    hf_config._experts_implementation = register()
+                                num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                **_dropouts(c, "attention_dropout"))
     return _lm(hf_config, t.MixtralForCausalLM)
 
 
 def build_qwen2_moe(c: TextConfig) -> nn.Module:
-    """Qwen2-MoE with 4 routed experts (top-2) and a gated shared expert, run by hapd's
-    dense experts implementation (see :func:`build_mixtral`)."""
+    """Qwen2-MoE with 4 routed experts (top-2) and a gated shared expert, run by
+    transformers' default experts implementation (see :func:`build_mixtral`)."""
     t = _extra("transformers")
-    from hapd.models.hf_experts import register
 
     hf_config = t.Qwen2MoeConfig(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=c.ffn,
                                  moe_intermediate_size=c.ffn // 2, shared_expert_intermediate_size=c.ffn,
                                  num_hidden_layers=c.layers, num_attention_heads=c.heads,
                                  num_key_value_heads=c.kv_heads, max_position_embeddings=c.positions, num_experts=4,
-                                 num_experts_per_tok=2, norm_topk_prob=True, **_dropouts(c, "attention_dropout"))
-    hf_config._experts_implementation = register()
+                                 num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=True,
+                                 **_dropouts(c, "attention_dropout"))
     return _lm(hf_config, t.Qwen2MoeForCausalLM)
 
 
@@ -346,9 +343,9 @@ MODELS: dict[str, ZooModel] = {
                       "transformers Llama (LlamaForCausalLM): grouped-query attention, RoPE"),
     "bert": ZooModel(TextConfig, build_bert, text_inputs, "mean", "transformers BERT (BertForMaskedLM)"),
     "mixtral": ZooModel(TextConfig, build_mixtral, text_inputs, "mean",
-                        "transformers Mixtral: 4 experts, top-2, hapd's dense experts"),
+                        "transformers Mixtral: 4 experts, top-2, transformers' default (grouped_mm) experts"),
     "qwen2_moe": ZooModel(TextConfig, build_qwen2_moe, text_inputs, "mean",
-                          "transformers Qwen2-MoE: 4 experts, top-2, shared expert, hapd's dense experts"),
+                          "transformers Qwen2-MoE: 4 experts, top-2, shared expert, default experts"),
     "t5": ZooModel(TextConfig, build_t5, text_inputs, "mean", "transformers T5 (T5ForConditionalGeneration)"),
     "resnet18": ZooModel(ResNetConfig, build_resnet18, image_inputs, "sum", "torchvision resnet18 (batch norm)"),
     "vit": ZooModel(TorchvisionViTConfig, build_vit, image_inputs, "sum", "torchvision VisionTransformer"),

@@ -56,6 +56,8 @@ SHARDED_MEAN = _RULES["SHARDED_MEAN"]
 """A mean (or mean-reduced loss) over a split dim: the local sum over the global count."""
 DATA_PARALLEL_SYNCED = _RULES["DATA_PARALLEL_SYNCED"]
 """Batch norm in training on a split batch, its statistics all-reduced (synchronized)."""
+EXPERT_PARALLEL = _RULES["EXPERT_PARALLEL"]
+"""Stacked expert weights split by expert: each rank runs only its experts (partial sums)."""
 
 
 class Emitter(Protocol):
@@ -364,6 +366,20 @@ def _counter_attention(em: Emitter, step: Mapping[str, Any], node: fx.Node, args
                                          part))
 
 
+def _routed_experts_on_rank(em: Emitter, step: Mapping[str, Any], node: fx.Node, args: tuple,
+                            kwargs: dict) -> fx.Node:
+    """transformers' routed experts (:mod:`hapd.ir.experts`) with the expert weights
+    split: this rank runs the pairs routed to its experts ``[start, start + length)``
+    (the others contribute zero rows), a partial sum of the whole output."""
+    names = ["hidden", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj", "activation", "first_expert",
+             "num_experts"]
+    values = dict(zip(names, args)) | dict(kwargs)
+    weight_name = step["inputs"][3]["tensor"]
+    start, _ = em.view.offset(weight_name, 0)
+    values["first_expert"] = start
+    return em.graph.call_function(node.target, tuple(values[n] for n in names))
+
+
 _ATTENTION_RULES = tuple(_RULES[name] for name in ("REPLICATED", "DATA_PARALLEL", "HEAD_PARALLEL", "QUERY_SPLIT"))
 """The attention's rules (``rustcore/core/src/rules/attention.rs``)."""
 
@@ -383,6 +399,7 @@ ADAPTERS: Mapping[tuple[str, str], Adapter] = MappingProxyType({
     ("aten._native_batch_norm_legit_functional", DATA_PARALLEL_SYNCED): _synced_batch_norm,
     **{(op, ROW_PARALLEL): _bias_on_rank_zero(2) for op in ("aten.conv1d", "aten.conv2d", "aten.conv3d")},
     ("aten.embedding", VOCAB_PARALLEL): _vocab_parallel,
+    ("hapd.routed_experts", EXPERT_PARALLEL): _routed_experts_on_rank,
     ("aten.mean", SHARDED_MEAN): _sharded_mean,
     ("aten.mean.dim", SHARDED_MEAN): _sharded_mean,
     **{(op, SHARDED_MEAN): _sharded_mean_loss for op in BATCH_SPLIT_LOSSES},

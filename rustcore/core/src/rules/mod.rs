@@ -21,6 +21,8 @@ mod conv;
 mod creation;
 mod elementwise;
 mod embedding;
+mod experts;
+mod histogram;
 mod index;
 mod loss;
 mod matmul;
@@ -50,6 +52,8 @@ pub const FAMILIES: &[Family] = &[
     matmul::FAMILY,
     attention::FAMILY,
     embedding::FAMILY,
+    experts::FAMILY,
+    histogram::FAMILY,
     norm::FAMILY,
     softmax::FAMILY,
     reduction::FAMILY,
