@@ -1,6 +1,12 @@
 """A dense experts implementation for transformers' mixture-of-experts layers, which
 ``torch.export`` turns into static-shape ATen ops that hapd can split by expert.
 
+Not needed for transformers' default experts (``grouped_mm``): :func:`hapd.export`
+traces those as one ``hapd.routed_experts`` op with the routed FLOPs, which a plan
+splits by tokens or by experts (:mod:`hapd.ir.experts`). This implementation, at
+``E / k`` times the expert FLOPs, stays for experiments that want the experts as
+einsums.
+
 transformers 5.23 stores the experts of Mixtral, Qwen2-MoE and their relatives as 3-D
 weights (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) and lets the config pick
 the function that runs them (``config._experts_implementation``, registered in

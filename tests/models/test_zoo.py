@@ -6,7 +6,8 @@ gradient and the loss after each of 5 Adam steps equal to the single-device run
 (within 1e-5: :func:`_exact.grad_errors` for the gradients), under two plans: the
 searched one, and one forced into tensor parallelism (every linear, ``addmm`` and
 convolution column-parallel and row-parallel in turn, the Megatron pairing) with, for
-the mixtures of experts, every einsum over stacked expert weights expert-parallel. The
+the mixtures of experts (transformers' default experts, with the router's auxiliary
+loss), every ``hapd.routed_experts`` expert-parallel. The
 forced plans must run every forced rule, so a replicated plan cannot pass for them.
 
 resnet18 runs in float64 (see ``FLOAT64``: its fp32 single-device run is itself further

@@ -8,10 +8,10 @@ with the router's auxiliary loss on.
 - the op's partial sums over a partition of the experts (empty and one-expert ranges
   included) add up to the whole, in value and gradient;
 - plans forced into expert parallelism (every ``hapd.routed_experts`` ``expert-parallel``)
-  run on 2 Gloo ranks with uneven ratios with the loss, every gradient and the loss
-  after 5 Adam steps equal to the single-device run, each rank holding only its
-  experts (the harness of ``tests/_exact.py``; ``tests/models/test_zoo.py`` runs the
-  searched and forced plans on 2 and 4 ranks);
+  run on 2 Gloo ranks with uneven ratios with the loss and every gradient equal to the
+  single-device run, each rank holding only its experts (the harness of
+  ``tests/_exact.py``; ``tests/models/test_zoo.py`` runs the searched plans and plans
+  forced into tensor and expert parallelism on 2 and 4 ranks, with 5 Adam steps);
 - an expert-parallel model's ``export_safetensors`` loads with ``from_pretrained``;
 - hapd's dense experts implementation (:mod:`hapd.models.hf_experts`) stays the same
   function as transformers' ``eager`` loop.
@@ -35,7 +35,6 @@ from hapd.ir import experts
 from hapd.profile.schema import estimated_profile
 
 BATCH = 8
-STEPS = 5
 RULE = frozenset({("hapd.routed_experts", "expert-parallel")})
 
 SPECS = [
@@ -52,7 +51,7 @@ def _expert_shapes(module: Any, plan: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return run_specs(SPECS, extra=_expert_shapes, steps=STEPS)
+    return run_specs(SPECS, extra=_expert_shapes)
 
 
 @pytest.mark.distributed
