@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -120,8 +121,14 @@ def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions |
         raise OptionsError("overlap with fixed ratios over a technique search", field="ratios")
     profile = load_profile(profile)
     spmd_options = dataclasses.replace(options, overlap=False)
-    spmd = dict(compile(graphs.full, profile, spmd_options,
-                               micro_graphs=list(graphs.micro.values()) if options.pipeline == "auto" else ()).doc)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hapd-overlap") as pool:
+        # overlap's duplica is searched on a thread of its own while the SPMD and pipeline
+        # searches run: the core's searches and the LP solver's processes run without
+        # Python's lock, so the techniques' searches share the cores
+        overlapped = pool.submit(_overlap_duplica, graphs, profile, options) if options.overlap else None
+        spmd = dict(compile(graphs.full, profile, spmd_options,
+                            micro_graphs=list(graphs.micro.values()) if options.pipeline == "auto" else ()).doc)
+        duplica_or_error = overlapped.result() if overlapped is not None else None
     priced: dict[str, dict[str, Any]] = {"spmd": {"per_iteration": spmd["estimate"]["per_iteration"]}}
     stats = {"spmd_seconds": spmd["stats"]["seconds"]}
     dispatch = 0.0
@@ -143,14 +150,12 @@ def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions |
         priced["overlap"] = {"per_iteration": None, "reason": "not searched (options.overlap off)"}
     elif graphs.half is None:
         priced["overlap"] = {"per_iteration": None, "reason": graphs.missing.get("overlap", "no half-batch graph")}
-    else:
-        overlap_options = dataclasses.replace(options, pipeline="off", overlap=True)
-        try:
-            duplica = dict(compile(graphs.half, profile, overlap_options).doc)
-            priced["overlap"] = _overlap_priced(duplica["estimate"])
-            stats["overlap_seconds"] = duplica["stats"]["seconds"]
-        except HapdError as exc:
-            priced["overlap"] = {"per_iteration": None, "reason": f"{type(exc).__name__}: {exc}"}
+    elif isinstance(duplica_or_error, HapdError):
+        priced["overlap"] = {"per_iteration": None, "reason": f"{type(duplica_or_error).__name__}: {duplica_or_error}"}
+    elif duplica_or_error is not None:
+        duplica = duplica_or_error
+        priced["overlap"] = _overlap_priced(duplica["estimate"])
+        stats["overlap_seconds"] = duplica["stats"]["seconds"]
     winner = _winner(priced, dispatch, options.technique_margin)
     doc = duplica if winner == "overlap" and duplica is not None else spmd
     if winner == "overlap" and "pipeline" in spmd:  # what the pipeline search found, or why nothing
@@ -164,6 +169,18 @@ def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions |
     doc["estimate"] = {**doc["estimate"], "techniques": priced}
     doc["stats"] = {**doc["stats"], "techniques": {**stats, "seconds": sum(stats.values())}}
     return Plan(doc)
+
+
+def _overlap_duplica(graphs: GraphSet, profile: Profile, options: CompileOptions) -> dict[str, Any] | HapdError | None:
+    """The plan document of one overlap duplica (the half-batch graph searched for two
+    interleaved duplicas), the error that says why there is none, or None without a
+    half-batch graph."""
+    if graphs.half is None:
+        return None
+    try:
+        return dict(compile(graphs.half, profile, dataclasses.replace(options, pipeline="off", overlap=True)).doc)
+    except HapdError as exc:
+        return exc
 
 
 def _overlap_priced(estimate: Mapping[str, Any]) -> dict[str, Any]:

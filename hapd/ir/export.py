@@ -18,7 +18,8 @@ from torch.export.graph_signature import InputKind
 from hapd.errors import ExportError
 from hapd.ir import experts
 from hapd.ir.fake import model_faked
-from hapd.ir.lower import EXTRA_FILE, FROZEN_KEY, frozen_parameters, mark_frozen
+from hapd.ir.lower import EXTRA_FILE, FROZEN_KEY, FUNCTIONAL_KEY, frozen_parameters, mark_frozen
+from hapd.ir.normalize import functionalize, is_functional, mark_functional
 from hapd.ir.shapes import BatchInfo, dynamic_shapes, set_batch_info
 from hapd.util import atomic_file
 
@@ -79,8 +80,18 @@ def export(
     set_batch_info(program, info)
     mark_frozen(program)
     if path is not None:
-        _save(program, path, name or type(model).__name__, batch_dims, info)
+        _save(_functional(program, info), path, name or type(model).__name__, batch_dims, info)
     return program
+
+
+def _functional(program: ExportedProgram, info: BatchInfo) -> ExportedProgram:
+    """``program``'s functional form (normalize's step 1, kept on ``program`` too), as
+    a ``.pt2`` stores it: every compile and rank that loads the file skips the re-trace."""
+    functional = functionalize(program)
+    mark_functional(functional)
+    set_batch_info(functional, info)
+    mark_frozen(functional)
+    return functional
 
 
 def _export_symbolic(model: torch.nn.Module, example_inputs: tuple[Any, ...], batch_dims: Sequence[int | None],
@@ -121,7 +132,7 @@ def _save(program: ExportedProgram, path: str | Path, name: str, batch_dims: Seq
     """Save ``program`` to ``path`` with hapd's extra file: name, batch dims, frozen parameters, batch info."""
     names = user_input_names(program)
     meta = {"name": name, "batch_dims": dict(zip(names, batch_dims)),
-            FROZEN_KEY: frozen_parameters(program), **info.to_doc()}
+            FROZEN_KEY: frozen_parameters(program), FUNCTIONAL_KEY: is_functional(program), **info.to_doc()}
     try:
         with atomic_file(path) as handle:
             torch.export.save(program, handle, extra_files={EXTRA_FILE: json.dumps(meta, sort_keys=True)})

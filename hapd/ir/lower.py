@@ -28,7 +28,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from hapd.ir import experts as _experts  # noqa: F401 - registers hapd::routed_experts, which programs may call
 from hapd.ir.flops import FlopCounter
-from hapd.ir.normalize import buffer_mutations, normalize
+from hapd.ir.normalize import buffer_mutations, mark_functional, normalize
 from hapd.ir.op_facts import LOSS_OPS, REDUCTIONS
 from hapd.ir.saved import SavedActivations, saved_activations
 from hapd.ir.shapes import LOWERED_AT, BatchInfo, batch_info, program_at, set_batch_info
@@ -151,6 +151,10 @@ EXTRA_FILE = "hapd.json"
 """Name of the extra file in a ``.pt2`` where hapd keeps the model name, the batch dims
 and the frozen parameters."""
 
+FUNCTIONAL_KEY = "functional"
+"""Key of :data:`EXTRA_FILE`: true when the program is its functional form already
+(:func:`hapd.ir.normalize.mark_functional`; :func:`hapd.export` saves it so)."""
+
 FROZEN_KEY = "frozen"
 """Key of :data:`EXTRA_FILE` listing the parameters that do not train: ``torch.export``
 saves a parameter's values but not its ``requires_grad``, and loads every parameter
@@ -238,6 +242,8 @@ def load_exported(path: str | Path) -> tuple[ExportedProgram, dict[str, Any]]:
         raise GraphFormatError(f"{path}: unreadable {EXTRA_FILE} ({exc})") from exc
     stored = stored if isinstance(stored, dict) else {}
     restore_frozen(program, stored.get(FROZEN_KEY, []), path)
+    if stored.get(FUNCTIONAL_KEY) is True:
+        mark_functional(program)
     info = BatchInfo.from_doc(stored)
     if info is not None:
         set_batch_info(program, info)

@@ -74,6 +74,10 @@ _MARK = "_hapd_normalized"
 """Attribute set on a program :func:`normalize` returned."""
 _NORMAL_FORM = "_hapd_normal_form"
 """Attribute of a program :func:`normalize` was given: what it returned."""
+_FUNCTIONAL_FORM = "_hapd_functional_form"
+"""Attribute of a program: its functional form, made once (:func:`functionalize`);
+the program itself when it is functional already (:func:`mark_functional`)."""
+
 
 ASSERTION_OPS = frozenset(
     {
@@ -108,15 +112,19 @@ def normalize(program: ExportedProgram, *, functional: bool = False) -> Exported
     cached = getattr(program, _NORMAL_FORM, None)
     if cached is not None:
         return cached
-    functional = program if functional else _functionalize(program)
-    _drop_assertions(functional.graph_module)
-    _verify(functional)
-    _views_as_reshapes(functional.graph_module)
-    _linear_on_leading_dims(functional.graph_module)
-    _constant_attention_masks(functional.graph_module)
+    if functional:
+        work = program
+    else:
+        kept = getattr(program, _FUNCTIONAL_FORM, None)  # step 1 done already: its copy, the passes change it
+        work = _graph_copied(kept) if kept is not None else _functionalize(program)
+    _drop_assertions(work.graph_module)
+    _verify(work)
+    _views_as_reshapes(work.graph_module)
+    _linear_on_leading_dims(work.graph_module)
+    _constant_attention_masks(work.graph_module)
     # the passes change the graph alone: its module's code is generated once, on the
     # renamed copy (the functional program's module is never run)
-    normalized = _canonical_names(functional)
+    normalized = _canonical_names(work)
     setattr(normalized, _MARK, True)
     setattr(program, _NORMAL_FORM, normalized)  # lowering, then distributing, re-traces once
     return normalized
@@ -133,9 +141,43 @@ def is_normalized(program: ExportedProgram) -> bool:
 
 
 def functionalize(program: ExportedProgram) -> ExportedProgram:
-    """Step 1 alone (a symbolic program is made functional once, then cut at each
-    batch: :mod:`hapd.ir.shapes`)."""
-    return _functionalize(program)
+    """Step 1 alone, made once per program and kept on it (a symbolic program is made
+    functional once, then cut at each batch: :mod:`hapd.ir.shapes`); a program marked
+    functional already (:func:`mark_functional`) is its own."""
+    kept = getattr(program, _FUNCTIONAL_FORM, None)
+    if kept is None:
+        kept = _functionalize(program)
+        setattr(program, _FUNCTIONAL_FORM, kept)
+    return kept
+
+
+def _graph_copied(program: ExportedProgram) -> ExportedProgram:
+    """``program`` with a copy of its graph (the same weights, signature and module
+    attributes): what the passes below may change while ``program`` stays runnable."""
+    graph = fx.Graph()
+    out = graph.graph_copy(program.graph, {})
+    graph.output(out)
+    copied = ExportedProgram(
+        root=program.graph_module, graph=graph, graph_signature=program.graph_signature, state_dict=program.state_dict,
+        range_constraints=program.range_constraints, module_call_graph=program.module_call_graph, example_inputs=None,
+        constants=program.constants, verifiers=program.verifiers,
+    )
+    copied.graph_module.meta.update(program.graph_module.meta)
+    return copied
+
+
+def mark_functional(program: ExportedProgram) -> None:
+    """Record that ``program`` is functional already (what step 1 made, saved and
+    loaded again): :func:`normalize` and :func:`functionalize` do not re-trace it. Step 1
+    is most of a compile's time on a large model (``run_decompositions`` re-traces the
+    whole program: ~6 s for GPT-2 124M), so :func:`hapd.export` saves the functional
+    form and a ``.pt2`` is re-traced once, when it is exported, not per compile."""
+    setattr(program, _FUNCTIONAL_FORM, program)
+
+
+def is_functional(program: ExportedProgram) -> bool:
+    """Whether ``program`` is marked functional already (:func:`mark_functional`)."""
+    return getattr(program, _FUNCTIONAL_FORM, None) is program
 
 
 @contextlib.contextmanager
@@ -382,6 +424,8 @@ def _constant_attention_masks(module: fx.GraphModule) -> None:
     top left aligned as torch's ``is_causal`` is). The mask's nodes are dropped when
     nothing else reads them."""
     changed = False
+    # every layer of a model reads the same mask: it is computed and read once per shape
+    meanings: dict[tuple[fx.Node, int, int], str | None] = {}
     for node in module.graph.nodes:
         if node.op != "call_function" or node.target is not ATTENTION:
             continue
@@ -389,11 +433,14 @@ def _constant_attention_masks(module: fx.GraphModule) -> None:
         mask, query, key = named["attn_mask"], named["query"], named["key"]
         if not isinstance(mask, fx.Node) or named["is_causal"]:
             continue
-        value = _constant_value(mask)
         q_shape, k_shape = _static_shape(query.meta.get("val")), _static_shape(key.meta.get("val"))
-        if value is None or q_shape is None or k_shape is None:
+        if q_shape is None or k_shape is None:
             continue
-        meaning = _mask_meaning(value, q_shape[-2], k_shape[-2])
+        seen = (mask, q_shape[-2], k_shape[-2])
+        if seen not in meanings:
+            value = _constant_value(mask)
+            meanings[seen] = None if value is None else _mask_meaning(value, q_shape[-2], k_shape[-2])
+        meaning = meanings[seen]
         if meaning is None:
             continue
         named.update(attn_mask=None, is_causal=meaning == "causal")
@@ -445,6 +492,9 @@ def _mask_meaning(mask: torch.Tensor, queries: int, keys: int) -> str | None:
     is ``-inf`` or the dtype's lowest value (what transformers writes)."""
     if mask.dim() < 2 or tuple(mask.shape[-2:]) not in ((queries, keys), (1, keys)):
         return None
+    for d in range(mask.dim() - 2):  # a leading dim expanded from one row (stride 0): read that row once
+        if mask.stride(d) == 0:
+            mask = mask.narrow(d, 0, 1)
     if mask.dtype == torch.bool:
         keep = mask
     elif mask.is_floating_point():

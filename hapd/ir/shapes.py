@@ -38,8 +38,6 @@ BATCH_DIM = "batch"
 
 _INFO = "_hapd_batch_info"
 """Attribute of an exported program: its :class:`BatchInfo`."""
-_FUNCTIONAL = "_hapd_symbolic_functional"
-"""Attribute of a symbolic program: its functional form (made once)."""
 _AT = "_hapd_programs_at"
 """Attribute of a symbolic program: batch → its concrete, normalized program."""
 LOWERED_AT = "_hapd_lowered_at"
@@ -159,18 +157,9 @@ def program_at(program: ExportedProgram, batch: int) -> ExportedProgram:
     cache: dict[int, ExportedProgram] = getattr(program, _AT, None) or {}
     setattr(program, _AT, cache)
     if batch not in cache:
-        functional = getattr(program, _FUNCTIONAL, None)
-        if functional is None:
-            functional = _functional(program)
-            setattr(program, _FUNCTIONAL, functional)
-        concrete = _concretize(functional, symbol, batch)
+        concrete = _concretize(functionalize(program), symbol, batch)
         cache[batch] = normalize(concrete, functional=True)
     return cache[batch]
-
-
-def _functional(program: ExportedProgram) -> ExportedProgram:
-    """The symbolic program's functional form (normalize's first step, symbolic)."""
-    return functionalize(program)
 
 
 class _Substitution:

@@ -113,7 +113,7 @@ def test_pt2_carries_name_batch_dims_and_frozen_parameters(lowered, tmp_path) ->
     assert [p.name for p in tmp_path.iterdir()] == ["mlp.pt2"]
     program, stored = load_exported(path)
     assert stored == {"name": "mlp", "batch_dims": {"x": 0, "y": 0}, "frozen": [], "batch": make_fixtures.BATCH,
-                      "symbolic_batch": False, "static_reason": "exported static"}
+                      "symbolic_batch": False, "static_reason": "exported static", "functional": True}
     assert lower(path).data == lowered["mlp"].ir.data
     assert lower(path, name="other").doc["name"] == "other"
     assert lower(program).doc["name"] == "model"  # a program alone has no name

@@ -21,7 +21,7 @@ from hapd.ir.export import export
 from hapd.ir.lower import lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.plan import Plan
-from hapd.ir.lower import lower_at
+from hapd.ir.lower import load_exported, lower_at
 from hapd.ir.shapes import batch_info, program_at
 from hapd.compiler.plan_summary import technique as technique_of
 from hapd.compiler.techniques import GraphSet, graphs_of_program
@@ -110,6 +110,26 @@ def test_one_compile_prices_every_technique_from_one_file(tmp_path: Path) -> Non
     graphs = GraphSet.from_bytes(graphs_of_program(_symbolic("vit"), EVERYTHING, name="vit").to_bytes())
     again = compile_plan(graphs, profile, EVERYTHING)
     assert again.technique == plan.technique and again.key == plan.key
+
+
+def test_a_saved_program_is_functional_already_and_never_retraced(tmp_path: Path, monkeypatch) -> None:
+    """hapd.export saves the functional form (normalize's costly step 1, made once at
+    export): a compile that loads the .pt2 lowers every batch without re-tracing, to
+    the graphs of the program in memory."""
+    model, inputs, dims = _build("vit", BATCH)
+    export(model, inputs, batch_dims=dims, symbolic_batch=True, path=tmp_path / "vit.pt2", name="vit")
+    loaded, stored = load_exported(tmp_path / "vit.pt2")
+    assert stored["functional"] is True
+    in_memory = {batch: lower_at(_symbolic("vit"), batch, name="vit").graph_id for batch in (BATCH, BATCH // 2)}
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions",
+                        lambda *a, **k: pytest.fail("a saved program was re-traced"))
+    assert {batch: lower_at(loaded, batch, name="vit").graph_id for batch in in_memory} == in_memory
+    monkeypatch.undo()
+    # a .pt2 saved by torch.export alone is re-traced, as before
+    torch.export.save(_symbolic("vit"), tmp_path / "plain.pt2")
+    plain, stored = load_exported(tmp_path / "plain.pt2")
+    assert "functional" not in stored
+    assert lower_at(plain, BATCH // 2, name="vit").graph_id == lower_at(loaded, BATCH // 2, name="vit").graph_id
 
 
 def test_one_graph_cannot_price_pipelines_with_overlap() -> None:

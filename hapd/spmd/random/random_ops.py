@@ -437,14 +437,38 @@ def set_seed(module: nn.Module, seed: int) -> None:
             sub.seed = int(seed)
 
 
+def _buffer_reads_cloned(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` (an unlifted program module) with each buffer it updates read through a
+    clone: a functional op may save the buffer it reads for its backward
+    (``_native_batch_norm_legit_functional`` saves the running statistics), and the
+    module writes the buffer's new value in place at the end of the forward, which
+    autograd would refuse in the backward. The same values; ``gm`` itself, changed."""
+    changed = False
+    for write in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default]:
+        buffer = write.args[0]
+        if not isinstance(buffer, fx.Node) or buffer.op != "get_attr":
+            continue
+        readers = [u for u in buffer.users if u is not write]
+        if not readers:
+            continue
+        with gm.graph.inserting_after(buffer):
+            read = gm.graph.call_function(torch.ops.aten.clone.default, (buffer,))
+        for user in readers:
+            user.replace_input_with(buffer, read)
+        changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
 def counter_reference(program: ExportedProgram, seed: int) -> nn.Module:
     """The single-device program (``program.module()`` of the normalized program, a
     copy) with every dropout drawn by :class:`CounterDropout` with ``seed``: what a
     distributed program with the same seed equals. A program without dropout gives a
     copy of ``program.module()``."""
     if not has_random_ops(program.graph):
-        return copy.deepcopy(program.module())
-    gm = copy.deepcopy(normalize(program).module())
+        return _buffer_reads_cloned(copy.deepcopy(program.module()))
+    gm = _buffer_reads_cloned(copy.deepcopy(normalize(program).module()))
     streams = random_streams(gm.graph)
     gm.register_buffer(STEP, torch.zeros((), dtype=torch.int64), persistent=False)
     gm.register_buffer(PART, torch.zeros((), dtype=torch.int64), persistent=False)
