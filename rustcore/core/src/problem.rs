@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::ir::{Graph, NodeKind, TensorMeta, TensorRef};
 use crate::layout::Layout;
 use crate::profile::Profile;
-use crate::rules::{fused_attention_flops, internal_comm_row, rules_for, Rule};
+use crate::rules::{fused_attention_flops, idles_devices, internal_comm_row, rules_for, Rule};
 
 /// Dense id of a tensor that matters to the program.
 pub type TensorId = u32;
@@ -32,7 +32,8 @@ pub struct Options {
     pub mode: Mode,
     /// Restrict an op (by fx node name) to one rule (by rule name).
     pub force: BTreeMap<String, String>,
-    /// Allow ZeRO-style parameters (stored split on dim 0, all-gathered on use).
+    /// Allow ZeRO-style parameters (stored split on one dim, all-gathered on use: see
+    /// `zero_dim`).
     pub zero: bool,
     /// Price programs as two duplicas interleaved so that one computes while the other
     /// communicates ([`crate::overlap`]); the graph is one duplica's.
@@ -145,7 +146,7 @@ impl<'a> Problem<'a> {
     }
 
     /// Layouts a source can be created in for a consumer that needs `need`, with the
-    /// communication that follows (ZeRO: stored split on dim 0, all-gathered).
+    /// communication that follows (ZeRO: stored split on one dim, all-gathered).
     pub fn source_options(&self, t: TensorId, need: Layout) -> Vec<(Layout, Option<Layout>)> {
         let tensor = self.tensor(t);
         let forced = match (self.options.mode, tensor.kind) {
@@ -163,12 +164,9 @@ impl<'a> Problem<'a> {
             Layout::Reduce => options.push((Layout::Identity, Some(Layout::Reduce))),
             _ => options.push((need, None)),
         }
-        let zero_ok = self.options.zero
-            && need == Layout::Identity
-            && tensor.requires_grad
-            && tensor.meta.shape.first().is_some_and(|&s| s > 1);
-        if zero_ok {
-            options.push((Layout::Gather(0), Some(Layout::Identity)));
+        let zero_ok = self.options.zero && need == Layout::Identity && tensor.requires_grad;
+        if let Some(g) = zero_ok.then(|| zero_dim(&tensor.meta.shape, self.profile.world())).flatten() {
+            options.push((g, Some(Layout::Identity)));
         }
         options
     }
@@ -183,6 +181,15 @@ impl<'a> Problem<'a> {
             ),
         }
     }
+}
+
+/// The dim a ZeRO-style parameter of `shape` is stored split on among `world` devices:
+/// dim 0 when it has a slice for every device, else the first dim that does (stacked
+/// expert weights `[E, 2I, H]` with fewer experts than devices split on `2I`), else
+/// dim 0 when it splits at all; `None` for a parameter no dim of which splits.
+fn zero_dim(shape: &[usize], world: usize) -> Option<Layout> {
+    let d = shape.iter().position(|&s| s >= world).or_else(|| shape.iter().position(|&s| s > 1))?;
+    crate::rules::gather(d)
 }
 
 /// The tensors and steps of a problem while [`Problem::new`] builds them.
@@ -218,6 +225,9 @@ impl Builder<'_> {
                     message: format!("{} has no rule named {forced:?}", node.op),
                 });
             }
+        } else {
+            let world = self.profile.world();
+            rules.retain(|r| !idles_devices(graph, node, r, world));
         }
         let comp = rules.iter().map(|r| self.comp_row(n, op.flops, op.class, r, grad_in, span)).collect();
         Ok(Step { node: n, inputs, outputs, rules, comp, flops: op.flops, span })
@@ -407,6 +417,23 @@ mod tests {
     use crate::rules::testkit::{boolean, float, graph, none, A::T};
 
     const QKV: &[usize] = &[2, 4, 16, 8];
+
+    #[test]
+    fn zero_splits_a_dim_that_has_a_slice_for_every_device() {
+        use super::zero_dim;
+        use crate::layout::Layout::Gather;
+        let cases: &[(&[usize], usize, Option<crate::layout::Layout>)] = &[
+            (&[1024, 64], 64, Some(Gather(0))),
+            (&[8, 28672, 4096], 64, Some(Gather(1))), // Mixtral-8x7B's experts on 64 devices
+            (&[8, 28672, 4096], 8, Some(Gather(0))),
+            (&[4, 3], 64, Some(Gather(0))),           // no dim has 64 slices: dim 0 still splits
+            (&[1, 512, 64], 4, Some(Gather(1))),
+            (&[1], 4, None),
+        ];
+        for (shape, world, want) in cases {
+            assert_eq!(zero_dim(shape, *world), *want, "{shape:?} on {world}");
+        }
+    }
 
     /// An attention with dropout whose math path keeps 1 KiB beyond the fused kernel.
     fn attention() -> Graph {

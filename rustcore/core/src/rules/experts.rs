@@ -64,6 +64,20 @@ fn rules(ctx: &OpCtx) -> Vec<Rule> {
     ]
 }
 
+/// Whether `rule` is `expert-parallel` with fewer experts than the `world` devices: the
+/// experts' integer split leaves some devices without one, idle through the experts
+/// while the cost rows (linear in each device's ratio) price them at their share, and
+/// the others hold and run a whole expert where the rows price a fraction (Mixtral-8x7B's
+/// 8 experts on 64 devices: 23 GiB of one expert's weights on a device priced at 1/64 of
+/// them). The free search does not offer it; a forced one still runs, and so does
+/// `hapd/compiler/search.py`'s expert-parallel candidate, a forced search judged whole,
+/// its memory at the integer split (it does not fit Mixtral-8x7B on 64 devices; it wins
+/// for 4 experts on 8 devices, where the experts' compute it misprices is small beside
+/// the gradient all-reduce it saves).
+pub fn too_few_experts(ctx: &OpCtx, rule: &Rule, world: usize) -> bool {
+    rule.name == EXPERT_PARALLEL && ctx.op() == OP && sizes(ctx).is_some_and(|(_, _, _, e, _)| e < world)
+}
+
 /// The routed products (`k` of `E` experts per token), the gating (about 5 FLOPs per
 /// intermediate element: the activation and the product) and the weighting and sum of
 /// each token's rows (2 per output element per pair).
@@ -130,6 +144,19 @@ mod tests {
         // routed: 32 tokens × 2 experts, not 4
         let pairs = 64.0;
         assert_eq!(got.flops, pairs * (2.0 * (2.0 * 128.0 * 64.0 + 128.0 * 64.0) + 5.0 * 128.0 + 2.0 * 64.0));
+    }
+
+    #[test]
+    fn expert_parallelism_needs_an_expert_per_device() {
+        use super::too_few_experts;
+        use crate::rules::OpCtx;
+        let g: Graph = graph(OP, args(&[32, 64], &[4, 256, 64]), &[(&[32, 64], DType::F32)]);
+        let node = g.nodes.last().expect("the op node");
+        let got = crate::rules::rules_for(&g, node);
+        let ctx = OpCtx::new(&g, node);
+        let idle = |world: usize| got.rules.iter().filter(|r| too_few_experts(&ctx, r, world)).map(|r| r.name).collect::<Vec<_>>();
+        assert_eq!(idle(4), Vec::<&str>::new());
+        assert_eq!(idle(8), vec!["expert-parallel"]);
     }
 
     #[test]

@@ -331,6 +331,14 @@ pub fn internal_comm_row(graph: &Graph, node: &Node, rule: &Rule, profile: &crat
     norm::synced_statistics_row(&OpCtx::new(graph, node), rule, profile, with_grad)
 }
 
+/// Whether `rule` of op node `node` leaves devices of `world` without a piece of a split
+/// the cost rows price as a share ([`experts::too_few_experts`]: expert parallelism of
+/// routed experts with fewer experts than devices); the search leaves such a rule out
+/// unless the options force it.
+pub fn idles_devices(graph: &Graph, node: &Node, rule: &Rule, world: usize) -> bool {
+    experts::too_few_experts(&OpCtx::new(graph, node), rule, world)
+}
+
 /// The shape checks of an op node's family (none for an opaque op). The graph's
 /// structure must be sound: references valid, at least one result.
 pub fn check_shapes(graph: &Graph, node: &Node) -> Result<()> {
