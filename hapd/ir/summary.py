@@ -54,6 +54,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines += [f"  {count:>5}  {op}" for op, count in opaque]
     else:
         lines.append("opaque ops: none")
+    routed = dict(summary["ops"]).get("hapd.routed_experts", 0)
+    if routed:
+        lines.append(f"transformers' grouped_mm experts: {routed} layers traced as hapd.routed_experts, the same values "
+                     "(hapd.ir.experts), priced at the routed FLOPs assuming balanced routing")
     experts = summary.get("expert_parallel", [])
     if experts:
         lines.append(f"expert parallelism possible on {len(experts)} ops (stacked expert weights): {', '.join(experts)}")

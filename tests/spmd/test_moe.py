@@ -32,6 +32,7 @@ from _exact import EXPERT_WEIGHTS, TOL, Spec, _expert_einsums, _zoo, assert_exac
 import hapd
 from hapd.compiler.options import CompileOptions
 from hapd.ir import experts
+from hapd.ir.summary import format_summary
 from hapd.profile.schema import estimated_profile
 
 BATCH = 8
@@ -90,7 +91,9 @@ def test_the_exported_program_is_the_model_as_shipped(name) -> None:
     targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
     assert targets.count("hapd.routed_experts.default") == 2
     assert not any("grouped_mm" in t or "sort" in t for t in targets), targets
-    assert hapd.inspect_graph(hapd.lower(program, name=name).data)["opaque_ops"] == []
+    summary = hapd.inspect_graph(hapd.lower(program, name=name).data)
+    assert summary["opaque_ops"] == []
+    assert "2 layers traced as hapd.routed_experts, the same values" in format_summary(summary)
     loss, grads = _loss_and_grads(model, inputs)
     loss_p, grads_p = _loss_and_grads(program.module(), inputs)
     assert torch.equal(loss, loss_p)
