@@ -26,6 +26,13 @@ rules that follow from those two facts (``rustcore/core/src/rules/experts.rs``):
   plan's ratios), tokens and router outputs replicated; each rank runs the pairs routed
   to its experts (the others sort to the tail as a sentinel, as transformers' own expert
   parallelism does, and cost no product) and the ranks' outputs are partial sums;
+  The tokens reach the experts' ranks by the all-gather their layout change implies
+  and the partial sums come back by a reduce-scatter (or all-reduce): about ``2·T·H``
+  elements through each rank, against ``2·T·k·H·(n−1)/n`` for an all-to-all of the
+  routed pairs — the same order for top-2 routing, with no capacity to size (an
+  all-to-all's buffers are sized by the routing, which varies by step and would need a
+  capacity factor or a data-dependent shape); the cost model prices these collectives
+  like any other layout change;
 - no tensor parallelism inside the experts: ``gate_up_proj [E, 2I, H]`` holds ``[gate;
   up]`` concatenated on dim 1, so a contiguous slice of dim 1 (the only split a layout
   describes) is not a slice of ``I``.
