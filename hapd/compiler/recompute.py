@@ -54,6 +54,39 @@ def graph_blocks(doc: Mapping[str, Any]) -> list[Block]:
     return sorted(blocks.values(), key=lambda b: (-b.kept_bytes, b.first))
 
 
+OPTIMIZER_COPIES = 3.0
+"""A trainable parameter and Adam's two moments (``rustcore/core/src/memory.rs``:
+``OPTIMIZER_STATES``), each held at least once among the devices."""
+
+
+def memory_floor(doc: Mapping[str, Any], duplicas: int = 1) -> float:
+    """The fewest bytes any program of the lowered graph ``doc`` holds, summed over all
+    its devices, while its backward pass runs without recomputation: what the core's
+    memory model counts at that moment, each tensor once (a shard's pieces sum to the
+    tensor; a replica counts once per device, more): every trainable parameter with
+    Adam's two moments, every frozen parameter, the batch inputs, and every op result
+    the backward keeps (the traced ``saved`` results; views are never flagged, their
+    base is) with the bytes ops keep inside them (``saved_bytes``). Devices whose
+    memory sums to less hold no program of the graph, at any memory price or ZeRO
+    split. With ``duplicas`` (overlap: two duplicas of the graph's batch each), the
+    inputs and kept activations count once per duplica (both run their forward before
+    either runs its backward, :func:`hapd.compiler.overlap.with_duplica_memory`). 0 for
+    a graph lowered without traced saved tensors (the core then counts more, not less)."""
+    if not doc.get("saved_traced"):
+        return 0.0
+    held, per_duplica = 0.0, 0.0
+    for node in doc["nodes"]:
+        kind, outputs = node.get("kind"), node.get("outputs") or []
+        if kind == "parameter":
+            held += sum(_bytes(o) for o in outputs) * (OPTIMIZER_COPIES if node.get("requires_grad") else 1.0)
+        elif kind == "input":
+            per_duplica += sum(_bytes(o) for o in outputs)
+        elif kind == "op":
+            per_duplica += float(node.get("saved_bytes") or 0.0)
+            per_duplica += sum(_bytes(outputs[k]) for k in node.get("saved", []) if 0 <= k < len(outputs))
+    return held + duplicas * per_duplica
+
+
 def _needed(nodes: Sequence[Mapping[str, Any]], effects: Sequence[Sequence[int]]) -> list[bool]:
     """Per node, whether an effect (the loss, a buffer's new value) depends on it."""
     needed = [False] * len(nodes)

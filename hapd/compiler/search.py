@@ -36,7 +36,7 @@ from hapd.compiler.ratios import (
     solve_ratios,
     sync_overlap,
 )
-from hapd.compiler.recompute import graph_blocks
+from hapd.compiler.recompute import graph_blocks, memory_floor
 from hapd.errors import GraphError, SynthesisError
 from hapd.profile.schema import Profile
 from hapd.util import format_bytes
@@ -136,6 +136,7 @@ def _search_rounds(
         return _rounds(data, profile, options, None, None, recompute)
     tried: list[dict] = []
     scale_cost: float | None = None
+    floor = _floor(data, DUPLICAS if options.overlap else 1) if not recompute else 0.0
     for zero, scale in _price_schedule(options):
         attempt = replace(options, zero=zero)
         price = None if scale == 0 else [scale * (scale_cost or 0.0) / cap for cap in caps]
@@ -157,7 +158,22 @@ def _search_rounds(
             tried.append(exc.program)
             if scale_cost is None:
                 scale_cost = max(program_cost(exc.program, profile.flops_ratios()), 1e-9)
+            if len(tried) == 1 and floor > sum(caps):
+                _note_pass("searches with memory priced (ZeRO-style parameters allowed)",
+                           f"skipped: every program holds at least {format_bytes(floor)} over all devices while its "
+                           f"backward runs (parameters with Adam's moments and kept activations, each once), the "
+                           f"devices have {format_bytes(sum(caps))}", 0.0, brief="memory priced: skipped, cannot fit")
+                break
     raise SynthesisError(_no_fit_message(tried, caps, profile))
+
+
+def _floor(data: bytes, duplicas: int) -> float:
+    """:func:`hapd.compiler.recompute.memory_floor` of graph ``data`` (0 when it is no
+    graph: the core's search says what is wrong)."""
+    try:
+        return memory_floor(GraphIR(data).doc, duplicas)
+    except (GraphError, KeyError, TypeError, ValueError, AttributeError):
+        return 0.0
 
 
 def _unfit_why(program: dict, caps: list[float], profile: Profile) -> str:

@@ -15,6 +15,8 @@ from hapd import _core, models
 from hapd.ir.lower import lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.lengths import sharding_lengths
+from hapd.compiler import search
+from hapd.compiler.recompute import memory_floor
 from hapd.compiler.ratios import linear_peak_memory, part_memory, peak_memory, solve_ratios
 from hapd.errors import SynthesisError
 from hapd.profile.schema import estimated_profile
@@ -178,3 +180,28 @@ def test_ratios_no_integer_split_fits_is_an_error():
     """One indivisible unit of 100 bytes: whichever device holds it has 100 > 70."""
     with pytest.raises(SynthesisError):
         solve_ratios(_one_split_program(1, 100.0), memory_caps=[70.0, 70.0])
+
+
+def test_the_memory_floor_bounds_every_program_and_cuts_searches_that_cannot_fit(mlp_graph, monkeypatch):
+    """Every program holds at least the floor over its devices (parameters with Adam's
+    moments and kept activations, each once); devices whose memory sums to less are
+    not searched again with memory priced: no price makes the program fit."""
+    floor = memory_floor(mlp_graph.doc)
+    assert floor > 0 and memory_floor(mlp_graph.doc, duplicas=2) > floor
+    roomy = hapd.compile(mlp_graph, estimated_profile(2, flops=[1e10, 1e10]))
+    capped = hapd.compile(mlp_graph, estimated_profile(2, flops=[1e10, 1e10], memory=0.6 * max(roomy.doc["baselines"]["dp_memory"])))
+    for peaks in (roomy.estimate["memory"], capped.estimate["memory"], roomy.doc["baselines"]["dp_memory"]):
+        assert sum(peaks) >= floor
+    priced = []
+    real = search.synthesize
+    monkeypatch.setattr(search, "synthesize", lambda *a, **k: priced.append(a[5] if len(a) > 5 else k.get("memory_price"))
+                        or real(*a, **k))
+    with pytest.raises(SynthesisError, match="short"):
+        hapd.compile(mlp_graph, estimated_profile(2, flops=[1e10, 1e10], memory=0.45 * floor),
+                     CompileOptions(recompute="never"))
+    assert priced and all(p is None for p in priced)
+    priced.clear()
+    with pytest.raises(SynthesisError, match="short"):  # above the floor: the priced searches run, and fail
+        hapd.compile(mlp_graph, estimated_profile(2, flops=[1e10, 1e10], memory=0.55 * floor),
+                     CompileOptions(recompute="never"))
+    assert any(p is not None for p in priced)
