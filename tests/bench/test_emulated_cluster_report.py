@@ -144,3 +144,22 @@ def test_a_saved_failed_run_is_reprinted_with_its_misses_and_exits_1(tmp_path):
     assert done.returncode == 1, done.stderr
     assert "MISS (run failed: ddp-cp: Traceback: boom) 3:1 bert: hapd vs CP" in done.stdout
     assert done.stdout.rstrip().splitlines()[-1] == "1 of 3 run(s) failed (3:1 bert ddp-cp): exit 1"
+
+
+def test_the_bound_is_ideal_compute_or_the_plans_gradient_exchange(bench):
+    """hapd's share of the bound: the larger of the ideal step (2 s here) and its plan's
+    gradient sum over the link (2 machines: each sends the synced bytes once)."""
+    program = {"steps": [{"sources": [
+        {"tensor": "w", "layout": "Identity", "grad_sync": True, "bytes": 400e6},
+        {"tensor": "w", "layout": "Identity", "grad_sync": True, "bytes": 400e6},  # read twice, summed once
+        {"tensor": "e", "layout": "Gather(0)", "grad_sync": False, "bytes": 800e6},
+        {"tensor": "x", "layout": "Gather(0)", "grad_sync": False, "bytes": 1e6}]}]}
+    assert bench.synced_bytes(program) == 400e6
+    assert bench.exchange_floor(400e6, 800.0) == pytest.approx(4.0)  # 400 MB over 100 MB/s, half each way
+    for rate, bound in ((800.0, 4.0), (8000.0, 2.0)):
+        results = _results(hapd=5.0, ev=9.0, cp=7.0, estimate=5.0)
+        results["rate_mbit"] = rate
+        results["variants"]["3:1"]["models"]["bert"]["estimate"] = {"synced_bytes": 400e6}
+        row = next(r for r in bench.summarize(results) if r["system"] == "hapd")
+        assert row["bound_s"] == pytest.approx(bound) and row["fraction_of_bound"] == pytest.approx(bound / 5.0)
+        assert any("of the bound" in line for line in bench.targets(bench.summarize(results)))
