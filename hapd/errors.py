@@ -95,6 +95,11 @@ class DaemonTimeout(ProtocolError):
     """No daemon answered at an address in time."""
 
 
+class DaemonDown(DaemonTimeout):
+    """A daemon that answered before did not answer, and its address now refuses
+    connections: nothing listens there (it died or was stopped, its host up)."""
+
+
 class SnapshotError(HapdError):
     """A training snapshot cannot be stored in a daemon's memory, or is not there to read."""
 

@@ -150,7 +150,7 @@ def common_options(f: Any) -> Any:
                    "(it must exist at that path on every host).")
 @click.option("--cwd", default=None, help="Working directory of the ranks on every host  [default: this one for "
                                           "daemons on this machine's loopback, the daemon's elsewhere]")
-@click.option("--lost-after", type=click.FloatRange(min=0.1), default=3.0, show_default=True,
+@click.option("--lost-after", type=click.FloatRange(min=0.1), default=1.5, show_default=True,
               help="A daemon that does not answer this long mid-run is lost: every rank is stopped.")
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the ranks' output (the table and failures still print).")
 @click.option("--verbose", "-v", is_flag=True,

@@ -111,6 +111,11 @@ processes killed), and they would wait for the collective timeout: they are stop
 (When a host's processes are killed, its peers park within a second or two, mostly
 before the launcher has found the host lost.)"""
 
+PROBE_S = 0.5
+"""A host's ``job_events`` poll unanswered this long has its daemon's port probed (and
+again every as long): a refused connection (nothing listens: the daemon died, its host
+up) makes the host lost at once; otherwise the poll waits on for ``lost_after_s``."""
+
 DEFAULT_LEASE_S = 10.0
 """The job's lease on every daemon: one that gets no ``job_events`` poll from this
 launcher for this long stops the job's ranks there (the pollers ask every ``poll_s``)."""
@@ -155,7 +160,7 @@ class JobOptions:
     """Shared key file; None: ``$HAPD_KEY_FILE`` or ``$HAPD_HOME/key``."""
     timeout_s: float = 5.0
     """How long a daemon may take to answer a check, launch or cancel."""
-    lost_after_s: float = 3.0
+    lost_after_s: float = 1.5
     """A daemon that does not answer ``job_events`` this long is lost: the job is stopped."""
     poll_s: float = 0.05
     """Pause between ``job_events`` polls of a quiet host."""
@@ -593,7 +598,7 @@ class _Poller(threading.Thread):
         while not self.quit.is_set():
             sent = time.monotonic()
             try:
-                events, done = self.client.job_events(self.job, self.after)
+                events, done = self._poll()
             except HapdError as exc:
                 self.out.put(("lost", self.placement, (f"{type(exc).__name__}: {exc}", self.answered)))
                 return
@@ -606,6 +611,12 @@ class _Poller(threading.Thread):
                 return
             if len(events) < 100:
                 self.quit.wait(self.poll_s)
+
+    def _poll(self) -> tuple[list[dict[str, Any]], bool]:
+        """One ``job_events`` poll, up to ``lost_after_s``; unanswered after
+        :data:`PROBE_S`, the daemon's port is probed (every :data:`PROBE_S`): refused,
+        the daemon is lost at once (:class:`~hapd.errors.DaemonDown`)."""
+        return self.client.job_events(self.job, self.after, probe_s=PROBE_S)
 
 
 def exit_status(code: int) -> int:

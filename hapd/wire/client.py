@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import zmq
 
-from hapd.errors import DaemonTimeout, ProtocolError, RemoteError, SnapshotError
+from hapd.errors import DaemonDown, DaemonTimeout, ProtocolError, RemoteError, SnapshotError
 from hapd.wire.keys import default_key_path, load_key
 from hapd.wire.protocol import DEFAULT_ADDRESS, PART_BYTES, PART_SLACK_BYTES, Limits, Message, Session
 
@@ -41,14 +41,22 @@ def default_address() -> str:
     return os.environ.get("HAPD_DAEMON") or DEFAULT_ADDRESS
 
 
-def _refuses_connections(address: str) -> bool:
+PROBE_TIMEOUT_S = 0.25
+"""How long a request that went unanswered waits for a connection to its daemon's port
+to be refused (:class:`~hapd.errors.DaemonDown`) before taking it as slow or unreachable
+(a refusal comes back within a round trip)."""
+
+
+def refuses_connections(address: str, timeout_s: float = 1.0) -> bool:
     """Whether a TCP connection to ``tcp://HOST:PORT`` is refused now (no process
-    listens there); False for other transports and for any other outcome."""
+    listens there: a daemon that died, its host up); False for other transports and for
+    any other outcome, a connection that takes longer than ``timeout_s`` among them
+    (a host unreachable, or slow)."""
     if not address.startswith("tcp://"):
         return False
     host, _, port = address[len("tcp://"):].rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             return False
     except ConnectionRefusedError:
         return True
@@ -56,7 +64,8 @@ def _refuses_connections(address: str) -> bool:
         return False
 
 
-__all__ = ["Client", "DaemonTimeout", "default_address", "default_key_path", "SNAPSHOT_CHUNK_BYTES"]
+__all__ = ["Client", "DaemonTimeout", "default_address", "default_key_path", "refuses_connections",
+           "SNAPSHOT_CHUNK_BYTES"]
 
 
 class Client:
@@ -111,18 +120,22 @@ class Client:
 
     # -- one request
 
-    def request(self, mtype: str, body: Mapping[str, Any] | None = None, *, timeout_s: float | None = None) -> Message:
+    def request(self, mtype: str, body: Mapping[str, Any] | None = None, *, timeout_s: float | None = None,
+                probe_s: float | None = None) -> Message:
         """Send a request and return its (checked) reply; raises :class:`RemoteError`
         for an ``error`` reply and :class:`DaemonTimeout` when none comes. A request
         whose body is longer than :data:`~hapd.wire.protocol.PART_BYTES` goes in
         ``part`` messages, each answered before the next is sent; ``timeout_s`` bounds
-        each exchange."""
+        each exchange. With ``probe_s``, a daemon that answered this client before and
+        has not answered for ``probe_s`` has its port probed every ``probe_s`` while the
+        request waits: refused (nothing listens there) raises :class:`DaemonDown` at
+        once, without waiting out ``timeout_s`` (a slow daemon's answer is still taken)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         messages = self.session.encode_request(mtype, body)
         with self._lock:
             for message, frames in messages[:-1]:
-                self._raise_error(self._exchange(message, frames, mtype, timeout))
-            reply = self._exchange(*messages[-1], mtype, timeout)
+                self._raise_error(self._exchange(message, frames, mtype, timeout, probe_s))
+            reply = self._exchange(*messages[-1], mtype, timeout, probe_s)
         self._raise_error(reply)
         return reply
 
@@ -130,16 +143,21 @@ class Client:
         if reply.type == "error":
             raise RemoteError(f"{self.address}: {reply.body['kind']}: {reply.body['message']}", field=reply.body["kind"])
 
-    def _exchange(self, message: Message, frames: Sequence[bytes], mtype: str, timeout: float) -> Message:
+    def _exchange(self, message: Message, frames: Sequence[bytes], mtype: str, timeout: float,
+                  probe_s: float | None = None) -> Message:
         """Send one message and wait for the reply to it (the lock held)."""
         sock = self._socket()
         deadline = time.monotonic() + timeout
-        if not self._send(sock, frames, deadline):
+        probe = probe_s if probe_s and self._answered else None
+        if not self._send(sock, frames, deadline, None if probe is None else lambda: self._down(timeout, mtype)):
             self._reset()
             raise self._gone(timeout, mtype) if self._answered else self._timeout(timeout, "could not connect")
         rejected = ""
         while True:
             left = deadline - time.monotonic()
+            if probe is not None and left > probe and not sock.poll(int(probe * 1000) + 1, zmq.POLLIN):
+                self._down(timeout, mtype)
+                continue
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 self._reset()
                 if self._answered:
@@ -162,7 +180,8 @@ class Client:
             # else a late reply to an earlier request
 
     @staticmethod
-    def _send(sock: zmq.Socket, frames: Sequence[bytes], deadline: float) -> bool:
+    def _send(sock: zmq.Socket, frames: Sequence[bytes], deadline: float, probe: Any = None) -> bool:
+        waited = 0
         while True:
             try:
                 sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -171,13 +190,25 @@ class Client:
                 if time.monotonic() >= deadline:
                     return False
                 sock.poll(20, zmq.POLLOUT)
+                waited += 1
+                if probe is not None and waited % 25 == 0:  # every half second
+                    probe()
+
+    def _down(self, timeout: float, mtype: str) -> None:
+        """Raise :class:`DaemonDown` (the socket dropped) when the daemon's port refuses
+        connections now; return otherwise."""
+        if refuses_connections(self.address, PROBE_TIMEOUT_S):
+            self._reset()
+            raise DaemonDown(f"the daemon at {self.address} answered before but now refuses connections: it is not "
+                             "running (killed or stopped); restart it (hapd serve) and run the job again",
+                             field="address")
 
     def _gone(self, timeout: float, mtype: str) -> DaemonTimeout:
         """The timeout of a daemon that answered this client before: refusing
         connections now (no process listens: it died or was stopped), or taking them
         without an answer (hung or overloaded). Its key was right: it answered."""
-        if _refuses_connections(self.address):
-            return DaemonTimeout(
+        if refuses_connections(self.address, PROBE_TIMEOUT_S):
+            return DaemonDown(
                 f"the daemon at {self.address} answered before but now refuses connections: it is not running "
                 f"(killed or stopped); restart it (hapd serve) and run the job again", field="address")
         return DaemonTimeout(
@@ -272,10 +303,10 @@ class Client:
         once the job has ended or is ending."""
         return self.request("job_status", {"job": job}).body
 
-    def job_events(self, job: str, after: int = 0) -> tuple[list[dict[str, Any]], bool]:
+    def job_events(self, job: str, after: int = 0, *, probe_s: float | None = None) -> tuple[list[dict[str, Any]], bool]:
         """Events with ``seq > after`` and whether the job is done after them (each call
-        renews the job's lease)."""
-        body = self.request("job_events", {"job": job, "after": after}).body
+        renews the job's lease); ``probe_s`` as :meth:`request` takes it."""
+        body = self.request("job_events", {"job": job, "after": after}, probe_s=probe_s).body
         return list(body["events"]), bool(body["done"])
 
     def job_pause(self, job: str) -> None:
