@@ -800,6 +800,8 @@ def scenario_snapshot(b: Bench, steps: int, last: int, rounds: int) -> dict[str,
     order = [-1, 1, 0]
     res: dict[int, list[float]] = {e: [] for e in order}
     snaps: dict[int, list] = {e: [] for e in order}
+    chosen: dict[int, list[int]] = {e: [] for e in order}
+    """The interval in force at each run's end (the automatic one's choice)."""
     for rnd in range(rounds):
         for every in (order if rnd % 2 == 0 else order[::-1]):
             log(f"snapshot: --snapshot-every {every} (round {rnd + 1})")
@@ -808,12 +810,17 @@ def scenario_snapshot(b: Bench, steps: int, last: int, rounds: int) -> dict[str,
             tp = throughput(r["losses"], last)
             if tp:
                 res[every].append(tp)
-            snaps[every].append([e for e in r["events"] if e.get("event") == "snapshot"][:3])
+            taken = [e for e in r["events"] if e.get("event") == "snapshot"]
+            snaps[every].append(taken[:3])
+            if taken:
+                chosen[every].append(int(taken[-1].get("every") or every))
     mean = {e: sum(v) / len(v) if v else None for e, v in res.items()}
     base = mean[-1]
     return {"steps": steps, "last": last, "rounds": rounds, "steps_per_s": {str(e): v for e, v in res.items()},
             "mean": {str(e): v for e, v in mean.items()},
             "ratio_to_none": {str(e): (v / base if v and base else None) for e, v in mean.items()},
+            "cost": {str(e): (1 - v / base if v and base else None) for e, v in mean.items()},
+            "interval": {str(e): v for e, v in chosen.items()},
             "first_snapshots": {str(e): v for e, v in snaps.items()}}
 
 
@@ -929,10 +936,20 @@ def tables(results: Mapping[str, Any]) -> list[str]:
     snap = results.get("snapshot")
     if snap:
         names = {"-1": "none (-1)", "1": "every step (1)", "0": "auto (0)"}
-        rows = [[names[e], snap["mean"][e], snap["ratio_to_none"][e],
-                 ", ".join(f"{x:.3g}" for x in snap["steps_per_s"][e])] for e in ("-1", "1", "0")]
+        def interval(e: str) -> str:
+            got = (snap.get("interval") or {}).get(e) or []
+            return ", ".join(str(x) for x in got) if e == "0" else ("-" if e == "-1" else e)
+
+        def lost(e: str) -> str:  # a fault loses the steps since the last snapshot: 0 … every-1, (every-1)/2 on average
+            got = (snap.get("interval") or {}).get(e) or []
+            return "-" if e == "-1" or not got else ", ".join(f"≤{x - 1} (avg {(x - 1) / 2:g})" for x in got)
+
+        rows = [[names[e], snap["mean"][e], snap["ratio_to_none"][e], (snap.get("cost") or {}).get(e), interval(e),
+                 lost(e), ", ".join(f"{x:.3g}" for x in snap["steps_per_s"][e])] for e in ("-1", "1", "0")]
         out.append(format_table(f"4. snapshot cost: steps/s over the last {snap['last']} of {snap['steps']} steps, "
-                                f"{snap['rounds']} round(s)", ["snapshots", "steps/s", "vs none", "runs"], rows))
+                                f"{snap['rounds']} round(s) (target: automatic ≤ 5% of step time)",
+                                ["snapshots", "steps/s", "vs none", "cost", "interval", "steps lost per fault",
+                                 "runs"], rows))
     replan = results.get("replan")
     if replan:
         rows = []

@@ -28,8 +28,10 @@ keep them in memory (:mod:`hapd.serve.snapshots`). One lost host loses no snapsh
 its ranks' files are on the next host, the others' on their own. ``every`` is
 ``$HAPD_SNAPSHOT_EVERY`` when set; else chosen at each snapshot so that snapshots cost
 at most :data:`SNAPSHOT_BUDGET` of the steps' time (every step when that is cheap
-enough): a snapshot's cost is its write in the foreground and the CPU time its send
-takes in the background, averaged over the snapshots so far. Without snapshots (``every`` < 0) or when none is complete,
+enough): a snapshot's cost is its write in the foreground and what its send in the
+background cost the steps it ran beside, measured in wall time against the steps
+without a send (:class:`SnapshotCost`; the send's CPU time until such a step was
+seen), averaged over the snapshots so far. Without snapshots (``every`` < 0) or when none is complete,
 ``checkpoint`` (a :func:`hapd.save_checkpoint` folder) is loaded; without it the job
 starts again at step 0, and says so.
 
@@ -126,22 +128,36 @@ class _Sender:
     errors: list[str] = field(default_factory=list)
     cpu_s: float = 0.0
     """CPU seconds the last finished send took in its thread (what it took from the rank)."""
+    busy_from: float | None = None
+    """When the last send began (``perf_counter``)."""
+    busy_until: float | None = None
+    """When the last send ended; None while it runs."""
 
     def send(self, step: int, world: int, files: Mapping[str, bytes]) -> None:
         self.wait()
+        self.busy_from, self.busy_until = time.perf_counter(), None
         self.thread = threading.Thread(target=self._send, args=(step, world, dict(files)), daemon=True,
                                        name="hapd-snapshot-sender")
         self.thread.start()
 
     def _send(self, step: int, world: int, files: dict[str, bytes]) -> None:
         start = time.thread_time()
-        for address in self.addresses:
-            try:
-                with Client(address, self.key, DAEMON_TIMEOUT_S) as client:
-                    client.snapshot_put(self.run, step, self.rank, world, files)
-            except HapdError as exc:  # that copy is missing; the other may do
-                self.errors.append(f"{address}: {type(exc).__name__}: {exc}")
-        self.cpu_s = time.thread_time() - start
+        try:
+            for address in self.addresses:
+                try:
+                    with Client(address, self.key, DAEMON_TIMEOUT_S) as client:
+                        client.snapshot_put(self.run, step, self.rank, world, files)
+                except HapdError as exc:  # that copy is missing; the other may do
+                    self.errors.append(f"{address}: {type(exc).__name__}: {exc}")
+        finally:
+            self.cpu_s = time.thread_time() - start
+            self.busy_until = time.perf_counter()
+
+    def sending_between(self, start: float, end: float) -> bool:
+        """Whether a send ran at some time between ``start`` and ``end`` (``perf_counter``)."""
+        if self.busy_from is None or self.busy_from >= end:
+            return False
+        return self.busy_until is None or self.busy_until > start
 
     def drop(self, runs: list[str], addresses: list[str]) -> None:
         """Free ``runs``' snapshots on ``addresses`` in the background (after the previous send)."""
@@ -166,6 +182,37 @@ class _Sender:
             self.thread.join()
             self.thread = None
         return time.perf_counter() - start
+
+
+@dataclass
+class SnapshotCost:
+    """What a snapshot's background send costs the training steps, measured in wall
+    time: the steps that ran beside the send against those that ran with no send (an
+    average of the latter), summed. On a rank whose CPU is shared or throttled (a sixth
+    of a core), a send's CPU time costs the steps several times as much wall time; on a
+    rank whose steps wait on a GPU it may cost them nothing: the CPU seconds the send
+    took are only the estimate until steps without a send were seen."""
+
+    clean_step: float | None = None
+    """Seconds a step takes with no send beside it (moving average)."""
+    beside_s: float = 0.0
+    """The steps beside the current send: their time beyond ``clean_step``, summed."""
+    beside_steps: int = 0
+
+    def step(self, took: float, sending: bool) -> None:
+        """One step that took ``took`` seconds, beside a send or not."""
+        if not sending:
+            self.clean_step = took if self.clean_step is None else 0.8 * self.clean_step + 0.2 * took
+        elif self.clean_step is not None:
+            self.beside_s += took - self.clean_step
+            self.beside_steps += 1
+
+    def send_cost(self, cpu_s: float) -> float:
+        """The wall seconds the last send took from the steps beside it (its CPU seconds
+        ``cpu_s`` while no step without a send was seen); starts over."""
+        measured = max(0.0, self.beside_s) if self.beside_steps else cpu_s
+        self.beside_s, self.beside_steps = 0.0, 0
+        return measured
 
 
 class Elastic:
@@ -197,7 +244,9 @@ class Elastic:
         self._auto = self.every == 0
         """The interval is chosen (and chosen again at each snapshot) from what snapshots cost."""
         self._cost: float | None = None
-        """Seconds a snapshot takes from the rank: its foreground write and its send's CPU time (EMA)."""
+        """Seconds a snapshot takes from the steps: its foreground write and what its send cost the steps
+        beside it (EMA)."""
+        self._send_cost = SnapshotCost()
         self.pause_check = (env.get(PAUSE_CHECK_ENV) or "0") == "1"
         self.started_at = _float_or_none(env.get(STARTED_ENV))
         self.job = env.get("HAPD_JOB") or ""
@@ -331,6 +380,8 @@ class Elastic:
         if self._last_step_end is not None:
             took = now - self._last_step_end
             self._step_time = took if self._step_time is None else 0.9 * self._step_time + 0.1 * took
+            sending = self._sender is not None and self._sender.sending_between(self._last_step_end, now)
+            self._send_cost.step(took, sending)
         if self.rank == 0:
             if not self._first_step_said:
                 _say("first_step", generation=self.generation, step=step, time=time.time())
@@ -365,11 +416,12 @@ class Elastic:
             # every rank waited for its first snapshot's send before this one's collective write: this
             # generation has a complete snapshot, and the older generations' are no longer needed
             self._sender.drop([self.snapshot_run(g) for g in range(self.generation)], self.daemons)
-        sent_cpu = self._sender.cpu_s if self._snapshots > 1 else 0.0  # the previous send's, waited for above
+        # the previous send's cost to the steps beside it (it ended: waited for above)
+        sent = self._send_cost.send_cost(self._sender.cpu_s) if self._snapshots > 1 else 0.0
         self._sender.send(step, self.world, files)
         took = time.perf_counter() - start
         if self._auto:
-            self._choose_interval(took + sent_cpu)
+            self._choose_interval(took + sent)
         if self.rank == 0:
             _say("snapshot", step=step, bytes=sum(len(b) for b in files.values()), seconds=took, waited_s=waited,
                  every=self.every, errors=self._sender.errors[-3:])
@@ -378,12 +430,13 @@ class Elastic:
     def _choose_interval(self, cost: float) -> None:
         """The interval at which snapshots cost :data:`SNAPSHOT_BUDGET` of the steps' time,
         from this snapshot's ``cost`` (its time in the foreground, a wait for the previous
-        send included, and that send's CPU time, taken from the steps it ran beside:
-        counting their overlap twice errs on the side of fewer snapshots), averaged over
-        the snapshots so far; chosen again
-        at every snapshot, the same on every rank (the largest any rank wants)."""
+        send included, and what that send cost the steps it ran beside:
+        :class:`SnapshotCost`), averaged over the snapshots so far, against a step without
+        snapshots (the steps' average until one was seen); chosen again at every snapshot,
+        the same on every rank (the largest any rank wants)."""
         self._cost = cost if self._cost is None else 0.7 * self._cost + 0.3 * cost
-        wanted = max(1, math.ceil(self._cost / (SNAPSHOT_BUDGET * self._step_time))) if self._step_time else 0
+        step_time = self._send_cost.clean_step or self._step_time
+        wanted = max(1, math.ceil(self._cost / (SNAPSHOT_BUDGET * step_time))) if step_time else 0
         self.every = max(self._gather(wanted))
 
     def _pause_requested(self) -> bool:
@@ -465,4 +518,4 @@ def _has_checkpoint(path: Path) -> bool:
     return True
 
 
-__all__ = ["Elastic", "local_folder"]
+__all__ = ["Elastic", "SnapshotCost", "local_folder"]

@@ -206,3 +206,24 @@ def test_the_automatic_interval_counts_the_send_and_follows_the_cost():
     assert elastic.every == 3  # 0.7 · 0.2 + 0.3 · 0.02 = 0.146 s: every 3 steps
     pinned = hapd.Elastic(torch.nn.Linear(2, 2), every=5, environ={})
     assert not pinned._auto
+
+
+def test_a_send_costs_what_the_steps_beside_it_lost_in_wall_time():
+    """The send's cost is measured on the steps: on a rank at a sixth of a core, 0.1 CPU
+    seconds of sending slowed two 1 s steps by 0.3 s each: 0.6 s, not 0.1 s. Before a
+    step without a send was seen, the CPU time is the estimate; a send that slowed
+    nothing costs nothing (noise in both directions sums, never below 0)."""
+    from hapd.elastic.resume import SnapshotCost
+
+    cost = SnapshotCost()
+    cost.step(1.3, sending=True)  # no step without a send yet: nothing to compare with
+    assert cost.send_cost(0.1) == 0.1
+    for _ in range(3):
+        cost.step(1.0, sending=False)
+    cost.step(1.3, sending=True)
+    cost.step(1.3, sending=True)
+    assert cost.send_cost(0.1) == pytest.approx(0.6)
+    cost.step(1.02, sending=True)
+    cost.step(0.97, sending=True)
+    assert cost.send_cost(0.1) == 0.0  # started over, and -0.01 s is no cost
+    assert cost.clean_step == pytest.approx(1.0)
