@@ -520,7 +520,7 @@ class Bench:
         job = f"elb{os.getpid() % 10000}-{self.runs}-{name}"
         report = self.work / f"{job}.json"
         cmd = [PY, "-m", "launcher", "run", str(self.script), "-n", str(RANKS_PER_HOST), "--hosts", str(hostfile),
-               "--key", str(self.cluster.key_file), "--cwd", str(ROOT), "--lost-after", "5",
+               "--key", str(self.cluster.key_file), "--cwd", str(ROOT),
                "--job-id", job, "--report", str(report), "-v",
                "--env", f"GLOO_SOCKET_IFNAME={self.cluster.IFNAME}", "--env", "OMP_NUM_THREADS=1",
                "--env", "HAPD_COLLECTIVE_TIMEOUT=30",
