@@ -193,6 +193,26 @@ fn zero_dim(shape: &[usize], world: usize) -> Option<Layout> {
 }
 
 /// The tensors and steps of a problem while [`Problem::new`] builds them.
+/// What an op's compute costs: its FLOPs at its class's rate and those at the
+/// element-wise rate ([`crate::rules::OpRules`]).
+#[derive(Debug, Clone, Copy)]
+struct OpWork {
+    flops: f64,
+    class: WorkClass,
+    elementwise_flops: f64,
+}
+
+impl OpWork {
+    /// The compute row under `rule` (forward and backward when `with_grad`).
+    fn row(&self, profile: &Profile, rule: &Rule, with_grad: bool) -> Row {
+        let mut row = compute_row(profile, self.flops, self.class, rule.work, with_grad);
+        if self.elementwise_flops > 0.0 {
+            row.add(&compute_row(profile, self.elementwise_flops, WorkClass::Elementwise, rule.work, with_grad));
+        }
+        row
+    }
+}
+
 struct Builder<'g> {
     graph: &'g Graph,
     profile: &'g Profile,
@@ -214,7 +234,7 @@ impl Builder<'_> {
         let mut op = rules_for(graph, node);
         if self.profile.fused_attention() {
             // an attention with dropout runs as hapd's fused kernel on every device
-            op.flops = fused_attention_flops(graph, node).unwrap_or(op.flops);
+            op.elementwise_flops = fused_attention_flops(graph, node).unwrap_or(op.elementwise_flops);
         }
         let mut rules = op.rules;
         if let Some(forced) = self.options.force.get(&node.name) {
@@ -229,8 +249,9 @@ impl Builder<'_> {
             let world = self.profile.world();
             rules.retain(|r| !idles_devices(graph, node, r, world));
         }
-        let comp = rules.iter().map(|r| self.comp_row(n, op.flops, op.class, r, grad_in, span)).collect();
-        Ok(Step { node: n, inputs, outputs, rules, comp, flops: op.flops, span })
+        let work = OpWork { flops: op.flops, class: op.class, elementwise_flops: op.elementwise_flops };
+        let comp = rules.iter().map(|r| self.comp_row(n, work, r, grad_in, span)).collect();
+        Ok(Step { node: n, inputs, outputs, rules, comp, flops: work.flops + work.elementwise_flops, span })
     }
 
     /// The tensor operand `r` of step `s` is: a new one at its first use.
@@ -288,14 +309,14 @@ impl Builder<'_> {
     /// The compute row of op node `n` under `rule`: a rule's own collectives
     /// (synchronized statistics) count with its compute; a recomputed step runs its
     /// forward once more.
-    fn comp_row(&self, n: usize, flops: f64, class: WorkClass, rule: &Rule, grad_in: bool, span: Option<usize>) -> Row {
+    fn comp_row(&self, n: usize, work: OpWork, rule: &Rule, grad_in: bool, span: Option<usize>) -> Row {
         let (graph, profile, node) = (self.graph, self.profile, &self.graph.nodes[n]);
-        let mut row = compute_row(profile, flops, class, rule.work, grad_in);
+        let mut row = work.row(profile, rule, grad_in);
         if let Some(inside) = internal_comm_row(graph, node, rule, profile, grad_in) {
             row.add(&inside);
         }
         if span.is_some() {
-            row.add(&compute_row(profile, flops, class, rule.work, false));
+            row.add(&work.row(profile, rule, false));
             if let Some(inside) = internal_comm_row(graph, node, rule, profile, false) {
                 row.add(&inside);
             }
@@ -497,5 +518,24 @@ mod tests {
         assert_eq!(math_flops - fused_flops, 12.0 * scores);
         // one device on the math path: the cluster is priced as the math attention
         assert_eq!(priced([true, false]), (math_bytes, math_flops));
+    }
+
+    #[test]
+    fn dropout_passes_run_at_the_elementwise_rate() {
+        let g = attention();
+        let scores = 2.0 * 4.0 * 16.0 * 16.0;
+        let seconds = |elementwise: Option<f64>| {
+            let mut p = profile([false, false]);
+            for d in &mut p.devices {
+                d.elementwise_flops = elementwise;
+            }
+            let problem = Problem::new(&g, &p, Options::default()).unwrap();
+            problem.steps[0].comp[0].constant[0] // replicated: the whole op on device 0
+        };
+        // an element-wise rate 10× slower than the matmul rate: the dropout's FLOPs (the
+        // forward alone: nothing here carries a gradient) cost 10× as much, the rest the same
+        let extra = seconds(Some(1e11)) - seconds(None);
+        let dropout = 24.0 * scores; // the math attention's draw and passes, 24 FLOPs a score
+        assert!((extra - dropout * (1.0 / 1e11 - 1.0 / 1e12)).abs() < 1e-15, "{extra}");
     }
 }

@@ -85,7 +85,7 @@ fn opaque_ops(graph: &Graph) -> Vec<(String, usize)> {
 fn flops(graph: &Graph) -> (f64, f64) {
     let (mut all, mut opaque) = (0.0, 0.0);
     for node in graph.nodes.iter().filter(|n| n.kind == NodeKind::Op) {
-        let flops = rules::rules_for(graph, node).flops;
+        let flops = rules::rules_for(graph, node).total_flops();
         all += flops;
         if rules::family_of(node).is_none() {
             opaque += flops;

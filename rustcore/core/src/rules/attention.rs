@@ -110,10 +110,20 @@ fn rules(ctx: &OpCtx) -> Vec<Rule> {
 /// attention; [`fused_flops`] prices hapd's fused kernel).
 fn flops(ctx: &OpCtx) -> f64 {
     match plain_flops_and_scores(ctx) {
-        Some((plain, scores)) if dropped(ctx) => plain + DROPOUT_FLOPS_PER_SCORE * scores,
         Some((plain, _)) => plain,
         None => ctx.out_numel(),
     }
+}
+
+/// The FLOPs a dropped attention adds to [`flops`] as the math attention runs it
+/// ([`DROPOUT_FLOPS_PER_SCORE`] per score), priced at the element-wise rate
+/// ([`crate::rules::OpRules::elementwise_flops`]); `None` without dropout.
+pub fn dropout_flops(ctx: &OpCtx) -> Option<f64> {
+    if !dropped(ctx) {
+        return None;
+    }
+    let (_, scores) = plain_flops_and_scores(ctx)?;
+    Some(DROPOUT_FLOPS_PER_SCORE * scores)
 }
 
 /// Whether the attention drops probabilities (`dropout_p > 0`: training).
@@ -153,16 +163,16 @@ pub const DROPOUT_FLOPS_PER_SCORE: f64 = random::FLOPS_PER_ELEMENT + 6.0;
 /// attention's [`DROPOUT_FLOPS_PER_SCORE`].
 pub const FUSED_DROPOUT_FLOPS_PER_SCORE: f64 = 2.0 * random::FLOPS_PER_ELEMENT / 3.0;
 
-/// Forward FLOPs of an attention with dropout run as hapd's fused kernel: [`flops`]'s
-/// formula with [`FUSED_DROPOUT_FLOPS_PER_SCORE`] per score in place of the math
-/// attention's [`DROPOUT_FLOPS_PER_SCORE`]; `None` for an attention without dropout
-/// (or of shapes the formula does not take), which costs the same either way.
-pub fn fused_flops(ctx: &OpCtx) -> Option<f64> {
+/// The FLOPs a dropped attention adds to [`flops`] as hapd's fused kernel runs it:
+/// [`FUSED_DROPOUT_FLOPS_PER_SCORE`] per score in place of the math attention's
+/// [`DROPOUT_FLOPS_PER_SCORE`]; `None` for an attention without dropout (or of shapes
+/// the formula does not take), which costs the same either way.
+pub fn fused_dropout_flops(ctx: &OpCtx) -> Option<f64> {
     if !dropped(ctx) {
         return None;
     }
-    let (plain, scores) = plain_flops_and_scores(ctx)?;
-    Some(plain + FUSED_DROPOUT_FLOPS_PER_SCORE * scores)
+    let (_, scores) = plain_flops_and_scores(ctx)?;
+    Some(FUSED_DROPOUT_FLOPS_PER_SCORE * scores)
 }
 
 /// Query, key and value have one rank ≥ 2; query and key agree on the feature dim, key
@@ -260,7 +270,10 @@ mod tests {
         let got = sdpa_p(QKV, QKV, none(), false, 0.1);
         assert_rules(&got, &[dp, hp, "query-split G2,I,I -> G2 sharded"]);
         let plain = sdpa(QKV, QKV, none(), false);
-        assert_eq!(got.flops - plain.flops, super::DROPOUT_FLOPS_PER_SCORE * 8.0 * 16.0 * 16.0);
+        assert_eq!(got.flops, plain.flops);
+        assert_eq!(plain.elementwise_flops, 0.0);
+        assert_eq!(got.elementwise_flops, super::DROPOUT_FLOPS_PER_SCORE * 8.0 * 16.0 * 16.0);
+        assert_eq!(got.class, crate::cost::WorkClass::Matmul);
     }
 
     #[test]
@@ -268,10 +281,9 @@ mod tests {
         let scores = 8.0 * 16.0 * 16.0;
         let g = graph_p(0.1);
         let node = g.nodes.last().unwrap();
-        let plain = sdpa(QKV, QKV, none(), false).flops;
         let fused = crate::rules::fused_attention_flops(&g, node).expect("an attention with dropout");
-        assert_eq!(fused - plain, super::FUSED_DROPOUT_FLOPS_PER_SCORE * scores);
-        assert!(fused < crate::rules::rules_for(&g, node).flops);
+        assert_eq!(fused, super::FUSED_DROPOUT_FLOPS_PER_SCORE * scores);
+        assert!(fused < crate::rules::rules_for(&g, node).elementwise_flops);
         // without dropout the fused kernel and the math attention cost the same
         let g = graph_p(0.0);
         assert_eq!(crate::rules::fused_attention_flops(&g, g.nodes.last().unwrap()), None);

@@ -137,9 +137,22 @@ pub struct Rule {
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpRules {
     pub rules: Vec<Rule>,
-    /// Forward FLOPs of the whole (single-device) op.
+    /// Forward FLOPs of the whole (single-device) op, at the rate of its `class`.
     pub flops: f64,
     pub class: WorkClass,
+    /// Forward FLOPs beyond `flops` that run at the element-wise rate whatever the op's
+    /// class: an attention's dropout, its draws and the math attention's passes over
+    /// the probabilities ([`attention::dropout_flops`]). A CPU's element-wise rate is a
+    /// fraction of its matmul rate, and priced at the matmul rate these passes left a
+    /// GPT-2 block's step 28% short of its measured time.
+    pub elementwise_flops: f64,
+}
+
+impl OpRules {
+    /// Forward FLOPs at either rate.
+    pub fn total_flops(&self) -> f64 {
+        self.flops + self.elementwise_flops
+    }
 }
 
 /// What a family sees of one op node.
@@ -306,20 +319,25 @@ pub fn rules_for(graph: &Graph, node: &Node) -> OpRules {
             rules.push(rule);
         }
     }
-    OpRules { rules, flops, class }
+    let elementwise_flops = if attention::FAMILY.ops.contains(&node.op.as_str()) {
+        attention::dropout_flops(&ctx).unwrap_or(0.0)
+    } else {
+        0.0
+    };
+    OpRules { rules, flops, class, elementwise_flops }
 }
 
-/// Forward FLOPs of op node `node` where every device runs hapd's fused attention
-/// kernel ([`crate::profile::Profile::fused_attention`]): `Some` only for an attention
-/// with dropout ([`attention::fused_flops`]: its own two draws per score, none of the
-/// math attention's passes over the probabilities), the larger of that and torch's count
-/// as in [`rules_for`]. Every other op costs what [`rules_for`] says.
+/// The element-wise forward FLOPs ([`OpRules::elementwise_flops`]) of op node `node`
+/// where every device runs hapd's fused attention kernel
+/// ([`crate::profile::Profile::fused_attention`]): `Some` only for an attention with
+/// dropout ([`attention::fused_dropout_flops`]: its own two draws per score, none of the
+/// math attention's passes over the probabilities). Every other op costs what
+/// [`rules_for`] says.
 pub fn fused_attention_flops(graph: &Graph, node: &Node) -> Option<f64> {
     if !attention::FAMILY.ops.contains(&node.op.as_str()) {
         return None;
     }
-    let fused = attention::fused_flops(&OpCtx::new(graph, node))?;
-    Some(fused.max(node.flops.unwrap_or(0.0)))
+    attention::fused_dropout_flops(&OpCtx::new(graph, node))
 }
 
 /// Seconds per device of the collectives a rule runs inside its op (forward, and
