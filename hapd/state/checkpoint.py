@@ -427,7 +427,8 @@ def _load_checkpoint(path: str | Path, module: nn.Module, optimizer: torch.optim
     saved = metadata.state_dict_metadata
     ranks = _ranks(module)
     held = held_tensors(module)
-    _check_model_keys(held, model_sizes(module, held), saved, folder)  # another model first: it says most
+    _check_model_keys(held, model_sizes(module, held), saved, folder,  # another model first: it says most
+                      unsaved=_non_persistent_buffers(module))
     if optimizer is not None and manifest.get("optimizer") not in (None, type(optimizer).__name__):
         raise CheckpointError(f"{folder} holds the state of a {manifest['optimizer']} optimizer, not of a "
                               f"{type(optimizer).__name__}")
@@ -498,10 +499,19 @@ def model_sizes(module: nn.Module, held: Iterable[Held]) -> dict[str, tuple[int,
     return {h.key: tuple(h.size) for h in held}
 
 
+def _non_persistent_buffers(module: nn.Module) -> set[str]:
+    """The buffers a plain module keeps out of its state dict (``persistent=False``, as
+    transformers' rotary ``inv_freq``); a ParallelModule holds every buffer of its
+    program, so its checkpoints have them."""
+    if isinstance(module, HoldsPieces):
+        return set()
+    return {name for name, _ in module.named_buffers()} - set(module.state_dict())
+
+
 def _check_model_keys(held: list[Held], sizes: Mapping[str, tuple[int, ...]], saved: Mapping[str, Any],
-                      folder: Path) -> None:
+                      folder: Path, unsaved: set[str] = frozenset()) -> None:
     mine = {MODEL + k for k in sizes}
-    theirs = {k for k in saved if k.startswith(MODEL)}
+    theirs = {k for k in saved if k.startswith(MODEL) and k[len(MODEL):] not in unsaved}
     missing, unexpected = sorted(mine - theirs), sorted(theirs - mine)
     if missing or unexpected:
         raise CheckpointError(f"{folder} is of another model: missing {[k[len(MODEL):] for k in missing[:8]]}, "

@@ -12,7 +12,8 @@ with the router's auxiliary loss on.
   single-device run, each rank holding only its experts (the harness of
   ``tests/_exact.py``; ``tests/models/test_zoo.py`` runs the searched plans and plans
   forced into tensor and expert parallelism on 2 and 4 ranks, with 5 Adam steps);
-- an expert-parallel model's ``export_safetensors`` loads with ``from_pretrained``;
+- an expert-parallel model's ``export_safetensors`` loads with ``from_pretrained``, and
+  its sharded checkpoint into the single-device model;
 - hapd's dense experts implementation (:mod:`hapd.models.hf_experts`) stays the same
   function as transformers' ``eager`` loop.
 """
@@ -159,13 +160,14 @@ def _export_on_rank(rank: int, world: int, force: dict[str, str], folder: str) -
         for p in module.parameters():  # a change training would make, visible after loading
             p.add_(0.01)
     hapd.export_safetensors(module, folder, strip_prefix="model.", config=wrapper.model.config)
+    hapd.save_checkpoint(Path(folder) / "checkpoint", module, step=1)
     held = {n: list(p.shape) for n, p in module.named_parameters() if n.endswith(EXPERT_WEIGHTS)}
     full = module.full_state_dict()  # collective
     return {"held": held, "full": full if rank == 0 else None}
 
 
 @pytest.mark.distributed
-def test_an_expert_parallel_model_loads_with_from_pretrained(tmp_path: Path) -> None:
+def test_an_expert_parallel_model_loads_with_from_pretrained_and_from_its_checkpoint(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     wrapper, inputs = _zoo("mixtral", BATCH)()
     force = _expert_einsums(hapd.lower(hapd.export(copy.deepcopy(wrapper), inputs), name="mixtral").doc)
@@ -180,6 +182,10 @@ def test_an_expert_parallel_model_loads_with_from_pretrained(tmp_path: Path) -> 
     assert set(state) <= set(full)  # the file also holds the rotary buffer, which the model does not persist
     assert any("experts" in k for k in state) and all(torch.equal(v, full[k]) for k, v in state.items())
     assert loaded.config._experts_implementation == "grouped_mm"
+    # the sharded checkpoint loads into the plain single-device model
+    plain, _ = _zoo("mixtral", BATCH)()
+    assert hapd.load_checkpoint(folder / "checkpoint", plain)["step"] == 1
+    assert all(torch.equal(v, full[k[len("model."):]]) for k, v in plain.state_dict().items())
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
