@@ -867,6 +867,7 @@ class Job:
                 if failed_now and stop_started is None:
                     if self.hold_on_host_loss and (self.failure or {}).get("kind") == "host":
                         hold_until = time.monotonic() + HOLD_S
+                        self._park_survivors(lost)
                     else:
                         stop_started, deadline = self._stop_all(finished, lost)
                     self._ping_once(finished, lost)
@@ -882,6 +883,27 @@ class Job:
         if held:  # their pollers stopped: the next generation reads on from their last event
             self._hand_over_held(result)
         return result
+
+    def _park_survivors(self, lost: Mapping[int, str]) -> None:
+        """After a lost host, ask the other hosts' daemons to park this generation's ranks
+        now (on a thread): those waiting in a collective on the lost host (its link down:
+        their connections to it do not close) leave their groups at once instead of at
+        the collective timeout; those that parked already ignore it."""
+        generation = int(self.options.env.get("HAPD_GENERATION") or 0)
+        survivors = self._survivors(lost)
+
+        def one(p: Placement) -> None:
+            try:
+                with Client(p.host.address, self._key, self.options.timeout_s) as client:
+                    client.job_park(self.job_id, generation)
+            except HapdError as exc:  # then its ranks park at the collective timeout, or are stopped
+                self.say(f"could not ask {p.host.label} to park its ranks: {exc}")
+
+        def all_of_them() -> None:
+            with ThreadPoolExecutor(max_workers=min(16, max(1, len(survivors)))) as pool:
+                list(pool.map(one, survivors))
+
+        threading.Thread(target=all_of_them, daemon=True, name="hapd-launcher-park").start()
 
     def _hold_ended(self, hold_until: float, lost: Mapping[int, str]) -> bool:
         """Whether the held ranks are to be stopped (said when so): the hold ran out, a survivor exited, none parked."""

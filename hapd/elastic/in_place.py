@@ -8,6 +8,11 @@ script's folder first on ``sys.path``). When the script raises because a peer we
 (a collective's closed connection or timeout: :data:`hapd.errors.PEER_FAILURE`, or a
 :class:`~hapd.errors.CollectiveError`) in an elastic launch, the rank **parks**:
 
+0. (a rank waiting in a collective on a host that went silent — its link down — would
+   wait for the collective timeout: the launcher, having lost that host, asks the
+   daemons of the others to ``park`` the generation; a thread of this runner reads the
+   request from the daemon's pipe, ``$HAPD_PARK_FD``, and shuts the rank's process
+   groups' connections down, so that collective fails at once);
 1. it prints ``{"hapd": "elastic", "event": "parked", ...}`` (the launcher waits for every
    rank of the hosts left to say it before it switches them in place);
 2. it leaves its process groups (:func:`hapd.spmd.distributed.leave_group`): their
@@ -40,13 +45,15 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Mapping
 
 from hapd.errors import PEER_FAILURE, CollectiveError, HapdError
+from hapd.spmd import group_sockets
 from hapd.wire.client import Client
-from hapd.wire.contract import STARTED_ENV
+from hapd.wire.contract import PARK_FD_ENV, STARTED_ENV
 from hapd.wire.keys import default_key_path, load_key
 from hapd.spmd.script import exit_status, report_exception, run_script
 from hapd.util import exit_process
@@ -123,6 +130,49 @@ def wait_for_switch(generation: int, deadline: float) -> Mapping[str, Any] | Non
     return None
 
 
+PARK_REQUESTED = threading.Event()
+"""Set when the daemon asked this rank's generation to park (cleared at each run of the
+script): a rank waiting on something other than a collective — a snapshot's send to a
+host that went silent (:class:`hapd.Elastic`) — stops waiting and raises
+:class:`~hapd.errors.CollectiveError`, so it parks too."""
+
+
+def _watch_park_requests() -> None:
+    """Read the daemon's park requests (``GENERATION`` lines on :data:`PARK_FD_ENV`) on
+    a thread: one for this rank's generation shuts its process groups' connections down
+    (:func:`hapd.spmd.group_sockets.shut_down`), so the collective it waits in on a
+    silent host fails at once and the rank parks; one for an earlier generation (late)
+    is ignored. Ends when the daemon's end closes."""
+    try:
+        fd = int(os.environ.get(PARK_FD_ENV) or "")
+    except ValueError:
+        return
+
+    def watch() -> None:
+        pending = b""
+        while True:
+            try:
+                data = os.read(fd, 256)
+            except OSError:
+                return
+            if not data:
+                return
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                try:
+                    asked = int(line)
+                except ValueError:
+                    continue
+                if asked == int(os.environ.get(GENERATION_ENV) or 0):
+                    PARK_REQUESTED.set()
+                    shut = group_sockets.shut_down()
+                    _say("park_requested", rank=int(os.environ.get("RANK") or 0), generation=asked,
+                         connections=shut, time=time.time())
+
+    threading.Thread(target=watch, daemon=True, name="hapd-park-requests").start()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
@@ -130,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     script, args = argv[0], argv[1:]
     os.environ[KEEP_EXPORTS_ENV] = "1"  # the script's next run here rebinds its model's exports, no export
+    _watch_park_requests()
     while True:
         generation = int(os.environ.get(GENERATION_ENV) or 0)
+        PARK_REQUESTED.clear()
         try:
             run_script(script, args)
             return 0

@@ -69,10 +69,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hapd.errors import CheckpointError, HapdError
+from hapd.errors import CheckpointError, CollectiveError, HapdError
 from hapd.state.checkpoint import load_checkpoint, snapshot_files
 from hapd.state.checkpoint_format import find_checkpoint
-from hapd.elastic.in_place import GENERATION_ENV, RUN_ENV
+from hapd.elastic.in_place import GENERATION_ENV, PARK_REQUESTED, RUN_ENV
 from hapd.wire.client import Client
 from hapd.wire.contract import STARTED_ENV
 from hapd.wire.keys import default_key_path, load_key
@@ -176,10 +176,16 @@ class _Sender:
         self.thread.start()
 
     def wait(self) -> float:
-        """Seconds spent waiting for the previous send."""
+        """Seconds spent waiting for the previous send. Raises
+        :class:`~hapd.errors.CollectiveError` when the launcher asks this rank to park
+        meanwhile (a host was lost: the send may be waiting on it)."""
         start = time.perf_counter()
         if self.thread is not None:
-            self.thread.join()
+            while self.thread.is_alive():
+                self.thread.join(0.05)
+                if PARK_REQUESTED.is_set() and self.thread.is_alive():
+                    raise CollectiveError(f"rank {self.rank}: asked to park (a host was lost) while waiting "
+                                          f"{time.perf_counter() - start:.1f} s for a snapshot's send")
             self.thread = None
         return time.perf_counter() - start
 

@@ -563,6 +563,10 @@ class Daemon:
         self.jobs.get(msg.body["job"]).pause_requested = True
         return "ok", {}
 
+    def _on_park(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
+        self.jobs.park(msg.body["job"], msg.body["generation"])
+        return "ok", {}
+
     def _on_switch(self, ids: list[bytes], msg: Message) -> tuple[str, dict]:
         self.jobs.switch(msg.body["job"], msg.body)
         return "ok", {}

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hapd.errors import OptionsError
-from hapd.wire.contract import JOB_ID, MAX_LEASE_S, MIN_LEASE_S, STARTED_ENV
+from hapd.wire.contract import JOB_ID, MAX_LEASE_S, MIN_LEASE_S, PARK_FD_ENV, STARTED_ENV
 from hapd.serve.events import SPILL_FILE, EventLog
 from hapd.serve.leftovers import MARKER_ENV, RankRecords, marked_processes, signal_marked
 from hapd.serve.rank_guard import GUARD_MODULE
@@ -260,6 +260,8 @@ class Rank:
     local_rank: int
     proc: subprocess.Popen | None = None
     returncode: int | None = None
+    park_fd: int | None = None
+    """The write end of the rank's park pipe (an in-place job's, :data:`PARK_FD_ENV`)."""
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -483,16 +485,32 @@ class JobManager:
                 return
             try:
                 for r in job.ranks:
-                    r.proc = subprocess.Popen(
-                        job.command,
-                        cwd=cwd,
-                        env={**base, **torchrun_env(spec, r.local_rank)},
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        start_new_session=True,  # its own process group: cancel kills the tree
-                    )
+                    park: dict[str, Any] = {}
+                    read_end = None
+                    if spec.in_place:  # the park pipe: the rank reads it on a thread
+                        read_end, r.park_fd = os.pipe()
+                        os.set_blocking(r.park_fd, False)  # a rank that reads none never blocks the daemon
+                        park = {"pass_fds": (read_end,)}
+                    try:
+                        r.proc = subprocess.Popen(
+                            job.command,
+                            cwd=cwd,
+                            env={**base, **torchrun_env(spec, r.local_rank),
+                                 **({PARK_FD_ENV: str(read_end)} if read_end is not None else {})},
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            start_new_session=True,  # its own process group: cancel kills the tree
+                            **park,
+                        )
+                    finally:
+                        if read_end is not None:
+                            os.close(read_end)
             except OSError as exc:
+                for r in job.ranks:
+                    if r.park_fd is not None and r.proc is None:
+                        os.close(r.park_fd)
+                        r.park_fd = None
                 self._kill(job, signal.SIGKILL)
                 job.state = "failed"
                 job.reason = job.reason or f"cannot start the ranks: {exc}"
@@ -515,6 +533,10 @@ class JobManager:
         code = proc.wait()
         for t in readers:
             t.join(timeout=READER_JOIN_S)
+        with job.lock:
+            if r.park_fd is not None:
+                os.close(r.park_fd)
+                r.park_fd = None
         r.returncode = code
         # decided before the exit is published: a launcher that sees it cancels the job
         # everywhere, and that cancel must not turn this host's failure into "cancelled"
@@ -577,6 +599,25 @@ class JobManager:
         else:
             self._stop(job)
         return job
+
+    def park(self, job_id: str, generation: int) -> int:
+        """Tell an in-place job's running ranks that the ranks of ``generation`` park
+        now (a line on each one's park pipe, :data:`PARK_FD_ENV`); how many were told."""
+        job = self.get(job_id)
+        told = 0
+        with job.lock:
+            if not job.spec.in_place:
+                raise OptionsError(f"park: job {job_id!r} was not launched in place", field="job")
+            for r in job.ranks:
+                if r.park_fd is None or r.returncode is not None:
+                    continue
+                try:
+                    os.write(r.park_fd, f"{generation}\n".encode())
+                    told += 1
+                except OSError:  # ended meanwhile (its end closed), or its pipe full of earlier requests
+                    pass
+        log.info("job %s: asked %d rank(s) of generation %d to park", job_id, told, generation)
+        return told
 
     def switch(self, job_id: str, body: Mapping[str, Any]) -> HostJob:
         """Record where an in-place job's ranks go on (``switch``): every local rank must

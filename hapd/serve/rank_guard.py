@@ -32,6 +32,7 @@ import sys
 from collections.abc import Sequence
 
 from hapd.serve.leftovers import MARKER_ENV, marked_processes
+from hapd.wire.contract import PARK_FD_ENV
 
 GUARD_MODULE = "hapd.serve.rank_guard"
 """The guard's module, as the daemon starts it (``python -m``)."""
@@ -68,7 +69,7 @@ def guard(daemon_pid: int, command: Sequence[str]) -> int:
     group is killed; the guard never returns then)."""
     if _daemon_gone(daemon_pid):
         return 125  # the daemon died before the rank could start: start nothing
-    child = subprocess.Popen(list(command))
+    child = subprocess.Popen(list(command), pass_fds=_passed_fds())
     fds = [fd for fd in (_pidfd(daemon_pid), _pidfd(child.pid)) if fd is not None]
     poller = select.poll()
     for fd in fds:
@@ -89,6 +90,17 @@ def guard(daemon_pid: int, command: Sequence[str]) -> int:
                 pass
     os.killpg(os.getpgrp(), signal.SIGKILL)  # the rank, its children and the guard
     return 137  # not reached
+
+
+def _passed_fds() -> tuple[int, ...]:
+    """The descriptors the daemon gave the rank that the guard passes on: an in-place
+    job's park pipe (:data:`hapd.wire.contract.PARK_FD_ENV`)."""
+    try:
+        fd = int(os.environ.get(PARK_FD_ENV) or "")
+        os.fstat(fd)
+    except (ValueError, OSError):
+        return ()
+    return (fd,)
 
 
 def victims(token: str) -> list[int]:

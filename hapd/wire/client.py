@@ -314,6 +314,11 @@ class Client:
         launcher, for a host joining)."""
         self.request("pause", {"job": job})
 
+    def job_park(self, job: str, generation: int) -> None:
+        """Ask an in-place ``job``'s ranks of ``generation`` to leave their process
+        groups and park at once (an elastic job's launcher, for a host that went silent)."""
+        self.request("park", {"job": job, "generation": generation})
+
     def job_switch(self, job: str, *, generation: int, node_rank: int, nnodes: int, rank_offset: int,
                    world_size: int, master_addr: str, master_port: int, env: Mapping[str, str]) -> None:
         """Tell an in-place ``job``'s ranks on this host where they go on (an elastic

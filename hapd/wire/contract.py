@@ -16,3 +16,9 @@ STARTED_ENV = "HAPD_STARTED_AT"
 """When the daemon started the rank's process (``time.time()``), in the rank's
 environment: an elastic restart's time splits there (the launch, then the script up to
 :func:`hapd.parallelize`)."""
+PARK_FD_ENV = "HAPD_PARK_FD"
+"""In an in-place job's ranks (:mod:`hapd.elastic.in_place`): the file descriptor of a
+pipe from the daemon. A ``park`` request writes ``GENERATION\\n`` to it; a rank of that
+generation shuts its process groups' connections down at once, so the collective it
+waits in on a host that went silent fails and it parks (instead of waiting for the
+collective timeout)."""

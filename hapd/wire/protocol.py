@@ -217,6 +217,10 @@ REQUESTS: dict[str, MessageType] = {
         MessageType("cancel", "Stop every rank of a job (its whole process group).", (_job(),), ("ok",)),
         MessageType("pause", "Ask a job's ranks to stop at their next step boundary (an elastic job, for a host "
                              "joining); job_status then says pause: true.", (_job(),), ("ok",)),
+        MessageType("park", "Ask an in-place job's ranks of one generation to leave their process groups at once and "
+                            "park (an elastic job whose host went silent while they wait on it in a collective).",
+                    (_job(), Field("generation", "int", "the generation whose ranks park (a later one ignores it)")),
+                    ("ok",)),
         MessageType(
             "switch",
             "Tell an in-place job's ranks where they go on (an elastic job's next generation on the hosts left); "

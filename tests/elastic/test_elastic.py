@@ -9,6 +9,7 @@ profile); the model is a tiny MLP so that a run takes seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import _bench
 import numpy as np
@@ -357,6 +359,56 @@ def test_a_host_killed_in_a_two_host_job_switches_its_survivor_in_place(hosts3, 
     pids = {line["pid"] for line in _reported(out)}
     assert len(pids) == 1, pids
     assert not _job_pids("el-inplace")
+    _assert_like_reference(out, _one_device(script, 10, env, tmp_path))
+
+
+def test_a_host_gone_silent_has_its_survivor_parked_and_switched_in_place(hosts3, tmp_path):
+    """On 2 of the 3 hosts, host 1 goes silent after step 4 of 10: its daemon and rank
+    stopped (SIGSTOP), their connections open, as a host whose link is down. Rank 0 waits
+    on rank 1 in a collective that would fail only at the collective timeout (60 s): the
+    launcher finds host 1 lost after ``--lost-after``, asks host 0's daemon to park the
+    generation, rank 0 leaves its group at once, parks and is switched in place; it
+    finishes alone in the same process, every loss and the final parameters the single
+    device's."""
+    hostfile, profile, script, lines = _setup(hosts3, tmp_path, n_hosts=2)
+    env = _env(hosts3, tmp_path)
+    stopped: dict[str, Any] = {}
+    label = f"127.0.0.1:{hosts3.port(1)}"
+
+    def on_line(line: str) -> None:
+        if not stopped and '"event": "step", "step": 4}' in line:
+            stopped["pids"] = [hosts3.procs[1].pid, *_host_ranks("el-silent", label)]
+            stopped["at"] = time.time()
+            for pid in stopped["pids"]:
+                os.kill(pid, signal.SIGSTOP)
+
+    try:
+        code, out, err = _run([str(script), "--hosts", str(hostfile), "--elastic", "1:2", "--snapshot-every", "1",
+                               "--env", "ELASTIC_TEST_STEP_S=0.3", "--", "10", str(profile)], env, "el-silent",
+                              on_line=on_line)
+    finally:
+        for pid in stopped.get("pids", []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if stopped:
+            hosts3.procs[1].wait()
+            hosts3.start_daemon(1)
+    assert code == 0, err[-4000:]
+    assert stopped, out[-3000:]
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, 11)), out[-3000:]
+    assert losses[1][1] == 2 and losses[10][1] == 1, losses
+    report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())
+    gens = report["elastic"]["generations"]
+    assert len(gens) == 2 and gens[0]["recovery"]["lost"] == [label], gens
+    assert "DaemonTimeout" in err, err[-3000:]  # silent, not refusing: lost after --lost-after
+    # parked on request, well before the collective timeout, and switched in place
+    assert "switched in place to generation 1" in err, err[-3000:]
+    assert gens[1]["in_place"] and gens[0]["recovery"]["in_place"], gens
+    assert "the next generation restarts them" not in err and "restarting generation" not in err, err[-3000:]
+    assert gens[0]["recovery"]["detection_s"] < 30, gens[0]["recovery"]
+    pids = {line["pid"] for line in _reported(out)}
+    assert len(pids) == 1, pids
     _assert_like_reference(out, _one_device(script, 10, env, tmp_path))
 
 

@@ -56,6 +56,7 @@ SAMPLE_REQUESTS = {
     "job_events": {"job": "j1", "after": 0},
     "cancel": {"job": "j1"},
     "pause": {"job": "j1"},
+    "park": {"job": "j1", "generation": 0},
     "switch": {"job": "j1", "generation": 1, "node_rank": 0, "nnodes": 2, "rank_offset": 0, "world_size": 4,
                "master_addr": "127.0.0.1", "master_port": 29501, "env": {"HAPD_GENERATION": "1"}},
     "snapshot_put": {"run": "j1", "step": 40, "rank": 1, "world": 2, "count": 2, "name": "__1_0.distcp", "offset": 0,
