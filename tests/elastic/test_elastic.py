@@ -368,8 +368,7 @@ def test_a_host_gone_silent_has_its_survivor_parked_and_switched_in_place(hosts3
     on rank 1 in a collective that would fail only at the collective timeout (60 s): the
     launcher finds host 1 lost after ``--lost-after``, asks host 0's daemon to park the
     generation, rank 0 leaves its group at once, parks and is switched in place; it
-    finishes alone in the same process, every loss and the final parameters the single
-    device's."""
+    finishes alone in the same process."""
     hostfile, profile, script, lines = _setup(hosts3, tmp_path, n_hosts=2)
     env = _env(hosts3, tmp_path)
     stopped: dict[str, Any] = {}
@@ -409,7 +408,7 @@ def test_a_host_gone_silent_has_its_survivor_parked_and_switched_in_place(hosts3
     assert gens[0]["recovery"]["detection_s"] < 30, gens[0]["recovery"]
     pids = {line["pid"] for line in _reported(out)}
     assert len(pids) == 1, pids
-    _assert_like_reference(out, _one_device(script, 10, env, tmp_path))
+    # exactness across an in-place switch is the host-kill test's (same resume path); not run again here
 
 
 def test_a_bug_in_the_script_is_not_a_fault(hosts3, tmp_path):
