@@ -526,7 +526,7 @@ def _with_expert_parallel_candidate(
     Expert parallelism pays off only over a whole mixture-of-experts block (the tokens
     all-to-all'd to their experts and back, the experts' gradients never all-reduced),
     while its first all-to-all costs at once, so a search whose front keeps the states
-    cheapest so far drops it before its saving shows (the zoo's Mixtral at batch 32 on
+    cheapest so far drops it before its saving shows (Mixtral with hapd's dense experts at batch 32 on
     paper-8: data parallelism at 24 states per position, expert parallelism at 384).
     Searched as a candidate of its own, it is compared whole. Only for a free ``auto``
     compile of a graph with expert weights."""
@@ -580,7 +580,7 @@ def _wider_front(
     A plan that merely ties with data parallelism does not widen: that is the common
     case (data parallelism is optimal for most models on most clusters) and widening
     there would multiply every compile's time; a user who expects more sets
-    ``front_width`` (the zoo's Mixtral at batch 32 on paper-8 finds expert parallelism
+    ``front_width`` (Mixtral with hapd's dense experts at batch 32 on paper-8 finds expert parallelism
     at 384)."""
     program, ratios, _ = chosen
     left = WIDEN_BUDGET_S - elapsed
