@@ -52,11 +52,13 @@ state, when its process started and what :func:`hapd.parallelize` took), ``first
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
 import os
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -190,6 +192,10 @@ class _Sender:
         return time.perf_counter() - start
 
 
+CLEAN_STEPS = 8
+"""How many of the last steps without a send :class:`SnapshotCost` takes the median of."""
+
+
 @dataclass
 class SnapshotCost:
     """What a snapshot's background send costs the training steps, measured in wall
@@ -199,16 +205,22 @@ class SnapshotCost:
     rank whose steps wait on a GPU it may cost them nothing: the CPU seconds the send
     took are only the estimate until steps without a send were seen."""
 
-    clean_step: float | None = None
-    """Seconds a step takes with no send beside it (moving average)."""
+    clean: collections.deque = field(default_factory=lambda: collections.deque(maxlen=CLEAN_STEPS))
+    """The last steps with no send beside them, in seconds."""
     beside_s: float = 0.0
     """The steps beside the current send: their time beyond ``clean_step``, summed."""
     beside_steps: int = 0
 
+    @property
+    def clean_step(self) -> float | None:
+        """Seconds a step takes with no send beside it: the median of the last
+        :data:`CLEAN_STEPS` (an outlier, a slow first step, moves it not)."""
+        return statistics.median(self.clean) if self.clean else None
+
     def step(self, took: float, sending: bool) -> None:
         """One step that took ``took`` seconds, beside a send or not."""
         if not sending:
-            self.clean_step = took if self.clean_step is None else 0.8 * self.clean_step + 0.2 * took
+            self.clean.append(took)
         elif self.clean_step is not None:
             self.beside_s += took - self.clean_step
             self.beside_steps += 1
@@ -387,7 +399,8 @@ class Elastic:
             took = now - self._last_step_end
             self._step_time = took if self._step_time is None else 0.9 * self._step_time + 0.1 * took
             sending = self._sender is not None and self._sender.sending_between(self._last_step_end, now)
-            self._send_cost.step(took, sending)
+            if self._first_step_said:  # a generation's first step (its warm-up) says nothing of the others
+                self._send_cost.step(took, sending)
         if self.rank == 0:
             if not self._first_step_said:
                 _say("first_step", generation=self.generation, step=step, time=time.time())
