@@ -83,7 +83,8 @@ print(json.dumps({
     "import": imported - start, "load": loaded - imported, "derive": derived - loaded,
     "spmd": parts.get("spmd_seconds"), "pipeline": parts.get("pipeline_seconds"), "overlap": parts.get("overlap_seconds"),
     "search": done - derived, "wall": done - imported, "technique": plan.technique,
-    "per_iteration": plan.estimate["per_iteration"],
+    "per_iteration": (plan.estimate.get("techniques", {}).get(plan.technique) or {}).get("per_iteration")
+                     or plan.estimate["per_iteration"],
     "stages": len(pipeline.get("stages") or ()) if pipeline.get("chosen") else 1,
 }))
 """

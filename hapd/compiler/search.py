@@ -135,6 +135,7 @@ def _search_rounds(
     if caps is None:
         return _rounds(data, profile, options, None, None, recompute)
     tried: list[dict] = []
+    shortfalls: list[float] = []  # of each program searched with memory priced
     scale_cost: float | None = None
     floor = _floor(data, DUPLICAS if options.overlap else 1) if not recompute else 0.0
     for zero, scale in _price_schedule(options):
@@ -156,6 +157,15 @@ def _search_rounds(
                            _unfit_why(tried[-1], caps, profile) + "; this one does not fit either",
                            time.perf_counter() - start, brief="memory priced: did not fit")
             tried.append(exc.program)
+            if scale > 0:
+                shortfalls.append(_shortfall(exc.program, caps))
+            if len(shortfalls) >= 2 and shortfalls[-1] >= shortfalls[-2] * (1 - STALLED):
+                _note_pass("searches with memory priced higher (ZeRO-style parameters allowed)"
+                           + (f", {len(recompute)} blocks recomputed" if recompute else ""),
+                           f"stopped: at {scale:g}× the program falls {format_bytes(shortfalls[-1])} short of a "
+                           f"device's memory, no closer than at the price before", 0.0,
+                           brief="memory priced: stopped, no closer")
+                break
             if scale_cost is None:
                 scale_cost = max(program_cost(exc.program, profile.flops_ratios()), 1e-9)
             if len(tried) == 1 and floor > sum(caps):
@@ -165,6 +175,20 @@ def _search_rounds(
                            f"devices have {format_bytes(sum(caps))}", 0.0, brief="memory priced: skipped, cannot fit")
                 break
     raise SynthesisError(_no_fit_message(tried, caps, profile))
+
+
+STALLED = 1e-3
+"""A search with memory priced higher whose program falls short of a device's memory by
+no less (within this fraction) than the one at the price before ends the ladder: the
+search has stopped moving toward a fit (Llama-7B's one duplica on paper-64: three more
+passes of 6-20 s each, the same 27.80 GiB on a 32 GiB device each time, none fitting)."""
+
+
+def _shortfall(program: dict, caps: list[float]) -> float:
+    """The most bytes ``program`` needs beyond a device's memory, under the ratios
+    that make that the least (:func:`hapd.compiler.ratios.least_overshoot`)."""
+    peaks = peak_memory(program, least_overshoot(program, caps))
+    return max(p - c for p, c in zip(peaks, caps))
 
 
 def _floor(data: bytes, duplicas: int) -> float:

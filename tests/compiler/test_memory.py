@@ -205,3 +205,26 @@ def test_the_memory_floor_bounds_every_program_and_cuts_searches_that_cannot_fit
         hapd.compile(mlp_graph, estimated_profile(2, flops=[1e10, 1e10], memory=0.55 * floor),
                      CompileOptions(recompute="never"))
     assert any(p is not None for p in priced)
+
+
+def test_the_memory_price_ladder_stops_once_it_comes_no_closer(monkeypatch):
+    """Searches with memory priced higher run while each comes closer to fitting; one
+    that falls as short as the one before ends the ladder (the search has stopped
+    moving), and the error is the ladder's as before."""
+    profile = estimated_profile(2, flops=[1e10, 1e10], memory=1e6)
+    scales: list[float | None] = []
+
+    def never_fits(data, profile_, options, caps, price, recompute=(), weigh=None):
+        scales.append(None if price is None else price[0])
+        raise search._DoesNotFit({"steps": [], "n": len(scales)})
+
+    for shortfalls, searches in (([5.0, 5.0], 3), ([5.0, 4.0, 3.0, 2.0, 1.0], 6), ([5.0, 4.0, 4.0], 4)):
+        left = list(shortfalls)
+        scales.clear()
+        monkeypatch.setattr(search, "_rounds", never_fits)
+        monkeypatch.setattr(search, "_shortfall", lambda program, caps: left.pop(0))
+        monkeypatch.setattr(search, "_no_fit_message", lambda tried, caps, profile_: f"none of {len(tried)} fits")
+        monkeypatch.setattr(search, "_unfit_why", lambda program, caps, profile_: "short")
+        with pytest.raises(SynthesisError, match=f"none of {searches} fits"):
+            search._search_rounds(b"", profile, CompileOptions(), [1e6, 1e6])
+        assert len(scales) == searches and scales[0] is None and all(s is not None for s in scales[1:])
