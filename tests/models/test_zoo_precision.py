@@ -42,7 +42,7 @@ bound 8.3e-5); the normal form keeps them now (:func:`hapd.ir.normalize._casts_k
 ``-s`` prints each case's two errors (distributed, one device in the precision).
 Measured (5 AdamW steps, loss error against fp32: distributed / one device):
 bf16 on 2 ranks: gpt2 3.1e-5 / 3.7e-5, llama 6.1e-5 / 3.5e-5, bert 2.7e-5 / 1.5e-5,
-mixtral 6.2e-5 / 4.9e-5, qwen2_moe 5.0e-5 / 9.0e-5, t5 3.1e-4 / 3.4e-4,
+mixtral 8.0e-5 / 7.9e-5, qwen2_moe 8.0e-5 / 7.9e-5 (transformers' default experts, no auxiliary loss), t5 3.1e-4 / 3.4e-4,
 resnet18 2.0e-1 / 4.0e-1, vit 1.8e-2 / 1.5e-2; gpt2 forced tensor-parallel 5.5e-5 / 3.7e-5;
 bf16 on 4 ranks: gpt2 5.0e-5 / 3.7e-5, bert 2.7e-5 / 1.5e-5; fp16 on 2 ranks: gpt2
 1.5e-5 / 1.4e-5, bert 9.6e-6 / 8.7e-6; gpt2_block compiled in bf16 on one process
@@ -103,12 +103,22 @@ def _case_id(case: tuple[str, str, int, str]) -> str:
 
 
 def _build(name: str) -> tuple[nn.Module, tuple[Tensor, ...]]:
-    """The zoo's ``name`` at :data:`BATCH` (ViT's zero head filled), seed 0 after."""
+    """The zoo's ``name`` at :data:`BATCH` (ViT's zero head filled; the mixtures of
+    experts without the router's auxiliary loss), seed 0 after.
+
+    The auxiliary loss counts each expert's top-k picks (``histc`` of hard choices): in
+    bf16 a pick that flips on one rank's rows moves the counts by a whole token, so over
+    the AdamW steps the error measures routing flips more than the plan (Qwen2-MoE with
+    it: 5.0e-5 distributed against 1.9e-5 on one device; without: 8.0e-5 / 7.9e-5).
+    ``test_zoo.py`` runs the auxiliary loss in fp32, where the plans are exact."""
     from hapd.models.zoo import ZOO
 
     module, inputs = ZOO[name](batch=BATCH)
     if name == "vit":
         fill_zero_parameters(module)
+    config = getattr(getattr(module, "model", None), "config", None)
+    if getattr(config, "output_router_logits", False):
+        config.output_router_logits = False
     torch.manual_seed(0)  # what the ranks' dropouts draw with (hapd's default seed)
     return module, inputs
 
