@@ -446,9 +446,14 @@ def loss_collectives(program: Mapping[str, Any], ratios: Sequence[float]) -> flo
     the whole batch (a router's expert counts and probabilities, summed over every
     token, in a mixture-of-experts auxiliary loss). DDP computes such a loss on each
     rank's own tokens (another loss), so :func:`ddp_cost` leaves them out, and no exact
-    program can match that price."""
+    program can match that price. Only a step that reads a partial sum (a tensor the
+    program holds as ``Reduce``: a sum over the whole batch) counts: an all-gather of a
+    split tensor (T5's position buckets) is a choice a better program avoids."""
+    summed = {t["name"] for t in program.get("tensors", ()) if "Reduce" in (t.get("layouts") or ())}
     total = 0.0
     for step in program["steps"]:
+        if not any(i.get("tensor") in summed for i in step.get("inputs", ())):
+            continue
         comm = row_values(step["comm"], ratios)
         for source in step.get("sources", ()):
             if source.get("grad_sync"):

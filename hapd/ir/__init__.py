@@ -2,6 +2,8 @@
 
 From the ground floor up (each module imports only those before it):
 
+- :mod:`~hapd.ir.experts` — transformers' default mixture-of-experts layers traced
+  as one op, ``hapd::routed_experts``, with the same values;
 - :mod:`~hapd.ir.tied` — tied parameters, several names for one tensor;
 - :mod:`~hapd.ir.fake` — tracing a model or program without weights (on the meta
   device) as if it had them;
