@@ -344,12 +344,7 @@ def test_a_host_killed_in_a_two_host_job_switches_its_survivor_in_place(hosts3, 
             hosts3.start_daemon(1)
     assert code == 0, err[-4000:]
     assert killed, out[-3000:]
-    losses = _losses(out)
-    assert sorted(losses) == list(range(1, 11)), out[-3000:]
-    assert losses[1][1] == 2 and losses[10][1] == 1, losses
-    report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())
-    gens = report["elastic"]["generations"]
-    assert len(gens) == 2 and gens[0]["recovery"]["lost"] == [label], gens
+    gens = _lost_one_host_of_two(out, err, label)
     assert gens[0]["recovery"]["resumed_step"] >= 3, gens  # snapshots every step: 4's, or 3's still being sent
     # switched in place: the launcher said so, the report says so, none was stopped for not parking
     assert "switched in place to generation 1" in err, err[-3000:]
@@ -360,6 +355,19 @@ def test_a_host_killed_in_a_two_host_job_switches_its_survivor_in_place(hosts3, 
     assert len(pids) == 1, pids
     assert not _job_pids("el-inplace")
     _assert_like_reference(out, _one_device(script, 10, env, tmp_path))
+
+
+def _lost_one_host_of_two(out: str, err: str, label: str) -> list[dict]:
+    """The generations of a 10-step job on 2 hosts that lost host ``label`` and
+    finished on the other: every step's loss printed, the first on 2 ranks and the
+    last on 1, and the report's two generations, the first lost to ``label``."""
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, 11)), out[-3000:]
+    assert losses[1][1] == 2 and losses[10][1] == 1, losses
+    report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())
+    gens = report["elastic"]["generations"]
+    assert len(gens) == 2 and gens[0]["recovery"]["lost"] == [label], gens
+    return gens
 
 
 def test_a_host_gone_silent_has_its_survivor_parked_and_switched_in_place(hosts3, tmp_path):
@@ -394,12 +402,7 @@ def test_a_host_gone_silent_has_its_survivor_parked_and_switched_in_place(hosts3
             hosts3.start_daemon(1)
     assert code == 0, err[-4000:]
     assert stopped, out[-3000:]
-    losses = _losses(out)
-    assert sorted(losses) == list(range(1, 11)), out[-3000:]
-    assert losses[1][1] == 2 and losses[10][1] == 1, losses
-    report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())
-    gens = report["elastic"]["generations"]
-    assert len(gens) == 2 and gens[0]["recovery"]["lost"] == [label], gens
+    gens = _lost_one_host_of_two(out, err, label)
     assert "DaemonTimeout" in err, err[-3000:]  # silent, not refusing: lost after --lost-after
     # parked on request, well before the collective timeout, and switched in place
     assert "switched in place to generation 1" in err, err[-3000:]
