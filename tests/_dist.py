@@ -90,15 +90,23 @@ def _child(
             timeout=datetime.timedelta(seconds=timeout),
         )
         initialized = True
-        conn.send(("ok", time.time(), fn(rank, world, *args)))
+        _send(conn, ("ok", time.time(), fn(rank, world, *args)))
     except BaseException:
         # Sent before the group is destroyed, so the time orders it before the errors
         # this rank's exit causes on the others.
-        conn.send(("error", time.time(), traceback.format_exc()))
+        _send(conn, ("error", time.time(), traceback.format_exc()))
     finally:
         if initialized:
             dist.destroy_process_group()
         conn.close()
+
+
+def _send(conn: Connection, message: Any) -> None:
+    """``message`` pickled with the plain pickler, its tensors by value: sent as the
+    connection's own pickle, torch's reductions would pass each tensor's storage by a
+    file descriptor that the parent fetches from this process after it has exited
+    (``ConnectionResetError`` or ``FileNotFoundError`` when the rank is gone first)."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _stop(procs: list) -> None:
@@ -151,7 +159,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
                 if not readers[rank].poll():
                     continue
                 try:
-                    status, when, value = readers[rank].recv()
+                    status, when, value = pickle.loads(readers[rank].recv_bytes())
                 except EOFError:  # the process died without a word
                     procs[rank].join(5)
                     status, when, value = "error", time.time(), f"exited with code {procs[rank].exitcode}"
