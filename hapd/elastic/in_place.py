@@ -28,13 +28,15 @@ script's folder first on ``sys.path``). When the script raises because a peer we
    library are imported already, and :func:`hapd.parallelize` takes the programs it
    exported and lowered last time, rebound to the new model's tensors
    (:class:`hapd.train.programs.ExportCarry`), so joining the new group, the plan
-   from the daemon's cache and :meth:`hapd.Elastic.resume` (the state from the newest
-   complete snapshot, resharded) are most of what the switch costs.
+   from the daemon's cache and :meth:`hapd.Elastic.resume` (the state moved from the
+   survivors' step copies to the new plan's pieces) are most of what the switch costs.
 
-The state comes back from the snapshot, not from the survivors' memory: a step cut by a
-failure leaves the ranks' parameters and optimizer states at different steps (some
-applied the update, some never reached it), while a snapshot is the same step on every
-rank. Any other exception, a failure outside an elastic launch, or no switch in time
+The state comes back from the survivors' memory: a step cut by a failure leaves the
+ranks' parameters and optimizer states at different steps (some applied the update,
+some never reached it), so each rank keeps copies of its last two completed steps in
+this process (:mod:`hapd.elastic.step_copy`), which the script's next run finds; the
+survivors go on from the last step all of them completed, and from the snapshot only
+when a piece was held by a lost rank alone. Any other exception, a failure outside an elastic launch, or no switch in time
 ends the process as the script alone would (its traceback, status 1): the launcher then
 takes the restart path.
 """

@@ -15,10 +15,16 @@ processes after a lost host (the ranks park and are switched in place,
 :mod:`hapd.elastic.in_place`), else in new ones. The script runs from its top again: :func:`hapd.parallelize` gets the plan for the new
 device set from the daemon's cache (``$HAPD_HOSTS`` cuts the cluster profile to those
 hosts, :func:`hapd.train.plan_source.job_profile`), and :meth:`Elastic.resume` loads
-the newest complete snapshot, resharded to the new plan and world size by
-:func:`hapd.load_checkpoint`: parameters, optimizer state, the sampler's position (the
-same global batches in the same order, whatever the world size: no sample skipped or
-seen twice), every rank's RNG, the step and ``state``.
+the state: parameters, optimizer state, the sampler's position (the same global
+batches in the same order, whatever the world size: no sample skipped or seen twice),
+every rank's RNG, the step and ``state``. After a switch in place it comes from the
+survivors' memory: every :meth:`Elastic.step_done` keeps a copy of the rank's state of
+that step (:mod:`hapd.elastic.step_copy`, the last two steps), the survivors agree on
+the last step all of them completed and their pieces move point to point to the new
+plan's (:mod:`hapd.elastic.moves`). When a piece was held only by a lost rank (a plan
+that split it), or after a restart (new processes hold no copies), it is the newest
+complete snapshot, resharded to the new plan and world size by
+:func:`hapd.load_checkpoint`.
 
 **Snapshots.** Every ``every`` steps :meth:`Elastic.step_done` writes this rank's pieces
 (:func:`hapd.state.checkpoint.snapshot_files`: a checkpoint written on each rank's own
@@ -72,7 +78,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hapd.errors import CheckpointError, CollectiveError, HapdError
-from hapd.state.checkpoint import load_checkpoint, snapshot_files
+from hapd.elastic import moves, step_copy
+from hapd.state.checkpoint import held_tensors, load_checkpoint, load_optimizer_entries, set_draw_count, snapshot_files
+from hapd.state.checkpoint_format import MODEL, OPTIM
 from hapd.state.checkpoint_format import find_checkpoint
 from hapd.elastic.in_place import GENERATION_ENV, PARK_REQUESTED, RUN_ENV
 from hapd.wire.client import Client
@@ -274,6 +282,10 @@ class Elastic:
         self._first_step_said = False
         self._snapshots = 0
         self._own = own
+        self._copies = (step_copy.kept(self.run) if self.run is not None and env.get(step_copy.COPY_ENV, "1") != "0"
+                        else None)
+        """This rank's copies of its last two completed steps (:mod:`hapd.elastic.step_copy`): kept by this
+        process across the script's runs, so that a switch in place takes the state from the survivors."""
         if self.active:
             targets = [a for a in dict.fromkeys([own, buddy]) if a]
             self._sender = _Sender(self.snapshot_run(self.generation), targets, _key_bytes(), self.rank)
@@ -292,21 +304,33 @@ class Elastic:
 
     def resume(self) -> int:
         """The step to train from: 0 on a first launch (or outside an elastic launch);
-        after a re-launch the newest complete snapshot's (every rank loads it, resharded),
-        else ``checkpoint``'s, else 0. Collective."""
+        after a switch in place the last step every survivor completed, its state moved
+        from their step copies when they hold every piece; else the newest complete
+        snapshot's (every rank loads it, resharded), else ``checkpoint``'s, else 0.
+        Collective."""
         if not self.active or self.generation == 0:
+            if self.active:
+                self._fresh_copy(0)
             self._last_step_end = time.perf_counter()
             return 0
         start = time.perf_counter()
-        choice = self._broadcast(self._newest_snapshot() if self.rank == 0 else None)
-        source, step = "none", 0
-        if choice is not None:
-            step = self._load_snapshot(choice)
-            source = f"snapshot of step {step} (world {choice['world']})"
-        elif self.checkpoint is not None and _has_checkpoint(self.checkpoint):
-            step = self._load(self.checkpoint)
-            source = f"checkpoint {self.checkpoint} (step {step})"
+        memory = self._from_memory()
+        choice = None
+        if memory.step is not None:
+            step, source = memory.step, memory.source
+        else:
+            choice = self._broadcast(self._newest_snapshot() if self.rank == 0 else None)
+            source, step = "none", 0
+            if choice is not None:
+                step = self._load_snapshot(choice)
+                source = f"snapshot of step {step} (world {choice['world']})"
+            elif self.checkpoint is not None and _has_checkpoint(self.checkpoint):
+                step = self._load(self.checkpoint)
+                source = f"checkpoint {self.checkpoint} (step {step})"
+            if memory.fallback:
+                source += f" (fallback: {memory.fallback})"
         load_s = time.perf_counter() - start
+        self._fresh_copy(step)
         if self.rank == 0:
             plan_source = getattr(self.module, "plan_source", None)
             built = getattr(self.module, "build_times", None)
@@ -314,11 +338,99 @@ class Elastic:
                  plan_s=getattr(plan_source, "seconds", None), plan=getattr(plan_source, "origin", None),
                  started_at=self.started_at, build=dataclasses.asdict(built) if built is not None else None,
                  time=time.time())
-            if choice is None:
+            if choice is None and memory.step is None:
                 print(f"hapd elastic: no complete snapshot{' or checkpoint' if self.checkpoint else ''} to resume "
                       "from: training starts again at step 0", flush=True)
         self._last_step_end = time.perf_counter()
         return step
+
+    def _fresh_copy(self, step: int) -> None:
+        """This generation's first copy, of the step it resumed at: the previous
+        generation's copies (laid out by the old plan) are freed first."""
+        if self._copies is not None:
+            self._copies.clear()
+            self._copy_step(step)
+
+    def _copy_step(self, step: int) -> None:
+        """Keep this rank's copy of ``step`` (:mod:`hapd.elastic.step_copy`)."""
+        if self._copies is None:
+            return
+        found, objects = step_copy.entries(self.module, self.optimizer)
+        small = step_copy.small_state(self.module, self.optimizer, self.sampler, self.state)
+        self._copies.keep(step, self.generation, self.rank, self.world, found, objects, small)
+
+    def _from_memory(self) -> "_FromMemory":
+        """Load the state of the last step every survivor completed from their step
+        copies, moved point to point to the new plan's pieces (:mod:`hapd.elastic.moves`);
+        its step, or None and why not (no rank holds a copy: a restart; or a piece only a
+        lost rank held: ``fallback``). Collective (one gather, then the moves)."""
+        if self._copies is None:
+            return _FromMemory()
+        self._copies.ready()
+        needs, params = step_copy.needed_pieces(self.module, self.optimizer)
+        kept = self._copies.copies
+        offer = step_copy.Offer(
+            rank=self.rank, generation=self._copies.generation, old_rank=kept[-1].rank if kept else None,
+            copies={c.step: (c.pieces, c.objects, c.small) for c in kept}, needs=needs, params=params)
+        offers = sorted(self._gather(offer), key=lambda o: o.rank)
+        agreement = step_copy.agree(offers)
+        if agreement.step is None:
+            holders = any(o.generation is not None for o in offers)
+            return _FromMemory(fallback=agreement.reason if holders else "")
+        step = agreement.step
+        held = {r: offers[r].copies[step][0] for r in agreement.survivors}
+        every_held = [p for pieces in held.values() for p in pieces]
+        needed = {o.rank: [*o.needs, *step_copy.optimizer_needs(o.params, every_held)] for o in offers}
+        plan = moves.schedule(held, needed)
+        if not plan.covered:
+            keys = ", ".join(plan.missing[:4]) + (f" and {len(plan.missing) - 4} more" if len(plan.missing) > 4 else "")
+            return _FromMemory(fallback=f"keys {keys} not held by any survivor")
+        mine = self._copies.of_step(step) if self.rank in agreement.survivors else None
+        targets: dict[str, torch.Tensor] = {MODEL + h.key: h.local for h in held_tensors(self.module)}
+        loaded = {p.key: torch.empty(p.shape, dtype=getattr(torch, p.dtype))
+                  for p in needed[self.rank] if not p.key.startswith(MODEL)}
+        moved = moves.execute(plan, self.rank, mine.tensors if mine is not None else {}, {**targets, **loaded})
+        self._load_small(offers, agreement, loaded, {p.key for p in every_held if p.key.startswith(OPTIM)})
+        total = sum(t.numel * moves.dtype_size(t.dtype) for t in plan.transfers)
+        between = plan.bytes_between_ranks()
+        return _FromMemory(step, f"survivors' memory, step {step}, moved {total / 2**20:.2f} MB in "
+                                 f"{moved.seconds:.2f} s ({between / 2**20:.2f} MB of it between ranks)")
+
+    def _load_small(self, offers: list[step_copy.Offer], agreement: step_copy.Agreement,
+                    optimizer_tensors: Mapping[str, torch.Tensor], optimizer_keys: set[str]) -> None:
+        """After the moves: the optimizer (``optimizer_tensors``, this rank's moved
+        states; its values that are not tensors; its groups' settings; ``optimizer_keys``:
+        every tensor state's key), the sampler, the dropouts' generator step, ``state``
+        and this rank's RNG, as the survivors kept them at the agreed step: the first
+        survivor's, and the RNG of the old rank of this rank's number, as a snapshot keeps
+        it (else seeded ``seed + rank``, as from a snapshot without it)."""
+        step = agreement.step
+        assert step is not None
+        survivors = [offers[r].copies[step] for r in agreement.survivors]
+        small = survivors[0][2]
+        if self.optimizer is not None:
+            params = {h.key for h in held_tensors(self.module)}
+            values: dict[str, Any] = {}
+            for _pieces, objects, _small in survivors:  # a value of a parameter is the same on its holders
+                for key, value in objects.items():
+                    if key[len(OPTIM):].rsplit("/", 1)[0] in params:
+                        values.setdefault(key, value)
+            load_optimizer_entries(self.module, self.optimizer, {**optimizer_tensors, **values},
+                                   small.hyperparameters, keys=optimizer_keys | set(values))
+        if self.sampler is not None and small.sampler is not None:
+            self.sampler.load_state_dict(small.sampler)
+        set_draw_count(self.module, small.draws)
+        for name, obj in self.state.items():
+            if name in small.user:
+                obj.load_state_dict(small.user[name])
+        same = next((offers[r] for r in agreement.survivors if offers[r].old_rank == self.rank), None)
+        if same is not None:
+            rng = same.copies[step][2].rng
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        else:
+            torch.manual_seed(small.seed + self.rank)
 
     def _newest_snapshot(self) -> dict[str, Any] | None:
         """Rank 0: the newest step every one of whose ranks' files some daemon holds, of
@@ -395,6 +507,7 @@ class Elastic:
         if not self.active:
             return
         now = time.perf_counter()
+        self._copy_step(step)  # before any collective: a failure in one leaves this step's copy
         if self._last_step_end is not None:
             took = now - self._last_step_end
             self._step_time = took if self._step_time is None else 0.9 * self._step_time + 0.1 * took
@@ -443,8 +556,16 @@ class Elastic:
             self._choose_interval(took + sent)
         if self.rank == 0:
             _say("snapshot", step=step, bytes=sum(len(b) for b in files.values()), seconds=took, waited_s=waited,
-                 every=self.every, errors=self._sender.errors[-3:])
+                 every=self.every, errors=self._sender.errors[-3:], **self._copy_cost())
         return took
+
+    def _copy_cost(self) -> dict[str, Any]:
+        """What the step copies cost: the median seconds of the last ones, their bytes."""
+        if self._copies is None or not self._copies.seconds:
+            return {}
+        newest = self._copies.copies[-1] if self._copies.copies else None
+        return {"step_copy_s": statistics.median(self._copies.seconds),
+                "step_copy_bytes": newest.nbytes if newest is not None else 0}
 
     def _choose_interval(self, cost: float) -> None:
         """The interval at which snapshots cost :data:`SNAPSHOT_BUDGET` of the steps' time,
@@ -497,6 +618,16 @@ class Elastic:
     def _barrier(self) -> None:
         if self._distributed():
             dist.barrier()
+
+
+@dataclass(frozen=True)
+class _FromMemory:
+    """What :meth:`Elastic._from_memory` did: the step loaded (None: none) and where from,
+    or why the survivors' memory could not give the state (empty: no rank holds copies)."""
+
+    step: int | None = None
+    source: str = ""
+    fallback: str = ""
 
 
 def _complete(runs: list[str], answers: Mapping[str, Mapping[str, list[dict[str, Any]]]]) -> dict[str, Any] | None:

@@ -310,6 +310,55 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, held: Iterable[Held], ran
     return state, pieces
 
 
+def optimizer_held(optimizer: torch.optim.Optimizer, held: Iterable[Held]) -> tuple[list[Held], dict[str, Any]]:
+    """This rank's optimizer state under the keys checkpoints give it
+    (``optim/<parameter>/<state>``): each tensor as a :class:`Held` — split like its
+    parameter (Adam's ``exp_avg``) or whole (a scalar ``step``) — and the values that are
+    not tensors. Every holder's, those another rank writes included (an in-memory copy,
+    :mod:`hapd.elastic.step_copy`, keeps what each rank holds)."""
+    tensors: list[Held] = []
+    objects: dict[str, Any] = {}
+    for found in _param_keys(optimizer, held):
+        for h, param in found:
+            for name, value in optimizer.state.get(param, {}).items():
+                key = f"{OPTIM}{h.key}/{name}"
+                if not isinstance(value, Tensor):
+                    objects[key] = value
+                    continue
+                placed = _state_placement(h, name, value)
+                tensors.append(whole(key, value) if placed is None else Held(key, value, placed.offsets, placed.size))
+    return tensors, objects
+
+
+def optimizer_parameters(optimizer: torch.optim.Optimizer, held: Iterable[Held]) -> list[Held]:
+    """What ``held`` says of each parameter of ``optimizer``, group by group."""
+    return [h for found in _param_keys(optimizer, held) for h, _ in found]
+
+
+def optimizer_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings but its parameters (what a checkpoint keeps of
+    ``optim/param_groups``: a scheduler's ``lr`` among them)."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def load_optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer, entries: Mapping[str, Any],
+                           hyperparameters: list[dict[str, Any]], *, keys: Iterable[str] | None = None) -> None:
+    """Load optimizer state given by checkpoint key (``optim/<parameter>/<state>``: this
+    rank's pieces and whole values) and each group's settings into ``optimizer``, as
+    :func:`load_checkpoint` does after reading them. ``keys``: every state key of the
+    whole model (default: ``entries``'): a parameter whose piece here is empty gets
+    empty states under them."""
+    held = held_tensors(module)
+    groups = _param_keys(optimizer, held)
+    if len(hyperparameters) != len(groups):
+        raise CheckpointError(f"the optimizer state has {len(hyperparameters)} param groups, this optimizer "
+                              f"{len(groups)}")
+    saved_groups = [{**settings, "params": [h.key for h, _ in found]} for settings, found in zip(hyperparameters, groups)]
+    saved = dict.fromkeys(entries if keys is None else keys)
+    _load_optimizer(optimizer, held, {**entries, GROUPS: saved_groups}, saved,
+                    every=set(model_sizes(module, held)) == {h.key for h in held})
+
+
 def _group_keys(groups: list[list[tuple[Held, Tensor]]], ranks: _Ranks) -> list[list[str]]:
     """Each param group's parameter keys over every rank (a pipeline's ranks each hold
     their stage's), in first-seen order."""
@@ -699,4 +748,5 @@ def _fill_tied(module: nn.Module, state: dict[str, Tensor]) -> None:
                 state.setdefault(k, state[present])
 
 
-__all__ = ["export_safetensors", "held_tensors", "import_safetensors", "load_checkpoint", "save_checkpoint"]
+__all__ = ["export_safetensors", "held_tensors", "import_safetensors", "load_checkpoint", "load_optimizer_entries",
+           "optimizer_held", "optimizer_hyperparameters", "optimizer_parameters", "save_checkpoint"]

@@ -298,6 +298,8 @@ def test_host_killed_job_goes_on_from_the_snapshot(hosts3, tmp_path):
     switched = gens[1]["in_place"] and gens[0]["recovery"]["in_place"] and "switched in place to generation 1" in err
     said_why = "of them parked in" in err and "the next generation restarts them" in err and not gens[1]["in_place"]
     assert switched or said_why, err[-3000:]
+    if switched:  # the survivors' step copies give the state: the last step both completed, exact below
+        assert gens[0]["recovery"]["source"].startswith("survivors' memory, step "), gens[0]["recovery"]
     for part in ("detection_s", "replan_s", "restart_s", "load_s"):
         assert gens[0]["recovery"][part] >= 0
     parts = gens[0]["recovery"]["restart_parts"]  # where the restart went, on rank 0
@@ -345,7 +347,11 @@ def test_a_host_killed_in_a_two_host_job_switches_its_survivor_in_place(hosts3, 
     assert code == 0, err[-4000:]
     assert killed, out[-3000:]
     gens = _lost_one_host_of_two(out, err, label)
-    assert gens[0]["recovery"]["resumed_step"] >= 3, gens  # snapshots every step: 4's, or 3's still being sent
+    # the state came from the survivor's step copies, not from the snapshot: the last step it completed (4,
+    # or 5 when the kill came inside step 5), none lost but the one cut by the kill
+    recovery = gens[0]["recovery"]
+    assert recovery["source"].startswith("survivors' memory, step "), (recovery, err[-3000:])
+    assert recovery["resumed_step"] >= 4 and recovery["steps_lost"] <= 1, recovery
     # switched in place: the launcher said so, the report says so, none was stopped for not parking
     assert "switched in place to generation 1" in err, err[-3000:]
     assert gens[1]["in_place"] and gens[0]["recovery"]["in_place"], gens
