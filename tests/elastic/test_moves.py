@@ -154,12 +154,13 @@ def _train(elastic, module, optimizer, data, start: int, stop: int) -> list[floa
     return losses
 
 
-def _switch_in_place(rank: int, world: int, key_file: str) -> dict:
+def _switch_in_place(rank: int, world: int, key_file: str, joined: bool) -> dict:
     """Two ranks train a replicated Linear 3 steps under an elastic run; rank 1 also
-    finishes step 4 (a failure inside step 4 cut rank 0 short). The script runs again in
-    the same processes (a new model, optimizer and Elastic, generation 1): both resume at
-    step 3 from their copies, rank 1 from the one before its newest, and the next steps'
-    losses are those of training straight on."""
+    finishes step 4 (a failure inside step 4 cut rank 0 short), or (``joined``) is a new
+    process that holds no copies (a host joining). The script runs again in the same
+    processes (a new model, optimizer and Elastic, generation 1): both resume at step 3,
+    from their copies (rank 1 from the one before its newest), or rank 1 from rank 0's,
+    sent point to point, and the next steps' losses are those of training straight on."""
     import os
 
     from hapd.elastic.resume import Elastic
@@ -185,7 +186,9 @@ def _switch_in_place(rank: int, world: int, key_file: str) -> dict:
         scheduler.step()  # (after the steps: the copies hold lr as of each step_done)
     module_ref, optimizer_ref, _ = build(0)
     reference = _train(None, module_ref, optimizer_ref, data, 0, 6)
-    if rank == 1:
+    if rank == 1 and joined:
+        step_copy.forget("moves-test")
+    elif rank == 1:
         _train(elastic, module, optimizer, data, 3, 4)
     # the next generation, in the same process: another initialization, nothing trained
     module, optimizer, scheduler = build(7)
@@ -196,13 +199,35 @@ def _switch_in_place(rank: int, world: int, key_file: str) -> dict:
 
 
 @pytest.mark.distributed
-def test_a_switch_in_place_resumes_from_the_survivors_step_copies(tmp_path):
+@pytest.mark.parametrize("joined", [False, True], ids=["cut-inside-a-step", "a-rank-without-copies"])
+def test_a_switch_in_place_resumes_from_the_survivors_step_copies(tmp_path, joined):
     from hapd.wire.keys import load_or_create_key
 
     key = tmp_path / "key"
     load_or_create_key(key)
-    got = run_ranks(2, _switch_in_place, str(key), timeout=90)
+    got = run_ranks(2, _switch_in_place, str(key), joined, timeout=90)
     for result in got:
         assert result["step"] == 3
         assert result["losses"] == result["reference"], result  # bit for bit: the same state, the same steps
         assert result["lr"] == 0.05  # the step copies' param groups (the scheduler stepped after them)
+
+
+def test_a_piece_no_survivor_holds_falls_back_to_the_snapshot(tmp_path, monkeypatch, capsys):
+    """The script's next run builds a model with a tensor the copies lack: resume says
+    which keys no survivor held and takes the snapshot path (here none: step 0)."""
+    from hapd.elastic.resume import Elastic
+    from hapd.wire.keys import load_or_create_key
+
+    load_or_create_key(tmp_path / "key")
+    monkeypatch.setenv("HAPD_KEY_FILE", str(tmp_path / "key"))
+    env = {"HAPD_ELASTIC_RUN": f"fallback-{id(tmp_path)}", "HAPD_GENERATION": "0", "HAPD_SNAPSHOT_EVERY": "-1"}
+    module = torch.nn.Linear(3, 2)
+    elastic = Elastic(module, torch.optim.SGD(module.parameters(), lr=0.1), environ=env)
+    elastic.resume()
+    elastic.step_done(1)
+    grown = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    again = Elastic(grown, torch.optim.SGD(grown.parameters(), lr=0.1), environ={**env, "HAPD_GENERATION": "1"})
+    assert again.resume() == 0
+    said = capsys.readouterr().out
+    assert "none (fallback: keys model/0.bias, model/0.weight not held by any survivor)" in said, said
+    step_copy.forget(env["HAPD_ELASTIC_RUN"])
