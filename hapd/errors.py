@@ -83,6 +83,13 @@ class CollectiveError(HapdError):
     the training step and the ranks that were not there."""
 
 
+class ElasticPause(HapdError):
+    """Raised by :meth:`hapd.Elastic.step_done` at a step boundary the launcher paused the
+    job at (a host joins), once that step's snapshot reached the daemons, in a rank run
+    under :mod:`hapd.elastic.in_place`: the runner parks on it and the rank is switched,
+    in its process, into the generation that includes the joining host."""
+
+
 class ProtocolError(HapdError):
     """A control message is malformed or of an unknown version."""
 

@@ -174,6 +174,9 @@ class ElasticRun:
         self._key = load_key(options.key_file or default_key_path())
         self._every_host: dict[str, Host] = {h.label: h for h in self.hosts}
         """Every host the job ran on (their daemons hold the run's snapshots)."""
+        self._cut: dict[str, int] = {}
+        """Ranks on a host that goes on in place with fewer than it started with (a rank of
+        it was killed), by label; a restart gives every host its ranks back."""
 
     # ------------------------------------------------------------------ output
 
@@ -188,10 +191,12 @@ class ElasticRun:
     def _options_for(self, index: int, hosts: Sequence[Host]) -> JobOptions:
         labels = [h.label for h in hosts]
         addresses = [h.address for h in hosts]
+        cut = {label: n for label, n in self._cut.items() if label in labels}
         env = {
             "HAPD_ELASTIC_RUN": self.run_id,
             "HAPD_GENERATION": str(index),
-            "HAPD_HOSTS": ",".join(labels),
+            # a host with ranks killed goes on with its first N devices (Profile.on_hosts)
+            "HAPD_HOSTS": ",".join(f"{label}#{cut[label]}" if label in cut else label for label in labels),
             "HAPD_ELASTIC_DAEMONS": ",".join(addresses),
             "HAPD_ELASTIC_FORMER_DAEMONS": ",".join(h.address for label, h in self._every_host.items()
                                                      if label not in labels),
@@ -207,7 +212,8 @@ class ElasticRun:
         else:  # one per generation: one switched in place keeps the job id of the generation it came from
             report = home_dir() / "runs" / f"{self.run_id}-g{index}.json"
         return dataclasses.replace(self.options, job_id=f"{self.run_id}-g{index}", env=env, host_env=True,
-                                   env_of_host=buddies, report=report, in_place=self.elastic.in_place)
+                                   env_of_host=buddies, report=report, in_place=self.elastic.in_place,
+                                   nproc_of_host=cut)
 
     def run(self) -> JobResult:
         hosts = list(self.hosts)
@@ -248,6 +254,8 @@ class ElasticRun:
 
     def _job_for(self, gen: Generation, previous: Generation | None, hosts: Sequence[Host],
                  attach: Attach | None) -> Job:
+        if attach is None:  # new processes on every host: each with all its ranks again
+            self._cut = {}
         job = Job(hosts, self._options_for(gen.index, hosts), out=self.out, err=self.err,
                   launcher_start=self.launcher_start, attach=attach)
         gen.world = job.world_size
@@ -267,7 +275,8 @@ class ElasticRun:
         if not result.held:
             return None
         going_on = {h.label for h in decided or ()}
-        if decided is not None and going_on == set(result.held):
+        joining = {j["host"] for j in self.joined if j["generation"] == gen.index + 1}
+        if decided is not None and set(result.held) <= going_on and going_on - set(result.held) <= joining:
             return Attach(job.job_id, gen.index + 1, dict(result.after))
         self._release(job.job_id, [self._every_host[label] for label in result.held if label in self._every_host])
         return None
@@ -324,9 +333,14 @@ class ElasticRun:
         failed_at = job.failed_at or gen.ended or time.time()
         for label in sorted(lost):
             self.dropped.append({"host": label, "generation": gen.index, "time": failed_at, "at_step": gen.last_step})
-        left = [h for h in hosts if h.label not in lost]
+        emptied = self._drop_killed(job, result)
+        for label in sorted(emptied):
+            self.dropped.append({"host": label, "generation": gen.index, "time": failed_at, "at_step": gen.last_step,
+                                 "why": "its ranks were killed"})
+        left = [h for h in hosts if h.label not in lost | emptied]
         self.faults += 1
-        gen.recovery = {"failed_at": failed_at, "decided_at": time.time(), "lost": sorted(lost)}
+        gen.recovery = {"failed_at": failed_at, "decided_at": time.time(), "lost": sorted(lost),
+                        "ranks_killed": {label: ranks for label, ranks in result.killed.items()}}
         if len(left) < self.elastic.min_hosts:
             self.say(f"{fault}: {len(left)} host(s) left, fewer than --elastic's minimum {self.elastic.min_hosts}: "
                      "the job ends")
@@ -336,11 +350,32 @@ class ElasticRun:
             self.say(f"{fault}: {self.faults} faults, more than --max-restarts {self.elastic.max_restarts}: the job ends")
             return None
         what = f"lost {', '.join(sorted(lost))}" if lost else "same hosts"
+        if result.held and result.killed:
+            what += "; without the killed rank(s) " + ", ".join(
+                f"{r} ({label}{', left with none' if label in emptied else ''})"
+                for label, ranks in sorted(result.killed.items()) for r in ranks)
         how = "switching in place to" if {h.label for h in left} == set(result.held) else "restarting on"
         self.say(f"{fault} at {time.strftime('%H:%M:%S', time.localtime(failed_at))} (last step {gen.last_step}, "
                  f"last snapshot {gen.last_snapshot}); {what}: {how} {len(left)} host(s) "
                  f"({', '.join(h.label for h in left)}), detection took {time.time() - failed_at:.1f} s")
         return left
+
+    def _drop_killed(self, job: Job, result: JobResult) -> set[str]:
+        """The ranks a signal killed while the others parked (:attr:`JobResult.killed`):
+        each host goes on in place with that many ranks fewer (:attr:`_cut`); the hosts
+        left with none, which leave the generation (and join again through the host file)."""
+        if not result.held:
+            return set()
+        emptied = set()
+        for p in job.placements:
+            gone = len(result.killed.get(p.host.label, ()))
+            if not gone:
+                continue
+            if gone >= p.nproc:
+                emptied.add(p.host.label)
+            else:
+                self._cut[p.host.label] = p.nproc - gone
+        return emptied
 
     def _fault(self, failure: Mapping[str, Any] | None, lost: set[str]) -> str | None:
         """What the failure was when the job can go on, else None."""

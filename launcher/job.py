@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
 
+from hapd.serve.jobs import killed_by_signal
 from hapd.wire.client import Client, default_address
 from hapd.errors import DaemonTimeout, HapdError, OptionsError
 from hapd.wire.contract import MAX_LEASE_S, MIN_LEASE_S
@@ -189,6 +190,9 @@ class JobOptions:
     env_of_host: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """More environment for the ranks of one host, by its label (an elastic job's
     snapshot partner)."""
+    nproc_of_host: Mapping[str, int] = field(default_factory=dict)
+    """Ranks on a host, by its label, over ``nproc_per_node`` and its slots (an elastic
+    job's host that goes on in place with fewer ranks after one was killed)."""
     in_place: bool = False
     """Run the ranks under :mod:`hapd.elastic.in_place` (an elastic job: a rank whose peer
     went away parks and can be switched to the next generation in its process)."""
@@ -235,7 +239,9 @@ class Attach:
     generation: int
     """The elastic generation they switch to."""
     after: Mapping[str, int]
-    """Per host label, the last event of that job already read."""
+    """Per host label, the last event of that job already read: the hosts whose parked
+    ranks are switched. The generation's other hosts (joining) are launched afresh under
+    the same job id."""
 
 
 @dataclass
@@ -265,16 +271,24 @@ class JobResult:
     switched in place (:attr:`Job.hold_on_host_loss`)."""
     after: dict[str, int] = field(default_factory=dict)
     """Per host label, the last event read (where a switched generation goes on reading)."""
+    killed: dict[str, list[int]] = field(default_factory=dict)
+    """Per host label, the ranks a signal killed in an in-place job whose other ranks
+    parked (:attr:`Job.hold_on_host_loss`): the next generation goes on without them."""
+    paused: bool = False
+    """Every rank parked at a pause (a host joins) and was left running, to be switched."""
 
 
 # ----------------------------------------------------------------------------- placement
 
 
-def place(hosts: Sequence[Host], nproc_per_node: int | None) -> list[Placement]:
-    """Contiguous global ranks per host, in host order."""
+def place(hosts: Sequence[Host], nproc_per_node: int | None,
+          nproc_of_host: Mapping[str, int] | None = None) -> list[Placement]:
+    """Contiguous global ranks per host, in host order; ``nproc_of_host`` (by label)
+    over ``nproc_per_node`` over the host's slots."""
     out, offset = [], 0
     for i, host in enumerate(hosts):
         k = host.slots if nproc_per_node is None else nproc_per_node
+        k = (nproc_of_host or {}).get(host.label, k)
         if k > host.slots:
             where = f" ({host.where})" if host.where else ""
             raise OptionsError(f"host {host.label}{where} has slots={host.slots}; --nproc-per-node {k} does not fit", field="nproc_per_node")
@@ -635,7 +649,7 @@ class Job:
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.start_info: dict[str, Any] = {"launcher_start": launcher_start or time.time()}
-        self.placements = place(self.hosts, options.nproc_per_node)
+        self.placements = place(self.hosts, options.nproc_per_node, options.nproc_of_host)
         self.world_size = sum(p.nproc for p in self.placements)
         self.attach = attach
         self.job_id = attach.job_id if attach is not None else (options.job_id or default_job_id(options.script))
@@ -664,11 +678,16 @@ class Job:
         """Called about every half second while the job runs (an elastic launcher
         watches its host file from there)."""
         self.hold_on_host_loss = False
-        """At a lost host, leave the other hosts' ranks running while they park (an
-        in-place elastic job), up to :data:`HOLD_S`; stop them as usual when one does not."""
+        """At a lost host or a rank killed by a signal, leave the other ranks running while
+        they park (an in-place elastic job), up to :data:`HOLD_S`; stop them as usual when
+        one does not. At a pause (rank 0's ``paused``), wait for every rank to park."""
         self._pinged = False
         self.parked: set[int] = set()
         """Ranks that said they parked (``{"hapd": "elastic", "event": "parked"}``)."""
+        self.killed: set[int] = set()
+        """Ranks a signal killed while the others are held (:attr:`hold_on_host_loss`)."""
+        self.paused = False
+        """Rank 0 said ``paused`` (a host joins): its ranks park at that step boundary."""
         self._events: queue.Queue[tuple] = queue.Queue()
         self._pollers: list[_Poller] = []
         key = options.key_file or default_key_path()
@@ -702,8 +721,6 @@ class Job:
         script = opts.script
         if not script.is_file():
             raise OptionsError(f"script {script} not found (it must exist where the launcher runs)", field="script")
-        script_bytes = script.read_bytes() if opts.ship else None
-        remote_script = script.name if opts.ship else str(script.resolve())
         checked = check_daemons(self.placements, self.control, opts.timeout_s)
         self.start_info["checked"] = time.time()
         master = self.placements[0].host
@@ -715,16 +732,8 @@ class Job:
         self.start_info.update(start_at=start_at, master_addr=master.name, master_port=port)
 
         def launch(p: Placement) -> str | None:
-            cwd = opts.cwd if opts.cwd is not None else (launcher_cwd if p.host.is_loopback else None)
             try:
-                self.control[p.node_rank].launch(
-                    self.job_id, remote_script, script_bytes=script_bytes, args=opts.args,
-                    env={**env, **({"HAPD_HOST": p.host.label} if opts.host_env else {}),
-                         **opts.env_of_host.get(p.host.label, {})}, nproc=p.nproc,
-                    node_rank=p.node_rank, nnodes=len(self.placements), rank_offset=p.rank_offset,
-                    world_size=self.world_size, master_addr=master.name, master_port=port, start_at=start_at, cwd=cwd,
-                    lease_s=opts.lease_s, in_place=opts.in_place,
-                )
+                self._launch_on(p, master.name, port, env, start_at, launcher_cwd)
             except DaemonTimeout as exc:  # it may have accepted the job all the same: cancelled below
                 unanswered.add(p.node_rank)
                 return f"{type(exc).__name__}: {exc}"
@@ -745,6 +754,22 @@ class Job:
             self._cancel_refused(refusals, unanswered, start_at)
         self._start_pollers()
         self._say_started(master.name, port, start_at)
+
+    def _launch_on(self, p: Placement, master_addr: str, port: int, env: Mapping[str, str], start_at: float | None,
+                   launcher_cwd: str) -> None:
+        """Send one host's daemon its ranks of the job (``launch``)."""
+        opts = self.options
+        script_bytes = opts.script.read_bytes() if opts.ship else None
+        remote_script = opts.script.name if opts.ship else str(opts.script.resolve())
+        cwd = opts.cwd if opts.cwd is not None else (launcher_cwd if p.host.is_loopback else None)
+        self.control[p.node_rank].launch(
+            self.job_id, remote_script, script_bytes=script_bytes, args=opts.args,
+            env={**env, **({"HAPD_HOST": p.host.label} if opts.host_env else {}),
+                 **opts.env_of_host.get(p.host.label, {})}, nproc=p.nproc,
+            node_rank=p.node_rank, nnodes=len(self.placements), rank_offset=p.rank_offset,
+            world_size=self.world_size, master_addr=master_addr, master_port=port, start_at=start_at, cwd=cwd,
+            lease_s=opts.lease_s, in_place=opts.in_place,
+        )
 
     def _cancel_refused(self, refusals: Sequence[str | None], unanswered: set[int], start_at: float) -> None:
         """Cancel the job on the hosts that took it (or did not answer), and raise :class:`LaunchError`."""
@@ -773,24 +798,29 @@ class Job:
                  f"MASTER_ADDR={master_addr} MASTER_PORT={port}; {when}")
 
     def _switch(self, attach: Attach) -> None:
-        """Tell every host's daemon where its parked ranks of ``attach.job_id`` go on (the
-        ``switch`` request: generation, ranks, rendezvous, environment) and read their
-        events from where the last generation stopped. Raises :class:`LaunchError` when a
-        host refuses (a rank of it is no longer running); the caller then stops them and
-        launches afresh."""
+        """Tell every held host's daemon where its parked ranks of ``attach.job_id`` go on
+        (the ``switch`` request: generation, ranks, rendezvous, environment; its ranks
+        killed by a signal left out) and read their events from where the last generation
+        stopped; launch the ranks of the hosts joining now, under the same job id. Raises
+        :class:`LaunchError` when a host refuses (a rank of it is no longer running); the
+        caller then stops them and launches afresh."""
         opts = self.options
         master = self.placements[0].host
         port = choose_master_port(master, opts.master_port)
         env = job_env(opts, self.hosts)
+        launcher_cwd = os.getcwd()
         self.start_info.update(master_addr=master.name, master_port=port, switched_to=attach.generation)
 
         def one(p: Placement) -> str | None:
             try:
+                if p.host.label not in attach.after:  # a host joining: new processes
+                    self._launch_on(p, master.name, port, env, None, launcher_cwd)
+                    return None
                 self.control[p.node_rank].job_switch(
                     self.job_id, generation=attach.generation, node_rank=p.node_rank, nnodes=len(self.placements),
                     rank_offset=p.rank_offset, world_size=self.world_size, master_addr=master.name, master_port=port,
                     env={**env, **({"HAPD_HOST": p.host.label} if opts.host_env else {}),
-                         **opts.env_of_host.get(p.host.label, {})})
+                         **opts.env_of_host.get(p.host.label, {})}, nproc=p.nproc)
             except HapdError as exc:
                 return f"{type(exc).__name__}: {exc}"
             return None
@@ -807,7 +837,8 @@ class Job:
                              opts.poll_s, after=attach.after.get(p.host.label, 0))
             self._pollers.append(poller)
             poller.start()
-        hosts = ", ".join(f"{p.host.label} ranks {p.rank_offset}-{p.rank_offset + p.nproc - 1}" for p in self.placements)
+        hosts = ", ".join(f"{p.host.label} ranks {p.rank_offset}-{p.rank_offset + p.nproc - 1}"
+                          + ("" if p.host.label in attach.after else " (joining: new processes)") for p in self.placements)
         self.say(f"job {self.job_id}: switched in place to generation {attach.generation}: {self.world_size} ranks on "
                  f"{len(self.placements)} host(s) ({hosts}); MASTER_ADDR={master.name} MASTER_PORT={port}")
 
@@ -846,6 +877,9 @@ class Job:
         try:
             while len(finished) + len(lost) < len(self.placements):
                 timeout = 0.5 if deadline is None else deadline - time.monotonic()
+                if self.paused and self.failure is None and self.hold_on_host_loss and self._all_parked(finished, lost):
+                    held = True  # parked at the pause's step boundary: switched with the joining host
+                    break
                 if hold_until is not None and stop_started is None:
                     if self._all_parked(finished, lost):
                         held = True
@@ -865,7 +899,7 @@ class Job:
                     continue
                 failed_now = self._handle(kind, p, payload, finished, lost)
                 if failed_now and stop_started is None:
-                    if self.hold_on_host_loss and (self.failure or {}).get("kind") == "host":
+                    if self._holds():
                         hold_until = time.monotonic() + HOLD_S
                         self._park_survivors(lost)
                     else:
@@ -879,7 +913,7 @@ class Job:
             for poller in self._pollers:
                 poller.quit.set()
             self._flush_tracebacks(list(self.tracebacks.held))
-        result = self._result(finished, lost, stop_started)
+        result = self._result(finished, lost, stop_started, held)
         if held:  # their pollers stopped: the next generation reads on from their last event
             self._hand_over_held(result)
         return result
@@ -934,8 +968,13 @@ class Job:
         return stop_started
 
     def _hand_over_held(self, result: JobResult) -> None:
-        """The held hosts' pollers joined, and where each stopped reading, for the next generation."""
+        """The held hosts' pollers joined, where each stopped reading, and the ranks a
+        signal killed on each, for the next generation."""
         result.held, result.leftover = list(result.leftover), []
+        for p in self.launched:
+            gone = [r for r in p.ranks if r in self.killed]
+            if gone:
+                result.killed[p.host.label] = gone
         for poller in self._pollers:
             if poller.placement.host.label in result.held:
                 poller.join(timeout=self.options.lost_after_s + 1)
@@ -951,14 +990,23 @@ class Job:
     def _survivors(self, lost: Mapping[int, str]) -> list[Placement]:
         return [p for p in self.launched if p.node_rank not in lost]
 
+    def _holds(self) -> bool:
+        """Whether the job's failure leaves the other ranks running while they park (an
+        in-place job: a lost host, or a rank killed by a signal)."""
+        failure = self.failure or {}
+        return self.hold_on_host_loss and (failure.get("kind") == "host" or (
+            failure.get("kind") == "rank" and failure.get("rank") in self.killed))
+
     def _all_parked(self, finished: set[int], lost: Mapping[int, str]) -> bool:
-        """Every rank of every host not lost parked and none exited (none finished)."""
+        """Every rank of every host not lost, but those a signal killed, parked and none
+        exited (a host finished only when every rank of it was killed)."""
         survivors = self._survivors(lost)
-        return bool(survivors) and not finished and all(
-            r in self.parked and r not in self.exits for p in survivors for r in p.ranks)
+        going = [r for p in survivors for r in p.ranks if r not in self.killed]
+        return bool(going) and all(all(r in self.killed for r in p.ranks) for p in survivors if p.node_rank in finished) \
+            and all(r in self.parked and r not in self.exits for r in going)
 
     def _survivor_exited(self, lost: Mapping[int, str]) -> bool:
-        return any(r in self.exits for p in self._survivors(lost) for r in p.ranks)
+        return any(r in self.exits and r not in self.killed for p in self._survivors(lost) for r in p.ranks)
 
     def _flush_tracebacks(self, ranks: Sequence[int]) -> None:
         """Print the held tracebacks of ``ranks`` (once; a repeat of another rank's as one line)."""
@@ -1004,9 +1052,12 @@ class Job:
                 self.exits[rank] = (code, event["time"])
                 if code != 0 and (self.failed_at is None or event["time"] < self.failed_at):
                     self.failed_at = float(event["time"])
+                if code != 0 and self.hold_on_host_loss and killed_by_signal(code):
+                    self.killed.add(rank)
                 if code != 0 and self.failure is None:
                     self.failure = {"kind": "rank", "rank": rank, "code": code, "host": p.host.label}
-                    self.say(f"rank {rank} on {p.host.label} exited with code {code}; stopping all ranks")
+                    then = "waiting for the other ranks to park" if self._holds() else "stopping all ranks"
+                    self.say(f"rank {rank} on {p.host.label} exited with code {code}; {then}")
                     first_failure = True
                 continue
             line = strip_rank_prefix(line, rank)  # torch's excepthook's "[rankN]: ", a second prefix
@@ -1021,7 +1072,10 @@ class Job:
             consumed = value is not None
             if value is not None and value["hapd"] == "elastic" and value.get("event") == "parked":
                 self.parked.add(rank)
-            elif value is not None and value["hapd"] == "elastic" and rank == 0 and self.on_elastic is not None:
+            elif value is not None and value["hapd"] == "elastic" and rank == 0 and value.get("event") == "paused":
+                self.paused = True
+            if value is not None and value["hapd"] == "elastic" and rank == 0 and self.on_elastic is not None \
+                    and value.get("event") != "parked":
                 self.on_elastic(rank, value)
             if self.options.stream and (self.options.verbose or not consumed):
                 self._print(f"[rank {rank}] {line}", self.out)
@@ -1059,7 +1113,8 @@ class Job:
         thread.start()
         return started, started + self.options.grace_s
 
-    def _result(self, finished: set[int], lost: Mapping[int, str], stop_started: float | None) -> JobResult:
+    def _result(self, finished: set[int], lost: Mapping[int, str], stop_started: float | None,
+                held: bool = False) -> JobResult:
         result = JobResult(self.job_id, 0, self.world_size, start=self._start_summary(), other=self.timings.other)
         if stop_started is not None:
             result.stopped_s = time.monotonic() - stop_started
@@ -1075,6 +1130,8 @@ class Job:
             result.exit_code = EXIT_HOST_LOST
         elif failure is not None:
             result.exit_code = EXIT_INTERRUPTED
+        elif held:
+            result.paused = True  # every rank parked at the pause, left running
         elif len(self.exits) < self.world_size or any(c != 0 for c, _ in self.exits.values()):
             result.exit_code = EXIT_HOST_LOST  # should not happen: a host finished without its exits
             failure = {"kind": "host", "message": f"exits of ranks {sorted(set(range(self.world_size)) - set(self.exits))} never arrived"}

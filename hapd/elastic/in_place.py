@@ -52,7 +52,7 @@ import time
 import traceback
 from typing import Any, Mapping
 
-from hapd.errors import PEER_FAILURE, CollectiveError, HapdError
+from hapd.errors import PEER_FAILURE, CollectiveError, ElasticPause, HapdError
 from hapd.spmd import group_sockets
 from hapd.wire.client import Client
 from hapd.wire.contract import PARK_FD_ENV, STARTED_ENV
@@ -64,6 +64,9 @@ RUN_ENV = "HAPD_ELASTIC_RUN"
 """The elastic run's id (the same in every generation); unset: not an elastic launch."""
 GENERATION_ENV = "HAPD_GENERATION"
 """0 for the first launch, then 1, 2, … after each re-launch or switch."""
+IN_PLACE_ENV = "HAPD_IN_PLACE"
+"""Set ("1") by this runner: a pause for a joining host parks the rank
+(:class:`~hapd.errors.ElasticPause`) instead of ending its process."""
 KEEP_EXPORTS_ENV = "HAPD_KEEP_EXPORTS"
 """Set ("1") by this runner: :func:`hapd.parallelize` keeps what it exported for the
 script's next run in this process (:class:`hapd.train.programs.ExportCarry`)."""
@@ -80,9 +83,21 @@ def peer_failure(exc: BaseException) -> bool:
     return bool(PEER_FAILURE.search(f"{type(exc).__name__}: {exc}"))
 
 
+def runs_in_place() -> bool:
+    """Whether this process runs its script under this runner (a pause parks it)."""
+    return os.environ.get(IN_PLACE_ENV) == "1"
+
+
 def switch_env(order: Mapping[str, Any], local_rank: int, nproc: int) -> dict[str, str]:
-    """The environment of one local rank in the generation a ``switch`` order names:
-    torchrun's variables and the order's ``env``."""
+    """The environment of one local rank (``local_rank`` of ``nproc`` before the switch)
+    in the generation a ``switch`` order names: torchrun's variables and the order's
+    ``env``. The order's ``kept`` lists the local ranks that go on (the others were
+    killed): this one becomes local rank ``kept.index(local_rank)`` of ``len(kept)``."""
+    kept = [int(k) for k in order.get("kept") or range(nproc)]
+    if local_rank not in kept:
+        raise HapdError(f"switch to generation {order.get('generation')}: local rank {local_rank} is not among the "
+                        f"ranks that go on ({kept})")
+    local_rank, nproc = kept.index(local_rank), len(kept)
     rank = int(order["rank_offset"]) + local_rank
     world = str(order["world_size"])
     return {
@@ -182,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     script, args = argv[0], argv[1:]
     os.environ[KEEP_EXPORTS_ENV] = "1"  # the script's next run here rebinds its model's exports, no export
+    os.environ[IN_PLACE_ENV] = "1"
     _watch_park_requests()
     while True:
         generation = int(os.environ.get(GENERATION_ENV) or 0)
@@ -195,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             report_exception(exc)
             return 130
         except BaseException as exc:  # noqa: BLE001 - a peer's failure is parked, anything else told and ends
-            if not os.environ.get(RUN_ENV) or not peer_failure(exc):
+            if not os.environ.get(RUN_ENV) or not (peer_failure(exc) or isinstance(exc, ElasticPause)):
                 report_exception(exc)
                 return 1
             cause = f"{type(exc).__name__}: {str(exc)[:300]}"

@@ -77,12 +77,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hapd.errors import CheckpointError, CollectiveError, HapdError
+from hapd.errors import CheckpointError, CollectiveError, ElasticPause, HapdError
 from hapd.elastic import moves, step_copy
 from hapd.state.checkpoint import held_tensors, load_checkpoint, load_optimizer_entries, set_draw_count, snapshot_files
 from hapd.state.checkpoint_format import MODEL, OPTIM
 from hapd.state.checkpoint_format import find_checkpoint
-from hapd.elastic.in_place import GENERATION_ENV, PARK_REQUESTED, RUN_ENV
+from hapd.elastic.in_place import GENERATION_ENV, PARK_REQUESTED, RUN_ENV, runs_in_place
 from hapd.wire.client import Client
 from hapd.wire.contract import STARTED_ENV
 from hapd.wire.keys import default_key_path, load_key
@@ -528,6 +528,8 @@ class Elastic:
             self._sender.wait()
             if self.rank == 0:
                 _say("paused", generation=self.generation, step=step, time=time.time())
+            if runs_in_place():  # parked, and switched in its process into the generation with the joining host
+                raise ElasticPause(f"paused at step {step} for a joining host")
             raise SystemExit(0)
         self._last_step_end = time.perf_counter()
 

@@ -211,15 +211,24 @@ class Profile:
     def on_hosts(self, hosts: Sequence[str]) -> "Profile":
         """The profile of the devices on ``hosts`` alone, in that host order (a job running
         on part of the cluster the profile measured: an elastic job after a host left).
-        :class:`ProfileError` naming a host the profile does not have."""
-        missing = [h for h in hosts if not self.ranks_of(h)]
-        if missing or len(set(hosts)) != len(hosts):
+        An entry ``HOST#N`` takes the first ``N`` of that host's devices (an elastic job
+        whose rank on it was killed goes on there with fewer ranks, numbered from 0).
+        :class:`ProfileError` naming a host the profile does not have, or a count it
+        does not hold."""
+        cuts = [host_cut(h) for h in hosts]
+        names = [name for name, _ in cuts]
+        missing = [h for h in names if not self.ranks_of(h)]
+        if missing or len(set(names)) != len(names):
             known = ", ".join(self.hosts)
-            raise ProfileError(f"hosts {', '.join(missing) or ', '.join(hosts)} are not distinct hosts of profile "
+            raise ProfileError(f"hosts {', '.join(missing) or ', '.join(names)} are not distinct hosts of profile "
                                f"{self.name} (its hosts: {known})", field="devices")
+        short = [f"{name}#{count}" for name, count in cuts if count is not None and count > len(self.ranks_of(name))]
+        if short:
+            raise ProfileError(f"{', '.join(short)}: more devices than profile {self.name} has on that host",
+                               field="devices")
         if list(hosts) == self.hosts:
             return self
-        ranks = [r for h in hosts for r in self.ranks_of(h)]
+        ranks = [r for name, count in cuts for r in self.ranks_of(name)[:count]]
         return self.subset(ranks, name=f"{self.name}@{'+'.join(hosts)}")
 
     def to_json(self) -> str:
@@ -236,6 +245,17 @@ class Profile:
     def save(self, path: str | Path) -> Path:
         """Write the profile JSON atomically and return the path."""
         return atomic_write(path, self.to_json())
+
+
+def host_cut(entry: str) -> tuple[str, int | None]:
+    """``HOST`` → (HOST, None: all its devices); ``HOST#N`` → (HOST, N) for N ≥ 1
+    (:meth:`Profile.on_hosts`); :class:`ProfileError` for a bad count."""
+    name, mark, count = entry.rpartition("#")
+    if not mark:
+        return entry, None
+    if not name or not count.isdigit() or int(count) < 1:
+        raise ProfileError(f"host entry {entry!r}: expected HOST or HOST#N with N ≥ 1 devices", field="devices")
+    return name, int(count)
 
 
 def estimated_profile(

@@ -39,6 +39,7 @@ No torch import here.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import logging
 import os
 import secrets
@@ -221,16 +222,43 @@ class SwitchOrder(Placement):
 
     generation: int
     time: float
+    nproc: int
+    """This host's ranks in the generation: all it runs, or fewer when some were killed
+    (each goes on as local rank ``kept.index(its local rank)``)."""
+    kept: tuple[int, ...] = ()
+    """The local ranks (before the switch) that go on, in order; filled by
+    :meth:`JobManager.switch` from the ranks still running."""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], nproc: int) -> "SwitchOrder":
+        """``nproc``: the ranks of the job still running here (the order's own ``nproc``,
+        when it has one, must be that)."""
         gen = body["generation"]
         if gen < 1:
             raise OptionsError(f"switch: generation {gen} must be ≥ 1", field="generation")
-        return cls(generation=gen, **Placement.checked(body, nproc, "switch"), time=time.time())
+        asked = body.get("nproc")
+        if asked is not None and asked != nproc:
+            raise OptionsError(f"switch: nproc {asked}, but {nproc} rank(s) of the job are running on this host",
+                               field="nproc")
+        return cls(generation=gen, **Placement.checked(body, nproc, "switch"), time=time.time(), nproc=nproc)
 
     def describe(self) -> dict[str, Any]:
-        return {"generation": self.generation, **self.placement(), "time": self.time}
+        return {"generation": self.generation, **self.placement(), "nproc": self.nproc, "kept": list(self.kept),
+                "time": self.time}
+
+
+def killed_by_signal(code: int) -> bool:
+    """Whether a rank's exit status says a signal killed it (``128 + N`` from its guard,
+    ``-N`` when the guard itself was killed)."""
+    return code < 0 or code > 128
+
+
+def goes_on_without(job: "HostJob", code: int) -> bool:
+    """Whether the job's other ranks go on after one exited with ``code``: an in-place
+    job's rank killed by a signal (kill -9, the OOM killer) is a fault the others park
+    on and are switched past (an elastic launcher drops its slot); any other failure, or
+    a job being cancelled, stops this host's ranks as torchrun does."""
+    return job.spec.in_place and killed_by_signal(code) and not job.cancelled.is_set()
 
 
 def torchrun_env(spec: LaunchSpec, local_rank: int) -> dict[str, str]:
@@ -262,6 +290,9 @@ class Rank:
     returncode: int | None = None
     park_fd: int | None = None
     """The write end of the rank's park pipe (an in-place job's, :data:`PARK_FD_ENV`)."""
+    dropped: bool = False
+    """Killed by a signal in an in-place job and left out of the generations after it
+    (a ``switch`` with fewer ranks): its exit no longer decides how the job ended."""
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -538,6 +569,15 @@ class JobManager:
                 os.close(r.park_fd)
                 r.park_fd = None
         r.returncode = code
+        if goes_on_without(job, code):
+            # an in-place job's rank killed by a signal: the others on this host go on (they park
+            # and are switched to the next generation without it); what is left of its process
+            # group goes, as its guard would have taken it along had the guard been killed
+            log.info("job %s: rank %d killed (exit %d); the other local ranks go on", job.spec.job, r.rank, code)
+            self._kill_rank(r)
+            job.add_event(r.rank, "exit", str(code))
+            self._finish_if_done(job)
+            return
         # decided before the exit is published: a launcher that sees it cancels the job
         # everywhere, and that cancel must not turn this host's failure into "cancelled"
         failed_first = code != 0 and not job.cancelled.is_set()
@@ -552,13 +592,19 @@ class JobManager:
             if others:
                 log.info("job %s: rank %d failed; stopping the other local ranks", job.spec.job, r.rank)
                 self._stop(job)
+        self._finish_if_done(job)
+
+    def _finish_if_done(self, job: HostJob) -> None:
+        """Once every rank has exited: the job's end state (the ranks dropped by a switch
+        do not count, unless none went on)."""
         ended_now = False
         with job.lock:
             if all(x.returncode is not None for x in job.ranks) and not job.finished:
+                counted = [x for x in job.ranks if not x.dropped] or job.ranks
                 if job.cancelled.is_set() and not job.rank_failed:
                     job.state = "cancelled"
                 else:
-                    job.state = "exited" if all(x.returncode == 0 for x in job.ranks) else "failed"
+                    job.state = "exited" if all(x.returncode == 0 for x in counted) else "failed"
                 ended_now = True
         if ended_now:
             log.info("job %s: %s%s", job.spec.job, job.state, f" ({job.reason})" if job.reason else "")
@@ -620,27 +666,38 @@ class JobManager:
         return told
 
     def switch(self, job_id: str, body: Mapping[str, Any]) -> HostJob:
-        """Record where an in-place job's ranks go on (``switch``): every local rank must
-        still run; from now on its events carry its new global rank."""
+        """Record where an in-place job's ranks go on (``switch``): the local ranks still
+        running (every one but those killed by a signal, :func:`goes_on_without`, which
+        are dropped) go on as local ranks 0…, in order; an order's ``nproc`` must count
+        them. From now on their events carry their new global ranks, and a pause asked
+        of the generation before is forgotten."""
         job = self.get(job_id)
-        order = SwitchOrder.from_body(body, job.spec.nproc)
+        with job.lock:
+            going = [r for r in job.ranks if not r.dropped and r.returncode is None and r.proc is not None]
+            killed = [r for r in job.ranks if not r.dropped and r.returncode is not None and goes_on_without(job, r.returncode)]
+            ended = [r.rank for r in job.ranks if not r.dropped and r not in going and r not in killed]
+        order = SwitchOrder.from_body(body, len(going))
         with job.lock:
             if not job.spec.in_place:
                 raise OptionsError(f"switch: job {job_id!r} was not launched in place", field="job")
-            if job.finished or job.cancelled.is_set():
+            if job.finished or job.cancelled.is_set() or not going:
                 raise OptionsError(f"switch: job {job_id!r} is {job.state}{' (cancelled)' if job.cancelled.is_set() else ''}",
                                    field="job")
-            ended = [r.rank for r in job.ranks if r.returncode is not None or r.proc is None]
             if ended:
                 raise OptionsError(f"switch: rank(s) {ended} of job {job_id!r} are not running", field="job")
             if job.switch is not None and order.generation <= job.switch.generation:
                 raise OptionsError(f"switch: job {job_id!r} already went to generation {job.switch.generation}",
                                    field="generation")
-            job.switch = order
-            for r in job.ranks:
-                r.rank = order.rank_offset + r.local_rank
-        log.info("job %s: switching in place to generation %d, ranks %d..%d of %d", job_id, order.generation,
-                 order.rank_offset, order.rank_offset + job.spec.nproc - 1, order.world_size)
+            job.switch = dataclasses.replace(order, kept=tuple(r.local_rank for r in going))
+            job.pause_requested = False
+            for r in killed:
+                r.dropped = True
+            for i, r in enumerate(going):
+                r.local_rank = i
+                r.rank = order.rank_offset + i
+        log.info("job %s: switching in place to generation %d, ranks %d..%d of %d%s", job_id, order.generation,
+                 order.rank_offset, order.rank_offset + order.nproc - 1, order.world_size,
+                 f" (rank(s) {[r.rank for r in killed]} killed, left out)" if killed else "")
         return job
 
     def expire_leases(self, now: float | None = None) -> list[str]:
@@ -731,6 +788,17 @@ class JobManager:
         timer = threading.Timer(self.grace_s, action, args=(job,))
         timer.daemon = True
         timer.start()
+
+    @staticmethod
+    def _kill_rank(r: Rank) -> None:
+        """SIGKILL what is left of one rank's process group (its guard or its script, when
+        the other was killed)."""
+        if r.proc is None:
+            return
+        try:
+            os.killpg(r.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     @staticmethod
     def _kill(job: HostJob, sig: int, only_running: bool = False) -> None:

@@ -320,12 +320,15 @@ class Client:
         self.request("park", {"job": job, "generation": generation})
 
     def job_switch(self, job: str, *, generation: int, node_rank: int, nnodes: int, rank_offset: int,
-                   world_size: int, master_addr: str, master_port: int, env: Mapping[str, str]) -> None:
+                   world_size: int, master_addr: str, master_port: int, env: Mapping[str, str],
+                   nproc: int | None = None) -> None:
         """Tell an in-place ``job``'s ranks on this host where they go on (an elastic
-        job's next generation)."""
-        self.request("switch", {"job": job, "generation": generation, "node_rank": node_rank, "nnodes": nnodes,
-                                "rank_offset": rank_offset, "world_size": world_size, "master_addr": master_addr,
-                                "master_port": master_port, "env": dict(env)})
+        job's next generation); ``nproc``: how many go on here (the ranks still running:
+        those killed by a signal are left out)."""
+        body = {"job": job, "generation": generation, "node_rank": node_rank, "nnodes": nnodes,
+                "rank_offset": rank_offset, "world_size": world_size, "master_addr": master_addr,
+                "master_port": master_port, "env": dict(env)}
+        self.request("switch", body if nproc is None else {**body, "nproc": nproc})
 
     def job_paused(self, job: str) -> bool:
         """Whether a pause was asked for ``job`` (what an elastic job's rank 0 asks after each step)."""

@@ -235,6 +235,8 @@ REQUESTS: dict[str, MessageType] = {
                 Field("master_addr", "str", "address of the generation's rank 0's host (MASTER_ADDR)"),
                 Field("master_port", "int", "rendezvous port on master_addr (MASTER_PORT)"),
                 Field("env", "str_map", "environment the ranks set before running the script again"),
+                _opt("nproc", "int", "this host's ranks in the generation: those of the job still running here (the "
+                                     "ranks killed by a signal are left out); default: that number"),
             ),
             ("ok",),
         ),

@@ -99,15 +99,21 @@ def hosts3(tmp_path_factory):
     cluster.close()
 
 
-def _setup(cluster, tmp_path: Path, n_hosts: int = 3) -> tuple[Path, Path, Path, list[str]]:
+def _setup(cluster, tmp_path: Path, n_hosts: int = 3,
+           slots: list[int] | None = None) -> tuple[Path, Path, Path, list[str]]:
+    """The host file (the first ``n_hosts`` hosts, ``slots`` ranks each: 1 by default),
+    a profile of every host's devices (one per slot, uneven speeds), the script."""
+    slots = slots or [1] * cluster.n
     hostfile = tmp_path / "hosts.txt"
-    text = cluster.host_lines(slots=[1] * cluster.n)
+    text = cluster.host_lines(slots=slots)
     lines = text.splitlines()
     hostfile.write_text("\n".join(lines[:n_hosts]) + "\n")
     labels = [h.label for h in load_hosts(tmp_path / "hosts.txt")]
     all_labels = labels + [f"127.0.0.1:{cluster.port(i)}" for i in range(n_hosts, cluster.n)]
     profile = tmp_path / "profile.json"
-    estimated_profile(cluster.n, flops=[3e10, 2e10, 1e10][: cluster.n], hosts=all_labels, name="three").save(profile)
+    speeds = [3e10, 2e10, 1e10][: cluster.n]
+    estimated_profile(sum(slots), flops=[f for f, k in zip(speeds, slots) for _ in range(k)],
+                      hosts=[h for h, k in zip(all_labels, slots) for _ in range(k)], name="three").save(profile)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     return hostfile, profile, script, lines
@@ -429,20 +435,20 @@ def test_a_bug_in_the_script_is_not_a_fault(hosts3, tmp_path):
     assert "restarting" not in err
 
 
-def test_a_killed_rank_restarts_and_a_host_joins_at_a_step_boundary(hosts3, tmp_path):
-    """On 2 of the 3 hosts: rank 1 is killed (SIGKILL) after step 3: the same hosts go
-    on from the snapshot; at step 7 the third host is added to the host file with
-    ``launcher join``: the job pauses at a step boundary (no step lost) and finishes on
-    3 hosts."""
-    hostfile, profile, script, lines = _setup(hosts3, tmp_path, n_hosts=2)
+def test_a_killed_rank_and_a_join_switch_the_others_in_place(hosts3, tmp_path):
+    """Host 0 runs ranks 0 and 1, host 1 rank 2: rank 1's script is killed (SIGKILL) after
+    step 3: the others park and go on in their processes, host 0 with one rank fewer (its
+    profile cut to one device); at step 7 the third host is added with ``launcher join``:
+    its rank starts while the others train, they park at a step boundary (no step lost)
+    and are switched in place into the generation with it."""
+    hostfile, profile, script, lines = _setup(hosts3, tmp_path, n_hosts=2, slots=[2, 1, 1])
     env = _env(hosts3, tmp_path)
     done: dict[str, float] = {}
 
     def on_line(line: str) -> None:
         if "kill" not in done and '"event": "step", "step": 3}' in line:
             done["kill"] = time.time()
-            label = lines[1].split()[0] + ":" + lines[1].split("port=")[1].split()[0]
-            for pid in _host_ranks("el-join", label):
+            for pid in _rank_scripts("el-join", rank=1):
                 os.kill(pid, signal.SIGKILL)
         if "kill" in done and "join" not in done and '"step": 7, "loss"' in line:
             done["join"] = time.time()
@@ -455,19 +461,40 @@ def test_a_killed_rank_restarts_and_a_host_joins_at_a_step_boundary(hosts3, tmp_
     assert set(done) == {"kill", "join"}, err[-3000:]
     losses = _losses(out)
     assert sorted(losses) == list(range(1, 13)), out[-3000:]
-    assert losses[1][1] == 2 and losses[12][1] == 3
+    assert losses[1][1] == 3 and losses[12][1] == 3, losses
     report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())["elastic"]
     gens = report["generations"]
     assert len(gens) == 3, gens
-    assert "killed" in gens[0]["outcome"] and gens[0]["recovery"]["lost"] == []
+    assert "killed" in gens[0]["outcome"] and gens[0]["recovery"]["lost"] == [], gens
+    assert list(gens[0]["recovery"]["ranks_killed"].values()) == [[1]], gens
+    assert gens[1]["world"] == 2 and gens[1]["in_place"] and gens[0]["recovery"]["in_place"], gens
     assert gens[1]["outcome"].startswith("paused for") and gens[2]["resumed"]["step"] == gens[1]["last_step"]
+    assert gens[2]["world"] == 3 and gens[2]["in_place"], gens
     assert [j["host"] for j in report["joined"]] == [lines[2].split()[0] + ":" + lines[2].split("port=")[1].split()[0]]
     assert report["faults"] == 1
+    # neither the kill nor the join restarted anyone: rank 0 is one process throughout
+    assert "restarting" not in err and "the next generation restarts them" not in err, err[-3000:]
+    assert len({line["pid"] for line in _reported(out)}) == 1, _reported(out)
     assert not _job_pids("el-join")
-    # the restart after the kill and the join's resume load the snapshot of the step they resume
+    # the switch after the kill and the join's resume load the snapshot of the step they resume
     # at, with its optimizer state and sampler position: every loss (the steps redone after the
     # kill too) and the final parameters are the single device's
     _assert_like_reference(out, _one_device(script, 12, env, tmp_path))
+
+
+def _rank_scripts(job_prefix: str, rank: int) -> list[int]:
+    """The script process (not its guard) of global rank ``rank`` as launched."""
+    pids = []
+    for pid in _job_pids(job_prefix):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"\0RANK=" + str(rank).encode() + b"\0" in b"\0" + environ and b"hapd.elastic.in_place" in cmdline \
+                and b"hapd.serve.rank_guard" not in cmdline:
+            pids.append(pid)
+    return pids
 
 
 def _launcher(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

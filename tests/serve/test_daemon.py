@@ -416,6 +416,7 @@ def test_an_in_place_rank_parks_and_goes_on_where_a_switch_says(daemon):
             client.job_switch("plain", **order)
         client.cancel("plain")
     assert status["state"] == "exited" and status["switch"]["generation"] == 1, status
+    assert status["switch"]["nproc"] == 2 and status["switch"]["kept"] == [0, 1], status
     assert [r["pid"] for r in status["ranks"]] == pids and [r["rank"] for r in status["ranks"]] == [0, 1]
     said = [e for e in events if e["stream"] == "stdout" and e["line"].startswith("gen ")]
     before = {e["rank"]: e["line"].split() for e in said if e["line"].startswith("gen 0")}
