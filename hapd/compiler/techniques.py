@@ -33,7 +33,9 @@ from hapd.ir.lower import GraphIR, lower, lower_at
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.pipeline.stage_search import micro_batch_counts
 from hapd.compiler.pipeline.stage_cost import graph_batch
-from hapd.ir.shapes import batch_info, is_symbolic
+from hapd.ir.derive import Derivation, linear_in_batch
+from hapd.ir.normalize import functionalize
+from hapd.ir.shapes import batch_info, batch_symbol, is_symbolic
 from hapd.errors import GraphError
 from hapd.util import gc_paused
 
@@ -123,12 +125,38 @@ def graphs_of_program(program: Any, options: CompileOptions, *, name: str | None
         if not size:
             raise GraphError("the program's batch is symbolic and its example batch unknown (export it with hapd.export)")
         full = lower_at(program, size, name=name, batch_dims=batch_dims)
-        return graph_set(lambda b: lower_at(program, b, name=name, batch_dims=batch_dims), full, options)
+        return graph_set(_deriving(program, size, name, batch_dims), full, options)
     full = lower(program, name=name, batch_dims=batch_dims)
     why = info.reason if info is not None and info.reason else "exported static"
     return graph_set(lambda b: full, full, options,
                      unavailable=f"the program was exported at a static batch ({why}): "
                                  "export it with a symbolic batch (hapd export) for the other batches")
+
+
+def _deriving(program: Any, size: int, name: str | None,
+              batch_dims: Mapping[str, int | None] | None) -> Callable[[int], GraphIR]:
+    """The graph of a symbolic ``program`` at a batch: lowered at the global batch
+    ``size`` and its half, and at any other batch derived from those two
+    (:class:`hapd.ir.derive.Derivation`) when every size of the program is linear in
+    the batch — else, or where it cannot be derived, lowered."""
+    def lowered(batch: int) -> GraphIR:
+        return lower_at(program, batch, name=name, batch_dims=batch_dims)
+
+    half = size // 2
+    symbol = batch_symbol(program)
+    if size % 2 or half < 2 or symbol is None or not linear_in_batch(functionalize(program), symbol):
+        return lowered
+
+    derivation: list[Derivation] = []
+
+    def at(batch: int) -> GraphIR:
+        if batch in (size, half):
+            return lowered(batch)
+        if not derivation:
+            derivation.append(Derivation(lowered(size), size, lowered(half), half))
+        return derivation[0].at(batch) or lowered(batch)
+
+    return at
 
 
 __all__ = ["GraphSet", "graph_set", "graphs_of_program", "needs_other_batches"]

@@ -88,7 +88,7 @@ def batch_info(program: ExportedProgram) -> BatchInfo | None:
     info = getattr(program, _INFO, None)
     if info is not None:
         return info
-    if _batch_symbol(program) is not None:
+    if batch_symbol(program) is not None:
         return BatchInfo(size=0, symbolic=True)
     return None
 
@@ -106,7 +106,7 @@ def _user_inputs(program: ExportedProgram) -> list[fx.Node]:
     return [n for n in program.graph.nodes if n.op == "placeholder" and n.name in users]
 
 
-def _batch_symbol(program: ExportedProgram) -> Any:
+def batch_symbol(program: ExportedProgram) -> Any:
     """The sympy symbol of the batch dim (the one free symbol of the user inputs'
     shapes), ``None`` when every shape is static. :class:`ShapeError` for inputs with
     several symbols (hapd substitutes the batch alone)."""
@@ -127,7 +127,7 @@ def batch_of(program: ExportedProgram, shapes: Mapping[str, Sequence[int]]) -> i
     """The batch at which ``program``'s symbolic batch dim takes the user inputs'
     ``shapes`` (input name → shape, e.g. a plan's tensors); ``None`` for a static
     program or when no named input has the batch dim."""
-    symbol = _batch_symbol(program)
+    symbol = batch_symbol(program)
     if symbol is None:
         return None
     for node in _user_inputs(program):
@@ -147,7 +147,7 @@ def program_at(program: ExportedProgram, batch: int) -> ExportedProgram:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ShapeError(f"batch {batch!r} must be a positive integer")
     info = batch_info(program)
-    symbol = _batch_symbol(program)
+    symbol = batch_symbol(program)
     if symbol is None:
         if info is not None and info.size and info.size != batch:
             why = f" ({info.reason})" if info.reason else ""
@@ -280,5 +280,5 @@ def half_batch(batch: int) -> int:
     return batch // 2
 
 
-__all__ = ["BATCH_DIM", "BatchInfo", "batch_info", "batch_of", "dynamic_shapes", "half_batch", "is_symbolic",
+__all__ = ["BATCH_DIM", "BatchInfo", "batch_info", "batch_of", "batch_symbol", "dynamic_shapes", "half_batch", "is_symbolic",
            "micro_batches", "program_at", "program_batch", "set_batch_info"]

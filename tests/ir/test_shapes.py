@@ -22,7 +22,9 @@ from hapd.ir.lower import lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.plan import Plan
 from hapd.ir.lower import load_exported, lower_at
-from hapd.ir.shapes import batch_info, program_at
+from hapd.ir.derive import Derivation, linear_in_batch
+from hapd.ir.normalize import functionalize
+from hapd.ir.shapes import batch_info, batch_symbol, program_at
 from hapd.compiler.plan_summary import technique as technique_of
 from hapd.compiler.techniques import GraphSet, graphs_of_program
 from hapd.errors import OptionsError, ShapeError
@@ -71,6 +73,41 @@ def test_the_symbolic_export_lowers_at_each_batch_as_a_fixed_export_does(name: s
         assert cut.graph_id == fixed.graph_id
     assert program_at(program, 4) is program_at(program, 4)  # each batch is cut once
     assert lower(program, name=name).graph_id == lower_at(program, BATCH, name=name).graph_id  # its example batch
+
+
+@pytest.mark.parametrize("name", ["vit", "bert", "zoo.gpt2"])
+def test_a_graph_derived_from_two_batches_is_the_one_lowered_there(name: str) -> None:
+    if name.startswith("zoo."):
+        from hapd.models import zoo
+
+        model, inputs = zoo.make(name.removeprefix("zoo."), BATCH, "tiny")
+        program, dims = export(model, inputs, symbolic_batch=True), None
+    else:
+        program, dims = _symbolic(name), None
+    symbol = batch_symbol(program)
+    assert symbol is not None and linear_in_batch(functionalize(program), symbol)
+    derivation = Derivation(lower_at(program, BATCH, name=name), BATCH, lower_at(program, BATCH // 2, name=name),
+                            BATCH // 2)
+    derived = derivation.at(2)
+    assert derived is not None and derived.graph_id == lower_at(program, 2, name=name).graph_id
+    assert derivation.at(1) is None  # a batch of 1 is lowered, never derived
+
+
+def test_a_program_with_two_batch_sized_dims_is_not_derived() -> None:
+    class Gram(torch.nn.Module):  # [b, b]: linear dims, b² elements and FLOPs
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            return (h @ h.T).sum()
+
+    program = export(Gram(), (torch.randn(BATCH, 4),), symbolic_batch=True)
+    assert batch_info(program).symbolic
+    assert not linear_in_batch(functionalize(program), batch_symbol(program))
+    graphs = graphs_of_program(program, CompileOptions(pipeline="auto"))
+    assert graphs.micro[4].graph_id == lower_at(program, 2).graph_id  # lowered, not derived
 
 
 def test_a_model_that_cannot_export_a_symbolic_batch_is_exported_static_and_says_why() -> None:
