@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from torch.export import ExportedProgram
 
@@ -22,14 +22,14 @@ from hapd.compiler.pipeline import stage_search as pipeline_search
 from hapd.compiler.pipeline.stage_cost import graph_batch
 from hapd.compiler.choice import ORDER, choose
 from hapd.compiler.dp_gap import dp_gap
-from hapd.ir.lower import GraphIR, load_exported, lower
+from hapd.ir.lower import GraphIR, load_exported, lower, lower_at
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.overlap import is_overlapped
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
 from hapd.compiler.plan_summary import format_seconds, technique
 from hapd.compiler.ratios import peak_memory, program_cost
 from hapd.compiler.search import SpmdSearch, dp_fits, search_spmd
-from hapd.ir.shapes import is_symbolic
+from hapd.ir.shapes import batch_info, is_symbolic
 from hapd.compiler.techniques import GraphSet, graphs_of_program, needs_other_batches
 from hapd.errors import GraphError, HapdError, OptionsError
 from hapd.compiler.precision import autocast_graph
@@ -72,13 +72,39 @@ def _compile(graph: Any, profile: Any, options: CompileOptions | None, micro_gra
     program = _program(graph) if needs_other_batches(options) and not micro_graphs else None
     if program is not None:
         exported, name, batch_dims = program
-        if is_symbolic(exported) or (options.pipeline == "auto" and options.overlap):
+        if is_symbolic(exported):
+            return _compile_program(exported, profile, options, name=name, batch_dims=batch_dims)
+        if options.pipeline == "auto" and options.overlap:
             graphs = graphs_of_program(exported, options, name=name, batch_dims=batch_dims)
             return compile_techniques(graphs, profile, options)
         graph = exported if name is None else _graph_bytes_of(exported, name, batch_dims)
     if options.pipeline == "auto" and options.overlap:
         raise OptionsError("pipeline auto with overlap prices graphs at several batches: give the program exported "
                            "with a symbolic batch (hapd export), not one graph", field="pipeline")
+    searched = _spmd_plan(graph, profile, options)
+    if options.pipeline == "auto":
+        searched.add_pipeline(micro_graphs, options)
+    _add_technique(searched.doc)
+    return Plan(searched.doc)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SpmdPlan:
+    """The SPMD plan document of one graph, with what its pipeline search needs."""
+
+    doc: dict
+    data: bytes
+    """The graph searched (its bytes as given, before autocast)."""
+    priced: Profile
+    """The profile at the plan's precision."""
+
+    def add_pipeline(self, micro_graphs: Sequence[Any], options: CompileOptions) -> None:
+        _add_pipeline(self.doc, self.data, micro_graphs, self.priced, options,
+                      program_cost(self.doc["program"], self.doc["ratios"]))
+
+
+def _spmd_plan(graph: Any, profile: Any, options: CompileOptions) -> _SpmdPlan:
+    """The SPMD search of one graph and its plan document (no pipeline, no technique)."""
     profile = load_profile(profile)
     precision = resolve_precision(options.precision, profile)
     priced = for_precision(profile, precision)
@@ -89,10 +115,7 @@ def _compile(graph: Any, profile: Any, options: CompileOptions | None, micro_gra
     doc = _plan_document(data, priced, options, found, seconds=time.perf_counter() - start)
     doc["key"]["profile_id"] = profile.profile_id
     doc["precision"] = precision_record(profile, options, precision)
-    if options.pipeline == "auto":
-        _add_pipeline(doc, data, micro_graphs, priced, options, program_cost(found.program, found.ratios))
-    _add_technique(doc)
-    return Plan(doc)
+    return _SpmdPlan(doc, data, priced)
 
 
 def precision_record(profile: Profile, options: CompileOptions, precision: str) -> dict[str, Any]:
@@ -116,19 +139,65 @@ def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions |
     pipelines and overlap in the space. Every technique's plan trains the same global
     batch, ``graphs.full``'s (``global_batch``): a pipeline's micro-batches and overlap's
     two duplicas are shares of it."""
+    return _techniques(graphs.full, lambda on_half: graphs, profile, options)
+
+
+def _compile_program(program: ExportedProgram, profile: Any, options: CompileOptions, *, name: str | None,
+                     batch_dims: Mapping[str, int | None] | None) -> Plan:
+    """:func:`compile_techniques` of a program exported with a symbolic batch, its
+    graphs derived while the searches run: the global batch's graph is lowered first
+    and its SPMD search starts on a thread; the half batch's next, and overlap's duplica
+    search starts on another; the micro-batch graphs are derived meanwhile (lowering is
+    Python, the searches mostly the core's, which runs without Python's lock)."""
+    options = options or CompileOptions()
+    info = batch_info(program)
+    size = info.size if info is not None else 0
+    if not size:
+        raise GraphError("the program's batch is symbolic and its example batch unknown (export it with hapd.export)")
+    full = lower_at(program, size, name=name, batch_dims=batch_dims)
+
+    def derive(on_half: Callable[[GraphIR], None]) -> GraphSet:
+        if options.overlap and size % 2 == 0:
+            on_half(lower_at(program, size // 2, name=name, batch_dims=batch_dims))
+        return graphs_of_program(program, options, name=name, batch_dims=batch_dims)
+
+    return _techniques(full, derive, profile, options)
+
+
+def _techniques(full: GraphIR, derive: Callable[[Callable[[GraphIR], None]], GraphSet], profile: Any,
+                options: CompileOptions | None) -> Plan:
+    """:func:`compile_techniques` of ``full`` and the graphs ``derive`` gives (it
+    calls its argument with the half batch's graph as soon as it has it)."""
     options = options or CompileOptions()
     if options.overlap and options.ratios is not None:
         raise OptionsError("overlap with fixed ratios over a technique search", field="ratios")
     profile = load_profile(profile)
     spmd_options = dataclasses.replace(options, overlap=False)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hapd-overlap") as pool:
-        # overlap's duplica is searched on a thread of its own while the SPMD and pipeline
-        # searches run: the core's searches and the LP solver's processes run without
-        # Python's lock, so the techniques' searches share the cores
-        overlapped = pool.submit(_overlap_duplica, graphs, profile, options) if options.overlap else None
-        spmd = dict(compile(graphs.full, profile, spmd_options,
-                            micro_graphs=list(graphs.micro.values()) if options.pipeline == "auto" else ()).doc)
-        duplica_or_error = overlapped.result() if overlapped is not None else None
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="hapd-technique") as pool:
+        # the SPMD search and overlap's duplica search each run on a thread of their own
+        # while the other graphs are derived and the pipeline search runs: the core's
+        # searches and the LP solver's processes run without Python's lock, so the
+        # techniques' searches and the lowering share the cores
+        spmd_future = pool.submit(_spmd_plan, full, profile, spmd_options)
+        overlapped: list[Future] = []
+
+        def on_half(half: GraphIR) -> None:
+            if options.overlap and not overlapped:
+                overlapped.append(pool.submit(_overlap_duplica, half, profile, options))
+
+        try:
+            graphs = derive(on_half)
+            if options.overlap and not overlapped and graphs.half is not None:
+                on_half(graphs.half)
+            searched = spmd_future.result()
+            if options.pipeline == "auto":
+                searched.add_pipeline(list(graphs.micro.values()), spmd_options)
+        finally:
+            for future in (spmd_future, *overlapped):
+                future.cancel()
+        _add_technique(searched.doc)
+        spmd = dict(searched.doc)
+        duplica_or_error = overlapped[0].result() if overlapped and graphs.half is not None else None
     priced: dict[str, dict[str, Any]] = {"spmd": {"per_iteration": spmd["estimate"]["per_iteration"]}}
     stats = {"spmd_seconds": spmd["stats"]["seconds"]}
     dispatch = 0.0
@@ -171,14 +240,11 @@ def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions |
     return Plan(doc)
 
 
-def _overlap_duplica(graphs: GraphSet, profile: Profile, options: CompileOptions) -> dict[str, Any] | HapdError | None:
+def _overlap_duplica(half: GraphIR, profile: Profile, options: CompileOptions) -> dict[str, Any] | HapdError:
     """The plan document of one overlap duplica (the half-batch graph searched for two
-    interleaved duplicas), the error that says why there is none, or None without a
-    half-batch graph."""
-    if graphs.half is None:
-        return None
+    interleaved duplicas), or the error that says why there is none."""
     try:
-        return dict(compile(graphs.half, profile, dataclasses.replace(options, pipeline="off", overlap=True)).doc)
+        return dict(compile(half, profile, dataclasses.replace(options, pipeline="off", overlap=True)).doc)
     except HapdError as exc:
         return exc
 

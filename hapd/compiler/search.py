@@ -163,7 +163,7 @@ def _search_rounds(
                 _note_pass("searches with memory priced higher (ZeRO-style parameters allowed)"
                            + (f", {len(recompute)} blocks recomputed" if recompute else ""),
                            f"stopped: at {scale:g}× the program falls {format_bytes(shortfalls[-1])} short of a "
-                           f"device's memory, no closer than at the price before", 0.0,
+                           f"device's memory, less than {STALLED:.0%} closer than at the price before", 0.0,
                            brief="memory priced: stopped, no closer")
                 break
             if scale_cost is None:
@@ -177,11 +177,12 @@ def _search_rounds(
     raise SynthesisError(_no_fit_message(tried, caps, profile))
 
 
-STALLED = 1e-3
-"""A search with memory priced higher whose program falls short of a device's memory by
-no less (within this fraction) than the one at the price before ends the ladder: the
-search has stopped moving toward a fit (Llama-7B's one duplica on paper-64: three more
-passes of 6-20 s each, the same 27.80 GiB on a 32 GiB device each time, none fitting)."""
+STALLED = 0.05
+"""A search with memory priced higher whose program comes less than this fraction of its
+shortfall closer to fitting a device's memory than the one at the price before ends the
+ladder: the search has stopped moving toward a fit, and four times the price will not
+close the rest (Llama-7B's one duplica on paper-64: passes of 6-7 s each at 4×, 16×
+and 64×, each 3.96 GiB short of a 32 GiB device's memory, none fitting)."""
 
 
 def _shortfall(program: dict, caps: list[float]) -> float:
