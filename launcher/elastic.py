@@ -44,6 +44,7 @@ section holds the same per generation. No torch import here.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 import threading
@@ -53,12 +54,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
+from hapd.elastic.in_place import JOIN_HELD_ENV
 from hapd.errors import PEER_FAILURE, HapdError, OptionsError
 from hapd.wire.client import Client
 from hapd.wire.keys import default_key_path, home_dir, load_key
 
 from launcher.hosts import Host, load_hosts, parse_hosts
-from launcher.job import EXIT_HOST_LOST, Attach, Job, JobOptions, JobResult, LaunchError, Placement, default_job_id
+from launcher.job import EXIT_HOST_LOST, Attach, Job, JobOptions, JobResult, LaunchError, Placement, default_job_id, \
+    job_env
 from launcher.report import write_report
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
@@ -137,12 +140,21 @@ class Generation:
 
 @dataclass
 class _Pending:
-    """Hosts of the host file being checked for a join (pinged off the main thread)."""
+    """Hosts of the host file being checked for a join (pinged off the main thread), then
+    launched ahead (:meth:`ElasticRun._start_joiners`) while the others train."""
 
     ready: list[Host] = field(default_factory=list)
     checking: bool = False
     asked: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    started: bool = False
+    """The ready hosts' ranks were launched ahead (they wait to be placed)."""
+    prepared: bool = False
+    """Every rank launched ahead said ``join_ready``: time to pause the others."""
+    after: dict[str, int] = field(default_factory=dict)
+    """Per host launched ahead, the last of its events read."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
 
 
 class ElasticRun:
@@ -244,8 +256,12 @@ class ElasticRun:
                 self._job = None
             result = job.finish(result)
             gen.ended = time.time()
+            ahead = self._stop_watching_joiners()
             decided = self._decide(gen, job, result, hosts)
-            attach = self._attach_next(gen, job, result, decided)
+            attach = self._attach_next(gen, job, result, decided, ahead)
+            unused = [h for h in self._pending.ready if attach is None or h.label not in attach.after]
+            if ahead and unused:  # launched ahead for a join that did not happen in place
+                self._release(job.job_id, unused)
             if decided is None:
                 return self._finish(result)
             hosts = decided
@@ -267,17 +283,19 @@ class ElasticRun:
         self._pending = _Pending()
         return job
 
-    def _attach_next(self, gen: Generation, job: Job, result: JobResult,
-                     decided: list[Host] | None) -> Attach | None:
+    def _attach_next(self, gen: Generation, job: Job, result: JobResult, decided: list[Host] | None,
+                     ahead: Mapping[str, int]) -> Attach | None:
         """The next generation switched in place when every host it runs on held its
-        parked ranks; otherwise the held ranks are stopped (the next generation, if any,
-        restarts)."""
+        parked ranks or joins now (``ahead``: the joining hosts launched ahead, the last
+        event read of each; the others are launched at the switch); otherwise the held
+        ranks are stopped (the next generation, if any, restarts)."""
         if not result.held:
             return None
         going_on = {h.label for h in decided or ()}
         joining = {j["host"] for j in self.joined if j["generation"] == gen.index + 1}
         if decided is not None and set(result.held) <= going_on and going_on - set(result.held) <= joining:
-            return Attach(job.job_id, gen.index + 1, dict(result.after))
+            return Attach(job.job_id, gen.index + 1,
+                          {**dict(result.after), **{k: v for k, v in ahead.items() if k in going_on}})
         self._release(job.job_id, [self._every_host[label] for label in result.held if label in self._every_host])
         return None
 
@@ -481,16 +499,26 @@ class ElasticRun:
 
     def _watch(self) -> None:
         """Look at the host file for hosts to join (main thread, cheap); pings run on a
-        thread; once one is ready, ask the job to pause."""
+        thread; once one is ready, launch its ranks ahead (in place) or ask the job to
+        pause at once (``--restart``); once those launched ahead are ready, ask the job to
+        pause."""
         if self.elastic.host_file is None or self._job is None:
             return
         pending = self._pending
         with pending.lock:
             ready = list(pending.ready)
             checking = pending.checking
-        if ready and not pending.asked:
+        if ready and not pending.started and self.elastic.in_place:
+            pending.started = True
+            pending.thread = threading.Thread(target=self._start_joiners, args=(self._job, ready, pending), daemon=True,
+                                              name="hapd-launcher-joiners")
+            pending.thread.start()
+            return
+        if ready and not pending.asked and (pending.prepared or not self.elastic.in_place):
             pending.asked = True
             self._ask_pause(self._job)
+            return
+        if pending.started:
             return
         now = time.monotonic()
         if checking or now < self._watch_at:
@@ -524,6 +552,83 @@ class ElasticRun:
         with pending.lock:
             pending.ready = ready
             pending.checking = False
+
+    def _start_joiners(self, job: Job, joiners: Sequence[Host], pending: _Pending) -> None:
+        """Launch the joining hosts' ranks now, under the running job's id and placed as
+        the next generation will place them (after the hosts running), with
+        :data:`~hapd.elastic.in_place.JOIN_HELD_ENV`: they import, build the model and
+        wait for their ``switch`` (:func:`hapd.elastic.in_place.wait_to_join`) while the
+        others train. Then read their events (which renews their lease) until each rank
+        said ``join_ready`` (``prepared``: the launcher pauses the others) and on, until
+        :meth:`_stop_watching_joiners`. A host whose launch fails or whose rank exits
+        does not join."""
+        gen = self.generations[-1]
+        joiners = list(joiners)[:max(0, self.elastic.max_hosts - len(job.hosts))]
+        hosts = [*job.hosts, *joiners]
+        nxt = Job(hosts, self._options_for(gen.index + 1, hosts), out=self.out, err=self.err,
+                  attach=Attach(job.job_id, gen.index + 1, {}))
+        env = {**job_env(nxt.options, hosts), JOIN_HELD_ENV: "1"}
+        started: list[Placement] = []
+        try:
+            for p in nxt.placements[len(job.hosts):]:
+                try:
+                    nxt._launch_on(p, nxt.placements[0].host.name, int(job.start_info.get("master_port") or 1), env,
+                                   None, os.getcwd())
+                    started.append(p)
+                except HapdError as exc:
+                    self.say(f"could not start the ranks of joining host {p.host.label}: {exc}")
+        finally:
+            nxt.close()
+        with pending.lock:
+            pending.ready = [p.host for p in started]
+        if started:
+            self.say(f"host(s) {', '.join(p.host.label for p in started)} ready to join: their ranks start now, "
+                     "the others train on until they are ready")
+        self._watch_joiners(job.job_id, started, pending)
+
+    def _watch_joiners(self, job_id: str, started: Sequence[Placement], pending: _Pending) -> None:
+        """Read the ranks launched ahead's events (see :meth:`_start_joiners`)."""
+        clients = {p.host.label: Client(p.host.address, self._key, self.options.timeout_s) for p in started}
+        waiting = {p.host.label: set(p.ranks) for p in started}
+        try:
+            while not pending.stop.is_set():
+                for p in started:
+                    label = p.host.label
+                    if label not in clients:
+                        continue
+                    try:
+                        events, done = clients[label].job_events(job_id, pending.after.get(label, 0))
+                    except HapdError as exc:
+                        events, done = [], True
+                        self.say(f"joining host {label} stopped answering ({exc}): it does not join")
+                    for e in events:
+                        pending.after[label] = e["seq"]
+                        if e["stream"] == "stdout" and '"event": "join_ready"' in e["line"]:
+                            waiting[label].discard(e["rank"])
+                        elif e["stream"] == "stderr" or (e["stream"] == "exit" and e["line"] != "0"):
+                            self.say(f"joining host {label}: [rank {e['rank']}] {e['line']}")
+                            done = done or e["stream"] == "exit"
+                    if done:
+                        clients.pop(label).close()
+                        with pending.lock:
+                            pending.ready = [h for h in pending.ready if h.label != label]
+                        waiting.pop(label, None)
+                if not pending.prepared and pending.ready and not any(waiting.values()):
+                    pending.prepared = True
+                pending.stop.wait(0.2)
+        finally:
+            for client in clients.values():
+                client.close()
+
+    def _stop_watching_joiners(self) -> dict[str, int]:
+        """Stop reading the events of the hosts launched ahead; per host still joining,
+        the last of its events read (an in-place switch reads on from there)."""
+        pending = self._pending
+        if pending.thread is None:
+            return {}
+        pending.stop.set()
+        pending.thread.join(timeout=self.options.timeout_s + 1)
+        return {h.label: pending.after.get(h.label, 0) for h in pending.ready}
 
     def _ask_pause(self, job: Job) -> None:
         first = job.placements[0]

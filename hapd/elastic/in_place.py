@@ -67,6 +67,10 @@ GENERATION_ENV = "HAPD_GENERATION"
 IN_PLACE_ENV = "HAPD_IN_PLACE"
 """Set ("1") by this runner: a pause for a joining host parks the rank
 (:class:`~hapd.errors.ElasticPause`) instead of ending its process."""
+JOIN_HELD_ENV = "HAPD_JOIN_HELD"
+"""Set ("1") on the ranks of a host joining an elastic job, launched while the other
+ranks still train: before joining the process group they say ``join_ready`` and wait
+for the ``switch`` that places them (:func:`wait_to_join`)."""
 KEEP_EXPORTS_ENV = "HAPD_KEEP_EXPORTS"
 """Set ("1") by this runner: :func:`hapd.parallelize` keeps what it exported for the
 script's next run in this process (:class:`hapd.train.programs.ExportCarry`)."""
@@ -145,6 +149,25 @@ def wait_for_switch(generation: int, deadline: float) -> Mapping[str, Any] | Non
                 return None
             time.sleep(POLL_S)
     return None
+
+
+def wait_to_join() -> None:
+    """A joining host's rank launched ahead of its generation (:data:`JOIN_HELD_ENV`),
+    its imports and model built: say ``join_ready`` (the launcher pauses the others once
+    every joining rank said it) and wait for the ``switch`` that places it, then take
+    its variables. Nothing for any other process. :class:`~hapd.errors.HapdError` when
+    no switch comes within the collective timeout (the job went on without this host)."""
+    if os.environ.get(JOIN_HELD_ENV) != "1":
+        return
+    generation = int(os.environ.get(GENERATION_ENV) or 0)
+    _say("join_ready", rank=int(os.environ.get("RANK") or 0), generation=generation, time=time.time())
+    order = wait_for_switch(generation - 1, time.monotonic() + _park_s())
+    if order is None:
+        raise HapdError(f"this joining rank waited {_park_s():g} s for its place in generation {generation}, and "
+                        "none came: the job went on without its host")
+    del os.environ[JOIN_HELD_ENV]
+    os.environ.update(switch_env(order, int(os.environ.get("LOCAL_RANK") or 0),
+                                 int(os.environ.get("LOCAL_WORLD_SIZE") or 1)))
 
 
 PARK_REQUESTED = threading.Event()

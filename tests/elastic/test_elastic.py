@@ -438,9 +438,9 @@ def test_a_bug_in_the_script_is_not_a_fault(hosts3, tmp_path):
 def test_a_killed_rank_and_a_join_switch_the_others_in_place(hosts3, tmp_path):
     """Host 0 runs ranks 0 and 1, host 1 rank 2: rank 1's script is killed (SIGKILL) after
     step 3: the others park and go on in their processes, host 0 with one rank fewer (its
-    profile cut to one device); at step 7 the third host is added with ``launcher join``:
-    its rank starts while the others train, they park at a step boundary (no step lost)
-    and are switched in place into the generation with it."""
+    profile cut to one device); at step 5 the third host is added with ``launcher join``:
+    its rank starts while the others train, they park at a step boundary once it is ready
+    to join (no step lost) and are switched in place into the generation with it."""
     hostfile, profile, script, lines = _setup(hosts3, tmp_path, n_hosts=2, slots=[2, 1, 1])
     env = _env(hosts3, tmp_path)
     done: dict[str, float] = {}
@@ -450,18 +450,18 @@ def test_a_killed_rank_and_a_join_switch_the_others_in_place(hosts3, tmp_path):
             done["kill"] = time.time()
             for pid in _rank_scripts("el-join", rank=1):
                 os.kill(pid, signal.SIGKILL)
-        if "kill" in done and "join" not in done and '"step": 7, "loss"' in line:
+        if "kill" in done and "join" not in done and '"step": 5, "loss"' in line:
             done["join"] = time.time()
             joined = _launcher(["join", *lines[2].split(), "--hosts", str(hostfile)], env)
             assert joined.returncode == 0, joined.stderr
 
     code, out, err = _run([str(script), "--hosts", str(hostfile), "--elastic", "1:3", "--snapshot-every", "1",
-                           "--env", "ELASTIC_TEST_STEP_S=0.5", "--", "12", str(profile)], env, "el-join", on_line=on_line)
+                           "--env", "ELASTIC_TEST_STEP_S=0.5", "--", "28", str(profile)], env, "el-join", on_line=on_line)
     assert code == 0, err[-4000:]
     assert set(done) == {"kill", "join"}, err[-3000:]
     losses = _losses(out)
-    assert sorted(losses) == list(range(1, 13)), out[-3000:]
-    assert losses[1][1] == 3 and losses[12][1] == 3, losses
+    assert sorted(losses) == list(range(1, 29)), out[-3000:]
+    assert losses[1][1] == 3 and losses[28][1] == 3, losses
     report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())["elastic"]
     gens = report["generations"]
     assert len(gens) == 3, gens
@@ -479,7 +479,7 @@ def test_a_killed_rank_and_a_join_switch_the_others_in_place(hosts3, tmp_path):
     # the switch after the kill and the join's resume load the snapshot of the step they resume
     # at, with its optimizer state and sampler position: every loss (the steps redone after the
     # kill too) and the final parameters are the single device's
-    _assert_like_reference(out, _one_device(script, 12, env, tmp_path))
+    _assert_like_reference(out, _one_device(script, 28, env, tmp_path))
 
 
 def _rank_scripts(job_prefix: str, rank: int) -> list[int]:
