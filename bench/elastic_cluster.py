@@ -37,7 +37,15 @@ Scenarios (``--scenarios``, default all):
    samples of every step (skipped or repeated: 0).
 2. ``join``: the job starts on hosts 0-1; ``python -m launcher join`` adds host 2 after
    step 40; steps/s over the last steps against a fresh elastic launch on the 3 hosts
-   (the same snapshots and pause checks; target ≥ 95%).
+   (the same snapshots and pause checks; target ≥ 95%). In place (the default) host 2's
+   ranks start while the others train, and the others pause once they are ready: the
+   table says the join → host 2 training time, how long the others stood still (their
+   last step before the pause to their first after) and the pause's step.
+2b. ``rankkill``: the script of local rank 1 of host 2 SIGKILLed after step 20 of 60
+   (``--snapshot-every 1``), in place (the others park and go on, host 2 with one rank)
+   and restarted (``--restart``), back to back: kill → first step and its parts, and
+   the same reference check as ``kill`` (the chain's segments run host 2 with the
+   generation's ranks).
 3. ``faults``: a seeded schedule of 10 faults (host kill, rank kill, link down for a
    few seconds), one after another's recovery. A killed host's daemon is restarted a
    few seconds later and a host whose link came back answers again: both rejoin through
@@ -300,7 +308,7 @@ def chain_segments(generations: Sequence[Mapping[str, Any]], steps: int) -> list
     for i, g in enumerate(gens):
         end = starts[i + 1] if i + 1 < len(gens) else steps
         if end > starts[i] or i == len(gens) - 1:
-            segs.append({"hosts": list(g["hosts"]), "start": starts[i], "end": end})
+            segs.append({"hosts": generation_hosts(g), "start": starts[i], "end": end})
     merged: list[dict[str, Any]] = []
     for s in segs:  # a generation that resumed and failed before its next resume point adds nothing
         if merged and merged[-1]["hosts"] == s["hosts"] and merged[-1]["end"] == s["start"]:
@@ -308,6 +316,13 @@ def chain_segments(generations: Sequence[Mapping[str, Any]], steps: int) -> list
         else:
             merged.append(s)
     return merged
+
+
+def generation_hosts(gen: Mapping[str, Any]) -> list[str]:
+    """A generation's hosts in order, ``LABEL#N`` for one that ran N ranks, fewer than
+    :data:`RANKS_PER_HOST` (a rank of it killed, switched in place without it)."""
+    ranks = gen.get("ranks") or {}
+    return [f"{h}#{ranks[h]}" if ranks.get(h, RANKS_PER_HOST) < RANKS_PER_HOST else h for h in gen["hosts"]]
 
 
 def recovery_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -498,9 +513,14 @@ class Bench:
     leftovers: dict[str, int] = field(default_factory=dict)
 
     def hostfile(self, hosts: Sequence[int] | Sequence[str], name: str) -> Path:
-        idx = [self.labels.index(h) if isinstance(h, str) else h for h in hosts]
+        """A host file of ``hosts`` (indices or labels; ``LABEL#N``: that host with N slots)."""
+        lines = []
+        for h in hosts:
+            label, _, count = h.partition("#") if isinstance(h, str) else ("", "", "")
+            line = self.lines[self.labels.index(label) if isinstance(h, str) else h]
+            lines.append(line.replace(f"slots={RANKS_PER_HOST}", f"slots={count}") if count else line)
         path = self.work / f"{name}.hosts"
-        path.write_text("".join(self.lines[i] + "\n" for i in idx))
+        path.write_text("".join(line + "\n" for line in lines))
         return path
 
     def profile_for(self, hosts: Sequence[str]) -> Path:
@@ -514,12 +534,14 @@ class Bench:
 
     def launch(self, name: str, hostfile: Path, script_args: Sequence[str], *, elastic: str | None = None,
                extra: Sequence[str] = (), on_line: Callable[[str], None] | None = None,
-               timeout: float = 1200) -> dict[str, Any]:
-        """One launcher run; its output parsed (:func:`parse_lines`), exit code, report."""
+               timeout: float = 1200, nproc: int | None = RANKS_PER_HOST) -> dict[str, Any]:
+        """One launcher run; its output parsed (:func:`parse_lines`), exit code, report.
+        ``nproc`` None: each host's slots in ``hostfile``."""
         self.runs += 1
         job = f"elb{os.getpid() % 10000}-{self.runs}-{name}"
         report = self.work / f"{job}.json"
-        cmd = [PY, "-m", "launcher", "run", str(self.script), "-n", str(RANKS_PER_HOST), "--hosts", str(hostfile),
+        cmd = [PY, "-m", "launcher", "run", str(self.script), *(["-n", str(nproc)] if nproc else []),
+               "--hosts", str(hostfile),
                "--key", str(self.cluster.key_file), "--cwd", str(ROOT),
                "--job-id", job, "--report", str(report), "-v",
                "--env", f"GLOO_SOCKET_IFNAME={self.cluster.IFNAME}", "--env", "OMP_NUM_THREADS=1",
@@ -581,8 +603,10 @@ class Bench:
               load: Path | None = None) -> dict[str, Any]:
         """A non-elastic run on ``hosts`` (in that order) to ``steps``, optionally from
         and to a checkpoint."""
+        cut = any("#" in h for h in hosts)  # a host with fewer ranks: each host's slots in the host file
         return self.launch(name, self.hostfile(hosts, name), [str(steps), str(self.profile_for(hosts)),
-                                                              str(save) if save else "-", str(load) if load else "-"])
+                                                              str(save) if save else "-", str(load) if load else "-"],
+                           nproc=None if cut else RANKS_PER_HOST)
 
     def chain(self, name: str, segments: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """The checkpoint-restart reference of ``segments`` (:func:`chain_segments`)."""
@@ -668,6 +692,41 @@ def scenario_kill(b: Bench, steps: int, kill_at: int, variants: Sequence[tuple[i
     return out
 
 
+def scenario_rankkill(b: Bench, steps: int, kill_at: int, modes: Sequence[bool]) -> dict[str, Any]:
+    """The script of local rank 1 of host 2 SIGKILLed after ``kill_at``: per mode, the
+    others switched in place (host 2 goes on with one rank) or restarted (``--restart``)."""
+    out: dict[str, Any] = {"steps": steps, "kill_at": kill_at, "runs": []}
+    for in_place in modes:
+        name = f"rankkill{'' if in_place else 'r'}"
+        prefix = f"elb{os.getpid() % 10000}-{b.runs + 1}-{name}"
+        killed: dict[str, Any] = {}
+
+        def on_line(line: str, killed=killed, prefix=prefix) -> None:
+            if not killed and f'"event": "step", "step": {kill_at}' in line:
+                pid = dict(running_ranks(prefix).get(b.labels[2], [])).get(1)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.update(at=time.time(), pid=pid)
+
+        log(f"rankkill: {'in place' if in_place else 'restart'}, local rank 1 of host 2 killed after step {kill_at} "
+            f"of {steps}")
+        r = b.launch(name, b.hostfile([0, 1, 2], name), [str(steps), str(b.profile)], elastic="2:3",
+                     extra=["--snapshot-every", "1", "--in-place" if in_place else "--restart"], on_line=on_line)
+        gens = (r["report"].get("elastic") or {}).get("generations", [])
+        entry = {"in_place": in_place, "code": r["code"], "killed": killed, "recovery": recovery_rows(r["report"]),
+                 "leftover": r["leftover"], "steps_done": max(r["losses"], default=0),
+                 "worlds": [g.get("world") for g in gens], "launcher_lines": r["launcher_lines"]}
+        first = (gens[-1].get("first_step") or {}).get("time") if len(gens) > 1 else None
+        if first and killed.get("at"):
+            entry["kill_to_first_step_s"] = first - killed["at"]
+        if r["code"] == 0 and gens:
+            segs = chain_segments(gens, steps)
+            log(f"rankkill: reference chain {segs}")
+            entry["check"] = check_against(r, b.chain(f"rankkillref{'' if in_place else 'r'}", segs))
+        out["runs"].append(entry)
+    return out
+
+
 def scenario_join(b: Bench, steps: int, join_at: int, last: int) -> dict[str, Any]:
     hostfile = b.hostfile([0, 1], "join")
     joined: dict[str, float] = {}
@@ -697,6 +756,10 @@ def scenario_join(b: Bench, steps: int, join_at: int, last: int) -> dict[str, An
             out["join_to_first_step_s"] = nxt["first_step"]["time"] - joined["at"]
             out["paused_at_step"] = pause.get("last_step")
             out["resumed_step"] = (nxt.get("resumed") or {}).get("step")
+            out["in_place"] = bool(nxt.get("in_place"))
+            before = [t for s, (_, _, gen, t) in r["losses"].items() if gen == pause.get("index")]
+            if before:  # the others stood still from their last step before the pause to their first after it
+                out["others_idle_s"] = nxt["first_step"]["time"] - max(before)
     if r["code"] == 0 and gens:
         segs = chain_segments(gens, steps)
         out["check"] = check_against(r, b.chain("joinref", segs))
@@ -905,15 +968,32 @@ def tables(results: Mapping[str, Any]) -> list[str]:
             f"1. host kill after step {kill['kill_at']} of {kill['steps']} (3 → 2 hosts); seconds",
             ["every", "survivors", "exit", "kill→step", "total", "detect", "replan", "restart", "load", "resumed", "lost",
              "max rel Δloss", "digest =", "skipped", "repeated", "orphans"], rows))
+    rankkill = results.get("rankkill")
+    if rankkill:
+        rows = []
+        for r in rankkill["runs"]:
+            rec = (r.get("recovery") or [{}])[0]
+            chk = r.get("check") or {}
+            rows.append([r["code"], "in place" if r["in_place"] else "restart", r.get("kill_to_first_step_s"),
+                         rec.get("total_s"), rec.get("detection_s"), rec.get("replan_s"), rec.get("restart_s"),
+                         rec.get("load_s"), rec.get("resumed_step"), rec.get("steps_lost"),
+                         "→".join(str(w) for w in r.get("worlds", [])), (chk.get("losses") or {}).get("max_rel"),
+                         chk.get("digest_equal"), (chk.get("samples") or {}).get("skipped"),
+                         (chk.get("samples") or {}).get("repeated"), r.get("leftover")])
+        out.append(format_table(
+            f"2b. rank kill (local rank 1 of host 2) after step {rankkill['kill_at']} of {rankkill['steps']}; seconds",
+            ["exit", "others", "kill→step", "total", "detect", "replan", "switch/restart", "load", "resumed", "lost",
+             "worlds", "max rel Δloss", "digest =", "skipped", "repeated", "orphans"], rows))
     join = results.get("join")
     if join:
         chk = join.get("check") or {}
         out.append(format_table(
             f"2. host join after step {join['join_at']} of {join['steps']} (2 → 3 hosts); steps/s over the last "
             f"{join['last']} steps (target ≥ {JOIN_TARGET:.0%} of a fresh 3-host launch)",
-            ["exit", "join→step s", "paused at", "resumed", "worlds after", "steps/s joined", "steps/s fresh", "ratio",
-             "max rel Δloss", "digest ="],
-            [[join["code"], join.get("join_to_first_step_s"), join.get("paused_at_step"), join.get("resumed_step"),
+            ["exit", "in place", "join→step s", "others idle s", "paused at", "resumed", "worlds after",
+             "steps/s joined", "steps/s fresh", "ratio", "max rel Δloss", "digest ="],
+            [[join["code"], join.get("in_place"), join.get("join_to_first_step_s"), join.get("others_idle_s"),
+              join.get("paused_at_step"), join.get("resumed_step"),
               join.get("worlds_after_join"), join.get("steps_per_s_after_join"), join.get("steps_per_s_fresh"),
               join.get("ratio"), (chk.get("losses") or {}).get("max_rel"), chk.get("digest_equal")]]))
     faults = results.get("faults")
@@ -1052,6 +1132,9 @@ def main(argv=None) -> int:
             s = ns.steps
             if "kill" in cluster_scenarios:
                 results["kill"] = scenario_kill(b, s, max(2, s // 3), ns.kill_runs)
+                _save(results, ns.out)
+            if "rankkill" in cluster_scenarios:
+                results["rankkill"] = scenario_rankkill(b, s, max(2, s // 3), [True, False])
                 _save(results, ns.out)
             if "join" in cluster_scenarios:
                 results["join"] = scenario_join(b, s, max(2, 2 * s // 3), max(3, s // 6))

@@ -133,6 +133,9 @@ class Generation:
     recovery: dict[str, Any] | None = None
     in_place: bool = False
     """Its ranks are the last generation's, switched in place (not new processes)."""
+    ranks: dict[str, int] = field(default_factory=dict)
+    """Ranks per host label (fewer than its slots on a host that goes on after a rank of
+    it was killed)."""
 
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -275,6 +278,7 @@ class ElasticRun:
         job = Job(hosts, self._options_for(gen.index, hosts), out=self.out, err=self.err,
                   launcher_start=self.launcher_start, attach=attach)
         gen.world = job.world_size
+        gen.ranks = {p.host.label: p.nproc for p in job.placements}
         job.on_tick = self._watch
         job.on_failure = lambda placements, j=job: self._ping_after_failure(j, placements)
         job.on_elastic = lambda rank, value, g=gen, p=previous: self._on_event(g, p, value)
