@@ -30,8 +30,12 @@ Scenarios (``--scenarios``, default all):
 
 1. ``kill``: host 2 SIGKILLed (every process in its namespace) after step 20 of 60,
    with ``--snapshot-every 1``, the survivors switched in place and restarted
-   (``--restart``), then ``--snapshot-every 0`` (auto) in place. From the launcher's report: kill → first
-   step on the survivors and its parts, steps lost. Reference: the chain of checkpoint
+   (``--restart``), then ``--snapshot-every 0`` (auto) in place (``--kill-runs``; an
+   ``in-place-snapshot`` run switches in place with the step copies off, the state from
+   the snapshot, to compare with the survivors' memory). From the launcher's report: kill → first
+   step on the survivors and its parts, steps lost, where the state came from; rank 0's
+   step copy time against its step time. ``--mode data_parallel`` plans every run
+   data-parallel, so that the survivors hold the whole state. Reference: the chain of checkpoint
    restarts with the same hosts and resume steps (3 hosts to step k, a checkpoint, the
    2 survivors from it): every loss (relative ≤ 1e-5), the final digest, and the
    samples of every step (skipped or repeated: 0).
@@ -72,6 +76,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -121,7 +126,9 @@ net, config = models.build("zoo.gpt2", "small", hidden=128, layers=2, seq=32, vo
 g = torch.Generator().manual_seed(1)
 ids = torch.randint(0, config.vocab, (SAMPLES, config.seq), generator=g)
 data = TensorDataset(ids, ids.clone())
-module = hapd.parallelize(net, (ids[:BATCH], ids[:BATCH].clone()), profile=profile)
+mode = os.environ.get("ELBENCH_MODE")  # the compiler's mode (--mode): every run and its reference alike
+module = hapd.parallelize(net, (ids[:BATCH], ids[:BATCH].clone()), profile=profile,
+                          options={"mode": mode} if mode not in (None, "", "auto") else None)
 optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
 loader = hapd.loader(data, module, seed=0, drop_last=True)
 elastic = hapd.Elastic(module, optimizer, sampler=loader)
@@ -509,6 +516,8 @@ class Bench:
     script: Path
     groups: dict[int, list[str]]
     verbose: bool = False
+    mode: str = "auto"
+    """The compiler's mode for every run (``data_parallel``: every rank holds every tensor)."""
     runs: int = 0
     leftovers: dict[str, int] = field(default_factory=dict)
 
@@ -545,7 +554,7 @@ class Bench:
                "--key", str(self.cluster.key_file), "--cwd", str(ROOT),
                "--job-id", job, "--report", str(report), "-v",
                "--env", f"GLOO_SOCKET_IFNAME={self.cluster.IFNAME}", "--env", "OMP_NUM_THREADS=1",
-               "--env", "HAPD_COLLECTIVE_TIMEOUT=30",
+               "--env", "HAPD_COLLECTIVE_TIMEOUT=30", "--env", f"ELBENCH_MODE={self.mode}",
                "--env", "ELBENCH_CGROUPS=" + json.dumps({self.labels[h]: g for h, g in self.groups.items()})]
         if elastic:
             cmd += ["--elastic", elastic, *extra]
@@ -651,13 +660,20 @@ def check_against(run: Mapping[str, Any], ref: Mapping[str, Any]) -> dict[str, A
 # ----------------------------------------------------------------------------- scenarios
 
 
-def scenario_kill(b: Bench, steps: int, kill_at: int, variants: Sequence[tuple[int, bool]]) -> dict[str, Any]:
+NO_COPIES = "in place, the step copies off"
+"""A kill run switched in place with ``HAPD_STEP_COPY=0``: the state from the snapshot (the
+comparison for the survivors' memory)."""
+
+
+def scenario_kill(b: Bench, steps: int, kill_at: int, variants: Sequence[tuple[int, bool | str]]) -> dict[str, Any]:
     """``variants``: (``--snapshot-every``, in place) per run; the survivors switched in
     place (the default) or restarted as new processes (``--restart``), back to back."""
     out: dict[str, Any] = {"steps": steps, "kill_at": kill_at, "runs": []}
     for every, in_place in variants:
-        how = "in-place" if in_place else "restart"
-        name = f"kill{every}{'' if in_place else 'r'}"
+        copies = in_place is not NO_COPIES  # in place with the step copies off: the state from the snapshot
+        in_place = bool(in_place)
+        how = ("in-place" if copies else "in-place-snapshot") if in_place else "restart"
+        name = f"kill{every}{'' if in_place else 'r'}{'' if copies else 's'}"
         hostfile = b.hostfile([0, 1, 2], name)
         killed: dict[str, float] = {}
 
@@ -669,17 +685,23 @@ def scenario_kill(b: Bench, steps: int, kill_at: int, variants: Sequence[tuple[i
         log(f"kill: --snapshot-every {every}, {how}, host 2 killed after step {kill_at} of {steps}")
         try:
             r = b.launch(name, hostfile, [str(steps), str(b.profile)], elastic="2:3",
-                         extra=["--snapshot-every", str(every), "--in-place" if in_place else "--restart"],
+                         extra=["--snapshot-every", str(every), "--in-place" if in_place else "--restart",
+                                *([] if copies else ["--env", "HAPD_STEP_COPY=0"])],
                          on_line=on_line)
         finally:
             b.cluster.restart_daemon(2)
         rows = recovery_rows(r["report"])
-        entry = {"every": every, "in_place": in_place, "code": r["code"], "killed_at": killed.get("at"), "recovery": rows,
+        entry = {"every": every, "in_place": in_place, "step_copies": copies, "code": r["code"], "killed_at": killed.get("at"), "recovery": rows,
                  "leftover": r["leftover"], "steps_done": max(r["losses"], default=0),
                  "launcher_lines": r["launcher_lines"]}
         snaps = [e for e in r["events"] if e.get("event") == "snapshot"]
         entry["snapshot_every_chosen"] = snaps[0].get("every") if snaps else None
         entry["snapshot_s"] = snaps[0].get("seconds") if snaps else None
+        copied = [e["step_copy_s"] for e in snaps if e.get("step_copy_s") is not None]
+        entry["step_copy_s"] = statistics.median(copied) if copied else None  # rank 0's, median of the last copies
+        entry["step_copy_bytes"] = next((e["step_copy_bytes"] for e in snaps if "step_copy_bytes" in e), None)
+        times = [t for _, (_, _, gen, t) in sorted(r["losses"].items()) if gen == 0]
+        entry["step_s"] = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 2 else None
         gens = (r["report"].get("elastic") or {}).get("generations", [])
         if rows and killed.get("at"):
             first = (gens[-1].get("first_step") or {}).get("time")
@@ -959,15 +981,20 @@ def tables(results: Mapping[str, Any]) -> list[str]:
         for r in kill["runs"]:
             rec = (r.get("recovery") or [{}])[0]
             chk = r.get("check") or {}
-            rows.append([r["every"], "in place" if r.get("in_place") else "restart", r["code"], r.get("kill_to_first_step_s"), rec.get("total_s"), rec.get("detection_s"),
+            survivors = ("in place" if r.get("step_copies", True) else "in place, no copies") if r.get("in_place") \
+                else "restart"
+            copy_share = (r["step_copy_s"] / r["step_s"]) if r.get("step_copy_s") and r.get("step_s") else None
+            rows.append([r["every"], survivors, r["code"], r.get("kill_to_first_step_s"), rec.get("total_s"), rec.get("detection_s"),
                          rec.get("replan_s"), rec.get("restart_s"), rec.get("load_s"), rec.get("resumed_step"),
                          rec.get("steps_lost"), (chk.get("losses") or {}).get("max_rel"),
                          chk.get("digest_equal"), (chk.get("samples") or {}).get("skipped"),
-                         (chk.get("samples") or {}).get("repeated"), r.get("leftover")])
+                         (chk.get("samples") or {}).get("repeated"), r.get("leftover"), str(rec.get("source"))[:60],
+                         r.get("step_copy_s"), copy_share])
         out.append(format_table(
             f"1. host kill after step {kill['kill_at']} of {kill['steps']} (3 → 2 hosts); seconds",
             ["every", "survivors", "exit", "kill→step", "total", "detect", "replan", "restart", "load", "resumed", "lost",
-             "max rel Δloss", "digest =", "skipped", "repeated", "orphans"], rows))
+             "max rel Δloss", "digest =", "skipped", "repeated", "orphans", "state from", "step copy s",
+             "copy/step"], rows))
     rankkill = results.get("rankkill")
     if rankkill:
         rows = []
@@ -1054,7 +1081,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--faults", type=int, default=None)
     p.add_argument("--seed", type=int, default=33)
     p.add_argument("--kill-runs", default="1:in-place,1:restart,0:in-place",
-                   help="the kill scenario's runs: EVERY:in-place|restart, comma-separated")
+                   help="the kill scenario's runs: EVERY:in-place|restart|in-place-snapshot (in place, the step "
+                        "copies off: the state from the snapshot), comma-separated")
+    p.add_argument("--mode", default="auto", choices=["auto", "data_parallel"],
+                   help="the compiler's mode for every run: data_parallel makes every rank hold every tensor, so "
+                        "that survivors hold the whole state after a kill (default: auto)")
     p.add_argument("--rounds", type=int, default=1, help="snapshot A/B rounds (the order reversed every other round)")
     p.add_argument("--rate-mbit", type=float, default=400.0, help="tbf rate of every host's link (default 400)")
     p.add_argument("--out", type=Path, default=OUT / "elastic_cluster.json")
@@ -1065,7 +1096,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ns.faults = ns.faults if ns.faults is not None else (4 if ns.quick else 10)
     ns.scenarios = [s.strip() for s in ns.scenarios.split(",") if s.strip()]
     try:
-        ns.kill_runs = [(int(every), {"in-place": True, "restart": False}[mode])
+        ns.kill_runs = [(int(every), {"in-place": True, "restart": False, "in-place-snapshot": NO_COPIES}[mode])
                         for every, mode in (run.strip().split(":") for run in ns.kill_runs.split(",") if run.strip())]
     except (ValueError, KeyError):
         p.error(f"--kill-runs {ns.kill_runs!r}: expected EVERY:in-place or EVERY:restart, comma-separated")
@@ -1125,7 +1156,7 @@ def main(argv=None) -> int:
                               beta=ns.rate_mbit * 1e6 / 8, name="elastic-bench").save(profile)
             script = work / "train.py"
             script.write_text(TRAIN_SCRIPT)
-            b = Bench(cluster, work, labels, lines, profile, script, groups, ns.verbose)
+            b = Bench(cluster, work, labels, lines, profile, script, groups, ns.verbose, ns.mode)
             results["quotas"] = quotas
             log(f"cluster up: hosts {labels}, per-rank quotas {[round(q, 3) for q in quotas]} cores, "
                 f"link {ns.rate_mbit} Mbit/s")

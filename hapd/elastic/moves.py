@@ -27,6 +27,7 @@ exchange, which this module writes by hand (a few dozen lines).
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -152,23 +153,24 @@ def schedule(held: Mapping[int, Iterable[Piece]], needed: Mapping[int, Iterable[
     boxes as sources cover it (box arithmetic), and what no source covers names its key
     in ``missing``. A source piece whose whole size differs from the needed one's (another
     model) covers nothing. Pure: the same on every rank given the same metadata."""
-    by_key: dict[str, list[tuple[int, Piece]]] = defaultdict(list)
+    # each key's distinct pieces, with the ranks that hold each (replicas: one piece, many holders)
+    by_key: dict[str, dict[tuple, tuple[Piece, list[int]]]] = defaultdict(dict)
     for rank in sorted(held):
         for piece in held[rank]:
             if piece.box.numel:
-                by_key[piece.key].append((rank, piece))
-    ranks = sorted(set(held) | set(needed))
-    span = (max(ranks) + 1) if ranks else 1
+                by_key[piece.key].setdefault((piece.offsets, piece.shape, piece.size), (piece, []))[1].append(rank)
+    ranks = set(held) | set(needed)
+    span = max(ranks) + 1 if ranks else 1
     transfers: list[Transfer] = []
     missing: set[str] = set()
     for dst in sorted(needed):
         for want in needed[dst]:
             if not want.box.numel:
                 continue
-            sources = sorted((s for s in by_key.get(want.key, ()) if s[1].size == want.size),
-                             key=lambda s: ((s[0] - dst) % span, s[1].offsets))
             left = [want.box]
-            for src, piece in sources:
+            chosen = [(piece, _holder(holders, dst)) for piece, holders in by_key.get(want.key, {}).values()
+                      if piece.size == want.size]
+            for piece, src in sorted(chosen, key=lambda c: ((c[1] - dst) % span, c[0].offsets)):
                 if not left:
                     break
                 rest = []
@@ -184,6 +186,12 @@ def schedule(held: Mapping[int, Iterable[Piece]], needed: Mapping[int, Iterable[
             if left:
                 missing.add(want.key)
     return Schedule(tuple(transfers), tuple(sorted(missing)))
+
+
+def _holder(holders: list[int], dst: int) -> int:
+    """Which of ``holders`` (in rank order) gives a piece to ``dst``: itself when it holds
+    it, else the first from ``dst`` on, round the ranks."""
+    return holders[bisect.bisect_left(holders, dst) % len(holders)]
 
 
 # --------------------------------------------------------------------------------------

@@ -394,7 +394,7 @@ class Elastic:
         total = sum(t.numel * moves.dtype_size(t.dtype) for t in plan.transfers)
         between = plan.bytes_between_ranks()
         return _FromMemory(step, f"survivors' memory, step {step}, moved {total / 2**20:.2f} MB in "
-                                 f"{moved.seconds:.2f} s ({between / 2**20:.2f} MB of it between ranks)")
+                                 f"{moved.seconds:.3f} s ({between / 2**20:.2f} MB of it between ranks)")
 
     def _load_small(self, offers: list[step_copy.Offer], agreement: step_copy.Agreement,
                     optimizer_tensors: Mapping[str, torch.Tensor], optimizer_keys: set[str]) -> None:
