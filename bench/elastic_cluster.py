@@ -1075,7 +1075,7 @@ def tables(results: Mapping[str, Any]) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenarios", default="kill,join,faults,snapshot,replan")
+    p.add_argument("--scenarios", default="kill,rankkill,join,faults,snapshot,replan")
     p.add_argument("--quick", action="store_true", help="30 steps, 4 faults, one snapshot round")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--faults", type=int, default=None)
@@ -1100,7 +1100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         for every, mode in (run.strip().split(":") for run in ns.kill_runs.split(",") if run.strip())]
     except (ValueError, KeyError):
         p.error(f"--kill-runs {ns.kill_runs!r}: expected EVERY:in-place or EVERY:restart, comma-separated")
-    unknown = set(ns.scenarios) - {"kill", "join", "faults", "snapshot", "replan"}
+    unknown = set(ns.scenarios) - {"kill", "rankkill", "join", "faults", "snapshot", "replan"}
     if unknown:
         p.error(f"unknown scenario(s) {sorted(unknown)}")
     return ns
