@@ -214,22 +214,35 @@ class _Maxima:
     lp: pulp.LpProblem
     r: list[pulp.LpVariable]
     vars: dict[tuple, pulp.LpVariable] = field(default_factory=dict)
+    seen: dict[tuple, Any] = field(default_factory=dict)
+    """Each row as given → its expression: a model's repeated blocks give the same rows
+    again and again (Llama-7B on 64 devices: scaling and rounding each row's 128 numbers
+    anew took most of the LP's making)."""
 
     def of(self, row: Mapping[str, Sequence[float]]) -> Any:
         """An expression equal to the row's maximum at the LP's optimum (a number where
         the row does not depend on the ratios)."""
-        const, coef = list(row["constant"]), list(row["coef"])
+        raw = (tuple(row["constant"]), tuple(row["coef"]))
+        found = self.seen.get(raw)
+        if found is None:
+            found = self.seen[raw] = self._of(*raw)
+        number, (scale, var) = found
+        return number if var is None else scale * var  # a fresh expression each time: pulp's add in place
+
+    def _of(self, const: tuple[float, ...], coef: tuple[float, ...]) -> tuple[float, tuple[float, Any]]:
+        """(the row's maximum, (1, None)) when it does not depend on the ratios, else
+        (0, (scale, the epigraph variable of the row divided by scale))."""
         if not any(coef):
-            return max(const, default=0.0)
-        scale = max(max(abs(v) for v in const), max(abs(v) for v in coef))
-        key = tuple(round(v / scale, 9) for v in const + coef)
+            return max(const, default=0.0), (1.0, None)
+        scale = max(max(map(abs, const)), max(map(abs, coef)))
+        key = tuple([round(v / scale, 9) for v in const + coef])
         var = self.vars.get(key)
         if var is None:
             i = len(self.vars)
             var = self.vars[key] = variable(self.lp, f"m_{i}")
             for d, (c, k) in enumerate(zip(const, coef)):
                 self.lp += var >= c / scale + (k / scale) * self.r[d], f"m_{i}_{d}"
-        return scale * var
+        return 0.0, (scale, var)
 
 
 def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | None) -> LPResult:
