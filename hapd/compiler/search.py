@@ -159,6 +159,15 @@ def _search_rounds(
             tried.append(exc.program)
             if scale > 0:
                 shortfalls.append(_shortfall(exc.program, caps))
+            if shortfalls and shortfalls[-1] <= 0:
+                # it fits at some ratios (the least overshoot's), but the LP's cheapest ratios
+                # never fit at integer lengths: a higher price moves the program, not the rounding
+                _note_pass("searches with memory priced higher (ZeRO-style parameters allowed)"
+                           + (f", {len(recompute)} blocks recomputed" if recompute else ""),
+                           f"stopped: at {scale:g}× the program fits device memory only at ratios the "
+                           "sharding-ratio LP does not choose (its ratios do not fit at integer lengths)", 0.0,
+                           brief="memory priced: stopped, rounding binds")
+                break
             if len(shortfalls) >= 2 and shortfalls[-1] >= shortfalls[-2] * (1 - STALLED):
                 _note_pass("searches with memory priced higher (ZeRO-style parameters allowed)"
                            + (f", {len(recompute)} blocks recomputed" if recompute else ""),

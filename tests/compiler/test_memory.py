@@ -218,7 +218,10 @@ def test_the_memory_price_ladder_stops_once_it_comes_no_closer(monkeypatch):
         scales.append(None if price is None else price[0])
         raise search._DoesNotFit({"steps": [], "n": len(scales)})
 
-    for shortfalls, searches in (([5.0, 5.0], 3), ([5.0, 4.0, 3.0, 2.0, 1.0], 6), ([5.0, 4.0, 4.0], 4)):
+    # no closer; closer each time; no closer at the third; closer by less than 5%; fits at some
+    # ratios, not the LP's (a higher price does not change the rounding)
+    for shortfalls, searches in (([5.0, 5.0], 3), ([5.0, 4.0, 3.0, 2.0, 1.0], 6), ([5.0, 4.0, 4.0], 4),
+                                 ([5.0, 4.9], 3), ([-1.0], 2)):
         left = list(shortfalls)
         scales.clear()
         monkeypatch.setattr(search, "_rounds", never_fits)
