@@ -286,6 +286,13 @@ class Elastic:
                         else None)
         """This rank's copies of its last two completed steps (:mod:`hapd.elastic.step_copy`): kept by this
         process across the script's runs, so that a switch in place takes the state from the survivors."""
+        self._overlap = False
+        """Whether the parameters and the optimizer state are copied beside the next step (the optimizer's
+        next step waits for them first: its pre-hook)."""
+        if self._copies is not None and optimizer is not None:
+            copies = self._copies
+            optimizer.register_step_pre_hook(lambda *_: copies.before_update())
+            self._overlap = True
         if self.active:
             targets = [a for a in dict.fromkeys([own, buddy]) if a]
             self._sender = _Sender(self.snapshot_run(self.generation), targets, _key_bytes(), self.rank)
@@ -357,7 +364,7 @@ class Elastic:
             return
         found, objects = step_copy.entries(self.module, self.optimizer)
         small = step_copy.small_state(self.module, self.optimizer, self.sampler, self.state)
-        self._copies.keep(step, self.generation, self.rank, self.world, found, objects, small)
+        self._copies.keep(step, self.generation, self.rank, self.world, found, objects, small, overlap=self._overlap)
 
     def _from_memory(self) -> "_FromMemory":
         """Load the state of the last step every survivor completed from their step
@@ -562,11 +569,13 @@ class Elastic:
         return took
 
     def _copy_cost(self) -> dict[str, Any]:
-        """What the step copies cost: the median seconds of the last ones, their bytes."""
+        """What the step copies cost: the median seconds of the last ones in the foreground
+        and beside the next step (a thread), their bytes."""
         if self._copies is None or not self._copies.seconds:
             return {}
         newest = self._copies.copies[-1] if self._copies.copies else None
-        return {"step_copy_s": statistics.median(self._copies.seconds),
+        beside = statistics.median(self._copies.beside) if self._copies.beside else None
+        return {"step_copy_s": statistics.median(self._copies.seconds), "step_copy_beside_s": beside,
                 "step_copy_bytes": newest.nbytes if newest is not None else 0}
 
     def _choose_interval(self, cost: float) -> None:

@@ -28,6 +28,7 @@ are the least that is correct, at one memcpy a step.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -92,19 +93,45 @@ class StepCopy:
 
 
 @dataclass
+class _UnderWay:
+    """A copy's part that runs beside the next step: a thread (CPU tensors) and an event
+    on a side stream (GPU tensors)."""
+
+    thread: threading.Thread | None = None
+    event: Any = None
+    seconds: list[float] = field(default_factory=list)
+    """The thread's time, once it ended."""
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
 class StepCopies:
-    """This rank's copies of one run: the two newest steps, the newest last."""
+    """This rank's copies of one run: the two newest steps, the newest last.
+
+    **Beside the next step.** With ``overlap`` (:meth:`keep`) the tensors that only an
+    optimizer step changes — trained parameters and the optimizer state — are copied
+    beside the next step's forward and backward (a thread for CPU tensors, a side stream
+    for GPU ones), and the optimizer's next step waits for them first
+    (:meth:`before_update`, an optimizer step pre-hook that :class:`hapd.Elastic`
+    registers); buffers, which a forward may change (running statistics, the dropouts'
+    step), are copied at once."""
 
     copies: list[StepCopy] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
-    """How long each copy took (the last :data:`TIMES_KEPT`)."""
+    """How long each copy took in the foreground (the last :data:`TIMES_KEPT`)."""
+    beside: list[float] = field(default_factory=list)
+    """How long each copy's part beside the next step took (CPU tensors; the last :data:`TIMES_KEPT`)."""
+    _under_way: _UnderWay | None = None
+    _stream: Any = None
 
     def keep(self, step: int, generation: int, rank: int, world: int, entries: Sequence[Held],
-             objects: Mapping[str, Any], small: SmallState) -> StepCopy:
-        """Copy ``entries`` (this rank's pieces under their keys, :func:`capture`) as the
+             objects: Mapping[str, Any], small: SmallState, *, overlap: bool = False) -> StepCopy:
+        """Copy ``entries`` (this rank's pieces under their keys, :func:`entries`) as the
         copy of ``step``, into the buffers of the older copy when it is laid out alike
-        (else new ones); the older copy is replaced."""
+        (else new ones); the older copy is replaced. ``overlap``: copy the trained
+        parameters and the optimizer state beside the next step (the class docstring)."""
         start = time.perf_counter()
+        self.wait()
         reuse = self.copies[0] if len(self.copies) == 2 else None
         self.copies = self.copies[1:] if len(self.copies) == 2 else self.copies
         layout = [(h.key, tuple(h.local.shape), h.local.dtype) for h in entries]
@@ -112,15 +139,79 @@ class StepCopies:
             tensors = {h.key: _host_buffer(h.local) for h in entries}
         else:
             tensors = reuse.tensors
+        later = [(tensors[h.key], h.local.detach()) for h in entries if overlap and _updated_only_by_optimizer(h)]
         with torch.no_grad():
             for h in entries:
-                tensors[h.key].copy_(h.local.detach(), non_blocking=h.local.is_cuda)
+                if not (overlap and _updated_only_by_optimizer(h)):
+                    tensors[h.key].copy_(h.local.detach())
         pieces = tuple(Piece(h.key, tuple(h.offsets), tuple(h.local.shape), tuple(h.size), dtype_name(h.local.dtype))
                        for h in entries)
         kept = StepCopy(step, generation, rank, world, tensors, pieces, copy.deepcopy(dict(objects)), small)
         self.copies.append(kept)
+        self._start(later)
         self.seconds = (self.seconds + [time.perf_counter() - start])[-TIMES_KEPT:]
         return kept
+
+    def _start(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        """Copy ``pairs`` (target, source) beside what comes next."""
+        on_gpu = [(t, s) for t, s in pairs if s.is_cuda]
+        on_cpu = [(t, s) for t, s in pairs if not s.is_cuda]
+        under_way = _UnderWay()
+        if on_gpu:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())  # the step's update is done
+            with torch.cuda.stream(self._stream), torch.no_grad():
+                for target, source in on_gpu:
+                    target.copy_(source, non_blocking=True)
+                    source.record_stream(self._stream)  # its memory not reused before the copy ran (a model freed)
+                under_way.event = torch.cuda.Event()
+                under_way.event.record(self._stream)
+        if on_cpu:
+            def run() -> None:
+                began = time.perf_counter()
+                try:
+                    with torch.no_grad():
+                        for target, source in on_cpu:
+                            target.copy_(source)
+                except Exception as exc:  # noqa: BLE001 - told at the next wait, the copy dropped
+                    under_way.errors.append(f"{type(exc).__name__}: {exc}")
+                under_way.seconds.append(time.perf_counter() - began)
+
+            under_way.thread = threading.Thread(target=run, daemon=True, name="hapd-step-copy")
+            under_way.thread.start()
+        self._under_way = under_way if (on_gpu or on_cpu) else None
+
+    def before_update(self) -> None:
+        """Before the optimizer changes what the last copy reads: the CPU part waited
+        for, the GPU part ordered before the update on the current stream (no wait on
+        the host)."""
+        under_way = self._under_way
+        if under_way is None:
+            return
+        if under_way.event is not None:
+            torch.cuda.current_stream().wait_event(under_way.event)
+            under_way.event = None
+        self._join(under_way)
+
+    def wait(self) -> None:
+        """Until the last copy is whole (on the host: before it is read or replaced). A
+        copy whose part beside the step failed is dropped."""
+        under_way, self._under_way = self._under_way, None
+        if under_way is None:
+            return
+        if under_way.event is not None:
+            under_way.event.synchronize()
+        self._join(under_way)
+
+    def _join(self, under_way: _UnderWay) -> None:
+        if under_way.thread is not None:
+            under_way.thread.join()
+            under_way.thread = None
+            self.beside = (self.beside + under_way.seconds)[-TIMES_KEPT:]
+        if under_way.errors and self.copies:
+            self.copies.pop()  # torn: not a copy of its step
+            under_way.errors.clear()
 
     def of_step(self, step: int) -> StepCopy | None:
         return next((c for c in self.copies if c.step == step), None)
@@ -131,12 +222,20 @@ class StepCopies:
         return self.copies[-1].generation if self.copies else None
 
     def clear(self) -> None:
+        self.wait()
         self.copies = []
 
     def ready(self) -> None:
-        """Wait for copies still on their way from a GPU (before they are read)."""
+        """Wait for the copies under way (before they are read)."""
+        self.wait()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
+
+
+def _updated_only_by_optimizer(h: Held) -> bool:
+    """Whether only an optimizer step changes ``h`` between two steps' ends: a trained
+    parameter and the optimizer's state do; a buffer may change in a forward."""
+    return h.key.startswith(OPTIM) or h.local.requires_grad
 
 
 TIMES_KEPT = 64
@@ -159,7 +258,7 @@ def forget(run: str) -> None:
 
 def _host_buffer(like: Tensor) -> Tensor:
     """A host tensor shaped like ``like`` (pinned when ``like`` is on a GPU: its copy can
-    then be queued on the stream, not waited for)."""
+    then run on a side stream, not waited for)."""
     return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
 
 

@@ -231,3 +231,30 @@ def test_a_piece_no_survivor_holds_falls_back_to_the_snapshot(tmp_path, monkeypa
     said = capsys.readouterr().out
     assert "none (fallback: keys model/0.bias, model/0.weight not held by any survivor)" in said, said
     step_copy.forget(env["HAPD_ELASTIC_RUN"])
+
+
+def test_a_copy_beside_the_next_step_holds_the_state_of_its_step():
+    """With the parameters and the optimizer state copied beside the next step (a thread;
+    the optimizer's next step waits for it), each copy is the state at its step_done: a
+    buffer the next forward changes (batch norm's running mean) is copied at once."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32))
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+    copies = step_copy.StepCopies()
+    optimizer.register_step_pre_hook(lambda *_: copies.before_update())
+    expected = {}
+    for step in range(1, 5):
+        optimizer.zero_grad()
+        module(torch.randn(8, 32)).square().sum().backward()
+        optimizer.step()
+        found, objects = step_copy.entries(module, optimizer)
+        expected[step] = {h.key: h.local.detach().clone() for h in found}
+        copies.keep(step, 0, 0, 1, found, objects, step_copy.small_state(module, optimizer, None, {}), overlap=True)
+    module(torch.randn(8, 32))  # a forward after the last copy: the running mean moves again
+    copies.wait()
+    assert [c.step for c in copies.copies] == [3, 4]
+    for kept in copies.copies:
+        assert kept.tensors.keys() == expected[kept.step].keys()
+        for key, value in kept.tensors.items():
+            assert torch.equal(value, expected[kept.step][key]), (kept.step, key)
+    assert any(k.endswith("running_mean") for k in expected[4]) and any(k.endswith("exp_avg") for k in expected[4])
