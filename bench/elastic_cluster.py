@@ -699,6 +699,8 @@ def scenario_kill(b: Bench, steps: int, kill_at: int, variants: Sequence[tuple[i
         entry["snapshot_s"] = snaps[0].get("seconds") if snaps else None
         copied = [e["step_copy_s"] for e in snaps if e.get("step_copy_s") is not None]
         entry["step_copy_s"] = statistics.median(copied) if copied else None  # rank 0's, median of the last copies
+        beside = [e["step_copy_beside_s"] for e in snaps if e.get("step_copy_beside_s") is not None]
+        entry["step_copy_beside_s"] = statistics.median(beside) if beside else None  # its part beside the next step
         entry["step_copy_bytes"] = next((e["step_copy_bytes"] for e in snaps if "step_copy_bytes" in e), None)
         times = [t for _, (_, _, gen, t) in sorted(r["losses"].items()) if gen == 0]
         entry["step_s"] = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 2 else None
