@@ -3,13 +3,14 @@ process's memory across a switch in place, and the survivors' agreement on the s
 to go on from.
 
 :meth:`hapd.Elastic.step_done` keeps, before any collective of its own, a copy of what
-this rank holds (:func:`capture`): its pieces of the parameters and buffers, its
-optimizer state (under the keys checkpoints give them, :func:`hapd.state.checkpoint.
-optimizer_held`), and the small state a snapshot saves (the sampler's position, the
-RNG, the dropouts' generator step, ``state`` such as a scheduler, the param groups'
-settings). The buffers are allocated once and written with ``copy_``: a step's cost is
-a memcpy of the rank's state (into host memory: pinned, asynchronous on the stream
-when the state is on a GPU, whose memory is the scarcer).
+this rank holds (:func:`entries`, :func:`small_state`): its pieces of the parameters
+and buffers, its optimizer state (under the keys checkpoints give them,
+:func:`hapd.state.checkpoint.optimizer_held`), and the small state a snapshot saves
+(the sampler's position, the RNG, the dropouts' generator step, ``state`` such as a
+scheduler, the param groups' settings). The buffers are allocated once and written
+with ``copy_``: a step's cost is a memcpy of the rank's state, into host memory (a
+GPU's is the scarcer; pinned for GPU tensors), the parameters and the optimizer state
+beside the next step (:class:`StepCopies`).
 
 The copies live in :class:`StepCopies`, one per elastic run (``$HAPD_ELASTIC_RUN``) in
 this module's registry (:func:`kept`): when :mod:`hapd.elastic.in_place` runs the
