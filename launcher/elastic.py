@@ -1,7 +1,7 @@
 """Elastic jobs: a host that leaves or joins does not end the job.
 
     python -m launcher run train.py --hosts hosts.txt --elastic 2:3 -- ARGS
-    python -m launcher join gpu-c slots=2 --hosts hosts.txt      # joins at the next step boundary
+    python -m launcher join gpu-c slots=2 --hosts hosts.txt      # joins once its ranks are ready
 
 An elastic job runs in *generations*: one :class:`~launcher.job.Job` per set of hosts.
 When a generation fails the launcher decides what the failure was:
@@ -14,11 +14,14 @@ When a generation fails the launcher decides what the failure was:
   running the script again would fail again.
 
 Every rank runs under :mod:`hapd.elastic.in_place`: one whose peer went away parks. After
-a lost host, once every rank of the hosts left parked (:attr:`~launcher.job.Job.hold_on_host_loss`),
-the next generation goes on in those processes: each daemon gets a ``switch`` (the
-ranks, the rendezvous, the environment) and its ranks run the script again
-(``ElasticOptions.in_place``; ``--restart`` turns it off). Otherwise every rank of the
-failed generation is stopped at once by its daemon (SIGTERM, SIGKILL after 5 s; none
+a lost host or a rank killed by a signal, once every other rank of the hosts left parked
+(:attr:`~launcher.job.Job.hold_on_host_loss`), the next generation goes on in those
+processes: each daemon gets a ``switch`` (the ranks, the rendezvous, the environment)
+and its ranks run the script again (``ElasticOptions.in_place``; ``--restart`` turns it
+off). A killed rank's slot is dropped: its host goes on with one rank fewer
+(``HAPD_HOSTS`` names it ``HOST#N``: the profile's first N devices of it), and a host
+left with none leaves the generation and joins again through the host file. Otherwise
+every rank of the failed generation is stopped at once by its daemon (SIGTERM, SIGKILL after 5 s; none
 waits in a collective: :class:`~launcher.job.Job` cancels them, and the process group's
 timeout, ``HAPD_COLLECTIVE_TIMEOUT``, bounds what the cancel cannot reach) and the next
 generation starts new ones; a lost daemon stops its own when the job's lease expires.
@@ -31,9 +34,12 @@ profile to them, so the plan comes from the daemon's cache or an LP-only re-plan
 :class:`hapd.elastic.resume.Elastic` resumes from the newest complete snapshot.
 
 A host that appears in the host file (``python -m launcher join`` appends it), answers
-a ping and has the slots joins at the next step boundary: the launcher asks the job to
-pause (rank 0 learns it after its step, the ranks snapshot that step and exit) and
-starts the next generation with it, losing no step.
+a ping and has the slots joins at a step boundary: in place, the launcher launches its
+ranks at once (:meth:`ElasticRun._start_joiners`: they import and build the model while
+the others train, then wait for their place), and once they are ready asks the job to
+pause (rank 0 learns it after its step, the ranks snapshot that step and park); the next
+generation switches every one of them in place, losing no step. With ``--restart`` the
+job pauses at once, its ranks exit and the next generation restarts them all.
 
 The launcher prints each change in one line (what was lost or joined, when, the hosts
 and plan now running, the step resumed and the steps lost, and the time to resume split
@@ -60,8 +66,8 @@ from hapd.wire.client import Client
 from hapd.wire.keys import default_key_path, home_dir, load_key
 
 from launcher.hosts import Host, load_hosts, parse_hosts
-from launcher.job import EXIT_HOST_LOST, Attach, Job, JobOptions, JobResult, LaunchError, Placement, default_job_id, \
-    job_env
+from launcher.job import EXIT_HOST_LOST, Attach, Job, JobOptions, JobResult, LaunchError, Placement, \
+    choose_master_port, default_job_id, job_env
 from launcher.report import write_report
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
@@ -92,9 +98,10 @@ class ElasticOptions:
     host_file: Path | None = None
     """Watched for hosts joining (None: no joins)."""
     in_place: bool = True
-    """After a lost host, switch the other hosts' ranks to the next generation in their
-    processes (they park, :mod:`hapd.elastic.in_place`) instead of restarting them; a
-    rank killed, a host joining, or ranks that do not park take the restart path."""
+    """After a lost host, a rank killed or at a join, switch the other ranks to the next
+    generation in their processes (they park, :mod:`hapd.elastic.in_place`) instead of
+    restarting them; ranks that do not park, or a parked rank that exits, take the
+    restart path."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_hosts <= self.max_hosts:
@@ -576,7 +583,8 @@ class ElasticRun:
         try:
             for p in nxt.placements[len(job.hosts):]:
                 try:
-                    nxt._launch_on(p, nxt.placements[0].host.name, int(job.start_info.get("master_port") or 1), env,
+                    # a rendezvous no one serves: the switch gives the generation's own (wait_to_join)
+                    nxt._launch_on(p, nxt.placements[0].host.name, choose_master_port(nxt.placements[0].host), env,
                                    None, os.getcwd())
                     started.append(p)
                 except HapdError as exc:

@@ -31,6 +31,13 @@ script's folder first on ``sys.path``). When the script raises because a peer we
    from the daemon's cache and :meth:`hapd.Elastic.resume` (the state moved from the
    survivors' step copies to the new plan's pieces) are most of what the switch costs.
 
+A pause for a joining host (:class:`~hapd.errors.ElasticPause`, raised by
+:meth:`hapd.Elastic.step_done` once that step's snapshot reached the daemons) parks the
+rank the same way. A ``switch`` order names the local ranks that go on (``kept``): a rank
+of this host killed by a signal is left out, and the others are renumbered from 0. A
+joining host's ranks, launched while the others train (:data:`JOIN_HELD_ENV`), wait for
+their ``switch`` in :func:`wait_to_join` before joining the process group.
+
 The state comes back from the survivors' memory: a step cut by a failure leaves the
 ranks' parameters and optimizer states at different steps (some applied the update,
 some never reached it), so each rank keeps copies of its last two completed steps in
