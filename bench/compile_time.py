@@ -17,9 +17,11 @@ Printed per model and profile: load (``torch.export.load`` alone, timed apart), 
 SPMD, pipeline and overlap searches (each its own seconds: the SPMD and overlap
 searches run on threads while the other graphs are derived and the pipeline search
 runs, so the parts add up to more than the wall time), the wall time of
-``hapd.compile(FILE, PROFILE, everything)`` from the start of its load to the plan
-(what ``hapd compile`` runs: the load, every graph derived, every search), and the
-winner with its prediction and stages. With ``--before DIR``, each compile runs again under the
+``hapd.compile(FILE, PROFILE, everything)`` from its start to the plan (what ``hapd
+compile`` runs: the graphs the file keeps read — ``hapd.export`` lowers them once,
+:mod:`hapd.ir.kept` —, or for a file without them its load and every graph derived;
+then every search), and the winner with its prediction and stages. The export's
+seconds (which now include lowering the kept graphs) are printed per model. With ``--before DIR``, each compile runs again under the
 hapd of ``DIR`` (a checkout with its extension built) back to back, and the ratio of
 the wall times is printed: the same files, the same machine, the same minute.
 """

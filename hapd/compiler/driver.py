@@ -22,7 +22,8 @@ from hapd.compiler.pipeline import stage_search as pipeline_search
 from hapd.compiler.pipeline.stage_cost import graph_batch
 from hapd.compiler.choice import ORDER, choose
 from hapd.compiler.dp_gap import dp_gap
-from hapd.ir.lower import GraphIR, load_exported, lower, lower_at
+from hapd.ir.derive import graphs_at
+from hapd.ir.lower import GraphIR, load_exported, lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.overlap import is_overlapped
 from hapd.compiler.plan import PLAN_FORMAT, PLAN_VERSION, Plan, estimate, split_lengths
@@ -30,7 +31,7 @@ from hapd.compiler.plan_summary import format_seconds, technique
 from hapd.compiler.ratios import peak_memory, program_cost
 from hapd.compiler.search import SpmdSearch, dp_fits, search_spmd
 from hapd.ir.shapes import batch_info, is_symbolic
-from hapd.compiler.techniques import GraphSet, graphs_of_program, needs_other_batches
+from hapd.compiler.techniques import GraphSet, graph_set, graphs_of_program, kept_graph_source, needs_other_batches
 from hapd.errors import GraphError, HapdError, OptionsError
 from hapd.compiler.precision import autocast_graph
 from hapd.profile.precision import device_speed, for_precision, resolve_precision
@@ -69,6 +70,10 @@ def _compile(graph: Any, profile: Any, options: CompileOptions | None, micro_gra
         raise OptionsError("micro-batch graphs are for pipeline auto", field="micro_graphs")
     if isinstance(graph, GraphSet):
         return compile_techniques(graph, profile, options)
+    if needs_other_batches(options) and not micro_graphs and _is_pt2(graph):
+        kept = kept_graph_source(graph)  # the graphs hapd.export kept in the file: no load, no lowering
+        if kept is not None:
+            return _compile_at(*kept, profile, options)
     program = _program(graph) if needs_other_batches(options) and not micro_graphs else None
     if program is not None:
         exported, name, batch_dims = program
@@ -144,22 +149,28 @@ def compile_techniques(graphs: GraphSet, profile: Any, options: CompileOptions |
 
 def _compile_program(program: ExportedProgram, profile: Any, options: CompileOptions, *, name: str | None,
                      batch_dims: Mapping[str, int | None] | None) -> Plan:
-    """:func:`compile_techniques` of a program exported with a symbolic batch, its
-    graphs derived while the searches run: the global batch's graph is lowered first
-    and its SPMD search starts on a thread; the half batch's next, and overlap's duplica
-    search starts on another; the micro-batch graphs are derived meanwhile (lowering is
-    Python, the searches mostly the core's, which runs without Python's lock)."""
-    options = options or CompileOptions()
+    """:func:`compile_techniques` of a program exported with a symbolic batch
+    (:func:`_compile_at`)."""
     info = batch_info(program)
     size = info.size if info is not None else 0
     if not size:
         raise GraphError("the program's batch is symbolic and its example batch unknown (export it with hapd.export)")
-    full = lower_at(program, size, name=name, batch_dims=batch_dims)
+    at = graphs_at(program, size, name=name, batch_dims=batch_dims)
+    return _compile_at(at(size), at, profile, options)
+
+
+def _compile_at(full: GraphIR, at: Callable[[int], GraphIR], profile: Any, options: CompileOptions) -> Plan:
+    """:func:`compile_techniques` of the graph ``full`` at the global batch and the
+    others ``at`` gives, derived while the searches run: the SPMD search starts on a
+    thread at once; the half batch's graph is made next, and overlap's duplica search
+    starts on another; the micro-batch graphs are made meanwhile (lowering is Python,
+    the searches mostly the core's, which runs without Python's lock)."""
+    size = graph_batch(full.doc)
 
     def derive(on_half: Callable[[GraphIR], None]) -> GraphSet:
         if options.overlap and size % 2 == 0:
-            on_half(lower_at(program, size // 2, name=name, batch_dims=batch_dims))
-        return graphs_of_program(program, options, name=name, batch_dims=batch_dims)
+            on_half(at(size // 2))
+        return graph_set(at, full, options)
 
     return _techniques(full, derive, profile, options)
 
@@ -300,6 +311,10 @@ def _program(graph: Any) -> tuple[Any, str | None, dict | None] | None:
         program, stored = load_exported(graph)
         return program, stored.get("name"), stored.get("batch_dims")
     return None
+
+
+def _is_pt2(graph: Any) -> bool:
+    return isinstance(graph, (str, Path)) and Path(graph).suffix == ".pt2"
 
 
 def _graph_bytes_of(program: Any, name: str | None, batch_dims: dict | None) -> bytes:

@@ -25,17 +25,18 @@ cache keyed on it covers every input of the search (``docs/formats.md``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import msgpack
 
-from hapd.ir.lower import GraphIR, lower, lower_at
+from hapd.ir.kept import read_kept
+from hapd.ir.lower import GraphIR, load_exported, lower, lower_at
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.pipeline.stage_search import micro_batch_counts
 from hapd.compiler.pipeline.stage_cost import graph_batch
-from hapd.ir.derive import Derivation, linear_in_batch
-from hapd.ir.normalize import functionalize
-from hapd.ir.shapes import batch_info, batch_symbol, is_symbolic
+from hapd.ir.derive import graphs_at
+from hapd.ir.shapes import batch_info, is_symbolic
 from hapd.errors import GraphError
 from hapd.util import gc_paused
 
@@ -125,7 +126,7 @@ def graphs_of_program(program: Any, options: CompileOptions, *, name: str | None
         if not size:
             raise GraphError("the program's batch is symbolic and its example batch unknown (export it with hapd.export)")
         full = lower_at(program, size, name=name, batch_dims=batch_dims)
-        return graph_set(_deriving(program, size, name, batch_dims), full, options)
+        return graph_set(graphs_at(program, size, name=name, batch_dims=batch_dims), full, options)
     full = lower(program, name=name, batch_dims=batch_dims)
     why = info.reason if info is not None and info.reason else "exported static"
     return graph_set(lambda b: full, full, options,
@@ -133,30 +134,35 @@ def graphs_of_program(program: Any, options: CompileOptions, *, name: str | None
                                  "export it with a symbolic batch (hapd export) for the other batches")
 
 
-def _deriving(program: Any, size: int, name: str | None,
-              batch_dims: Mapping[str, int | None] | None) -> Callable[[int], GraphIR]:
-    """The graph of a symbolic ``program`` at a batch: lowered at the global batch
-    ``size`` and its half, and at any other batch derived from those two
-    (:class:`hapd.ir.derive.Derivation`) when every size of the program is linear in
-    the batch — else, or where it cannot be derived, lowered."""
-    def lowered(batch: int) -> GraphIR:
-        return lower_at(program, batch, name=name, batch_dims=batch_dims)
-
-    half = size // 2
-    symbol = batch_symbol(program)
-    if size % 2 or half < 2 or symbol is None or not linear_in_batch(functionalize(program), symbol):
-        return lowered
-
-    derivation: list[Derivation] = []
+def kept_graph_source(path: str | Path) -> tuple[GraphIR, Callable[[int], GraphIR]] | None:
+    """(the global batch's graph, the graph at any batch) of a ``.pt2`` that keeps its
+    graphs (:mod:`hapd.ir.kept`: written by :func:`hapd.export` under this hapd and
+    torch); a batch it does not keep is lowered from its program, loaded then. None
+    when it keeps none."""
+    kept = read_kept(path)
+    if kept is None:
+        return None
+    program: list[Callable[[int], GraphIR]] = []
 
     def at(batch: int) -> GraphIR:
-        if batch in (size, half):
-            return lowered(batch)
-        if not derivation:
-            derivation.append(Derivation(lowered(size), size, lowered(half), half))
-        return derivation[0].at(batch) or lowered(batch)
+        if batch in kept.graphs:
+            return kept.graphs[batch]
+        if not program:
+            loaded, stored = load_exported(path)
+            program.append(graphs_at(loaded, kept.batch, name=stored.get("name"), batch_dims=stored.get("batch_dims")))
+        return program[0](batch)
 
-    return at
+    return kept.graphs[kept.batch], at
 
 
-__all__ = ["GraphSet", "graph_set", "graphs_of_program", "needs_other_batches"]
+def graphs_of_file(path: str | Path, options: CompileOptions) -> GraphSet:
+    """The :class:`GraphSet` of a ``.pt2``: from the graphs it keeps, else derived
+    from its program (:func:`graphs_of_program`)."""
+    kept = kept_graph_source(path)
+    if kept is not None:
+        return graph_set(kept[1], kept[0], options)
+    program, stored = load_exported(path)
+    return graphs_of_program(program, options, name=stored.get("name"), batch_dims=stored.get("batch_dims"))
+
+
+__all__ = ["GraphSet", "graphs_of_file", "kept_graph_source", "graph_set", "graphs_of_program", "needs_other_batches"]

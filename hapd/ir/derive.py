@@ -24,12 +24,14 @@ own graph documents, which no library knows.
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.export import ExportedProgram
 
-from hapd.ir.lower import GraphIR, canonical_bytes
+from hapd.ir.lower import GraphIR, canonical_bytes, lower_at
+from hapd.ir.normalize import functionalize
+from hapd.ir.shapes import batch_symbol
 
 _LINEAR = "_hapd_linear_in_batch"
 """Attribute of a program: the cached answer of :func:`linear_in_batch`."""
@@ -143,4 +145,29 @@ def _between(a: Any, b: Any, t: Fraction) -> Any:
     return a
 
 
-__all__ = ["Derivation", "derived_graph", "linear_in_batch"]
+def graphs_at(program: ExportedProgram, size: int, *, name: str | None = None,
+              batch_dims: Mapping[str, int | None] | None = None) -> Callable[[int], GraphIR]:
+    """The graph of a symbolic ``program`` (exported at the global batch ``size``) at
+    any batch: lowered at ``size`` and its half, and at any other batch derived from
+    those two (:class:`Derivation`) when every size of the program is linear in the
+    batch — else, or where it cannot be derived, lowered."""
+    def lowered(batch: int) -> GraphIR:
+        return lower_at(program, batch, name=name, batch_dims=batch_dims)
+
+    half = size // 2
+    symbol = batch_symbol(program)
+    if size % 2 or half < 2 or symbol is None or not linear_in_batch(functionalize(program), symbol):
+        return lowered
+    derivation: list[Derivation] = []
+
+    def at(batch: int) -> GraphIR:
+        if batch in (size, half):
+            return lowered(batch)
+        if not derivation:
+            derivation.append(Derivation(lowered(size), size, lowered(half), half))
+        return derivation[0].at(batch) or lowered(batch)
+
+    return at
+
+
+__all__ = ["Derivation", "derived_graph", "graphs_at", "linear_in_batch"]

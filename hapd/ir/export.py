@@ -18,6 +18,7 @@ from torch.export.graph_signature import InputKind
 from hapd.errors import ExportError
 from hapd.ir import experts
 from hapd.ir.fake import model_faked
+from hapd.ir.kept import GRAPHS_FILE, kept_graphs
 from hapd.ir.lower import EXTRA_FILE, FROZEN_KEY, FUNCTIONAL_KEY, frozen_parameters, mark_frozen
 from hapd.ir.normalize import functionalize, is_functional, mark_functional
 from hapd.ir.shapes import BatchInfo, dynamic_shapes, set_batch_info
@@ -133,9 +134,13 @@ def _save(program: ExportedProgram, path: str | Path, name: str, batch_dims: Seq
     names = user_input_names(program)
     meta = {"name": name, "batch_dims": dict(zip(names, batch_dims)),
             FROZEN_KEY: frozen_parameters(program), FUNCTIONAL_KEY: is_functional(program), **info.to_doc()}
+    extra: dict[str, Any] = {EXTRA_FILE: json.dumps(meta, sort_keys=True)}
+    graphs = kept_graphs(program, name=name, batch_dims=meta["batch_dims"])  # every compile of the file reads them
+    if graphs is not None:
+        extra[GRAPHS_FILE] = graphs
     try:
         with atomic_file(path) as handle:
-            torch.export.save(program, handle, extra_files={EXTRA_FILE: json.dumps(meta, sort_keys=True)})
+            torch.export.save(program, handle, extra_files=extra)
     except OSError as exc:
         raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from exc
 

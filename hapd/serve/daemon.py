@@ -697,18 +697,13 @@ class Daemon:
         (:func:`hapd.compiler.techniques.graphs_of_program`; cached)."""
         if not _prices_other_batches(options):
             return self._lower(pt2)
-        from hapd.ir.lower import load_exported
-        from hapd.compiler.techniques import GraphSet, graphs_of_program
+        from hapd.compiler.techniques import GraphSet, graphs_of_file
 
         key = self._lowered_key(pt2, options)
         cached = self.cache.get_lowered(key)
         if cached is not None:
             return GraphSet.from_bytes(cached)
-        def derive(path: Path) -> GraphSet:
-            program, stored = load_exported(path)
-            return graphs_of_program(program, options, name=stored.get("name"), batch_dims=stored.get("batch_dims"))
-
-        graphs = self._read_pt2(pt2, derive)
+        graphs = self._read_pt2(pt2, lambda path: graphs_of_file(path, options))
         self.cache.put_lowered(key, graphs.to_bytes())
         return graphs
 

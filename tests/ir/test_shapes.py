@@ -22,7 +22,10 @@ from hapd.ir.lower import lower
 from hapd.compiler.options import CompileOptions
 from hapd.compiler.plan import Plan
 from hapd.ir.lower import load_exported, lower_at
+import hapd.ir.kept as kept_module
+from hapd.compiler import driver, techniques
 from hapd.ir.derive import Derivation, linear_in_batch
+from hapd.ir.kept import read_kept
 from hapd.ir.normalize import functionalize
 from hapd.ir.shapes import batch_info, batch_symbol, program_at
 from hapd.compiler.plan_summary import technique as technique_of
@@ -167,6 +170,33 @@ def test_a_saved_program_is_functional_already_and_never_retraced(tmp_path: Path
     plain, stored = load_exported(tmp_path / "plain.pt2")
     assert "functional" not in stored
     assert lower_at(plain, BATCH // 2, name="vit").graph_id == lower_at(loaded, BATCH // 2, name="vit").graph_id
+
+
+def test_a_saved_program_keeps_its_graphs_and_a_compile_reads_them_alone(tmp_path: Path, monkeypatch) -> None:
+    """hapd.export keeps the graphs a compile prices in the .pt2 (hapd.ir.kept): the
+    ones lowering the loaded program gives; a compile of the file reads them without
+    loading the program, to the plan of one that loads it; under another lowering's
+    fingerprint they are not used."""
+    model, inputs, dims = _build("vit", BATCH)
+    path = tmp_path / "vit.pt2"
+    export(model, inputs, batch_dims=dims, symbolic_batch=True, path=path, name="vit")
+    kept = read_kept(path)
+    assert kept is not None and kept.batch == BATCH and sorted(kept.graphs) == [1, 2, 4, 8]
+    loaded, _ = load_exported(path)
+    assert {b: g.graph_id for b, g in kept.graphs.items()} == {b: lower_at(loaded, b, name="vit").graph_id
+                                                              for b in kept.graphs}
+    options = CompileOptions(pipeline="auto", overlap=True)
+    from_program = compile_plan(graphs_of_program(loaded, options, name="vit"), _two_hosts(), options)  # lowered
+    monkeypatch.setattr(techniques, "load_exported", lambda *a, **k: pytest.fail("the program was loaded"))
+    monkeypatch.setattr(driver, "load_exported", lambda *a, **k: pytest.fail("the program was loaded"))
+    from_file = compile_plan(path, _two_hosts(), options)
+    assert from_file.doc["key"]["graphs"] == from_program.doc["key"]["graphs"]
+    assert (from_file.technique, from_file.estimate["per_iteration"]) == (from_program.technique,
+                                                                         from_program.estimate["per_iteration"])
+    monkeypatch.undo()
+    monkeypatch.setattr(kept_module, "fingerprint", lambda: "another lowering")
+    assert read_kept(path) is None
+    assert compile_plan(path, _two_hosts(), options).doc["key"]["graphs"] == from_program.doc["key"]["graphs"]
 
 
 def test_one_graph_cannot_price_pipelines_with_overlap() -> None:
