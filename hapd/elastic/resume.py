@@ -44,9 +44,11 @@ starts again at step 0, and says so.
 **Pauses.** A host joining is taken at a step boundary: the launcher asks rank 0's
 daemon to pause the job (:meth:`hapd.wire.client.Client.job_pause`); rank 0 reads it in
 :meth:`Elastic.step_done`, every rank learns it in the same step (one broadcast), takes
-a snapshot of that step, waits for it to reach the daemons and exits with status 0
-after printing the ``paused`` event; the next generation resumes from that step: no
-step is lost.
+a snapshot of that step, waits for it to reach the daemons and, after printing the
+``paused`` event, parks (raises :class:`~hapd.errors.ElasticPause` under the in-place
+runner: the launcher switches it into the generation with the joining host) or exits
+with status 0 (``--restart``); the next generation resumes from that step: no step is
+lost.
 
 What rank 0 prints for the launcher (``{"hapd": "elastic", ...}`` lines): ``resumed``
 (generation, step, where the state came from, seconds to get the plan and to load the
@@ -509,8 +511,9 @@ class Elastic:
 
     def step_done(self, step: int) -> None:
         """After each optimizer step (``step`` counts the steps done): a snapshot when it
-        is due; stops the process (status 0, after a snapshot of this step) when the
-        launcher asked the job to pause. Collective."""
+        is due; when the launcher asked the job to pause, after a snapshot of this step,
+        parks the rank (:class:`~hapd.errors.ElasticPause`, under the in-place runner) or
+        stops the process (status 0). Collective."""
         if not self.active:
             return
         now = time.perf_counter()
