@@ -13,7 +13,7 @@ from conftest import FIXTURES
 import hapd
 from hapd.errors import ProfileError
 from hapd.profile.assemble import summary
-from hapd.profile.schema import COLLECTIVES, UNITS, load_profile, profile_from_dict
+from hapd.profile.schema import COLLECTIVES, UNITS, estimated_profile, load_profile, profile_from_dict
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 
@@ -286,7 +286,7 @@ def test_missing_or_unreadable_files(tmp_path):
         profile_from_dict([1, 2, 3])
 
 
-def test_a_profile_cut_to_the_hosts_a_job_runs_on(monkeypatch):
+def test_a_profile_cut_to_the_hosts_a_job_runs_on(monkeypatch, tmp_path):
     """An elastic job that lost a host runs on the others: the cluster's profile is cut
     to their devices, in the order the launcher names them (HAPD_HOSTS)."""
     from hapd.errors import ProfileError
@@ -316,6 +316,18 @@ def test_a_profile_cut_to_the_hosts_a_job_runs_on(monkeypatch):
     assert [d.model for d in ordered.devices] == [paper.devices[r].model for h in rejoined for r in paper.ranks_of(h)]
     monkeypatch.setenv(JOB_HOSTS_ENV, ",".join(hosts))
     assert job_profile("paper-8", paper.world).hosts == hosts
+    # a host whose rank was killed goes on with fewer (HOST#N: its first N devices)
+    two = estimated_profile(5, flops=[5e10, 4e10, 3e10, 2e10, 1e10], hosts=["a", "a", "a", "b", "b"], name="two")
+    two_file = tmp_path / "two.json"
+    two.save(two_file)
+    monkeypatch.setenv(JOB_HOSTS_ENV, "a#2,b")
+    cut = job_profile(two_file, 4)
+    assert cut.hosts == ["a", "b"] and [d.flops for d in cut.devices] == [5e10, 4e10, 2e10, 1e10]
+    assert [d.flops for d in two.on_hosts(["b#1", "a#1"]).devices] == [2e10, 5e10]
+    with pytest.raises(ProfileError, match="more devices than"):
+        two.on_hosts(["a#4"])
+    with pytest.raises(ProfileError, match="HOST#N with N ≥ 1"):
+        two.on_hosts(["a#0"])
 
 
 def test_a_missing_profile_path_that_names_a_bundled_profile_says_so(tmp_path, monkeypatch):
