@@ -67,6 +67,7 @@ import math
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -366,7 +367,16 @@ class Elastic:
             return
         found, objects = step_copy.entries(self.module, self.optimizer)
         small = step_copy.small_state(self.module, self.optimizer, self.sampler, self.state)
-        self._copies.keep(step, self.generation, self.rank, self.world, found, objects, small, overlap=self._overlap)
+        self._copies.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        try:
+            self._copies.keep(step, self.generation, self.rank, self.world, found, objects, small,
+                              overlap=self._overlap)
+        except step_copy.CopiesTooLarge as exc:  # the state comes from the snapshot after a switch, as without copies
+            self._copies.clear()
+            self._copies = None
+            _say("step_copy_off", rank=self.rank, reason=str(exc), time=time.time())
+            print(f"hapd elastic: rank {self.rank} keeps no step copies: {exc}; after a switch in place its state "
+                  "comes from the snapshot", file=sys.stderr, flush=True)
 
     def _from_memory(self) -> "_FromMemory":
         """Load the state of the last step every survivor completed from their step

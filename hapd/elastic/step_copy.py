@@ -52,6 +52,43 @@ COPY_ENV = "HAPD_STEP_COPY"
 """``0`` turns the step copies off (the state then comes from the snapshot after a
 switch in place, as after a restart); anything else or unset: on."""
 
+HOST_SHARE = 0.5
+"""The most of the host memory available when the copies are first made (its
+``MemAvailable``, shared by the host's ranks: ``$LOCAL_WORLD_SIZE``) the two copies may
+take; a rank whose state needs more keeps none (:class:`CopiesTooLarge`) and says so: a
+7B model's replicated Adam state is 112 GB a copy, and a host that swaps or kills a rank
+for its copies trains worse than one that reloads a snapshot."""
+
+
+class CopiesTooLarge(Exception):
+    """Two copies of this rank's state do not fit its share of the host's memory."""
+
+
+def host_available_bytes() -> int | None:
+    """The host's available memory (``MemAvailable`` of ``/proc/meminfo``); None where
+    it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_budget(nbytes: int, local_ranks: int, available: int | None) -> None:
+    """:class:`CopiesTooLarge` when two copies of ``nbytes`` pass this rank's share of
+    ``available`` host bytes (:data:`HOST_SHARE` over ``local_ranks``); nothing when the
+    host's memory is unknown."""
+    if available is None:
+        return
+    budget = HOST_SHARE * available / max(1, local_ranks)
+    if 2 * nbytes > budget:
+        raise CopiesTooLarge(f"two step copies of this rank's state take {2 * nbytes / 2**30:.2f} GiB, more than "
+                             f"its share of the host's available memory ({budget / 2**30:.2f} GiB: "
+                             f"{HOST_SHARE:.0%} of {available / 2**30:.2f} GiB over {local_ranks} rank(s))")
+
 
 @dataclass
 class SmallState:
@@ -118,6 +155,8 @@ class StepCopies:
     step), are copied at once."""
 
     copies: list[StepCopy] = field(default_factory=list)
+    local_ranks: int = 1
+    """The ranks on this host, sharing its memory (:func:`check_budget`)."""
     seconds: list[float] = field(default_factory=list)
     """How long each copy took in the foreground (the last :data:`TIMES_KEPT`)."""
     beside: list[float] = field(default_factory=list)
@@ -129,7 +168,8 @@ class StepCopies:
              objects: Mapping[str, Any], small: SmallState, *, overlap: bool = False) -> StepCopy:
         """Copy ``entries`` (this rank's pieces under their keys, :func:`entries`) as the
         copy of ``step``, into the buffers of the older copy when it is laid out alike
-        (else new ones); the older copy is replaced. ``overlap``: copy the trained
+        (else new ones); the older copy is replaced. :class:`CopiesTooLarge` (nothing
+        copied) when two copies pass the host-memory budget (:func:`check_budget`). ``overlap``: copy the trained
         parameters and the optimizer state beside the next step (the class docstring)."""
         start = time.perf_counter()
         self.wait()
@@ -137,6 +177,9 @@ class StepCopies:
         self.copies = self.copies[1:] if len(self.copies) == 2 else self.copies
         layout = [(h.key, tuple(h.local.shape), h.local.dtype) for h in entries]
         if reuse is None or [(k, tuple(t.shape), t.dtype) for k, t in reuse.tensors.items()] != layout:
+            if not self.copies:  # the first copy of a layout: both are allocated in turn
+                check_budget(sum(h.local.numel() * h.local.element_size() for h in entries), self.local_ranks,
+                             host_available_bytes())
             tensors = {h.key: _host_buffer(h.local) for h in entries}
         else:
             tensors = reuse.tensors
@@ -380,5 +423,5 @@ def optimizer_needs(params: Iterable[Piece], held: Iterable[Piece]) -> list[Piec
     return out
 
 
-__all__ = ["Agreement", "COPY_ENV", "Offer", "SmallState", "StepCopies", "StepCopy", "agree", "entries", "forget",
+__all__ = ["Agreement", "COPY_ENV", "CopiesTooLarge", "HOST_SHARE", "Offer", "SmallState", "StepCopies", "StepCopy", "agree", "check_budget", "entries", "forget", "host_available_bytes",
            "kept", "needed_pieces", "optimizer_needs", "small_state"]

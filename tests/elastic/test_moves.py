@@ -258,3 +258,25 @@ def test_a_copy_beside_the_next_step_holds_the_state_of_its_step():
         for key, value in kept.tensors.items():
             assert torch.equal(value, expected[kept.step][key]), (kept.step, key)
     assert any(k.endswith("running_mean") for k in expected[4]) and any(k.endswith("exp_avg") for k in expected[4])
+
+
+def test_copies_that_pass_the_hosts_memory_budget_are_not_kept(monkeypatch):
+    """Two copies of a rank's state take at most half the host's available memory,
+    shared by its ranks: beyond that none is kept (the state comes from the snapshot
+    after a switch), and nothing is half-copied."""
+    module = torch.nn.Linear(64, 64)  # 16.6 KB of parameters
+    found, objects = step_copy.entries(module, None)
+    small = step_copy.small_state(module, None, None, {})
+    nbytes = sum(h.local.numel() * h.local.element_size() for h in found)
+    step_copy.check_budget(nbytes, 2, 4 * 2 * nbytes)  # exactly the budget: kept
+    with pytest.raises(step_copy.CopiesTooLarge, match="more than its share"):
+        step_copy.check_budget(nbytes, 2, 4 * 2 * nbytes - 1)
+    step_copy.check_budget(10**15, 8, None)  # the host's memory unknown: no limit
+    copies = step_copy.StepCopies(local_ranks=4)
+    monkeypatch.setattr(step_copy, "host_available_bytes", lambda: 8 * 2 * nbytes - 1)
+    with pytest.raises(step_copy.CopiesTooLarge):
+        copies.keep(1, 0, 0, 1, found, objects, small)
+    assert copies.copies == []
+    monkeypatch.setattr(step_copy, "host_available_bytes", lambda: 8 * 2 * nbytes)
+    copies.keep(1, 0, 0, 1, found, objects, small)
+    assert [c.step for c in copies.copies] == [1]
