@@ -38,6 +38,7 @@ from hapd.profile.precision import PRECISIONS
 from hapd.compiler.options import CompileOptions
 from hapd.ir.lower import GraphIR
 from hapd.compiler.plan import Plan
+from hapd.elastic.in_place import JOIN_HELD_ENV
 from hapd.errors import OptionsError
 from hapd.profile.schema import Profile
 from hapd.spmd.distributed import init_distributed, job_host_groups
@@ -103,6 +104,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
         raise OptionsError(f"parallelize takes a torch.nn.Module whose forward returns the loss, not a "
                            f"{type(model).__name__}", field="model")
     model, example_inputs, batch_dims, name = by_keyword(model, example_inputs, batch_dims, name)  # a dict batch
+    _export_ahead(model, example_inputs, batch_dims, name=name, profile=profile, plan=plan, options=options,
+                  device=device, weights=weights, compile=compile, precision=precision, overlap=overlap)
     started = time.time()
     _join_job_if_launched()
     joined_s = time.time() - started
@@ -287,6 +290,34 @@ def _compile_options(compile: bool | Mapping[str, Any]) -> Mapping[str, Any] | N
     if isinstance(compile, Mapping):
         return dict(compile)
     raise OptionsError(f"compile {compile!r} is not a bool or a mapping of torch.compile arguments", field="compile")
+
+
+def _export_ahead(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims: Sequence[int | None] | None, *,
+                  name: str | None, profile: Profile | str | Path | Mapping | None,
+                  plan: Plan | str | Path | bytes | None, options: CompileOptions | Mapping[str, Any] | None,
+                  device: torch.device | str | None, weights: Weights | None,
+                  compile: bool | Mapping[str, Any], precision: str | None,  # noqa: A002 - torch's word
+                  overlap: str) -> None:
+    """A joining host's rank launched ahead of its generation
+    (:data:`hapd.elastic.in_place.JOIN_HELD_ENV`) exports and lowers the model before it
+    waits for its place, while the other ranks still train: what it exported is carried
+    into this same call after the switch (:data:`~hapd.train.programs.CARRY`, as a rank
+    switched in place carries its own), so the others wait only for what needs the
+    process group. Its world is the one it was launched for; what a different world
+    needs is exported after the switch. Nothing for any other process, or without a
+    profile or plan (the devices would be described over the group)."""
+    if os.environ.get(JOIN_HELD_ENV) != "1" or not CARRY.enabled or (profile is None and plan is None):
+        return
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    recipe = _recipe(model, example_inputs, batch_dims, name=name, profile=profile, plan=plan, world=world, group=None,
+                     device=device, use_daemon=False, verbose=False, weights=weights, compile=compile)
+    opts = compile_options(_with_precision(_default_options(options, recipe.profile, world), precision))
+    if plan is None and overlap != "always" and (opts.overlap or opts.pipeline == "auto"):
+        recipe.graphs(opts)  # what _training_plan's search prices
+    else:
+        recipe.export(True, recipe.half_shapes() if overlap == "always" else recipe.example_shapes)
+    CARRY.keep(export_key(recipe.model, recipe.example_inputs, recipe.batch_dims, recipe.name, recipe.device),
+               recipe.exported)
 
 
 def _join_job_if_launched() -> None:
