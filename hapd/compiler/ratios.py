@@ -181,21 +181,30 @@ def _row_groups(program: dict[str, Any]) -> tuple[dict[tuple, tuple[list, list, 
     and, per ``which``, the constant part of rows without a ratio term."""
     groups: dict[tuple, list] = {}
     fixed = {"comp": 0.0, "comm": 0.0}
+    seen: dict[tuple, tuple[tuple | None, float]] = {}  # a row as given → (its group key, its scale)
     for step in program["steps"]:
         for which in ("comp", "comm"):
             row = step[which]
-            const, coef = list(row["constant"]), list(row["coef"])
-            if not any(coef):
-                fixed[which] += max(const, default=0.0)
-                continue
-            scale = max(max(abs(v) for v in const), max(abs(v) for v in coef))
-            nc = [v / scale for v in const]
-            nk = [v / scale for v in coef]
-            key = (which, *(round(v, 9) for v in nc + nk))
-            if key in groups:
-                groups[key][2] += scale
+            raw = (which, tuple(row["constant"]), tuple(row["coef"]))
+            found = seen.get(raw)
+            if found is None:  # a model's repeated blocks give the same rows again and again: each normalized once
+                const, coef = raw[1], raw[2]
+                if not any(coef):
+                    found = (None, max(const, default=0.0))
+                else:
+                    scale = max(max(map(abs, const)), max(map(abs, coef)))
+                    nc = [v / scale for v in const]
+                    nk = [v / scale for v in coef]
+                    key = (which, *[round(v, 9) for v in nc + nk])
+                    if key not in groups:
+                        groups[key] = [nc, nk, 0.0]
+                    found = (key, scale)
+                seen[raw] = found
+            key, scale = found
+            if key is None:
+                fixed[which] += scale
             else:
-                groups[key] = [nc, nk, scale]
+                groups[key][2] += scale
     return {k: (v[0], v[1], v[2]) for k, v in groups.items()}, fixed
 
 
@@ -221,13 +230,29 @@ def solve_ratios(program: dict[str, Any], memory_caps: Sequence[float] | None = 
     lengths (:func:`_solve_fitting`)."""
     if memory_caps is None:
         return _solve(program, None)
+    rows = _Rows(program)
     try:
-        return _solve_fitting(program, [cap * CAP_MARGIN for cap in memory_caps], memory_caps)
+        return _solve_fitting(program, [cap * CAP_MARGIN for cap in memory_caps], memory_caps, rows)
     except SynthesisError:
-        return _solve_fitting(program, memory_caps, memory_caps)
+        return _solve_fitting(program, memory_caps, memory_caps, rows)
 
 
-def _solve_fitting(program: dict[str, Any], lp_caps: Sequence[float], memory_caps: Sequence[float]) -> LPResult:
+class _Rows:
+    """A program's grouped rows (:func:`_row_groups`), made on first use and kept for
+    the LPs solved again under other caps."""
+
+    def __init__(self, program: dict[str, Any]):
+        self.program = program
+        self._groups: tuple[dict[tuple, tuple[list, list, float]], dict[str, float]] | None = None
+
+    def groups(self) -> tuple[dict[tuple, tuple[list, list, float]], dict[str, float]]:
+        if self._groups is None:
+            self._groups = _row_groups(self.program)
+        return self._groups
+
+
+def _solve_fitting(program: dict[str, Any], lp_caps: Sequence[float], memory_caps: Sequence[float],
+                   rows: _Rows | None = None) -> LPResult:
     """The LP under ``lp_caps`` whose ratios' peak at integer lengths (:func:`peak_memory`)
     fits ``memory_caps``. The LP prices each shard at its device's ratio; where rounding
     gives a device more (a whole expert for 0.4 of 4), the LP solves again with that
@@ -235,7 +260,7 @@ def _solve_fitting(program: dict[str, Any], lp_caps: Sequence[float], memory_cap
     :class:`SynthesisError` when the ratios still do not fit."""
     caps = list(lp_caps)
     for _ in range(LENGTH_ROUNDS):
-        result = _solve(program, caps)
+        result = _solve(program, caps, rows)
         over = [p - cap for p, cap in zip(peak_memory(program, result.ratios), memory_caps)]
         if all(o <= 0 for o in over):
             return result
@@ -247,13 +272,13 @@ def _solve_fitting(program: dict[str, Any], lp_caps: Sequence[float], memory_cap
     )
 
 
-def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None) -> LPResult:
+def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None, rows: _Rows | None = None) -> LPResult:
     if is_overlapped(program):  # its own LP: hapd.compiler.overlap
         return solve_overlapped(program, memory_caps)
     n = int(program["devices"])
     if n == 1:  # the one device holds everything: no LP to solve (nor a CBC process to start)
         return _one_device(program, memory_caps)
-    groups, fixed = _row_groups(program)
+    groups, fixed = (rows or _Rows(program)).groups()
     eta, sync = sync_overlap(program), _constant_sync(program)
     known = _lp_key(n, groups, fixed, eta, sync, program, memory_caps)
     solved = _SOLVED.get(known)
