@@ -245,11 +245,13 @@ class _Maxima:
         return 0.0, (scale, var)
 
 
-def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | None) -> LPResult:
+def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | None,
+                     digest: bytes | None = None) -> LPResult:
     """Sharding ratios minimizing overlapped ``program``'s cost (:func:`overlap_cost`),
-    under per-device memory caps when given."""
+    under per-device memory caps when given; ``digest``: its :func:`rows_digest`, when
+    the caller has it."""
     n = int(program["devices"])
-    known = _lp_key(program, n, memory_caps)
+    known = _lp_key(program, n, memory_caps, digest)
     solved = _SOLVED.get(known)
     if solved is not None:
         return LPResult(ratios=solved[0], objective=overlap_cost(program, solved[0]), variables=solved[1])
@@ -296,13 +298,20 @@ def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | 
 
 
 
-def _lp_key(program: Mapping[str, Any], n: int, memory_caps: Sequence[float] | None) -> bytes:
-    """Everything the overlapped LP is made of, in order: the same key, the same LP."""
+def rows_digest(program: Mapping[str, Any]) -> bytes:
+    """The digest of what the overlapped LP of ``program`` is made of, its caps aside
+    (:func:`_lp_key`; a caller solving one program under several caps makes it once)."""
     return hashlib.sha256(msgpack.packb(
-        [n, PASSES, [step["overlap"] for step in program["steps"]],
-         None if memory_caps is None else [list(memory_caps), [[list(m["constant"]), list(m["coef"])]
-                                                                for m in memory_rows(program)]]],
-        use_bin_type=True)).digest()
+        [int(program["devices"]), PASSES, [step["overlap"] for step in program["steps"]],
+         [[list(m["constant"]), list(m["coef"])] for m in memory_rows(program)]], use_bin_type=True)).digest()
+
+
+def _lp_key(program: Mapping[str, Any], n: int, memory_caps: Sequence[float] | None,
+            digest: bytes | None = None) -> bytes:
+    """Everything the overlapped LP is made of, in order: the same key, the same LP."""
+    rows = digest if digest is not None else rows_digest(program)
+    caps = None if memory_caps is None else [float(c) for c in memory_caps]
+    return hashlib.sha256(msgpack.packb([n, rows, caps], use_bin_type=True)).digest()
 
 
 def _pass_chain(program: Mapping[str, Any], p: str, maxima: _Maxima) -> list[list[Any]]:

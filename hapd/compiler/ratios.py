@@ -36,7 +36,7 @@ import pulp
 
 from hapd.compiler.lp import LPResult, SolvedLPs, cap_memory, lp_failure, memory_rows, row_values, solver, variable
 from hapd.compiler.lengths import sharding_lengths
-from hapd.compiler.overlap import is_overlapped, overlap_cost, solve_overlapped
+from hapd.compiler.overlap import is_overlapped, overlap_cost, rows_digest, solve_overlapped
 from hapd.errors import SynthesisError
 from hapd.util import format_bytes
 
@@ -244,11 +244,18 @@ class _Rows:
     def __init__(self, program: dict[str, Any]):
         self.program = program
         self._groups: tuple[dict[tuple, tuple[list, list, float]], dict[str, float]] | None = None
+        self._digest: bytes | None = None
 
     def groups(self) -> tuple[dict[tuple, tuple[list, list, float]], dict[str, float]]:
         if self._groups is None:
             self._groups = _row_groups(self.program)
         return self._groups
+
+    def overlap_digest(self) -> bytes:
+        """An overlapped program's :func:`hapd.compiler.overlap.rows_digest`."""
+        if self._digest is None:
+            self._digest = rows_digest(self.program)
+        return self._digest
 
 
 def _solve_fitting(program: dict[str, Any], lp_caps: Sequence[float], memory_caps: Sequence[float],
@@ -274,7 +281,7 @@ def _solve_fitting(program: dict[str, Any], lp_caps: Sequence[float], memory_cap
 
 def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None, rows: _Rows | None = None) -> LPResult:
     if is_overlapped(program):  # its own LP: hapd.compiler.overlap
-        return solve_overlapped(program, memory_caps)
+        return solve_overlapped(program, memory_caps, rows.overlap_digest() if rows is not None else None)
     n = int(program["devices"])
     if n == 1:  # the one device holds everything: no LP to solve (nor a CBC process to start)
         return _one_device(program, memory_caps)
