@@ -35,8 +35,9 @@ A pause for a joining host (:class:`~hapd.errors.ElasticPause`, raised by
 :meth:`hapd.Elastic.step_done` once that step's snapshot reached the daemons) parks the
 rank the same way. A ``switch`` order names the local ranks that go on (``kept``): a rank
 of this host killed by a signal is left out, and the others are renumbered from 0. A
-joining host's ranks, launched while the others train (:data:`JOIN_HELD_ENV`), wait for
-their ``switch`` in :func:`wait_to_join` before joining the process group.
+joining host's ranks, launched while the others train (:data:`JOIN_HELD_ENV`), export
+their model ahead in :func:`hapd.parallelize` and wait for their ``switch`` in
+:func:`wait_to_join` before joining the process group.
 
 The state comes back from the survivors' memory: a step cut by a failure leaves the
 ranks' parameters and optimizer states at different steps (some applied the update,
