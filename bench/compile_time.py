@@ -13,8 +13,9 @@ Models, built on the meta device and exported once with a symbolic batch
 with 24 layers at 32 samples per device of paper-8 (256), and Llama-7B at paper size
 (sequence 2048) at batch 4.
 
-Printed per model and profile: load (``torch.export.load`` alone, timed apart), the
-SPMD, pipeline and overlap searches (each its own seconds: the SPMD and overlap
+Printed per model and profile: load (``torch.export.load`` alone, timed apart), derive
+(the graphs of every batch read or made, while the SPMD search runs; "-" for a hapd that
+does not say), the SPMD, pipeline and overlap searches (each its own seconds: the SPMD and overlap
 searches run on threads while the other graphs are derived and the pipeline search
 runs, so the parts add up to more than the wall time), the wall time of
 ``hapd.compile(FILE, PROFILE, everything)`` from its start to the plan (what ``hapd
@@ -83,7 +84,7 @@ parts = plan.doc["stats"].get("techniques", {})
 pipeline = plan.doc.get("pipeline") or {}
 print(json.dumps({
     "import": imported - start, "load": loaded - imported,
-    "spmd": parts.get("spmd_seconds"), "pipeline": parts.get("pipeline_seconds"), "overlap": parts.get("overlap_seconds"),
+    "derive": parts.get("derive_seconds"), "spmd": parts.get("spmd_seconds"), "pipeline": parts.get("pipeline_seconds"), "overlap": parts.get("overlap_seconds"),
     "wall": done - begun, "technique": plan.technique,
     "per_iteration": (plan.estimate.get("techniques", {}).get(plan.technique) or {}).get("per_iteration")
                      or plan.estimate["per_iteration"],
@@ -118,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hapd-compile-time-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    header = (f"{'model':8} {'profile':9} {'hapd':6} {'load':>6} {'spmd':>6} {'pipe':>6} "
+    header = (f"{'model':8} {'profile':9} {'hapd':6} {'load':>6} {'derive':>6} {'spmd':>6} {'pipe':>6} "
               f"{'overlap':>7} {'wall':>6}  winner")
     print(header, flush=True)
     for name in args.models:
@@ -131,7 +132,7 @@ def main() -> None:
             for label, root in runs:
                 got = json.loads(run_child(COMPILE, [str(path), profile], root, args.timeout))
                 walls[label] = got["wall"]
-                print(f"{name:8} {profile:9} {label:6} {fmt(got['load'])} {fmt(got['spmd'])} "
+                print(f"{name:8} {profile:9} {label:6} {fmt(got['load'])} {fmt(got.get('derive'))} {fmt(got['spmd'])} "
                       f"{fmt(got['pipeline'])} {fmt(got['overlap']):>7} {fmt(walls[label])}  {got['technique']} "
                       f"{got['per_iteration']:.3f} s, {got['stages']} stage(s)", flush=True)
             if "before" in walls:

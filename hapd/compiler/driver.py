@@ -197,7 +197,9 @@ def _techniques(full: GraphIR, derive: Callable[[Callable[[GraphIR], None]], Gra
                 overlapped.append(pool.submit(_overlap_duplica, half, profile, options))
 
         try:
+            derive_start = time.perf_counter()
             graphs = derive(on_half)
+            derive_seconds = time.perf_counter() - derive_start
             if options.overlap and not overlapped and graphs.half is not None:
                 on_half(graphs.half)
             searched = spmd_future.result()
@@ -210,7 +212,7 @@ def _techniques(full: GraphIR, derive: Callable[[Callable[[GraphIR], None]], Gra
         spmd = dict(searched.doc)
         duplica_or_error = overlapped[0].result() if overlapped and graphs.half is not None else None
     priced: dict[str, dict[str, Any]] = {"spmd": {"per_iteration": spmd["estimate"]["per_iteration"]}}
-    stats = {"spmd_seconds": spmd["stats"]["seconds"]}
+    stats = {"derive_seconds": derive_seconds, "spmd_seconds": spmd["stats"]["seconds"]}
     dispatch = 0.0
     found = spmd.get("pipeline")
     if options.pipeline != "auto":
