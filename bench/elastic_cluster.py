@@ -39,11 +39,11 @@ Scenarios (``--scenarios``, default all):
    restarts with the same hosts and resume steps (3 hosts to step k, a checkpoint, the
    2 survivors from it): every loss (relative ≤ 1e-5), the final digest, and the
    samples of every step (skipped or repeated: 0).
-2. ``join``: the job starts on hosts 0-1 for 120 steps; ``python -m launcher join`` adds
+2. ``join``: the job starts on hosts 0-1 for 240 steps; ``python -m launcher join`` adds
    host 2 after step 10; steps/s over the last steps against a fresh elastic launch on
    the 3 hosts (the same snapshots and pause checks; target ≥ 95%). In place (the
    default) host 2's ranks start while the others train (on its sixth of a core they
-   take ~30 s to import and build the model: a shorter job would end first), and the
+   take ~45 s to import, build and export the model: a shorter job would end first), and the
    others pause once they are ready: the table says the join → host 2 training time,
    how long the others stood still (their last step before the pause to their first
    after) and the pause's step.
@@ -1172,8 +1172,8 @@ def main(argv=None) -> int:
                 results["rankkill"] = scenario_rankkill(b, s, max(2, s // 3), [True, False])
                 _save(results, ns.out)
             if "join" in cluster_scenarios:
-                # its ranks start while the others train: on the slowest host they take ~30 s to be ready
-                results["join"] = scenario_join(b, 2 * s, max(2, s // 6), max(3, s // 6))
+                # its ranks start and export while the others train: on the slowest host ~45 s to be ready
+                results["join"] = scenario_join(b, 4 * s, max(2, s // 6), max(3, s // 6))
                 _save(results, ns.out)
             if "faults" in cluster_scenarios:
                 schedule = fault_schedule(ns.seed, ns.faults, s, first=3)
