@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
-from hapd.elastic.in_place import JOIN_HELD_ENV
+from hapd.wire.switch import JOIN_HELD_ENV
 from hapd.errors import PEER_FAILURE, HapdError, OptionsError
 from hapd.wire.client import Client
 from hapd.wire.keys import default_key_path, home_dir, load_key
@@ -567,8 +567,8 @@ class ElasticRun:
     def _start_joiners(self, job: Job, joiners: Sequence[Host], pending: _Pending) -> None:
         """Launch the joining hosts' ranks now, under the running job's id and placed as
         the next generation will place them (after the hosts running), with
-        :data:`~hapd.elastic.in_place.JOIN_HELD_ENV`: they import, build and export the
-        model and wait for their ``switch`` (:func:`hapd.elastic.in_place.wait_to_join`)
+        :data:`~hapd.wire.switch.JOIN_HELD_ENV`: they import, build and export the
+        model and wait for their ``switch`` (:func:`hapd.wire.switch.wait_to_join`)
         while the others train. Then read their events (which renews their lease) until each rank
         said ``join_ready`` (``prepared``: the launcher pauses the others) and on, until
         :meth:`_stop_watching_joiners`. A host whose launch fails or whose rank exits

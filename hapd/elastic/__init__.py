@@ -5,7 +5,12 @@
   generation (the exports it keeps for that run are
   :class:`hapd.train.programs.ExportCarry`);
 - :mod:`~hapd.elastic.resume` — :class:`hapd.Elastic`: resuming an elastic job's next
-  generation from in-memory snapshots kept on another host.
+  generation from the survivors' memory, or from in-memory snapshots kept on another
+  host;
+- :mod:`~hapd.elastic.step_copy` — each rank's copies of its state at the last two
+  steps it completed, and the survivors' agreement on the step to go on from;
+- :mod:`~hapd.elastic.moves` — which piece of which survivor's copy fills each piece of
+  the new plan, and the point-to-point moves that do it.
 
 The launcher's side is :mod:`launcher.elastic`.
 """

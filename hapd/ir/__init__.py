@@ -16,6 +16,10 @@ From the ground floor up (each module imports only those before it):
 - :mod:`~hapd.ir.saved` — the activations the backward pass keeps;
 - :mod:`~hapd.ir.lower` — a ``.pt2`` program → hapd's graph IR (``.hapg``) and its
   graph id (the IR itself lives in the Rust core);
+- :mod:`~hapd.ir.derive` — a symbolic program's graph at any batch, derived from the
+  graphs lowered at two batches when every size is linear in the batch;
+- :mod:`~hapd.ir.kept` — the graphs a compile prices, lowered once at export and kept
+  in the ``.pt2``;
 - :mod:`~hapd.ir.export` — a module and example inputs → a ``.pt2`` program;
 - :mod:`~hapd.ir.summary` — what ``hapd inspect`` prints about a graph.
 

@@ -132,7 +132,7 @@ def init_distributed(*, timeout_s: float | None = None) -> DistEnv:
         local = env_int(os.environ, "LOCAL_RANK")
         local = rank if local is None else local
         return _make_env(rank, world, local, dist.get_backend(), cuda)
-    from hapd.elastic.in_place import wait_to_join  # torch-free; imported here: it imports hapd.spmd
+    from hapd.wire.switch import wait_to_join
 
     wait_to_join()  # a joining host's rank launched ahead of its generation: its place comes now
     rank, world, local = _read_env(os.environ)

@@ -38,7 +38,7 @@ from hapd.profile.precision import PRECISIONS
 from hapd.compiler.options import CompileOptions
 from hapd.ir.lower import GraphIR
 from hapd.compiler.plan import Plan
-from hapd.elastic.in_place import JOIN_HELD_ENV
+from hapd.wire.switch import JOIN_HELD_ENV
 from hapd.errors import OptionsError
 from hapd.profile.schema import Profile
 from hapd.spmd.distributed import init_distributed, job_host_groups
@@ -299,7 +299,7 @@ def _export_ahead(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims
                   compile: bool | Mapping[str, Any], precision: str | None,  # noqa: A002 - torch's word
                   overlap: str) -> None:
     """A joining host's rank launched ahead of its generation
-    (:data:`hapd.elastic.in_place.JOIN_HELD_ENV`) exports and lowers the model before it
+    (:data:`hapd.wire.switch.JOIN_HELD_ENV`) exports and lowers the model before it
     waits for its place, while the other ranks still train: what it exported is carried
     into this same call after the switch (:data:`~hapd.train.programs.CARRY`, as a rank
     switched in place carries its own), so the others wait only for what needs the

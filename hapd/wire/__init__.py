@@ -5,7 +5,9 @@
 - :mod:`~hapd.wire.keys` — the cluster key and where it lives;
 - :mod:`~hapd.wire.client` — a DEALER client of a daemon;
 - :mod:`~hapd.wire.contract` — what they agree on besides messages: job ids, lease
-  bounds, the variables a daemon sets for its ranks.
+  bounds, the variables a daemon sets for its ranks;
+- :mod:`~hapd.wire.switch` — an elastic rank's wait for its ``switch`` order and the
+  environment the order gives it.
 
 Never imports torch.
 """
