@@ -84,6 +84,9 @@ FAILURE_PING_S = 1.5
 WATCH_EVERY_S = 1.0
 """How often the host file is looked at for joining hosts."""
 
+JOIN_RETRY_S = 5.0
+"""How long a host whose join failed waits before it is asked again."""
+
 
 @dataclass(frozen=True)
 class ElasticOptions:
@@ -192,6 +195,10 @@ class ElasticRun:
         self.faults = 0
         self._pending = _Pending()
         self._watch_at = 0.0
+        self._join_retry_at: dict[str, float] = {}
+        """A host whose join failed (its daemon went away, a rank of it exited) is not
+        asked again before this (monotonic): it joins once it answers again, not in a
+        loop of failed launches."""
         self._job: Job | None = None
         self._key = load_key(options.key_file or default_key_path())
         self._every_host: dict[str, Host] = {h.label: h for h in self.hosts}
@@ -542,7 +549,7 @@ class ElasticRun:
             listed = load_hosts(self.elastic.host_file)
         except OptionsError:
             return  # being written; looked at again next time
-        candidates = [h for h in listed if h.label not in current]
+        candidates = [h for h in listed if h.label not in current and self._join_retry_at.get(h.label, 0.0) <= now]
         if not candidates:
             return
         pending.checking = True
@@ -589,6 +596,7 @@ class ElasticRun:
                     started.append(p)
                 except HapdError as exc:
                     self.say(f"could not start the ranks of joining host {p.host.label}: {exc}")
+                    self._join_retry_at[p.host.label] = time.monotonic() + JOIN_RETRY_S
         finally:
             nxt.close()
         with pending.lock:
@@ -625,6 +633,14 @@ class ElasticRun:
                         with pending.lock:
                             pending.ready = [h for h in pending.ready if h.label != label]
                         waiting.pop(label, None)
+                        pending.after.pop(label, None)
+                        self._join_retry_at[label] = time.monotonic() + JOIN_RETRY_S
+                if not clients:
+                    # every host launched ahead is gone before the pause: looked for afresh (a host
+                    # whose daemon was killed while its ranks prepared joins once it answers again)
+                    with pending.lock:
+                        pending.ready, pending.started, pending.prepared = [], False, False
+                    return
                 if not pending.prepared and pending.ready and not any(waiting.values()):
                     pending.prepared = True
                 pending.stop.wait(0.2)
