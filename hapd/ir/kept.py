@@ -58,15 +58,20 @@ def fingerprint() -> str:
 
 def kept_graphs(program: ExportedProgram, *, name: str | None,
                 batch_dims: Mapping[str, int | None] | None) -> str | None:
-    """The :data:`GRAPHS_FILE` of a symbolic ``program``: msgpack, base64 (None for a
-    static one: it has one graph, lowered on use)."""
+    """The :data:`GRAPHS_FILE` of a symbolic ``program``: msgpack, base64. None for a
+    static one (it has one graph, lowered on use) and for one hapd cannot lower: the
+    export goes on, and a compile of the file reports the lowering's error as before."""
     info = batch_info(program)
     if info is None or not info.symbolic or not info.size:
         return None
     at = graphs_at(program, info.size, name=name, batch_dims=batch_dims)
     batches = sorted({info.size // d for d in KEPT_DIVISORS if info.size % d == 0}, reverse=True)
-    packed = msgpack.packb({"fingerprint": fingerprint(), "batch": info.size,
-                            "graphs": {str(b): at(b).data for b in batches}}, use_bin_type=True)
+    try:
+        graphs = {str(b): at(b).data for b in batches}
+    except Exception as exc:  # noqa: BLE001 - a program hapd cannot lower still exports; its compile says why
+        _log.info("%s: no graphs kept in the .pt2 (lowering failed: %s: %s)", name, type(exc).__name__, exc)
+        return None
+    packed = msgpack.packb({"fingerprint": fingerprint(), "batch": info.size, "graphs": graphs}, use_bin_type=True)
     return base64.b64encode(packed).decode("ascii")  # torch's archive takes extra files as text
 
 

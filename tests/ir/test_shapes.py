@@ -30,7 +30,7 @@ from hapd.ir.normalize import functionalize
 from hapd.ir.shapes import batch_info, batch_symbol, program_at
 from hapd.compiler.plan_summary import technique as technique_of
 from hapd.compiler.techniques import GraphSet, graphs_of_program
-from hapd.errors import OptionsError, ShapeError
+from hapd.errors import GraphError, OptionsError, ShapeError
 from hapd.profile.schema import Link, estimated_profile
 from hapd.serve.cache import PlanCache
 
@@ -197,6 +197,18 @@ def test_a_saved_program_keeps_its_graphs_and_a_compile_reads_them_alone(tmp_pat
     monkeypatch.setattr(kept_module, "fingerprint", lambda: "another lowering")
     assert read_kept(path) is None
     assert compile_plan(path, _two_hosts(), options).doc["key"]["graphs"] == from_program.doc["key"]["graphs"]
+
+
+def test_a_program_hapd_cannot_lower_still_exports_without_kept_graphs(tmp_path: Path, monkeypatch) -> None:
+    def failing(*args, **kwargs):
+        def at(batch: int):
+            raise GraphError(f"no rule for an op at batch {batch}")
+        return at
+
+    monkeypatch.setattr(kept_module, "graphs_at", failing)
+    model, inputs, dims = _build("mlp", BATCH)
+    export(model, inputs, batch_dims=dims, symbolic_batch=True, path=tmp_path / "mlp.pt2", name="mlp")
+    assert read_kept(tmp_path / "mlp.pt2") is None and load_exported(tmp_path / "mlp.pt2")[1]["name"] == "mlp"
 
 
 def test_one_graph_cannot_price_pipelines_with_overlap() -> None:
