@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -289,22 +289,19 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, held: Iterable[Held], ran
     state: dict[str, Any] = {}
     pieces: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     groups = _param_keys(optimizer, held)
-    for found in groups:
-        for h, param in found:
-            if not h.writes:
-                continue
-            for name, value in optimizer.state.get(param, {}).items():
-                key = f"{OPTIM}{h.key}/{name}"
-                if not isinstance(value, Tensor):
-                    state[key] = value
-                    continue
-                placed = _state_placement(h, name, value)
-                if placed is not None and placed.partial:
-                    if value.numel():
-                        state[key] = value.detach()
-                        pieces[key] = (placed.offsets, placed.size)
-                else:
-                    state[key] = value.detach()
+    for h, name, key, value in _state_entries(optimizer, groups):
+        if not h.writes:
+            continue
+        if not isinstance(value, Tensor):
+            state[key] = value
+            continue
+        placed = _state_placement(h, name, value)
+        if placed is not None and placed.partial:
+            if value.numel():
+                state[key] = value.detach()
+                pieces[key] = (placed.offsets, placed.size)
+        else:
+            state[key] = value.detach()
     state[GROUPS] = [{**{k: v for k, v in group.items() if k != "params"}, "params": keys}
                      for group, keys in zip(optimizer.param_groups, _group_keys(groups, ranks))]
     return state, pieces
@@ -318,16 +315,23 @@ def optimizer_held(optimizer: torch.optim.Optimizer, held: Iterable[Held]) -> tu
     :mod:`hapd.elastic.step_copy`, keeps what each rank holds)."""
     tensors: list[Held] = []
     objects: dict[str, Any] = {}
-    for found in _param_keys(optimizer, held):
+    for h, name, key, value in _state_entries(optimizer, _param_keys(optimizer, held)):
+        if not isinstance(value, Tensor):
+            objects[key] = value
+            continue
+        placed = _state_placement(h, name, value)
+        tensors.append(whole(key, value) if placed is None else Held(key, value, placed.offsets, placed.size))
+    return tensors, objects
+
+
+def _state_entries(optimizer: torch.optim.Optimizer, groups: Iterable[Iterable[tuple[Held, Any]]]
+                   ) -> Iterator[tuple[Held, str, str, Any]]:
+    """(its parameter's entry, the state's name, its checkpoint key ``optim/<parameter>/<state>``,
+    its value) of every optimizer state of the parameters ``groups`` pair with their entries."""
+    for found in groups:
         for h, param in found:
             for name, value in optimizer.state.get(param, {}).items():
-                key = f"{OPTIM}{h.key}/{name}"
-                if not isinstance(value, Tensor):
-                    objects[key] = value
-                    continue
-                placed = _state_placement(h, name, value)
-                tensors.append(whole(key, value) if placed is None else Held(key, value, placed.offsets, placed.size))
-    return tensors, objects
+                yield h, name, f"{OPTIM}{h.key}/{name}", value
 
 
 def optimizer_parameters(optimizer: torch.optim.Optimizer, held: Iterable[Held]) -> list[Held]:
