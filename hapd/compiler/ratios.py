@@ -17,13 +17,15 @@ solves again with a device's cap lowered where rounding puts it over its capacit
 **The gradient sync overlaps the backward pass.** The runtime all-reduces replicated
 gradients in buckets launched while backward still runs (:class:`hapd.spmd.gradsync.GradSync`),
 so a program's time is its steps' serial sum less what of that sync hides behind the
-backward's compute: ``serial − η · min(S, B)``, with ``S`` the steps' gradient sync,
-``B`` the backward's share of compute (two thirds of a training op's, the core's
+backward's compute: ``serial − η · H``, with ``H`` what the buckets' timeline lets hide
+(:mod:`hapd.compiler.sync_timeline`; at most ``min(S, B)``, ``S`` the steps' gradient
+sync, ``B`` the backward's share of compute: two thirds of a training op's, the core's
 forward-to-backward ratio) and ``η`` the program's ``sync_overlap`` — the smallest
 share any device measured hiding (the profile's ``Device.sync_overlap``; 0 where a
 device does not give it, so older profiles price serially). The search ranks programs
 serially (an upper bound on this); the LP and every estimate credit the overlap. The LP
-keeps its epigraph form: ``T ≥ serial − η·S`` and ``T ≥ serial − η·B`` are both linear.
+keeps its epigraph form with ``η·φ`` for ``η`` (:func:`hideable_share`):
+``T ≥ serial − η·φ·S`` and ``T ≥ serial − η·φ·B`` are both linear.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from typing import Any, Mapping, Sequence
 import msgpack
 import pulp
 
+from hapd import _core
 from hapd.compiler.lp import LPResult, SolvedLPs, cap_memory, lp_failure, memory_rows, row_values, solver, variable
 from hapd.compiler.lengths import sharding_lengths
 from hapd.compiler.overlap import is_overlapped, overlap_cost, rows_digest, solve_overlapped
+from hapd.compiler.sync_timeline import BucketSizes, SyncedGradient, hideable
 from hapd.errors import SynthesisError
 from hapd.util import format_bytes
 
@@ -98,11 +102,42 @@ def backward_seconds(program: Mapping[str, Any], ratios: Sequence[float]) -> flo
 
 
 def hidden_sync(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
-    """Seconds of gradient sync the backward pass hides: ``η · min(S, B)``."""
+    """Seconds of gradient sync the backward pass hides: ``η`` times what of the sync
+    its buckets' timeline lets hide (:func:`hapd.compiler.sync_timeline.hideable`, at
+    most ``min(S, B)``)."""
     eta = sync_overlap(program)
     if eta <= 0.0:
         return 0.0
-    return eta * min(sync_seconds(program, ratios), backward_seconds(program, ratios))
+    return eta * hideable(backward_steps(program, ratios), synced_gradients(program, ratios), HAPD_BUCKETS)
+
+
+HAPD_BUCKETS = BucketSizes(rest=_core.GRAD_BUCKET_BYTES)
+"""The runtime's gradient buckets (:class:`hapd.spmd.gradsync.GradSync`)."""
+
+
+def backward_steps(program: Mapping[str, Any], ratios: Sequence[float]) -> list[float]:
+    """Each step's backward seconds, forward order: :data:`BACKWARD_SHARE` of its
+    slowest device's compute (they sum to :func:`backward_seconds`)."""
+    return [BACKWARD_SHARE * max(row_values(step["comp"], ratios), default=0.0) for step in program["steps"]]
+
+
+def synced_gradients(program: Mapping[str, Any], ratios: Sequence[float],
+                     seconds_of: Any = None) -> list[SyncedGradient]:
+    """The gradients the sync sums, one per parameter (a parameter read by several
+    steps, a tied one, counts its rows of each and is ready after the first): the step
+    that first reads it, its seconds under ``ratios`` (the slowest device's rows, or
+    ``seconds_of(source)``) and its bytes."""
+    found: dict[str, list] = {}
+    for index, step in enumerate(program["steps"]):
+        for source in step.get("sources", ()):
+            if not source.get("grad_sync"):
+                continue
+            key = str(source.get("target") or source.get("tensor") or f"{index}.{len(found)}")
+            seconds = (seconds_of(source) if seconds_of is not None
+                       else max(row_values(source["cost"], ratios), default=0.0))
+            entry = found.setdefault(key, [index, 0.0, float(source.get("bytes") or 0.0)])
+            entry[1] += seconds
+    return [SyncedGradient(first_step=i, seconds=s, nbytes=b) for i, s, b in found.values()]
 
 
 def per_device(program: dict[str, Any], ratios: Sequence[float], which: str) -> list[float]:
@@ -208,6 +243,30 @@ def _row_groups(program: dict[str, Any]) -> tuple[dict[tuple, tuple[list, list, 
     return {k: (v[0], v[1], v[2]) for k, v in groups.items()}, fixed
 
 
+def hideable_share(program: Mapping[str, Any]) -> float:
+    """φ: what of ``min(S, B)`` the sync's buckets let hide on the backward's timeline
+    (:func:`hapd.compiler.sync_timeline.hideable`), at speed-proportional ratios (each
+    device's share inverse to its compute rows' coefficients). The LP prices the hidden
+    sync as ``η·φ·min(S, B)``, linear in the ratios, where the timeline is not: φ
+    depends on the order of the steps and where the gradients are first read, much less
+    on the ratios. Every estimate, the LP's objective included, prices the timeline at
+    the ratios found."""
+    n = int(program["devices"])
+    if n <= 1 or not sync_overlap(program):
+        return 1.0
+    work = [sum(step["comp"]["coef"][d] for step in program["steps"]) for d in range(n)]
+    if any(w <= 0.0 for w in work):
+        ratios = [1.0 / n] * n
+    else:
+        speed = [1.0 / w for w in work]
+        ratios = [v / sum(speed) for v in speed]
+    bound = min(sync_seconds(program, ratios), backward_seconds(program, ratios))
+    if bound <= 0.0:
+        return 1.0
+    return min(1.0, hideable(backward_steps(program, ratios), synced_gradients(program, ratios), HAPD_BUCKETS)
+               / bound)
+
+
 def _constant_sync(program: Mapping[str, Any]) -> float | None:
     """``S`` when no gradient sync row depends on the ratios (all-reduces of replicated
     gradients never do), else None: the LP then prices the sync serially."""
@@ -286,7 +345,7 @@ def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None, rows: _
     if n == 1:  # the one device holds everything: no LP to solve (nor a CBC process to start)
         return _one_device(program, memory_caps)
     groups, fixed = (rows or _Rows(program)).groups()
-    eta, sync = sync_overlap(program), _constant_sync(program)
+    eta, sync = sync_overlap(program) * hideable_share(program), _constant_sync(program)
     known = _lp_key(n, groups, fixed, eta, sync, program, memory_caps)
     solved = _SOLVED.get(known)
     if solved is not None:

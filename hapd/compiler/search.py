@@ -35,10 +35,12 @@ from hapd.compiler.ratios import (
     program_cost,
     solve_ratios,
     sync_overlap,
+    synced_gradients,
 )
+from hapd.compiler.sync_timeline import BucketSizes, schedule
 from hapd.compiler.recompute import graph_blocks, memory_floor
 from hapd.errors import GraphError, SynthesisError
-from hapd.profile.schema import Profile
+from hapd.profile.schema import Link, Profile
 from hapd.util import format_bytes
 
 
@@ -404,6 +406,15 @@ def _no_fit_message(programs: list[dict], caps: list[float], profile: Profile) -
     )
 
 
+def flat_all_reduce(profile: Profile) -> Link | None:
+    """The profile's all-reduce over every rank (its ``inter`` link when the ranks span
+    hosts, else ``intra``): what DDP's flat ring pays per bucket; None when the profile
+    does not give one."""
+    links = profile.collectives.get("all_reduce") or {}
+    hosts = {d.host for d in profile.devices}
+    return links.get("inter") if len(hosts) > 1 else links.get("intra") or links.get("inter")
+
+
 def _baselines(data: bytes, profile: Profile, options: CompileOptions) -> Baselines:
     """DDP's time per iteration (:func:`ddp_cost`) under the even (DP-EV) and the
     FLOP/s-proportional (DP-CP) splits, read off the data-parallel program's rows."""
@@ -412,14 +423,15 @@ def _baselines(data: bytes, profile: Profile, options: CompileOptions) -> Baseli
     dp_program = synthesize(data, profile, flops, options, "data_parallel")
     duplicas = DUPLICAS if options.overlap else 1
     return Baselines(
-        dp_ev=ddp_cost(dp_program, even, duplicas),
-        dp_cp=ddp_cost(dp_program, flops, duplicas),
+        dp_ev=ddp_cost(dp_program, even, duplicas, flat_all_reduce(profile)),
+        dp_cp=ddp_cost(dp_program, flops, duplicas, flat_all_reduce(profile)),
         dp_program=dp_program,
         flops=flops,
     )
 
 
-def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int = 1) -> float:
+def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int = 1,
+             all_reduce: Link | None = None) -> float:
     """Seconds per iteration of the step as DDP runs it with the batch split by
     ``ratios``, priced from the rows of a data-parallel ``program`` of ``1/duplicas`` of
     the batch (an overlapped compile's graph is one duplica's; DDP runs the whole batch:
@@ -430,24 +442,35 @@ def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int 
     does fraction ``r[d]`` of its forward and backward FLOPs on device ``d``, and needs
     no collective; an op that reads only parameters and constants runs whole on every
     rank. The only communication is the gradient all-reduce of every trainable
-    parameter (bucketed, as the core prices it), overlapping the backward pass as
-    hapd's own sync does (:func:`hapd.compiler.ratios.hidden_sync`). As in the cost
+    parameter (each parameter's rows as the core prices them), overlapping the backward
+    pass as far as DDP's own buckets (:data:`DDP_BUCKETS`) let it on the backward's
+    timeline (:mod:`hapd.compiler.sync_timeline`), scaled by the devices' measured
+    ``sync_overlap`` as hapd's own sync is (:func:`hapd.compiler.ratios.hidden_sync`).
+    With ``all_reduce`` (the profile's all-reduce over every rank, the link DDP's flat
+    ring crosses) each bucket is priced as that collective; without, each gradient at
+    its rows (hapd's own sync, two levels across hosts). As in the cost
     model, each op costs its slowest device's time and the iteration is the sum over
     ops plus the all-reduce not hidden. A step's full work on device ``d`` is ``constant[d] + coef[d]`` of its
     compute row (a replicated step has only the constant, a sharded one only the
     coefficient), so the price does not depend on which rules the program chose.
     """
     batch = batch_tensors(program)
-    compute = 0.0
-    sync = [0.0] * len(ratios)
-    for step in program["steps"]:
-        compute += ddp_step_seconds(step, batch, ratios, duplicas)
-        row = step["comp"]
-        for source in step["sources"]:
-            if source["grad_sync"]:
-                sync = [s + v for s, v in zip(sync, row_values(source["cost"], ratios))]
-    total_sync = max(sync, default=0.0)
-    return compute + total_sync - sync_overlap(program) * min(total_sync, BACKWARD_SHARE * compute)
+    steps = [ddp_step_seconds(step, batch, ratios, duplicas) for step in program["steps"]]
+    backward = [BACKWARD_SHARE * s for s in steps]
+    if all_reduce is None:  # each gradient's rows as the core prices hapd's sync
+        sync = schedule(backward, synced_gradients(program, ratios), DDP_BUCKETS)
+    else:  # DDP's flat all-reduce over every rank: a latency per bucket, the bytes at its bandwidth
+        grads = synced_gradients(program, ratios, seconds_of=lambda source: float(source.get("bytes") or 0.0)
+                                 / all_reduce.beta)
+        sync = schedule(backward, grads, DDP_BUCKETS, latency=all_reduce.alpha)
+    return sum(steps) + sync.total - sync_overlap(program) * sync.hideable
+
+
+DDP_BUCKETS = BucketSizes(first=1024.0 * 1024, rest=25.0 * 1024 * 1024)
+"""DDP's gradient buckets as it packs them by default: the first of 1 MiB (torch's
+``_DEFAULT_FIRST_BUCKET_BYTES``), so that a sum starts early, the others of
+``bucket_cap_mb`` = 25 MiB. A model of a few tens of MiB fills one or two: most of
+its sync starts when backward ends."""
 
 
 def loss_collectives(program: Mapping[str, Any], ratios: Sequence[float]) -> float:

@@ -6,7 +6,7 @@ import pytest
 
 from hapd.errors import SynthesisError
 from hapd.compiler.lengths import sharding_lengths
-from hapd.compiler.ratios import per_device, program_cost, solve_ratios
+from hapd.compiler.ratios import per_device, program_cost, serial_cost, solve_ratios
 
 
 @pytest.mark.parametrize(
@@ -153,11 +153,18 @@ def overlapped(steps, eta):
     return {"devices": 2, "steps": steps, "memory": row([0.0, 0.0], [0.0, 0.0]), "sync_overlap": eta}
 
 
+def read_last(comp, sync_seconds):
+    """The compute ``comp`` and, after it, a step that reads a replicated parameter (its
+    gradient all-reduce ``sync_seconds``): backward produces that gradient first, so the
+    whole backward can hide its sum (the buckets' timeline, :mod:`hapd.compiler.sync_timeline`)."""
+    return [{"comp": comp, "comm": ZERO}, synced(ZERO, sync_seconds)]
+
+
 @pytest.mark.parametrize("eta", [0.0, 0.4, 1.0])
 @pytest.mark.parametrize("sync", [0.05, 0.2, 2.0])
 def test_gradient_sync_hides_behind_backward(eta, sync):
     # one unit of work split by speed: compute 1/3 at the LP's ratios, backward 2/9 of it
-    prog = overlapped([synced(SHARDED, sync)], eta)
+    prog = overlapped(read_last(SHARDED, sync), eta)
     result = solve_ratios(prog)
     assert result.ratios == pytest.approx((2 / 3, 1 / 3), abs=1e-6)
     backward = 2 / 3 * 1 / 3
@@ -169,7 +176,7 @@ def test_lp_with_overlap_is_optimal():
     lopsided = row([0.0, 0.3], [0.0, 0.0])  # a step that runs on device 1 only
     other = row([0.0, 0.0], [0.1, 0.8])  # ratio-dependent communication, never hidden
     for sync in (0.01, 5.0):
-        steps = [synced(SHARDED, sync), {"comp": lopsided, "comm": other}]
+        steps = [{"comp": lopsided, "comm": other}, *read_last(SHARDED, sync)]
         for eta in (0.0, 0.5, 1.0):
             prog = overlapped(steps, eta)
             result = solve_ratios(prog)
@@ -184,7 +191,7 @@ def test_overlap_moves_the_split_when_backward_hides_a_long_sync():
     # (r0/2 against r1) against it at r0 = 2/3; when the backward (2/3 of compute) hides
     # a long sync whole, compute costs only its forward third and device 0 gets nothing
     grows = row([0.0, 0.0], [0.5, 0.0])
-    steps = [synced(SHARDED, 5.0), {"comp": ZERO, "comm": grows}]
+    steps = [{"comp": ZERO, "comm": grows}, *read_last(SHARDED, 5.0)]
     serial = solve_ratios(overlapped(steps, 0.0))
     assert serial.ratios == pytest.approx((2 / 3, 1 / 3), abs=1e-6)
     assert serial.objective == pytest.approx(2 / 3 + 5.0, abs=1e-6)
@@ -217,3 +224,13 @@ def test_the_same_lp_is_solved_once_and_another_program_priced_at_its_ratios(mon
         solve_ratios(program([(row([0.0, 0.0], [1 / 3.0, 1 / 1.25]), ZERO)]))
     with pytest.raises(pytest.fail.Exception):
         solve_ratios(program([(slow, ZERO)]), memory_caps=[1e9, 1e9])
+
+
+def test_a_gradient_backward_finishes_last_hides_nothing():
+    # the parameter is read by the only step: its gradient exists when backward ends,
+    # so its bucket's sum runs after it whatever η says (an embedding's, in a language model)
+    prog = overlapped([synced(SHARDED, 0.2)], 1.0)
+    result = solve_ratios(prog)
+    assert result.ratios == pytest.approx((2 / 3, 1 / 3), abs=1e-6)
+    assert result.objective == pytest.approx(1 / 3 + 0.2, abs=1e-6)
+    assert program_cost(prog, result.ratios) == pytest.approx(serial_cost(prog, result.ratios))
