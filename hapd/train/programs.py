@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.export import ExportedProgram
 
+from hapd.ir import normalize as normal_form
 from hapd.ir.export import export, user_input_names
 from hapd.ir.lower import GraphIR, lower
 from hapd.ir.op_facts import EVAL_RULE, SAME_OP_IN_EVAL
@@ -449,7 +450,29 @@ def rebind(program: ExportedProgram, model: nn.Module) -> ExportedProgram:
         verifiers=program.verifiers,
     )
     out.graph_module.meta.update(program.graph_module.meta)
+    _keep_forms(program, out, model)
     return out
+
+
+def _keep_forms(program: ExportedProgram, out: ExportedProgram, model: nn.Module) -> None:
+    """What :mod:`hapd.ir.normalize` made of ``program`` given to ``out``, its graph over
+    ``model``'s tensors: that it is in normal form already, else its normal form and its
+    functional form, each rebound too. Without them :func:`hapd.distribute` would
+    normalize the rebound program again — re-tracing it: most of a switch's time on a
+    slow host (~0.5 s of CPU for the bench's GPT-2, 3-4 s on a sixth of a core). Done by
+    hand: :mod:`hapd.ir.normalize` keeps them as attributes of the program and has no
+    setter for them."""
+    if normal_form.is_normalized(program):
+        setattr(out, normal_form._MARK, True)  # noqa: SLF001 - see above
+        return
+    normal = getattr(program, normal_form._NORMAL_FORM, None)  # noqa: SLF001
+    if isinstance(normal, ExportedProgram):
+        setattr(out, normal_form._NORMAL_FORM, rebind(normal, model))  # noqa: SLF001
+    functional = getattr(program, normal_form._FUNCTIONAL_FORM, None)  # noqa: SLF001
+    if functional is program:
+        normal_form.mark_functional(out)
+    elif isinstance(functional, ExportedProgram):
+        setattr(out, normal_form._FUNCTIONAL_FORM, rebind(functional, model))  # noqa: SLF001
 
 
 class ExportCarry:

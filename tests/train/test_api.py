@@ -375,8 +375,9 @@ def test_inputs_that_are_not_tensors_and_models_that_are_not_modules_are_named()
 def test_a_second_run_in_the_process_rebinds_the_kept_exports_to_its_model(monkeypatch):
     """With the carry on (an in-place switch runs the script again in its process), the
     same model built again with other values takes the kept programs — nothing is
-    exported — and trains exactly like a fresh parallelize of it, on its own values; a
-    model of another structure exports as before."""
+    exported or normalized again — and trains exactly like a fresh parallelize of it, on
+    its own values; a model of another structure exports as before."""
+    from hapd.ir import normalize
     from hapd.train import programs
 
     carry = programs.ExportCarry()
@@ -394,8 +395,16 @@ def test_a_second_run_in_the_process_rebinds_the_kept_exports_to_its_model(monke
     def no_export(*args, **kwargs):
         raise AssertionError("exported again")
 
+    def no_normalize(*args, **kwargs):
+        raise AssertionError("normalized again")
+
     monkeypatch.setattr(programs, "export", no_export)
+    monkeypatch.setattr(normalize, "_canonical_names", no_normalize)  # the last pass of every normalize
     module = hapd.parallelize(again, inputs, use_daemon=False, verbose=False)
+    monkeypatch.undo()
+    monkeypatch.setenv("HAPD_KEEP_EXPORTS", "1")
+    monkeypatch.setattr("hapd.train.parallelize.CARRY", carry)
+    monkeypatch.setattr(programs, "export", no_export)
     _assert_one_step_is_the_model(module, ref, inputs)
     full = module.full_state_dict()
     assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items())  # the second model's values
