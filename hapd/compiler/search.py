@@ -61,6 +61,11 @@ def _note_pass(what: str, why: str, seconds: float, cost: float | None = None, *
     return entry
 
 
+_SEARCHED: contextvars.ContextVar[dict[tuple, bytes] | None] = contextvars.ContextVar("hapd_searched", default=None)
+"""The core's programs :func:`search_spmd` has had so far, by everything their search
+read (None outside one): :func:`synthesize`."""
+
+
 def synthesize(
     graph: bytes,
     profile: Profile,
@@ -72,13 +77,31 @@ def synthesize(
 ) -> dict:
     """One search of the core under fixed ratios (with memory priced at
     ``memory_price`` seconds per byte on each device, when given, and the blocks
-    ``recompute`` recomputed); the program as a dict."""
-    raw = _core.synthesize(graph, profile.core_bytes(), list(ratios), options.core(mode, memory_price, recompute))
+    ``recompute`` recomputed); the program as a dict (a fresh one each call: callers
+    change it)."""
+    raw = _core_search(graph, profile.core_bytes(), [float(r) for r in ratios], options.core(mode, memory_price, recompute))
     program = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     if is_overlapped(program):
         return with_duplica_memory(program)
     program["sync_overlap"] = profile_sync_overlap(profile)
     return program
+
+
+def _core_search(graph: bytes, profile: bytes, ratios: list[float], core: dict[str, Any]) -> bytes:
+    """The core's search (its program as msgpack), or within :func:`search_spmd` the
+    program an identical search already gave: the search is deterministic without a
+    time limit, and a compile asks for some twice (the recomputation probe's search with
+    every block recomputed opens the memory-price ladder's first search too: Llama-7B's
+    one duplica on paper-8, a second of the core each)."""
+    memo = _SEARCHED.get()
+    if memo is None or core.get("max_seconds") is not None:  # a time limit makes the answer depend on the clock
+        return _core.synthesize(graph, profile, ratios, core)
+    # bytes keep their hash once computed, and the graph is the same object every call
+    key = (graph, profile, tuple(ratios), msgpack.packb(core, use_bin_type=True))
+    raw = memo.get(key)
+    if raw is None:
+        raw = memo[key] = _core.synthesize(graph, profile, ratios, core)
+    return raw
 
 
 def profile_sync_overlap(profile: Profile) -> float:
@@ -281,6 +304,8 @@ def _rounds(
         if best is not None and cost >= best[2] * (1 - 1e-9):
             break
         best = (program, list(lp.ratios), cost)
+        if list(lp.ratios) == ratios:
+            break  # the next round would search these ratios again: the same program, the same LP
         ratios = list(lp.ratios)
     assert best is not None
     program, ratios, cost = best
@@ -702,6 +727,7 @@ def search_spmd(data: bytes, profile: Profile, options: CompileOptions) -> SpmdS
     best: tuple[float, SpmdSearch, dict] | None = None
     passes: list[dict] = []
     token = _PASSES.set(passes)
+    searched_token = _SEARCHED.set({})
     why, brief = "the first search", "first"
     try:
         while searching is not None:
@@ -731,6 +757,7 @@ def search_spmd(data: bytes, profile: Profile, options: CompileOptions) -> SpmdS
                 brief = f"front width {wider.front_width}: the plan lost to DP-CP"
             searching = wider
     finally:
+        _SEARCHED.reset(searched_token)
         _PASSES.reset(token)
     assert best is not None
     best[2]["kept"] = True

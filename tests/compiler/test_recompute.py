@@ -95,6 +95,32 @@ def test_the_search_recomputes_only_when_memory_binds() -> None:
           f"peak {max(tight.estimate['memory']) / 2**20:.2f} MiB")
 
 
+def test_a_compile_runs_each_core_search_once(monkeypatch) -> None:
+    """Where memory binds, the recomputation probe and the memory-price ladder ask the
+    core for the same search: it runs once (the search is deterministic), and the plan
+    is the one the searches run again would give."""
+    from hapd import _core
+    from hapd.compiler import search
+
+    cap = max(_compile("always", ratios=(0.5, 0.5)).estimate["memory"]) * 1.02
+    seen: list[tuple] = []
+    core = _core.synthesize
+
+    def counted(graph, profile, ratios, options):
+        seen.append((graph, profile, tuple(ratios), repr(sorted(options.items()))))
+        return core(graph, profile, ratios, options)
+
+    monkeypatch.setattr(search._core, "synthesize", counted)
+    tight = _compile("auto", memory=cap)
+    assert tight.program["recompute"] and len(seen) == len(set(seen)), seen
+    once = len(seen)
+    monkeypatch.setattr(search, "_core_search", lambda *args: counted(*args))  # every search runs
+    again = _compile("auto", memory=cap)
+    assert len(seen) - once > once  # the same searches asked for again
+    drop = lambda program: {k: v for k, v in program.items() if k != "stats"}  # noqa: E731 - its seconds differ
+    assert drop(again.program) == drop(tight.program) and again.ratios == tight.ratios
+
+
 def test_recompute_option_is_checked() -> None:
     with pytest.raises(OptionsError, match="recompute 'some'"):
         CompileOptions(recompute="some")

@@ -15,7 +15,7 @@
 //! compute for both duplicas less what the last points' collectives can still hide.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -23,6 +23,7 @@ use crate::comm::{collective_row, conversions, one_way_row, Collective};
 use crate::cost::Row;
 use crate::error::{Error, Result};
 use crate::ir::NodeKind;
+use crate::hashing::FastMap;
 use crate::layout::{Layout, LayoutSet};
 use crate::memory;
 use crate::overlap::{Clock, Schedule, StepRows, StepTimes};
@@ -101,10 +102,10 @@ const FRONT_CHECKS: usize = 32;
 type Kept = Vec<(Clock, u32)>;
 
 /// Memo of the cheapest communication for (tensor, from set, to).
-type CommMemo = HashMap<(TensorId, LayoutSet, Layout), Option<(Layout, Collective, Vec<f64>)>>;
+type CommMemo = FastMap<(TensorId, LayoutSet, Layout), Option<(Layout, Collective, Vec<f64>)>>;
 
 /// Memo of [`Search::switch_cost`] per (tensor, from set, to set).
-type SetMemo = HashMap<(TensorId, LayoutSet, LayoutSet), f64>;
+type SetMemo = FastMap<(TensorId, LayoutSet, LayoutSet), f64>;
 
 /// The state of one run of [`Search::run`].
 struct Run {
@@ -120,7 +121,7 @@ struct Run {
     /// Per position, the states no other state dominates, cheapest first.
     fronts: Vec<Vec<u32>>,
     /// The states kept per (position, held layouts) (see [`Search::admit_same_layouts`]).
-    exact: HashMap<(u32, Box<[LayoutSet]>), Kept>,
+    exact: FastMap<(u32, Box<[LayoutSet]>), Kept>,
     /// States to expand by `g + heuristic`, then deepest, then oldest.
     heap: BinaryHeap<(Reverse<u64>, u32, Reverse<u32>)>,
     memo: CommMemo,
@@ -264,10 +265,10 @@ impl<'p, 'a> Search<'p, 'a> {
             batch_left,
             arena: vec![root],
             fronts: vec![Vec::new(); n_steps + 1],
-            exact: HashMap::new(),
+            exact: FastMap::default(),
             heap,
-            memo: HashMap::new(),
-            set_memo: HashMap::new(),
+            memo: FastMap::default(),
+            set_memo: FastMap::default(),
             expanded: 0,
             bounded: false,
             deepest: 0,
@@ -776,7 +777,7 @@ impl<'p, 'a> Search<'p, 'a> {
         let mut state = Replayed {
             held: vec![LayoutSet::default(); p.tensors.len()],
             created: vec![LayoutSet::default(); p.tensors.len()],
-            memo: HashMap::new(),
+            memo: FastMap::default(),
         };
         let mut steps = Vec::with_capacity(choices.len());
         let mut total = 0.0;
