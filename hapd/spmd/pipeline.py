@@ -372,7 +372,8 @@ class PipelineRank:
                        pending=pending)
         if not self.stage.last:
             return output.detach() * 0
-        self.count = self.count + seed.detach().to(self.count.dtype)
+        if self.counts:  # a mean's counted targets add up; a sum's divisor stays 1
+            self.count = self.count + seed.detach().to(self.count.dtype)
         return output.detach() * seed.detach()
 
     # -- an iteration --------------------------------------------------------------------
