@@ -283,7 +283,7 @@ class Runner:
         if layers:
             common += ["--layers", str(layers)]
         if system == "hapd":
-            args = ["worker.py", *common, "--profile", str(profile)]
+            args = ["worker.py", *common, "--profile", str(profile), "--technique", ns.hapd_technique]
         elif system == "ddp-ev":
             args = ["ddp.py", *common, "--split", "even"]
         else:
@@ -315,6 +315,7 @@ class Runner:
             row["estimate_s"] = summary.get("estimate_s")
             row["ratios"] = summary.get("ratios")
             row["chosen_from"] = summary.get("chosen_from")
+            row["technique"] = summary.get("technique", "spmd")
         return row
 
 
@@ -437,14 +438,17 @@ def model_rate(group: Path, model: str, size: str, batch: int, layers: int | Non
     return flops / 4 / per_step
 
 
-def explain_plan(model: str, size: str, batch: int, layers: int | None, profile: Path, work: Path) -> tuple[str, dict]:
-    """Compile hapd's plan the way the worker does (same model, batch, profile); its
-    explanation and its estimate (per iteration, per-device compute and communication)."""
+def explain_plan(model: str, size: str, batch: int, layers: int | None, profile: Path, work: Path,
+                 technique: str = "default") -> tuple[str, dict]:
+    """Compile hapd's plan the way the worker does (same model, batch, profile, with every
+    technique priced for ``technique`` ``default``); its explanation and its estimate
+    (per iteration, per-device compute and communication of the SPMD program)."""
     base = work / f"{model}-b{batch}"
     cmd = [PY, "-m", "hapd.cli", "export", model, "--size", size, "--batch", str(batch), "-o", str(base) + ".pt2"]
     if layers:
         cmd += ["--set", f"layers={layers}"]
-    steps = [cmd, [PY, "-m", "hapd.cli", "compile", str(base) + ".pt2", "--profile", str(profile),
+    everything = ["--pipeline", "auto", "--overlap"] if technique == "default" else []
+    steps = [cmd, [PY, "-m", "hapd.cli", "compile", str(base) + ".pt2", "--profile", str(profile), *everything,
                    "-o", str(base) + ".hplan"],
              [PY, "-m", "hapd.cli", "explain", "--steps", str(base) + ".hplan"]]
     text = ""
@@ -674,6 +678,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--size", default=DEFAULT_SIZE, choices=("tiny", "small", "paper"),
                    help=f"model size preset (default: {DEFAULT_SIZE})")
     p.add_argument("--layers", type=int, default=None, help="--layers for every model (default per model)")
+    p.add_argument("--hapd-technique", choices=["default", "spmd"], default="default",
+                   help="default: hapd runs what hapd.parallelize chooses for the cluster's profile (SPMD, pipelines "
+                        "and overlap priced, the simplest within the margin), as a user gets it; spmd: the SPMD plan "
+                        "only (default: default)")
     p.add_argument("--ddp-bucket-mib", type=float, default=None,
                    help="DDP's bucket_cap_mb for DP-EV/DP-CP (default: DDP's 25)")
     p.add_argument("--quick", action="store_true", help="one model (bert), 3:1 only, 8 iterations, quick profile")
@@ -780,10 +788,12 @@ def measure(session: Session, ns: argparse.Namespace, models_: list[str], varian
                 row = runner.train(system, model, ns, prof_path, variant.replace(":", "to"))
                 m["runs"].append(row)
                 log(f"{variant} {model} {system}: " + (f"{_ms(row.get('mean_s'))} ± {_ms(row.get('std_s'))} ms"
-                    + (f" (predicted {_ms(row.get('estimate_s'))} ms, ratios {row.get('ratios')})"
+                    + (f" ({row.get('technique', 'spmd')}, predicted {_ms(row.get('estimate_s'))} ms, ratios "
+                       f"{row.get('ratios')})"
                        if system == "hapd" else "") if "error" not in row else f"FAILED {row['error'][-300:]}"))
             if not ns.no_explain:
-                m["explain"], m["estimate"] = explain_plan(model, ns.size, batch, layers, prof_path, work)
+                m["explain"], m["estimate"] = explain_plan(model, ns.size, batch, layers, prof_path, work,
+                                                           ns.hapd_technique)
                 log(f"{variant} {model} plan: {m['explain'].splitlines()[2] if m['explain'].count(chr(10)) > 2 else ''}")
                 OUT.mkdir(parents=True, exist_ok=True)
                 (OUT / f"emulated_explain_{variant.replace(':', 'to')}_{model}.txt").write_text(m["explain"])

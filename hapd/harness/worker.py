@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pipeline", choices=["off", "auto"], default="off",
                         help="auto: also search pipelines (stages on groups of hosts, 1F1B over micro-batches) and "
                              "run one when it is predicted faster than the SPMD plan (default: off)")
+    parser.add_argument("--technique", choices=["spmd", "default"], default="spmd",
+                        help="spmd: the SPMD plan (with --overlap and --pipeline as given); default: what "
+                             "hapd.parallelize chooses without options (on a profile of several hosts SPMD, "
+                             "pipelines and overlap priced, the simplest within the margin) (default: spmd)")
     add_init_flag(parser, eager="every rank builds the whole model",
                   meta="the model is built on the meta device (buffers real), exported from shapes, and each rank "
                        "initializes only its own pieces")
@@ -153,20 +157,32 @@ def run_pipeline(args: TrainArgs, env: DistEnv, model: torch.nn.Module, full: Se
                   extra=extra, json_path=args.json)
 
 
+def chosen_estimate(plan: Plan) -> float:
+    """The predicted seconds per iteration of the technique ``plan`` runs (a plan whose
+    pipeline won keeps the SPMD program's estimate beside the pipeline's)."""
+    priced = (plan.estimate.get("techniques") or {}).get(plan.technique) or {}
+    seconds = priced.get("per_iteration")
+    return float(seconds) if seconds is not None else float(plan.estimate["per_iteration"])
+
+
 def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     spec = models.get(args.model)
     model, config, weights = build(args, ns.init)
     full = global_inputs(args, env, config)
     plan_given = ns.plan
     profile = job_profile(args, env)
-    if ns.pipeline == "auto":
+    if ns.technique == "default":
+        if ns.plan is not None or ns.overlap != "off" or ns.pipeline != "off" or ns.mode != "auto":
+            raise OptionsError("--technique default searches what hapd.parallelize does: without --plan, "
+                               "--overlap, --pipeline or --mode")
+    elif ns.pipeline == "auto":
         if ns.plan is not None or ns.overlap != "off" or ns.init != "eager":
             raise OptionsError("--pipeline auto compiles its own plan, with --overlap off and --init eager")
         plan_given = pipeline_plan(args, ns, env, model, full, profile)
         if plan_given.pipeline is not None:
             return run_pipeline(args, env, model, full, plan_given, profile)
-    module = parallelize(model, tuple(t.cpu() for t in full), profile=profile, plan=plan_given,
-                         options=CompileOptions(mode=ns.mode, overlap=ns.overlap != "off"),
+    options = None if ns.technique == "default" else CompileOptions(mode=ns.mode, overlap=ns.overlap != "off")
+    module = parallelize(model, tuple(t.cpu() for t in full), profile=profile, plan=plan_given, options=options,
                          overlap="always" if ns.overlap == "always" else "auto", compile=ns.compile,
                          batch_dims=spec.batch_dims, name=args.model,
                          device=env.device, hosts=job_host_groups(env.world), weights=weights)
@@ -179,9 +195,9 @@ def run(args: TrainArgs, ns: argparse.Namespace, env: DistEnv) -> dict:
     assert step.last_loss is not None
     extra = {
         "batch": args.batch, "size": args.size, "dtype": args.dtype, "init": ns.init, "profile": plan.key["profile_name"],
-        "plan": source.origin, "plan_s": source.seconds, "mode": ns.mode, "estimate_s": plan.estimate["per_iteration"],
+        "plan": source.origin, "plan_s": source.seconds, "mode": ns.mode, "estimate_s": chosen_estimate(plan),
         "ratios": plan.ratios, "chosen_from": plan.doc["stats"].get("chosen_from"),
-        "estimate_memory": plan.estimate.get("memory"), "overlap": plan.overlap,
+        "estimate_memory": plan.estimate.get("memory"), "overlap": plan.overlap, "technique": plan.technique,
     }
     return report(env, system="hapd", model=args.model, times=times, warmup=args.warmup,
                   loss=module.global_loss(step.last_loss), extra=extra, json_path=args.json)

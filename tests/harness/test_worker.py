@@ -135,6 +135,13 @@ def test_worker_runs_the_pipeline_the_search_picks(tmp_path):
     plain, _ = torchrun("worker.py", *flags)
     expected = next(x for x in plain if x["hapd"] == "summary")["loss"]
     assert abs(summary["loss"] - expected) <= 1e-5 * abs(expected), (summary["loss"], expected)
+    # --technique default: what hapd.parallelize chooses without options (every technique on
+    # a profile of two hosts) is the pipeline too, run through the module parallelize returns
+    chosen, _ = torchrun("worker.py", *flags, "--technique", "default")
+    by_default = next(x for x in chosen if x["hapd"] == "summary")
+    assert by_default["technique"] == "pipeline", by_default
+    assert by_default["estimate_s"] < next(x for x in plain if x["hapd"] == "summary")["estimate_s"]
+    assert abs(by_default["loss"] - expected) <= 1e-5 * abs(expected), (by_default["loss"], expected)
 
 
 @pytest.fixture(scope="module")
