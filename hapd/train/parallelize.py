@@ -39,6 +39,7 @@ from hapd.compiler.options import CompileOptions
 from hapd.ir.lower import GraphIR
 from hapd.compiler.plan import Plan
 from hapd.wire.switch import JOIN_HELD_ENV
+from hapd.elastic.in_place import freeze_before_first_run
 from hapd.errors import OptionsError
 from hapd.profile.schema import Profile
 from hapd.spmd.distributed import init_distributed, job_host_groups
@@ -103,6 +104,7 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     if not isinstance(model, nn.Module):
         raise OptionsError(f"parallelize takes a torch.nn.Module whose forward returns the loss, not a "
                            f"{type(model).__name__}", field="model")
+    freeze_before_first_run()  # under the in-place runner: its parks collect only what is made from here on
     model, example_inputs, batch_dims, name = by_keyword(model, example_inputs, batch_dims, name)  # a dict batch
     _export_ahead(model, example_inputs, batch_dims, name=name, profile=profile, plan=plan, options=options,
                   device=device, weights=weights, compile=compile, precision=precision, overlap=overlap)
