@@ -460,7 +460,17 @@ def explain_plan(model: str, size: str, batch: int, layers: int | None, profile:
     from hapd.compiler.plan import Plan
 
     plan = Plan.load(str(base) + ".hplan")
-    return text, {**dict(plan.estimate), "synced_bytes": synced_bytes(plan.program)}
+    return text, {**dict(plan.estimate), "technique": plan.technique, "synced_bytes": link_synced_bytes(plan)}
+
+
+def link_synced_bytes(plan: Any) -> float:
+    """Bytes of gradients ``plan`` sums across the machines' link at the least: an SPMD
+    plan's replicated parameters' (:func:`synced_bytes`); a pipeline whose every stage
+    lies on one machine sums each stage's gradients inside its machine, so none."""
+    stages = (plan.pipeline or {}).get("stages") if plan.technique == "pipeline" else None
+    if stages and all(len(set(stage.get("hosts") or ())) == 1 for stage in stages):
+        return 0.0
+    return synced_bytes(plan.program)
 
 
 def synced_bytes(program: dict) -> float:
@@ -518,13 +528,15 @@ def summarize(results: dict) -> list[dict]:
                     if r.get("estimate_s"):
                         row["estimate_s"] = r["estimate_s"]
                         row["rel_error"] = (r["estimate_s"] - r["mean_s"]) / r["mean_s"]
+                if system == "hapd":
+                    row["technique"] = r.get("technique", "spmd")
                 rows.append(row)
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'variant':>7} {'model':>12} {'system':>7} {'mean ms':>9} {'± std':>7} {'vs EV':>6} {'vs CP':>6} "
-            f"{'pred ms':>8} {'rel err':>8} {'ideal':>6} {'bound':>6}")
+            f"{'pred ms':>8} {'rel err':>8} {'ideal':>6} {'bound':>6}  technique")
     out = [head, "-" * len(head)]
     for r in rows:
         f = lambda k, fmt: fmt.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
@@ -534,7 +546,7 @@ def format_table(rows: list[dict]) -> str:
         out.append(f"{r['variant']:>7} {r['model']:>12} {r['system']:>7} {_ms(r['mean_s']):>9} {_ms(r['std_s']):>7} "
                    f"{f('speedup_vs_ev', '{:.2f}x'):>6} {f('speedup_vs_cp', '{:.2f}x'):>6} "
                    f"{_ms(r.get('estimate_s')):>8} {f('rel_error', '{:+.1%}'):>8} {f('fraction_of_ideal', '{:.0%}'):>6} "
-                   f"{f('fraction_of_bound', '{:.0%}'):>6}")
+                   f"{f('fraction_of_bound', '{:.0%}'):>6}  {r.get('technique') or ''}")
     return "\n".join(out)
 
 
