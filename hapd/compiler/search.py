@@ -66,6 +66,11 @@ _SEARCHED: contextvars.ContextVar[dict[tuple, bytes] | None] = contextvars.Conte
 read (None outside one): :func:`synthesize`."""
 
 
+_STOPS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("hapd_search_stops", default=None)
+"""Why each core search :func:`search_spmd` ran stopped, in order (None outside one):
+:func:`_exhaustive`."""
+
+
 def synthesize(
     graph: bytes,
     profile: Profile,
@@ -81,6 +86,9 @@ def synthesize(
     change it)."""
     raw = _core_search(graph, profile.core_bytes(), [float(r) for r in ratios], options.core(mode, memory_price, recompute))
     program = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    stops = _STOPS.get()
+    if stops is not None:
+        stops.append(str(program["stats"]["stop_reason"]))
     if is_overlapped(program):
         return with_duplica_memory(program)
     program["sync_overlap"] = profile_sync_overlap(profile)
@@ -329,11 +337,7 @@ def _search_with_recompute(data: bytes, profile: Profile, options: CompileOption
         return _search_rounds(data, profile, options, caps, blocks)
     if caps is None or not doc.get("saved_traced"):  # memory is free, or not modelled
         return _search_rounds(data, profile, options, caps)
-    failure: SynthesisError | None = None
-    try:
-        plain: Searched | None = _search_rounds(data, profile, options, caps)
-    except SynthesisError as exc:
-        plain, failure = None, exc
+    plain, failure = (None, None) if _cannot_fit_whole(doc, options, caps) else _plain_search(data, profile, options, caps)
     if plain is not None and not _memory_binds(plain, options, caps):
         return plain
     start = time.perf_counter()
@@ -353,9 +357,38 @@ def _search_with_recompute(data: bytes, profile: Profile, options: CompileOption
         try:
             candidates.append(_search_rounds(data, profile, options, caps, blocks))
         except SynthesisError:
-            assert failure is not None
+            if failure is None:  # skipped above: its search says by how much the closest program falls short
+                plain, failure = _plain_search(data, profile, options, caps)
+                if plain is not None:  # the floor is a lower bound: never, but a program that fits is the answer
+                    return plain
             raise SynthesisError(f"{failure} (also with the activations of all {len(blocks)} blocks recomputed)") from None
     return min(candidates, key=lambda c: program_cost(c.program, c.ratios))
+
+
+def _plain_search(data: bytes, profile: Profile, options: CompileOptions,
+                  caps: list[float]) -> tuple[Searched, None] | tuple[None, SynthesisError]:
+    """:func:`_search_rounds` without recomputation: its program, or why none fits."""
+    try:
+        return _search_rounds(data, profile, options, caps), None
+    except SynthesisError as exc:
+        return None, exc
+
+
+def _cannot_fit_whole(doc: Mapping[str, Any], options: CompileOptions, caps: list[float]) -> bool:
+    """Whether no program of the graph ``doc`` fits ``caps`` without recomputation, at
+    any memory price: the bytes every program holds while its backward runs
+    (:func:`hapd.compiler.recompute.memory_floor`) pass what the devices have together.
+    Then the search without recomputation is skipped (noted as a pass): its memory-price
+    ladder would stop there after one search of the core (Llama-7B at batch 4 on
+    paper-8: about a second of its overlap duplica's compile)."""
+    floor = memory_floor(doc, DUPLICAS if options.overlap else 1)
+    if floor <= sum(caps):
+        return False
+    _note_pass("search without recomputation",
+               f"skipped: every program holds at least {format_bytes(floor)} over all devices while its backward runs "
+               f"without recomputation (parameters with Adam's moments and kept activations, each once), the devices "
+               f"have {format_bytes(sum(caps))}", 0.0, brief="no recomputation: skipped, cannot fit")
+    return True
 
 
 def _memory_binds(searched: Searched, options: CompileOptions, caps: Sequence[float]) -> bool:
@@ -684,6 +717,21 @@ def _wider_front(
     return replace(options, front_width=options.front_width * WIDEN_FACTOR, max_seconds=limit)
 
 
+def _exhaustive(stops: Sequence[str], width: int) -> bool:
+    """Whether every core search of a pass ended proven optimal (``stops``: why each
+    stopped): its front of ``width`` never dropped a state, so a wider front runs the same
+    searches to the same programs, and the pass is not repeated wider (noted as a pass).
+    GPT-2 124M on paper-64, whose plan costs more than DP-CP as DDP's buckets price it,
+    widened 28 times to the largest front width, each time to the same plan."""
+    if not stops or any(stop != "optimal" for stop in stops):
+        return False
+    _note_pass("searches with wider fronts",
+               f"skipped: the plan costs more than DP-CP, but every search with front width {width} ended proven "
+               "optimal (its front dropped no state): a wider front searches the same", 0.0,
+               brief="wider fronts: skipped, searches exhaustive")
+    return True
+
+
 @dataclass(frozen=True, kw_only=True)
 class SpmdSearch:
     """What the SPMD search of a compile settled on (:func:`search_spmd`)."""
@@ -728,10 +776,13 @@ def search_spmd(data: bytes, profile: Profile, options: CompileOptions) -> SpmdS
     passes: list[dict] = []
     token = _PASSES.set(passes)
     searched_token = _SEARCHED.set({})
+    stops: list[str] = []
+    stops_token = _STOPS.set(stops)
     why, brief = "the first search", "first"
     try:
         while searching is not None:
             begin, first = time.perf_counter(), len(passes)
+            del stops[:]
             searched = _search_with_recompute(data, profile, searching, caps)
             searched = _with_expert_parallel_candidate(data, profile, searching, caps, searched)
             synthesis_seconds = time.perf_counter() - start
@@ -752,11 +803,14 @@ def search_spmd(data: bytes, profile: Profile, options: CompileOptions) -> SpmdS
             # a plan dearer than a data parallelism that does not fit lost nothing to the front
             dp_out = caps is not None and chosen[2] != "data_parallel" and not dp_fits(baselines.dp_program, profile)
             wider = None if dp_out else _wider_front(searching, chosen, baselines, time.perf_counter() - start)
+            if wider is not None and _exhaustive(stops, searching.front_width):
+                wider = None
             if wider is not None:
                 why = _widen_why(chosen, baselines, searching.front_width, wider.front_width)
                 brief = f"front width {wider.front_width}: the plan lost to DP-CP"
             searching = wider
     finally:
+        _STOPS.reset(stops_token)
         _SEARCHED.reset(searched_token)
         _PASSES.reset(token)
     assert best is not None

@@ -121,6 +121,27 @@ def test_a_compile_runs_each_core_search_once(monkeypatch) -> None:
     assert drop(again.program) == drop(tight.program) and again.ratios == tight.ratios
 
 
+def test_no_search_without_recomputation_where_no_program_fits_without(monkeypatch) -> None:
+    """Devices with less memory together than every program holds without recomputation
+    (:func:`hapd.compiler.recompute.memory_floor`): the compile goes straight to
+    recomputation, says so in its passes, and keeps the plan the search it skips would
+    have led to."""
+    from hapd.compiler import search
+    from hapd.compiler.recompute import memory_floor
+    from hapd.ir.lower import lower
+
+    ir = lower(hapd.export(*_build("llama_block", 64)))
+    profile = estimated_profile(2, flops=[2e10, 1e10], memory=0.45 * memory_floor(ir.doc))
+    plan = hapd.compile(ir, profile, CompileOptions())
+    briefs = [p["brief"] for p in plan.doc["stats"]["passes"]]
+    assert plan.program["recompute"] and "no recomputation: skipped, cannot fit" in briefs, briefs
+    monkeypatch.setattr(search, "_cannot_fit_whole", lambda *args: False)
+    searched = hapd.compile(ir, profile, CompileOptions())
+    assert "no recomputation: skipped, cannot fit" not in [p["brief"] for p in searched.doc["stats"]["passes"]]
+    drop = lambda program: {k: v for k, v in program.items() if k != "stats"}  # noqa: E731 - its seconds differ
+    assert drop(plan.program) == drop(searched.program) and plan.ratios == searched.ratios
+
+
 def test_recompute_option_is_checked() -> None:
     with pytest.raises(OptionsError, match="recompute 'some'"):
         CompileOptions(recompute="some")

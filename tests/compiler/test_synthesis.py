@@ -213,3 +213,22 @@ def test_mixtral_on_paper_8_gets_expert_parallelism():
     assert "expert parallelism possible on 2 ops" in format_summary(summary)
     assert {s["rule"] for s in plan.program["steps"] if s["node"] in experts} == {"expert-parallel"}
     assert plan.estimate["per_iteration"] < plan.doc["baselines"]["dp_cp"]
+
+
+def test_no_wider_front_where_every_search_was_exhaustive(fixture_bytes, monkeypatch):
+    """A plan that seems to have lost to DP-CP is searched again wider only while some
+    search of the pass was bounded by its front: where every one ended proven optimal,
+    a wider front searches the same, and the compile says so instead (GPT-2 124M on
+    paper-64 widened 28 times to the same plan)."""
+    from hapd.compiler import search
+
+    asked: list[int] = []
+
+    def lost(options, chosen, baselines, elapsed):  # every plan "lost to DP-CP"
+        asked.append(options.front_width)
+        return CompileOptions(front_width=options.front_width * 4) if len(asked) < 6 else None
+
+    monkeypatch.setattr(search, "_wider_front", lost)
+    plan = hapd.compile(fixture_bytes["mlp"], str(PAPER8), CompileOptions(front_width=10**6))
+    briefs = [p["brief"] for p in plan.doc["stats"]["passes"]]
+    assert asked == [10**6] and briefs == ["first", "wider fronts: skipped, searches exhaustive"], briefs
