@@ -489,7 +489,8 @@ class ElasticRun:
         rec = previous.recovery or {}
         resumed = gen.resumed or {}
         first = gen.first_step or {}
-        plan_s = float(resumed.get("plan_s") or 0.0)
+        plan_s = float(resumed.get("plan_s") or 0.0)  # what the job stood still for: the rest ran while the ranks joined
+        asked_s = float(resumed.get("plan_asked_s") or plan_s)
         load_s = float(resumed.get("load_s") or 0.0)
         detection = rec["decided_at"] - rec["failed_at"]
         restart = max(0.0, float(resumed.get("time", first.get("time", 0.0))) - load_s - rec["decided_at"] - plan_s)
@@ -497,10 +498,11 @@ class ElasticRun:
         step = int(resumed.get("step", 0))
         lost_steps = max(0, (previous.last_step or 0) - step)
         parts = restart_parts(resumed, rec["decided_at"], restart, plan_s)
-        rec.update(detection_s=detection, replan_s=plan_s, restart_s=restart, load_s=load_s, total_s=total,
-                   in_place=gen.in_place,
+        rec.update(detection_s=detection, replan_s=plan_s, replan_asked_s=asked_s, restart_s=restart, load_s=load_s,
+                   total_s=total, in_place=gen.in_place,
                    resumed_step=step, steps_lost=lost_steps, source=resumed.get("source"), plan=resumed.get("plan"),
                    generation=gen.index, hosts=gen.hosts, restart_parts=parts)
+        ahead = f" (asked while the ranks joined: {asked_s:.2f} s)" if asked_s > plan_s + 0.005 else ""
         inside = ""
         if parts is not None:
             inside = (f" ({'switch' if gen.in_place else 'launch'} {parts['launch_s']:.1f} s, "
@@ -510,8 +512,8 @@ class ElasticRun:
         self.say(f"generation {gen.index} on {len(gen.hosts)} host(s) ({', '.join(gen.hosts)}), {gen.world} ranks: "
                  f"resumed at step {step} from {resumed.get('source')} ({lost_steps} step(s) lost); plan: "
                  f"{resumed.get('plan')}; first step {total:.1f} s after the failure: detection {detection:.1f} s, "
-                 f"re-plan {plan_s:.2f} s, {'switch in place' if gen.in_place else 'restart'} {restart:.1f} s{inside}, "
-                 f"state load {load_s:.2f} s")
+                 f"re-plan {plan_s:.2f} s{ahead}, {'switch in place' if gen.in_place else 'restart'} "
+                 f"{restart:.1f} s{inside}, state load {load_s:.2f} s")
 
     # ------------------------------------------------------------------ joins
 

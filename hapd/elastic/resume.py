@@ -51,8 +51,10 @@ with status 0 (``--restart``); the next generation resumes from that step: no st
 lost.
 
 What rank 0 prints for the launcher (``{"hapd": "elastic", ...}`` lines): ``resumed``
-(generation, step, where the state came from, seconds to get the plan and to load the
-state, when its process started and what :func:`hapd.parallelize` took), ``first_step``
+(generation, step, where the state came from, seconds the job stood still for the plan
+— the part of its request left once the ranks had joined, when rank 0 sent it before —
+and the request's own, seconds to load the state, when its process started and what
+:func:`hapd.parallelize` took), ``first_step``
 (the first step finished in this generation), ``snapshot`` (step, bytes, seconds),
 ``paused``. Outside an elastic launch (``$HAPD_ELASTIC_RUN`` unset)
 :class:`Elastic` does nothing and :meth:`~Elastic.resume` returns 0.
@@ -345,7 +347,8 @@ class Elastic:
             plan_source = getattr(self.module, "plan_source", None)
             built = getattr(self.module, "build_times", None)
             _say("resumed", generation=self.generation, step=step, source=source, load_s=load_s, world=self.world,
-                 plan_s=getattr(plan_source, "seconds", None), plan=getattr(plan_source, "origin", None),
+                 plan_s=getattr(plan_source, "stood_s", None), plan_asked_s=getattr(plan_source, "seconds", None),
+                 plan=getattr(plan_source, "origin", None),
                  started_at=self.started_at, build=dataclasses.asdict(built) if built is not None else None,
                  time=time.time())
             if choice is None and memory.step is None:

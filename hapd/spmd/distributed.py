@@ -86,6 +86,17 @@ def job_host_groups(world: int, group: Any = None) -> collectives.HostGroups | N
     return collectives.host_groups([int(n) for n in nodes])
 
 
+def joining_device() -> torch.device | None:
+    """Where :func:`init_distributed` places this process when it joins the job torchrun
+    started: ``cuda:LOCAL_RANK`` when CUDA is available (NCCL), else None (Gloo: the CPU,
+    where the model is). What a rank that prepares its program before it joins places
+    it on, as it would after."""
+    if not torch.cuda.is_available():
+        return None
+    _rank, _world, local = _read_env(os.environ)
+    return torch.device("cuda", local)
+
+
 def _read_env(environ: dict[str, str] | os._Environ) -> tuple[int, int, int]:
     """``(rank, world, local_rank)`` from torchrun's variables; (0, 1, 0) when unset."""
     rank, world = env_int(environ, "RANK"), env_int(environ, "WORLD_SIZE")
@@ -237,4 +248,4 @@ def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> Di
     return DistEnv(rank=rank, world=world, local_rank=local, backend=backend, device=device)
 
 
-__all__ = ["DistEnv", "env_int", "init_distributed", "join_timeout_s", "leave_group"]
+__all__ = ["DistEnv", "env_int", "init_distributed", "join_timeout_s", "joining_device", "leave_group"]

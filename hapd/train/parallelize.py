@@ -42,10 +42,11 @@ from hapd.wire.switch import JOIN_HELD_ENV
 from hapd.elastic.in_place import freeze_before_first_run
 from hapd.errors import OptionsError
 from hapd.profile.schema import Profile
-from hapd.spmd.distributed import init_distributed, job_host_groups
+from hapd.compiler.techniques import GraphSet
+from hapd.spmd.distributed import env_int, init_distributed, job_host_groups, joining_device
 from hapd.train.parallel_module import ParallelModule
 from hapd.train.pipeline_module import PipelineModule, build_pipeline_module
-from hapd.train.plan_source import PlanSource, compile_options, given_plan, job_profile, obtain_plan
+from hapd.train.plan_source import PlanAhead, PlanSource, compile_options, given_plan, job_profile, obtain_plan
 from hapd.train.programs import CARRY, Recipe, by_keyword, export_key, op_nodes
 from hapd.spmd.rank import RankModule
 from hapd.spmd.random.random_ops import COUNTER_RNG, RNG_CHOICES, TORCH_RNG
@@ -108,27 +109,115 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     model, example_inputs, batch_dims, name = by_keyword(model, example_inputs, batch_dims, name)  # a dict batch
     _export_ahead(model, example_inputs, batch_dims, name=name, profile=profile, plan=plan, options=options,
                   device=device, weights=weights, compile=compile, precision=precision, overlap=overlap)
-    started = time.time()
-    _join_job_if_launched()
-    joined_s = time.time() - started
     if overlap not in ("auto", "always"):
         raise OptionsError(f"overlap {overlap!r} is not auto or always", field="overlap")
+    asked = _Asked(model, example_inputs, batch_dims, name=name, profile=profile, plan=plan, options=options,
+                   device=device, use_daemon=use_daemon, verbose=verbose, weights=weights, compile=compile,
+                   precision=precision, rng=rng, always=overlap == "always")
+    started = time.time()
+    early = _prepared_before_joining(asked, group)
+    _join_job_if_launched()
+    joined_s = time.time() - started
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     _check_rng(rng, world, options, overlap)
-    recipe = _recipe(model, example_inputs, batch_dims, name=name, profile=profile, plan=plan, world=world, group=group,
-                     device=device, use_daemon=use_daemon, verbose=verbose, weights=weights, compile=compile)
-    recipe = dataclasses.replace(recipe, rng=rng)
-    carried = _carried_in(recipe)
-    options = _with_precision(_default_options(options, recipe.profile, world), precision)
-    program, graph, source = _training_plan(recipe, plan, options, world=world, rank=rank, group=group,
-                                            always=overlap == "always")
+    ready = early if early is not None and (early.rank, early.world) == (rank, world) else \
+        _prepared(asked, world=world, rank=rank, group=group, device=device)
+    recipe = ready.recipe
+    program, graph, source = _training_plan(ready, plan, world=world, rank=rank, group=group)
     if verbose and rank == 0:
         print(source.summary(), flush=True)
-    built = _build_module(recipe, source, program, graph, options, world=world, rank=rank, group=group, hosts=hosts)
+    built = _build_module(recipe, source, program, graph, ready.options, world=world, rank=rank, group=group,
+                          hosts=hosts)
     built.build_times = BuildTimes(started=started, join_s=joined_s, total_s=time.time() - started)
-    if carried is not None:
-        CARRY.keep(carried, recipe.exported)
+    if ready.carried is not None:
+        CARRY.keep(ready.carried, recipe.exported)
     return built
+
+
+@dataclasses.dataclass(frozen=True)
+class _Asked:
+    """What :func:`parallelize` was asked for, as given (its defaults not filled in)."""
+
+    model: nn.Module
+    example_inputs: Sequence[Tensor]
+    batch_dims: Sequence[int | None] | None
+    name: str | None
+    profile: Profile | str | Path | Mapping | None
+    plan: Plan | str | Path | bytes | None
+    options: CompileOptions | Mapping[str, Any] | None
+    device: torch.device | str | None
+    use_daemon: bool
+    verbose: bool
+    weights: Weights | None
+    compile: bool | Mapping[str, Any]  # noqa: A003 - torch's word
+    precision: str | None
+    rng: str
+    always: bool
+    """``overlap="always"``: the duplicas of half the batch, whatever the estimates."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanRequest:
+    """What the plan is asked for: ``graph`` (one graph, or every batch a technique search
+    prices), and the program and graph the job runs — None when the plan chooses it (a
+    search that may pick overlap's half batch)."""
+
+    graph: GraphIR | GraphSet
+    runs: tuple[Any, GraphIR] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """What :func:`parallelize` prepares on a rank before the plan: the recipe (its exports
+    taken from the carry when a run of the script before kept them), the export key to
+    keep them under, the options to search with and the plan request; for ``rank`` of
+    ``world``; ``ahead``: rank 0's request, already sent (:class:`PlanAhead`)."""
+
+    recipe: Recipe
+    carried: tuple | None
+    options: CompileOptions | Mapping[str, Any] | None
+    request: _PlanRequest
+    rank: int
+    world: int
+    ahead: PlanAhead | None = None
+
+
+def _prepared(asked: _Asked, *, world: int, rank: int, group: Any, device: torch.device | str | None) -> _Prepared:
+    """The recipe, its carried exports, the options and the plan request of ``rank`` of
+    ``world`` (its exports made here when none were carried)."""
+    recipe = _recipe(asked.model, asked.example_inputs, asked.batch_dims, name=asked.name, profile=asked.profile,
+                     plan=asked.plan, world=world, group=group, device=device, use_daemon=asked.use_daemon,
+                     verbose=asked.verbose, weights=asked.weights, compile=asked.compile)
+    recipe = dataclasses.replace(recipe, rng=asked.rng)
+    carried = _carried_in(recipe)
+    options = _with_precision(_default_options(asked.options, recipe.profile, world), asked.precision)
+    return _Prepared(recipe, carried, options, _plan_request(recipe, asked.plan, options, asked.always), rank, world)
+
+
+def _prepared_before_joining(asked: _Asked, group: Any) -> _Prepared | None:
+    """A rank about to join the job torchrun started prepares what needs no other rank
+    before it joins — its exports (or the ones carried from the script's last run),
+    the options, the plan request — and rank 0 sends that request at once, on a thread
+    (:class:`~hapd.train.plan_source.PlanAhead`): the daemon's answer (a cache hit, the
+    LP-only re-plan after a host or rank left, a compile) comes while the slowest ranks
+    still start, instead of after, while every rank waits for its broadcast. None when
+    the rank joins no job here, is a joining host's rank launched ahead (its place
+    comes in the join: :func:`_export_ahead` prepares it), or the profile is the
+    devices as the ranks describe them (a collective)."""
+    if dist.is_initialized() or group is not None or os.environ.get(JOIN_HELD_ENV) == "1":
+        return None
+    if asked.profile is None and asked.plan is None:
+        return None
+    world, rank = env_int(os.environ, "WORLD_SIZE"), env_int(os.environ, "RANK")
+    if world is None or world < 2 or rank is None:
+        return None
+    early = _prepared(asked, world=world, rank=rank, group=None,
+                      device=asked.device if asked.device is not None else joining_device())
+    if rank != 0 or asked.plan is not None:
+        return early
+    ahead = PlanAhead(early.request.graph, job_profile(early.recipe.profile, world), compile_options(early.options),
+                      asked.use_daemon)
+    return dataclasses.replace(early, ahead=ahead)
 
 
 def _recipe(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims: Sequence[int | None] | None, *,
@@ -215,39 +304,45 @@ class BuildTimes:
     total_s: float
 
 
-def _training_plan(recipe: Recipe, plan: Plan | str | Path | bytes | None,
-                   options: CompileOptions | Mapping[str, Any] | None, *, world: int, rank: int,
-                   group: Any, always: bool = False) -> tuple[Any, GraphIR, PlanSource]:
-    """The training program, its graph and plan. With ``options.overlap`` or
-    ``options.pipeline`` auto (and no given plan) the model is exported once with a
-    symbolic batch and one compile searches every technique in the options
-    (:meth:`Recipe.graphs`, :func:`hapd.compiler.driver.compile_techniques`): the
-    program returned is the global batch's, or the half batch's when overlap won
-    (``Plan.technique``), and the plan source's origin says what each technique was
-    estimated at (``always``: the duplicas' whatever the estimates). A given plan for one duplica's
-    graph (``overlap`` in it) runs on the program exported for half the batch."""
+def _plan_request(recipe: Recipe, plan: Plan | str | Path | bytes | None,
+                  options: CompileOptions | Mapping[str, Any] | None, always: bool) -> _PlanRequest:
+    """What the plan is asked for (:func:`_training_plan`), exported here or carried.
+    A given plan for one duplica's graph (``overlap`` in it) runs on the program
+    exported for half the batch. With ``options.overlap`` or ``options.pipeline`` auto
+    (and no given plan) one compile searches every technique in the options, from the
+    model exported once with a symbolic batch (:meth:`Recipe.graphs`,
+    :func:`hapd.compiler.driver.compile_techniques`): the plan chooses the program.
+    ``always``: the duplicas of half the global batch, whatever the estimates."""
     opts = compile_options(options)
     if plan is not None:
         given = given_plan(plan)[0]
-        shapes = recipe.half_shapes() if given.overlap else recipe.example_shapes
-        program, graph = recipe.export(True, shapes)
-        return program, graph, obtain_plan(graph, world=world, rank=rank, profile=recipe.profile, options=options,
-                                           plan=plan, group=group, use_daemon=recipe.use_daemon)
+        program, graph = recipe.export(True, recipe.half_shapes() if given.overlap else recipe.example_shapes)
+        return _PlanRequest(graph, (program, graph))
     if not opts.overlap and opts.pipeline != "auto":
         program, graph = recipe.export(True, recipe.example_shapes)
-        return program, graph, obtain_plan(graph, world=world, rank=rank, profile=recipe.profile, options=options,
-                                           group=group, use_daemon=recipe.use_daemon)
+        return _PlanRequest(graph, (program, graph))
     if not always:  # every technique in options from one export (hapd.compiler.techniques)
-        graphs = recipe.graphs(opts)
-        source = obtain_plan(graphs, world=world, rank=rank, profile=recipe.profile, options=opts, group=group,
-                             use_daemon=recipe.use_daemon)
-        overlap = source.plan.technique == "overlap"
-        program, graph = recipe.export_at(True, recipe.batch // 2 if overlap else recipe.batch)
-        return program, graph, source  # its summary line says what each technique was predicted at
-    half_program, half_graph = recipe.export(True, recipe.half_shapes())
-    both = obtain_plan(half_graph, world=world, rank=rank, profile=recipe.profile, options=opts, group=group,
-                       use_daemon=recipe.use_daemon)
-    return half_program, half_graph, both  # always: the duplicas of half the global batch each, whatever the estimates
+        return _PlanRequest(recipe.graphs(opts), None)
+    program, graph = recipe.export(True, recipe.half_shapes())
+    return _PlanRequest(graph, (program, graph))
+
+
+def _training_plan(ready: _Prepared, plan: Plan | str | Path | bytes | None, *, world: int, rank: int,
+                   group: Any) -> tuple[Any, GraphIR, PlanSource]:
+    """The training program, its graph and plan (:func:`obtain_plan` for the request
+    :func:`_plan_request` made; rank 0's answer taken from its request sent ahead when
+    there is one). After a technique search the program is the global batch's, or the
+    half batch's when overlap won (``Plan.technique``), and the plan source's origin
+    says what each technique was estimated at."""
+    recipe, request = ready.recipe, ready.request
+    source = obtain_plan(request.graph, world=world, rank=rank, profile=recipe.profile, options=ready.options,
+                         plan=plan, group=group, use_daemon=recipe.use_daemon, ahead=ready.ahead)
+    if request.runs is not None:
+        program, graph = request.runs
+        return program, graph, source
+    overlap = source.plan.technique == "overlap"
+    program, graph = recipe.export_at(True, recipe.batch // 2 if overlap else recipe.batch)
+    return program, graph, source  # its summary line says what each technique was predicted at
 
 
 def _default_options(options: CompileOptions | Mapping[str, Any] | None, profile: Any,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,6 +53,16 @@ class PlanSource:
     ``"compiled on rank 0"`` (with the reason the daemon was not used, if one was
     named), ``"file PATH"`` or ``"given"``."""
     seconds: float
+    waited: float | None = None
+    """With the plan asked for while the ranks joined the process group
+    (:class:`PlanAhead`): the seconds rank 0 still waited for it once they had, the
+    part of ``seconds`` the job stood still for; None: asked for after the join (all of
+    ``seconds``)."""
+
+    @property
+    def stood_s(self) -> float:
+        """The seconds the job stood still for the plan (``waited``, else ``seconds``)."""
+        return self.seconds if self.waited is None else self.waited
 
     def describe(self, what: str = "plan") -> str:
         """``plan: daemon cache hit, 2 ms`` (``what`` names the plan)."""
@@ -109,6 +120,40 @@ def _plan_on_rank_zero(graph: GraphIR | GraphSet, profile: Profile, options: Com
     return compile_plan(graph, profile, options).to_bytes(), f"compiled on rank 0{why}"
 
 
+class PlanAhead:
+    """Rank 0's plan asked for on a thread before the job's ranks have joined the process
+    group (:func:`hapd.parallelize`, given a profile): the daemon's answer — a cache hit,
+    an LP-only re-plan, a compile — or rank 0's own compile runs while the ranks still
+    start (after an in-place switch, the slowest survivor still parks and runs the
+    script again), instead of after, while every rank waits for the plan's broadcast.
+    :func:`obtain_plan` takes its answer."""
+
+    def __init__(self, graph: GraphIR | GraphSet, profile: Profile, options: CompileOptions, use_daemon: bool) -> None:
+        self._answer: tuple[bytes, str, float] | None = None
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._ask, args=(graph, profile, options, use_daemon), daemon=True,
+                                        name="hapd-plan-ahead")
+        self._thread.start()
+
+    def _ask(self, graph: GraphIR | GraphSet, profile: Profile, options: CompileOptions, use_daemon: bool) -> None:
+        start = time.perf_counter()
+        try:
+            data, origin = _plan_on_rank_zero(graph, profile, options, use_daemon)
+            self._answer = (data, origin, time.perf_counter() - start)
+        except Exception as exc:  # noqa: BLE001 - raised in the caller's thread, as if asked there
+            self._error = exc
+
+    def result(self) -> tuple[bytes, str, float]:
+        """``(plan bytes, origin, seconds the request took)``, once it is answered;
+        raises what it failed with (a :class:`~hapd.errors.HapdError`: :func:`obtain_plan`
+        tells every rank)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._answer is not None
+        return self._answer
+
+
 def _src_rank(group: Any) -> int:
     """The global rank of the group's rank 0."""
     return 0 if group is None else dist.get_global_rank(group, 0)
@@ -116,35 +161,41 @@ def _src_rank(group: Any) -> int:
 
 def obtain_plan(graph: GraphIR | GraphSet, *, world: int, rank: int, profile: Profile | str | Path | Mapping | None = None,
                 options: CompileOptions | Mapping[str, Any] | None = None, plan: Plan | str | Path | bytes | None = None,
-                group: Any = None, use_daemon: bool = True) -> PlanSource:
+                group: Any = None, use_daemon: bool = True, ahead: PlanAhead | None = None) -> PlanSource:
     """The job's plan for ``graph``; collective when ``world > 1`` (every rank calls it).
 
     ``plan`` (a :class:`Plan`, its bytes or a ``.hplan`` path) is used as is. Otherwise
     rank 0 asks the daemon at ``$HAPD_DAEMON`` (``use_daemon``) and compiles itself when
     none answers, for ``profile`` (default: an estimated homogeneous profile of
-    ``world`` devices) and ``options``; the bytes are broadcast to every rank, so ranks
-    never synthesize on their own. Every rank checks the plan is for ``graph`` and
-    ``world``; :class:`~hapd.errors.PlanError` otherwise, and on every rank when rank 0
-    failed to get one.
+    ``world`` devices) and ``options`` — or takes the answer to that request made
+    before the join (``ahead``, rank 0's: :class:`PlanAhead`); the bytes are broadcast
+    to every rank, so ranks never synthesize on their own. Every rank checks the plan
+    is for ``graph`` and ``world``; :class:`~hapd.errors.PlanError` otherwise, and on
+    every rank when rank 0 failed to get one.
     """
     start = time.perf_counter()
     if plan is not None:
         found, origin = given_plan(plan)
         source = PlanSource(found, origin, time.perf_counter() - start)
     else:
-        box: list[Any] = [None, None, "", 0.0]  # bytes, error, origin, seconds
+        box: list[Any] = [None, None, "", 0.0, None]  # bytes, error, origin, seconds, waited
         if rank == 0:
             try:
-                data, origin = _plan_on_rank_zero(graph, job_profile(profile, world), compile_options(options), use_daemon)
-                box = [data, None, origin, time.perf_counter() - start]
+                if ahead is not None:
+                    data, origin, seconds = ahead.result()
+                    box = [data, None, origin, seconds, time.perf_counter() - start]
+                else:
+                    data, origin = _plan_on_rank_zero(graph, job_profile(profile, world), compile_options(options),
+                                                      use_daemon)
+                    box = [data, None, origin, time.perf_counter() - start, None]
             except HapdError as exc:
-                box = [None, f"{type(exc).__name__}: {exc}", "", 0.0]
+                box = [None, f"{type(exc).__name__}: {exc}", "", 0.0, None]
         if world > 1:
             dist.broadcast_object_list(box, src=_src_rank(group), group=group)
-        data, error, origin, seconds = box
+        data, error, origin, seconds, waited = box
         if error is not None:
             raise PlanError(f"rank 0 could not get a plan: {error}")
-        source = PlanSource(Plan.from_bytes(data), origin, float(seconds))
+        source = PlanSource(Plan.from_bytes(data), origin, float(seconds), waited)
     _check_plan_fits(source.plan, graph, world)
     return source
 
@@ -203,5 +254,5 @@ def compile_options(options: CompileOptions | Mapping[str, Any] | None) -> Compi
     return CompileOptions.from_mapping(options)
 
 
-__all__ = ["DAEMON_COMPILE_S", "DAEMON_PING_S", "JOB_HOSTS_ENV", "PlanSource", "compile_options", "daemon_key_path", "given_plan",
+__all__ = ["DAEMON_COMPILE_S", "DAEMON_PING_S", "JOB_HOSTS_ENV", "PlanAhead", "PlanSource", "compile_options", "daemon_key_path", "given_plan",
            "job_profile", "obtain_plan", "plan_from_daemon"]
