@@ -432,13 +432,26 @@ def export_key(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims: S
             model.training, name, str(device))
 
 
-def rebind(program: ExportedProgram, model: nn.Module) -> ExportedProgram:
+@dataclass(frozen=True)
+class _Tensors:
+    """A model's state entries and buffers, read once for every program rebound to it."""
+
+    state: Mapping[str, Tensor]
+    buffers: Mapping[str, Tensor]
+    """The non-persistent ones too (a program's constants)."""
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "_Tensors":
+        return cls(model.state_dict(keep_vars=True), dict(model.named_buffers()))
+
+
+def rebind(program: ExportedProgram, model: nn.Module | _Tensors) -> ExportedProgram:
     """``program`` (exported from another model of the same :func:`export_key`) over
     ``model``'s parameters and buffers: the program a fresh export of ``model`` gives,
     without exporting. Raises :class:`~hapd.errors.PlanError` when ``model`` lacks one of
     the program's state entries."""
-    state = model.state_dict(keep_vars=True)
-    buffers = dict(model.named_buffers())  # the non-persistent ones too (a program's constants)
+    tensors = model if isinstance(model, _Tensors) else _Tensors.of(model)
+    state, buffers = tensors.state, tensors.buffers
     missing = [k for k in program.state_dict if k not in state]
     if missing:
         raise PlanError(f"cannot rebind an exported program: the model has no {missing[:3]}")
@@ -450,11 +463,11 @@ def rebind(program: ExportedProgram, model: nn.Module) -> ExportedProgram:
         verifiers=program.verifiers,
     )
     out.graph_module.meta.update(program.graph_module.meta)
-    _keep_forms(program, out, model)
+    _keep_forms(program, out, tensors)
     return out
 
 
-def _keep_forms(program: ExportedProgram, out: ExportedProgram, model: nn.Module) -> None:
+def _keep_forms(program: ExportedProgram, out: ExportedProgram, model: _Tensors) -> None:
     """What :mod:`hapd.ir.normalize` made of ``program`` given to ``out``, its graph over
     ``model``'s tensors: that it is in normal form already, else its normal form and its
     functional form, each rebound too. Without them :func:`hapd.distribute` would
@@ -505,8 +518,9 @@ class ExportCarry:
             kept = self._kept.pop(key, None)
         if not kept:
             return {}
+        tensors = _Tensors.of(model)
         try:
-            return {k: _rebound(v, model) for k, v in kept.items()}
+            return {k: _rebound(v, tensors) for k, v in kept.items()}
         except PlanError as exc:
             _log.warning("the exports kept from the script's last run do not fit this model (%s): exporting again", exc)
             return {}
@@ -522,7 +536,7 @@ class ExportCarry:
                 self._kept.popitem(last=False)
 
 
-def _rebound(value: Any, model: nn.Module) -> Any:
+def _rebound(value: Any, model: _Tensors) -> Any:
     """A kept export (a program, or a program and its graph) over ``model``'s tensors."""
     if isinstance(value, ExportedProgram):
         return rebind(value, model)
