@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import pulp
 
+from hapd.errors import SynthesisError
 from hapd.util import format_bytes
 
 
@@ -99,6 +100,22 @@ def cap_memory(
     for k, mem in enumerate(memory_rows(program)):
         for d in range(len(r)):
             lp += mem["constant"][d] + mem["coef"][d] * r[d] <= memory_caps[d], f"memory_{k}_{d}"
+
+
+def recap_memory(lp: pulp.LpProblem, program: Mapping[str, Any], memory_caps: Sequence[float]) -> None:
+    """Change the caps of the memory constraints :func:`cap_memory` added to ``lp`` (for
+    ``program``) to ``memory_caps``: the LP as :func:`cap_memory` would have made it with
+    these (each constraint's constant is its row's constant less the cap, as PuLP
+    subtracts it; names, order and coefficients unchanged, so the solver reads the same
+    text)."""
+    # PuLP ≥ 3.3 finds a constraint by name (and deprecates the dict); older PuLP has only the dict
+    find = lp.get_constraint_by_name if hasattr(lp, "get_constraint_by_name") else lp.constraints.get
+    for k, mem in enumerate(memory_rows(program)):
+        for d, cap in enumerate(memory_caps):
+            constraint = find(f"memory_{k}_{d}")
+            if constraint is None:
+                raise SynthesisError(f"the sharding-ratio LP has no memory constraint memory_{k}_{d} to cap (a bug)")
+            constraint.constant = mem["constant"][d] - cap
 
 
 def lp_failure(status: str, program: Mapping[str, Any], memory_caps: Sequence[float] | None) -> str:

@@ -33,7 +33,17 @@ from typing import Any, Mapping, Sequence
 import msgpack
 import pulp
 
-from hapd.compiler.lp import LPResult, SolvedLPs, cap_memory, lp_failure, memory_rows, row_values, solver, variable
+from hapd.compiler.lp import (
+    LPResult,
+    SolvedLPs,
+    cap_memory,
+    lp_failure,
+    memory_rows,
+    recap_memory,
+    row_values,
+    solver,
+    variable,
+)
 from hapd.errors import SynthesisError
 
 DUPLICAS = 2
@@ -245,16 +255,53 @@ class _Maxima:
         return 0.0, (scale, var)
 
 
+@dataclass
+class MadeLPs:
+    """The overlapped LPs of one program made so far, by whether they have memory caps:
+    a caller solving it under several caps (:func:`hapd.compiler.ratios.solve_ratios`:
+    the caps with a margin, lowered where integer lengths pass them, then whole) makes
+    it once and changes only the caps (Llama-7B's duplica on paper-64: 30 LPs of 9
+    programs, ~70 ms of Python each to make)."""
+
+    made: dict[bool, tuple[pulp.LpProblem, list[pulp.LpVariable]]] = field(default_factory=dict)
+
+
 def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | None,
-                     digest: bytes | None = None) -> LPResult:
+                     digest: bytes | None = None, made: MadeLPs | None = None) -> LPResult:
     """Sharding ratios minimizing overlapped ``program``'s cost (:func:`overlap_cost`),
     under per-device memory caps when given; ``digest``: its :func:`rows_digest`, when
-    the caller has it."""
+    the caller has it; ``made``: the LPs of this program made before, to solve again
+    under these caps."""
     n = int(program["devices"])
     known = _lp_key(program, n, memory_caps, digest)
     solved = _SOLVED.get(known)
     if solved is not None:
         return LPResult(ratios=solved[0], objective=overlap_cost(program, solved[0]), variables=solved[1])
+    capped = memory_caps is not None
+    found = made.made.get(capped) if made is not None else None
+    if found is None:
+        lp, r = _overlap_lp(program, n)
+        if memory_caps is not None:
+            cap_memory(lp, program, r, memory_caps)
+        if made is not None:
+            made.made[capped] = (lp, r)
+    else:
+        lp, r = found
+        if memory_caps is not None:
+            recap_memory(lp, program, memory_caps)
+    status = lp.solve(solver())
+    name = pulp.LpStatus.get(status, str(status))
+    if name != "Optimal":
+        raise SynthesisError(lp_failure(name, dict(program), memory_caps))
+    ratios = [max(0.0, float(v.value() or 0.0)) for v in r]
+    total = sum(ratios)
+    ratios = tuple(v / total for v in ratios)
+    _SOLVED.put(known, (ratios, len(lp.variables())))
+    return LPResult(ratios=ratios, objective=overlap_cost(program, ratios), variables=len(lp.variables()))
+
+
+def _overlap_lp(program: Mapping[str, Any], n: int) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
+    """The LP of :func:`solve_overlapped` without memory caps, and its ratio variables."""
     lp = pulp.LpProblem("hapd_overlap_ratios", pulp.LpMinimize)
     r = [variable(lp, f"r_{d}", lowBound=0) for d in range(n)]
     maxima = _Maxima(lp, r)
@@ -284,17 +331,7 @@ def solve_overlapped(program: Mapping[str, Any], memory_caps: Sequence[float] | 
     terms.extend(maxima.of(step["overlap"]["serial"]) for step in program["steps"])
     lp += pulp.lpSum(terms)
     lp += pulp.lpSum(r) == 1, "ratios_sum_to_one"
-    if memory_caps is not None:
-        cap_memory(lp, program, r, memory_caps)
-    status = lp.solve(solver())
-    name = pulp.LpStatus.get(status, str(status))
-    if name != "Optimal":
-        raise SynthesisError(lp_failure(name, dict(program), memory_caps))
-    ratios = [max(0.0, float(v.value() or 0.0)) for v in r]
-    total = sum(ratios)
-    ratios = tuple(v / total for v in ratios)
-    _SOLVED.put(known, (ratios, len(lp.variables())))
-    return LPResult(ratios=ratios, objective=overlap_cost(program, ratios), variables=len(lp.variables()))
+    return lp, r
 
 
 

@@ -39,7 +39,7 @@ import pulp
 from hapd import _core
 from hapd.compiler.lp import LPResult, SolvedLPs, cap_memory, lp_failure, memory_rows, row_values, solver, variable
 from hapd.compiler.lengths import sharding_lengths
-from hapd.compiler.overlap import is_overlapped, overlap_cost, rows_digest, solve_overlapped
+from hapd.compiler.overlap import MadeLPs, is_overlapped, overlap_cost, rows_digest, solve_overlapped
 from hapd.compiler.sync_timeline import BucketSizes, SyncedGradient, hideable
 from hapd.errors import SynthesisError
 from hapd.util import format_bytes
@@ -304,6 +304,8 @@ class _Rows:
         self.program = program
         self._groups: tuple[dict[tuple, tuple[list, list, float]], dict[str, float]] | None = None
         self._digest: bytes | None = None
+        self.overlap_lps = MadeLPs()
+        """An overlapped program's LPs made so far (:class:`hapd.compiler.overlap.MadeLPs`)."""
 
     def groups(self) -> tuple[dict[tuple, tuple[list, list, float]], dict[str, float]]:
         if self._groups is None:
@@ -340,7 +342,9 @@ def _solve_fitting(program: dict[str, Any], lp_caps: Sequence[float], memory_cap
 
 def _solve(program: dict[str, Any], memory_caps: Sequence[float] | None, rows: _Rows | None = None) -> LPResult:
     if is_overlapped(program):  # its own LP: hapd.compiler.overlap
-        return solve_overlapped(program, memory_caps, rows.overlap_digest() if rows is not None else None)
+        if rows is None:
+            return solve_overlapped(program, memory_caps)
+        return solve_overlapped(program, memory_caps, rows.overlap_digest(), rows.overlap_lps)
     n = int(program["devices"])
     if n == 1:  # the one device holds everything: no LP to solve (nor a CBC process to start)
         return _one_device(program, memory_caps)

@@ -247,3 +247,21 @@ def test_cli_compiles_an_overlapped_plan_and_explains_it(graph4, tmp_path):
     explained = CliRunner().invoke(main, ["explain", "--steps", str(out)], catch_exceptions=False)
     assert explained.exit_code == 0, explained.output
     assert "overlap: 2 duplicas interleaved" in explained.output
+
+
+def test_an_lp_made_once_solves_under_new_caps_as_one_made_anew(hand, graph4, monkeypatch):
+    """The overlapped LP of a program solved under several caps is made once, its memory
+    constraints' caps changed in place: the ratios are those of the LP made anew."""
+    from hapd.compiler.lp import SolvedLPs
+
+    program = synthesize(graph4.data, hand, list(EVEN), CompileOptions(overlap=True, force=GATHERED))
+    roomy = [4 * p for p in peak_memory(program, EVEN)]
+    tight = [roomy[0], 0.98 * peak_memory(program, EVEN)[1]]  # device 1 short at an even split
+    made = overlap.MadeLPs()
+    monkeypatch.setattr(overlap, "_SOLVED", SolvedLPs())  # no answer from an earlier solve
+    first = overlap.solve_overlapped(program, roomy, made=made)
+    again = overlap.solve_overlapped(program, tight, made=made)
+    monkeypatch.setattr(overlap, "_SOLVED", SolvedLPs())
+    anew = overlap.solve_overlapped(program, tight)
+    assert len(made.made) == 1 and again.ratios == anew.ratios and again.variables == anew.variables
+    assert again.ratios[1] < first.ratios[1]  # the new caps bind
