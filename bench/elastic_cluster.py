@@ -342,7 +342,8 @@ def recovery_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
         r = g.get("recovery")
         if r:
             rows.append({"generation": g["index"], "outcome": g.get("outcome", ""), "lost": r.get("lost", []),
-                         **{k: r.get(k) for k in ("total_s", "detection_s", "replan_s", "restart_s", "load_s",
+                         **{k: r.get(k) for k in ("total_s", "detection_s", "replan_s", "replan_asked_s", "restart_s",
+                                                  "load_s",
                                                   "resumed_step", "steps_lost", "source", "plan",
                                                   "restart_parts")}})
     return rows
