@@ -62,7 +62,7 @@ from typing import Any, Mapping, Sequence, TextIO
 
 from hapd.wire.switch import JOIN_HELD_ENV
 from hapd.errors import PEER_FAILURE, HapdError, OptionsError
-from hapd.wire.client import Client
+from hapd.wire.client import Client, refuses_connections
 from hapd.wire.keys import default_key_path, home_dir, load_key
 
 from launcher.hosts import Host, load_hosts, parse_hosts
@@ -433,11 +433,16 @@ class ElasticRun:
 
     def _ping_after_failure(self, job: Job, placements: Sequence[Placement]) -> None:
         """At a generation's first failure, ping the hosts still running (on a thread):
-        one that does not answer within :data:`FAILURE_PING_S` is lost now, without
-        waiting for its poller's ``--lost-after``. A host dropped so by mistake (a busy
-        daemon) answers pings again and joins back through the host file."""
+        one whose daemon's port refuses the connection (the daemon killed, its host up)
+        is lost at once, without waiting for its poller's probe after half a second of
+        silence; one that does not answer within :data:`FAILURE_PING_S` is lost now,
+        without waiting for its poller's ``--lost-after``. A host dropped so by mistake (a
+        busy daemon) answers pings again and joins back through the host file."""
 
         def one(p: Placement) -> None:
+            if refuses_connections(p.host.address, FAILURE_PING_S):
+                job.declare_lost(p, "its daemon's port refused the connection after the job failed (DaemonDown)")
+                return
             try:
                 with Client(p.host.address, self._key, FAILURE_PING_S) as client:
                     client.ping()

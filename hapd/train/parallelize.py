@@ -116,8 +116,9 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
                    precision=precision, rng=rng, always=overlap == "always")
     started = time.time()
     early = _prepared_before_joining(asked, group)
+    joining = time.time()
     _join_job_if_launched()
-    joined_s = time.time() - started
+    joined_s = time.time() - joining
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     _check_rng(rng, world, options, overlap)
     ready = early if early is not None and (early.rank, early.world) == (rank, world) else \
