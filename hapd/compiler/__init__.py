@@ -14,6 +14,8 @@ From the ground floor up (each module imports only those before it):
 - :mod:`~hapd.compiler.lp` — what the sharding-ratio LPs share: rows under ratios, PuLP's
   variables and solver, memory caps, the result and the failure message;
 - :mod:`~hapd.compiler.overlap` — two duplicas interleaved: the schedule's cost and its LP;
+- :mod:`~hapd.compiler.sync_timeline` — how much of the gradient sync backward can hide:
+  its buckets on the backward's timeline;
 - :mod:`~hapd.compiler.ratios` — the sharding-ratio LP, program costs and memory;
 - :mod:`~hapd.compiler.recompute` — the blocks activation recomputation can work on;
 - :mod:`~hapd.compiler.search` — the SPMD search: the core's search alternating with the
