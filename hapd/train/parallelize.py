@@ -180,6 +180,9 @@ class _Prepared:
     request: _PlanRequest
     rank: int
     world: int
+    rebound: bool = False
+    """Its exports came from the carry: a run of the script again in this process (an
+    in-place switch), whose plan is a re-plan or a cache hit."""
     ahead: PlanAhead | None = None
 
 
@@ -191,19 +194,26 @@ def _prepared(asked: _Asked, *, world: int, rank: int, group: Any, device: torch
                      verbose=asked.verbose, weights=asked.weights, compile=asked.compile)
     recipe = dataclasses.replace(recipe, rng=asked.rng)
     carried = _carried_in(recipe)
+    rebound = bool(recipe.exported)
     options = _with_precision(_default_options(asked.options, recipe.profile, world), asked.precision)
-    return _Prepared(recipe, carried, options, _plan_request(recipe, asked.plan, options, asked.always), rank, world)
+    return _Prepared(recipe, carried, options, _plan_request(recipe, asked.plan, options, asked.always), rank, world,
+                     rebound)
 
 
 def _prepared_before_joining(asked: _Asked, group: Any) -> _Prepared | None:
     """A rank about to join the job torchrun started prepares what needs no other rank
     before it joins — its exports (or the ones carried from the script's last run),
-    the options, the plan request — and rank 0 sends that request at once, on a thread
-    (:class:`~hapd.train.plan_source.PlanAhead`): the daemon's answer (a cache hit, the
-    LP-only re-plan after a host or rank left, a compile) comes while the slowest ranks
-    still start, instead of after, while every rank waits for its broadcast. None when
-    the rank joins no job here, is a joining host's rank launched ahead (its place
-    comes in the join: :func:`_export_ahead` prepares it), or the profile is the
+    the options, the plan request. On a run of the script again in its process (an
+    in-place switch) rank 0 sends that request at once, on a thread
+    (:class:`~hapd.train.plan_source.PlanAhead`): the daemon's answer (the LP-only
+    re-plan after a host or rank left, a cache hit) comes while the slowest survivors
+    still park and start the script again, instead of after, while every rank waits for
+    its broadcast. Not at a job's first launch: the daemon's full search would then run
+    beside every rank's imports and export, on the same cores (on the 2-core emulated
+    cluster, 2 of 6 first launches that did so lost a daemon at the job's start, its
+    answer to the launcher's poll later than ``--lost-after``: the likely cause).
+    None when the rank joins no job here, is a joining host's rank launched ahead (its
+    place comes in the join: :func:`_export_ahead` prepares it), or the profile is the
     devices as the ranks describe them (a collective)."""
     if dist.is_initialized() or group is not None or os.environ.get(JOIN_HELD_ENV) == "1":
         return None
@@ -214,7 +224,7 @@ def _prepared_before_joining(asked: _Asked, group: Any) -> _Prepared | None:
         return None
     early = _prepared(asked, world=world, rank=rank, group=None,
                       device=asked.device if asked.device is not None else joining_device())
-    if rank != 0 or asked.plan is not None:
+    if rank != 0 or asked.plan is not None or not early.rebound:
         return early
     ahead = PlanAhead(early.request.graph, job_profile(early.recipe.profile, world), compile_options(early.options),
                       asked.use_daemon)
