@@ -69,7 +69,8 @@ def _causes(program: Mapping[str, Any], options: CompileOptions, dp_fits: bool, 
 
 
 def dp_gap(program: Mapping[str, Any], ratios: Sequence[float], dp_program: Mapping[str, Any], dp_cp: float,
-           flops: Sequence[float], options: CompileOptions, *, dp_fits: bool, opaque: set[str]) -> dict | None:
+           flops: Sequence[float], options: CompileOptions, *, dp_fits: bool, opaque: set[str],
+           dp_cp_own: float | None = None) -> dict | None:
     """The plan document's ``dp_gap``: None when the plan costs no more than DP-CP;
     else its cost and DP-CP's, the causes (:func:`_causes`), the ops that forced it
     (``forcing``: opaque ops reading the batch, which hapd runs whole on every device
@@ -95,6 +96,11 @@ def dp_gap(program: Mapping[str, Any], ratios: Sequence[float], dp_program: Mapp
         causes.append(f"the single-device loss needs {needed * 1e3:.3f} ms of collectives over the whole batch (a "
                       "mixture-of-experts router's expert counts and probabilities in its auxiliary loss), which "
                       "DDP's price leaves out: DDP computes that loss from each rank's own tokens, another loss")
+    if not causes and not forcing and dp_cp_own is not None and cost <= dp_cp_own * (1 + 1e-4):
+        causes.append(f"DDP sums the same gradients in larger buckets (1 MiB, then 25 MiB: fewer latencies) over a "
+                      f"flat all-reduce, priced from the profile's all_reduce; hapd's sync of them (4 MiB buckets, in "
+                      f"two levels across hosts) costs {(dp_cp_own - dp_cp) * 1e3:.3f} ms more, and the plan costs no "
+                      f"more than DDP's program with it")
     if not causes and not forcing:
         causes.append(f"the search (front width {options.front_width}, widened within its time budget) found no "
                       "program as cheap; a wider front_width may")

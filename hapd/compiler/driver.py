@@ -366,7 +366,7 @@ def _plan_document(data: bytes, profile: Profile, options: CompileOptions, found
             "dp_fits": fits,
         },
         "dp_gap": dp_gap(program, ratios, baselines.dp_program, baselines.dp_cp, baselines.flops, options,
-                         dp_fits=fits, opaque=set(opaque)),
+                         dp_fits=fits, opaque=set(opaque), dp_cp_own=baselines.dp_cp_own),
         "opaque_ops": opaque,
         "stats": {
             "seconds": seconds,

@@ -32,6 +32,7 @@ from hapd.compiler.ratios import (
     BACKWARD_SHARE,
     least_overshoot,
     peak_memory,
+    HAPD_BUCKETS,
     program_cost,
     solve_ratios,
     sync_overlap,
@@ -156,6 +157,10 @@ class Baselines:
     run replicated in it)."""
     flops: list[float]
     """The FLOP/s-proportional split."""
+    dp_cp_own: float = 0.0
+    """DP-CP's program with hapd's own gradient sync (its buckets, summed in two levels
+    across hosts): the price of DDP's program in the search's space. DDP's price itself
+    can be lower, its larger buckets paying fewer latencies over a flat all-reduce."""
 
 
 def _search_rounds(
@@ -485,11 +490,12 @@ def _baselines(data: bytes, profile: Profile, options: CompileOptions) -> Baseli
         dp_cp=ddp_cost(dp_program, flops, duplicas, flat_all_reduce(profile)),
         dp_program=dp_program,
         flops=flops,
+        dp_cp_own=ddp_cost(dp_program, flops, duplicas, buckets=HAPD_BUCKETS),
     )
 
 
 def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int = 1,
-             all_reduce: Link | None = None) -> float:
+             all_reduce: Link | None = None, buckets: BucketSizes | None = None) -> float:
     """Seconds per iteration of the step as DDP runs it with the batch split by
     ``ratios``, priced from the rows of a data-parallel ``program`` of ``1/duplicas`` of
     the batch (an overlapped compile's graph is one duplica's; DDP runs the whole batch:
@@ -506,7 +512,9 @@ def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int 
     ``sync_overlap`` as hapd's own sync is (:func:`hapd.compiler.ratios.hidden_sync`).
     With ``all_reduce`` (the profile's all-reduce over every rank, the link DDP's flat
     ring crosses) each bucket is priced as that collective; without, each gradient at
-    its rows (hapd's own sync, two levels across hosts). As in the cost
+    its rows (hapd's own sync, two levels across hosts). ``buckets`` replaces DDP's (with
+    hapd's, :data:`hapd.compiler.ratios.HAPD_BUCKETS`, and no ``all_reduce``: DDP's
+    program as hapd would run it). As in the cost
     model, each op costs its slowest device's time and the iteration is the sum over
     ops plus the all-reduce not hidden. A step's full work on device ``d`` is ``constant[d] + coef[d]`` of its
     compute row (a replicated step has only the constant, a sharded one only the
@@ -515,12 +523,13 @@ def ddp_cost(program: Mapping[str, Any], ratios: Sequence[float], duplicas: int 
     batch = batch_tensors(program)
     steps = [ddp_step_seconds(step, batch, ratios, duplicas) for step in program["steps"]]
     backward = [BACKWARD_SHARE * s for s in steps]
+    packed = DDP_BUCKETS if buckets is None else buckets
     if all_reduce is None:  # each gradient's rows as the core prices hapd's sync
-        sync = schedule(backward, synced_gradients(program, ratios), DDP_BUCKETS)
+        sync = schedule(backward, synced_gradients(program, ratios), packed)
     else:  # DDP's flat all-reduce over every rank: a latency per bucket, the bytes at its bandwidth
         grads = synced_gradients(program, ratios, seconds_of=lambda source: float(source.get("bytes") or 0.0)
                                  / all_reduce.beta)
-        sync = schedule(backward, grads, DDP_BUCKETS, latency=all_reduce.alpha)
+        sync = schedule(backward, grads, packed, latency=all_reduce.alpha)
     return sum(steps) + sync.total - sync_overlap(program) * sync.hideable
 
 
@@ -687,8 +696,9 @@ def _wider_front(
     """Options for a search with a wider front when the search's pruning evidently lost
     the better programs, else ``None``.
 
-    Every program DDP runs is in the search's space, so a plan that costs more than
-    DP-CP was cut short by the front width: a state that holds a tensor in a layout
+    Every program DDP runs is in the search's space (with hapd's gradient sync:
+    :attr:`Baselines.dp_cp_own`), so a plan that costs more than it was cut short by
+    the front width: a state that holds a tensor in a layout
     that is cheap now and costly later crowded out the one that is not (T5's position
     buckets, split and all-gathered later). Only a free ``auto`` compile widens, and
     only within :data:`WIDEN_BUDGET_S`.
@@ -704,13 +714,16 @@ def _wider_front(
     at 384)."""
     program, ratios, _ = chosen
     left = WIDEN_BUDGET_S - elapsed
+    # the space holds DDP's program with hapd's sync (``dp_cp_own``), not with DDP's own
+    # buckets and flat all-reduce, which can price it lower than any program hapd runs
     if options.mode != "auto" or options.force or options.ratios is not None or left <= 0:
         return None
     if program.get("recompute"):  # it pays for recomputation, which DP-CP's price leaves out
         return None
     cost = program_cost(program, ratios)
     needed = loss_collectives(baselines.dp_program, baselines.flops)
-    lost = cost > baselines.dp_cp * (1 + 1e-9) and (needed <= 0.0 or cost > (baselines.dp_cp + needed) * (1 + 1e-4))
+    dp_cp = baselines.dp_cp_own if baselines.dp_cp_own > 0 else baselines.dp_cp
+    lost = cost > dp_cp * (1 + 1e-9) and (needed <= 0.0 or cost > (dp_cp + needed) * (1 + 1e-4))
     if not lost or options.front_width * WIDEN_FACTOR > MAX_FRONT_WIDTH:
         return None
     limit = left if options.max_seconds is None else min(left, options.max_seconds)

@@ -229,3 +229,26 @@ def test_profile_sync_overlap_reaches_the_plan(dense_graph):
     assert plan.estimate["per_iteration"] == pytest.approx(program_cost(plan.program, plan.ratios))
     assert "hidden behind the backward pass" in plan.explain()
     assert "gradient_sync" not in hapd.compile(dense_graph, profile).estimate
+
+
+def test_a_plan_dearer_than_ddp_only_by_ddps_buckets_does_not_widen_the_search():
+    """DDP's price (its 25 MiB buckets over a flat all-reduce) can be under every program
+    hapd runs: the search widens only for a plan dearer than DDP's program with hapd's
+    own sync (``dp_cp_own``), which is in its space, and dp_gap names the buckets."""
+    from hapd.compiler.dp_gap import dp_gap
+    from hapd.compiler.search import Baselines, _wider_front
+
+    step = {"node": "linear", "op": "aten.linear", "rule": "data-parallel", "inputs": [], "outputs": [],
+            "sources": [], "comp": _row([0.0, 0.0], [1.0, 1.0]), "comm": _row([0.5, 0.5], [0.0, 0.0])}
+    program = {"devices": 2, "steps": [step], "sync_overlap": 0.0}
+    ratios = [0.5, 0.5]
+    cost = program_cost(program, ratios)
+    options = CompileOptions()
+    chosen = (program, ratios, "search")
+    by_buckets = Baselines(dp_ev=cost, dp_cp=0.9 * cost, dp_program=program, flops=ratios, dp_cp_own=cost)
+    assert _wider_front(options, chosen, by_buckets, 0.0) is None
+    gap = dp_gap(program, ratios, program, 0.9 * cost, ratios, options, dp_fits=True, opaque=set(), dp_cp_own=cost)
+    assert gap is not None and "larger buckets" in gap["causes"][0]
+    lost = Baselines(dp_ev=cost, dp_cp=0.9 * cost, dp_program=program, flops=ratios, dp_cp_own=0.95 * cost)
+    wider = _wider_front(options, chosen, lost, 0.0)
+    assert wider is not None and wider.front_width > options.front_width
