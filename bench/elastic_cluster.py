@@ -76,6 +76,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -799,19 +800,44 @@ def scenario_join(b: Bench, steps: int, join_at: int, last: int) -> dict[str, An
     return out
 
 
+MISSED_STEPS = 5
+"""Steps rank 0 completes in the same generation after a fault before the next fault may
+come: a fault that hit no rank of the job (one that had just exited) does not hold up the
+schedule."""
+
+
+def joining_hosts(line: str, preparing: set[str]) -> set[str]:
+    """The hosts preparing to join after the launcher's ``line``: a host whose ranks start
+    (``host(s) A, B ready to join: their ranks start now``) prepares until a generation
+    places it (``generation N on K host(s) (A, B#1, …)``) or it does not join."""
+    text = line.removeprefix("hapd launcher:").strip()
+    if " ready to join: their ranks start now" in text and text.startswith("host(s) "):
+        names = text.removeprefix("host(s) ").split(" ready to join", 1)[0]
+        return preparing | {n.strip() for n in names.split(",") if n.strip()}
+    placed = re.match(r"generation \d+ on \d+ host\(s\) \(([^)]*)\)", text)
+    if placed:
+        return preparing - {n.strip().partition("#")[0] for n in placed.group(1).split(",")}
+    gone = re.match(r"(?:joining host (\S+) .*does not join|could not start the ranks of joining host (\S+?):)", text)
+    if gone:
+        return preparing - {gone.group(1) or gone.group(2)}
+    return preparing
+
+
 def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str, Any]:
     hostfile = b.hostfile([0, 1, 2], "faults")
-    state = {"next": 0, "gen": 0, "waiting": False, "done": [], "timers": []}
+    state: dict[str, Any] = {"next": 0, "gen": 0, "waiting": False, "done": [], "timers": [], "preparing": set(),
+                             "injected_at": None}
     lock = threading.Lock()
     prefix = f"elb{os.getpid() % 10000}-{b.runs + 1}-faults"
 
     def inject(f: Fault) -> None:
         ranks = running_ranks(prefix)
-        hosts = sorted(ranks)
+        with lock:  # a joining host's ranks are not the job's yet: a fault there would hit nothing running
+            hosts = sorted(h for h in ranks if h not in state["preparing"])
         rec = {"index": f.index, "kind": f.kind, "step": f.step, "time": time.time()}
-        if not hosts:
-            rec["skipped"] = "no rank running"
-            state["done"].append(rec)
+        if sum(len(ranks[h]) for h in hosts) < 2:  # the job's last rank: it would end the job, not hit it
+            with lock:  # the fault waits for a host to join
+                state["next"], state["waiting"] = state["next"] - 1, False
             return
         label = hosts[f.pick % len(hosts)]
         h = b.labels.index(label)
@@ -846,6 +872,10 @@ def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str
 
     def on_line(line: str) -> None:
         text = line.split("] ", 1)[1] if line.startswith("[rank ") and "] " in line else line
+        if text.startswith("hapd launcher:"):
+            with lock:
+                state["preparing"] = joining_hosts(text, state["preparing"])
+            return
         if '"hapd": "elastic"' not in text:
             return
         try:
@@ -855,12 +885,17 @@ def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str
         with lock:
             if ev.get("event") == "first_step" and int(ev.get("generation", 0)) > state["gen"]:
                 state["gen"], state["waiting"] = int(ev["generation"]), False
-            if ev.get("event") not in ("step", "first_step") or state["waiting"] or state["next"] >= len(schedule):
+            if ev.get("event") not in ("step", "first_step"):
+                return
+            step = int(ev.get("step", 0))
+            if state["waiting"] and state["injected_at"] is not None and step >= state["injected_at"] + MISSED_STEPS:
+                state["waiting"] = False  # the job went on in the same generation: the fault hit none of its ranks
+            if state["waiting"] or state["next"] >= len(schedule):
                 return
             f = schedule[state["next"]]
-            if int(ev.get("step", 0)) >= f.step:
+            if step >= f.step:
                 state["next"] += 1
-                state["waiting"] = True
+                state["waiting"], state["injected_at"] = True, step
                 threading.Thread(target=inject, args=(f,), daemon=True).start()
 
     log(f"faults: {len(schedule)} faults over {steps} steps: "
