@@ -10,7 +10,7 @@
 //! (`tests/module_cycles.rs` checks both from the sources).
 //!
 //! - [`error`] — the one error type of the core.
-//! - [`hashing`] — a fast hasher for the search's maps (keys from the search itself).
+//! - [`hashing`] — the search's maps hashed by `rustc-hash` (keys from the search itself).
 //! - [`layout`] — layouts (`Gather(dim)`, `Reduce`, `Identity`) and sets of them.
 //! - [`ir`] — the graph IR and its decoding ([`ir::decode`]), unchecked.
 //! - [`profile`] — the cluster profile: devices and the α-β cost of each collective.
