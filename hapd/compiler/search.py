@@ -734,8 +734,8 @@ def _exhaustive(stops: Sequence[str], width: int) -> bool:
     """Whether every core search of a pass ended proven optimal (``stops``: why each
     stopped): its front of ``width`` never dropped a state, so a wider front runs the same
     searches to the same programs, and the pass is not repeated wider (noted as a pass).
-    GPT-2 124M on paper-64, whose plan costs more than DP-CP as DDP's buckets price it,
-    widened 28 times to the largest front width, each time to the same plan."""
+    (GPT-2 124M on paper-64 once widened 28 times to the largest front width, each time to
+    the same plan.)"""
     if not stops or any(stop != "optimal" for stop in stops):
         return False
     _note_pass("searches with wider fronts",
