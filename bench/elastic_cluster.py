@@ -806,34 +806,29 @@ come: a fault that hit no rank of the job (one that had just exited) does not ho
 schedule."""
 
 
-def joining_hosts(line: str, preparing: set[str]) -> set[str]:
-    """The hosts preparing to join after the launcher's ``line``: a host whose ranks start
-    (``host(s) A, B ready to join: their ranks start now``) prepares until a generation
-    places it (``generation N on K host(s) (A, B#1, …)``) or it does not join."""
-    text = line.removeprefix("hapd launcher:").strip()
-    if " ready to join: their ranks start now" in text and text.startswith("host(s) "):
-        names = text.removeprefix("host(s) ").split(" ready to join", 1)[0]
-        return preparing | {n.strip() for n in names.split(",") if n.strip()}
-    placed = re.match(r"generation \d+ on \d+ host\(s\) \(([^)]*)\)", text)
-    if placed:
-        return preparing - {n.strip().partition("#")[0] for n in placed.group(1).split(",")}
-    gone = re.match(r"(?:joining host (\S+) .*does not join|could not start the ranks of joining host (\S+?):)", text)
-    if gone:
-        return preparing - {gone.group(1) or gone.group(2)}
-    return preparing
+def placed_hosts(line: str) -> set[str] | None:
+    """The hosts a generation runs on, from the launcher's ``generation N on K host(s)
+    (A, B#1, …), …`` line (a host that lost ranks is named ``HOST#N``); None for any
+    other line. Only these hosts' ranks are the job's: a joining host's ranks prepare
+    beside it, and a dropped host's may still run until its daemon stops them."""
+    placed = re.match(r"(?:hapd launcher:\s*)?generation \d+ on \d+ host\(s\) \(([^)]*)\)", line.strip())
+    if placed is None:
+        return None
+    return {n.strip().partition("#")[0] for n in placed.group(1).split(",") if n.strip()}
 
 
 def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str, Any]:
     hostfile = b.hostfile([0, 1, 2], "faults")
-    state: dict[str, Any] = {"next": 0, "gen": 0, "waiting": False, "done": [], "timers": [], "preparing": set(),
+    state: dict[str, Any] = {"next": 0, "gen": 0, "waiting": False, "done": [], "timers": [], "placed": None,
                              "injected_at": None}
     lock = threading.Lock()
     prefix = f"elb{os.getpid() % 10000}-{b.runs + 1}-faults"
 
     def inject(f: Fault) -> None:
         ranks = running_ranks(prefix)
-        with lock:  # a joining host's ranks are not the job's yet: a fault there would hit nothing running
-            hosts = sorted(h for h in ranks if h not in state["preparing"])
+        with lock:  # only the generation's hosts: a joining host's ranks or a dropped host's leftovers are not the job's
+            placed = state["placed"]
+            hosts = sorted(h for h in ranks if placed is None or h in placed)
         rec = {"index": f.index, "kind": f.kind, "step": f.step, "time": time.time()}
         if sum(len(ranks[h]) for h in hosts) < 2:  # the job's last rank: it would end the job, not hit it
             with lock:  # the fault waits for a host to join
@@ -842,8 +837,8 @@ def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str
         label = hosts[f.pick % len(hosts)]
         h = b.labels.index(label)
         rec["host"] = label
-        if f.kind == "host" and len(hosts) < 2:
-            f = Fault(f.index, f.step, "rank", f.pick, f.local_rank)  # the last host: a rank instead
+        if f.kind in ("host", "link") and len(hosts) < 2:  # the last host lost would end the job: a rank instead
+            f = Fault(f.index, f.step, "rank", f.pick, f.local_rank)
             rec["kind"] = "rank (last host)"
         if f.kind == "host":
             rec["killed"] = b.cluster.kill_host(h)
@@ -873,8 +868,10 @@ def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str
     def on_line(line: str) -> None:
         text = line.split("] ", 1)[1] if line.startswith("[rank ") and "] " in line else line
         if text.startswith("hapd launcher:"):
-            with lock:
-                state["preparing"] = joining_hosts(text, state["preparing"])
+            hosts = placed_hosts(text)
+            if hosts is not None:
+                with lock:
+                    state["placed"] = hosts
             return
         if '"hapd": "elastic"' not in text:
             return

@@ -119,19 +119,12 @@ def test_tables_print_every_scenario(bench):
     assert bench.format_table("t", ["a", "b"], [[None, 1.23456]]).splitlines()[-1].split() == ["-", "1.23"]
 
 
-def test_the_faults_run_knows_which_hosts_are_still_joining(bench):
-    """A host prepares to join from the launcher's "their ranks start now" until a
-    generation places it (a host with killed ranks is named HOST#N) or it does not join:
-    no fault is aimed at it meanwhile."""
-    start = "hapd launcher: host(s) 10.0.0.3, 10.0.0.4 ready to join: their ranks start now, the others train on"
-    preparing = bench.joining_hosts(start, set())
-    assert preparing == {"10.0.0.3", "10.0.0.4"}
-    assert bench.joining_hosts("hapd launcher: host(s) 10.0.0.3 ready to join: pausing the job at the next step "
-                               "boundary", preparing) == preparing
-    placed = bench.joining_hosts("hapd launcher: generation 3 on 3 host(s) (10.0.0.2, 10.0.0.3#1, 10.0.0.5), 4 ranks: "
-                                 "resumed at step 9", preparing)
-    assert placed == {"10.0.0.4"}
-    assert bench.joining_hosts("hapd launcher: joining host 10.0.0.4 stopped answering (DaemonDown): it does not "
-                               "join", placed) == set()
-    assert bench.joining_hosts("hapd launcher: could not start the ranks of joining host 10.0.0.4: refused",
-                               placed) == set()
+def test_the_faults_run_aims_only_at_the_generations_hosts(bench):
+    """A generation's hosts come from the launcher's line (a host with killed ranks is
+    named HOST#N); no fault is aimed at a joining host's ranks or a dropped host's."""
+    line = ("hapd launcher: generation 3 on 3 host(s) (10.0.0.2, 10.0.0.3#1, 10.0.0.5), 4 ranks: resumed at step 9 "
+            "from survivors' memory")
+    assert bench.placed_hosts(line) == {"10.0.0.2", "10.0.0.3", "10.0.0.5"}
+    assert bench.placed_hosts("hapd launcher: host(s) 10.0.0.4 ready to join: their ranks start now") is None
+    assert bench.placed_hosts("hapd launcher: job j-g0: switched in place to generation 2: 6 ranks on 3 "
+                                  "host(s) (10.0.0.2 ranks 0-1)") is None
