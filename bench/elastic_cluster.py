@@ -571,7 +571,14 @@ class Bench:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=False)
         err: list[str] = []
-        reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+
+        def read_errors() -> None:  # the launcher's own lines (its generations, joins) come on stderr
+            for line in proc.stderr:
+                err.append(line)
+                if on_line is not None and line.startswith("hapd launcher:"):
+                    on_line(line.rstrip("\n"))
+
+        reader = threading.Thread(target=read_errors, daemon=True)
         reader.start()
         out: list[str] = []
         killer = threading.Timer(timeout, proc.send_signal, (signal.SIGTERM,))
