@@ -813,6 +813,23 @@ come: a fault that hit no rank of the job (one that had just exited) does not ho
 schedule."""
 
 
+def joining_hosts(line: str, preparing: set[str]) -> set[str]:
+    """The hosts preparing to join after the launcher's ``line``: a host whose ranks start
+    (``host(s) A, B ready to join: their ranks start now``) prepares until a generation
+    places it (:func:`placed_hosts`) or it does not join."""
+    text = line.removeprefix("hapd launcher:").strip()
+    if " ready to join: their ranks start now" in text and text.startswith("host(s) "):
+        names = text.removeprefix("host(s) ").split(" ready to join", 1)[0]
+        return preparing | {n.strip() for n in names.split(",") if n.strip()}
+    placed = placed_hosts(text)
+    if placed is not None:
+        return preparing - placed
+    gone = re.match(r"(?:joining host (\S+) .*does not join|could not start the ranks of joining host (\S+?):)", text)
+    if gone:
+        return preparing - {gone.group(1) or gone.group(2)}
+    return preparing
+
+
 def placed_hosts(line: str) -> set[str] | None:
     """The hosts a generation runs on, from the launcher's ``generation N on K host(s)
     (A, B#1, …), …`` line (a host that lost ranks is named ``HOST#N``); None for any
@@ -827,7 +844,7 @@ def placed_hosts(line: str) -> set[str] | None:
 def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str, Any]:
     hostfile = b.hostfile([0, 1, 2], "faults")
     state: dict[str, Any] = {"next": 0, "gen": 0, "waiting": False, "done": [], "timers": [], "placed": None,
-                             "injected_at": None}
+                             "injected_at": None, "preparing": set()}
     lock = threading.Lock()
     prefix = f"elb{os.getpid() % 10000}-{b.runs + 1}-faults"
 
@@ -876,9 +893,10 @@ def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str
         text = line.split("] ", 1)[1] if line.startswith("[rank ") and "] " in line else line
         if text.startswith("hapd launcher:"):
             hosts = placed_hosts(text)
-            if hosts is not None:
-                with lock:
+            with lock:
+                if hosts is not None:
                     state["placed"] = hosts
+                state["preparing"] = joining_hosts(text, state["preparing"])
             return
         if '"hapd": "elastic"' not in text:
             return
@@ -894,7 +912,9 @@ def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str
             step = int(ev.get("step", 0))
             if state["waiting"] and state["injected_at"] is not None and step >= state["injected_at"] + MISSED_STEPS:
                 state["waiting"] = False  # the job went on in the same generation: the fault hit none of its ranks
-            if state["waiting"] or state["next"] >= len(schedule):
+            # a host preparing to join: the next fault waits until it is placed, so that every
+            # fault hits a job of several hosts, as a cluster that keeps its machines sees them
+            if state["waiting"] or state["preparing"] or state["next"] >= len(schedule):
                 return
             f = schedule[state["next"]]
             if step >= f.step:
@@ -1238,7 +1258,9 @@ def main(argv=None) -> int:
                 results["join"] = scenario_join(b, 4 * s, max(2, s // 6), max(3, s // 6))
                 _save(results, ns.out)
             if "faults" in cluster_scenarios:
-                schedule = fault_schedule(ns.seed, ns.faults, s, first=3)
+                # the faults fall in the job's first half: each waits for the hosts that rejoin
+                # after the one before (~50 s on a sixth of a core), so they come later than drawn
+                schedule = fault_schedule(ns.seed, ns.faults, max(ns.faults + 6, s // 2), first=3)
                 results["faults"] = scenario_faults(b, s, schedule)
                 _save(results, ns.out)
             if "snapshot" in cluster_scenarios:

@@ -128,3 +128,20 @@ def test_the_faults_run_aims_only_at_the_generations_hosts(bench):
     assert bench.placed_hosts("hapd launcher: host(s) 10.0.0.4 ready to join: their ranks start now") is None
     assert bench.placed_hosts("hapd launcher: job j-g0: switched in place to generation 2: 6 ranks on 3 "
                                   "host(s) (10.0.0.2 ranks 0-1)") is None
+
+
+def test_the_faults_run_waits_for_hosts_preparing_to_join(bench):
+    """A host prepares to join from the launcher's "their ranks start now" until a
+    generation places it or it does not join; the next fault waits meanwhile."""
+    start = "hapd launcher: host(s) 10.0.0.3, 10.0.0.4 ready to join: their ranks start now, the others train on"
+    preparing = bench.joining_hosts(start, set())
+    assert preparing == {"10.0.0.3", "10.0.0.4"}
+    assert bench.joining_hosts("hapd launcher: host(s) 10.0.0.3 ready to join: pausing the job at the next step "
+                               "boundary", preparing) == preparing
+    placed = bench.joining_hosts("hapd launcher: generation 3 on 3 host(s) (10.0.0.2, 10.0.0.3#1, 10.0.0.5), 4 ranks",
+                                 preparing)
+    assert placed == {"10.0.0.4"}
+    assert bench.joining_hosts("hapd launcher: joining host 10.0.0.4 stopped answering (DaemonDown): it does not "
+                               "join", placed) == set()
+    assert bench.joining_hosts("hapd launcher: could not start the ranks of joining host 10.0.0.4: refused",
+                               placed) == set()
