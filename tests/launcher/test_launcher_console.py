@@ -123,6 +123,7 @@ FAILING = """\
 import os
 import torch.distributed as dist
 dist.init_process_group("gloo")  # torch's excepthook then prefixes every line of a traceback with "[rankN]: "
+dist.barrier()  # every rank past the rendezvous: a rank that fails first cannot cut another's Gloo set-up short
 rank = dist.get_rank()
 
 
