@@ -832,13 +832,17 @@ def joining_hosts(line: str, preparing: set[str]) -> set[str]:
 
 def placed_hosts(line: str) -> set[str] | None:
     """The hosts a generation runs on, from the launcher's ``generation N on K host(s)
-    (A, B#1, …), …`` line (a host that lost ranks is named ``HOST#N``); None for any
-    other line. Only these hosts' ranks are the job's: a joining host's ranks prepare
+    (A, B#1, …), …`` line (a host that lost ranks is named ``HOST#N``) or its ``job J:
+    switched in place to generation N: W ranks on K host(s) (A ranks 0-1, …)``; None for
+    any other line. Only these hosts' ranks are the job's: a joining host's ranks prepare
     beside it, and a dropped host's may still run until its daemon stops them."""
-    placed = re.match(r"(?:hapd launcher:\s*)?generation \d+ on \d+ host\(s\) \(([^)]*)\)", line.strip())
+    text = line.strip().removeprefix("hapd launcher:").strip()
+    placed = re.match(r"generation \d+ on \d+ host\(s\) \(([^)]*)\)", text)
+    if placed is None:  # a generation switched in place (a join's has only this line): "(A ranks 0-1, B ranks 2-2)"
+        placed = re.match(r"job \S+: switched in place to generation \d+: \d+ ranks on \d+ host\(s\) \(([^)]*)\)", text)
     if placed is None:
         return None
-    return {n.strip().partition("#")[0] for n in placed.group(1).split(",") if n.strip()}
+    return {n.strip().split(" ", 1)[0].partition("#")[0] for n in placed.group(1).split(",") if n.strip()}
 
 
 def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str, Any]:

@@ -126,8 +126,10 @@ def test_the_faults_run_aims_only_at_the_generations_hosts(bench):
             "from survivors' memory")
     assert bench.placed_hosts(line) == {"10.0.0.2", "10.0.0.3", "10.0.0.5"}
     assert bench.placed_hosts("hapd launcher: host(s) 10.0.0.4 ready to join: their ranks start now") is None
-    assert bench.placed_hosts("hapd launcher: job j-g0: switched in place to generation 2: 6 ranks on 3 "
-                                  "host(s) (10.0.0.2 ranks 0-1)") is None
+    switched = ("hapd launcher: job j-g0: switched in place to generation 2: 5 ranks on 3 host(s) (10.0.0.2 ranks "
+                "0-1, 10.0.0.4 ranks 2-2, 10.0.0.3 ranks 3-4); MASTER_ADDR=10.0.0.2 MASTER_PORT=1")
+    assert bench.placed_hosts(switched) == {"10.0.0.2", "10.0.0.3", "10.0.0.4"}  # a join's generation says only this
+    assert bench.joining_hosts(switched, {"10.0.0.3"}) == set()
 
 
 def test_the_faults_run_waits_for_hosts_preparing_to_join(bench):
