@@ -108,7 +108,13 @@ def hidden_sync(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
     eta = sync_overlap(program)
     if eta <= 0.0:
         return 0.0
-    return eta * hideable(backward_steps(program, ratios), synced_gradients(program, ratios), HAPD_BUCKETS)
+    return eta * hideable_sync(program, ratios)
+
+
+def hideable_sync(program: Mapping[str, Any], ratios: Sequence[float]) -> float:
+    """Seconds of ``program``'s gradient sync its buckets' timeline lets hide behind the
+    backward under ``ratios`` (:func:`hapd.compiler.sync_timeline.hideable`), before η."""
+    return hideable(backward_steps(program, ratios), synced_gradients(program, ratios), HAPD_BUCKETS)
 
 
 HAPD_BUCKETS = BucketSizes(rest=_core.GRAD_BUCKET_BYTES)
@@ -263,8 +269,7 @@ def hideable_share(program: Mapping[str, Any]) -> float:
     bound = min(sync_seconds(program, ratios), backward_seconds(program, ratios))
     if bound <= 0.0:
         return 1.0
-    return min(1.0, hideable(backward_steps(program, ratios), synced_gradients(program, ratios), HAPD_BUCKETS)
-               / bound)
+    return min(1.0, hideable_sync(program, ratios) / bound)
 
 
 def _constant_sync(program: Mapping[str, Any]) -> float | None:
