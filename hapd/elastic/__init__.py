@@ -10,7 +10,9 @@
 - :mod:`~hapd.elastic.step_copy` — each rank's copies of its state at the last two
   steps it completed, and the survivors' agreement on the step to go on from;
 - :mod:`~hapd.elastic.moves` — which piece of which survivor's copy fills each piece of
-  the new plan, and the point-to-point moves that do it.
+  the new plan, and the point-to-point moves that do it;
+- :mod:`~hapd.elastic.standby` — a warm process a daemon keeps (torch, hapd and the
+  model's library imported) until it is handed a rank of an elastic launch.
 
 The launcher's side is :mod:`launcher.elastic`.
 """

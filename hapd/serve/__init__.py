@@ -5,6 +5,7 @@ snapshots. What it says on the wire is :mod:`hapd.wire`.
 - :mod:`~hapd.serve.leftovers` — the ranks a daemon started and may have to end;
 - :mod:`~hapd.serve.rank_guard` — the guard a rank runs under (ends with its daemon);
 - :mod:`~hapd.serve.jobs` — this daemon's share of each job: its ranks, leases, output;
+- :mod:`~hapd.serve.standby` — warm rank processes kept for elastic launches;
 - :mod:`~hapd.serve.snapshots` — training snapshots kept for another host's ranks;
 - :mod:`~hapd.serve.watch` — the drop folder's watcher;
 - :mod:`~hapd.serve.guard` — limits on requests and folders;

@@ -51,6 +51,7 @@ from hapd.compiler.options import CompileOptions
 from hapd.serve.cache import DEFAULT_MAX_CACHE_BYTES, PlanCache
 from hapd.errors import GraphFormatError, HapdError, OptionsError, ProtocolError
 from hapd.serve.jobs import JobManager
+from hapd.serve.standby import MAX_STANDBY, StandbyPool
 from hapd.wire.keys import home_dir, load_or_create_key
 from hapd.profile.schema import Profile, load_profile
 from hapd.wire.protocol import (DEFAULT_ADDRESS, PART_BYTES, PART_SLACK_BYTES, PROTOCOL_VERSION, Limits, Message,
@@ -161,6 +162,11 @@ class DaemonConfig:
     """A run's snapshots untouched (no put, get or list) this long are dropped."""
     snapshot_keep: int = DEFAULT_SNAPSHOT_KEEP
     """Most recent distinct steps of a run whose snapshots are kept."""
+    standby: int = 0
+    """Warm rank processes kept for elastic launches (``hapd serve --standby``,
+    :mod:`hapd.serve.standby`); 0: every rank starts a new process."""
+    standby_imports: tuple[str, ...] = ()
+    """Modules each standby imports besides torch and hapd (the model's library)."""
 
     def __post_init__(self) -> None:
         if self.max_cache_bytes < 1:
@@ -177,6 +183,8 @@ class DaemonConfig:
             raise OptionsError(f"snapshot_max_bytes {self.snapshot_max_bytes} must be ≥ 0", field="snapshot_max_bytes")
         if not self.snapshot_ttl_s > 0:
             raise OptionsError(f"snapshot_ttl_s {self.snapshot_ttl_s} must be > 0", field="snapshot_ttl_s")
+        if not 0 <= self.standby <= MAX_STANDBY:
+            raise OptionsError(f"standby {self.standby} must be in 0..{MAX_STANDBY}", field="standby")
         if self.snapshot_keep < 1:
             raise OptionsError(f"snapshot_keep {self.snapshot_keep} must be ≥ 1", field="snapshot_keep")
         if not is_loopback(self.bind) and not self.allow_remote:
@@ -362,8 +370,9 @@ class Daemon:
         self.replies = self.ctx.socket(zmq.PAIR)
         self.replies.bind(self._inproc)
         local = self.address.replace("://0.0.0.0:", "://127.0.0.1:").replace("://*:", "://127.0.0.1:")
+        standby = StandbyPool(cfg.standby, imports=cfg.standby_imports) if cfg.standby else None
         self.jobs = JobManager(jobs_dir=cfg.home / "jobs", daemon_address=local, cache_dir=cfg.cache, key_file=cfg.key_file,
-                               slots=cfg.slots, records_dir=cfg.home / "ranks")
+                               slots=cfg.slots, records_dir=cfg.home / "ranks", standby=standby)
 
         self.worker = threading.Thread(target=self._work, name="hapd-compile", daemon=True)
         self.worker.start()

@@ -58,6 +58,7 @@ from hapd.wire.contract import JOB_ID, MAX_LEASE_S, MIN_LEASE_S, PARK_FD_ENV, ST
 from hapd.serve.events import SPILL_FILE, EventLog
 from hapd.serve.leftovers import MARKER_ENV, RankRecords, marked_processes, signal_marked
 from hapd.serve.rank_guard import GUARD_MODULE
+from hapd.serve.standby import StandbyPool
 from hapd.util import private_folder
 
 IN_PLACE_MODULE = "hapd.elastic.in_place"
@@ -261,6 +262,11 @@ def goes_on_without(job: "HostJob", code: int) -> bool:
     return job.spec.in_place and killed_by_signal(code) and not job.cancelled.is_set()
 
 
+def script_argv(command: list[str]) -> list[str]:
+    """The script and its arguments in a rank's command (what follows the runner's module)."""
+    return command[command.index(IN_PLACE_MODULE) + 1:] if IN_PLACE_MODULE in command else command[-1:]
+
+
 def torchrun_env(spec: LaunchSpec, local_rank: int) -> dict[str, str]:
     """The torchrun variables of one local rank."""
     rank = spec.rank_offset + local_rank
@@ -331,6 +337,14 @@ class HostJob:
     ``job_status``); their global ranks are renumbered from its ``rank_offset``."""
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     """This launch's mark (``HAPD_JOB_TOKEN``), inherited by every process of the job."""
+    adopted: list[tuple[str, int]] = field(default_factory=list)
+    """(token, guard pid) of each warm standby process this launch took as a rank
+    (:mod:`hapd.serve.standby`): it keeps its own token, which marks the job's processes too."""
+
+    @property
+    def tokens(self) -> set[str]:
+        """Every mark the job's processes carry: the launch's and its adopted standbys'."""
+        return {self.token, *(t for t, _ in self.adopted)}
 
     @property
     def finished(self) -> bool:
@@ -399,9 +413,12 @@ class JobManager:
     def __init__(self, *, jobs_dir: Path, daemon_address: str, cache_dir: Path, key_file: Path | None = None,
                  grace_s: float = DEFAULT_GRACE_S, slots: int | None = None,
                  keep_finished: int = DEFAULT_KEEP_FINISHED, keep_job_dirs: int = DEFAULT_KEEP_JOB_DIRS,
-                 job_dir_max_age_s: float = DEFAULT_JOB_DIR_MAX_AGE_S, records_dir: Path | None = None) -> None:
+                 job_dir_max_age_s: float = DEFAULT_JOB_DIR_MAX_AGE_S, records_dir: Path | None = None,
+                 standby: StandbyPool | None = None) -> None:
         """``records_dir``: where running jobs are recorded (default: ``ranks/`` beside
-        ``jobs_dir``); what a killed predecessor recorded there is stopped now."""
+        ``jobs_dir``); what a killed predecessor recorded there is stopped now.
+        ``standby``: warm processes an in-place launch's ranks are handed to (filled now,
+        and again whenever a job ends)."""
         if keep_job_dirs < 1 or not job_dir_max_age_s > 0:
             raise OptionsError(f"keep_job_dirs {keep_job_dirs} must be ≥ 1 and job_dir_max_age_s {job_dir_max_age_s} > 0",
                                field="keep_job_dirs")
@@ -423,6 +440,9 @@ class JobManager:
         self.records = RankRecords(Path(records_dir) if records_dir is not None else self.jobs_dir.parent / "ranks")
         self.records.stop_leftovers()
         self.prune_job_dirs()
+        self.standby = standby
+        if standby is not None:
+            standby.fill()
 
     # -- queries
 
@@ -516,6 +536,8 @@ class JobManager:
                 return
             try:
                 for r in job.ranks:
+                    if self._adopt(job, r, base, cwd, script_argv(job.command)):
+                        continue
                     park: dict[str, Any] = {}
                     read_end = None
                     if spec.in_place:  # the park pipe: the rank reads it on a thread
@@ -548,10 +570,32 @@ class JobManager:
                 job.events.finish()
                 raise
             self.records.write(spec.job, job.token, [r.proc.pid for r in job.ranks])
+            for token, pid in job.adopted:
+                self.records.write(spec.job, token, [pid])
             job.state = "running"
-        log.info("job %s: started ranks %d..%d of %d, pids %s", spec.job, spec.rank_offset, spec.rank_offset + spec.nproc - 1, spec.world_size, [r.proc.pid for r in job.ranks])
+        warm = f" ({len(job.adopted)} from warm standbys)" if job.adopted else ""
+        log.info("job %s: started ranks %d..%d of %d, pids %s%s", spec.job, spec.rank_offset, spec.rank_offset + spec.nproc - 1, spec.world_size, [r.proc.pid for r in job.ranks], warm)
         for r in job.ranks:
             threading.Thread(target=self._watch_rank, args=(job, r), name=f"hapd-rank-{r.rank}", daemon=True).start()
+
+    def _adopt(self, job: HostJob, r: Rank, base: Mapping[str, str], cwd: Path, argv: list[str]) -> bool:
+        """Hand rank ``r`` of an in-place launch to a warm standby process, if the pool
+        has one that fits its environment; whether it did."""
+        if self.standby is None or not job.spec.in_place:
+            return False
+        env = {**base, **torchrun_env(job.spec, r.local_rank)}
+        while (standby := self.standby.take(env)) is not None:
+            try:
+                standby.hand_over(env, str(cwd), argv)
+            except OSError as exc:
+                log.warning("job %s: standby process %d could not take rank %d (%s): trying another", job.spec.job,
+                            standby.proc.pid, r.rank, exc)
+                standby.stop()
+                continue
+            r.proc, r.park_fd = standby.proc, standby.park_fd
+            job.adopted.append((standby.token, standby.proc.pid))
+            return True
+        return False
 
     def _watch_rank(self, job: HostJob, r: Rank) -> None:
         proc = r.proc
@@ -722,6 +766,8 @@ class JobManager:
         its ranks left running."""
         job.release_events()
         self._stop_left(job)
+        if self.standby is not None and not self.active():
+            self.standby.fill()  # not while a job runs: a new standby's imports take the ranks' CPU
         try:
             if (self.jobs_dir / job.spec.job).is_dir():
                 os.utime(self.jobs_dir / job.spec.job)
@@ -762,27 +808,31 @@ class JobManager:
         """SIGTERM to every rank's process group and every process of the job; SIGKILL
         to those still there after the grace period."""
         self._kill(job, signal.SIGTERM)
-        signal_marked({job.token}, signal.SIGTERM)
+        signal_marked(job.tokens, signal.SIGTERM)
         self._later(self._kill_rest, job)
 
     def _kill_rest(self, job: HostJob) -> None:
         """The end of a stop's grace period."""
         self._kill(job, signal.SIGKILL, True)
-        signal_marked({job.token}, signal.SIGKILL)
+        signal_marked(job.tokens, signal.SIGKILL)
         if job.finished:
-            self.records.remove(job.token)
+            self._remove_records(job)
 
     def _stop_left(self, job: HostJob) -> None:
         """A job has ended: what its ranks started and left running (in their own
         session, say) gets SIGTERM, then SIGKILL after the grace period; the job's
         record goes once nothing of it is left."""
-        left = marked_processes({job.token}).get(job.token, [])
+        left = [pid for pids in marked_processes(job.tokens).values() for pid in pids]
         if not left:
-            self.records.remove(job.token)
+            self._remove_records(job)
             return
         log.info("job %s: stopping %d process(es) its ranks left running: %s", job.spec.job, len(left), left[:8])
-        signal_marked({job.token}, signal.SIGTERM)
+        signal_marked(job.tokens, signal.SIGTERM)
         self._later(self._kill_rest, job)
+
+    def _remove_records(self, job: HostJob) -> None:
+        for token in job.tokens:
+            self.records.remove(token)
 
     def _later(self, action: Any, job: HostJob) -> None:
         timer = threading.Timer(self.grace_s, action, args=(job,))
@@ -813,7 +863,9 @@ class JobManager:
                 pass
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """Cancel every job and wait for its ranks to exit (up to ``timeout_s``)."""
+        """Stop the standbys, cancel every job and wait for its ranks to exit (up to ``timeout_s``)."""
+        if self.standby is not None:
+            self.standby.close()
         with self._lock:
             jobs = [j for j in self._jobs.values() if not j.finished]
         for job in jobs:
@@ -828,9 +880,9 @@ class JobManager:
                         self._kill(job, signal.SIGKILL)
         with self._lock:  # what ranks left, of every job: the daemon's timers do not outlive it
             known = list(self._jobs.values())
-        signal_marked({j.token for j in known}, signal.SIGKILL)
+        signal_marked({t for j in known for t in j.tokens}, signal.SIGKILL)
         for job in known:
-            self.records.remove(job.token)
+            self._remove_records(job)
             with job.lock:
                 job.events.close()  # its spill file: a stopped daemon keeps no job's output
 
@@ -843,7 +895,9 @@ class JobManager:
             job.set_reason(REASON_STOPPING)
             job.cancelled.set()
             self._kill(job, signal.SIGKILL)
-            signal_marked({job.token}, signal.SIGKILL)
+            signal_marked(job.tokens, signal.SIGKILL)
+        if self.standby is not None:
+            self.standby.close()
 
     def _trim(self) -> None:
         finished = [k for k, j in self._jobs.items() if j.finished]

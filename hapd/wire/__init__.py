@@ -7,7 +7,9 @@
 - :mod:`~hapd.wire.contract` — what they agree on besides messages: job ids, lease
   bounds, the variables a daemon sets for its ranks;
 - :mod:`~hapd.wire.switch` — an elastic rank's wait for its ``switch`` order and the
-  environment the order gives it.
+  environment the order gives it;
+- :mod:`~hapd.wire.standby` — the hand-over of a rank to a daemon's warm process, and
+  which launches one can serve.
 
 Never imports torch.
 """
