@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import msgpack
 
 from hapd import __version__
+from hapd.compiler.pipeline.stage_cost import COST_MODEL_REVISION
 from hapd.errors import HapdError, OptionsError, PlanError
 from hapd.util import atomic_write, format_bytes, private_folder
 
@@ -96,6 +97,11 @@ class CacheKey:
     ids of the micro-batch and half-batch graphs priced beside ``graph_id``, the global
     batch's, and why any is missing); ``None`` for a compile of one graph (its key is
     then what it was before techniques were searched)."""
+    cost_model: str = COST_MODEL_REVISION
+    """The pipeline pricing's revision: a plan whose pipelines were priced by an older
+    one (same hapd version, graph, profile and options) is not served. Part of the key
+    where pipelines are priced (a technique search's graphs, or ``pipeline`` not
+    ``"off"`` in the options); other keys are what they were."""
 
     def parts(self) -> dict[str, Any]:
         parts = {
@@ -106,6 +112,8 @@ class CacheKey:
         }
         if self.graphs is not None:
             parts["graphs"] = dict(self.graphs)
+        if self.graphs is not None or self.options.get("pipeline", "off") != "off":
+            parts["cost_model"] = self.cost_model
         return parts
 
     @property
@@ -420,7 +428,7 @@ class PlanCache:
                 if entry.kind == "plan" and entry.family == family and entry.parts and entry.profile_id != key.profile_id:
                     p = entry.parts
                     out.append(CacheKey(p["graph_id"], p["profile_id"], p["compiler_version"], p["options"],
-                                        p.get("graphs")))
+                                        p.get("graphs"), p.get("cost_model", "")))
             return out
 
     # -- lowered graphs

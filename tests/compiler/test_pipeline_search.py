@@ -419,3 +419,90 @@ def test_a_graph_without_blocks_is_searched_for_pipelines_and_runs_spmd():
     graph = hapd.lower(hapd.export(Bare(), (torch.randn(12, 16), torch.randn(12, 4))))
     profile = estimated_profile(3, flops=[3e10, 2e10, 1e10], hosts=["a", "b", "c"])
     assert hapd.compile(graph, profile, CompileOptions.from_mapping({"pipeline": "auto"})).technique == "spmd"
+
+
+@functools.cache
+def _bert_dropout(batch: int) -> GraphIR:
+    """Tiny BERT with dropout (its attention's too): the random ops a CPU stage draws
+    with hapd's counter-based generator in torch ops."""
+    spec = models.get("bert")
+    model, config = models.build("bert", "tiny", layers=2, dropout=0.1, attention_dropout=0.1)
+    return lower(export(model, spec.example_inputs(config, batch), batch_dims=spec.batch_dims), name="bert-dropout")
+
+
+def test_a_counter_draw_counts_the_kernels_the_runtimes_draw_dispatches() -> None:
+    """``draw_kernels`` counts what hapd's counter dropout and attention dispatch (a
+    tensor of another shape within one chunk dispatches as many), which is many times a
+    plain op's 1 + 2: what makes small micro-batches on a CPU cost more than their FLOPs."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hapd.compiler.pipeline.stage_cost import OP_KERNELS, draw_kernels
+    from hapd.spmd.random.random_ops import CounterDropout
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 5, 7, requires_grad=True)
+    drop = CounterDropout(0.3, True, 4, [3, 5, 7], [0, 0, 0], 11, single=True)
+    step = torch.zeros((), dtype=torch.int64)
+    with Count() as forward:
+        out = drop(x, step, step)
+    with Count() as backward:
+        out.backward(torch.ones_like(out))
+    assert draw_kernels("dropout", 3) == (forward.calls, backward.calls)
+    assert sum(draw_kernels("dropout", 3)) > 10 * sum(OP_KERNELS)
+    assert sum(draw_kernels("attention", 4)) > sum(draw_kernels("dropout", 4))
+
+
+def test_a_units_random_ops_dispatch_their_draws_kernels_where_the_devices_draw_in_torch_ops() -> None:
+    from hapd.compiler.pipeline.stage_cost import OP_KERNELS, _draw_kind, draw_kernels, graph_kernels, op_kernels
+
+    ir = _bert_dropout(BATCH)
+    units = graph_units(ir.doc)
+    count = len(units.units)
+    expected = [[0, 0] for _ in range(count)]  # forward, backward kernels per unit
+    plain_ops = [0] * count
+    kinds = set()
+    for node in ir.doc["nodes"]:
+        if node.get("kind") == "op" and node["name"] in units.unit_of:
+            u, kind = units.unit_of[node["name"]], _draw_kind(node)
+            f, b = draw_kernels(kind, len(node["outputs"][0]["shape"])) if kind else OP_KERNELS
+            expected[u][0] += f
+            expected[u][1] += b
+            plain_ops[u] += 1
+            kinds.add(kind)
+    assert kinds == {None, "dropout", "attention"}
+    drawn, plain = op_kernels(ir.doc, units.unit_of, count), op_kernels(ir.doc, units.unit_of, count, counter_draws=False)
+    assert [list(p) for p in zip(*drawn)] == expected
+    assert plain == ([OP_KERNELS[0] * n for n in plain_ops], [OP_KERNELS[1] * n for n in plain_ops])
+    assert graph_kernels(ir.doc) == sum(drawn[0]) + sum(drawn[1])
+    no_dropout = lower(export(*(lambda m: (m[0], models.get("bert").example_inputs(m[1], BATCH)))(
+        models.build("bert", "tiny", layers=2, dropout=0.0)), batch_dims=models.get("bert").batch_dims), name="bert")
+    assert graph_kernels(no_dropout.doc) == graph_kernels(no_dropout.doc, counter_draws=False)
+
+
+def test_each_micro_batch_after_the_first_accumulates_its_stages_gradients() -> None:
+    """With ``m`` micro-batches a unit's backward adds its parameters' gradients into the
+    sum so far, ``(m − 1)/m`` adds a micro-batch at the slowest device's element-wise
+    rate; its forward and the units' syncs are what they were."""
+    from hapd.compiler.pipeline.stage_cost import unit_parameter_elements
+
+    profile = _two_hosts(1e8)
+    profile = dataclasses.replace(profile, devices=tuple(dataclasses.replace(d, elementwise_flops=1e9 * (1 + d.rank))
+                                                         for d in profile.devices))
+    ir = _mlp(BATCH // 2)
+    once, four = stage_table(ir, profile, CompileOptions()), stage_table(ir, profile, CompileOptions(), micro_batches=4)
+    elements = unit_parameter_elements(ir.doc, once.units.unit_of, len(once.units.units))
+    assert sum(1 for e in elements if e > 0) >= 2
+    for span, group in once.groups.items():
+        before, after = once.costs[group.key], four.costs[four.groups[span].key]
+        assert before is not None and after is not None
+        slowest = min(1e9 * (1 + r) for r in group.ranks)
+        assert after.forward == pytest.approx(before.forward) and after.sync == pytest.approx(before.sync)
+        for u, e in enumerate(elements):
+            assert after.backward[u] == pytest.approx(before.backward[u] + 0.75 * e / slowest)

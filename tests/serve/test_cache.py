@@ -239,3 +239,22 @@ def test_a_technique_search_is_re_planned_by_its_lp_for_a_host_subset(tmp_path, 
         [(s["node"], s["rule"]) for s in first.plan.program["steps"]]
     assert "LP-only re-plan" in moved.plan.estimate["techniques"]["pipeline"]["reason"]
     assert cache.compile(graphs, left, options).path == "hit"
+
+
+def test_a_plan_whose_pipelines_an_older_cost_model_priced_is_a_miss(tmp_path, compiled):
+    """A key that prices pipelines names the pipeline cost model's revision: a plan
+    cached under another revision (an older hapd's pricing with the same version string)
+    is not served, while a key that prices none keeps the key it had."""
+    import dataclasses
+
+    from hapd.compiler.pipeline.stage_cost import COST_MODEL_REVISION
+
+    plan, key = compiled
+    assert "cost_model" not in key.parts()  # SPMD only: keyed as before
+    pipelines = CacheKey.of(key.graph_id, load_profile("paper-8"), CompileOptions(pipeline="auto"))
+    assert pipelines.parts()["cost_model"] == COST_MODEL_REVISION
+    older = dataclasses.replace(pipelines, cost_model="pipeline-1")
+    assert older.digest != pipelines.digest and older.family != pipelines.family
+    cache = PlanCache(tmp_path, 10**8)
+    cache.put(older, plan.to_bytes())
+    assert cache.get(pipelines) is None

@@ -7,6 +7,7 @@ searches with it."""
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -212,20 +213,175 @@ def op_counts(doc: Mapping[str, Any], unit_of: Mapping[str, int], units: int) ->
     return counts
 
 
+COST_MODEL_REVISION = "pipeline-2"
+"""Revision of the pipeline pricing: part of the plan cache's key
+(:class:`hapd.serve.cache.CacheKey`), so a plan priced by an older model is not served
+for the same graph and profile. ``pipeline-2``: random ops' draws dispatched kernel by
+kernel and the micro-batches' gradient accumulation (:func:`op_kernels`,
+:func:`accumulation_seconds`)."""
+
+OP_KERNELS = (1, 2)
+"""Kernels an op dispatches forward and backward, as :func:`hapd.profiler.measure.op_seconds`
+counts them: the profile's ``op_seconds`` is a third of one probe op's forward and backward."""
+DROPOUT_OPS = frozenset({"aten.native_dropout", "aten.dropout", "aten.bernoulli", "aten.bernoulli.p",
+                         "aten.rand_like", "aten.randn_like"})
+"""IR ops the runtime draws with hapd's counter-based generator (``hapd.spmd.random.random_ops``:
+its dropouts and other random ops), besides an attention with ``dropout_p > 0``."""
+ATTENTION_OP = "aten.scaled_dot_product_attention"
+
+
+def _draw_kind(node: Mapping[str, Any]) -> str | None:
+    """``"dropout"`` for an op the runtime draws as a dropout, ``"attention"`` for an
+    attention with dropout (drawn and run as the math attention), else ``None``."""
+    op = node.get("op")
+    if op in DROPOUT_OPS:
+        return "dropout"
+    if op == ATTENTION_OP:
+        for arg in node.get("args", ()):
+            if arg.get("name") == "dropout_p":
+                value = arg.get("value", {}).get("f", 0.0)
+                return "attention" if value and float(value) > 0.0 else None
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def draw_kernels(kind: str, rank: int) -> tuple[int, int]:
+    """Kernels (forward, backward) the runtime dispatches for one random op of ``kind``
+    drawing a tensor of ``rank`` dims, where it draws with hapd's counter-based generator
+    in torch ops (devices without its fused kernels: a CPU): ``"dropout"`` for
+    :class:`~hapd.spmd.random.random_ops.CounterDropout`, ``"attention"`` for
+    :class:`~hapd.spmd.random.random_ops.CounterAttention` (the math attention and the
+    draw of its probabilities' mask; ``rank`` its query's). Counted, not assumed: the
+    runtime's own module runs once on a tiny tensor under a dispatch counter (each aten
+    call the dispatcher runs; a draw is SplitMix64 in ~15 int64 ops, its index and key
+    arithmetic a few per dim: ~70 kernels a 3-dim dropout, ~120 a 4-dim attention, where
+    a plain op dispatches 3). A draw of up to ``counter_rng.CHUNK`` elements: each
+    further chunk adds its passes, which its FLOPs (the core's ``FLOPS_PER_ELEMENT``)
+    already price."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hapd.spmd.random.random_ops import CounterAttention, CounterDropout
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    step = torch.zeros((), dtype=torch.int64)
+    shape = [2] * max(rank, 1)
+    with torch.random.fork_rng():
+        x = torch.randn(*shape, requires_grad=True)
+    if kind == "attention":
+        module = CounterAttention(0.1, 0, shape, [0] * len(shape), 0, is_causal=False, scale=None, enable_gqa=False)
+
+        def run() -> Any:
+            return module(x, x, x, None, step, step)
+    else:
+        drop = CounterDropout(0.1, True, 0, shape, [0] * len(shape), 0, single=True)
+
+        def run() -> Any:
+            return drop(x, step, step)
+    with Count() as forward:
+        out = run()
+    with Count() as backward:
+        out.backward(torch.ones_like(out))
+    return forward.calls, backward.calls
+
+
+def op_kernels(doc: Mapping[str, Any], unit_of: Mapping[str, int], units: int, *,
+               counter_draws: bool = True) -> tuple[list[int], list[int]]:
+    """Per unit, the kernels its ops dispatch forward and backward per micro-batch:
+    :data:`OP_KERNELS` an op, and with ``counter_draws`` (devices that draw in torch ops,
+    see :func:`draw_kernels`) a random op's counted draw. The profile's ``op_seconds``
+    prices each: measured, a stage on a third of a CPU core pays ~15 µs a kernel, and a
+    counter dropout's ~70 kernels (1.0 ms there, a plain op's 0.13 ms) are most of what
+    a micro-batch costs beyond its FLOPs."""
+    forward, backward = [0] * units, [0] * units
+    for node in doc["nodes"]:
+        if not units or node.get("kind") != "op" or node["name"] not in unit_of:
+            continue  # a graph without blocks has no unit
+        u = unit_of[node["name"]]
+        kind = _draw_kind(node) if counter_draws else None
+        f, b = draw_kernels(kind, len(node["outputs"][0]["shape"])) if kind else OP_KERNELS
+        forward[u] += f
+        backward[u] += b
+    return forward, backward
+
+
+def graph_kernels(doc: Mapping[str, Any], *, counter_draws: bool = True) -> int:
+    """Kernels (forward and backward) the ops of the whole graph ``doc`` dispatch once
+    (:func:`op_kernels` over one unit holding every op)."""
+    f, b = op_kernels(doc, {n["name"]: 0 for n in doc["nodes"] if n.get("kind") == "op"}, 1,
+                      counter_draws=counter_draws)
+    return f[0] + b[0]
+
+
+def counter_draws(profile: Profile) -> bool:
+    """Whether ``profile``'s devices draw random ops in torch ops (no device runs hapd's
+    fused kernels, ``fused_attention``: a CPU), so a draw dispatches :func:`draw_kernels`."""
+    return not any(d.fused_attention for d in profile.devices)
+
+
 def op_dispatch(profile: Profile) -> float:
-    """Seconds one op costs beyond its FLOPs on the slowest of ``profile``'s devices
+    """Seconds one kernel costs beyond its FLOPs on the slowest of ``profile``'s devices
     (their ``op_seconds``; 0 when the profile does not give it)."""
     return max((d.op_seconds or 0.0 for d in profile.devices), default=0.0)
 
 
-def with_dispatch(costs: UnitCosts, ops: Sequence[int], seconds: float) -> UnitCosts:
-    """``costs`` with each unit's ops dispatched once forward and twice backward at
-    ``seconds`` each: the core prices FLOPs, not how many ops carry them, and a stage
-    runs every op once per micro-batch (so many small micro-batches pay it many times)."""
-    if seconds <= 0:
+def unit_parameter_elements(doc: Mapping[str, Any], unit_of: Mapping[str, int], units: int) -> list[float]:
+    """Per unit, the elements of the trainable parameters its ops read (a parameter
+    read by several units counts in each: each stage holding it accumulates its
+    gradient)."""
+    readers: dict[int, set[int]] = {}
+    for node in doc["nodes"]:
+        if units and node.get("kind") == "op" and node["name"] in unit_of:
+            for ref in node.get("inputs", []):
+                readers.setdefault(int(ref[0]), set()).add(unit_of[node["name"]])
+    out = [0.0] * units
+    for i, node in enumerate(doc["nodes"]):
+        if node.get("kind") == "parameter" and node.get("requires_grad", True):
+            elements = 1.0
+            for d in node["outputs"][0]["shape"]:
+                elements *= int(d)
+            for u in readers.get(i, ()):
+                out[u] += elements
+    return out
+
+
+def accumulation_seconds(elements: Sequence[float], profile: Profile, micro_batches: int) -> list[float]:
+    """Per unit, seconds per micro-batch of adding its parameters' gradients into the
+    gradients accumulated so far: every micro-batch's backward after the first does
+    (autograd's ``AccumulateGrad``, one add an element, at the slowest device's
+    ``elementwise_flops``), ``(m − 1)/m`` of them a micro-batch; the SPMD plan, one
+    backward a step, adds none. The whole parameter on each device (a stage's plan
+    replicates its parameters; one that splits them adds less). 0 without
+    ``elementwise_flops``."""
+    rates = [d.elementwise_flops for d in profile.devices if d.elementwise_flops]
+    if not rates or micro_batches < 2:
+        return [0.0] * len(elements)
+    share = (micro_batches - 1) / micro_batches
+    return [share * e / min(rates) for e in elements]
+
+
+def with_dispatch(costs: UnitCosts, kernels: tuple[Sequence[int], Sequence[int]], seconds: float,
+                  accumulate: Sequence[float] = ()) -> UnitCosts:
+    """``costs`` with each unit's kernels (:func:`op_kernels`: forward, backward)
+    dispatched at ``seconds`` each, and ``accumulate`` (:func:`accumulation_seconds`)
+    added to its backward: the core prices FLOPs, not how many kernels carry them, and
+    a stage runs every op once per micro-batch (so many small micro-batches pay it many
+    times), accumulating its gradients each time."""
+    forward, backward = kernels
+    extra = list(accumulate) or [0.0] * len(costs.backward)
+    if seconds <= 0 and not any(extra):
         return costs
-    return UnitCosts(forward=tuple(f + n * seconds for f, n in zip(costs.forward, ops)),
-                     backward=tuple(b + 2 * n * seconds for b, n in zip(costs.backward, ops)), sync=costs.sync)
+    return UnitCosts(forward=tuple(f + n * seconds for f, n in zip(costs.forward, forward)),
+                     backward=tuple(b + n * seconds + a for b, n, a in zip(costs.backward, backward, extra)),
+                     sync=costs.sync)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -437,7 +593,8 @@ def simulate_one_f_one_b(forward: Sequence[float], backward: Sequence[float], bo
 
 
 __all__ = [
-    "GraphUnits", "Unit", "UnitCosts", "UnitMemory", "boundary_seconds", "graph_batch", "graph_units", "one_f_one_b",
-    "op_counts", "op_dispatch", "p2p_link", "round_trip", "simulate_one_f_one_b", "steady_period", "unit_costs",
-    "unit_memory", "with_dispatch",
+    "COST_MODEL_REVISION", "GraphUnits", "Unit", "UnitCosts", "UnitMemory", "accumulation_seconds", "boundary_seconds",
+    "counter_draws", "draw_kernels", "graph_batch", "graph_kernels", "graph_units", "one_f_one_b", "op_counts",
+    "op_dispatch", "op_kernels", "p2p_link", "round_trip", "simulate_one_f_one_b", "steady_period", "unit_costs",
+    "unit_memory", "unit_parameter_elements", "with_dispatch",
 ]

@@ -26,14 +26,18 @@ from hapd.compiler.pipeline.stage_cost import (
     graph_batch,
     graph_unit_bytes,
     graph_units,
+    accumulation_seconds,
+    counter_draws,
+    graph_kernels,
     one_f_one_b,
-    op_counts,
     op_dispatch,
+    op_kernels,
     p2p_link,
     round_trip,
     simulate_one_f_one_b,
     unit_costs,
     unit_memory,
+    unit_parameter_elements,
     with_dispatch,
 )
 from hapd.compiler.pipeline.repeats import Reduction, reduce_graph
@@ -297,8 +301,9 @@ class PipelinePlan:
     bubble: float
     """Predicted share of the pipelined time an average stage does not compute."""
     spmd_only_per_iteration: float
-    """The pure SPMD plan's estimate it competed with, with its ops' dispatch added as
-    the stages' is (the profile's ``op_seconds``: once per op forward, twice backward)."""
+    """The pure SPMD plan's estimate it competed with, with its ops' kernels' dispatch
+    added once as the stages' is per micro-batch (the profile's ``op_seconds`` a kernel,
+    :func:`~hapd.compiler.pipeline.stage_cost.op_kernels`)."""
     chosen: bool
     """Whether it runs: predicted ``CompileOptions.technique_margin`` faster than the SPMD
     plan (:mod:`hapd.compiler.choice`), and after a technique search not beaten by overlap."""
@@ -460,10 +465,14 @@ class StageTable:
         return seconds, [name for name, _ in split]
 
 
-def stage_table(ir: GraphIR, profile: Profile, options: CompileOptions, *, repeats: bool = True) -> StageTable:
+def stage_table(ir: GraphIR, profile: Profile, options: CompileOptions, *, repeats: bool = True,
+                micro_batches: int | None = None) -> StageTable:
     """Price the micro-batch graph ``ir`` on every group of ``profile``'s hosts: one
     search per distinct group (:func:`hapd.compiler.driver.search_program` with the
-    group's sub-profile, no memory caps), its steps summed per unit. With ``repeats``
+    group's sub-profile, no memory caps), its steps summed per unit, with what each
+    micro-batch costs beyond its FLOPs (:func:`~hapd.compiler.pipeline.stage_cost.with_dispatch`:
+    its kernels' dispatch and, ``micro_batches`` being ``m``, its gradient
+    accumulation; none without ``m``). With ``repeats``
     the search runs on the graph with its repeated blocks dropped, when it has some
     (:mod:`hapd.compiler.pipeline.repeats`), and each dropped block costs what the kept blocks
     it repeats do; a group whose search there fails, or finds a program that stands
@@ -478,7 +487,8 @@ def stage_table(ir: GraphIR, profile: Profile, options: CompileOptions, *, repea
     priced_units = reduction.kept if reduction is not None else count
     costs: dict[str, UnitCosts | None] = {}
     memory: dict[str, UnitMemory] = {}
-    ops = op_counts(doc, units.unit_of, count)
+    kernels = {draws: op_kernels(doc, units.unit_of, count, counter_draws=draws) for draws in (False, True)}
+    elements = unit_parameter_elements(doc, units.unit_of, count)
     searches = whole = 0
     reduced_doc = reduction.ir.doc if reduction is not None and options.memory_caps else None
     bytes_of = _unit_bytes(doc, reduced_doc, units, count) if options.memory_caps else {}
@@ -505,7 +515,8 @@ def stage_table(ir: GraphIR, profile: Profile, options: CompileOptions, *, repea
             program, ratios = found[1]
             held = unit_memory(program, ratios, doc, units.unit_of, count, capacity, searched=searched,
                                unit_bytes=bytes_of[searched is not None])
-        return with_dispatch(found[0], ops, op_dispatch(sub)), held, 1, wholes
+        accumulate = accumulation_seconds(elements, sub, micro_batches or 1)
+        return with_dispatch(found[0], kernels[counter_draws(sub)], op_dispatch(sub), accumulate), held, 1, wholes
 
     if count >= 2 and units.cuts:
         distinct = list({group.key: group for group in groups.values()}.values())
@@ -577,7 +588,7 @@ def search(
     graphs with their repeated blocks dropped (:func:`stage_table`)."""
     start = time.perf_counter()
     whole = graphs[min(graphs)].doc
-    spmd_only += 3 * sum(1 for n in whole["nodes"] if n.get("kind") == "op") * op_dispatch(profile)
+    spmd_only += graph_kernels(whole, counter_draws=counter_draws(profile)) * op_dispatch(profile)
     updated = [m["target"] for ir in graphs.values() for m in ir.doc.get("mutations", [])]
     if updated:
         return PipelineSearch(best=None, seconds=0.0, groups_priced=0, tried=(),
@@ -590,7 +601,7 @@ def search(
     priced = 0
     reason = "no group of hosts can run a stage"
     for m in sorted(graphs):
-        table = stage_table(graphs[m], profile, options, repeats=repeats)
+        table = stage_table(graphs[m], profile, options, repeats=repeats, micro_batches=m)
         priced += table.searches
         if len(table.units.units) < 2 or not table.units.cuts:
             reason = f"the graph has {len(table.units.units)} blocks and no cut between them"
