@@ -374,28 +374,33 @@ def test_a_stages_memory_from_the_graph_without_its_repeated_blocks_is_the_whole
 
 
 def test_every_op_pays_the_profiles_small_op_seconds_once_per_micro_batch() -> None:
-    """With ``op_seconds`` in the profile a stage's micro-batch costs its ops' dispatch
-    more (once forward, twice backward), so more micro-batches pay it more often; the
-    SPMD plan it competes with pays it once."""
-    from hapd.compiler.pipeline.stage_cost import op_counts
+    """With ``op_seconds`` in the profile a stage's micro-batch costs its kernels'
+    dispatch more (an op's once forward and twice backward, a parameter's fetch and
+    gradient accumulation once each), so more micro-batches pay it more often; the SPMD
+    plan it competes with pays it once."""
+    from hapd.compiler.pipeline.stage_cost import OP_KERNELS, PARAMETER_KERNELS, graph_kernels, op_counts, op_kernels
 
     base = _two_hosts(1e8)
     slow_ops = dataclasses.replace(base, devices=tuple(dataclasses.replace(d, op_seconds=1e-4) for d in base.devices))
     ir = _mlp(BATCH // 2)
     plain, paying = stage_table(ir, base, CompileOptions()), stage_table(ir, slow_ops, CompileOptions())
-    ops = op_counts(ir.doc, plain.units.unit_of, len(plain.units.units))
+    count = len(plain.units.units)
+    ops = op_counts(ir.doc, plain.units.unit_of, count)
+    forward, backward = op_kernels(ir.doc, plain.units.unit_of, count)
     assert sum(ops) > 0
+    for u, n in enumerate(ops):  # an MLP draws nothing: its ops' kernels, and its parameters'
+        assert forward[u] - OP_KERNELS[0] * n == (backward[u] - OP_KERNELS[1] * n) * PARAMETER_KERNELS[0] // PARAMETER_KERNELS[1]
     for span, group in plain.groups.items():
         costs, paid = plain.costs[group.key], paying.costs[paying.groups[span].key]
         assert costs is not None and paid is not None
-        for u, n in enumerate(ops):
-            assert paid.forward[u] == pytest.approx(costs.forward[u] + n * 1e-4)
-            assert paid.backward[u] == pytest.approx(costs.backward[u] + 2 * n * 1e-4)
+        for u in range(count):
+            assert paid.forward[u] == pytest.approx(costs.forward[u] + forward[u] * 1e-4)
+            assert paid.backward[u] == pytest.approx(costs.backward[u] + backward[u] * 1e-4)
     graphs = micro_batch_graphs(_mlp(BATCH), [_mlp(BATCH // 2)])
-    total_ops = sum(1 for n in graphs[1].doc["nodes"] if n.get("kind") == "op")
     found = pipeline_search(graphs, slow_ops, CompileOptions(), spmd_only=1.0)
     assert found.best is not None
-    assert found.best.spmd_only_per_iteration == pytest.approx(1.0 + 3 * total_ops * 1e-4)
+    assert graph_kernels(graphs[1].doc) > 3 * sum(1 for n in graphs[1].doc["nodes"] if n.get("kind") == "op")
+    assert found.best.spmd_only_per_iteration == pytest.approx(1.0 + graph_kernels(graphs[1].doc) * 1e-4)
 
 
 def test_a_graph_without_blocks_is_searched_for_pipelines_and_runs_spmd():
@@ -460,7 +465,8 @@ def test_a_counter_draw_counts_the_kernels_the_runtimes_draw_dispatches() -> Non
 
 
 def test_a_units_random_ops_dispatch_their_draws_kernels_where_the_devices_draw_in_torch_ops() -> None:
-    from hapd.compiler.pipeline.stage_cost import OP_KERNELS, _draw_kind, draw_kernels, graph_kernels, op_kernels
+    from hapd.compiler.pipeline.stage_cost import (OP_KERNELS, PARAMETER_KERNELS, _draw_kind, draw_kernels, graph_kernels,
+                                                   op_kernels, unit_parameter_elements)
 
     ir = _bert_dropout(BATCH)
     units = graph_units(ir.doc)
@@ -477,9 +483,19 @@ def test_a_units_random_ops_dispatch_their_draws_kernels_where_the_devices_draw_
             plain_ops[u] += 1
             kinds.add(kind)
     assert kinds == {None, "dropout", "attention"}
+    params = [0] * count  # trainable parameters each unit reads
+    for i, node in enumerate(ir.doc["nodes"]):
+        if node.get("kind") == "parameter" and node.get("requires_grad", True):
+            for u in {units.unit_of[n["name"]] for n in ir.doc["nodes"]
+                      if n.get("kind") == "op" and n["name"] in units.unit_of and any(r[0] == i for r in n["inputs"])}:
+                params[u] += 1
+    assert all(n > 0 for n in params) and sum(params) >= sum(1 for e in unit_parameter_elements(ir.doc, units.unit_of, count) if e)
+    for u, n in enumerate(params):
+        expected[u] = [expected[u][0] + PARAMETER_KERNELS[0] * n, expected[u][1] + PARAMETER_KERNELS[1] * n]
     drawn, plain = op_kernels(ir.doc, units.unit_of, count), op_kernels(ir.doc, units.unit_of, count, counter_draws=False)
     assert [list(p) for p in zip(*drawn)] == expected
-    assert plain == ([OP_KERNELS[0] * n for n in plain_ops], [OP_KERNELS[1] * n for n in plain_ops])
+    assert plain == ([OP_KERNELS[0] * n + PARAMETER_KERNELS[0] * k for n, k in zip(plain_ops, params)],
+                     [OP_KERNELS[1] * n + PARAMETER_KERNELS[1] * k for n, k in zip(plain_ops, params)])
     assert graph_kernels(ir.doc) == sum(drawn[0]) + sum(drawn[1])
     no_dropout = lower(export(*(lambda m: (m[0], models.get("bert").example_inputs(m[1], BATCH)))(
         models.build("bert", "tiny", layers=2, dropout=0.0)), batch_dims=models.get("bert").batch_dims), name="bert")

@@ -293,15 +293,25 @@ def draw_kernels(kind: str, rank: int) -> tuple[int, int]:
     return forward.calls, backward.calls
 
 
+PARAMETER_KERNELS = (1, 1)
+"""Dispatches a trainable parameter a unit reads costs forward and backward per
+micro-batch as the runtime runs a stage: the interpreter fetches it (a ``get_attr``
+node) and autograd accumulates its gradient (an ``AccumulateGrad`` node, beyond the
+add :func:`accumulation_seconds` prices). Measured on a third of a core: ~12 µs and
+~30 µs a parameter, the profile's ``op_seconds`` there 17 µs."""
+
+
 def op_kernels(doc: Mapping[str, Any], unit_of: Mapping[str, int], units: int, *,
                counter_draws: bool = True) -> tuple[list[int], list[int]]:
     """Per unit, the kernels its ops dispatch forward and backward per micro-batch:
     :data:`OP_KERNELS` an op, and with ``counter_draws`` (devices that draw in torch ops,
-    see :func:`draw_kernels`) a random op's counted draw. The profile's ``op_seconds``
-    prices each: measured, a stage on a third of a CPU core pays ~15 µs a kernel, and a
-    counter dropout's ~70 kernels (1.0 ms there, a plain op's 0.13 ms) are most of what
-    a micro-batch costs beyond its FLOPs."""
+    see :func:`draw_kernels`) a random op's counted draw; and :data:`PARAMETER_KERNELS`
+    for each trainable parameter it reads. The profile's ``op_seconds`` prices each:
+    measured, a stage on a third of a CPU core pays ~15 µs a kernel, and a counter
+    dropout's ~70 kernels (1.0 ms there, a plain op's 0.13 ms) are most of what a
+    micro-batch costs beyond its FLOPs."""
     forward, backward = [0] * units, [0] * units
+    readers: dict[int, set[int]] = {}
     for node in doc["nodes"]:
         if not units or node.get("kind") != "op" or node["name"] not in unit_of:
             continue  # a graph without blocks has no unit
@@ -310,6 +320,13 @@ def op_kernels(doc: Mapping[str, Any], unit_of: Mapping[str, int], units: int, *
         f, b = draw_kernels(kind, len(node["outputs"][0]["shape"])) if kind else OP_KERNELS
         forward[u] += f
         backward[u] += b
+        for ref in node.get("inputs", []):
+            readers.setdefault(int(ref[0]), set()).add(u)
+    for i, node in enumerate(doc["nodes"]):
+        if node.get("kind") == "parameter" and node.get("requires_grad", True):
+            for u in readers.get(i, ()):
+                forward[u] += PARAMETER_KERNELS[0]
+                backward[u] += PARAMETER_KERNELS[1]
     return forward, backward
 
 
@@ -595,6 +612,6 @@ def simulate_one_f_one_b(forward: Sequence[float], backward: Sequence[float], bo
 __all__ = [
     "COST_MODEL_REVISION", "GraphUnits", "Unit", "UnitCosts", "UnitMemory", "accumulation_seconds", "boundary_seconds",
     "counter_draws", "draw_kernels", "graph_batch", "graph_kernels", "graph_units", "one_f_one_b", "op_counts",
-    "op_dispatch", "op_kernels", "p2p_link", "round_trip", "simulate_one_f_one_b", "steady_period", "unit_costs",
+    "op_dispatch", "op_kernels", "PARAMETER_KERNELS", "p2p_link", "round_trip", "simulate_one_f_one_b", "steady_period", "unit_costs",
     "unit_memory", "unit_parameter_elements", "with_dispatch",
 ]
