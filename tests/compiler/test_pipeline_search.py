@@ -522,3 +522,30 @@ def test_each_micro_batch_after_the_first_accumulates_its_stages_gradients() -> 
         assert after.forward == pytest.approx(before.forward) and after.sync == pytest.approx(before.sync)
         for u, e in enumerate(elements):
             assert after.backward[u] == pytest.approx(before.backward[u] + 0.75 * e / slowest)
+
+
+def test_devices_that_run_the_fused_kernels_draw_in_one_kernel() -> None:
+    """A profile whose devices run hapd's fused kernels (a GPU) pays a random op's
+    dispatch as a plain op's; a CPU profile pays its counted draw's kernels."""
+    from hapd.compiler.pipeline.stage_cost import counter_draws, op_kernels
+
+    def with_op_seconds(profile, seconds):
+        return dataclasses.replace(profile, devices=tuple(dataclasses.replace(d, op_seconds=seconds)
+                                                          for d in profile.devices))
+
+    cpu = _two_hosts(1e8)
+    gpu = dataclasses.replace(cpu, devices=tuple(dataclasses.replace(d, fused_attention=True) for d in cpu.devices))
+    assert counter_draws(cpu) and not counter_draws(gpu)
+    ir = _bert_dropout(BATCH)
+    units = graph_units(ir.doc)
+    count = len(units.units)
+    for profile, draws in ((cpu, True), (gpu, False)):
+        free, paying = (stage_table(ir, with_op_seconds(profile, s), CompileOptions()) for s in (0.0, 1e-5))
+        forward, backward = op_kernels(ir.doc, units.unit_of, count, counter_draws=draws)
+        for span, group in free.groups.items():
+            a, b = free.costs[group.key], paying.costs[paying.groups[span].key]
+            assert a is not None and b is not None
+            assert [y - x for x, y in zip(a.forward, b.forward)] == pytest.approx([n * 1e-5 for n in forward])
+            assert [y - x for x, y in zip(a.backward, b.backward)] == pytest.approx([n * 1e-5 for n in backward])
+    assert sum(op_kernels(ir.doc, units.unit_of, count)[0]) > sum(op_kernels(ir.doc, units.unit_of, count,
+                                                                             counter_draws=False)[0])
