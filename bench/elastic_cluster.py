@@ -1166,6 +1166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="snapshot A/B rounds (the order reversed every other round)")
     p.add_argument("--rate-mbit", type=float, default=400.0, help="tbf rate of every host's link (default 400)")
     p.add_argument("--out", type=Path, default=OUT / "elastic_cluster.json")
+    p.add_argument("--standby", type=int, default=RANKS_PER_HOST,
+                   help="warm rank processes each daemon keeps (hapd serve --standby, importing transformers "
+                        f"ahead); 0: every rank a new process (default {RANKS_PER_HOST})")
     p.add_argument("--keep", action="store_true", help="leave the cluster up (debugging)")
     p.add_argument("-v", "--verbose", action="store_true")
     ns = p.parse_args(argv)
@@ -1211,7 +1214,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     work = Path(tempfile.mkdtemp(prefix="hapd-elastic-"))
     os.environ.setdefault("HAPD_HOME", str(work / "home"))
-    results: dict[str, Any] = {"steps": ns.steps, "quick": ns.quick, "rate_mbit": ns.rate_mbit,
+    results: dict[str, Any] = {"steps": ns.steps, "quick": ns.quick, "rate_mbit": ns.rate_mbit, "standby": ns.standby,
                                "host_speeds": list(HOST_SPEEDS), "model": "zoo.gpt2 width 128, 2 layers, vocab 512, "
                                "seq 32, batch 24, 600 samples, Adam 1e-3, dropout 0.1"}
     cluster = None
@@ -1230,6 +1233,8 @@ def main(argv=None) -> int:
             quotas = rank_quotas()
             groups = setup_cgroups(quotas)
             cluster = make_cluster(work)
+            if ns.standby:
+                cluster.daemon_args = ("--standby", str(ns.standby), "--standby-import", "transformers")
             cluster.create()
             cluster.shape(ns.rate_mbit)
             cluster.start()

@@ -78,6 +78,8 @@ class _Daemons:
         self.procs: list[subprocess.Popen | None] = [None] * n
         self.homes = [self.workdir / f"daemon{i}" for i in range(n)]
         self.addresses: list[str] = [""] * n
+        self.daemon_args: tuple[str, ...] = ()
+        """Further ``hapd serve`` options of every daemon (``--standby 2``, say)."""
 
     def _command(self, i: int) -> list[str]:
         raise NotImplementedError
@@ -92,7 +94,8 @@ class _Daemons:
         with open(home / "stderr.txt", "ab") as log:
             self.procs[i] = subprocess.Popen(
                 [*self._command(i), sys.executable, "-m", "hapd.cli", "serve", "--state", str(home), "--bind", self._bind(i),
-                 "--key", str(self.key_file), "--slots", str(self.slots), "--log-level", "info"],
+                 "--key", str(self.key_file), "--slots", str(self.slots), "--log-level", "info",
+                 *self.daemon_args],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
         self._wait(i, timeout)
 

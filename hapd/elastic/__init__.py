@@ -11,6 +11,8 @@
   steps it completed, and the survivors' agreement on the step to go on from;
 - :mod:`~hapd.elastic.moves` — which piece of which survivor's copy fills each piece of
   the new plan, and the point-to-point moves that do it;
+- :mod:`~hapd.elastic.export_share` — the job's exported program, shared with the
+  hosts that join it (they load it instead of exporting);
 - :mod:`~hapd.elastic.standby` — a warm process a daemon keeps (torch, hapd and the
   model's library imported) until it is handed a rank of an elastic launch.
 

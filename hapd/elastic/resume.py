@@ -83,7 +83,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hapd.errors import CheckpointError, CollectiveError, ElasticPause, HapdError
-from hapd.elastic import moves, step_copy
+from hapd.elastic import export_share, moves, step_copy
+from hapd.elastic.export_share import DAEMONS_ENV
 from hapd.state.checkpoint import held_tensors, load_checkpoint, load_optimizer_entries, set_draw_count, snapshot_files
 from hapd.state.checkpoint_format import MODEL, OPTIM
 from hapd.state.checkpoint_format import find_checkpoint
@@ -92,8 +93,6 @@ from hapd.wire.client import Client
 from hapd.wire.contract import STARTED_ENV
 from hapd.wire.keys import default_key_path, load_key
 
-DAEMONS_ENV = "HAPD_ELASTIC_DAEMONS"
-"""Comma-separated addresses of the daemons of the job's hosts (this generation)."""
 FORMER_DAEMONS_ENV = "HAPD_ELASTIC_FORMER_DAEMONS"
 """Comma-separated addresses of the daemons of hosts the job ran on before and no
 longer does (dropped): their copies are looked for too when resuming (a host whose
@@ -531,6 +530,7 @@ class Elastic:
             return
         now = time.perf_counter()
         self._copy_step(step)  # before any collective: a failure in one leaves this step's copy
+        export_share.refresh()  # the program shared with joining hosts stays in the daemon's store
         if self._last_step_end is not None:
             took = now - self._last_step_end
             self._step_time = took if self._step_time is None else 0.9 * self._step_time + 0.1 * took

@@ -37,7 +37,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from hapd.util import exit_process
-from hapd.wire.standby import read_order
+from hapd.wire.standby import READY_FD_ENV, read_order
 
 def _warm(imports: Sequence[str]) -> list[str]:
     """Import torch, hapd's training path and ``imports``, and export a small model
@@ -68,6 +68,23 @@ def _warm(imports: Sequence[str]) -> list[str]:
     return failed
 
 
+def _say_ready() -> None:
+    """Tell the daemon this process is warm (:data:`READY_FD_ENV`), and close that pipe."""
+    try:
+        fd = int(os.environ.pop(READY_FD_ENV, "") or "")
+    except ValueError:
+        return
+    try:
+        os.write(fd, b"ready\n")
+    except OSError:
+        pass
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def _take_environment(order: Mapping[str, Any], started_in: str) -> None:
     """Make the hand-over's environment and folder this process's own."""
     env = order["env"]
@@ -92,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     begun = time.monotonic()
     failed = _warm(ns.imports)
     warm_s = time.monotonic() - begun
+    _say_ready()
     ready = time.monotonic()
     try:
         order = read_order(sys.stdin)

@@ -21,7 +21,7 @@ from hapd.ir.fake import model_faked
 from hapd.ir.kept import GRAPHS_FILE, kept_graphs
 from hapd.ir.lower import EXTRA_FILE, FROZEN_KEY, FUNCTIONAL_KEY, frozen_parameters, mark_frozen
 from hapd.ir.normalize import functionalize, is_functional, mark_functional
-from hapd.ir.shapes import BatchInfo, dynamic_shapes, set_batch_info
+from hapd.ir.shapes import BatchInfo, batch_info, dynamic_shapes, set_batch_info
 from hapd.util import atomic_file
 
 _log = logging.getLogger(__name__)
@@ -128,16 +128,45 @@ _UNRETURNABLE = re.compile(r"Found <class '(?:[\w.]+\.)?(\w+)'> in output, which
 """torch.export's error for a forward whose outputs hold an object it cannot flatten."""
 
 
+def save_shared(program: ExportedProgram, path: str | Path, *, name: str, batch_dims: Sequence[int | None]) -> None:
+    """``program``'s functional form without its weights — every parameter and buffer
+    a meta tensor of its shape, dtype and ``requires_grad``; constants kept —, saved as
+    :func:`export` saves a ``.pt2`` but without the graphs: what a host joining an
+    elastic job loads (:func:`hapd.ir.lower.load_exported`) and rebinds to its own
+    model's tensors instead of exporting (:mod:`hapd.elastic.export_share`)."""
+    info = batch_info(program) or BatchInfo(size=0, symbolic=False, reason="exported static")
+    functional = _functional(program, info)
+    light = ExportedProgram(
+        root=functional.graph_module, graph=functional.graph, graph_signature=functional.graph_signature,
+        state_dict={k: _meta_like(v) for k, v in functional.state_dict.items()},
+        range_constraints=functional.range_constraints, module_call_graph=functional.module_call_graph,
+        example_inputs=None, constants=functional.constants, verifiers=functional.verifiers,
+    )
+    light.graph_module.meta.update(functional.graph_module.meta)
+    mark_functional(light)
+    set_batch_info(light, info)
+    _save(light, path, name, batch_dims, info, graphs=False)
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``tensor``'s shape and dtype (a parameter stays a parameter, its ``requires_grad`` kept)."""
+    meta = torch.empty_like(tensor, device="meta")
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
+    return meta
+
+
 def _save(program: ExportedProgram, path: str | Path, name: str, batch_dims: Sequence[int | None],
-          info: BatchInfo) -> None:
-    """Save ``program`` to ``path`` with hapd's extra file: name, batch dims, frozen parameters, batch info."""
+          info: BatchInfo, *, graphs: bool = True) -> None:
+    """Save ``program`` to ``path`` with hapd's extra file: name, batch dims, frozen
+    parameters, batch info; and, with ``graphs``, the graphs every compile of the file reads."""
     names = user_input_names(program)
     meta = {"name": name, "batch_dims": dict(zip(names, batch_dims)),
             FROZEN_KEY: frozen_parameters(program), FUNCTIONAL_KEY: is_functional(program), **info.to_doc()}
     extra: dict[str, Any] = {EXTRA_FILE: json.dumps(meta, sort_keys=True)}
-    graphs = kept_graphs(program, name=name, batch_dims=meta["batch_dims"])  # every compile of the file reads them
-    if graphs is not None:
-        extra[GRAPHS_FILE] = graphs
+    kept = kept_graphs(program, name=name, batch_dims=meta["batch_dims"]) if graphs else None
+    if kept is not None:
+        extra[GRAPHS_FILE] = kept
     try:
         with atomic_file(path) as handle:
             torch.export.save(program, handle, extra_files=extra)

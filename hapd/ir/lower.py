@@ -273,7 +273,7 @@ class _TorchLog(logging.Handler):
     of a failed load and raises only "check the warnings above"), instead of letting it
     reach stderr; on success the records go to hapd's log at debug level."""
 
-    LOGGERS = ("torch.export", "torch._export")
+    LOGGERS = ("torch.export", "torch._export", "torch._export.serde.serialize")  # the last has a handler of its own
 
     def __init__(self) -> None:
         super().__init__(level=logging.WARNING)

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 from hapd.serve.leftovers import MARKER_ENV, marked_processes
 from hapd.wire.contract import PARK_FD_ENV
+from hapd.wire.standby import READY_FD_ENV
 
 GUARD_MODULE = "hapd.serve.rank_guard"
 """The guard's module, as the daemon starts it (``python -m``)."""
@@ -94,13 +95,17 @@ def guard(daemon_pid: int, command: Sequence[str]) -> int:
 
 def _passed_fds() -> tuple[int, ...]:
     """The descriptors the daemon gave the rank that the guard passes on: an in-place
-    job's park pipe (:data:`hapd.wire.contract.PARK_FD_ENV`)."""
-    try:
-        fd = int(os.environ.get(PARK_FD_ENV) or "")
-        os.fstat(fd)
-    except (ValueError, OSError):
-        return ()
-    return (fd,)
+    job's park pipe (:data:`hapd.wire.contract.PARK_FD_ENV`), a standby's ready pipe
+    (:data:`hapd.wire.standby.READY_FD_ENV`)."""
+    fds = []
+    for name in (PARK_FD_ENV, READY_FD_ENV):
+        try:
+            fd = int(os.environ.get(name) or "")
+            os.fstat(fd)
+        except (ValueError, OSError):
+            continue
+        fds.append(fd)
+    return tuple(fds)
 
 
 def victims(token: str) -> list[int]:

@@ -6,7 +6,9 @@ its script gets anywhere (~3.5 s of CPU; tens of seconds on a slow host's share 
 core) while the job waits for it. The pool keeps ``count`` processes of
 :mod:`hapd.elastic.standby` ready instead, each under its own rank guard (so it dies
 with the daemon) in a session of its own, its park pipe open (:data:`PARK_FD_ENV`),
-having imported all that and warmed torch's exporter. An in-place launch
+having imported all that and warmed torch's exporter. They are warmed one at a time, on
+a thread of the pool (each says when it is warm: :data:`READY_FD_ENV`): several warming
+at once took the CPU of the host's running ranks and of the daemon itself. An in-place launch
 (:class:`~hapd.serve.jobs.LaunchSpec` ``in_place``) takes one per local rank
 (:meth:`StandbyPool.take`): the daemon writes the rank's environment, folder and script
 to its standard input and adopts the process as that rank, whose output and exit it
@@ -27,15 +29,16 @@ import json
 import logging
 import os
 import secrets
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
-from hapd.wire.standby import STANDBY_MODULE, fits
+from hapd.wire.standby import READY_FD_ENV, STANDBY_MODULE, fits
 from hapd.errors import OptionsError
 from hapd.serve.leftovers import MARKER_ENV
 from hapd.serve.rank_guard import GUARD_MODULE
@@ -45,6 +48,8 @@ log = logging.getLogger("hapd.standby")
 
 MAX_STANDBY = 256
 """Most standby processes one daemon keeps."""
+WARM_TIMEOUT_S = 600.0
+"""How long the pool waits for one standby to say it is warm before it starts the next."""
 
 
 @dataclass
@@ -57,7 +62,33 @@ class Standby:
     park_fd: int
     env: dict[str, str]
     """The environment it started with."""
+    ready_fd: int | None = None
+    """The read end of its ready pipe (closed once it said so, or ended)."""
     started: float = field(default_factory=time.time)
+    warm_s: float | None = None
+    """Seconds it took to say it is warm (None: not yet)."""
+
+    def await_warm(self, timeout_s: float, stop: threading.Event) -> bool:
+        """Wait until it says it is warm (its ready pipe), ends, ``timeout_s`` passes or
+        ``stop`` is set; whether it is warm."""
+        fd = self.ready_fd
+        if fd is None:
+            return self.warm_s is not None
+        deadline = time.monotonic() + timeout_s
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        try:
+            while not stop.is_set() and time.monotonic() < deadline:
+                if not poller.poll(500):
+                    continue
+                data = os.read(fd, 64)
+                if data.startswith(b"ready"):
+                    self.warm_s = time.time() - self.started
+                return self.warm_s is not None  # said it, or the pipe closed (ended, or handed over first)
+            return False
+        finally:
+            self.ready_fd = None
+            os.close(fd)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -85,10 +116,14 @@ class Standby:
                     stream.close()
                 except OSError:
                     pass
-        try:
-            os.close(self.park_fd)
-        except OSError:
-            pass
+        for fd in (self.park_fd, self.ready_fd):
+            if fd is None:
+                continue
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.ready_fd = None
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -111,54 +146,70 @@ class StandbyPool:
         self.cwd = cwd or os.getcwd()
         self._ready: list[Standby] = []
         self._lock = threading.Lock()
-        self._closed = False
+        self._closed = threading.Event()
+        self._held = threading.Event()
+        """Set when a launch took a standby: the pool warms no more until :meth:`fill`
+        (a job ended), so a warm-up never takes the CPU of the ranks just handed over."""
+        self._filler: threading.Thread | None = None
 
     def _spawn(self) -> Standby:
         token = secrets.token_hex(16)
-        read_end, write_end = os.pipe()
-        os.set_blocking(write_end, False)  # as a rank's: a standby that reads none never blocks the daemon
-        env = {**self.env, "PYTHONUNBUFFERED": "1", MARKER_ENV: token, PARK_FD_ENV: str(read_end)}
+        park_read, park_write = os.pipe()
+        ready_read, ready_write = os.pipe()
+        os.set_blocking(park_write, False)  # as a rank's: a standby that reads none never blocks the daemon
+        env = {**self.env, "PYTHONUNBUFFERED": "1", MARKER_ENV: token, PARK_FD_ENV: str(park_read),
+               READY_FD_ENV: str(ready_write)}
         if "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = "1"  # as the daemon gives the ranks of a launch of several; set again at hand-over
         command = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), "--", sys.executable, "-u", "-m",
                    STANDBY_MODULE, *[a for name in self.imports for a in ("--import", name)]]
         try:
             proc = subprocess.Popen(command, cwd=self.cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True, pass_fds=(read_end,))
+                                    stderr=subprocess.PIPE, start_new_session=True, pass_fds=(park_read, ready_write))
         except OSError:
-            os.close(write_end)
+            os.close(park_write)
+            os.close(ready_read)
             raise
         finally:
-            os.close(read_end)
-        return Standby(proc, token, write_end, env)
+            os.close(park_read)
+            os.close(ready_write)
+        return Standby(proc, token, park_write, env, ready_fd=ready_read)
 
-    def fill(self) -> int:
-        """Start standbys until ``count`` are alive; how many were started (a start that
-        fails is logged: launches then start new processes)."""
-        started = 0
+    def fill(self) -> None:
+        """Warm standbys, one at a time on a thread, until ``count`` are alive (a start
+        that fails is logged: launches then start new processes)."""
+        self._held.clear()
         with self._lock:
-            if self._closed:
-                return 0
-            for dead in [s for s in self._ready if not s.alive()]:
-                self._ready.remove(dead)
-                log.warning("standby process %d ended by itself (exit %s): replaced", dead.proc.pid, dead.proc.returncode)
-                dead.stop()
-            while len(self._ready) < self.count:
+            if self._closed.is_set() or (self._filler is not None and self._filler.is_alive()):
+                return
+            self._filler = threading.Thread(target=self._fill, name="hapd-standby", daemon=True)
+            self._filler.start()
+
+    def _fill(self) -> None:
+        while not self._closed.is_set() and not self._held.is_set():
+            with self._lock:
+                for dead in [s for s in self._ready if not s.alive()]:
+                    self._ready.remove(dead)
+                    log.warning("standby process %d ended by itself (exit %s): replaced", dead.proc.pid,
+                                dead.proc.returncode)
+                    dead.stop()
+                if len(self._ready) >= self.count:
+                    return
                 try:
-                    self._ready.append(self._spawn())
+                    standby = self._spawn()
                 except OSError as exc:
                     log.warning("cannot start a standby process: %s", exc)
-                    break
-                started += 1
-        if started:
-            log.info("started %d standby process(es) (%s)", started, ", ".join(["torch", "hapd", *self.imports]))
-        return started
+                    return
+                self._ready.append(standby)
+            if standby.await_warm(WARM_TIMEOUT_S, self._closed):
+                log.info("standby process %d warm in %.1f s (%s)", standby.proc.pid, standby.warm_s,
+                         ", ".join(["torch", "hapd", *self.imports]))
 
     def take(self, launch_env: Mapping[str, str]) -> Standby | None:
         """A live standby that can run a rank of ``launch_env`` (removed from the pool),
         or None."""
         with self._lock:
-            for s in list(self._ready):
+            for s in sorted(self._ready, key=lambda s: s.warm_s is None):  # the warm ones first
                 if not s.alive():
                     continue
                 why = fits(s.env, launch_env)
@@ -166,25 +217,22 @@ class StandbyPool:
                     log.info("a launch's rank starts a new process rather than a standby: %s", why)
                     return None
                 self._ready.remove(s)
+                self._held.set()
                 return s
         return None
 
     def ready(self) -> int:
-        """Standbys alive now."""
+        """Standbys alive and warm now."""
         with self._lock:
-            return sum(s.alive() for s in self._ready)
+            return sum(s.alive() and s.warm_s is not None for s in self._ready)
 
     def close(self) -> None:
         """Stop every standby; the pool starts none after this."""
+        self._closed.set()
         with self._lock:
-            self._closed = True
             ready, self._ready = self._ready, []
+            filler = self._filler
+        if filler is not None:
+            filler.join(timeout=2.0)
         for s in ready:
             s.stop()
-
-
-def describe(pool: StandbyPool | None) -> dict[str, Any]:
-    """What ``ping`` says of the pool."""
-    if pool is None:
-        return {"standby": 0, "standby_ready": 0}
-    return {"standby": pool.count, "standby_ready": pool.ready()}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,15 +40,16 @@ from hapd.compiler.options import CompileOptions
 from hapd.ir.lower import GraphIR
 from hapd.compiler.plan import Plan
 from hapd.wire.switch import JOIN_HELD_ENV
+from hapd.elastic import export_share
 from hapd.elastic.in_place import freeze_before_first_run
-from hapd.errors import OptionsError
+from hapd.errors import HapdError, OptionsError
 from hapd.profile.schema import Profile
 from hapd.compiler.techniques import GraphSet
 from hapd.spmd.distributed import env_int, init_distributed, job_host_groups, joining_device
 from hapd.train.parallel_module import ParallelModule
 from hapd.train.pipeline_module import PipelineModule, build_pipeline_module
 from hapd.train.plan_source import PlanAhead, PlanSource, compile_options, given_plan, job_profile, obtain_plan
-from hapd.train.programs import CARRY, Recipe, by_keyword, export_key, op_nodes
+from hapd.train.programs import CARRY, Recipe, by_keyword, export_key, key_digest, op_nodes, shared_bytes, take_shared
 from hapd.spmd.rank import RankModule
 from hapd.spmd.random.random_ops import COUNTER_RNG, RNG_CHOICES, TORCH_RNG
 from hapd.spmd.rewrite import distribute
@@ -132,6 +134,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
     built.build_times = BuildTimes(started=started, join_s=joined_s, total_s=time.time() - started)
     if ready.carried is not None:
         CARRY.keep(ready.carried, recipe.exported)
+        if rank == 0:
+            export_share.publish(key_digest(ready.carried), lambda: shared_bytes(recipe))
     return built
 
 
@@ -421,11 +425,34 @@ def _export_ahead(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims
                      device=device, use_daemon=False, verbose=False, weights=weights, compile=compile)
     opts = compile_options(_with_precision(_default_options(options, recipe.profile, world), precision))
     if plan is None and overlap != "always" and (opts.overlap or opts.pipeline == "auto"):
+        _shared_in(recipe)
         recipe.graphs(opts)  # what _training_plan's search prices
     else:
         recipe.export(True, recipe.half_shapes() if overlap == "always" else recipe.example_shapes)
     CARRY.keep(export_key(recipe.model, recipe.example_inputs, recipe.batch_dims, recipe.name, recipe.device),
                recipe.exported)
+
+
+def _shared_in(recipe: Recipe) -> bool:
+    """A joining rank takes the program the job's rank 0 shared (:mod:`hapd.elastic.export_share`)
+    instead of exporting its model, when a daemon of the job holds one of its export
+    key; said on stderr either way (the launcher shows a joining host's lines)."""
+    start = time.perf_counter()
+    key = export_key(recipe.model, recipe.example_inputs, recipe.batch_dims, recipe.name, recipe.device)
+    found = export_share.fetch(key_digest(key))
+    if found is None:
+        print("hapd: no program shared by the job for this model: exporting it here", file=sys.stderr, flush=True)
+        return False
+    data, address = found
+    try:
+        take_shared(recipe, data)
+    except HapdError as exc:
+        print(f"hapd: the program shared by the job on {address} does not fit this model ({exc}): exporting it here",
+              file=sys.stderr, flush=True)
+        return False
+    print(f"hapd: took the job's exported program from {address} ({len(data) / 1e6:.2f} MB in "
+          f"{time.perf_counter() - start:.2f} s) instead of exporting the model", file=sys.stderr, flush=True)
+    return True
 
 
 def _join_job_if_launched() -> None:

@@ -16,10 +16,12 @@ model's own parameter names.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import inspect
 import logging
 import os
 import re
+import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,12 +35,12 @@ from torch import Tensor, nn
 from torch.export import ExportedProgram
 
 from hapd.ir import normalize as normal_form
-from hapd.ir.export import export, user_input_names
-from hapd.ir.lower import GraphIR, lower
+from hapd.ir.export import export, save_shared, user_input_names
+from hapd.ir.lower import GraphIR, load_exported, lower
 from hapd.ir.op_facts import EVAL_RULE, SAME_OP_IN_EVAL
 from hapd.compiler.options import CompileOptions
 from hapd.ir.lower import lower_at
-from hapd.ir.shapes import batch_info, is_symbolic, program_at
+from hapd.ir.shapes import batch_info, is_symbolic, program_at, set_batch_info
 from hapd.compiler.techniques import GraphSet, graph_set
 from hapd.errors import ExportError, OptionsError, PlanError
 from hapd.profile.schema import Profile
@@ -417,6 +419,47 @@ def keyword_names(model: nn.Module) -> tuple[str, ...] | None:
 # --------------------------------------------------------------------------------------
 # Exports carried across a run of the script again in the same process
 # --------------------------------------------------------------------------------------
+
+
+def key_digest(key: tuple) -> str:
+    """An :func:`export_key` as a hex digest (what another process computes for the same model)."""
+    return hashlib.sha256(repr(key).encode()).hexdigest()
+
+
+SHARED_KEY = ("symbolic", True)
+"""Where a recipe keeps the program exported with a symbolic batch in training mode
+(:meth:`Recipe.symbolic`): what an elastic job shares with the hosts that join it."""
+
+
+def shared_bytes(recipe: Recipe) -> bytes | None:
+    """The recipe's symbolic training program as a joining host loads it
+    (:func:`hapd.ir.export.save_shared`: functional, weightless); None when it has none
+    (a static export, or no search over batches)."""
+    program = recipe.exported.get(SHARED_KEY)
+    if not is_symbolic(program):
+        return None
+    with tempfile.TemporaryDirectory(prefix="hapd-share-") as folder:
+        path = Path(folder) / "program.pt2"
+        save_shared(program, path, name=recipe.name, batch_dims=recipe.batch_dims)
+        return path.read_bytes()
+
+
+def take_shared(recipe: Recipe, data: bytes) -> None:
+    """Take a program another rank of the job shared (:func:`shared_bytes`) as the
+    recipe's symbolic training program, rebound to its model's tensors: what exporting
+    the model here would give. :class:`~hapd.errors.HapdError` (a
+    :class:`~hapd.errors.GraphError` or :class:`~hapd.errors.PlanError`) when it cannot
+    be read or does not fit the model."""
+    with tempfile.TemporaryDirectory(prefix="hapd-share-") as folder:
+        path = Path(folder) / "program.pt2"
+        path.write_bytes(data)
+        program, _ = load_exported(path)
+    info = batch_info(program)
+    if info is None or not info.symbolic:
+        raise PlanError("the shared program has no symbolic batch")
+    rebound = rebind(program, recipe.model)
+    set_batch_info(rebound, info)
+    recipe.exported[SHARED_KEY] = rebound
 
 
 def export_key(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims: Sequence[int | None],

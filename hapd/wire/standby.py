@@ -21,6 +21,11 @@ pools start: a launch whose value of one differs from the standby's own runs in 
 process. ``PYTHONUNBUFFERED`` is exempt (the standby runs unbuffered, as ranks do)."""
 EXEMPT = frozenset({"PYTHONUNBUFFERED"})
 
+READY_FD_ENV = "HAPD_STANDBY_READY_FD"
+"""The descriptor a standby writes ``ready`` to once warm, then closes: the daemon warms
+its standbys one at a time (several at once took the CPU of the host's running ranks and
+of the daemon itself, which then answered its launcher late)."""
+
 RUNNERS = ("in_place",)
 """The runners a hand-over may name (the elastic one: a warm process runs nothing else)."""
 

@@ -62,7 +62,7 @@ def test_an_in_place_rank_runs_in_a_warm_process_and_a_differing_launch_in_a_new
     folder = tmp_path / "work"
     folder.mkdir()
     with ServedDaemon(tmp_path / "hapd", "--standby", "1") as daemon:
-        wait_for(lambda: "started 1 standby process(es)" in daemon.log(), GENEROUS_S, "the standby to start")
+        wait_for(lambda: "warm in" in daemon.log(), GENEROUS_S, "the standby to be warm")
         pids = _launch(daemon, "warm", REPORT, folder, in_place=True, args=["--steps", "3"], env={"STANDBY_TEST": "yes"})
         events = _events(daemon, "warm")
         got = _report(events)
@@ -73,8 +73,7 @@ def test_an_in_place_rank_runs_in_a_warm_process_and_a_differing_launch_in_a_new
         assert any("runs in a warm process" in e["line"] for e in events if e["stream"] == "stderr")
         assert events[-1]["stream"] == "exit" and events[-1]["line"] == "0"
         assert "(1 from warm standbys)" in daemon.log()
-        wait_for(lambda: daemon.log().count("started 1 standby process(es)") == 2, GENEROUS_S,
-                 "the pool to fill up again once the job ended")
+        wait_for(lambda: daemon.log().count("warm in") == 2, GENEROUS_S, "the pool to fill up again once the job ended")
 
         # a start-time variable the standby did not start with: a new process
         _launch(daemon, "cold", REPORT, folder, in_place=True, env={"PYTHONHASHSEED": "7"})
@@ -88,7 +87,7 @@ def test_an_in_place_rank_runs_in_a_warm_process_and_a_differing_launch_in_a_new
 
 def test_cancelling_a_job_stops_the_rank_it_handed_to_a_standby(tmp_path):
     with ServedDaemon(tmp_path / "hapd", "--standby", "1") as daemon:
-        wait_for(lambda: "started 1 standby process(es)" in daemon.log(), GENEROUS_S, "the standby to start")
+        wait_for(lambda: "warm in" in daemon.log(), GENEROUS_S, "the standby to be warm")
         _launch(daemon, "sleeper", SLEEPER, tmp_path, in_place=True)
         events = _events(daemon, "sleeper", until_done=False,
                          until=lambda seen: any(e["stream"] == "stdout" for e in seen))
@@ -118,3 +117,20 @@ def test_the_hand_over_line_and_the_start_variables_rule():
     assert fits({"PATH": "/a", "PYTHONUNBUFFERED": "1"}, {"PATH": "/b", "RANK": "3"}) is None
     assert "LD_PRELOAD differs" in fits({}, {"LD_PRELOAD": "x.so"})
     assert "OMP" not in (fits({"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "4"}) or "")  # applied at hand-over
+
+
+def test_the_pool_warms_its_standbys_one_at_a_time(tmp_path):
+    from hapd.serve.standby import StandbyPool
+
+    pool = StandbyPool(2, cwd=str(tmp_path))
+    try:
+        pool.fill()
+        wait_for(lambda: pool.ready() == 2, GENEROUS_S, "both standbys to be warm")
+        first, second = pool._ready  # noqa: SLF001 - the order they were started in
+        assert second.started >= first.started + first.warm_s  # the second started once the first was warm
+        pids = [first.proc.pid, second.proc.pid]
+    finally:
+        pool.close()
+    assert pool.ready() == 0
+    wait_for(lambda: all(not os.path.exists(f"/proc/{p}") or _zombie(p) for p in pids), GENEROUS_S,
+             "the closed pool's processes to end")

@@ -1,0 +1,145 @@
+"""A running elastic job's exported program, shared with the hosts that join it.
+
+A joining host's rank (launched ahead, :data:`hapd.wire.switch.JOIN_HELD_ENV`) exports
+the model before it can join: ``torch.export`` and making the program functional are
+most of its time (~2.5 s of CPU for the elastic bench's GPT-2, ~15 s on a sixth of a
+core), while every rank of the running job holds that very program already (the
+in-place runner carries it, :class:`hapd.train.programs.ExportCarry`). So rank 0 of an
+elastic run **publishes** it once — the functional form without weights (meta tensors,
+~0.4 MB for that GPT-2 whatever its size; :func:`hapd.ir.export.save_shared`) — in its
+daemon's in-memory store (the snapshot store, under an entry of its own:
+:func:`entry`), and a joining rank whose model has the same export key **fetches** it
+from the daemons of the job's hosts (``$HAPD_ELASTIC_DAEMONS``), loads it and rebinds
+it to its own model's tensors (:func:`hapd.train.programs.from_shared`): the program
+its own export would give, normalized to the same names. Without one (none published
+yet, the publishing host gone, the store's time-to-live passed) it exports as before.
+
+This module moves bytes only; the train room makes and reads them. The daemons drop a
+run's entries untouched for their time-to-live (15 min by default): rank 0 puts its
+copy again every :data:`REFRESH_S` (:func:`refresh`, from :meth:`hapd.Elastic.step_done`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hapd.elastic.in_place import RUN_ENV, runs_in_place
+from hapd.errors import HapdError
+from hapd.wire.client import Client
+from hapd.wire.keys import default_key_path, load_key
+
+_log = logging.getLogger(__name__)
+
+DAEMONS_ENV = "HAPD_ELASTIC_DAEMONS"
+"""Comma-separated addresses of the daemons of the job's hosts (this generation)."""
+PROGRAM_FILE = "program.pt2"
+DIGEST_FILE = "digest"
+REFRESH_S = 300.0
+"""How often rank 0 puts its published program again (the daemons' default time-to-live
+of an untouched run is 900 s)."""
+TIMEOUT_S = 5.0
+ENTRIES = 4096
+"""Entries a run's store holds (its "world"); two models of one script that fall on one
+entry find the other's digest there, and the second exports as before."""
+"""How long one daemon may take to answer a put, a list or a get."""
+
+
+def entry(run: str, digest: str) -> tuple[str, int]:
+    """The store entry (run, rank) of ``run``'s program of export key ``digest``: a run
+    id of its own (the store keeps a run's newest steps; its snapshots must not push the
+    program out), and a number from the digest (one entry per model of the script)."""
+    return "export-" + hashlib.sha256(run.encode()).hexdigest()[:16], int(digest[:3], 16) % ENTRIES
+
+
+@dataclass
+class _Published:
+    run: str
+    digest: str
+    data: bytes
+    address: str
+    at: float
+
+
+_published: dict[tuple[str, str], _Published] = {}
+_nothing: set[tuple[str, str]] = set()
+"""(run, digest) whose program could not be shared (a static export): not tried again."""
+_lock = threading.Lock()
+
+
+def _put(p: _Published) -> None:
+    store, number = entry(p.run, p.digest)
+    try:
+        with Client(p.address, load_key(default_key_path()), TIMEOUT_S) as client:
+            client.snapshot_put(store, 0, number, ENTRIES, {PROGRAM_FILE: p.data, DIGEST_FILE: p.digest.encode()})
+        _log.info("shared the exported program (%d bytes) with hosts that join, on %s", len(p.data), p.address)
+    except HapdError as exc:
+        _log.warning("could not share the exported program on %s (%s): a joining host exports it itself",
+                     p.address, exc)
+
+
+def publish(digest: str, make: Callable[[], bytes | None]) -> bool:
+    """On an elastic run's rank (under the in-place runner), put the program of export
+    key ``digest`` (its bytes made by ``make``, here and now; None: there is nothing to
+    share) in this host's daemon, in the background; once per run and key in this
+    process. Whether it was published now."""
+    run, address = os.environ.get(RUN_ENV), os.environ.get("HAPD_DAEMON")
+    if not run or not address or not runs_in_place():
+        return False
+    with _lock:
+        if (run, digest) in _published or (run, digest) in _nothing:
+            return False
+    data = make()
+    if not data:
+        with _lock:
+            _nothing.add((run, digest))
+        return False
+    p = _Published(run, digest, data, address, time.monotonic())
+    with _lock:
+        _published[(run, digest)] = p
+    threading.Thread(target=_put, args=(p,), daemon=True, name="hapd-export-share").start()
+    return True
+
+
+def refresh(now: float | None = None) -> int:
+    """Put again, in the background, what this process published more than
+    :data:`REFRESH_S` ago; how many."""
+    now = time.monotonic() if now is None else now
+    with _lock:
+        due = [p for p in _published.values() if now - p.at >= REFRESH_S]
+        for p in due:
+            p.at = now
+    for p in due:
+        threading.Thread(target=_put, args=(p,), daemon=True, name="hapd-export-share").start()
+    return len(due)
+
+
+def fetch(digest: str) -> tuple[bytes, str] | None:
+    """The program of export key ``digest`` that a rank of this elastic run published,
+    and the daemon it came from; None when no daemon of the job's hosts holds it."""
+    run = os.environ.get(RUN_ENV)
+    daemons = [a for a in (os.environ.get(DAEMONS_ENV) or "").split(",") if a]
+    if not run or not daemons:
+        return None
+    store, number = entry(run, digest)
+    key = load_key(default_key_path())
+    for address in daemons:
+        try:
+            with Client(address, key, TIMEOUT_S) as client:
+                if not any(e["rank"] == number for e in client.snapshot_list(store)):
+                    continue
+                files = client.snapshot_get(store, 0, number, timeout_s=TIMEOUT_S)
+        except HapdError as exc:
+            _log.info("no shared program from %s (%s)", address, exc)
+            continue
+        if files.get(DIGEST_FILE) == digest.encode() and files.get(PROGRAM_FILE):
+            return files[PROGRAM_FILE], address
+    return None
+
+
+__all__ = ["DAEMONS_ENV", "entry", "fetch", "publish", "refresh"]
