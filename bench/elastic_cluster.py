@@ -773,7 +773,9 @@ def scenario_join(b: Bench, steps: int, join_at: int, last: int) -> dict[str, An
     joined: dict[str, float] = {}
 
     def on_line(line: str) -> None:
-        if not joined and f'"event": "step", "step": {join_at}' in line:
+        if "ready to join: their ranks start now" in line and "answered" not in joined:
+            joined["answered"] = time.time()  # the launcher's ping of the joining daemon answered: its ranks start
+        if "at" not in joined and f'"event": "step", "step": {join_at}' in line:
             joined["at"] = time.time()
             subprocess.run([PY, "-m", "launcher", "join", *b.lines[2].split(), "--hosts", str(hostfile)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
@@ -795,6 +797,8 @@ def scenario_join(b: Bench, steps: int, join_at: int, last: int) -> dict[str, An
         nxt = gens[-1]
         if pause and joined.get("at") and nxt.get("first_step"):
             out["join_to_first_step_s"] = nxt["first_step"]["time"] - joined["at"]
+            if joined.get("answered"):
+                out["answered_to_first_step_s"] = nxt["first_step"]["time"] - joined["answered"]
             out["paused_at_step"] = pause.get("last_step")
             out["resumed_step"] = (nxt.get("resumed") or {}).get("step")
             out["in_place"] = bool(nxt.get("in_place"))
@@ -1091,9 +1095,10 @@ def tables(results: Mapping[str, Any]) -> list[str]:
         out.append(format_table(
             f"2. host join after step {join['join_at']} of {join['steps']} (2 → 3 hosts); steps/s over the last "
             f"{join['last']} steps (target ≥ {JOIN_TARGET:.0%} of a fresh 3-host launch)",
-            ["exit", "in place", "join→step s", "others idle s", "paused at", "resumed", "worlds after",
-             "steps/s joined", "steps/s fresh", "ratio", "max rel Δloss", "digest ="],
-            [[join["code"], join.get("in_place"), join.get("join_to_first_step_s"), join.get("others_idle_s"),
+            ["exit", "in place", "join→step s", "answered→step s", "others idle s", "paused at", "resumed",
+             "worlds after", "steps/s joined", "steps/s fresh", "ratio", "max rel Δloss", "digest ="],
+            [[join["code"], join.get("in_place"), join.get("join_to_first_step_s"),
+              join.get("answered_to_first_step_s"), join.get("others_idle_s"),
               join.get("paused_at_step"), join.get("resumed_step"),
               join.get("worlds_after_join"), join.get("steps_per_s_after_join"), join.get("steps_per_s_fresh"),
               join.get("ratio"), (chk.get("losses") or {}).get("max_rel"), chk.get("digest_equal")]]))

@@ -68,6 +68,24 @@ def _warm(imports: Sequence[str]) -> list[str]:
     return failed
 
 
+def _scheduling(policy: int) -> bool:
+    """Put every thread of this process in scheduling ``policy``; whether all went.
+    A standby warms under ``SCHED_IDLE`` — its imports then take only CPU that nothing
+    else on the host wants (the running ranks, the daemon answering its launcher) — and
+    goes back to ``SCHED_OTHER`` at the hand-over, which Linux allows a process of nice
+    0 without privileges."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    try:
+        for tid in tids:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 def _say_ready() -> None:
     """Tell the daemon this process is warm (:data:`READY_FD_ENV`), and close that pipe."""
     try:
@@ -107,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     started_in = os.getcwd()
     begun = time.monotonic()
+    idle = _scheduling(os.SCHED_IDLE) if hasattr(os, "SCHED_IDLE") else False
     failed = _warm(ns.imports)
     warm_s = time.monotonic() - begun
     _say_ready()
@@ -119,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if order is None:
         return 0
     waited = time.monotonic() - ready
+    if idle and not _scheduling(os.SCHED_OTHER):
+        print("hapd standby: cannot leave the idle scheduling class it warmed in: the rank would run only on a "
+              "CPU nothing else wants; ending (the launcher restarts it)", file=sys.stderr, flush=True)
+        return 1
     _take_environment(order, started_in)
     warm = ", ".join(["torch", "hapd", *[m for m in ns.imports if m not in failed]])
     print(f"hapd standby: rank {os.environ.get('RANK', '?')} runs in a warm process ({warm} imported and the exporter "

@@ -6,9 +6,11 @@ its script gets anywhere (~3.5 s of CPU; tens of seconds on a slow host's share 
 core) while the job waits for it. The pool keeps ``count`` processes of
 :mod:`hapd.elastic.standby` ready instead, each under its own rank guard (so it dies
 with the daemon) in a session of its own, its park pipe open (:data:`PARK_FD_ENV`),
-having imported all that and warmed torch's exporter. They are warmed one at a time, on
-a thread of the pool (each says when it is warm: :data:`READY_FD_ENV`): several warming
-at once took the CPU of the host's running ranks and of the daemon itself. An in-place launch
+having imported all that and warmed torch's exporter. They warm in Linux's idle
+scheduling class (:mod:`hapd.elastic.standby`), so their imports take only CPU nothing
+else on the host wants — several warming at once in the normal class took the CPU of
+the host's running ranks and of the daemon itself —, and each says when it is warm
+(:data:`READY_FD_ENV`). An in-place launch
 (:class:`~hapd.serve.jobs.LaunchSpec` ``in_place``) takes one per local rank
 (:meth:`StandbyPool.take`): the daemon writes the rank's environment, folder and script
 to its standard input and adopts the process as that rank, whose output and exit it
@@ -176,8 +178,8 @@ class StandbyPool:
         return Standby(proc, token, park_write, env, ready_fd=ready_read)
 
     def fill(self) -> None:
-        """Warm standbys, one at a time on a thread, until ``count`` are alive (a start
-        that fails is logged: launches then start new processes)."""
+        """Start standbys until ``count`` are alive, and wait for them to be warm on a
+        thread (a start that fails is logged: launches then start new processes)."""
         self._held.clear()
         with self._lock:
             if self._closed.is_set() or (self._filler is not None and self._filler.is_alive()):
@@ -186,21 +188,21 @@ class StandbyPool:
             self._filler.start()
 
     def _fill(self) -> None:
-        while not self._closed.is_set() and not self._held.is_set():
-            with self._lock:
-                for dead in [s for s in self._ready if not s.alive()]:
-                    self._ready.remove(dead)
-                    log.warning("standby process %d ended by itself (exit %s): replaced", dead.proc.pid,
-                                dead.proc.returncode)
-                    dead.stop()
-                if len(self._ready) >= self.count:
-                    return
+        started = []
+        with self._lock:
+            for dead in [s for s in self._ready if not s.alive()]:
+                self._ready.remove(dead)
+                log.warning("standby process %d ended by itself (exit %s): replaced", dead.proc.pid, dead.proc.returncode)
+                dead.stop()
+            while len(self._ready) < self.count and not self._closed.is_set() and not self._held.is_set():
                 try:
                     standby = self._spawn()
                 except OSError as exc:
                     log.warning("cannot start a standby process: %s", exc)
-                    return
+                    break
                 self._ready.append(standby)
+                started.append(standby)
+        for standby in started:
             if standby.await_warm(WARM_TIMEOUT_S, self._closed):
                 log.info("standby process %d warm in %.1f s (%s)", standby.proc.pid, standby.warm_s,
                          ", ".join(["torch", "hapd", *self.imports]))

@@ -22,9 +22,8 @@ process. ``PYTHONUNBUFFERED`` is exempt (the standby runs unbuffered, as ranks d
 EXEMPT = frozenset({"PYTHONUNBUFFERED"})
 
 READY_FD_ENV = "HAPD_STANDBY_READY_FD"
-"""The descriptor a standby writes ``ready`` to once warm, then closes: the daemon warms
-its standbys one at a time (several at once took the CPU of the host's running ranks and
-of the daemon itself, which then answered its launcher late)."""
+"""The descriptor a standby writes ``ready`` to once warm, then closes (the daemon hands
+a launch to a warm standby first, and logs how long each took to warm)."""
 
 RUNNERS = ("in_place",)
 """The runners a hand-over may name (the elastic one: a warm process runs nothing else)."""

@@ -23,7 +23,8 @@ import json, os, sys
 print(json.dumps({"torch_before_script": "torch" in sys.modules, "pid": os.getpid(), "ppid": os.getppid(),
                   "rank": os.environ.get("RANK"), "world": os.environ.get("WORLD_SIZE"),
                   "job": os.environ.get("HAPD_JOB"), "cwd": os.getcwd(), "argv": sys.argv[1:],
-                  "mine": os.environ.get("STANDBY_TEST"), "in_place": os.environ.get("HAPD_IN_PLACE")}), flush=True)
+                  "mine": os.environ.get("STANDBY_TEST"), "in_place": os.environ.get("HAPD_IN_PLACE"),
+                  "normal_class": os.sched_getscheduler(0) == os.SCHED_OTHER}), flush=True)
 """
 
 SLEEPER = """\
@@ -70,6 +71,7 @@ def test_an_in_place_rank_runs_in_a_warm_process_and_a_differing_launch_in_a_new
         assert got["ppid"] == pids[0]  # under the rank's guard, as a new rank would be
         assert (got["rank"], got["world"], got["job"], got["mine"], got["in_place"]) == ("0", "1", "warm", "yes", "1")
         assert got["cwd"] == str(folder) and got["argv"] == ["--steps", "3"]
+        assert got["normal_class"] is True  # out of the idle class it warmed in
         assert any("runs in a warm process" in e["line"] for e in events if e["stream"] == "stderr")
         assert events[-1]["stream"] == "exit" and events[-1]["line"] == "0"
         assert "(1 from warm standbys)" in daemon.log()
@@ -97,6 +99,21 @@ def test_cancelling_a_job_stops_the_rank_it_handed_to_a_standby(tmp_path):
         wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), GENEROUS_S, "the adopted rank to end")
 
 
+def _policy(guard_pid: int) -> int:
+    """The scheduling policy of the warm process under a standby's guard (waits for it to start)."""
+    def child() -> int | None:
+        try:
+            with open(f"/proc/{guard_pid}/task/{guard_pid}/children") as f:
+                kids = f.read().split()
+        except OSError:
+            return None
+        return int(kids[0]) if kids else None
+
+    pid = wait_for(child, GENEROUS_S, "the standby's process to start")
+    wait_for(lambda: os.sched_getscheduler(pid) == os.SCHED_IDLE or None, GENEROUS_S, "its warm-up to begin")
+    return os.sched_getscheduler(pid)
+
+
 def _zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -119,15 +136,17 @@ def test_the_hand_over_line_and_the_start_variables_rule():
     assert "OMP" not in (fits({"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "4"}) or "")  # applied at hand-over
 
 
-def test_the_pool_warms_its_standbys_one_at_a_time(tmp_path):
+def test_the_pool_warms_its_standbys_in_the_idle_scheduling_class(tmp_path):
     from hapd.serve.standby import StandbyPool
 
     pool = StandbyPool(2, cwd=str(tmp_path))
     try:
         pool.fill()
+        wait_for(lambda: len(pool._ready) == 2, GENEROUS_S, "both standbys to start")  # noqa: SLF001 - at once
+        first, second = pool._ready  # noqa: SLF001
+        warming = [_policy(first.proc.pid), _policy(second.proc.pid)]  # their guards' children: the warm processes
         wait_for(lambda: pool.ready() == 2, GENEROUS_S, "both standbys to be warm")
-        first, second = pool._ready  # noqa: SLF001 - the order they were started in
-        assert second.started >= first.started + first.warm_s  # the second started once the first was warm
+        assert warming == [os.SCHED_IDLE, os.SCHED_IDLE]
         pids = [first.proc.pid, second.proc.pid]
     finally:
         pool.close()
