@@ -490,9 +490,13 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
 
 
-def running_ranks(prefix: str) -> dict[str, list[tuple[int, int]]]:
+def running_ranks(prefix: str, groups: Mapping[int, Sequence[str]] | None = None,
+                  labels: Sequence[str] = ()) -> dict[str, list[tuple[int, int]]]:
     """Host label → (local rank, pid) of the run's rank processes now (the launcher's
-    children only: a rank's own children carry the environment too)."""
+    children only: a rank's own children carry the environment too). A rank a daemon
+    handed to a warm standby process (``hapd serve --standby``) keeps the standby's
+    environment in ``/proc``: it is found by the cpu cgroup its script put it in
+    (``groups``: host index → its ranks' cgroups, ``labels`` the hosts')."""
     out: dict[str, list[tuple[int, int]]] = {}
     for pid in job_processes(prefix):
         env = _environ(pid)
@@ -504,7 +508,30 @@ def running_ranks(prefix: str) -> dict[str, list[tuple[int, int]]]:
             continue  # the daemon's guard around the rank, or a child of the rank
         if "LOCAL_RANK" in env and "HAPD_HOST" in env and "ELBENCH_CGROUPS" in env:
             out.setdefault(env["HAPD_HOST"], []).append((int(env["LOCAL_RANK"]), pid))
+    for h, paths in (groups or {}).items():
+        for local, path in enumerate(paths):
+            for pid in standby_ranks(path):
+                out.setdefault(labels[h], []).append((local, pid))
     return out
+
+
+def standby_ranks(cgroup: str) -> list[int]:
+    """The live warm-standby processes (``hapd.elastic.standby``) in ``cgroup``: ranks
+    handed to them, which the bench's script moved there."""
+    try:
+        pids = [int(p) for p in Path(cgroup, "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
+    found = []
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"hapd.elastic.standby" in argv and state != "Z":
+            found.append(pid)
+    return found
 
 
 # ----------------------------------------------------------------------------- runs
@@ -610,7 +637,8 @@ class Bench:
             except (OSError, ValueError):
                 pass
         time.sleep(2.0)
-        left = job_processes(job)
+        left = job_processes(job) + [pid for paths in self.groups.values() for path in paths
+                                     for pid in standby_ranks(path)]  # ranks handed to standbys: by cgroup
         self.leftovers[job] = len(left)
         for pid in left:  # not ours to keep: say so, then clean up
             try:
@@ -743,7 +771,7 @@ def scenario_rankkill(b: Bench, steps: int, kill_at: int, variants: Sequence[tup
 
         def on_line(line: str, killed=killed, prefix=prefix) -> None:
             if not killed and f'"event": "step", "step": {kill_at}' in line:
-                pid = dict(running_ranks(prefix).get(b.labels[2], [])).get(1)
+                pid = dict(running_ranks(prefix, b.groups, b.labels).get(b.labels[2], [])).get(1)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     killed.update(at=time.time(), pid=pid)
@@ -857,7 +885,7 @@ def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str
     prefix = f"elb{os.getpid() % 10000}-{b.runs + 1}-faults"
 
     def inject(f: Fault) -> None:
-        ranks = running_ranks(prefix)
+        ranks = running_ranks(prefix, b.groups, b.labels)
         with lock:  # only the generation's hosts: a joining host's ranks or a dropped host's leftovers are not the job's
             placed = state["placed"]
             hosts = sorted(h for h in ranks if placed is None or h in placed)

@@ -67,8 +67,8 @@ class _Published:
 
 
 _published: dict[tuple[str, str], _Published] = {}
-_nothing: set[tuple[str, str]] = set()
-"""(run, digest) whose program could not be shared (a static export): not tried again."""
+_claimed: set[tuple[str, str]] = set()
+"""(run, digest) this process publishes, or tried to (a static export has nothing to share): not again."""
 _lock = threading.Lock()
 
 
@@ -84,25 +84,33 @@ def _put(p: _Published) -> None:
 
 
 def publish(digest: str, make: Callable[[], bytes | None]) -> bool:
-    """On an elastic run's rank (under the in-place runner), put the program of export
-    key ``digest`` (its bytes made by ``make``, here and now; None: there is nothing to
-    share) in this host's daemon, in the background; once per run and key in this
-    process. Whether it was published now."""
+    """On an elastic run's rank (under the in-place runner), make the program of export
+    key ``digest`` (``make``: its bytes; None: there is nothing to share) and put it in
+    this host's daemon, both on a thread (the job's first steps do not wait for them);
+    once per run and key in this process. Whether it is being published."""
     run, address = os.environ.get(RUN_ENV), os.environ.get("HAPD_DAEMON")
     if not run or not address or not runs_in_place():
         return False
     with _lock:
-        if (run, digest) in _published or (run, digest) in _nothing:
+        if (run, digest) in _published or (run, digest) in _claimed:
             return False
-    data = make()
-    if not data:
+        _claimed.add((run, digest))
+
+    def made_and_put() -> None:
+        try:
+            data = make()
+        except Exception as exc:  # noqa: BLE001 - a program that cannot be saved is exported by the joining host
+            _log.warning("cannot share the exported program (%s: %s): a joining host exports it itself",
+                         type(exc).__name__, exc)
+            return
+        if not data:
+            return
+        p = _Published(run, digest, data, address, time.monotonic())
         with _lock:
-            _nothing.add((run, digest))
-        return False
-    p = _Published(run, digest, data, address, time.monotonic())
-    with _lock:
-        _published[(run, digest)] = p
-    threading.Thread(target=_put, args=(p,), daemon=True, name="hapd-export-share").start()
+            _published[(run, digest)] = p
+        _put(p)
+
+    threading.Thread(target=made_and_put, daemon=True, name="hapd-export-share").start()
     return True
 
 
