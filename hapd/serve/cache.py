@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any, Mapping
 import msgpack
 
 from hapd import __version__
-from hapd.compiler.pipeline.stage_cost import COST_MODEL_REVISION
 from hapd.errors import HapdError, OptionsError, PlanError
 from hapd.util import atomic_write, format_bytes, private_folder
 
@@ -97,11 +96,14 @@ class CacheKey:
     ids of the micro-batch and half-batch graphs priced beside ``graph_id``, the global
     batch's, and why any is missing); ``None`` for a compile of one graph (its key is
     then what it was before techniques were searched)."""
-    cost_model: str = COST_MODEL_REVISION
-    """The pipeline pricing's revision: a plan whose pipelines were priced by an older
-    one (same hapd version, graph, profile and options) is not served. Part of the key
-    where pipelines are priced (a technique search's graphs, or ``pipeline`` not
-    ``"off"`` in the options); other keys are what they were."""
+    cost_model: str | None = None
+    """The pipeline pricing's revision (``None``: this hapd's,
+    :data:`hapd.compiler.pipeline.stage_cost.COST_MODEL_REVISION`, read when the key is
+    made into parts: the daemon loads the compiler on its first compile, never at
+    import): a plan whose pipelines were priced by an older one (same hapd version,
+    graph, profile and options) is not served. Part of the key where pipelines are
+    priced (a technique search's graphs, or ``pipeline`` not ``"off"`` in the options);
+    other keys are what they were."""
 
     def parts(self) -> dict[str, Any]:
         parts = {
@@ -113,7 +115,12 @@ class CacheKey:
         if self.graphs is not None:
             parts["graphs"] = dict(self.graphs)
         if self.graphs is not None or self.options.get("pipeline", "off") != "off":
-            parts["cost_model"] = self.cost_model
+            if self.cost_model is None:
+                from hapd.compiler.pipeline.stage_cost import COST_MODEL_REVISION
+
+                parts["cost_model"] = COST_MODEL_REVISION
+            else:
+                parts["cost_model"] = self.cost_model
         return parts
 
     @property

@@ -435,15 +435,13 @@ def _bert_dropout(batch: int) -> GraphIR:
     return lower(export(model, spec.example_inputs(config, batch), batch_dims=spec.batch_dims), name="bert-dropout")
 
 
-def test_a_counter_draw_counts_the_kernels_the_runtimes_draw_dispatches() -> None:
-    """``draw_kernels`` counts what hapd's counter dropout and attention dispatch (a
-    tensor of another shape within one chunk dispatches as many), which is many times a
-    plain op's 1 + 2: what makes small micro-batches on a CPU cost more than their FLOPs."""
+def _runtime_draw_kernels(kind: str, rank: int) -> tuple[int, int]:
+    """(forward, backward) aten calls the runtime's own draw of ``kind`` dispatches on a
+    tiny tensor of ``rank`` dims, counted under a dispatch counter."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hapd.compiler.pipeline.stage_cost import OP_KERNELS, draw_kernels
-    from hapd.spmd.random.random_ops import CounterDropout
+    from hapd.spmd.random.random_ops import CounterAttention, CounterDropout
 
     class Count(TorchDispatchMode):
         calls = 0
@@ -452,16 +450,34 @@ def test_a_counter_draw_counts_the_kernels_the_runtimes_draw_dispatches() -> Non
             self.calls += 1
             return func(*args, **(kwargs or {}))
 
-    x = torch.randn(3, 5, 7, requires_grad=True)
-    drop = CounterDropout(0.3, True, 4, [3, 5, 7], [0, 0, 0], 11, single=True)
+    shape = [3, 2, 5, 4, 2][:rank]
+    x = torch.randn(*shape, requires_grad=True)
     step = torch.zeros((), dtype=torch.int64)
+    if kind == "attention":
+        probabilities = [*shape[:-1], shape[-2]]
+        module = CounterAttention(0.2, 3, probabilities, [0] * rank, 7, is_causal=False, scale=None, enable_gqa=False)
+        run = lambda: module(x, x, x, None, step, step)  # noqa: E731
+    else:
+        module = CounterDropout(0.3, True, 4, shape, [0] * rank, 11, single=True)
+        run = lambda: module(x, step, step)  # noqa: E731
     with Count() as forward:
-        out = drop(x, step, step)
+        out = run()
     with Count() as backward:
         out.backward(torch.ones_like(out))
-    assert draw_kernels("dropout", 3) == (forward.calls, backward.calls)
-    assert sum(draw_kernels("dropout", 3)) > 10 * sum(OP_KERNELS)
-    assert sum(draw_kernels("attention", 4)) > sum(draw_kernels("dropout", 4))
+    return forward.calls, backward.calls
+
+
+@pytest.mark.parametrize("kind,rank", [("dropout", 1), ("dropout", 2), ("dropout", 3), ("dropout", 4),
+                                       ("attention", 3), ("attention", 4)])
+def test_a_counter_draw_costs_the_kernels_the_runtimes_draw_dispatches(kind: str, rank: int) -> None:
+    """``DRAW_KERNELS`` is what hapd's counter dropout and attention dispatch (counted
+    here on the runtime's modules: a change to the generator that changes it fails
+    this), many times a plain op's 1 + 2: what makes small micro-batches on a CPU cost
+    more than their FLOPs."""
+    from hapd.compiler.pipeline.stage_cost import OP_KERNELS, draw_kernels
+
+    assert draw_kernels(kind, rank) == _runtime_draw_kernels(kind, rank)
+    assert sum(draw_kernels(kind, rank)) > 15 * sum(OP_KERNELS)
 
 
 def test_a_units_random_ops_dispatch_their_draws_kernels_where_the_devices_draw_in_torch_ops() -> None:

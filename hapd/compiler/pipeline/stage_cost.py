@@ -7,7 +7,6 @@ searches with it."""
 from __future__ import annotations
 
 import bisect
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -244,53 +243,27 @@ def _draw_kind(node: Mapping[str, Any]) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+DRAW_KERNELS: Mapping[str, tuple[int, int, int]] = {"dropout": (56, 5, 6), "attention": (75, 5, 27)}
+"""Kernels the runtime dispatches for one random op where it draws with hapd's
+counter-based generator in torch ops (devices without its fused kernels: a CPU), by
+kind: (forward for a 0-dim draw, forward per dim of the drawn tensor, backward).
+``"dropout"`` is :class:`hapd.spmd.random.random_ops.CounterDropout`, ``"attention"``
+:class:`hapd.spmd.random.random_ops.CounterAttention` (the math attention and the
+draw of its probabilities' mask). Counted on the runtime's own modules under a dispatch
+counter (each aten call the dispatcher runs): a draw is SplitMix64 in ~15 int64 ops,
+its index and key arithmetic a few per dim, ~70 kernels a 3-dim dropout and ~120 a
+4-dim attention, where a plain op dispatches 3. The compiler sits below the runtime and
+does not import it: ``tests/compiler/test_pipeline_search.py`` counts the runtime's
+kernels again and fails when they no longer match. A draw of up to
+``counter_rng.CHUNK`` elements: each further chunk adds its passes, which its FLOPs
+(the core's ``FLOPS_PER_ELEMENT``) already price."""
+
+
 def draw_kernels(kind: str, rank: int) -> tuple[int, int]:
-    """Kernels (forward, backward) the runtime dispatches for one random op of ``kind``
-    drawing a tensor of ``rank`` dims, where it draws with hapd's counter-based generator
-    in torch ops (devices without its fused kernels: a CPU): ``"dropout"`` for
-    :class:`~hapd.spmd.random.random_ops.CounterDropout`, ``"attention"`` for
-    :class:`~hapd.spmd.random.random_ops.CounterAttention` (the math attention and the
-    draw of its probabilities' mask; ``rank`` its query's). Counted, not assumed: the
-    runtime's own module runs once on a tiny tensor under a dispatch counter (each aten
-    call the dispatcher runs; a draw is SplitMix64 in ~15 int64 ops, its index and key
-    arithmetic a few per dim: ~70 kernels a 3-dim dropout, ~120 a 4-dim attention, where
-    a plain op dispatches 3). A draw of up to ``counter_rng.CHUNK`` elements: each
-    further chunk adds its passes, which its FLOPs (the core's ``FLOPS_PER_ELEMENT``)
-    already price."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from hapd.spmd.random.random_ops import CounterAttention, CounterDropout
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.calls += 1
-            return func(*args, **(kwargs or {}))
-
-    step = torch.zeros((), dtype=torch.int64)
-    shape = [2] * max(rank, 1)
-    with torch.random.fork_rng():
-        x = torch.randn(*shape, requires_grad=True)
-    if kind == "attention":
-        module = CounterAttention(0.1, 0, shape, [0] * len(shape), 0, is_causal=False, scale=None, enable_gqa=False)
-
-        def run() -> Any:
-            return module(x, x, x, None, step, step)
-    else:
-        drop = CounterDropout(0.1, True, 0, shape, [0] * len(shape), 0, single=True)
-
-        def run() -> Any:
-            return drop(x, step, step)
-    with Count() as forward:
-        out = run()
-    with Count() as backward:
-        out.backward(torch.ones_like(out))
-    return forward.calls, backward.calls
+    """Kernels (forward, backward) of one random op of ``kind`` (:data:`DRAW_KERNELS`)
+    drawing a tensor of ``rank`` dims (an attention: its query's)."""
+    base, per_dim, backward = DRAW_KERNELS[kind]
+    return base + per_dim * rank, backward
 
 
 PARAMETER_KERNELS = (1, 1)
@@ -610,7 +583,7 @@ def simulate_one_f_one_b(forward: Sequence[float], backward: Sequence[float], bo
 
 
 __all__ = [
-    "COST_MODEL_REVISION", "GraphUnits", "Unit", "UnitCosts", "UnitMemory", "accumulation_seconds", "boundary_seconds",
+    "COST_MODEL_REVISION", "DRAW_KERNELS", "GraphUnits", "Unit", "UnitCosts", "UnitMemory", "accumulation_seconds", "boundary_seconds",
     "counter_draws", "draw_kernels", "graph_batch", "graph_kernels", "graph_units", "one_f_one_b", "op_counts",
     "op_dispatch", "op_kernels", "PARAMETER_KERNELS", "p2p_link", "round_trip", "simulate_one_f_one_b", "steady_period", "unit_costs",
     "unit_memory", "unit_parameter_elements", "with_dispatch",
