@@ -65,7 +65,8 @@ class Standby:
     env: dict[str, str]
     """The environment it started with."""
     ready_fd: int | None = None
-    """The read end of its ready pipe (closed once it said so, or ended)."""
+    """The read end of its ready pipe, closed by :meth:`await_warm` alone (the pool
+    awaits every standby it starts; one stopped closes its end, which ends the wait)."""
     started: float = field(default_factory=time.time)
     warm_s: float | None = None
     """Seconds it took to say it is warm (None: not yet)."""
@@ -107,7 +108,8 @@ class Standby:
         stdin.close()
 
     def stop(self) -> None:
-        """SIGKILL its process group (the guard and the warm process) and close its pipes."""
+        """SIGKILL its process group (the guard and the warm process) and close its pipes
+        (its ready pipe: :meth:`await_warm`)."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -118,14 +120,10 @@ class Standby:
                     stream.close()
                 except OSError:
                     pass
-        for fd in (self.park_fd, self.ready_fd):
-            if fd is None:
-                continue
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.ready_fd = None
+        try:
+            os.close(self.park_fd)
+        except OSError:
+            pass
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
