@@ -50,7 +50,10 @@ Columns: "ideal" is hapd's share of the ideal step (the model's FLOPs over the c
 summed matmul FLOP/s); "bound" its share of the larger of that and the least time the
 plan's own gradient sum takes over the machines' link (its replicated parameters'
 gradients, ``2·(hosts-1)/hosts`` of their bytes out of each machine): what no schedule
-of that plan beats.
+of that plan beats. The diagnosis (not a target) adds hapd's share of the same bound at
+the model's achieved rate: the FLOP/s one fast rank alone trains that model at (measured
+first, printed as "compute: …"), scaled to each rank by its quota, in place of the
+512³-matmul rate.
 """
 
 from __future__ import annotations
@@ -493,6 +496,25 @@ def exchange_floor(synced: float, rate_mbit: float, hosts: int = 2) -> float:
     return 2.0 * (hosts - 1) / hosts * synced / (rate_mbit * 1e6 / 8)
 
 
+def achieved_rate(model_rate_: float, fast_quota: float, quotas: Sequence[float]) -> float:
+    """FLOP/s the cluster's ranks would train a model at if each reached the rate one fast
+    rank alone measured on it (``model_rate_``, at ``fast_quota`` cores), scaled by its
+    own quota (``quotas``, cores): what "ideal" would be at the model's achieved rate
+    rather than the 512³-matmul rate. NaN when the rate or the quota is unknown."""
+    if not (model_rate_ == model_rate_ and model_rate_ > 0 and fast_quota and fast_quota > 0):
+        return float("nan")
+    return sum(model_rate_ * q / fast_quota for q in quotas)
+
+
+def achieved_bound(flops: float, rate: float, floor: float) -> float:
+    """The bound at the achieved rate (:func:`achieved_rate`): the larger of ``flops`` at
+    ``rate`` and the plan's gradient-exchange ``floor`` (:func:`exchange_floor`). NaN
+    when ``rate`` is not a positive number."""
+    if not (rate == rate and rate > 0):
+        return float("nan")
+    return max(flops / rate, floor)
+
+
 # ----------------------------------------------------------------------------- table
 
 
@@ -520,6 +542,13 @@ def summarize(results: dict) -> list[dict]:
                     floor = exchange_floor(synced, float(results.get("rate_mbit") or 0.0))
                     row["bound_s"] = max(m["flops"] / total_flops, floor)
                     row["fraction_of_bound"] = row["bound_s"] / r["mean_s"]
+                    # diagnosis, not a target: the same bound at the model's rate measured on one fast rank
+                    rate = achieved_rate(float((results.get("model_rate") or {}).get(model, float("nan"))),
+                                         float(results.get("fast_quota") or 0.0), v.get("quotas") or ())
+                    bound = achieved_bound(m["flops"], rate, floor)
+                    if bound == bound:
+                        row["achieved_bound_s"] = bound
+                        row["fraction_of_achieved_bound"] = bound / r["mean_s"]
                 if system == "hapd" and r.get("mean_s"):
                     if ev.get("mean_s"):
                         row["speedup_vs_ev"] = ev["mean_s"] / r["mean_s"]
@@ -642,6 +671,13 @@ def diagnosis(results: dict) -> list[str]:
                 f"cost model {variant} {model}: predicted {h['estimate_s'] * 1e3:.0f} ms (slowest device: compute "
                 f"{comp * 1e3:.0f} ms, communication {comm * 1e3:.0f} ms) vs measured {h['mean_s'] * 1e3:.0f} ms "
                 f"({(h['estimate_s'] - h['mean_s']) / h['mean_s']:+.0%})")
+    for r in summarize(results):
+        if r.get("fraction_of_achieved_bound") is not None:
+            lines.append(
+                f"diagnosis (not a target) {r['variant']} {r['model']}: hapd at {r['fraction_of_achieved_bound']:.0%} "
+                f"of the achieved-rate bound {_ms(r['achieved_bound_s'])} ms (the bound with the model's rate measured "
+                f"on one fast rank alone, scaled by each rank's quota, in place of the 512³-matmul rate; the "
+                f"target's bound is {_ms(r.get('bound_s'))} ms)")
     return lines
 
 

@@ -163,3 +163,37 @@ def test_the_bound_is_ideal_compute_or_the_plans_gradient_exchange(bench):
         row = next(r for r in bench.summarize(results) if r["system"] == "hapd")
         assert row["bound_s"] == pytest.approx(bound) and row["fraction_of_bound"] == pytest.approx(bound / 5.0)
         assert any("of the bound" in line for line in bench.targets(bench.summarize(results)))
+
+
+def test_the_achieved_rate_bound_scales_one_fast_ranks_model_rate_by_quota(bench):
+    """A diagnosis beside the bound: the model's rate on one fast rank alone (10 GFLOP/s at
+    0.75 core) scaled to each rank's quota (0.75, 0.75, 0.25, 0.25: 10+10+3.33+3.33 GFLOP/s),
+    its FLOPs over that or the plan's gradient exchange, whichever is longer."""
+    assert bench.achieved_rate(10e9, 0.75, [0.75, 0.75, 0.25, 0.25]) == pytest.approx(80e9 / 3)
+    assert bench.achieved_rate(float("nan"), 0.75, [0.75]) != bench.achieved_rate(float("nan"), 0.75, [0.75])
+    assert bench.achieved_bound(100e9, 80e9 / 3, 1.0) == pytest.approx(3.75)
+    assert bench.achieved_bound(100e9, 80e9 / 3, 5.0) == pytest.approx(5.0)
+    for rate, bound in ((800.0, 4.0), (8000.0, 3.75)):
+        results = _results(hapd=5.0, ev=9.0, cp=7.0, estimate=5.0)
+        results.update(rate_mbit=rate, fast_quota=0.75, model_rate={"bert": 10e9})
+        results["variants"]["3:1"]["quotas"] = [0.75, 0.75, 0.25, 0.25]
+        results["variants"]["3:1"]["models"]["bert"]["estimate"] = {"synced_bytes": 400e6}
+        rows = bench.summarize(results)
+        row = next(r for r in rows if r["system"] == "hapd")
+        assert row["achieved_bound_s"] == pytest.approx(bound)
+        assert row["fraction_of_achieved_bound"] == pytest.approx(bound / 5.0)
+        assert row["bound_s"] == pytest.approx(max(2.0, 4.0 if rate == 800.0 else 0.4))  # the target's bound as before
+        # a diagnosis line, never a target line
+        assert not any("achieved-rate" in line for line in bench.targets(rows))
+        line = next(line for line in bench.diagnosis(results) if "achieved-rate bound" in line)
+        assert line.startswith("diagnosis (not a target) 3:1 bert:") and f"{bound / 5.0:.0%}" in line
+
+
+def test_no_achieved_rate_bound_without_the_model_rate(bench):
+    results = _results(hapd=5.0, ev=9.0, cp=7.0, estimate=5.0)
+    results.update(rate_mbit=8000.0, fast_quota=0.75, model_rate={"bert": float("nan")})
+    results["variants"]["3:1"]["quotas"] = [0.75, 0.75, 0.25, 0.25]
+    results["variants"]["3:1"]["models"]["bert"]["estimate"] = {"synced_bytes": 400e6}
+    row = next(r for r in bench.summarize(results) if r["system"] == "hapd")
+    assert "fraction_of_achieved_bound" not in row and row["fraction_of_bound"] == pytest.approx(2.0 / 5.0)
+    assert not any("achieved-rate" in line for line in bench.diagnosis(results))
