@@ -122,6 +122,10 @@ class Transfer:
     src_box: Box
     dst_box: Box
     dtype: str
+    src_offsets: tuple[int, ...] = ()
+    """Where the source's piece starts in the whole tensor: which of its pieces of ``key``
+    it is (a rank may hold two: its own and a replica of a lost rank's,
+    :mod:`hapd.elastic.replica`)."""
 
     @property
     def numel(self) -> int:
@@ -180,7 +184,7 @@ def schedule(held: Mapping[int, Iterable[Piece]], needed: Mapping[int, Iterable[
                         rest.append(region)
                         continue
                     transfers.append(Transfer(src, dst, want.key, common.shifted(piece.offsets),
-                                              common.shifted(want.offsets), piece.dtype))
+                                              common.shifted(want.offsets), piece.dtype, piece.offsets))
                     rest += region.minus(common)
                 left = rest
             if left:
@@ -210,13 +214,14 @@ class Moved:
     peers: set[int] = field(default_factory=set)
 
 
-def execute(plan: Schedule, rank: int, sources: Mapping[str, Tensor], targets: Mapping[str, Tensor], *,
-            group: Any = None) -> Moved:
+def execute(plan: Schedule, rank: int, sources: Mapping[tuple[str, tuple[int, ...]], Tensor],
+            targets: Mapping[str, Tensor], *, group: Any = None) -> Moved:
     """This rank's part of ``plan``: copy its own blocks locally, send its blocks to other
     ranks and receive theirs, every peer's blocks packed into one buffer per dtype, in
     the schedule's order (both ends know it: one message per peer and dtype, each with its
     own tag, so no two messages of one pair can be matched out of order). ``sources``:
-    this rank's pieces by key (what ``held`` described to :func:`schedule`); ``targets``:
+    this rank's pieces by key and offsets (what ``held`` described to :func:`schedule`:
+    :func:`by_piece`); ``targets``:
     the tensors the pieces it needs are written into (a block is cast to the target's
     dtype and device). Collective over ``group``'s ranks that appear in the plan (ranks
     are ``group``'s)."""
@@ -227,7 +232,7 @@ def execute(plan: Schedule, rank: int, sources: Mapping[str, Tensor], targets: M
     with torch.no_grad():
         for t in plan.transfers:
             if t.src == rank and t.dst == rank:
-                targets[t.key][t.dst_box.slices()].copy_(sources[t.key][t.src_box.slices()])
+                targets[t.key][t.dst_box.slices()].copy_(sources[(t.key, t.src_offsets)][t.src_box.slices()])
                 moved.local_bytes += t.numel * dtype_size(t.dtype)
             elif t.src == rank:
                 sends[(t.dst, t.dtype)].append(t)
@@ -237,7 +242,8 @@ def execute(plan: Schedule, rank: int, sources: Mapping[str, Tensor], targets: M
         device = _wire_device(group) if dtypes else torch.device("cpu")
         ops, received = [], []
         for (peer, dtype), blocks in sorted(sends.items()):
-            buffer = torch.cat([sources[t.key][t.src_box.slices()].reshape(-1) for t in blocks]).to(device)
+            buffer = torch.cat([sources[(t.key, t.src_offsets)][t.src_box.slices()].reshape(-1)
+                                for t in blocks]).to(device)
             ops.append(dist.P2POp(dist.isend, buffer, _global(group, peer), group, dtypes.index(dtype)))
             moved.sent_bytes += buffer.numel() * buffer.element_size()
             moved.peers.add(peer)
@@ -258,6 +264,12 @@ def execute(plan: Schedule, rank: int, sources: Mapping[str, Tensor], targets: M
                 at += t.numel
     moved.seconds = time.perf_counter() - start
     return moved
+
+
+def by_piece(pieces: Iterable[Piece], tensors: Mapping[str, Tensor]) -> dict[tuple[str, tuple[int, ...]], Tensor]:
+    """``tensors`` (key → a rank's piece of it, described by ``pieces``) as
+    :func:`execute` reads its sources: by key and where the piece starts."""
+    return {(p.key, p.offsets): tensors[p.key] for p in pieces if p.key in tensors}
 
 
 def _wire_device(group: Any) -> torch.device:
@@ -289,4 +301,4 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["Box", "Moved", "Piece", "Schedule", "Transfer", "dtype_name", "dtype_size", "execute", "schedule"]
+__all__ = ["Box", "Moved", "Piece", "Schedule", "Transfer", "by_piece", "dtype_name", "dtype_size", "execute", "schedule"]

@@ -83,7 +83,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hapd.errors import CheckpointError, CollectiveError, ElasticPause, HapdError
-from hapd.elastic import export_share, moves, step_copy
+from hapd.elastic import export_share, moves, replica, step_copy
 from hapd.elastic.export_share import DAEMONS_ENV
 from hapd.state.checkpoint import held_tensors, load_checkpoint, load_optimizer_entries, set_draw_count, snapshot_files
 from hapd.state.checkpoint_format import MODEL, OPTIM
@@ -293,9 +293,14 @@ class Elastic:
         self._overlap = False
         """Whether the parameters and the optimizer state are copied beside the next step (the optimizer's
         next step waits for them first: its pre-hook)."""
+        self._replicas = (replica.kept(self.run) if self._copies is not None
+                          and env.get(replica.REPLICA_ENV, "1") != "0" else None)
+        """The replicas this rank holds of its sources' lonely pieces and sends of its own
+        (:mod:`hapd.elastic.replica`): a lost rank's pieces of a split tensor come back from memory."""
+        self._replica_max = float(env.get(replica.MAX_MB_ENV) or replica.DEFAULT_MAX_MB) * 2**20
         if self._copies is not None and optimizer is not None:
-            copies = self._copies
-            optimizer.register_step_pre_hook(lambda *_: copies.before_update())
+            copies, replicas = self._copies, self._replicas
+            optimizer.register_step_pre_hook(lambda *_: _before_update(copies, replicas))
             self._overlap = True
         if self.active:
             targets = [a for a in dict.fromkeys([own, buddy]) if a]
@@ -341,6 +346,8 @@ class Elastic:
             if memory.fallback:
                 source += f" (fallback: {memory.fallback})"
         load_s = time.perf_counter() - start
+        if self._replicas is not None:
+            self._replicas.reset()  # laid out by the old plan: this generation's first step lays them out again
         self._fresh_copy(step)
         if self.rank == 0:
             plan_source = getattr(self.module, "plan_source", None)
@@ -382,40 +389,54 @@ class Elastic:
 
     def _from_memory(self) -> "_FromMemory":
         """Load the state of the last step every survivor completed from their step
-        copies, moved point to point to the new plan's pieces (:mod:`hapd.elastic.moves`);
-        its step, or None and why not (no rank holds a copy: a restart; or a piece only a
-        lost rank held: ``fallback``). Collective (one gather, then the moves)."""
+        copies and the replicas they hold of lost ranks' pieces (:mod:`hapd.elastic.replica`),
+        moved point to point to the new plan's pieces (:mod:`hapd.elastic.moves`); the
+        step before when only that step's replicas cover a lost rank's pieces; its step,
+        or None and why not (no rank holds a copy: a restart; or a piece only a lost rank
+        held: ``fallback``). Collective (one gather, then the moves)."""
         if self._copies is None:
             return _FromMemory()
         self._copies.ready()
+        if self._replicas is not None:
+            self._replicas.wait()
         needs, params = step_copy.needed_pieces(self.module, self.optimizer)
         kept = self._copies.copies
+        generation = self._copies.generation
         offer = step_copy.Offer(
-            rank=self.rank, generation=self._copies.generation, old_rank=kept[-1].rank if kept else None,
-            copies={c.step: (c.pieces, c.objects, c.small) for c in kept}, needs=needs, params=params)
+            rank=self.rank, generation=generation, old_rank=kept[-1].rank if kept else None,
+            copies={c.step: (c.pieces, c.objects, c.small) for c in kept}, needs=needs, params=params,
+            replicas=self._replicas.offered(generation) if self._replicas is not None else {})
         offers = sorted(self._gather(offer), key=lambda o: o.rank)
         agreement = step_copy.agree(offers)
         if agreement.step is None:
             holders = any(o.generation is not None for o in offers)
             return _FromMemory(fallback=agreement.reason if holders else "")
-        step = agreement.step
-        held = {r: offers[r].copies[step][0] for r in agreement.survivors}
-        every_held = [p for pieces in held.values() for p in pieces]
-        needed = {o.rank: [*o.needs, *step_copy.optimizer_needs(o.params, every_held)] for o in offers}
-        plan = moves.schedule(held, needed)
-        if not plan.covered:
-            keys = ", ".join(plan.missing[:4]) + (f" and {len(plan.missing) - 4} more" if len(plan.missing) > 4 else "")
-            return _FromMemory(fallback=f"keys {keys} not held by any survivor")
+        covered = _cover(offers, agreement)
+        if isinstance(covered, str):
+            return _FromMemory(fallback=covered)
+        step, plan, needed, every_held = covered
         mine = self._copies.of_step(step) if self.rank in agreement.survivors else None
+        sources = moves.by_piece(mine.pieces, mine.tensors) if mine is not None else {}
+        if self._replicas is not None:
+            sources.update(self._replicas.sources(step, generation))
         targets: dict[str, torch.Tensor] = {MODEL + h.key: h.local for h in held_tensors(self.module)}
         loaded = {p.key: torch.empty(p.shape, dtype=getattr(torch, p.dtype))
                   for p in needed[self.rank] if not p.key.startswith(MODEL)}
-        moved = moves.execute(plan, self.rank, mine.tensors if mine is not None else {}, {**targets, **loaded})
-        self._load_small(offers, agreement, loaded, {p.key for p in every_held if p.key.startswith(OPTIM)})
+        moved = moves.execute(plan, self.rank, sources, {**targets, **loaded})
+        self._load_small(offers, dataclasses.replace(agreement, step=step), loaded,
+                         {p.key for p in every_held if p.key.startswith(OPTIM)})
         total = sum(t.numel * moves.dtype_size(t.dtype) for t in plan.transfers)
         between = plan.bytes_between_ranks()
-        return _FromMemory(step, f"survivors' memory, step {step}, moved {total / 2**20:.2f} MB in "
-                                 f"{moved.seconds:.3f} s ({between / 2**20:.2f} MB of it between ranks)")
+        replicated = {(r, p.key, p.offsets) for r in agreement.survivors for p in offers[r].replicas.get(step, ())}
+        from_replicas = sum(t.numel * moves.dtype_size(t.dtype) for t in plan.transfers
+                            if (t.src, t.key, t.src_offsets) in replicated)
+        told = f"survivors' memory, step {step}, moved {total / 2**20:.2f} MB in {moved.seconds:.3f} s " \
+               f"({between / 2**20:.2f} MB of it between ranks"
+        if from_replicas:
+            told += f", {from_replicas / 2**20:.2f} MB from replicas of lost ranks' pieces"
+        if step != agreement.step:
+            told += f"; the step before {agreement.step}, whose replicas had not all arrived"
+        return _FromMemory(step, told + ")")
 
     def _load_small(self, offers: list[step_copy.Offer], agreement: step_copy.Agreement,
                     optimizer_tensors: Mapping[str, torch.Tensor], optimizer_keys: set[str]) -> None:
@@ -543,18 +564,41 @@ class Elastic:
             else:
                 _say("step", step=step)
         self._first_step_said = True
+        self._replicate(step)
         pause = self._pause_requested()
         if pause or (self.every >= 0 and (self.every == 0 or step % self.every == 0)):
             self.snapshot(step)
         if pause:
             assert self._sender is not None
             self._sender.wait()
+            if self._replicas is not None:
+                self._replicas.wait()  # its peers' transfers end before the groups are left
             if self.rank == 0:
                 _say("paused", generation=self.generation, step=step, time=time.time())
             if runs_in_place():  # parked, and switched in its process into the generation with the joining host
                 raise ElasticPause(f"paused at step {step} for a joining host")
             raise SystemExit(0)
         self._last_step_end = time.perf_counter()
+
+    def _replicate(self, step: int) -> None:
+        """Send this rank's lonely pieces of ``step``'s copy to its partner and receive its
+        sources' (:mod:`hapd.elastic.replica`), beside the next step; the generation's
+        first step lays the replicas out (collective: every rank's host and pieces)."""
+        if self._replicas is None:
+            return
+        copies = self._copies
+        newest = copies.copies[-1] if copies is not None and copies.copies else None
+        layout = self._replicas.layout
+        if layout is None or layout.generation != self.generation:
+            mine = newest.pieces if newest is not None and newest.step == step else None
+            every = self._gather((self.host, mine))
+            layout = self._replicas.set_up(self.generation, self.rank, [h for h, _ in every], [p for _, p in every],
+                                           self._replica_max)
+            if self.rank == 0 and any(self._replicas.sent_bytes):
+                _say("replicas", generation=self.generation, bytes=list(self._replicas.sent_bytes),
+                     active=self._replicas.active, time=time.time())
+        whole = copies is not None and newest is not None and newest.step == step
+        self._replicas.start(step, newest.tensors if whole else None, copies.landing() if whole else lambda: False)
 
     def snapshot(self, step: int) -> float:
         """Write this rank's snapshot of ``step`` and send it to the daemons in the
@@ -619,9 +663,11 @@ class Elastic:
         return False
 
     def close(self) -> None:
-        """Wait for the last snapshot to reach the daemons."""
+        """Wait for the last snapshot to reach the daemons (and the last replicas theirs)."""
         if self._sender is not None:
             self._sender.wait()
+        if self._replicas is not None:
+            self._replicas.wait()
 
     # ------------------------------------------------------------------ collectives
 
@@ -645,6 +691,36 @@ class Elastic:
     def _barrier(self) -> None:
         if self._distributed():
             dist.barrier()
+
+
+def _before_update(copies: step_copy.StepCopies, replicas: "replica.Replicas | None") -> None:
+    """The optimizer's step pre-hook: the step copy's part beside the step whole, the
+    replicas of the last step sent and received (:mod:`hapd.elastic.replica`)."""
+    copies.before_update()
+    if replicas is not None:
+        replicas.wait()
+
+
+def _cover(offers: list[step_copy.Offer], agreement: step_copy.Agreement
+           ) -> tuple[int, moves.Schedule, dict[int, list[moves.Piece]], list[moves.Piece]] | str:
+    """The step the survivors go on from and its moves: the agreed step when their copies
+    and the replicas they hold of that step cover every piece the new plan needs, else
+    the step before (when every survivor holds it); else why not (the keys no survivor
+    holds)."""
+    missing = ""
+    for step in (agreement.step, agreement.earlier):
+        if step is None:
+            continue
+        held = {r: (*offers[r].copies[step][0], *offers[r].replicas.get(step, ())) for r in agreement.survivors}
+        every_held = [p for pieces in held.values() for p in pieces]
+        needed = {o.rank: [*o.needs, *step_copy.optimizer_needs(o.params, every_held)] for o in offers}
+        plan = moves.schedule(held, needed)
+        if plan.covered:
+            return step, plan, needed, every_held
+        if not missing:
+            keys = ", ".join(plan.missing[:4]) + (f" and {len(plan.missing) - 4} more" if len(plan.missing) > 4 else "")
+            missing = f"keys {keys} not held by any survivor"
+    return missing
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import copy
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -140,6 +140,8 @@ class _UnderWay:
     seconds: list[float] = field(default_factory=list)
     """The thread's time, once it ended."""
     errors: list[str] = field(default_factory=list)
+    failed: bool = False
+    """The part beside the step failed (kept once set; ``errors`` is cleared when told)."""
 
 
 @dataclass
@@ -220,6 +222,7 @@ class StepCopies:
                             target.copy_(source)
                 except Exception as exc:  # noqa: BLE001 - told at the next wait, the copy dropped
                     under_way.errors.append(f"{type(exc).__name__}: {exc}")
+                    under_way.failed = True
                 under_way.seconds.append(time.perf_counter() - began)
 
             under_way.thread = threading.Thread(target=run, daemon=True, name="hapd-step-copy")
@@ -237,6 +240,24 @@ class StepCopies:
             torch.cuda.current_stream().wait_event(under_way.event)
             under_way.event = None
         self._join(under_way)
+
+    def landing(self) -> Callable[[], bool]:
+        """A wait, callable from another thread, until the newest copy is whole (its
+        part beside the step ended); it answers whether the copy is sound (that part did
+        not fail). :mod:`hapd.elastic.replica` sends the copy once it is."""
+        under_way = self._under_way
+        if under_way is None:
+            return lambda: True
+        thread, event = under_way.thread, under_way.event
+
+        def wait() -> bool:
+            if event is not None:
+                event.synchronize()
+            if thread is not None:
+                thread.join()
+            return not under_way.failed
+
+        return wait
 
     def wait(self) -> None:
         """Until the last copy is whole (on the host: before it is read or replaced). A
@@ -371,6 +392,9 @@ class Offer:
     """The model pieces its new module holds."""
     params: tuple[Piece, ...]
     """Its optimizer's parameters' pieces (by model key, without ``model/``)."""
+    replicas: dict[int, tuple[Piece, ...]] = field(default_factory=dict)
+    """Step → the pieces of other ranks it holds replicas of (:mod:`hapd.elastic.replica`),
+    laid out by ``generation``."""
 
 
 @dataclass(frozen=True)
@@ -381,6 +405,9 @@ class Agreement:
     survivors: tuple[int, ...] = ()
     """The new ranks that hold a copy of ``step`` (of the newest generation any holds)."""
     reason: str = ""
+    earlier: int | None = None
+    """The step before ``step`` when every survivor holds a copy of it too (else None):
+    where they go on from when only replicas of that step hold a lost rank's pieces."""
 
 
 def agree(offers: Sequence[Offer]) -> Agreement:
@@ -396,7 +423,8 @@ def agree(offers: Sequence[Offer]) -> Agreement:
     lacking = [o.rank for o in survivors if step not in o.copies]
     if lacking:
         return Agreement(None, reason=f"ranks {lacking} hold no copy of step {step}")
-    return Agreement(step, tuple(o.rank for o in survivors))
+    earlier = step - 1 if all(step - 1 in o.copies for o in survivors) else None
+    return Agreement(step, tuple(o.rank for o in survivors), earlier=earlier)
 
 
 def optimizer_needs(params: Iterable[Piece], held: Iterable[Piece]) -> list[Piece]:

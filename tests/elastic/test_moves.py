@@ -124,7 +124,8 @@ def _execute_on_ranks(rank: int, world: int) -> dict[str, list]:
     new = [(0, 2), (2, 3), (3, 7)]
     needed = {r: [_rows("w", lo, hi - lo, (7, 3)), _whole("b", (5,))] for r, (lo, hi) in enumerate(new)}
     plan = schedule(held, needed)
-    sources = {"w": w[old[rank][0]:old[rank][1]].clone(), "b": b.clone()} if rank in old else {}
+    mine = {"w": w[old[rank][0]:old[rank][1]].clone(), "b": b.clone()} if rank in old else {}
+    sources = moves.by_piece(held.get(rank, []), mine)
     lo, hi = new[rank]
     dtype = torch.float64 if rank == 2 else torch.float32
     targets = {"w": torch.full((hi - lo, 3), -1.0, dtype=dtype), "b": torch.full((5,), -1.0, dtype=dtype)}
