@@ -988,16 +988,22 @@ def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str
 
 
 def scenario_snapshot(b: Bench, steps: int, last: int, rounds: int) -> dict[str, Any]:
-    order = [-1, 1, 0]
-    res: dict[int, list[float]] = {e: [] for e in order}
-    snaps: dict[int, list] = {e: [] for e in order}
-    chosen: dict[int, list[int]] = {e: [] for e in order}
+    """Steps/s without snapshots, with one every step and at the automatic interval (the
+    replicas of the lonely pieces on in all three, as by default), and without snapshots
+    or replicas (``off``: what the replicas cost, against ``-1``)."""
+    order = ["-1", "1", "0", "off"]
+    res: dict[str, list[float]] = {e: [] for e in order}
+    snaps: dict[str, list] = {e: [] for e in order}
+    chosen: dict[str, list[int]] = {e: [] for e in order}
     """The interval in force at each run's end (the automatic one's choice)."""
+    replicas: list[Any] = []
     for rnd in range(rounds):
         for every in (order if rnd % 2 == 0 else order[::-1]):
             log(f"snapshot: --snapshot-every {every} (round {rnd + 1})")
+            flags = (["--snapshot-every", "-1", "--env", "HAPD_REPLICA=0"] if every == "off"
+                     else ["--snapshot-every", every])
             r = b.launch(f"snap{every}", b.hostfile([0, 1, 2], f"snap{every}"), [str(steps), str(b.profile)],
-                         elastic="2:3", extra=["--snapshot-every", str(every)])
+                         elastic="2:3", extra=flags)
             tp = throughput(r["losses"], last)
             if tp:
                 res[every].append(tp)
@@ -1005,14 +1011,15 @@ def scenario_snapshot(b: Bench, steps: int, last: int, rounds: int) -> dict[str,
             snaps[every].append(taken[:3])
             if taken:
                 chosen[every].append(int(taken[-1].get("every") or every))
+            replicas += [e.get("bytes") for e in r["events"] if e.get("event") == "replicas"][:1]
     mean = {e: sum(v) / len(v) if v else None for e, v in res.items()}
-    base = mean[-1]
-    return {"steps": steps, "last": last, "rounds": rounds, "steps_per_s": {str(e): v for e, v in res.items()},
-            "mean": {str(e): v for e, v in mean.items()},
-            "ratio_to_none": {str(e): (v / base if v and base else None) for e, v in mean.items()},
-            "cost": {str(e): (1 - v / base if v and base else None) for e, v in mean.items()},
-            "interval": {str(e): v for e, v in chosen.items()},
-            "first_snapshots": {str(e): v for e, v in snaps.items()}}
+    base, off = mean["-1"], mean["off"]
+    return {"steps": steps, "last": last, "rounds": rounds, "steps_per_s": res,
+            "mean": mean,
+            "ratio_to_none": {e: (v / base if v and base else None) for e, v in mean.items()},
+            "cost": {e: (1 - v / base if v and base else None) for e, v in mean.items()},
+            "replica_cost": 1 - base / off if base and off else None, "replica_bytes": replicas[:1],
+            "interval": chosen, "first_snapshots": snaps}
 
 
 def scenario_replan(work: Path, runs: int) -> dict[str, Any]:
@@ -1076,6 +1083,16 @@ def _load_cache_bench():
     return sys.modules[name]
 
 
+def state_source(source: str | None) -> str:
+    """Where a resume's state came from, in a word: ``memory`` (the survivors' copies),
+    ``memory+replicas`` (and replicas of lost ranks' pieces), ``snapshot``, else ``-``."""
+    if not source:
+        return "-"
+    if source.startswith("survivors' memory"):
+        return "memory+replicas" if "from replicas" in source else "memory"
+    return "snapshot" if source.startswith("snapshot") else source.split(",")[0][:20]
+
+
 # ----------------------------------------------------------------------------- tables
 
 
@@ -1135,10 +1152,11 @@ def tables(results: Mapping[str, Any]) -> list[str]:
         rows = [[d["index"] + 1, d["kind"], d.get("host"), d["step"]] for d in faults["injected"]]
         out.append(format_table("3. random faults (injected)", ["#", "kind", "host", "after step"], rows))
         rec = [[r["generation"], ",".join(r["lost"]) or "-", r["total_s"], r["detection_s"], r["replan_s"],
-                r["restart_s"], r["load_s"], r["resumed_step"], r["steps_lost"]] for r in faults["recoveries"]]
+                r["restart_s"], r["load_s"], r["resumed_step"], r["steps_lost"], state_source(r.get("source"))]
+               for r in faults["recoveries"]]
         out.append(format_table("   recoveries (launcher report); seconds",
-                                ["gen", "lost", "total", "detect", "replan", "restart", "load", "resumed", "lost steps"],
-                                rec))
+                                ["gen", "lost", "total", "detect", "replan", "restart", "load", "resumed", "lost steps",
+                                 "state from"], rec))
         chk = faults.get("check") or {}
         out.append(format_table(
             "   summary", ["exit", "injected", "faults seen", "joins", "generations", "all recovered", "orphans",
@@ -1152,18 +1170,23 @@ def tables(results: Mapping[str, Any]) -> list[str]:
         names = {"-1": "none (-1)", "1": "every step (1)", "0": "auto (0)"}
         def interval(e: str) -> str:
             got = (snap.get("interval") or {}).get(e) or []
-            return ", ".join(str(x) for x in got) if e == "0" else ("-" if e == "-1" else e)
+            return ", ".join(str(x) for x in got) if e == "0" else ("-" if e in ("-1", "off") else e)
 
         def lost(e: str) -> str:  # a fault loses the steps since the last snapshot: 0 … every-1, (every-1)/2 on average
             got = (snap.get("interval") or {}).get(e) or []
             return "-" if e == "-1" or not got else ", ".join(f"≤{x - 1} (avg {(x - 1) / 2:g})" for x in got)
 
+        names["off"] = "none, no replicas"
         rows = [[names[e], snap["mean"][e], snap["ratio_to_none"][e], (snap.get("cost") or {}).get(e), interval(e),
-                 lost(e), ", ".join(f"{x:.3g}" for x in snap["steps_per_s"][e])] for e in ("-1", "1", "0")]
+                 lost(e), ", ".join(f"{x:.3g}" for x in snap["steps_per_s"][e])]
+                for e in ("-1", "1", "0", "off") if e in snap["mean"]]
         out.append(format_table(f"4. snapshot cost: steps/s over the last {snap['last']} of {snap['steps']} steps, "
                                 f"{snap['rounds']} round(s) (target: automatic ≤ 5% of step time)",
                                 ["snapshots", "steps/s", "vs none", "cost", "interval", "steps lost per fault",
                                  "runs"], rows))
+        if snap.get("replica_cost") is not None:
+            out.append(f"   the replicas of the lonely pieces (bytes a step by rank: {snap.get('replica_bytes')}) "
+                       f"cost {snap['replica_cost']:.1%} of the steps/s without them")
     replan = results.get("replan")
     if replan:
         rows = []

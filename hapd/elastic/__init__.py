@@ -9,6 +9,9 @@
   host;
 - :mod:`~hapd.elastic.step_copy` — each rank's copies of its state at the last two
   steps it completed, and the survivors' agreement on the step to go on from;
+- :mod:`~hapd.elastic.replica` — each rank's pieces that no other host holds, copied
+  every step to a rank of the next host (a lost host's pieces of a split tensor come
+  back from memory);
 - :mod:`~hapd.elastic.moves` — which piece of which survivor's copy fills each piece of
   the new plan, and the point-to-point moves that do it;
 - :mod:`~hapd.elastic.export_share` — the job's exported program, shared with the

@@ -105,16 +105,17 @@ def test_tables_print_every_scenario(bench):
         "faults": {"injected": [{"index": 0, "kind": "link", "host": "h1", "step": 5}], "recoveries": [rec],
                    "code": 0, "faults_seen": 1, "joins": 1, "generations": 3, "all_recovered": True, "leftover": 0,
                    "check": chk},
-        "snapshot": {"steps": 40, "last": 20, "rounds": 1, "mean": {"-1": 2.0, "1": 1.5, "0": 1.9},
-                     "ratio_to_none": {"-1": 1.0, "1": 0.75, "0": 0.95},
-                     "steps_per_s": {"-1": [2.0], "1": [1.5], "0": [1.9]}},
+        "snapshot": {"steps": 40, "last": 20, "rounds": 1, "mean": {"-1": 2.0, "1": 1.5, "0": 1.9, "off": 2.1},
+                     "ratio_to_none": {"-1": 1.0, "1": 0.75, "0": 0.95, "off": 1.05},
+                     "steps_per_s": {"-1": [2.0], "1": [1.5], "0": [1.9], "off": [2.1]},
+                     "replica_cost": 0.0476, "replica_bytes": [[4096, 0]]},
         "replan": {"model": "bert tiny", "batch": 64, "profiles": {"paper-8": {"full_s": 0.5, "full_path": "miss",
                    "subsets": [{"without": "p100-7", "devices": 7, "first_s": 0.05, "first_path": "lp-only",
                                 "hit_s": 0.002, "hit_path": "hit"}]}}},
     }
     text = "\n".join(bench.tables(results))
     for needle in ("1. host kill", "2. host join", "3. random faults", "4. snapshot cost", "5. re-plan", "lp-only",
-                   "0.75", "p100-7"):
+                   "0.75", "p100-7", "none, no replicas", "cost 4.8% of the steps/s without them", "snapshot"):
         assert needle in text
     assert bench.format_table("t", ["a", "b"], [[None, 1.23456]]).splitlines()[-1].split() == ["-", "1.23"]
 
@@ -147,3 +148,11 @@ def test_the_faults_run_waits_for_hosts_preparing_to_join(bench):
                                "join", placed) == set()
     assert bench.joining_hosts("hapd launcher: could not start the ranks of joining host 10.0.0.4: refused",
                                placed) == set()
+
+
+def test_a_resumes_state_source_is_named_in_a_word(bench):
+    memory = "survivors' memory, step 8, moved 0.02 MB in 0.00 s (0.00 MB of it between ranks)"
+    assert bench.state_source(memory) == "memory"
+    assert bench.state_source(memory[:-1] + ", 0.10 MB from replicas of lost ranks' pieces)") == "memory+replicas"
+    assert bench.state_source("snapshot of step 9 (world 6) (fallback: keys w not held by any survivor)") == "snapshot"
+    assert bench.state_source(None) == "-" and bench.state_source("none") == "none"
