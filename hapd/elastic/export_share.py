@@ -17,6 +17,12 @@ yet, the publishing host gone, the store's time-to-live passed) it exports as be
 This module moves bytes only; the train room makes and reads them. The daemons drop a
 run's entries untouched for their time-to-live (15 min by default): rank 0 puts its
 copy again every :data:`REFRESH_S` (:func:`refresh`, from :meth:`hapd.Elastic.step_done`).
+
+A process that becomes rank 0 after a switch (the old rank 0 killed) first asks the
+job's daemons whether one holds the program already (the old rank 0's copy outlives it
+on its host's daemon) and makes nothing then: making it costs seconds of CPU on a slow
+rank, beside the generation's first steps. It makes and puts it when the copy is gone
+(the host lost, or at a refresh, the time-to-live passed).
 """
 
 from __future__ import annotations
@@ -66,7 +72,18 @@ class _Published:
     at: float
 
 
+@dataclass
+class _Found:
+    """A program another process published and a daemon of the job holds: made and put by
+    this process only once it is gone (:func:`refresh`)."""
+
+    make: Callable[[], bytes | None]
+    address: str
+    at: float
+
+
 _published: dict[tuple[str, str], _Published] = {}
+_found: dict[tuple[str, str], _Found] = {}
 _claimed: set[tuple[str, str]] = set()
 """(run, digest) this process publishes, or tried to (a static export has nothing to share): not again."""
 _lock = threading.Lock()
@@ -97,39 +114,64 @@ def publish(digest: str, make: Callable[[], bytes | None]) -> bool:
         _claimed.add((run, digest))
 
     def made_and_put() -> None:
-        try:
-            data = make()
-        except Exception as exc:  # noqa: BLE001 - a program that cannot be saved is exported by the joining host
-            _log.warning("cannot share the exported program (%s: %s): a joining host exports it itself",
-                         type(exc).__name__, exc)
+        held = fetch(digest, listed_only=True)
+        if held is not None:  # published by a former rank 0: nothing to make unless it goes
+            with _lock:
+                _found[(run, digest)] = _Found(make, address, time.monotonic())
+            _log.info("the exported program is shared already, on %s", held[1])
             return
-        if not data:
-            return
-        p = _Published(run, digest, data, address, time.monotonic())
-        with _lock:
-            _published[(run, digest)] = p
-        _put(p)
+        _make_and_put(run, digest, make, address)
 
     threading.Thread(target=made_and_put, daemon=True, name="hapd-export-share").start()
     return True
 
 
+def _make_and_put(run: str, digest: str, make: Callable[[], bytes | None], address: str) -> None:
+    """Make the program (on this thread) and put it in this host's daemon."""
+    try:
+        data = make()
+    except Exception as exc:  # noqa: BLE001 - a program that cannot be saved is exported by the joining host
+        _log.warning("cannot share the exported program (%s: %s): a joining host exports it itself",
+                     type(exc).__name__, exc)
+        return
+    if not data:
+        return
+    p = _Published(run, digest, data, address, time.monotonic())
+    with _lock:
+        _published[(run, digest)] = p
+    _put(p)
+
+
 def refresh(now: float | None = None) -> int:
     """Put again, in the background, what this process published more than
-    :data:`REFRESH_S` ago; how many."""
+    :data:`REFRESH_S` ago, and make and put what it found published by another process
+    when no daemon holds that any more; how many."""
     now = time.monotonic() if now is None else now
     with _lock:
         due = [p for p in _published.values() if now - p.at >= REFRESH_S]
         for p in due:
             p.at = now
+        found = [(key, f) for key, f in _found.items() if now - f.at >= REFRESH_S]
+        for _key, f in found:
+            f.at = now
     for p in due:
         threading.Thread(target=_put, args=(p,), daemon=True, name="hapd-export-share").start()
-    return len(due)
+    for (run, digest), f in found:
+        def again(run: str = run, digest: str = digest, f: _Found = f) -> None:
+            if fetch(digest, listed_only=True) is None:
+                with _lock:
+                    _found.pop((run, digest), None)
+                _make_and_put(run, digest, f.make, f.address)
+
+        threading.Thread(target=again, daemon=True, name="hapd-export-share").start()
+    return len(due) + len(found)
 
 
-def fetch(digest: str) -> tuple[bytes, str] | None:
+def fetch(digest: str, *, listed_only: bool = False) -> tuple[bytes, str] | None:
     """The program of export key ``digest`` that a rank of this elastic run published,
-    and the daemon it came from; None when no daemon of the job's hosts holds it."""
+    and the daemon it came from; None when no daemon of the job's hosts holds it.
+    ``listed_only``: whether one holds it (its entry listed, nothing fetched: the bytes
+    are empty), without the transfer."""
     run = os.environ.get(RUN_ENV)
     daemons = [a for a in (os.environ.get(DAEMONS_ENV) or "").split(",") if a]
     if not run or not daemons:
@@ -141,6 +183,8 @@ def fetch(digest: str) -> tuple[bytes, str] | None:
             with Client(address, key, TIMEOUT_S) as client:
                 if not any(e["rank"] == number for e in client.snapshot_list(store)):
                     continue
+                if listed_only:
+                    return b"", address
                 files = client.snapshot_get(store, 0, number, timeout_s=TIMEOUT_S)
         except HapdError as exc:
             _log.info("no shared program from %s (%s)", address, exc)

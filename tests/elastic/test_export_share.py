@@ -7,6 +7,8 @@ go through a real daemon's store, found by digest, once per run."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from _hardening_daemon import ServedDaemon
@@ -19,6 +21,8 @@ from hapd.elastic.in_place import IN_PLACE_ENV, RUN_ENV
 from hapd.errors import PlanError
 from hapd.train.parallelize import _recipe
 from hapd.train.programs import SHARED_KEY, export_key, key_digest, shared_bytes, take_shared
+from hapd.wire.client import Client
+from hapd.wire.keys import load_key
 
 
 class Tiny(nn.Module):
@@ -102,6 +106,24 @@ def test_the_program_goes_through_a_daemon_once_per_run(tmp_path, monkeypatch):
         assert not export_share.publish(digest, lambda: made.append(1) or b"again")  # once per run and key
         assert made == [1]
         assert export_share.fetch("f" * 64) is None  # another model's key
+
+        # a process that becomes rank 0 later (the first one killed) finds it held and makes nothing,
+        # until no daemon holds it any more: then its refresh makes and puts it
+        monkeypatch.setattr(export_share, "_claimed", set())
+        monkeypatch.setattr(export_share, "_published", {})
+        monkeypatch.setattr(export_share, "_found", {})
+        later = []
+        assert export_share.publish(digest, lambda: later.append(1) or b"program bytes")
+        wait_for(lambda: ("run-7", digest) in export_share._found, GENEROUS_S, "the held program found")
+        assert later == []
+        store, _number = export_share.entry("run-7", digest)
+        with Client(daemon.address, load_key(daemon.home / "key"), 5.0) as client:
+            client.snapshot_drop(store)
+        assert export_share.fetch(digest) is None
+        assert export_share.refresh(now=time.monotonic() + export_share.REFRESH_S + 1) == 1
+        wait_for(lambda: export_share.fetch(digest) is not None, GENEROUS_S, "the program made and put again")
+        assert later == [1]
+
         monkeypatch.setenv(RUN_ENV, "run-8")
         assert export_share.fetch(digest) is None  # another run's
 
