@@ -61,7 +61,7 @@ from typing import Any, Mapping
 
 from hapd.errors import PEER_FAILURE, CollectiveError, ElasticPause, HapdError
 from hapd.spmd import group_sockets
-from hapd.wire.contract import PARK_FD_ENV, STARTED_ENV
+from hapd.wire.contract import PARK_FD_ENV, RUN_ENV, STARTED_ENV
 from hapd.wire.switch import (  # noqa: F401 - re-exported: the runner's names as before
     DEFAULT_PARK_S, GENERATION_ENV, JOIN_HELD_ENV, POLL_S, park_seconds as _park_s, say as _say, switch_env,
     wait_for_switch, wait_to_join,
@@ -69,8 +69,6 @@ from hapd.wire.switch import (  # noqa: F401 - re-exported: the runner's names a
 from hapd.spmd.script import exit_status, report_exception, run_script
 from hapd.util import exit_process
 
-RUN_ENV = "HAPD_ELASTIC_RUN"
-"""The elastic run's id (the same in every generation); unset: not an elastic launch."""
 IN_PLACE_ENV = "HAPD_IN_PLACE"
 """Set ("1") by this runner: a pause for a joining host parks the rank
 (:class:`~hapd.errors.ElasticPause`) instead of ending its process."""

@@ -14,7 +14,10 @@ splits nothing (data parallel) sends nothing.
 
 **When.** Step k's copy is sent once whole (its part beside step k+1 ended), on a
 thread, over a Gloo process group of its own (point to point; a pair's messages keep
-their order and share no tag with the training's collectives); the receiving rank's
+their order and share no tag with the training's collectives), made with the job's
+group at its rendezvous (:func:`hapd.spmd.distributed.side_group`: a rank lost while the
+others made a group later would leave them waiting on the store, not on a connection
+that closes); the receiving rank's
 optimizer step k+1 waits for what it receives (an optimizer step pre-hook, beside the
 step copies'). So a survivor that completed step k+1 holds the replicas of step k its
 sources sent, and the survivors go on from the last step all of them completed when
@@ -46,9 +49,9 @@ from torch import Tensor
 
 from hapd.elastic.moves import Box, Piece, dtype_size
 from hapd.spmd import group_sockets
+from hapd.spmd.distributed import side_group
+from hapd.wire.contract import REPLICA_ENV
 
-REPLICA_ENV = "HAPD_REPLICA"
-"""``0`` turns the replicas off (a lost rank's pieces then come from the snapshot)."""
 MAX_MB_ENV = "HAPD_REPLICA_MAX_MB"
 """The most MB a rank may send its partner a step; more: no replicas that generation."""
 DEFAULT_MAX_MB = 64.0
@@ -185,8 +188,10 @@ class Replicas:
             return self.layout
         self.layout = layout(generation, rank, hosts, pieces)
         if any(self.sent_bytes):
-            with group_sockets.tracked():  # shut down at once when a rank leaves a broken job
-                self._group = dist.new_group(backend="gloo")
+            self._group = side_group()  # made at the job's rendezvous: a group made now could strand the others
+            if self._group is None:  # a process group the script made itself
+                with group_sockets.tracked():  # shut down at once when a rank leaves a broken job
+                    self._group = dist.new_group(backend="gloo")
         self._slots = {source: [{p.key: torch.empty(p.shape, dtype=getattr(torch, p.dtype)) for p in sent}
                                 for _ in range(2)] for source, sent in self.layout.sources}
         return self.layout

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from hapd.errors import CollectiveError, HapdError
 from hapd.spmd import collectives, group_sockets
 from hapd.spmd.stepwatch import collective_timeout_s, seconds_from_env
+from hapd.wire.contract import REPLICA_ENV, RUN_ENV
 
 
 JOIN_TIMEOUT_ENV = "HAPD_JOIN_TIMEOUT"
@@ -154,6 +155,7 @@ def init_distributed(*, timeout_s: float | None = None) -> DistEnv:
         with group_sockets.tracked():  # the store's and Gloo's connections, closed at once by leave_group
             store = dist.PrefixStore("default_pg", _join(rank, world, timeout))  # as init_method="env://" does
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
+            _make_side_group(world)
     else:
         # port 0: the store binds a free port itself, so there is no race for it
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
@@ -192,6 +194,28 @@ def _join(rank: int, world: int, timeout: timedelta) -> dist.TCPStore:
     return store
 
 
+_side: Any = None
+"""The side group of this process's job (:func:`side_group`); None: none made."""
+
+
+def _make_side_group(world: int) -> None:
+    """An elastic run's side group, made right after the job's group (in the rendezvous)."""
+    global _side
+    _side = None
+    if world > 1 and os.environ.get(RUN_ENV) and os.environ.get(REPLICA_ENV, "1") != "0":
+        _side = dist.new_group(backend="gloo")
+
+
+def side_group() -> Any:
+    """A Gloo group of every rank of the job, made with its group at the rendezvous of an
+    elastic run (:mod:`hapd.elastic.replica` sends on it from a thread, point to point,
+    apart from the training's collectives); None outside one, or when the script made
+    the process group itself. Made there because making a group is collective over the
+    job's store: a rank lost while the others make one later leaves them waiting on the
+    store, not on a connection that closes at once."""
+    return _side if dist.is_available() and dist.is_initialized() else None
+
+
 _exit_lock = threading.Lock()
 _exit_registered = False
 
@@ -213,6 +237,8 @@ def _destroy_at_exit() -> None:
 
 
 def _destroy_group() -> None:
+    global _side
+    _side = None
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # at exit: nothing left to tell
             dist.destroy_process_group()
@@ -248,4 +274,4 @@ def _make_env(rank: int, world: int, local: int, backend: str, cuda: bool) -> Di
     return DistEnv(rank=rank, world=world, local_rank=local, backend=backend, device=device)
 
 
-__all__ = ["DistEnv", "env_int", "init_distributed", "join_timeout_s", "joining_device", "leave_group"]
+__all__ = ["DistEnv", "env_int", "init_distributed", "join_timeout_s", "joining_device", "leave_group", "side_group"]

@@ -22,3 +22,8 @@ pipe from the daemon. A ``park`` request writes ``GENERATION\\n`` to it; a rank 
 generation shuts its process groups' connections down at once, so the collective it
 waits in on a host that went silent fails and it parks (instead of waiting for the
 collective timeout)."""
+RUN_ENV = "HAPD_ELASTIC_RUN"
+"""The elastic run's id (the same in every generation); unset: not an elastic launch."""
+REPLICA_ENV = "HAPD_REPLICA"
+"""``0`` turns an elastic run's replicas of the pieces no other host holds off
+(:mod:`hapd.elastic.replica`; a lost rank's pieces then come from the snapshot)."""

@@ -30,9 +30,10 @@ import sys, time
 import torch
 import torch.distributed as dist
 from hapd.errors import CollectiveError
-from hapd.spmd.distributed import init_distributed
+from hapd.spmd.distributed import init_distributed, side_group
 
 rank = init_distributed().rank
+assert side_group() is not None  # an elastic run's side group, made at the rendezvous (left with the rest)
 t = torch.ones(4)
 dist.all_reduce(t)  # every pair connected and working
 if rank == 2:  # the silent peer: alive, its connections open, in no collective again
