@@ -327,6 +327,7 @@ class Elastic:
         if not self.active or self.generation == 0:
             if self.active:
                 self._fresh_copy(0)
+                self._replicate(0)
             self._last_step_end = time.perf_counter()
             return 0
         start = time.perf_counter()
@@ -347,7 +348,7 @@ class Elastic:
                 source += f" (fallback: {memory.fallback})"
         load_s = time.perf_counter() - start
         if self._replicas is not None:
-            self._replicas.reset()  # laid out by the old plan: this generation's first step lays them out again
+            self._replicas.reset()  # laid out by the old plan: laid out again below
         self._fresh_copy(step)
         if self.rank == 0:
             plan_source = getattr(self.module, "plan_source", None)
@@ -360,6 +361,7 @@ class Elastic:
             if choice is None and memory.step is None:
                 print(f"hapd elastic: no complete snapshot{' or checkpoint' if self.checkpoint else ''} to resume "
                       "from: training starts again at step 0", flush=True)
+        self._replicate(step)  # the resumed step's replicas, beside the first step: a loss in it rolls back to here
         self._last_step_end = time.perf_counter()
         return step
 
@@ -582,8 +584,8 @@ class Elastic:
 
     def _replicate(self, step: int) -> None:
         """Send this rank's lonely pieces of ``step``'s copy to its partner and receive its
-        sources' (:mod:`hapd.elastic.replica`), beside the next step; the generation's
-        first step lays the replicas out (collective: every rank's host and pieces)."""
+        sources' (:mod:`hapd.elastic.replica`), beside the next step; at the generation's
+        resume the replicas are laid out first (collective: every rank's host and pieces)."""
         if self._replicas is None:
             return
         copies = self._copies
