@@ -12,19 +12,23 @@ ranks hold alike) to its *partner* (:func:`partners`: the rank of the same local
 on the next host, round the hosts), which keeps the last two it received. A plan that
 splits nothing (data parallel) sends nothing.
 
-**When.** Step k's copy is sent once whole (its part beside step k+1 ended), on a
-thread, over a Gloo process group of its own (point to point; a pair's messages keep
-their order and share no tag with the training's collectives), made with the job's
-group at its rendezvous (:func:`hapd.spmd.distributed.side_group`: a rank lost while the
-others made a group later would leave them waiting on the store, not on a connection
-that closes); the receiving rank's
-optimizer step k+1 waits for what it receives (an optimizer step pre-hook, beside the
-step copies'). So a survivor that completed step k+1 holds the replicas of step k its
-sources sent, and the survivors go on from the last step all of them completed when
-the replicas of that step arrived, else from the step before (every survivor holds its
-copy when none completed a later one: :attr:`hapd.elastic.step_copy.Agreement.earlier`),
-else from the snapshot (a rank lost while its send was under way, as the step before
-was replaced) — which :meth:`hapd.Elastic.resume` says.
+**When.** Step k's pieces are sent beside step k+1, on a thread: straight from the
+rank's own tensors when only the optimizer changes them and they live on the host (the
+optimizer's step k+1 waits for the send), else from step k's copy once it is whole (its
+part beside step k+1 ended, late in the step on a slow rank). They go over a Gloo
+process group of their own (point to point; a pair's messages keep their order and
+share no tag with the training's collectives), made with the job's group at its
+rendezvous (:func:`hapd.spmd.distributed.side_group`: a rank lost while the others made
+a group later would leave them waiting on the store, not on a connection that closes).
+The receiving rank's optimizer step k+1 waits for what it receives (an optimizer step
+pre-hook, beside the step copies'). So a survivor that completed step k+1 holds the
+replicas of step k its sources sent, and the survivors go on from the last step all of
+them completed when the replicas of that step arrived, else from the step before
+(every survivor holds its copy when none completed a later one:
+:attr:`hapd.elastic.step_copy.Agreement.earlier`), else from the snapshot (a rank lost
+while its send was under way, as the step before was replaced) — which
+:meth:`hapd.Elastic.resume` says. A generation's resume lays the replicas out and sends
+the resumed step's, so a loss in its first step rolls back to the resumed step.
 
 **Cost.** A rank's lonely pieces (its parameters' and their optimizer states'), once
 a step, over the link to the next host, beside the next step's forward and backward;

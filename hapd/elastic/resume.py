@@ -290,6 +290,8 @@ class Elastic:
                         else None)
         """This rank's copies of its last two completed steps (:mod:`hapd.elastic.step_copy`): kept by this
         process across the script's runs, so that a switch in place takes the state from the survivors."""
+        self._entries: list[Any] = []
+        """This rank's pieces (:func:`hapd.elastic.step_copy.entries`) as of its last step copy."""
         self._overlap = False
         """Whether the parameters and the optimizer state are copied beside the next step (the optimizer's
         next step waits for them first: its pre-hook)."""
@@ -377,6 +379,7 @@ class Elastic:
         if self._copies is None:
             return
         found, objects = step_copy.entries(self.module, self.optimizer)
+        self._entries = found
         small = step_copy.small_state(self.module, self.optimizer, self.sampler, self.state)
         self._copies.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
         try:
@@ -600,7 +603,18 @@ class Elastic:
                 _say("replicas", generation=self.generation, bytes=list(self._replicas.sent_bytes),
                      active=self._replicas.active, time=time.time())
         whole = copies is not None and newest is not None and newest.step == step
-        self._replicas.start(step, newest.tensors if whole else None, copies.landing() if whole else lambda: False)
+        if not whole or copies is None or newest is None:
+            self._replicas.start(step, None, lambda: False)
+            return
+        # a host tensor only the optimizer changes is sent as it is (the optimizer's next step waits for the
+        # send): not after the copy's part beside the step, which on a slow rank ends late in the next step
+        live = {h.key: h.local.detach() for h in self._entries
+                if self._overlap and not h.local.is_cuda and step_copy.updated_only_by_optimizer(h)}
+        sent = {p.key for p in (self._replicas.layout.sends if self._replicas.layout is not None else ())}
+        if sent <= set(live):
+            self._replicas.start(step, {k: live[k] for k in sent}, lambda: True)
+        else:
+            self._replicas.start(step, newest.tensors, copies.landing())
 
     def snapshot(self, step: int) -> float:
         """Write this rank's snapshot of ``step`` and send it to the daemons in the

@@ -185,10 +185,10 @@ class StepCopies:
             tensors = {h.key: _host_buffer(h.local) for h in entries}
         else:
             tensors = reuse.tensors
-        later = [(tensors[h.key], h.local.detach()) for h in entries if overlap and _updated_only_by_optimizer(h)]
+        later = [(tensors[h.key], h.local.detach()) for h in entries if overlap and updated_only_by_optimizer(h)]
         with torch.no_grad():
             for h in entries:
-                if not (overlap and _updated_only_by_optimizer(h)):
+                if not (overlap and updated_only_by_optimizer(h)):
                     tensors[h.key].copy_(h.local.detach())
         pieces = tuple(Piece(h.key, tuple(h.offsets), tuple(h.local.shape), tuple(h.size), dtype_name(h.local.dtype))
                        for h in entries)
@@ -297,7 +297,7 @@ class StepCopies:
             torch.cuda.synchronize()
 
 
-def _updated_only_by_optimizer(h: Held) -> bool:
+def updated_only_by_optimizer(h: Held) -> bool:
     """Whether only an optimizer step changes ``h`` between two steps' ends: a trained
     parameter and the optimizer's state do; a buffer may change in a forward."""
     return h.key.startswith(OPTIM) or h.local.requires_grad
@@ -452,4 +452,4 @@ def optimizer_needs(params: Iterable[Piece], held: Iterable[Piece]) -> list[Piec
 
 
 __all__ = ["Agreement", "COPY_ENV", "CopiesTooLarge", "HOST_SHARE", "Offer", "SmallState", "StepCopies", "StepCopy", "agree", "check_budget", "entries", "forget", "host_available_bytes",
-           "kept", "needed_pieces", "optimizer_needs", "small_state"]
+           "kept", "needed_pieces", "optimizer_needs", "small_state", "updated_only_by_optimizer"]
