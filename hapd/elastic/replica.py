@@ -12,30 +12,28 @@ ranks hold alike) to its *partner* (:func:`partners`: the rank of the same local
 on the next host, round the hosts), which keeps the last two it received. A plan that
 splits nothing (data parallel) sends nothing.
 
-**When.** Step k's pieces are sent beside step k+1, on a thread: straight from the
-rank's own tensors when only the optimizer changes them and they live on the host (the
-optimizer's step k+1 waits for the send), else from step k's copy once it is whole (its
-part beside step k+1 ended, late in the step on a slow rank). They go over a Gloo
+**When.** Step k's pieces are sent at its end, on a thread: straight from the rank's
+own tensors when only the optimizer changes them and they live on the host, else from
+step k's copy once it is whole (its part beside step k+1 ended). They go over a Gloo
 process group of their own (point to point; a pair's messages keep their order and
 share no tag with the training's collectives), made with the job's group at its
 rendezvous (:func:`hapd.spmd.distributed.side_group`: a rank lost while the others made
 a group later would leave them waiting on the store, not on a connection that closes).
-The receiving rank's optimizer step k+1 waits for what it receives (an optimizer step
-pre-hook, beside the step copies'). So a survivor that completed step k+1 holds the
-replicas of step k its sources sent, and the survivors go on from the last step all of
-them completed when the replicas of that step arrived, else from the step before
-(every survivor holds its copy when none completed a later one:
-:attr:`hapd.elastic.step_copy.Agreement.earlier`), else from the snapshot (a rank lost
-while its send was under way, as the step before was replaced) — which
-:meth:`hapd.Elastic.resume` says. A generation's resume lays the replicas out and sends
-the resumed step's, so a loss in its first step rolls back to the resumed step.
+Each rank's step k+1 waits for its transfers before its first collective (a forward
+pre-hook on the job's module; a transfer that failed parks the rank). So when any rank
+completed step k+1, every partner holds step k's replicas; the survivors go on from the
+last step all of them completed when its replicas arrived, else from the step before,
+which every survivor holds then (none completed a later one:
+:attr:`hapd.elastic.step_copy.Agreement.earlier`) with its replicas: at most one step
+redone. The snapshot stays the fallback, and :meth:`hapd.Elastic.resume` says which.
+A generation's resume lays the replicas out and sends the resumed step's.
 
 **Cost.** A rank's lonely pieces (its parameters' and their optimizer states'), once
-a step, over the link to the next host, beside the next step's forward and backward;
-two receive buffers per source. A generation in which a rank would send more than
-``$HAPD_REPLICA_MAX_MB`` (:data:`DEFAULT_MAX_MB`) keeps no replicas and says so: a
-pipeline stage's whole state every step over the hosts' link costs more than the
-steps it would save. ``$HAPD_REPLICA=0`` turns replicas off.
+a step, over the link to the next host, while the next step's batch is drawn: the
+forward waits for what is left of it. Two receive buffers per source. A generation in
+which a rank would send more than ``$HAPD_REPLICA_MAX_MB`` (:data:`DEFAULT_MAX_MB`)
+keeps no replicas and says so: a pipeline stage's whole state every step over the
+hosts' link costs more than the steps it would save. ``$HAPD_REPLICA=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -52,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hapd.elastic.moves import Box, Piece, dtype_size
+from hapd.errors import CollectiveError
 from hapd.spmd import group_sockets
 from hapd.spmd.distributed import side_group
 from hapd.wire.contract import REPLICA_ENV
@@ -164,6 +163,8 @@ class Replicas:
     """Transfers that failed (a peer lost), the newest last."""
     seconds: list[float] = field(default_factory=list)
     """Each step's transfer, wall seconds on its thread (the last 64)."""
+    failed: str | None = None
+    """The transfer under way failed (a peer lost), until :meth:`before_step` tells it."""
     sent_bytes: tuple[int, ...] = ()
     """The bytes each rank sends its partner a step in this generation (empty: one host)."""
     _group: Any = None
@@ -246,11 +247,23 @@ class Replicas:
                         self.received.setdefault(source, []).append(
                             Received(step, generation, source, sent, slots[source]))
             except Exception as exc:  # noqa: BLE001 - a peer lost: its replica is not kept, the resume says so
-                self.errors = (self.errors + [f"step {step}: {type(exc).__name__}: {str(exc)[:200]}"])[-8:]
+                told = f"step {step}: {type(exc).__name__}: {str(exc)[:200]}"
+                self.errors = (self.errors + [told])[-8:]
+                self.failed = told
             self.seconds = (self.seconds + [time.perf_counter() - began])[-64:]
 
         self._thread = threading.Thread(target=run, daemon=True, name="hapd-replica")
         self._thread.start()
+
+    def before_step(self) -> None:
+        """Before the next step's first collective (a forward pre-hook of the job's
+        module): the last step's replicas are sent and received, or the rank parks
+        (:class:`~hapd.errors.CollectiveError`) when a peer's transfer failed — so no rank
+        completes a step whose predecessor's replicas its partners lack."""
+        self.wait()
+        failed, self.failed = self.failed, None
+        if failed is not None:
+            raise CollectiveError(f"the replicas of a lost rank's pieces: {failed}")
 
     def wait(self) -> None:
         """Until the step's transfers ended (the optimizer's next step waits here)."""
@@ -276,6 +289,7 @@ class Replicas:
         """Forget the replicas, the layout and the group (a new generation's come next)."""
         self.wait()
         self.received, self.layout, self._group, self._slots, self.sent_bytes = {}, None, None, {}, ()
+        self.failed = None
 
 
 def _sends(step: int, tensors: Sequence[Tensor], dst: int, group: Any) -> list[Any]:

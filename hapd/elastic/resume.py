@@ -304,6 +304,9 @@ class Elastic:
             copies, replicas = self._copies, self._replicas
             optimizer.register_step_pre_hook(lambda *_: _before_update(copies, replicas))
             self._overlap = True
+        if self._replicas is not None:  # the last step's replicas before this step's first collective
+            waits = self._replicas
+            module.register_forward_pre_hook(lambda *_: waits.before_step())
         if self.active:
             targets = [a for a in dict.fromkeys([own, buddy]) if a]
             self._sender = _Sender(self.snapshot_run(self.generation), targets, _key_bytes(), self.rank)

@@ -11,6 +11,7 @@ from _dist import run_ranks
 
 from hapd.elastic import moves, replica, resume, step_copy
 from hapd.elastic.moves import Piece
+from hapd.errors import CollectiveError
 
 
 def _rows(key: str, start: int, rows: int, size: tuple[int, ...]) -> Piece:
@@ -127,3 +128,12 @@ def _replicate_then_recover(rank: int, world: int) -> list[float]:
 def test_a_lost_hosts_pieces_come_back_from_its_partners_replicas_on_gloo_ranks():
     seconds = run_ranks(4, _replicate_then_recover, timeout=90)
     assert all(len(s) == 4 for s in seconds)
+
+
+def test_a_failed_transfer_parks_the_rank_before_its_next_step():
+    keep = replica.Replicas()
+    keep.before_step()  # nothing under way: nothing to wait for
+    keep.failed = "step 4: RuntimeError: Connection closed by peer"
+    with pytest.raises(CollectiveError, match="Connection closed by peer"):
+        keep.before_step()
+    keep.before_step()  # told once: the parked rank's next run starts clean
