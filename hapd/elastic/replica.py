@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hapd.elastic.moves import Box, Piece, dtype_size
-from hapd.errors import CollectiveError
+from hapd.errors import PEER_FAILURE, CollectiveError
 from hapd.spmd import group_sockets
 from hapd.spmd.distributed import side_group
 from hapd.wire.contract import REPLICA_ENV
@@ -262,8 +262,10 @@ class Replicas:
         completes a step whose predecessor's replicas its partners lack."""
         self.wait()
         failed, self.failed = self.failed, None
-        if failed is not None:
+        if failed is not None and PEER_FAILURE.search(failed):
             raise CollectiveError(f"the replicas of a lost rank's pieces: {failed}")
+        if failed is not None:  # not a peer's loss: said, and that step's replica is not kept
+            print(f"hapd elastic: a replica transfer failed: {failed}", file=sys.stderr, flush=True)
 
     def wait(self) -> None:
         """Until the step's transfers ended (the optimizer's next step waits here)."""

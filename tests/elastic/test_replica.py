@@ -137,3 +137,5 @@ def test_a_failed_transfer_parks_the_rank_before_its_next_step():
     with pytest.raises(CollectiveError, match="Connection closed by peer"):
         keep.before_step()
     keep.before_step()  # told once: the parked rank's next run starts clean
+    keep.failed = "step 5: ValueError: not a peer's loss"
+    keep.before_step()  # said on stderr, not a park
