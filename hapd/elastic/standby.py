@@ -61,46 +61,13 @@ def _warm(imports: Sequence[str]) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - any import error: the module stays cold, the standby stays
             failed.append(name)
             print(f"hapd standby: cannot import {name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    class Small(nn.Module):  # its input is not named ``input`` (a builtin's name, renamed when a program is loaded)
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8), nn.Dropout(0.1), nn.Linear(8, 2))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.body(x).square().mean()  # a loss, as hapd lowers it
-
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8), nn.Dropout(0.1), nn.Linear(8, 2))
     try:
-        program = export(Small(), (torch.zeros(4, 8),), batch_dims=(0,), training=True, symbolic_batch=True)
+        export(model, (torch.zeros(4, 8),), batch_dims=(0,), training=True, symbolic_batch=True)
     except Exception as exc:  # noqa: BLE001 - a warm-up that fails leaves the exporter cold, nothing else
         print(f"hapd standby: warm-up export failed ({type(exc).__name__}: {exc}): the script's first export "
               "pays torch's first-call cost", file=sys.stderr, flush=True)
-        return failed
-    try:
-        _warm_taking(program)
-    except Exception as exc:  # noqa: BLE001 - as above: the loader stays cold
-        print(f"hapd standby: warm-up load failed ({type(exc).__name__}: {exc}): a joining rank's first load of "
-              "the job's program pays torch's first-call cost", file=sys.stderr, flush=True)
     return failed
-
-
-def _warm_taking(program: Any) -> None:
-    """What a joining rank does with the program its job shares
-    (:mod:`hapd.elastic.export_share`), once, on the warm-up's small program: save it
-    as the job saves its own (:func:`hapd.ir.export.save_shared`), load it back
-    (:func:`hapd.ir.lower.load_exported`) and cut and lower it at a batch
-    (:func:`hapd.ir.lower.lower_at`), so that torch's deserializer and the first cut pay
-    their first-call cost here."""
-    import tempfile
-    from pathlib import Path
-
-    from hapd.ir.export import save_shared
-    from hapd.ir.lower import load_exported, lower_at
-
-    with tempfile.TemporaryDirectory(prefix="hapd-standby-") as folder:
-        path = Path(folder) / "warm.pt2"
-        save_shared(program, path, name="warm", batch_dims=(0,))
-        loaded, _ = load_exported(path)
-    lower_at(loaded, 2, name="warm", batch_dims={})
 
 
 def import_named(name: str) -> None:

@@ -193,29 +193,3 @@ def test_a_standby_import_may_read_attributes_of_a_lazily_importing_library():
         assert not import_name_ok(bad), bad
         with pytest.raises(OptionsError, match="not a module name"):
             StandbyPool(1, imports=[bad])
-
-
-def test_the_warm_up_exports_loads_and_lowers_a_program_as_a_joining_rank_would(capsys, monkeypatch):
-    """The warm-up exports its small model, saves it as a job shares its program, loads
-    it back and lowers it at a batch (torch's exporter, deserializer and the first cut
-    pay their first-call cost there); nothing of it fails."""
-    from hapd.elastic.standby import _warm
-    from hapd.ir import lower
-
-    done = []
-
-    def watched(name):
-        real = getattr(lower, name)
-
-        def call(*args, **kwargs):
-            out = real(*args, **kwargs)
-            done.append(name)
-            return out
-        monkeypatch.setattr(lower, name, call)
-
-    watched("load_exported")
-    watched("lower_at")
-    assert _warm([]) == []
-    said = capsys.readouterr().err
-    assert "failed" not in said, said
-    assert done == ["load_exported", "lower_at"]
