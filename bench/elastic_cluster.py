@@ -553,6 +553,9 @@ class Bench:
     """Whether kill runs are checked against their reference chain (``--no-check``: times only)."""
     runs: int = 0
     leftovers: dict[str, int] = field(default_factory=dict)
+    logs: Path | None = None
+    """Where each launcher run's whole output goes (``JOB.log``: both streams, each line after the time it
+    came; ``--logs``), or nowhere."""
 
     def hostfile(self, hosts: Sequence[int] | Sequence[str], name: str) -> Path:
         """A host file of ``hosts`` (indices or labels; ``LABEL#N``: that host with N slots)."""
@@ -598,10 +601,13 @@ class Bench:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=False)
         err: list[str] = []
+        stamped: list[str] = []  # both streams' lines as they came, each after its arrival time (--logs)
 
         def read_errors() -> None:  # the launcher's own lines (its generations, joins) come on stderr
             for line in proc.stderr:
                 err.append(line)
+                if self.logs is not None:
+                    stamped.append(f"{time.time():.3f} {line}")
                 if on_line is not None and line.startswith("hapd launcher:"):
                     on_line(line.rstrip("\n"))
 
@@ -613,6 +619,8 @@ class Bench:
         try:
             for line in proc.stdout:
                 out.append(line.rstrip("\n"))
+                if self.logs is not None:
+                    stamped.append(f"{time.time():.3f} {line}")
                 if on_line is not None:
                     on_line(line.rstrip("\n"))
             code = proc.wait()
@@ -627,6 +635,9 @@ class Bench:
             killer.cancel()
             reader.join(30)
         stderr = "".join(err)
+        if self.logs is not None:
+            self.logs.mkdir(parents=True, exist_ok=True)
+            (self.logs / f"{job}.log").write_text("".join(stamped))
         if code != 0 or self.verbose:
             sys.stderr.write(stderr[-3000:])
         parsed = parse_lines("\n".join(out))
@@ -1223,9 +1234,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rate-mbit", type=float, default=400.0, help="tbf rate of every host's link (default 400)")
     p.add_argument("--out", type=Path, default=OUT / "elastic_cluster.json")
     p.add_argument("--standby", type=int, default=RANKS_PER_HOST,
-                   help="warm rank processes each daemon keeps (hapd serve --standby, importing transformers "
-                        f"ahead); 0: every rank a new process (default {RANKS_PER_HOST})")
+                   help="warm rank processes each daemon keeps (hapd serve --standby, importing transformers and "
+                        f"its GPT-2 ahead); 0: every rank a new process (default {RANKS_PER_HOST})")
     p.add_argument("--keep", action="store_true", help="leave the cluster up (debugging)")
+    p.add_argument("--logs", type=Path, default=None,
+                   help="write each launcher run's whole stdout and stderr there (JOB.log, each line after the "
+                        "time it came)")
     p.add_argument("-v", "--verbose", action="store_true")
     ns = p.parse_args(argv)
     ns.steps = ns.steps or (30 if ns.quick else 60)
@@ -1290,7 +1304,9 @@ def main(argv=None) -> int:
             groups = setup_cgroups(quotas)
             cluster = make_cluster(work)
             if ns.standby:
-                cluster.daemon_args = ("--standby", str(ns.standby), "--standby-import", "transformers")
+                # the model's class read too: transformers imports a model's module when its class is first
+                # read (~0.6 s of CPU for GPT-2's, ~3.6 s of a joining rank's script on a sixth of a core)
+                cluster.daemon_args = ("--standby", str(ns.standby), "--standby-import", "transformers:GPT2LMHeadModel")
             cluster.create()
             cluster.shape(ns.rate_mbit)
             cluster.start()
@@ -1307,7 +1323,8 @@ def main(argv=None) -> int:
                               beta=ns.rate_mbit * 1e6 / 8, name="elastic-bench").save(profile)
             script = work / "train.py"
             script.write_text(TRAIN_SCRIPT)
-            b = Bench(cluster, work, labels, lines, profile, script, groups, ns.verbose, ns.mode, not ns.no_check)
+            b = Bench(cluster, work, labels, lines, profile, script, groups, ns.verbose, ns.mode, not ns.no_check,
+                      logs=ns.logs)
             results["quotas"] = quotas
             log(f"cluster up: hosts {labels}, per-rank quotas {[round(q, 3) for q in quotas]} cores, "
                 f"link {ns.rate_mbit} Mbit/s")

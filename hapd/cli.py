@@ -463,7 +463,9 @@ def explain_cmd(plan: Path, steps: bool) -> None:
                    "torch, hapd and the --standby-import modules imported ahead, so such a rank starts in a "
                    "fraction of a second instead of importing them (~400 MB each while waiting).")
 @click.option("--standby-import", "standby_imports", multiple=True, metavar="MODULE",
-              help="A module every standby process imports ahead (the model's library: transformers); repeatable.")
+              help="A module every standby process imports ahead (the model's library: transformers); MODULE:ATTR "
+                   "also reads ATTR from it, which loads a lazily imported library's model module "
+                   "(transformers:GPT2LMHeadModel); repeatable.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @_import_option
 def serve_cmd(watch: Path | None, cache: Path | None, profile: str, bind: str | None, key_file: Path | None,

@@ -43,12 +43,15 @@ starts again at step 0, and says so.
 
 **Pauses.** A host joining is taken at a step boundary: the launcher asks rank 0's
 daemon to pause the job (:meth:`hapd.wire.client.Client.job_pause`); rank 0 reads it in
-:meth:`Elastic.step_done`, every rank learns it in the same step (one broadcast), takes
-a snapshot of that step, waits for it to reach the daemons and, after printing the
-``paused`` event, parks (raises :class:`~hapd.errors.ElasticPause` under the in-place
-runner: the launcher switches it into the generation with the joining host) or exits
-with status 0 (``--restart``); the next generation resumes from that step: no step is
-lost.
+:meth:`Elastic.step_done`, every rank learns it in the same step (one broadcast), waits
+for the snapshot being sent to reach the daemons and, after printing the ``paused``
+event, parks (raises :class:`~hapd.errors.ElasticPause` under the in-place runner: the
+launcher switches it into the generation with the joining host) or exits with status 0
+(``--restart``); the next generation resumes from that step: no step is lost. In place,
+every rank goes on in its process and its step copy of that step gives the state, so
+the pause takes no snapshot of its own when every rank keeps copies (one snapshot's
+write and send less while the joining host waits; the interval's snapshots go on); with
+``--restart``, or a rank without copies, it snapshots that step first.
 
 What rank 0 prints for the launcher (``{"hapd": "elastic", ...}`` lines): ``resumed``
 (generation, step, where the state came from, seconds the job stood still for the plan
@@ -574,7 +577,8 @@ class Elastic:
         self._first_step_said = True
         self._replicate(step)
         pause = self._pause_requested()
-        if pause or (self.every >= 0 and (self.every == 0 or step % self.every == 0)):
+        due = self.every >= 0 and (self.every == 0 or step % self.every == 0)
+        if due or (pause and not self._pause_from_copies()):
             self.snapshot(step)
         if pause:
             assert self._sender is not None
@@ -618,6 +622,17 @@ class Elastic:
             self._replicas.start(step, {k: live[k] for k in sent}, lambda: True)
         else:
             self._replicas.start(step, newest.tensors, copies.landing())
+
+    def _pause_from_copies(self) -> bool:
+        """At a pause for a joining host: whether the next generation takes this step's
+        state from the ranks' step copies alone, so that the pause needs no snapshot of
+        its own — in place (every rank of this generation goes on in its process, so
+        their copies hold every piece) and every rank keeps copies. The newest snapshot
+        taken at the interval stays the fallback (a switch that fails restarts from it,
+        a few steps earlier). Collective (every rank learns of the pause in one step)."""
+        if not runs_in_place():
+            return False  # --restart: the next generation's new processes load this step's snapshot
+        return all(self._gather(self._copies is not None))
 
     def snapshot(self, step: int) -> float:
         """Write this rank's snapshot of ``step`` and send it to the daemons in the

@@ -1,13 +1,15 @@
 """A warm process a daemon keeps for the ranks of an elastic launch.
 
-    python -m hapd.elastic.standby [--import MODULE]…      # what the daemon runs (``hapd serve --standby N``)
+    python -m hapd.elastic.standby [--import MODULE[:ATTR]]…      # what the daemon runs (``hapd serve --standby N``)
 
 A rank that starts as a new process imports Python's startup, torch, hapd and the model's
 library before its script reaches :func:`hapd.parallelize`: ~3.5 s of CPU, tens of seconds
 on a slow host's share of a core, and a host joining a running job (or a generation
 restarted) waits for all of it. A daemon started with ``--standby N`` keeps N processes of
 this module ready instead: each imports torch, hapd's training path and the modules
-named by ``--import`` (the model's library: ``transformers``), exports a two-layer model
+named by ``--import`` (the model's library: ``transformers``; ``MODULE:ATTR`` reads an
+attribute too, so a library that imports lazily loads the model's own module:
+``transformers:GPT2LMHeadModel``, :func:`import_named`), exports a two-layer model
 once (torch's exporter pays most of its first-call cost then, not in the script), and
 waits for the daemon's **hand-over** on its standard input: one JSON line
 
@@ -55,7 +57,7 @@ def _warm(imports: Sequence[str]) -> list[str]:
     failed = []
     for name in imports:
         try:
-            importlib.import_module(name)
+            import_named(name)
         except Exception as exc:  # noqa: BLE001 - any import error: the module stays cold, the standby stays
             failed.append(name)
             print(f"hapd standby: cannot import {name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -66,6 +68,20 @@ def _warm(imports: Sequence[str]) -> list[str]:
         print(f"hapd standby: warm-up export failed ({type(exc).__name__}: {exc}): the script's first export "
               "pays torch's first-call cost", file=sys.stderr, flush=True)
     return failed
+
+
+def import_named(name: str) -> None:
+    """Import ``name``: a module (``transformers``, ``transformers.models.gpt2``), or
+    ``MODULE:ATTR[,ATTR…]``, the module and then each attribute read from it
+    (``transformers:GPT2LMHeadModel``). A library that imports lazily — transformers —
+    imports little at ``import transformers``: its models' modules (~0.6 s of CPU for
+    GPT-2's and what it needs, most of a joining rank's script on a slow host) load
+    when the script first reads the class; reading it here loads them while the
+    standby waits. :class:`ImportError` or :class:`AttributeError` when it cannot."""
+    module_name, _, attributes = name.partition(":")
+    module = importlib.import_module(module_name)
+    for attribute in filter(None, (a.strip() for a in attributes.split(","))):
+        getattr(module, attribute)
 
 
 def _scheduling(policy: int) -> bool:
@@ -121,7 +137,7 @@ def _take_environment(order: Mapping[str, Any], started_in: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hapd.elastic.standby")
-    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE")
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE[:ATTR]")
     ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     started_in = os.getcwd()
     begun = time.monotonic()

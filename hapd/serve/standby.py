@@ -130,6 +130,16 @@ class Standby:
             pass
 
 
+def import_name_ok(name: str) -> bool:
+    """Whether ``name`` is what a standby imports: a dotted module name, optionally
+    ``:`` and comma-separated attribute names (:func:`hapd.elastic.standby.import_named`)."""
+    module, colon, attributes = name.partition(":")
+    if not module or not all(part.isidentifier() for part in module.split(".")):
+        return False
+    names = [a.strip() for a in attributes.split(",")] if colon else []
+    return all(a.isidentifier() for a in names) and (not colon or bool(names))
+
+
 class StandbyPool:
     """Up to ``count`` warm processes for this daemon's in-place launches (thread-safe)."""
 
@@ -138,8 +148,9 @@ class StandbyPool:
         if not 0 <= count <= MAX_STANDBY:
             raise OptionsError(f"standby {count} must be in 0..{MAX_STANDBY}", field="standby")
         for name in imports:
-            if not name or not all(part.isidentifier() for part in name.split(".")):
-                raise OptionsError(f"standby import {name!r} is not a module name", field="standby_imports")
+            if not import_name_ok(name):
+                raise OptionsError(f"standby import {name!r} is not a module name (MODULE or MODULE:ATTR[,ATTR…])",
+                                   field="standby_imports")
         self.count = count
         self.imports = tuple(imports)
         self.env = dict(os.environ if env is None else env)

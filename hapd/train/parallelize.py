@@ -200,8 +200,8 @@ def _prepared(asked: _Asked, *, world: int, rank: int, group: Any, device: torch
     carried = _carried_in(recipe)
     rebound = bool(recipe.exported)
     options = _with_precision(_default_options(asked.options, recipe.profile, world), asked.precision)
-    return _Prepared(recipe, carried, options, _plan_request(recipe, asked.plan, options, asked.always), rank, world,
-                     rebound)
+    request = _plan_request(recipe, asked.plan, options, asked.always, rank)
+    return _Prepared(recipe, carried, options, request, rank, world, rebound)
 
 
 def _prepared_before_joining(asked: _Asked, group: Any) -> _Prepared | None:
@@ -320,14 +320,16 @@ class BuildTimes:
 
 
 def _plan_request(recipe: Recipe, plan: Plan | str | Path | bytes | None,
-                  options: CompileOptions | Mapping[str, Any] | None, always: bool) -> _PlanRequest:
+                  options: CompileOptions | Mapping[str, Any] | None, always: bool, rank: int = 0) -> _PlanRequest:
     """What the plan is asked for (:func:`_training_plan`), exported here or carried.
     A given plan for one duplica's graph (``overlap`` in it) runs on the program
     exported for half the batch. With ``options.overlap`` or ``options.pipeline`` auto
     (and no given plan) one compile searches every technique in the options, from the
     model exported once with a symbolic batch (:meth:`Recipe.graphs`,
     :func:`hapd.compiler.driver.compile_techniques`): the plan chooses the program.
-    ``always``: the duplicas of half the global batch, whatever the estimates."""
+    ``always``: the duplicas of half the global batch, whatever the estimates. Only
+    rank 0 asks for the plan: another ``rank`` derives only the graphs it checks the plan
+    against and may run (:meth:`Recipe.graphs`'s ``priced``)."""
     opts = compile_options(options)
     if plan is not None:
         given = given_plan(plan)[0]
@@ -337,7 +339,7 @@ def _plan_request(recipe: Recipe, plan: Plan | str | Path | bytes | None,
         program, graph = recipe.export(True, recipe.example_shapes)
         return _PlanRequest(graph, (program, graph))
     if not always:  # every technique in options from one export (hapd.compiler.techniques)
-        return _PlanRequest(recipe.graphs(opts), None)
+        return _PlanRequest(recipe.graphs(opts, priced=rank == 0), None)
     program, graph = recipe.export(True, recipe.half_shapes())
     return _PlanRequest(graph, (program, graph))
 
@@ -426,7 +428,7 @@ def _export_ahead(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims
     opts = compile_options(_with_precision(_default_options(options, recipe.profile, world), precision))
     if plan is None and overlap != "always" and (opts.overlap or opts.pipeline == "auto"):
         _shared_in(recipe)
-        recipe.graphs(opts)  # what _training_plan's search prices
+        recipe.graphs(opts, priced=env_int(os.environ, "RANK") == 0)  # what _training_plan reads
     else:
         recipe.export(True, recipe.half_shapes() if overlap == "always" else recipe.example_shapes)
     CARRY.keep(export_key(recipe.model, recipe.example_inputs, recipe.batch_dims, recipe.name, recipe.device),

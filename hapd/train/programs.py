@@ -26,7 +26,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,17 +149,22 @@ class Recipe:
             return self.export(training, shapes)
         return self.export_at(training, batch, shapes)
 
-    def graphs(self, options: CompileOptions) -> GraphSet:
+    def graphs(self, options: CompileOptions, *, priced: bool = True) -> GraphSet:
         """The graphs a compile with ``options`` prices (the global batch's, the
         micro-batches' of pipelines, the half batch's of overlap), from the one symbolic
         program; with a static one, from the model exported again at each batch (said
-        in the log)."""
+        in the log). ``priced`` False, for a rank that searches nothing (the plan comes
+        from rank 0): only the graphs it checks the plan against and runs — the global
+        batch's and, with overlap, the half batch's; a pipeline's micro-batch program is
+        cut when its plan wins (:func:`~hapd.train.pipeline_module.build_pipeline_module`)."""
         program = self.symbolic(True)
         if not is_symbolic(program):
             info = batch_info(program)
             _log.info("%s: the model exports only at a static batch (%s): exporting it again at each batch priced",
                       self.name, info.reason if info is not None else "?")
         full = self.export_at(True, self.batch)[1]
+        if not priced:
+            return graph_set(lambda b: self.export_at(True, b)[1], full, replace(options, pipeline="off"))
         return graph_set(lambda b: self.export_at(True, b)[1], full, options)
 
     @property
@@ -580,12 +585,33 @@ class ExportCarry:
 
 
 def _rebound(value: Any, model: _Tensors) -> Any:
-    """A kept export (a program, or a program and its graph) over ``model``'s tensors."""
+    """A kept export (a program, or a program and its graph) over ``model``'s tensors;
+    the kept one itself when it is over them already (:func:`bound_to`)."""
     if isinstance(value, ExportedProgram):
-        return rebind(value, model)
+        return value if bound_to(value, model) else rebind(value, model)
     if isinstance(value, tuple) and value and isinstance(value[0], ExportedProgram):
-        return (rebind(value[0], model), *value[1:])
+        return value if bound_to(value[0], model) else (rebind(value[0], model), *value[1:])
     return value
+
+
+def bound_to(program: ExportedProgram, model: nn.Module | _Tensors) -> bool:
+    """Whether ``program`` — and the normal and functional forms kept on it — reads
+    ``model``'s very tensors (every state entry the same object, every constant that is
+    a buffer of ``model`` too): what :func:`rebind` would give is the program itself. So
+    for a joining host's rank, whose exports made before its place came are carried
+    into the same :func:`~hapd.train.parallelize.parallelize` call over the same
+    model: rebinding them all again took ~0.2 s there on a sixth of a core, after the
+    switch, while every rank waited."""
+    tensors = model if isinstance(model, _Tensors) else _Tensors.of(model)
+    if any(tensors.state.get(k) is not v for k, v in program.state_dict.items()):
+        return False
+    if any(tensors.buffers.get(k, v) is not v for k, v in program.constants.items()):
+        return False
+    for attr in (normal_form._NORMAL_FORM, normal_form._FUNCTIONAL_FORM):  # noqa: SLF001 - see _keep_forms
+        form = getattr(program, attr, None)
+        if isinstance(form, ExportedProgram) and form is not program and not bound_to(form, tensors):
+            return False
+    return True
 
 
 CARRY = ExportCarry()
@@ -647,5 +673,5 @@ def aligned_force(training: Sequence[tuple[str, str]], rules: Mapping[str, str],
     return force
 
 
-__all__ = ["CARRY", "ExportCarry", "KeywordModel", "Recipe", "Shapes", "aligned_force", "by_keyword", "check_index_inputs", "export_key",
-           "keyword_names", "op_nodes", "rebind"]
+__all__ = ["CARRY", "ExportCarry", "KeywordModel", "Recipe", "Shapes", "aligned_force", "bound_to", "by_keyword",
+           "check_index_inputs", "export_key", "keyword_names", "op_nodes", "rebind"]

@@ -135,3 +135,61 @@ def test_nothing_is_published_outside_an_in_place_elastic_run(monkeypatch):
     made = []
     assert not export_share.publish("a" * 64, lambda: made.append(1) or b"x")
     assert made == []  # not even made
+
+
+def test_a_rank_that_asks_no_plan_derives_only_the_graphs_it_checks_and_runs():
+    """Only rank 0 asks for the plan: another rank (a joining host's, exporting ahead)
+    derives the global batch's graph and the half batch's (overlap), the same graphs
+    rank 0 prices, and none of the pipelines' micro-batches, whose program is cut only
+    when a pipeline's plan wins."""
+    from hapd.train.parallelize import _plan_request
+
+    options = CompileOptions(pipeline="auto", overlap=True)
+    priced, rank0 = _recipe_of(0), _recipe_of(0)
+    everything = priced.graphs(options)
+    assert everything.micro  # rank 0 prices the pipelines' micro-batches (batch 8: 2, 4 and 8 of them)
+    other = _recipe_of(0)
+    request = _plan_request(other, None, options, False, rank=1)
+    assert request.graph.micro == {} and request.runs is None
+    assert request.graph.full.graph_id == everything.full.graph_id
+    assert request.graph.half is not None and request.graph.half.graph_id == everything.half.graph_id
+    assert ("at", True, 2) not in other.exported and ("at", True, 1) not in other.exported  # 4 and 8 micro-batches
+    assert _plan_request(rank0, None, options, False, rank=0).graph.key() == everything.key()
+    cut = other.export_at(True, 2)  # a pipeline's micro-batch program, when its plan wins: cut then
+    assert cut[1].graph_id == everything.micro[4].graph_id
+
+
+def test_exports_carried_over_the_same_model_are_taken_as_they_are(monkeypatch):
+    """A joining host's rank exports ahead, then the same parallelize call takes those
+    exports from the carry over the same model: they are already over its tensors and
+    come back as they are (no rebinding); over another model of the same structure
+    (the script run again after a switch) they are rebound to its tensors."""
+    from hapd.train import programs
+
+    monkeypatch.setenv("HAPD_KEEP_EXPORTS", "1")
+    options = CompileOptions(pipeline="auto", overlap=True)
+    joining = _recipe_of(0)
+    take_shared(joining, shared_bytes(_shared_sender(options)))
+    joining.graphs(options)
+    key = export_key(joining.model, joining.example_inputs, joining.batch_dims, joining.name, joining.device)
+    kept = dict(joining.exported)
+    carry = programs.ExportCarry()
+    carry.keep(key, joining.exported)
+    taken = carry.take(key, joining.model)
+    assert taken.keys() == kept.keys()
+    assert all(taken[k] is kept[k] for k in kept)  # the very programs: over this model already
+    assert all(programs.bound_to(v[0] if isinstance(v, tuple) else v, joining.model) for v in taken.values())
+
+    again = _recipe_of(1)  # the script run again: the same structure, new tensors
+    carry.keep(key, kept)
+    rebound = carry.take(key, again.model)
+    program = rebound[SHARED_KEY]
+    assert program is not kept[SHARED_KEY] and not programs.bound_to(kept[SHARED_KEY], again.model)
+    assert programs.bound_to(program, again.model)
+    assert program.state_dict["head.weight"] is again.model.head.weight
+
+
+def _shared_sender(options):
+    sender = _recipe_of(5)
+    sender.graphs(options)
+    return sender

@@ -281,3 +281,65 @@ def test_copies_that_pass_the_hosts_memory_budget_are_not_kept(monkeypatch):
     monkeypatch.setattr(step_copy, "host_available_bytes", lambda: 8 * 2 * nbytes)
     copies.keep(1, 0, 0, 1, found, objects, small)
     assert [c.step for c in copies.copies] == [1]
+
+
+@pytest.mark.parametrize("case", ["in-place", "no-copies", "restart", "interval-due"])
+def test_a_pause_in_place_takes_no_snapshot_of_its_own_when_the_copies_hold_the_state(tmp_path, monkeypatch, case):
+    """A pause for a joining host, under the in-place runner with step copies on every
+    rank, parks without a snapshot of its step (the next generation takes that step
+    from the copies: resumed there, nothing lost); with a rank that keeps no copies, or
+    with ``--restart`` (new processes load the snapshot), it snapshots that step first;
+    a snapshot the interval makes due at that step is taken as ever."""
+    from hapd.elastic import resume
+    from hapd.elastic.in_place import IN_PLACE_ENV
+    from hapd.errors import ElasticPause
+    from hapd.wire.keys import load_or_create_key
+
+    load_or_create_key(tmp_path / "key")
+    monkeypatch.setenv("HAPD_KEY_FILE", str(tmp_path / "key"))
+    if case != "restart":
+        monkeypatch.setenv(IN_PLACE_ENV, "1")
+    else:
+        monkeypatch.delenv(IN_PLACE_ENV, raising=False)
+    run = f"pause-{case}-{id(tmp_path)}"
+    env = {"HAPD_ELASTIC_RUN": run, "HAPD_GENERATION": "0", "HAPD_SNAPSHOT_EVERY": "5"}
+    if case == "no-copies":
+        env[step_copy.COPY_ENV] = "0"
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    elastic = resume.Elastic(module, optimizer, environ=env)
+    snapshots: list[int] = []
+    monkeypatch.setattr(elastic, "snapshot", lambda step: snapshots.append(step) or 0.0)
+    pause_at = 5 if case == "interval-due" else 3
+    monkeypatch.setattr(elastic, "_pause_requested", lambda: elastic_step[0] == pause_at)
+    elastic_step = [0]
+    assert elastic.resume() == 0
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    stopped = None
+    for step in range(1, 8):
+        optimizer.zero_grad()
+        module(x).square().sum().backward()
+        optimizer.step()
+        elastic_step[0] = step
+        try:
+            elastic.step_done(step)
+        except (ElasticPause, SystemExit) as exc:
+            stopped = exc
+            break
+    assert elastic_step[0] == pause_at
+    if case == "in-place":
+        assert isinstance(stopped, ElasticPause) and snapshots == []
+        state = {k: v.clone() for k, v in module.state_dict().items()}
+        again = torch.nn.Linear(3, 2)  # the script's next run in this process: other values, the copies' state
+        follow = resume.Elastic(again, torch.optim.SGD(again.parameters(), lr=0.1),
+                                environ={**env, "HAPD_GENERATION": "1"})
+        assert follow.resume() == pause_at
+        assert all(torch.equal(again.state_dict()[k], v) for k, v in state.items())
+    elif case == "no-copies":
+        assert isinstance(stopped, ElasticPause) and snapshots == [pause_at]
+    elif case == "restart":
+        assert isinstance(stopped, SystemExit) and stopped.code == 0 and snapshots == [pause_at]
+    else:
+        assert isinstance(stopped, ElasticPause) and snapshots == [5]  # the interval's, once
+    step_copy.forget(run)

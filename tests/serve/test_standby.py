@@ -153,3 +153,43 @@ def test_the_pool_warms_its_standbys_in_the_idle_scheduling_class(tmp_path):
     assert pool.ready() == 0
     wait_for(lambda: all(not os.path.exists(f"/proc/{p}") or _zombie(p) for p in pids), GENEROUS_S,
              "the closed pool's processes to end")
+
+
+def test_a_standby_import_may_read_attributes_of_a_lazily_importing_library():
+    """``MODULE:ATTR[,ATTR…]`` imports the module and reads each attribute (what loads
+    a lazily importing library's model module); the daemon refuses a name that is
+    neither."""
+    import sys
+    import types
+
+    from hapd.elastic.standby import import_named
+    from hapd.errors import OptionsError
+    from hapd.serve.standby import StandbyPool, import_name_ok
+
+    read = []
+
+    class Lazy(types.ModuleType):  # a library whose classes are imported when first read
+        def __getattr__(self, name):
+            read.append(name)
+            if name == "Missing":
+                raise AttributeError(name)
+            return object()
+
+    sys.modules["hapd_lazy_library"] = Lazy("hapd_lazy_library")
+    try:
+        import_named("hapd_lazy_library")
+        assert read == []
+        import_named("hapd_lazy_library:ModelA, ModelB")
+        assert read == ["ModelA", "ModelB"]
+        with pytest.raises(AttributeError):
+            import_named("hapd_lazy_library:Missing")
+    finally:
+        del sys.modules["hapd_lazy_library"]
+    with pytest.raises(ImportError):
+        import_named("hapd_no_such_module_here")
+    for good in ("transformers", "transformers.models.gpt2", "transformers:GPT2LMHeadModel", "a.b:C,D"):
+        assert import_name_ok(good), good
+    for bad in ("", "a..b", "a:", "a:1x", ":C", "a:C,", "a b"):
+        assert not import_name_ok(bad), bad
+        with pytest.raises(OptionsError, match="not a module name"):
+            StandbyPool(1, imports=[bad])
