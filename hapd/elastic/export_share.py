@@ -103,8 +103,9 @@ def _put(p: _Published) -> None:
 def publish(digest: str, make: Callable[[], bytes | None]) -> bool:
     """On an elastic run's rank (under the in-place runner), make the program of export
     key ``digest`` (``make``: its bytes; None: there is nothing to share) and put it in
-    this host's daemon, both on a thread (the job's first steps do not wait for them);
-    once per run and key in this process. Whether it is being published."""
+    this host's daemon, both on a thread once the generation's first step ended (the
+    switch and that step do not share the CPU with them); once per run and key in this
+    process. Whether it is being published."""
     run, address = os.environ.get(RUN_ENV), os.environ.get("HAPD_DAEMON")
     if not run or not address or not runs_in_place():
         return False
@@ -113,7 +114,10 @@ def publish(digest: str, make: Callable[[], bytes | None]) -> bool:
             return False
         _claimed.add((run, digest))
 
+    seen = _steps_done()
+
     def made_and_put() -> None:
+        _wait_for_a_step(seen)
         held = fetch(digest, listed_only=True)
         if held is not None:  # published by a former rank 0: nothing to make unless it goes
             with _lock:
@@ -142,10 +146,35 @@ def _make_and_put(run: str, digest: str, make: Callable[[], bytes | None], addre
     _put(p)
 
 
+_stepped = threading.Condition()
+_steps = 0
+"""How many times :func:`refresh` ran (each step a rank of an elastic job finishes)."""
+WAIT_FOR_STEP_S = 60.0
+"""The longest a publication waits for the next step before it goes ahead."""
+
+
+def _steps_done() -> int:
+    with _stepped:
+        return _steps
+
+
+def _wait_for_a_step(seen: int) -> None:
+    """Until a step ended after ``seen`` (at most :data:`WAIT_FOR_STEP_S`): making the
+    program takes seconds of a slow rank's CPU, which would otherwise fall in the switch
+    and the generation's first step."""
+    with _stepped:
+        _stepped.wait_for(lambda: _steps > seen, timeout=WAIT_FOR_STEP_S)
+
+
 def refresh(now: float | None = None) -> int:
-    """Put again, in the background, what this process published more than
-    :data:`REFRESH_S` ago, and make and put what it found published by another process
-    when no daemon holds that any more; how many."""
+    """After each step: let a publication waiting for a step go on; put again, in the
+    background, what this process published more than :data:`REFRESH_S` ago, and make
+    and put what it found published by another process when no daemon holds that any
+    more; how many of the latter two."""
+    global _steps
+    with _stepped:
+        _steps += 1
+        _stepped.notify_all()
     now = time.monotonic() if now is None else now
     with _lock:
         due = [p for p in _published.values() if now - p.at >= REFRESH_S]

@@ -293,6 +293,8 @@ class Elastic:
                         else None)
         """This rank's copies of its last two completed steps (:mod:`hapd.elastic.step_copy`): kept by this
         process across the script's runs, so that a switch in place takes the state from the survivors."""
+        self._laid_at: int | None = None
+        """The step at which this generation's replicas were laid out (:meth:`_replicate`)."""
         self._entries: list[Any] = []
         """This rank's pieces (:func:`hapd.elastic.step_copy.entries`) as of its last step copy."""
         self._overlap = False
@@ -601,7 +603,10 @@ class Elastic:
         copies = self._copies
         newest = copies.copies[-1] if copies is not None and copies.copies else None
         layout = self._replicas.layout
-        if layout is None or layout.generation != self.generation:
+        # laid out at step 0 of a fresh start, before the optimizer made its state: again at step 1, with it
+        again = step == 1 and self._laid_at == 0
+        if layout is None or layout.generation != self.generation or again:
+            self._laid_at = step
             mine = newest.pieces if newest is not None and newest.step == step else None
             every = self._gather((self.host, mine))
             layout = self._replicas.set_up(self.generation, self.rank, [h for h, _ in every], [p for _, p in every],

@@ -101,6 +101,9 @@ def test_the_program_goes_through_a_daemon_once_per_run(tmp_path, monkeypatch):
         assert export_share.fetch(digest) is None  # nothing published yet
         made = []
         assert export_share.publish(digest, lambda: made.append(1) or b"program bytes")
+        time.sleep(0.3)
+        assert made == [] and export_share.fetch(digest) is None  # not made before the next step ended
+        export_share.refresh()  # a step done
         wait_for(lambda: export_share.fetch(digest) is not None, GENEROUS_S, "the program in the daemon's store")
         assert export_share.fetch(digest) == (b"program bytes", daemon.address)
         assert not export_share.publish(digest, lambda: made.append(1) or b"again")  # once per run and key
@@ -114,6 +117,7 @@ def test_the_program_goes_through_a_daemon_once_per_run(tmp_path, monkeypatch):
         monkeypatch.setattr(export_share, "_found", {})
         later = []
         assert export_share.publish(digest, lambda: later.append(1) or b"program bytes")
+        export_share.refresh()
         wait_for(lambda: ("run-7", digest) in export_share._found, GENEROUS_S, "the held program found")
         assert later == []
         store, _number = export_share.entry("run-7", digest)
