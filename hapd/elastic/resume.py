@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -94,6 +93,7 @@ from hapd.state.checkpoint_format import find_checkpoint
 from hapd.elastic.in_place import GENERATION_ENV, PARK_REQUESTED, RUN_ENV, runs_in_place
 from hapd.wire.client import Client
 from hapd.wire.contract import STARTED_ENV
+from hapd.wire.switch import say
 from hapd.wire.keys import default_key_path, load_key
 
 FORMER_DAEMONS_ENV = "HAPD_ELASTIC_FORMER_DAEMONS"
@@ -120,7 +120,7 @@ does not answer, its host gone, is passed over)."""
 
 
 def _say(event: str, **fields: Any) -> None:
-    print(json.dumps({"hapd": "elastic", "event": event, **fields}), flush=True)
+    say(event, **fields)  # one line, whole, whatever thread says another at once
 
 
 def local_folder() -> Path:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
 from typing import Any, Mapping
 
@@ -52,9 +54,19 @@ def switch_env(order: Mapping[str, Any], local_rank: int, nproc: int) -> dict[st
     }
 
 
+_said = threading.Lock()
+
+
 def say(event: str, **fields: Any) -> None:
-    """Print one elastic event line (the launcher reads it from the rank's output)."""
-    print(json.dumps({"hapd": "elastic", "event": event, **fields}), flush=True)
+    """Print one elastic event line (the launcher reads it from the rank's output), in one
+    write under a lock: the park watcher's thread and the main thread say theirs at the
+    same moment, and ``print``'s two writes (the text, then the newline) once ran two
+    events into one line that the launcher could not read — the rank's ``parked`` lost,
+    and every rank restarted after the launcher's hold."""
+    line = json.dumps({"hapd": "elastic", "event": event, **fields}) + "\n"
+    with _said:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def park_seconds() -> float:

@@ -139,3 +139,35 @@ def test_a_failed_transfer_parks_the_rank_before_its_next_step():
     keep.before_step()  # told once: the parked rank's next run starts clean
     keep.failed = "step 5: ValueError: not a peer's loss"
     keep.before_step()  # said on stderr, not a park
+
+
+def test_event_lines_said_from_two_threads_at_once_stay_whole_lines():
+    """The park watcher's ``park_requested`` and the main thread's ``parked`` come at the
+    same moment; ``print``'s two writes once ran them into one line the launcher could not
+    read (the rank's park lost, every rank restarted)."""
+    import io
+    import json
+    import sys
+    import threading
+    import time
+
+    from hapd.wire.switch import say
+
+    class Slow(io.StringIO):  # yields the interpreter at every write, as a pipe's write can
+        def write(self, text: str) -> int:
+            time.sleep(0.0002)
+            return super().write(text)
+
+    out, real = Slow(), sys.stdout
+    sys.stdout = out
+    try:
+        threads = [threading.Thread(target=lambda n=n: [say("tick", thread=n, i=i) for i in range(100)])
+                   for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.stdout = real
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 400 and all(json.loads(line)["event"] == "tick" for line in lines)
