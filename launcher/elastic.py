@@ -370,6 +370,9 @@ class ElasticRun:
         for label in sorted(lost):
             self.dropped.append({"host": label, "generation": gen.index, "time": failed_at, "at_step": gen.last_step})
         emptied = self._drop_killed(job, result)
+        # a host left with none of its ranks holds none: the others switch in place without it (its
+        # daemon may not have said its job ended when the last rank parked)
+        result.held = [label for label in result.held if label not in emptied]
         for label in sorted(emptied):
             self.dropped.append({"host": label, "generation": gen.index, "time": failed_at, "at_step": gen.last_step,
                                  "why": "its ranks were killed"})

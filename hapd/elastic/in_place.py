@@ -51,6 +51,7 @@ takes the restart path.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import sys
@@ -92,6 +93,12 @@ PARK_REQUESTED = threading.Event()
 script): a rank waiting on something other than a collective — a snapshot's send to a
 host that went silent (:class:`hapd.Elastic`) — stops waiting and raises
 :class:`~hapd.errors.CollectiveError`, so it parks too."""
+PARKED = threading.Event()
+"""Set when this rank parked (cleared at each run of the script)."""
+PARK_STALL_S = 3.0
+"""Seconds after a park request by which a rank that has not parked prints every
+thread's stack to its stderr: what it waits on, before the launcher's hold
+(``launcher.job.HOLD_S``) runs out and every rank is restarted."""
 
 
 def _watch_park_requests() -> None:
@@ -126,8 +133,21 @@ def _watch_park_requests() -> None:
                     shut = group_sockets.shut_down()
                     _say("park_requested", rank=int(os.environ.get("RANK") or 0), generation=asked,
                          connections=shut, time=time.time())
+                    stall = threading.Timer(PARK_STALL_S, _not_parked, args=(asked,))
+                    stall.daemon = True
+                    stall.start()
 
     threading.Thread(target=watch, daemon=True, name="hapd-park-requests").start()
+
+
+def _not_parked(generation: int) -> None:
+    """:data:`PARK_STALL_S` after a park request: when this rank has not parked (still
+    in ``generation``), say so with every thread's stack."""
+    if PARKED.is_set() or not PARK_REQUESTED.is_set() or int(os.environ.get(GENERATION_ENV) or 0) != generation:
+        return
+    print(f"hapd in place: rank {os.environ.get('RANK') or 0} has not parked {PARK_STALL_S:g} s after the park "
+          "request; its threads:", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 _frozen_once = False
@@ -182,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         generation = int(os.environ.get(GENERATION_ENV) or 0)
         PARK_REQUESTED.clear()
+        PARKED.clear()
         try:
             run_script(script, args)
             return 0
@@ -212,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 def _park(generation: int, cause: str) -> Mapping[str, Any] | None:
     """Say this rank is parked, leave the broken process group and wait for the switch."""
     rank = int(os.environ.get("RANK") or 0)
+    PARKED.set()
     _say("parked", rank=rank, generation=generation, cause=cause, time=time.time())
     # imported only now (torch is, by the script): the runner imports nothing of torch before the
     # script, whose own settings (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES, …) come first

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hapd.elastic.moves import Box, Piece, dtype_size
+from hapd.elastic.in_place import PARK_REQUESTED
 from hapd.errors import PEER_FAILURE, CollectiveError
 from hapd.spmd import group_sockets
 from hapd.spmd.distributed import side_group
@@ -268,7 +269,24 @@ class Replicas:
             print(f"hapd elastic: a replica transfer failed: {failed}", file=sys.stderr, flush=True)
 
     def wait(self) -> None:
-        """Until the step's transfers ended (the optimizer's next step waits here)."""
+        """Until the step's transfers ended (the optimizer's next step waits here). Raises
+        :class:`~hapd.errors.CollectiveError` when the launcher asks this rank to park
+        meanwhile: a transfer from a host whose link went down (its connections do not
+        close) would hold the rank past the launcher's hold, and every rank restarted."""
+        thread = self._thread
+        if thread is None:
+            return
+        start = time.perf_counter()
+        while thread.is_alive():
+            thread.join(0.05)  # returns as soon as the thread ends: no latency added
+            if PARK_REQUESTED.is_set() and thread.is_alive():
+                raise CollectiveError(f"asked to park (a host was lost) while waiting "
+                                      f"{time.perf_counter() - start:.1f} s for the replicas' transfers")
+        self._thread = None
+
+    def _join(self) -> None:
+        """Until the step's transfers ended, the rank parked or not (its groups were left:
+        they end at once)."""
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
@@ -289,7 +307,7 @@ class Replicas:
 
     def reset(self) -> None:
         """Forget the replicas, the layout and the group (a new generation's come next)."""
-        self.wait()
+        self._join()
         self.received, self.layout, self._group, self._slots, self.sent_bytes = {}, None, None, {}, ()
         self.failed = None
 

@@ -141,6 +141,50 @@ def test_a_failed_transfer_parks_the_rank_before_its_next_step():
     keep.before_step()  # said on stderr, not a park
 
 
+def test_a_transfer_stuck_on_a_silent_host_parks_the_rank_when_asked():
+    """A transfer from a host whose link went down never ends by itself (its connections
+    do not close): the rank waiting for it before its next step parks once the launcher
+    asks (once, it waited past the launcher's hold and every rank restarted)."""
+    import threading
+
+    from hapd.elastic.in_place import PARK_REQUESTED
+
+    release = threading.Event()
+    keep = replica.Replicas()
+    keep._thread = threading.Thread(target=release.wait, daemon=True)
+    keep._thread.start()
+    threading.Timer(0.2, PARK_REQUESTED.set).start()
+    try:
+        with pytest.raises(CollectiveError, match="asked to park"):
+            keep.before_step()
+    finally:
+        PARK_REQUESTED.clear()
+        release.set()
+    keep.reset()  # the transfer ended (its group left): the next generation starts clean
+    assert keep._thread is None
+
+
+def test_a_rank_that_has_not_parked_soon_after_the_request_prints_its_threads(capfd, monkeypatch):
+    """What a rank asked to park waits on, when it does not within
+    :data:`~hapd.elastic.in_place.PARK_STALL_S`: every thread's stack on its stderr
+    (the launcher shows it); nothing once it parked or in another generation."""
+    from hapd.elastic import in_place
+
+    monkeypatch.setenv(in_place.GENERATION_ENV, "3")
+    in_place.PARK_REQUESTED.set()
+    try:
+        in_place._not_parked(3)
+        err = capfd.readouterr().err
+        assert "has not parked" in err and "most recent call first" in err, err
+        in_place._not_parked(2)  # a request of an earlier generation: this one's run is another
+        in_place.PARKED.set()
+        in_place._not_parked(3)
+        assert capfd.readouterr().err == ""
+    finally:
+        in_place.PARK_REQUESTED.clear()
+        in_place.PARKED.clear()
+
+
 def test_event_lines_said_from_two_threads_at_once_stay_whole_lines():
     """The park watcher's ``park_requested`` and the main thread's ``parked`` come at the
     same moment; ``print``'s two writes once ran them into one line the launcher could not
