@@ -1006,6 +1006,8 @@ def scenario_snapshot(b: Bench, steps: int, last: int, rounds: int) -> dict[str,
     res: dict[str, list[float]] = {e: [] for e in order}
     snaps: dict[str, list] = {e: [] for e in order}
     chosen: dict[str, list[int]] = {e: [] for e in order}
+    window: dict[str, list[int]] = {e: [] for e in order}
+    """The snapshots taken inside each run's measured window (the last ``last`` steps)."""
     """The interval in force at each run's end (the automatic one's choice)."""
     replicas: list[Any] = []
     for rnd in range(rounds):
@@ -1020,6 +1022,7 @@ def scenario_snapshot(b: Bench, steps: int, last: int, rounds: int) -> dict[str,
                 res[every].append(tp)
             taken = [e for e in r["events"] if e.get("event") == "snapshot"]
             snaps[every].append(taken[:3])
+            window[every].append(sum(1 for e in taken if int(e.get("step") or 0) > steps - last))
             if taken:
                 chosen[every].append(int(taken[-1].get("every") or every))
             replicas += [e.get("bytes") for e in r["events"] if e.get("event") == "replicas"][:1]
@@ -1030,7 +1033,7 @@ def scenario_snapshot(b: Bench, steps: int, last: int, rounds: int) -> dict[str,
             "ratio_to_none": {e: (v / base if v and base else None) for e, v in mean.items()},
             "cost": {e: (1 - v / base if v and base else None) for e, v in mean.items()},
             "replica_cost": 1 - base / off if base and off else None, "replica_bytes": replicas[:1],
-            "interval": chosen, "first_snapshots": snaps}
+            "interval": chosen, "in_window": window, "first_snapshots": snaps}
 
 
 def scenario_replan(work: Path, runs: int) -> dict[str, Any]:
@@ -1189,12 +1192,13 @@ def tables(results: Mapping[str, Any]) -> list[str]:
 
         names["off"] = "none, no replicas"
         rows = [[names[e], snap["mean"][e], snap["ratio_to_none"][e], (snap.get("cost") or {}).get(e), interval(e),
+                 ", ".join(str(n) for n in (snap.get("in_window") or {}).get(e, [])) or "-",
                  lost(e), ", ".join(f"{x:.3g}" for x in snap["steps_per_s"][e])]
                 for e in ("-1", "1", "0", "off") if e in snap["mean"]]
         out.append(format_table(f"4. snapshot cost: steps/s over the last {snap['last']} of {snap['steps']} steps, "
                                 f"{snap['rounds']} round(s) (target: automatic ≤ 5% of step time)",
-                                ["snapshots", "steps/s", "vs none", "cost", "interval", "steps lost per fault",
-                                 "runs"], rows))
+                                ["snapshots", "steps/s", "vs none", "cost", "interval", "taken in window",
+                                 "steps lost per fault", "runs"], rows))
         if snap.get("replica_cost") is not None:
             out.append(f"   the replicas of the lonely pieces (bytes a step by rank: {snap.get('replica_bytes')}) "
                        f"cost {snap['replica_cost']:.1%} of the steps/s without them")
@@ -1220,6 +1224,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="30 steps, 4 faults, one snapshot round")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--faults", type=int, default=None)
+    p.add_argument("--faults-steps", type=int, default=None,
+                   help="the faults scenario's steps (default --steps): enough for its faults and the hosts' rejoins")
+    p.add_argument("--snapshot-steps", type=int, default=None,
+                   help="each snapshot A/B run's steps, steps/s taken over the last half (default 2/3 of --steps); "
+                        "at the automatic interval (~10 steps here) a window of 20 steps holds 1 or 2 snapshots, so "
+                        "its cost reads ±50%%: take 150 or more")
     p.add_argument("--seed", type=int, default=33)
     p.add_argument("--kill-runs", default=None,
                    help="the kill and rankkill scenarios' runs: EVERY:in-place|restart|in-place-snapshot (in place, "
@@ -1243,6 +1253,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true")
     ns = p.parse_args(argv)
     ns.steps = ns.steps or (30 if ns.quick else 60)
+    ns.faults_steps = ns.faults_steps or ns.steps
+    ns.snapshot_steps = ns.snapshot_steps or max(20, 2 * ns.steps // 3)
     ns.faults = ns.faults if ns.faults is not None else (4 if ns.quick else 10)
     ns.scenarios = [s.strip() for s in ns.scenarios.split(",") if s.strip()]
     given = ns.kill_runs
@@ -1342,11 +1354,12 @@ def main(argv=None) -> int:
             if "faults" in cluster_scenarios:
                 # the faults fall in the job's first half: each waits for the hosts that rejoin
                 # after the one before (~50 s on a sixth of a core), so they come later than drawn
-                schedule = fault_schedule(ns.seed, ns.faults, max(ns.faults + 6, s // 2), first=3)
-                results["faults"] = scenario_faults(b, s, schedule)
+                fs = ns.faults_steps
+                schedule = fault_schedule(ns.seed, ns.faults, max(ns.faults + 6, fs // 2), first=3)
+                results["faults"] = scenario_faults(b, fs, schedule)
                 _save(results, ns.out)
             if "snapshot" in cluster_scenarios:
-                results["snapshot"] = scenario_snapshot(b, max(20, 2 * s // 3), max(5, s // 3), ns.rounds)
+                results["snapshot"] = scenario_snapshot(b, ns.snapshot_steps, max(5, ns.snapshot_steps // 2), ns.rounds)
             results["leftovers"] = b.leftovers
     except KeyboardInterrupt:
         log("interrupted: tearing down")

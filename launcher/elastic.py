@@ -515,7 +515,9 @@ class ElasticRun:
         if parts is not None:
             inside = (f" ({'switch' if gen.in_place else 'launch'} {parts['launch_s']:.1f} s, "
                       f"script to parallelize {parts['script_s']:.1f} s, "
-                      f"parallelize {parts['parallelize_s']:.1f} s of which joining the ranks {parts['join_s']:.1f} s, "
+                      f"parallelize {parts['parallelize_s']:.1f} s of which "
+                      + (f"preparing {parts['prepare_s']:.1f} s, " if parts.get("prepare_s") is not None else "")
+                      + f"joining the ranks {parts['join_s']:.1f} s, "
                       f"then {parts['after_s']:.1f} s)")
         self.say(f"generation {gen.index} on {len(gen.hosts)} host(s) ({', '.join(gen.hosts)}), {gen.world} ranks: "
                  f"resumed at step {step} from {resumed.get('source')} ({lost_steps} step(s) lost); plan: "
@@ -719,8 +721,10 @@ def restart_parts(resumed: Mapping[str, Any], decided_at: float, restart_s: floa
     :func:`hapd.parallelize` (what the ``resumed`` event says): ``launch_s`` (the
     decision to the process's start: the daemons' launch), ``script_s`` (the script up to
     :func:`hapd.parallelize`: the interpreter, imports, the model), ``parallelize_s``
-    (less the plan's own time, which is the re-plan), of which ``join_s`` is joining the
-    process group (waiting for the job's slowest rank to get there), and ``after_s`` (the
+    (less the plan's own time, which is the re-plan), of which ``prepare_s`` is rank 0's
+    own work before joining (its exports rebound, the plan request; None when not said)
+    and ``join_s`` joining the process group (waiting for the job's slowest rank to get
+    there), and ``after_s`` (the
     script from :func:`hapd.parallelize` to :meth:`hapd.Elastic.resume`). None when the
     event lacks them (a script without :func:`hapd.parallelize`)."""
     started, built = resumed.get("started_at"), resumed.get("build")
@@ -732,7 +736,9 @@ def restart_parts(resumed: Mapping[str, Any], decided_at: float, restart_s: floa
         return None
     launch, script = started - decided_at, called - started
     parallel = max(0.0, total - plan_s)
+    prepare = built.get("prepare_s")
     return {"launch_s": launch, "script_s": script, "parallelize_s": parallel, "join_s": join,
+            "prepare_s": float(prepare) if isinstance(prepare, (int, float)) else None,
             "after_s": restart_s - launch - script - parallel}
 
 

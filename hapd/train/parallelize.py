@@ -131,7 +131,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Tensor], *,
         print(source.summary(), flush=True)
     built = _build_module(recipe, source, program, graph, ready.options, world=world, rank=rank, group=group,
                           hosts=hosts)
-    built.build_times = BuildTimes(started=started, join_s=joined_s, total_s=time.time() - started)
+    built.build_times = BuildTimes(started=started, join_s=joined_s, total_s=time.time() - started,
+                                   prepare_s=joining - started)
     if ready.carried is not None:
         CARRY.keep(ready.carried, recipe.exported)
         if rank == 0:
@@ -317,6 +318,8 @@ class BuildTimes:
     """``time.time()`` when :func:`parallelize` was called."""
     join_s: float
     total_s: float
+    prepare_s: float = 0.0
+    """Before joining: the exports rebound or made, the options, the plan request."""
 
 
 def _plan_request(recipe: Recipe, plan: Plan | str | Path | bytes | None,

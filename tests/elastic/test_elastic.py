@@ -250,7 +250,10 @@ def test_parse_elastic_and_options():
 def test_a_restart_splits_at_the_process_start_and_at_parallelize():
     resumed = {"started_at": 100.5, "build": {"started": 104.0, "join_s": 1.5, "total_s": 3.0}}
     parts = restart_parts(resumed, decided_at=100.0, restart_s=8.0, plan_s=0.25)
-    assert parts == {"launch_s": 0.5, "script_s": 3.5, "parallelize_s": 2.75, "join_s": 1.5, "after_s": 1.25}
+    assert parts == {"launch_s": 0.5, "script_s": 3.5, "parallelize_s": 2.75, "join_s": 1.5, "prepare_s": None,
+                     "after_s": 1.25}
+    resumed["build"]["prepare_s"] = 0.75  # rank 0's own work before it joined
+    assert restart_parts(resumed, decided_at=100.0, restart_s=8.0, plan_s=0.25)["prepare_s"] == 0.75
     assert restart_parts({"started_at": None, "build": None}, 100.0, 8.0, 0.25) is None  # a script without them
     assert restart_parts({"started_at": 1.0, "build": {"started": "x"}}, 100.0, 8.0, 0.25) is None
 

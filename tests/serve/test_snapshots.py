@@ -210,7 +210,8 @@ def test_the_automatic_interval_counts_the_send_and_follows_the_cost():
 
 def test_a_send_costs_what_the_steps_beside_it_lost_in_wall_time():
     """The send's cost is measured on the steps: on a rank at a sixth of a core, 0.1 CPU
-    seconds of sending slowed two 1 s steps by 0.3 s each: 0.6 s, not 0.1 s. Before a
+    seconds of sending slowed two 1 s steps by 0.3 s each: 0.6 s, not 0.1 s; a step
+    slowed after the send ended counts as well. Before a
     step without a send was seen, the CPU time is the estimate; a send that slowed
     nothing costs nothing (noise in both directions sums, never below 0)."""
     from hapd.elastic.resume import SnapshotCost
@@ -227,6 +228,12 @@ def test_a_send_costs_what_the_steps_beside_it_lost_in_wall_time():
     cost.step(0.97, sending=True)
     assert cost.send_cost(0.1) == 0.0  # started over, and -0.01 s is no cost
     assert cost.clean_step == pytest.approx(1.0)
+    # the steps after the send ended count too (the daemons store the files on the same CPUs)
+    cost.step(1.0, sending=False)
+    cost.step(1.2, sending=True)
+    cost.step(1.2, sending=False)
+    cost.step(1.0, sending=False)
+    assert cost.send_cost(0.1) == pytest.approx(0.4)
     slow_start = SnapshotCost()
     for took in (9.0, 1.0, 1.0):  # a slow step (a warm-up) does not move the step time
         slow_start.step(took, sending=False)
