@@ -884,7 +884,10 @@ class Job:
                     if self._all_parked(finished, lost):
                         held = True
                         break
-                    if self._hold_ended(hold_until, lost):
+                    if self._hold_ended(hold_until, lost, finished):
+                        if self._drop_unparked(finished, lost):
+                            held = True
+                            break
                         stop_started, deadline = self._stop_all(finished, lost)
                         continue
                     timeout = min(timeout, hold_until - time.monotonic())
@@ -939,16 +942,48 @@ class Job:
 
         threading.Thread(target=all_of_them, daemon=True, name="hapd-launcher-park").start()
 
-    def _hold_ended(self, hold_until: float, lost: Mapping[int, str]) -> bool:
-        """Whether the held ranks are to be stopped (said when so): the hold ran out, a survivor exited, none parked."""
+    def _hold_ended(self, hold_until: float, lost: Mapping[int, str], finished: set[int]) -> bool:
+        """Whether the hold is over: it ran out, a survivor exited, none parked. Said when
+        every held rank is to be stopped (all but when :meth:`_drop_unparked` applies)."""
         now = time.monotonic()
-        if now >= hold_until or self._survivor_exited(lost) or (
-                not self.parked and now >= hold_until - HOLD_S + FIRST_PARK_S):
+        ran_out = now >= hold_until and not self._survivor_exited(lost)
+        if ran_out and self._parked_hosts(finished, lost)[0]:
+            return True  # the hosts whose ranks all parked go on: _drop_unparked
+        if ran_out or self._survivor_exited(lost) or (not self.parked and now >= hold_until - HOLD_S + FIRST_PARK_S):
             why = "none of them parked" if not self.parked else "not all of them parked"
             self.say(f"the other hosts' ranks are stopped ({why} in {now - hold_until + HOLD_S:.1f} s): "
                      "the next generation restarts them")
             return True
         return False
+
+    def _parked_hosts(self, finished: set[int], lost: Mapping[int, str]) -> tuple[list[Placement], list[Placement]]:
+        """The running hosts not lost whose every rank parked (or was killed by a signal,
+        not all of them), and the others."""
+        ready, stuck = [], []
+        for p in self._survivors(lost):
+            if p.node_rank in finished or all(r in self.killed for r in p.ranks):
+                continue
+            parked = all(r in self.killed or (r in self.parked and r not in self.exits) for r in p.ranks)
+            (ready if parked else stuck).append(p)
+        return (ready, stuck) if stuck else ([], [])
+
+    def _drop_unparked(self, finished: set[int], lost: dict[int, str]) -> bool:
+        """At the end of the hold, some ranks not parked (one waiting on something the
+        park request did not reach; the stacks it printed say what): their hosts leave
+        the generation, their ranks stopped, and join again through the host file; the
+        hosts whose every rank parked go on in place — instead of every rank restarting.
+        False when no host has every rank parked."""
+        ready, stuck = self._parked_hosts(finished, lost)
+        if not ready:
+            return False
+        for p in stuck:
+            ranks = [r for r in p.ranks if r not in self.parked and r not in self.killed]
+            lost[p.node_rank] = f"rank(s) {', '.join(map(str, ranks))} did not park within {HOLD_S:g} s"
+            self.say(f"rank(s) {', '.join(map(str, ranks))} on {p.host.label} did not park within {HOLD_S:g} s: "
+                     f"its ranks are stopped and {p.host.label} leaves this generation (it joins again once its "
+                     f"daemon answers); {', '.join(q.host.label for q in ready)} go on in place")
+        threading.Thread(target=self._cancel, args=(stuck,), daemon=True, name="hapd-launcher-cancel").start()
+        return True
 
     def _stop_on_interrupt(self, finished: set[int], lost: dict[int, str]) -> float:
         """Ctrl-C: stop every host's ranks and take their events up to ``grace_s``; when the stop started."""

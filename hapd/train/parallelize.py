@@ -431,7 +431,10 @@ def _export_ahead(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims
     opts = compile_options(_with_precision(_default_options(options, recipe.profile, world), precision))
     if plan is None and overlap != "always" and (opts.overlap or opts.pipeline == "auto"):
         _shared_in(recipe)
-        recipe.graphs(opts, priced=env_int(os.environ, "RANK") == 0)  # what _training_plan reads
+        # every graph rank 0 prices, whatever rank it joins as: a joined rank becomes rank 0 at a later switch
+        # when rank 0 is lost, and deriving them there took that switch 2-4 s on a slow host (here the others
+        # still train; ~1 s more of the join on a sixth of a core)
+        recipe.graphs(opts, priced=True)
     else:
         recipe.export(True, recipe.half_shapes() if overlap == "always" else recipe.example_shapes)
     CARRY.keep(export_key(recipe.model, recipe.example_inputs, recipe.batch_dims, recipe.name, recipe.device),
