@@ -206,6 +206,25 @@ def test_the_automatic_interval_counts_the_send_and_follows_the_cost():
     assert elastic.every == 3  # 0.7 · 0.2 + 0.3 · 0.02 = 0.146 s: every 3 steps
     pinned = hapd.Elastic(torch.nn.Linear(2, 2), every=5, environ={})
     assert not pinned._auto
+    assert [s for s in range(1, 21) if pinned._due(s)] == [5, 10, 15, 20]  # a fixed interval: its multiples
+
+
+def test_the_automatic_interval_counts_from_the_last_snapshot():
+    """An interval chosen again at each snapshot (15, 17, 16, …) takes a snapshot that
+    many steps after the last one — at their multiples instead, snapshots came at steps
+    15, 17, 30, 32, 34: twice as many as chosen."""
+    import torch
+
+    import hapd
+
+    elastic = hapd.Elastic(torch.nn.Linear(2, 2), environ={})
+    assert elastic._due(1)  # before an interval was chosen: the first step's snapshot times one
+    taken, chosen = [], iter([15, 17, 16, 15, 17, 16, 15, 17])
+    for step in range(1, 81):
+        if elastic._due(step):
+            taken.append(step)
+            elastic._snapshot_step, elastic.every = step, next(chosen)
+    assert taken == [1, 16, 33, 49, 64], taken
 
 
 def test_a_send_costs_what_the_steps_beside_it_lost_in_wall_time():
