@@ -60,6 +60,9 @@ MAX_MB_ENV = "HAPD_REPLICA_MAX_MB"
 """The most MB a rank may send its partner a step; more: no replicas that generation."""
 DEFAULT_MAX_MB = 64.0
 
+SETTLE_S = 2.0
+"""How long a generation's resume waits for the last generation's transfer (:meth:`Replicas.settle`)."""
+
 _HEADER_TAG = 0
 """The tag of a replica's header (its step, or -1: the copy was torn); its tensors' follow
 one tag per dtype from 1."""
@@ -171,6 +174,8 @@ class Replicas:
     _group: Any = None
     _slots: dict[int, list[dict[str, Tensor]]] = field(default_factory=dict)
     _thread: threading.Thread | None = None
+    _epoch: int = 0
+    """Counts the transfers given up (:meth:`settle`): one that ends later records nothing."""
 
     def set_up(self, generation: int, rank: int, hosts: Sequence[str], held: Sequence[Sequence[Piece] | None],
                max_bytes: float) -> Layout:
@@ -222,7 +227,7 @@ class Replicas:
             in_use = {id(r.tensors) for r in older[-1:]}
             slots[source] = next(s for s in self._slots[source] if id(s) not in in_use)
             self.received[source] = [r for r in older if r.tensors is not slots[source]]
-        generation, group = plan.generation, self._group
+        generation, group, epoch = plan.generation, self._group, self._epoch
 
         def run() -> None:
             began = time.perf_counter()
@@ -242,12 +247,16 @@ class Replicas:
                     packed += buffers
                 for work in dist.batch_isend_irecv(ops) if ops else []:
                     work.wait()
+                if self._epoch != epoch:
+                    return  # given up at a switch: the next generation's replicas are laid out anew
                 _unpack(packed)
                 for source, sent in plan.sources:
                     if int(headers[source][0]) == step:
                         self.received.setdefault(source, []).append(
                             Received(step, generation, source, sent, slots[source]))
             except Exception as exc:  # noqa: BLE001 - a peer lost: its replica is not kept, the resume says so
+                if self._epoch != epoch:
+                    return
                 told = f"step {step}: {type(exc).__name__}: {str(exc)[:200]}"
                 self.errors = (self.errors + [told])[-8:]
                 self.failed = told
@@ -284,12 +293,20 @@ class Replicas:
                                       f"{time.perf_counter() - start:.1f} s for the replicas' transfers")
         self._thread = None
 
-    def _join(self) -> None:
-        """Until the step's transfers ended, the rank parked or not (its groups were left:
-        they end at once)."""
+    def settle(self, within_s: float = SETTLE_S) -> None:
+        """At a generation's resume (and its reset): the last generation's transfer ended,
+        or it is given up after ``within_s`` — its group was left, so one still running
+        waits on a peer that went silent, and its replicas are not whole. Never a wait
+        without end: a new rank 0 once waited here for the transfer of the generation it
+        parked from while the others waited for it in the resume's gather, until their
+        collective timeout, and every rank restarted."""
         thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        if thread is None:
+            return
+        thread.join(within_s)
+        if thread.is_alive():
+            self._epoch += 1
+            self.errors = (self.errors + [f"a transfer still running {within_s:g} s after the switch: given up"])[-8:]
 
     def offered(self, generation: int | None) -> dict[int, tuple[Piece, ...]]:
         """Step → the pieces of other ranks held for it, laid out by ``generation``."""
@@ -307,7 +324,7 @@ class Replicas:
 
     def reset(self) -> None:
         """Forget the replicas, the layout and the group (a new generation's come next)."""
-        self._join()
+        self.settle()
         self.received, self.layout, self._group, self._slots, self.sent_bytes = {}, None, None, {}, ()
         self.failed = None
 

@@ -418,7 +418,7 @@ class Elastic:
             return _FromMemory()
         self._copies.ready()
         if self._replicas is not None:
-            self._replicas.wait()
+            self._replicas.settle()  # the last generation's transfer: ended, or given up (never an endless wait)
         needs, params = step_copy.needed_pieces(self.module, self.optimizer)
         kept = self._copies.copies
         generation = self._copies.generation

@@ -164,6 +164,27 @@ def test_a_transfer_stuck_on_a_silent_host_parks_the_rank_when_asked():
     assert keep._thread is None
 
 
+def test_a_switch_gives_up_the_last_generations_transfer_that_never_ends():
+    """A new generation's resume waits for the transfer of the generation it parked from
+    at most :data:`~hapd.elastic.replica.SETTLE_S`, then gives it up (its replicas are not
+    kept) — once a new rank 0 waited there without end while the others timed out in the
+    resume's gather, and every rank restarted."""
+    import threading
+
+    release = threading.Event()
+    keep = replica.Replicas()
+    keep._thread = threading.Thread(target=release.wait, daemon=True)
+    keep._thread.start()
+    try:
+        keep.settle(0.1)
+        assert keep._thread is None and keep._epoch == 1
+        assert "given up" in keep.errors[-1], keep.errors
+        keep.settle(0.1)  # nothing under way: nothing to do
+        assert keep._epoch == 1
+    finally:
+        release.set()
+
+
 def test_a_rank_that_has_not_parked_soon_after_the_request_prints_its_threads(capfd, monkeypatch):
     """What a rank asked to park waits on, when it does not within
     :data:`~hapd.elastic.in_place.PARK_STALL_S`: every thread's stack on its stderr
