@@ -311,11 +311,18 @@ def throughput(losses: Mapping[int, Sequence[float]], last: int) -> float | None
 def chain_segments(generations: Sequence[Mapping[str, Any]], steps: int) -> list[dict[str, Any]]:
     """The checkpoint-restart runs that redo an elastic run: one per generation that
     trained (its hosts in order), from the step it resumed at to the step the next one
-    resumed at (the last to ``steps``)."""
+    resumed at (the last to ``steps``). A generation that resumed before where the last
+    one began (a restart from a snapshot older than the survivors' step) takes the
+    history back: the runs after that step are dropped and the one running then ends
+    there, so the chain has a checkpoint of the step it resumed at."""
     gens = [g for g in generations if g.get("first_step") is not None or g is generations[-1]]
     starts = [int((g.get("resumed") or {}).get("step", 0)) for g in gens]
-    segs = []
+    segs: list[dict[str, Any]] = []
     for i, g in enumerate(gens):
+        while segs and segs[-1]["start"] >= starts[i]:
+            segs.pop()  # trained again from an earlier step: those runs are not the history
+        if segs and segs[-1]["end"] > starts[i]:
+            segs[-1]["end"] = starts[i]
         end = starts[i + 1] if i + 1 < len(gens) else steps
         if end > starts[i] or i == len(gens) - 1:
             segs.append({"hosts": generation_hosts(g), "start": starts[i], "end": end})

@@ -92,6 +92,26 @@ def test_chain_redoes_generations_from_their_resume_steps(bench):
     ]
 
 
+def test_chain_goes_back_with_a_restart_that_resumed_before_the_last_generation(bench):
+    """The survivors switched in place at step 225 and trained a step; the next
+    generation, restarted, loaded the snapshot of step 215: the chain runs the hosts of
+    step 214 to 215 only, then the restart's from 215."""
+    gens = [
+        {"hosts": ["a", "b", "c"], "first_step": {"step": 1}, "resumed": None},
+        {"hosts": ["a", "b"], "first_step": {"step": 201}, "resumed": {"step": 200}},
+        {"hosts": ["a", "c"], "first_step": {"step": 226}, "resumed": {"step": 225}},
+        {"hosts": ["a", "c"], "first_step": None, "resumed": {"step": 226}},  # never trained
+        {"hosts": ["b", "c"], "first_step": {"step": 216}, "resumed": {"step": 215}},
+    ]
+    assert bench.chain_segments(gens, 300) == [
+        {"hosts": ["a", "b", "c"], "start": 0, "end": 200},
+        {"hosts": ["a", "b"], "start": 200, "end": 215},
+        {"hosts": ["b", "c"], "start": 215, "end": 300},
+    ]
+    again = [gens[0], {"hosts": ["a", "b"], "first_step": {"step": 1}, "resumed": {"step": 0}}]
+    assert bench.chain_segments(again, 60) == [{"hosts": ["a", "b"], "start": 0, "end": 60}]  # began again
+
+
 def test_tables_print_every_scenario(bench):
     rec = {"total_s": 9.5, "detection_s": 1.0, "replan_s": 0.2, "restart_s": 7.0, "load_s": 0.3, "resumed_step": 19,
            "steps_lost": 1, "generation": 1, "lost": ["h2"], "source": "snapshot", "plan": "cache"}
