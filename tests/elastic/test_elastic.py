@@ -528,43 +528,6 @@ def test_a_killed_rank_and_a_join_switch_the_others_in_place(hosts3, tmp_path):
     _assert_like_reference(out, _one_device(script, 28, env, tmp_path))
 
 
-def test_a_killed_rank_that_was_its_hosts_only_one_switches_the_other_host_in_place(hosts3, tmp_path):
-    """Host 0 runs rank 0 alone, host 1 rank 1: rank 0's script is killed (SIGKILL) after
-    step 4 of 10. Host 0 is left with none of its ranks: it leaves the generation, and
-    host 1's rank goes on in place as the next generation's rank 0, in its process (a
-    host emptied so once counted as holding parked ranks, and every rank restarted)."""
-    hostfile, profile, script, _ = _setup(hosts3, tmp_path, n_hosts=2)
-    env = _env(hosts3, tmp_path)
-    done: dict[str, Any] = {}
-
-    def on_line(line: str) -> None:
-        if "kill" not in done and '"event": "step", "step": 4}' in line:
-            done["survivor"] = _rank_scripts("el-rank0", rank=1)
-            done["kill"] = time.time()
-            for pid in _rank_scripts("el-rank0", rank=0):
-                os.kill(pid, signal.SIGKILL)
-
-    code, out, err = _run([str(script), "--hosts", str(hostfile), "--elastic", "1:2", "--snapshot-every", "1",
-                           "--env", "ELASTIC_TEST_STEP_S=0.3", "--", "10", str(profile)], env, "el-rank0",
-                          on_line=on_line)
-    assert code == 0, err[-4000:]
-    assert "kill" in done and len(done["survivor"]) == 1, (done, err[-3000:])
-    losses = _losses(out)
-    assert sorted(losses) == list(range(1, 11)), out[-3000:]
-    report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())["elastic"]
-    gens = report["generations"]
-    assert "killed" in gens[0]["outcome"] and gens[0]["recovery"]["lost"] == [], gens
-    assert list(gens[0]["recovery"]["ranks_killed"].values()) == [[0]], gens
-    assert gens[1]["world"] == 1 and gens[1]["in_place"] and gens[0]["recovery"]["in_place"], gens
-    assert "switched in place to generation 1" in err, err[-3000:]
-    assert "restarting" not in err and "the next generation restarts them" not in err, err[-3000:]
-    # rank 0 from the switch on is the process that was rank 1 before it
-    after = {line["pid"] for line in _reported(out) if line["step"] > 5}
-    assert after == set(done["survivor"]), (after, done["survivor"])
-    assert not _job_pids("el-rank0")
-    _assert_like_reference(out, _one_device(script, 10, env, tmp_path))
-
-
 def _rank_scripts(job_prefix: str, rank: int) -> list[int]:
     """The script process (not its guard) of global rank ``rank`` as launched."""
     pids = []
