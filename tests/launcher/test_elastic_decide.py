@@ -23,16 +23,22 @@ def _run(tmp_path: Path, hosts: list[Host]) -> ElasticRun:
     return run
 
 
-def test_a_host_whose_only_rank_was_killed_leaves_and_the_others_switch_in_place(tmp_path):
-    """Host a ran rank 0 alone, host b ranks 1-2; rank 0 was killed by a signal, the
-    others parked. The launcher's wait ended on their parking, before host a's daemon
-    said its job ended, so both hosts are left over (held): host a holds no rank now, and
-    the next generation is b alone, switched in place (once it restarted every rank)."""
+def _two_hosts(tmp_path: Path) -> tuple[ElasticRun, Generation, SimpleNamespace, tuple[Host, Host]]:
+    """Generation 0 on host a (rank 0) and host b (ranks 1-2), and its job as the decision reads it."""
     a, b = Host(name="10.0.0.1", slots=1), Host(name="10.0.0.2", slots=2)
     run = _run(tmp_path, [a, b])
     gen = Generation(0, "decide-g0", [a.label, b.label], 0.0)
     run.generations.append(gen)
     job = SimpleNamespace(job_id="decide-g0", placements=[Placement(a, 0, 0, 1), Placement(b, 1, 1, 2)], failed_at=1.0)
+    return run, gen, job, (a, b)
+
+
+def test_a_host_whose_only_rank_was_killed_leaves_and_the_others_switch_in_place(tmp_path):
+    """Host a ran rank 0 alone, host b ranks 1-2; rank 0 was killed by a signal, the
+    others parked. The launcher's wait ended on their parking, before host a's daemon
+    said its job ended, so both hosts are left over (held): host a holds no rank now, and
+    the next generation is b alone, switched in place (once it restarted every rank)."""
+    run, gen, job, (a, b) = _two_hosts(tmp_path)
     result = JobResult("decide-g0", 137, 3, failure={"kind": "rank", "rank": 0, "code": 137, "host": a.label},
                        held=[a.label, b.label], killed={a.label: [0]}, after={a.label: 5, b.label: 7})
     decided = run._decide(gen, job, result, [a, b])
@@ -45,11 +51,7 @@ def test_a_host_whose_only_rank_was_killed_leaves_and_the_others_switch_in_place
 
 def test_a_host_with_a_rank_left_goes_on_in_place_with_one_fewer(tmp_path):
     """Host b lost rank 2 of its ranks 1-2: both hosts go on in place, b with one rank."""
-    a, b = Host(name="10.0.0.1", slots=1), Host(name="10.0.0.2", slots=2)
-    run = _run(tmp_path, [a, b])
-    gen = Generation(0, "decide-g0", [a.label, b.label], 0.0)
-    run.generations.append(gen)
-    job = SimpleNamespace(job_id="decide-g0", placements=[Placement(a, 0, 0, 1), Placement(b, 1, 1, 2)], failed_at=1.0)
+    run, gen, job, (a, b) = _two_hosts(tmp_path)
     result = JobResult("decide-g0", 137, 3, failure={"kind": "rank", "rank": 2, "code": 137, "host": b.label},
                        held=[a.label, b.label], killed={b.label: [2]})
     decided = run._decide(gen, job, result, [a, b])
