@@ -248,4 +248,9 @@ def _park(generation: int, cause: str) -> Mapping[str, Any] | None:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    # run as ``python -m``, this file is ``__main__``: a second copy of the module beside the
+    # ``hapd.elastic.in_place`` the rest of hapd imports. The runner runs in that one, so the events its
+    # watcher sets (PARK_REQUESTED) are those hapd's waits read (a snapshot's send, the replicas' transfer)
+    from hapd.elastic import in_place as _imported
+
+    exit_process(_imported.main())
