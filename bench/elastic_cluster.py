@@ -1005,19 +1005,30 @@ def scenario_faults(b: Bench, steps: int, schedule: Sequence[Fault]) -> dict[str
     return out
 
 
-def scenario_snapshot(b: Bench, steps: int, last: int, rounds: int) -> dict[str, Any]:
+SNAPSHOT_VARIANTS = ("-1", "1", "0", "off")
+"""The snapshot A/B's runs: none, every step, automatic, none without the replicas."""
+
+
+def scenario_snapshot(b: Bench, steps: int, last: int, rounds: int,
+                      variants: Sequence[str] = SNAPSHOT_VARIANTS) -> dict[str, Any]:
     """Steps/s without snapshots, with one every step and at the automatic interval (the
     replicas of the lonely pieces on in all three, as by default), and without snapshots
-    or replicas (``off``: what the replicas cost, against ``-1``)."""
-    order = ["-1", "1", "0", "off"]
+    or replicas (``off``: what the replicas cost, against ``-1``). Each round runs every
+    variant once (the order reversed every other round); a variant's cost is the median
+    over the rounds of its steps/s against the same round's none — runs minutes apart on
+    this shared machine differ by up to ~18%, runs of one round less."""
+    order = ["-1", *[e for e in variants if e != "-1"]]
     res: dict[str, list[float]] = {e: [] for e in order}
+    paired: dict[str, list[float]] = {e: [] for e in order}
+    """Per round: the variant's steps/s over that round's none."""
     snaps: dict[str, list] = {e: [] for e in order}
     chosen: dict[str, list[int]] = {e: [] for e in order}
+    """The interval in force at each run's end (the automatic one's choice)."""
     window: dict[str, list[int]] = {e: [] for e in order}
     """The snapshots taken inside each run's measured window (the last ``last`` steps)."""
-    """The interval in force at each run's end (the automatic one's choice)."""
     replicas: list[Any] = []
     for rnd in range(rounds):
+        got: dict[str, float] = {}
         for every in (order if rnd % 2 == 0 else order[::-1]):
             log(f"snapshot: --snapshot-every {every} (round {rnd + 1})")
             flags = (["--snapshot-every", "-1", "--env", "HAPD_REPLICA=0"] if every == "off"
@@ -1027,19 +1038,23 @@ def scenario_snapshot(b: Bench, steps: int, last: int, rounds: int) -> dict[str,
             tp = throughput(r["losses"], last)
             if tp:
                 res[every].append(tp)
+                got[every] = tp
             taken = [e for e in r["events"] if e.get("event") == "snapshot"]
             snaps[every].append(taken[:3])
             window[every].append(sum(1 for e in taken if int(e.get("step") or 0) > steps - last))
             if taken:
                 chosen[every].append(int(taken[-1].get("every") or every))
             replicas += [e.get("bytes") for e in r["events"] if e.get("event") == "replicas"][:1]
-    mean = {e: sum(v) / len(v) if v else None for e, v in res.items()}
-    base, off = mean["-1"], mean["off"]
-    return {"steps": steps, "last": last, "rounds": rounds, "steps_per_s": res,
-            "mean": mean,
-            "ratio_to_none": {e: (v / base if v and base else None) for e, v in mean.items()},
-            "cost": {e: (1 - v / base if v and base else None) for e, v in mean.items()},
-            "replica_cost": 1 - base / off if base and off else None, "replica_bytes": replicas[:1],
+        for every, tp in got.items():
+            if got.get("-1"):
+                paired[every].append(tp / got["-1"])
+    median = {e: statistics.median(v) if v else None for e, v in res.items()}
+    ratio = {e: statistics.median(v) if v else None for e, v in paired.items()}
+    off = ratio.get("off")
+    return {"steps": steps, "last": last, "rounds": rounds, "steps_per_s": res, "paired": paired,
+            "median": median, "ratio_to_none": ratio,
+            "cost": {e: (1 - v if v else None) for e, v in ratio.items()},
+            "replica_cost": 1 - 1 / off if off else None, "replica_bytes": replicas[:1],
             "interval": chosen, "in_window": window, "first_snapshots": snaps}
 
 
@@ -1198,14 +1213,16 @@ def tables(results: Mapping[str, Any]) -> list[str]:
             return "-" if e == "-1" or not got else ", ".join(f"≤{x - 1} (avg {(x - 1) / 2:g})" for x in got)
 
         names["off"] = "none, no replicas"
-        rows = [[names[e], snap["mean"][e], snap["ratio_to_none"][e], (snap.get("cost") or {}).get(e), interval(e),
+        rows = [[names[e], snap["median"][e], snap["ratio_to_none"][e], (snap.get("cost") or {}).get(e), interval(e),
                  ", ".join(str(n) for n in (snap.get("in_window") or {}).get(e, [])) or "-",
-                 lost(e), ", ".join(f"{x:.3g}" for x in snap["steps_per_s"][e])]
-                for e in ("-1", "1", "0", "off") if e in snap["mean"]]
+                 lost(e), ", ".join(f"{x:.3g}" for x in snap["steps_per_s"][e]),
+                 ", ".join(f"{x:.3f}" for x in (snap.get("paired") or {}).get(e, []))]
+                for e in SNAPSHOT_VARIANTS if e in snap["median"]]
         out.append(format_table(f"4. snapshot cost: steps/s over the last {snap['last']} of {snap['steps']} steps, "
-                                f"{snap['rounds']} round(s) (target: automatic ≤ 5% of step time)",
-                                ["snapshots", "steps/s", "vs none", "cost", "interval", "taken in window",
-                                 "steps lost per fault", "runs"], rows))
+                                f"{snap['rounds']} round(s); vs none: the median over the rounds of each round's "
+                                "ratio (target: automatic ≤ 5% of step time)",
+                                ["snapshots", "steps/s (median)", "vs none", "cost", "interval", "taken in window",
+                                 "steps lost per fault", "runs", "each round vs none"], rows))
         if snap.get("replica_cost") is not None:
             out.append(f"   the replicas of the lonely pieces (bytes a step by rank: {snap.get('replica_bytes')}) "
                        f"cost {snap['replica_cost']:.1%} of the steps/s without them")
@@ -1248,6 +1265,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the compiler's mode for every run: data_parallel makes every rank hold every tensor, so "
                         "that survivors hold the whole state after a kill (default: auto)")
     p.add_argument("--rounds", type=int, default=1, help="snapshot A/B rounds (the order reversed every other round)")
+    p.add_argument("--snapshot-variants", default=",".join(SNAPSHOT_VARIANTS),
+                   help="the snapshot A/B's runs, comma-separated: -1 (none, always run: the baseline), 1 (every "
+                        "step), 0 (automatic), off (none, no replicas)")
     p.add_argument("--rate-mbit", type=float, default=400.0, help="tbf rate of every host's link (default 400)")
     p.add_argument("--out", type=Path, default=OUT / "elastic_cluster.json")
     p.add_argument("--standby", type=int, default=RANKS_PER_HOST,
@@ -1270,6 +1290,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ns.rankkill_runs = kill_variants(given or RANKKILL_RUNS)
     except (ValueError, KeyError):
         p.error(f"--kill-runs {given!r}: expected EVERY:in-place or EVERY:restart, comma-separated")
+    ns.snapshot_variants = [v.strip() for v in ns.snapshot_variants.split(",") if v.strip()]
+    if not set(ns.snapshot_variants) <= set(SNAPSHOT_VARIANTS):
+        p.error(f"--snapshot-variants {','.join(ns.snapshot_variants)}: each one of {', '.join(SNAPSHOT_VARIANTS)}")
     unknown = set(ns.scenarios) - {"kill", "rankkill", "join", "faults", "snapshot", "replan"}
     if unknown:
         p.error(f"unknown scenario(s) {sorted(unknown)}")
@@ -1366,7 +1389,8 @@ def main(argv=None) -> int:
                 results["faults"] = scenario_faults(b, fs, schedule)
                 _save(results, ns.out)
             if "snapshot" in cluster_scenarios:
-                results["snapshot"] = scenario_snapshot(b, ns.snapshot_steps, max(5, ns.snapshot_steps // 2), ns.rounds)
+                results["snapshot"] = scenario_snapshot(b, ns.snapshot_steps, max(5, ns.snapshot_steps // 2), ns.rounds,
+                                                        ns.snapshot_variants)
             results["leftovers"] = b.leftovers
     except KeyboardInterrupt:
         log("interrupted: tearing down")

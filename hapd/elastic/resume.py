@@ -113,6 +113,10 @@ launcher's default with a host file it watches; "0": never)."""
 SNAPSHOT_BUDGET = 0.05
 """The share of the training steps' time that writing snapshots may take when ``every``
 is chosen automatically."""
+SNAPSHOT_AIM = 0.8 * SNAPSHOT_BUDGET
+"""The share the automatic interval is chosen for: under the budget by a margin, since it
+is chosen from the snapshots' average cost and one snapshot's varies from the next (its
+send shares the CPUs with the steps and the daemons)."""
 DAEMON_TIMEOUT_S = 30.0
 """How long a snapshot transfer to or from a daemon may take."""
 LIST_TIMEOUT_S = 3.0
@@ -701,7 +705,7 @@ class Elastic:
                 "step_copy_bytes": newest.nbytes if newest is not None else 0}
 
     def _choose_interval(self, cost: float) -> None:
-        """The interval at which snapshots cost :data:`SNAPSHOT_BUDGET` of the steps' time,
+        """The interval at which snapshots cost :data:`SNAPSHOT_AIM` of the steps' time,
         from this snapshot's ``cost`` (its time in the foreground, a wait for the previous
         send included, and what that send cost the steps it ran beside:
         :class:`SnapshotCost`), averaged over the snapshots so far, against a step without
@@ -709,7 +713,7 @@ class Elastic:
         the same on every rank (the largest any rank wants)."""
         self._cost = cost if self._cost is None else 0.7 * self._cost + 0.3 * cost
         step_time = self._send_cost.clean_step or self._step_time
-        wanted = max(1, math.ceil(self._cost / (SNAPSHOT_BUDGET * step_time))) if step_time else 0
+        wanted = max(1, math.ceil(self._cost / (SNAPSHOT_AIM * step_time))) if step_time else 0
         self.every = max(self._gather(wanted))
 
     def _pause_requested(self) -> bool:
