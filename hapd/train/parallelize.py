@@ -339,12 +339,23 @@ def _plan_request(recipe: Recipe, plan: Plan | str | Path | bytes | None,
         program, graph = recipe.export(True, recipe.half_shapes() if given.overlap else recipe.example_shapes)
         return _PlanRequest(graph, (program, graph))
     if not opts.overlap and opts.pipeline != "auto":
-        program, graph = recipe.export(True, recipe.example_shapes)
+        program, graph = _training_export(recipe, recipe.example_shapes)
         return _PlanRequest(graph, (program, graph))
     if not always:  # every technique in options from one export (hapd.compiler.techniques)
         return _PlanRequest(recipe.graphs(opts, priced=rank == 0), None)
-    program, graph = recipe.export(True, recipe.half_shapes())
+    program, graph = _training_export(recipe, recipe.half_shapes())
     return _PlanRequest(graph, (program, graph))
+
+
+def _training_export(recipe: Recipe, shapes: Any) -> tuple[Any, Any]:
+    """The training program and graph of one batch of ``shapes``: exported at it; under
+    the in-place runner (exports carried, :data:`~hapd.train.programs.CARRY`) cut from
+    the one symbolic program every generation of the job holds (:meth:`Recipe.export_for`),
+    whatever the options: a job switched to one host searches SPMD alone, and a static
+    export there took 5 s of a switch on a third of a core — while its graph may differ
+    from the cut one's (GPT-2's does), so every process of the job takes the cut one,
+    the ones started for that generation too."""
+    return recipe.export_for(True, shapes) if CARRY.enabled else recipe.export(True, shapes)
 
 
 def _training_plan(ready: _Prepared, plan: Plan | str | Path | bytes | None, *, world: int, rank: int,
@@ -436,7 +447,7 @@ def _export_ahead(model: nn.Module, example_inputs: Sequence[Tensor], batch_dims
         # still train; ~1 s more of the join on a sixth of a core)
         recipe.graphs(opts, priced=True)
     else:
-        recipe.export(True, recipe.half_shapes() if overlap == "always" else recipe.example_shapes)
+        _training_export(recipe, recipe.half_shapes() if overlap == "always" else recipe.example_shapes)
     CARRY.keep(export_key(recipe.model, recipe.example_inputs, recipe.batch_dims, recipe.name, recipe.device),
                recipe.exported)
 

@@ -255,3 +255,41 @@ def test_a_plan_holding_a_parameter_otherwise_is_refused_naming_it():
     evaluating = hapd.distribute(eval_program, aligned, 0, world=2, check_graph=False, shared=inner)
     assert evaluating.get_parameter("hidden.weight") is inner.get_parameter("hidden.weight")
     assert evaluating.hapd_sync is inner.hapd_sync
+
+
+def test_the_graphs_a_search_prices_are_derived_not_lowered_and_equal_the_lowered():
+    """Rank 0 prices the graph at every micro-batch size: derived from the global batch's
+    and its half's (no program cut and lowered at those batches: seconds on a slow rank
+    that becomes rank 0 in a switch; batch 1 is lowered), each byte for byte the graph
+    lowered there."""
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    recipe = Recipe(model=Net(), example_inputs=(x, y), batch_dims=(0, 0), name="Net", profile=None,
+                    use_daemon=False, verbose=False, device=torch.device("cpu"))
+    graphs = recipe.graphs(CompileOptions(pipeline="auto", overlap=True), priced=True)
+    assert sorted(graphs.micro) == [2, 4, 8, 16] and graphs.half is not None  # 16: batch 1, lowered
+    cut = sorted(k[2] for k in recipe.exported if k[0] == "at")
+    assert cut == [16], cut  # the global batch's program alone (the half's graph lowered, its program not kept)
+    again = recipe.graphs(CompileOptions(pipeline="auto", overlap=True), priced=True)
+    assert all(again.micro[m] is graphs.micro[m] for m in graphs.micro)  # kept with the exports
+    for m, graph in graphs.micro.items():
+        assert graph.graph_id == recipe.export_at(True, 16 // m)[1].graph_id, m
+
+
+def test_under_the_runner_an_spmd_only_request_is_cut_from_the_carried_symbolic_program(monkeypatch):
+    """A job switched in place to one host searches SPMD alone: under the runner its
+    program is cut from the symbolic one every switch carries (a static export took 5 s
+    of a switch on a third of a core), and so for every process of the job (a static
+    export's graph may differ from the cut one's); outside the runner, exported at the
+    batch as before."""
+    from hapd.elastic.in_place import KEEP_EXPORTS_ENV
+    from hapd.train.parallelize import _plan_request
+
+    monkeypatch.setenv(KEEP_EXPORTS_ENV, "1")
+    recipe = _recipe(Net())
+    request = _plan_request(recipe, None, CompileOptions(), always=False)
+    assert ("symbolic", True) in recipe.exported and not any(k[0] == "export" for k in recipe.exported)
+    assert request.runs is not None and request.graph is recipe.export_at(True, B)[1]
+    monkeypatch.delenv(KEEP_EXPORTS_ENV)
+    outside = _recipe(Net())
+    _plan_request(outside, None, CompileOptions(), always=False)
+    assert [k[0] for k in outside.exported] == ["export"]
