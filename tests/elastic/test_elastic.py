@@ -298,12 +298,14 @@ def test_host_killed_job_goes_on_from_the_snapshot(hosts3, tmp_path):
     assert killed, out[-3000:]
     losses = _losses(out)
     assert sorted(losses) == list(range(1, 15)), out[-3000:]
-    assert {losses[s][1] for s in range(1, 6)} == {3} and {losses[s][1] for s in range(9, 15)} <= {1, 2}
     assert "host(s) 127.0.0.1:" in err and "lost" in err and "resumed at step" in err, err[-3000:]
     assert "plan: daemon LP-only re-plan" in err, err[-3000:]  # no search between the failure and the next step
     report = json.loads(Path(err.split("elastic report: ")[1].split(" (")[0]).read_text())
     gens = report["elastic"]["generations"]
     assert len(gens) == 2 and gens[0]["recovery"]["resumed_step"] >= 6 and gens[0]["recovery"]["steps_lost"] <= 2, gens
+    # the kill lands after step 8 was seen: step 9 may still complete on the three hosts, then resumed from
+    after = range(gens[0]["recovery"]["resumed_step"] + 1, 15)
+    assert {losses[s][1] for s in range(1, 6)} == {3} and {losses[s][1] for s in after} <= {1, 2}, losses
     # the survivors kept their processes: switched in place, no launch between the generations; or, when
     # one of them had not parked within the hold (under load a parked rank's group destruction can wait on
     # a collective its peer never enters), the launcher said so and restarted them. That the switch in
@@ -312,7 +314,7 @@ def test_host_killed_job_goes_on_from_the_snapshot(hosts3, tmp_path):
     switched = gens[1]["in_place"] and gens[0]["recovery"]["in_place"] and "switched in place to generation 1" in err
     said_why = "of them parked in" in err and "the next generation restarts them" in err and not gens[1]["in_place"]
     assert switched or said_why, err[-3000:]
-    assert {losses[s][1] for s in range(9, 15)} == {2} or "did not park within" in err, losses
+    assert {losses[s][1] for s in after} == {2} or "did not park within" in err, losses
     if switched:  # the survivors' step copies give the state: the last step both completed, exact below
         assert gens[0]["recovery"]["source"].startswith("survivors' memory, step "), gens[0]["recovery"]
     for part in ("detection_s", "replan_s", "restart_s", "load_s"):
