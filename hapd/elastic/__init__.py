@@ -4,6 +4,8 @@
   peer went away parks and runs the script again in its process, in the next
   generation (the exports it keeps for that run are
   :class:`hapd.train.programs.ExportCarry`);
+- :mod:`~hapd.elastic.park_events` — a rank's park events (asked to park, parked), one
+  pair in the process whichever copy of the runner's module sets or reads them;
 - :mod:`~hapd.elastic.resume` — :class:`hapd.Elastic`: resuming an elastic job's next
   generation from the survivors' memory, or from in-memory snapshots kept on another
   host;

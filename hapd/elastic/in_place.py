@@ -60,6 +60,7 @@ import time
 import traceback
 from typing import Any, Mapping
 
+from hapd.elastic.park_events import PARK_REQUESTED, PARKED  # noqa: F401 - re-exported: one pair of events
 from hapd.errors import PEER_FAILURE, CollectiveError, ElasticPause, HapdError
 from hapd.spmd import group_sockets
 from hapd.wire.contract import PARK_FD_ENV, RUN_ENV, STARTED_ENV
@@ -88,13 +89,6 @@ def runs_in_place() -> bool:
     return os.environ.get(IN_PLACE_ENV) == "1"
 
 
-PARK_REQUESTED = threading.Event()
-"""Set when the daemon asked this rank's generation to park (cleared at each run of the
-script): a rank waiting on something other than a collective — a snapshot's send to a
-host that went silent (:class:`hapd.Elastic`) — stops waiting and raises
-:class:`~hapd.errors.CollectiveError`, so it parks too."""
-PARKED = threading.Event()
-"""Set when this rank parked (cleared at each run of the script)."""
 PARK_STALL_S = 3.0
 """Seconds after a park request by which a rank that has not parked prints every
 thread's stack to its stderr: what it waits on, before the launcher's hold
@@ -248,9 +242,4 @@ def _park(generation: int, cause: str) -> Mapping[str, Any] | None:
 
 
 if __name__ == "__main__":
-    # run as ``python -m``, this file is ``__main__``: a second copy of the module beside the
-    # ``hapd.elastic.in_place`` the rest of hapd imports. The runner runs in that one, so the events its
-    # watcher sets (PARK_REQUESTED) are those hapd's waits read (a snapshot's send, the replicas' transfer)
-    from hapd.elastic import in_place as _imported
-
-    exit_process(_imported.main())
+    exit_process(main())

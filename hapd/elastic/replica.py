@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hapd.elastic.moves import Box, Piece, dtype_size
-from hapd.elastic.in_place import PARK_REQUESTED
+from hapd.elastic.park_events import PARK_REQUESTED
 from hapd.errors import PEER_FAILURE, CollectiveError
 from hapd.spmd import group_sockets
 from hapd.spmd.distributed import side_group

@@ -91,7 +91,8 @@ from hapd.elastic.export_share import DAEMONS_ENV
 from hapd.state.checkpoint import held_tensors, load_checkpoint, load_optimizer_entries, set_draw_count, snapshot_files
 from hapd.state.checkpoint_format import MODEL, OPTIM
 from hapd.state.checkpoint_format import find_checkpoint
-from hapd.elastic.in_place import GENERATION_ENV, PARK_REQUESTED, RUN_ENV, runs_in_place
+from hapd.elastic.in_place import GENERATION_ENV, RUN_ENV, runs_in_place
+from hapd.elastic.park_events import PARK_REQUESTED
 from hapd.wire.client import Client
 from hapd.wire.contract import STARTED_ENV
 from hapd.wire.switch import say

@@ -2,9 +2,10 @@
 hapd.elastic.in_place``), sets the park events hapd's waits read.
 
 Run as ``-m``, the runner's file is ``__main__``, a second copy of the module beside the
-``hapd.elastic.in_place`` that the snapshot sender and the replicas import. When the
-watcher set the copy's event, a rank waiting on a snapshot's send to a lost host never
-saw the park request: it waited past the launcher's hold and its host was dropped."""
+``hapd.elastic.in_place`` that the snapshot sender and the replicas import. While the
+events were defined there, the watcher set the copy's, and a rank waiting on a
+snapshot's send to a lost host never saw the park request: it waited past the
+launcher's hold and its host was dropped (:mod:`hapd.elastic.park_events` holds them now)."""
 
 from __future__ import annotations
 
