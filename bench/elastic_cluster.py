@@ -1045,9 +1045,9 @@ def scenario_snapshot(b: Bench, steps: int, last: int, rounds: int,
             if taken:
                 chosen[every].append(int(taken[-1].get("every") or every))
             replicas += [e.get("bytes") for e in r["events"] if e.get("event") == "replicas"][:1]
-        for every, tp in got.items():
-            if got.get("-1"):
-                paired[every].append(tp / got["-1"])
+        base = got.get("-1")
+        for every, tp in (got.items() if base else ()):
+            paired[every].append(tp / base)
     median = {e: statistics.median(v) if v else None for e, v in res.items()}
     ratio = {e: statistics.median(v) if v else None for e, v in paired.items()}
     off = ratio.get("off")

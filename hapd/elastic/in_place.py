@@ -60,7 +60,7 @@ import time
 import traceback
 from typing import Any, Mapping
 
-from hapd.elastic.park_events import PARK_REQUESTED, PARKED  # noqa: F401 - re-exported: one pair of events
+from hapd.elastic.park_events import PARK_REQUESTED, PARKED
 from hapd.errors import PEER_FAILURE, CollectiveError, ElasticPause, HapdError
 from hapd.spmd import group_sockets
 from hapd.wire.contract import PARK_FD_ENV, RUN_ENV, STARTED_ENV

@@ -24,7 +24,7 @@ import re
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -117,6 +117,10 @@ class Recipe:
                 self.model.train(was)
         return self.exported[key]
 
+    def _dims_of(self, program: Any) -> dict[str, int | None]:
+        """Each of ``program``'s inputs by name → its batch dim (what a lowering records)."""
+        return dict(zip(user_input_names(program), self.batch_dims))
+
     def _rest(self, shapes: Shapes) -> tuple:
         """``shapes`` with each batch dim's size left out: what one symbolic program serves."""
         return tuple(tuple(n if k != d else None for k, n in enumerate(shape))
@@ -133,9 +137,8 @@ class Recipe:
         if key not in self.exported:
             program = self.symbolic(training, base)
             if is_symbolic(program) or batch == _batch_of(base, self.batch_dims):
-                names = dict(zip(user_input_names(program), self.batch_dims))
                 self.exported[key] = (program_at(program, batch),
-                                      lower_at(program, batch, name=self.name, batch_dims=names))
+                                      lower_at(program, batch, name=self.name, batch_dims=self._dims_of(program)))
             else:
                 self.exported[key] = self.export(training, _with_batch(base, self.batch_dims, batch))
         return self.exported[key]
@@ -168,7 +171,7 @@ class Recipe:
             return graph_set(lambda b: self.export_at(True, b)[1], full, replace(options, pipeline="off"))
         return graph_set(self._priced_at(program), full, options)
 
-    def _priced_at(self, program: Any) -> Any:
+    def _priced_at(self, program: Any) -> Callable[[int], GraphIR]:
         """The graph at a batch only a search prices: the one this recipe lowered where it
         cut that batch's program (:meth:`export_at`), else derived from the global batch's
         and its half's (:func:`hapd.ir.derive.graphs_at`: byte for byte the lowered graph,
@@ -177,14 +180,13 @@ class Recipe:
         across switches). A static program is exported again at each batch."""
         if not is_symbolic(program):
             return lambda b: self.export_at(True, b)[1]
-        names = dict(zip(user_input_names(program), self.batch_dims))
-        derived = graphs_at(program, self.batch, name=self.name, batch_dims=names)
+        derived = graphs_at(program, self.batch, name=self.name, batch_dims=self._dims_of(program))
 
         def at(batch: int) -> GraphIR:
             cut = self.exported.get(("at", True, batch))
             if cut is not None:
                 return cut[1]
-            key = ("priced", True, batch)
+            key = ("priced", batch)
             if key not in self.exported:
                 self.exported[key] = derived(batch)
             return self.exported[key]
